@@ -1,0 +1,57 @@
+# Pagoda's verbs. `make serve` and `make test` set everything up on a fresh machine first.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.pagoda-setup
+# Debian packages the tests run for real: Prometheus, Redis, kubectl (kustomize).
+APT_PKGS := prometheus redis-server kubernetes-client
+PYTEST_ARGS ?= -n 2
+
+.PHONY: setup serve test test-gpu bench crds e2e-local e2e-cluster images deploy clean
+
+setup: $(STAMP)
+
+$(STAMP): engine/pyproject.toml operator/pyproject.toml requirements-test.txt
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else echo "note: tests that need$$missing will skip (install them with apt-get as root)"; fi; \
+	fi
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# The CPU wheel, pinned, before anything can ask for torch: an unpinned torch would pull a CUDA build.
+	$(BIN)/pip install -q --disable-pip-version-check torch==2.13.0
+	$(BIN)/pip install -q --disable-pip-version-check -e engine -e operator -r requirements-test.txt
+	touch $(STAMP)
+
+serve: setup
+	$(BIN)/pagoda serve $(ARGS)
+
+# pytest's exit code 5 (no tests collected) is not a failure.
+test: setup
+	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests; rc=$$?; [ $$rc = 5 ] && rc=0; exit $$rc
+
+test-gpu:
+	python3 -m pytest -q -m gpu tests
+
+bench: setup
+	$(BIN)/pagoda bench $(ARGS)
+
+crds: setup
+	$(BIN)/pagoda-operator crds --out crds --chart charts/pagoda/crds
+
+e2e-local: setup
+	$(BIN)/python -m pytest -q -m e2e e2e/local
+
+e2e-cluster: setup
+	KUBECONFIG=$(KUBECONFIG) e2e/cluster/run.sh
+
+images:
+	docker build -f images/engine.Dockerfile -t pagoda/engine:dev .
+	docker build -f images/engine-cpu.Dockerfile -t pagoda/engine-cpu:dev .
+	docker build -f images/operator.Dockerfile -t pagoda/operator:dev .
+
+deploy:
+	kubectl apply --server-side -k kustomize/overlays/$(or $(OVERLAY),cpu-dev)
+
+clean:
+	rm -rf $(VENV)

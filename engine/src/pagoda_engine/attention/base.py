@@ -1,0 +1,84 @@
+"""The attention backend interface: the runner plans once per step, each layer calls forward.
+
+A backend owns the paged KV cache: per layer one tensor `[num_pages, 2, page_size, num_kv_heads,
+head_dim]` (FlashInfer's "NHD" layout). Page 0 is the reserved null page; no request owns it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """CPU-side metadata for one step, built by the runner.
+
+    Requests are in batch order and their new tokens are concatenated in that order. The first
+    `num_decodes` requests are decodes (query_len == 1 with at least one cached token before it);
+    the rest are prefill chunks (which may start after cached tokens: prefix hits, chunked prefill).
+    """
+
+    query_lens: list[int]  # new tokens per request in this step
+    seq_lens: list[int]  # tokens in the cache after this step (cached + new), per request
+    page_tables: list[list[int]]  # page ids per request, covering at least seq_len tokens
+    slot_mapping: torch.Tensor  # int64 [num_tokens], on the device: page * page_size + offset per new token
+    num_decodes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+
+@dataclass
+class KVCacheSpec:
+    num_layers: int
+    num_kv_heads: int  # per TP rank
+    num_qo_heads: int  # per TP rank
+    head_dim: int
+    page_size: int
+    dtype: torch.dtype
+
+    def bytes_per_page(self) -> int:
+        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class AttentionBackend(ABC):
+    """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
+
+    name: str = "base"
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):
+        self.spec = spec
+        self.num_pages = num_pages
+        self.device = device
+        self.kv_caches: list[torch.Tensor] = [
+            torch.zeros(num_pages, 2, spec.page_size, spec.num_kv_heads, spec.head_dim, dtype=spec.dtype, device=device)
+            for _ in range(spec.num_layers)
+        ]
+        self.scale = spec.head_dim ** -0.5
+
+    @abstractmethod
+    def plan(self, batch: AttentionBatch) -> None:
+        """Prepare this step's metadata (CPU work, once per step)."""
+
+    @abstractmethod
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → o [T, Hq, D].
+
+        Writes k/v into the layer's pages at the planned slot mapping first, then attends
+        causally over each request's cached and new tokens."""
+
+    def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter the new tokens' K and V into their pages (an index_put; capturable in a CUDA graph)."""
+        cache = self.kv_caches[layer_id]
+        pages = torch.div(slot_mapping, self.spec.page_size, rounding_mode="floor")
+        offsets = slot_mapping % self.spec.page_size
+        cache[pages, 0, offsets] = k.to(cache.dtype)
+        cache[pages, 1, offsets] = v.to(cache.dtype)

@@ -1,0 +1,128 @@
+"""Engine configuration: model, cache, scheduler, parallel and server settings, and the one
+mapping from command-line flags (vLLM's names) to them."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field, fields
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = None  # model directory; None = the built-in tiny model
+    dtype: str = "auto"  # auto (config's torch_dtype; fp32 on CPU) | bfloat16 | float16 | float32
+    max_model_len: int | None = None  # None = config's max_position_embeddings
+    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
+    seed: int = 0
+    served_model_name: str | None = None
+    device: str = "auto"  # auto (cuda when available) | cpu | cuda
+    attention_backend: str = "auto"  # auto | flashinfer | torch
+    enforce_eager: bool = False  # no CUDA graphs
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16  # tokens per KV page
+    enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
+    num_kv_pages: int | None = None  # override the measured pool size (tests)
+    cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    policy: str = "fcfs"  # fcfs | priority
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+
+@dataclass
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 8000
+    api_key: str | None = None
+    drain_timeout_s: float = 30.0
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """Build from flat keyword arguments (the offline `LLM(...)` and parsed CLI flags use the
+        same names). Unknown names raise TypeError, as a mistyped keyword should."""
+        cfg = cls()
+        sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.parallel, cfg.server]
+        for key, value in kwargs.items():
+            for section in sections:
+                if key in {f.name for f in fields(section)}:
+                    setattr(section, key, value)
+                    break
+            else:
+                raise TypeError(f"unknown engine option {key!r}")
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.cache.block_size}")
+        if not 0 < self.cache.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}")
+        if self.scheduler.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.scheduler.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduler.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.scheduler.policy!r}")
+        if self.model.load_format not in ("auto", "dummy", "safetensors"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.model.load_format!r}")
+        if self.parallel.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """The engine's flags, spelled as vLLM spells them so users can switch."""
+    p = parser
+    p.add_argument("--model", default=None, help="model directory (default: the built-in tiny model)")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-kv-pages", type=int, default=None, help="fixed KV pool size in pages (tests)")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+
+
+_DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
+    known = {f.name for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig)
+             for f in fields(section)}
+    kwargs = {k: v for k, v in vars(args).items() if k in known}
+    if "dtype" in kwargs:
+        kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])
+    return EngineConfig.from_kwargs(**kwargs)
