@@ -1,0 +1,290 @@
+"""Token sampling: from one step's logits `[B, V]` to one token (and optional logprobs) per row.
+
+Owns what vLLM's sampler does, with vLLM's semantics and order:
+  raw logprobs (log_softmax of the model's logits, before anything below)
+  → penalties (repetition on prompt+output tokens, frequency and presence on output tokens)
+  → min_tokens (EOS and stop tokens masked until the request has `min_tokens` outputs)
+  → greedy rows: argmax; random rows: temperature → min_p → top_k → top_p → sample.
+
+Sampling is the exponential race: `argmax(probs / q)` with `q ~ Exponential(1)` draws from `probs`
+exactly, and lets each row bring its own noise. A seeded row's noise comes from a generator seeded
+by `(seed, number of output tokens so far)` alone, so its tokens do not depend on which other rows
+share the batch, on its position, or on whether it was preempted and recomputed. Unseeded rows use
+the sampler's engine-wide generator.
+
+`SamplingBatch.from_requests` turns the Python-side requests into per-row tensors once per step;
+`Sampler.sample` is then a fixed sequence of whole-batch tensor ops (no loops over the vocabulary).
+Everything is plain torch on whatever device the logits live on. The GPU seam is
+`Sampler._sample_random`: a FlashInfer implementation (top-k/top-p sampling from probabilities)
+replaces that one method; everything before it (penalties, masks, greedy, logprobs) stays shared.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagoda_engine.messages import Logprob, TokenLogprobs
+from pagoda_engine.request import Request
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The generator seed of a seeded request at its `step`-th output token. A fixed mixing function
+    (not Python's `hash`), so the same request samples the same tokens in every process and release."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+
+
+@dataclass
+class SamplingBatch:
+    """One step's sampling inputs as per-row tensors on the logits' device. Row i is request i.
+
+    Fields that a step does not need are None, and the sampler skips the work they stand for.
+    """
+
+    num_rows: int
+    vocab_size: int
+    device: torch.device
+    # Greedy vs random. `random_rows` indexes the non-greedy rows; the per-row sampling tensors
+    # below are for those rows only, in that order.
+    all_greedy: bool
+    random_rows: torch.Tensor | None  # int64 [R]
+    temperature: torch.Tensor | None  # float32 [R]
+    min_p: torch.Tensor | None  # float32 [R], None when no random row uses min_p
+    top_k: torch.Tensor | None  # int64 [R] in 1..V (V = off), None when no random row uses top_k
+    top_p: torch.Tensor | None  # float32 [R], None when no random row uses top_p
+    # Seeded random rows: (index into the random rows, seed for this step). Empty = all unseeded.
+    seeded: list[tuple[int, int]]
+    # Penalties over all rows, None when no row has any.
+    repetition_penalty: torch.Tensor | None  # float32 [B]
+    frequency_penalty: torch.Tensor | None  # float32 [B]
+    presence_penalty: torch.Tensor | None  # float32 [B]
+    output_counts: torch.Tensor | None  # float32 [B, V]: occurrences of each token in the output
+    seen_mask: torch.Tensor | None  # bool [B, V]: token occurs in prompt or output
+    # min_tokens: logits[min_tokens_rows[j], min_tokens_ids[j]] = -inf. None when nothing is masked.
+    min_tokens_rows: torch.Tensor | None  # int64 [M]
+    min_tokens_ids: torch.Tensor | None  # int64 [M]
+    # Logprobs: per row the number of top logprobs wanted, None for rows that want none.
+    num_logprobs: list[int | None]
+
+    @property
+    def needs_logprobs(self) -> bool:
+        return any(n is not None for n in self.num_logprobs)
+
+    @classmethod
+    def from_requests(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
+        device = torch.device(device)
+        params = [r.sampling_params for r in reqs]
+        num_rows = len(reqs)
+        num_logprobs = [p.logprobs for p in params]
+
+        random_idx = [i for i, p in enumerate(params) if not p.greedy]
+        all_greedy = not random_idx
+        random_rows = temperature = min_p = top_k = top_p = None
+        seeded: list[tuple[int, int]] = []
+        if not all_greedy:
+            rparams = [params[i] for i in random_idx]
+            random_rows = torch.tensor(random_idx, dtype=torch.int64, device=device)
+            temperature = torch.tensor([p.temperature for p in rparams], dtype=torch.float32, device=device)
+            if any(p.min_p > 0 for p in rparams):
+                min_p = torch.tensor([p.min_p for p in rparams], dtype=torch.float32, device=device)
+            if any(0 < p.top_k < vocab_size for p in rparams):
+                top_k = torch.tensor([p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in rparams],
+                                     dtype=torch.int64, device=device)
+            if any(p.top_p < 1.0 for p in rparams):
+                top_p = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
+            seeded = [(j, step_seed(params[i].seed, reqs[i].num_output_tokens))
+                      for j, i in enumerate(random_idx) if params[i].seed is not None]
+
+        repetition = frequency = presence = output_counts = seen_mask = None
+        if any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+               for p in params):
+            repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
+            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
+            presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
+            output_counts = _token_counts([r.output_token_ids for r in reqs], vocab_size, device)
+            prompt_counts = _token_counts([r.prompt_token_ids for r in reqs], vocab_size, device)
+            seen_mask = (output_counts > 0) | (prompt_counts > 0)
+
+        mask_rows: list[int] = []
+        mask_ids: list[int] = []
+        for i, (r, p) in enumerate(zip(reqs, params)):
+            if r.num_output_tokens < p.min_tokens:
+                # vLLM masks `all_stop_token_ids`: the stop token ids plus every EOS id, ignore_eos or
+                # not (an EOS sampled under ignore_eos would not stop, but vLLM still keeps it out).
+                ids = {t for t in (*p.stop_token_ids, *r.eos_token_ids) if 0 <= t < vocab_size}
+                mask_rows.extend([i] * len(ids))
+                mask_ids.extend(sorted(ids))
+        min_tokens_rows = min_tokens_ids = None
+        if mask_rows:
+            min_tokens_rows = torch.tensor(mask_rows, dtype=torch.int64, device=device)
+            min_tokens_ids = torch.tensor(mask_ids, dtype=torch.int64, device=device)
+
+        return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=all_greedy,
+                   random_rows=random_rows, temperature=temperature, min_p=min_p, top_k=top_k, top_p=top_p,
+                   seeded=seeded, repetition_penalty=repetition, frequency_penalty=frequency,
+                   presence_penalty=presence, output_counts=output_counts, seen_mask=seen_mask,
+                   min_tokens_rows=min_tokens_rows, min_tokens_ids=min_tokens_ids, num_logprobs=num_logprobs)
+
+
+def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """float32 [B, V]: how often each token id occurs in each row's list. Ids outside the vocabulary
+    (a tokenizer larger than the LM head) land in a spill column that is cut off."""
+    num_rows = len(token_lists)
+    width = max((len(t) for t in token_lists), default=0)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
+    if width == 0:
+        return counts[:, :vocab_size]
+    padded = torch.full((num_rows, width), vocab_size, dtype=torch.int64)
+    for i, ids in enumerate(token_lists):
+        if ids:
+            padded[i, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+    padded = padded.clamp_(0, vocab_size).to(device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]  # one per row
+    logprobs: list[TokenLogprobs | None]  # one per row; None where the request asked for none
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+        # One engine-wide generator per device, made on first use (the sampler does not know the
+        # device until it sees logits). It draws the noise of every unseeded random row.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _engine_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(self.seed & _MASK64)
+            self._generators[device] = gen
+        return gen
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape, batch.num_rows)
+        assert logits.shape[1] == batch.vocab_size, (logits.shape, batch.vocab_size)
+        if batch.num_rows == 0:
+            return SamplerOutput(token_ids=[], logprobs=[])
+        logits = logits.float()
+
+        raw_logprobs = None
+        if batch.needs_logprobs:
+            rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+            raw_logprobs = (rows, torch.log_softmax(logits[rows], dim=-1))
+
+        logits = self._apply_penalties_and_masks(logits, batch)
+        # Greedy is the argmax after penalties and masks, before temperature (as in vLLM).
+        token_ids = logits.argmax(dim=-1)
+        if not batch.all_greedy:
+            sampled = self._sample_random(logits[batch.random_rows], batch)
+            token_ids = token_ids.index_copy(0, batch.random_rows, sampled)
+
+        token_list = token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
+        if raw_logprobs is not None:
+            rows, lp = raw_logprobs
+            entries = token_logprobs(lp, token_ids[rows], [batch.num_logprobs[i] for i in rows])
+            for i, entry in zip(rows, entries):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+    @staticmethod
+    def _apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Returns new logits (the input, which raw logprobs were taken from, is left alone)."""
+        if batch.repetition_penalty is not None:
+            # HF-style repetition penalty: positive logits shrink, negative ones grow, for every
+            # token seen in the prompt or the output. Then OpenAI-style frequency and presence.
+            rep = torch.where(batch.seen_mask, batch.repetition_penalty[:, None], 1.0)
+            logits = torch.where(logits > 0, logits / rep, logits * rep)
+            logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+            logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
+        if batch.min_tokens_rows is not None:
+            logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Sample one token per random row from logits `[R, V]` after penalties and masks."""
+        logits = logits / batch.temperature[:, None]
+        if batch.min_p is not None:
+            # Keep tokens whose probability is at least min_p times the most likely token's.
+            probs = torch.softmax(logits, dim=-1)
+            threshold = batch.min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
+        if batch.top_k is not None or batch.top_p is not None:
+            logits = _apply_top_k_top_p(logits, batch.top_k, batch.top_p)
+        probs = torch.softmax(logits, dim=-1)
+        return probs.div_(self._exponential_noise(probs.shape, probs.device, batch.seeded)).argmax(dim=-1)
+
+    def _exponential_noise(self, shape: torch.Size, device: torch.device,
+                           seeded: list[tuple[int, int]]) -> torch.Tensor:
+        noise = torch.empty(shape, dtype=torch.float32, device=device)
+        if len(seeded) < shape[0]:
+            noise.exponential_(generator=self._engine_generator(device))
+        for row, seed in seeded:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+            noise[row].exponential_(generator=gen)
+        return noise
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
+                       top_p: torch.Tensor | None) -> torch.Tensor:
+    """Mask (to -inf) everything outside each row's top-k, then outside its top-p nucleus of what is
+    left. One stable descending sort: among equal logits the lower token id ranks first, so top_k=1
+    and a tiny top_p keep exactly the token `argmax` picks."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device)
+    if top_k is not None:
+        sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    if top_p is not None:
+        sorted_probs = torch.softmax(sorted_logits, dim=-1)
+        # Keep a token while the mass of the more likely tokens before it is below top_p
+        # (vLLM's rule); the most likely token is always kept.
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        remove = mass_before >= top_p[:, None]
+        remove[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: list[int]) -> list[TokenLogprobs]:
+    """For each row of `logprobs` `[N, V]`: the given token's logprob and rank (1 = most likely; tokens
+    tied with it count as ahead, as in vLLM), then the row's `num_top[i]` most likely tokens."""
+    token_ids = token_ids.to(logprobs.device, torch.int64)
+    chosen = logprobs.gather(1, token_ids[:, None])
+    ranks = (logprobs >= chosen).sum(dim=-1)
+    k = max(num_top, default=0)
+    top_vals = top_ids = []
+    if k > 0:
+        vals, ids = logprobs.topk(min(k, logprobs.shape[-1]), dim=-1)
+        top_vals, top_ids = vals.tolist(), ids.tolist()
+    out = []
+    for i, (tok, lp, rank) in enumerate(zip(token_ids.tolist(), chosen[:, 0].tolist(), ranks.tolist())):
+        n = num_top[i]
+        top = [Logprob(t, v, r + 1) for r, (t, v) in enumerate(zip(top_ids[i][:n], top_vals[i][:n]))] if n else []
+        out.append(TokenLogprobs(chosen=Logprob(tok, lp, rank), top=top))
+    return out
+
+
+def compute_prompt_logprobs(logits: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:
+    """Logprobs of the prompt: `logits[i]` is the model's output at position i, `target_ids[i]` the
+    prompt token that follows it. Returns one entry per position with `num_top` top tokens."""
+    assert logits.dim() == 2 and target_ids.shape == (logits.shape[0],), (logits.shape, target_ids.shape)
+    if logits.shape[0] == 0:
+        return []
+    return token_logprobs(torch.log_softmax(logits.float(), dim=-1), target_ids, [num_top] * logits.shape[0])
