@@ -1,0 +1,211 @@
+"""The engine core: owns the model, the KV pool, the scheduler and the runner; one `step()` is
+schedule → execute → update. The same class runs inside the server's core process and
+in-process under the offline `LLM`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from pagoda_engine.attention import get_attention_backend
+from pagoda_engine.attention.base import KVCacheSpec
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.errors import InvalidRequestError, ModelLoadError
+from pagoda_engine.kv.manager import KVCacheManager
+from pagoda_engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats, TokenLogprobs
+from pagoda_engine.model.loader import load_hf_config, load_model, resolve_dtype
+from pagoda_engine.request import Request
+from pagoda_engine.runner import ModelRunner
+from pagoda_engine.sampling import Sampler
+from pagoda_engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The model directory to load; None means Pagoda's built-in tiny model (built on first use)."""
+    if model is None:
+        from pagoda_engine.tiny import default_model_dir
+
+        return str(default_model_dir())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {model!r} does not exist (Pagoda loads local directories; "
+                             "download the model first, e.g. with `huggingface-cli download`)")
+    return str(path)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            add(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring unreadable %s: %s", gen_path, e)
+    return tuple(ids)
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc, cc = config.model, config.cache
+        self.model_dir = resolve_model_dir(mc.model)
+        self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
+        self.hf_config = load_hf_config(self.model_dir)
+        self.device = resolve_device(mc.device)
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        self.max_model_len = self._resolve_max_model_len()
+        torch.manual_seed(mc.seed)
+        t0 = time.monotonic()
+        self.model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, mc.load_format, mc.seed)
+        logger.info("loaded %s in %.1fs (%s, %s)", self.model_dir, time.monotonic() - t0, self.dtype, self.device)
+        self.vocab_size = self.model.vocab_size
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
+
+        spec: KVCacheSpec = self.model.kv_cache_spec(cc.block_size, self.dtype)
+        self.num_kv_pages = cc.num_kv_pages or self._measure_num_pages(spec)
+        self.attn = get_attention_backend(mc.attention_backend, spec, self.num_kv_pages, self.device)
+        self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.attn, self.kv, Sampler(mc.seed), self.device)
+        self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        logger.info("KV cache: %d pages of %d tokens = %d tokens", self.num_kv_pages - 1, cc.block_size,
+                    self.kv_capacity_tokens)
+
+    def _resolve_max_model_len(self) -> int:
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        wanted = self.config.model.max_model_len
+        if wanted is None:
+            return limit
+        if wanted < 2:
+            raise ModelLoadError(f"max_model_len must be >= 2, got {wanted}")
+        if wanted > limit:
+            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _measure_num_pages(self, spec: KVCacheSpec) -> int:
+        cc, sc = self.config.cache, self.config.scheduler
+        page_bytes = spec.bytes_per_page()
+        pages_per_seq = -(-self.max_model_len // cc.block_size)
+        useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
+        if self.device.type == "cuda":
+            budget = self._profile_free_gpu_bytes()
+        else:
+            budget = int(cc.cpu_kv_cache_gb * _GiB)
+        num_pages = min(budget // page_bytes, useful)
+        if num_pages < pages_per_seq + 1:
+            raise ModelLoadError(
+                f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "
+                f"fewer than one sequence of max_model_len {self.max_model_len} needs ({pages_per_seq} pages); "
+                "lower --max-model-len or raise --gpu-memory-utilization")
+        return int(num_pages)
+
+    def _profile_free_gpu_bytes(self) -> int:
+        """Run one forward at the maximum batch with a scratch KV pool, then give
+        gpu_memory_utilization × total − peak use to the pages."""
+        cc, sc = self.config.cache, self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, self.max_model_len)
+        spec = self.model.kv_cache_spec(cc.block_size, self.dtype)
+        scratch_pages = -(-num_tokens // cc.block_size) + 1
+        scratch = get_attention_backend("torch", spec, scratch_pages, self.device)
+        from pagoda_engine.attention.base import AttentionBatch
+
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        table = list(range(1, scratch_pages))
+        batch = AttentionBatch(query_lens=[num_tokens], seq_lens=[num_tokens], page_tables=[table],
+                               slot_mapping=torch.arange(cc.block_size, cc.block_size + num_tokens, device=self.device))
+        with torch.inference_mode():
+            scratch.plan(batch)
+            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch)
+            self.model.compute_logits(hidden[-sc.max_num_seqs:])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        _, total = torch.cuda.mem_get_info()
+        return max(0, int(cc.gpu_memory_utilization * total) - peak)
+
+    # --- requests -----------------------------------------------------------------------------
+    def validate(self, req: EngineCoreRequest) -> None:
+        """Everything about a request that only the core knows. Raises InvalidRequestError."""
+        ids = req.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {len(ids)} tokens, which leaves no room for output.", param="prompt")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        self.scheduler.add_request(Request(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time or time.monotonic(), priority=req.priority))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req in self.scheduler.abort(request_ids):
+            self._prompt_logprobs.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+        result = self.runner.execute(sched)
+        for rid, chunk in result.prompt_logprobs.items():
+            self._prompt_logprobs.setdefault(rid, []).extend(chunk)
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, result.sampled):
+            prompt_lps = None
+            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 1:
+                prompt_lps = [None] + self._prompt_logprobs.pop(req.request_id, [])
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[req.output_token_ids[-1]],
+                new_logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt_lps,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size)

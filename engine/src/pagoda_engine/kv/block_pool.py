@@ -1,0 +1,117 @@
+"""The fixed pool of KV pages: free queue in LRU order, prefix hash → page, reference counts.
+
+A page whose last user lets go keeps its hash and stays findable by prefix lookup until the free
+queue hands it out again (it is taken from the queue's head, so the least recently freed page is
+reused first). Page 0 is the null page: reserved, never handed out (padding in page tables).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+NULL_PAGE_ID = 0
+
+
+def hash_page(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
+    """Chained page hash: H(parent hash, this page's token ids, extra keys such as a cache salt).
+
+    Stable across processes and machines (blake2b of the token bytes), so a remote KV tier can be
+    shared by every replica of a service."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent_hash or b"\0" * 16)
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if extra_key:
+        h.update(extra_key)
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Page:
+    page_id: int
+    ref_cnt: int = 0
+    page_hash: bytes | None = None  # set once the page is full and registered in the prefix cache
+
+
+class BlockPool:
+    """All pages of one KV cache. Not thread-safe: the engine core owns it."""
+
+    def __init__(self, num_pages: int, enable_caching: bool = True):
+        if num_pages < 2:
+            raise ValueError(f"a KV pool needs at least 2 pages (one is the null page), got {num_pages}")
+        self.num_pages = num_pages
+        self.enable_caching = enable_caching
+        self.pages = [Page(i) for i in range(num_pages)]
+        self.null_page = self.pages[NULL_PAGE_ID]
+        self.null_page.ref_cnt = 1  # never freed
+        # page_id -> Page, in LRU order: head = next to hand out.
+        self.free_queue: OrderedDict[int, Page] = OrderedDict((p.page_id, p) for p in self.pages[1:])
+        self.cached: dict[bytes, Page] = {}
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self.free_queue)
+
+    def usage(self) -> float:
+        """Fraction of usable pages held by requests (0..1); cached-but-free pages count as free."""
+        return 1.0 - self.num_free_pages / (self.num_pages - 1)
+
+    def get_cached_page(self, page_hash: bytes) -> Page | None:
+        return self.cached.get(page_hash) if self.enable_caching else None
+
+    def touch(self, pages: Iterable[Page]) -> None:
+        """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
+        for page in pages:
+            if page.ref_cnt == 0:
+                del self.free_queue[page.page_id]
+            page.ref_cnt += 1
+
+    def get_new_pages(self, n: int) -> list[Page]:
+        if n > self.num_free_pages:
+            raise RuntimeError(f"asked for {n} pages with only {self.num_free_pages} free")
+        pages = []
+        for _ in range(n):
+            _, page = self.free_queue.popitem(last=False)
+            self._evict(page)
+            page.ref_cnt = 1
+            pages.append(page)
+        return pages
+
+    def cache_page(self, page: Page, page_hash: bytes) -> None:
+        """Register a full page under its chained hash. A hash already cached keeps its first page."""
+        if not self.enable_caching or page.page_hash is not None:
+            return
+        if page_hash in self.cached:
+            return
+        page.page_hash = page_hash
+        self.cached[page_hash] = page
+
+    def free_pages(self, pages: Iterable[Page]) -> None:
+        """Drop one reference each. Pass them tail first: a request's last pages are the least
+        likely to be shared, so they should be reused before its prefix."""
+        for page in pages:
+            if page.page_id == NULL_PAGE_ID:
+                continue
+            assert page.ref_cnt > 0, f"double free of page {page.page_id}"
+            page.ref_cnt -= 1
+            if page.ref_cnt == 0:
+                self.free_queue[page.page_id] = page
+
+    def _evict(self, page: Page) -> None:
+        if page.page_hash is not None:
+            if self.cached.get(page.page_hash) is page:
+                del self.cached[page.page_hash]
+            page.page_hash = None
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (e.g. after new weights). Only when no page is in use."""
+        if self.num_free_pages != self.num_pages - 1:
+            return False
+        for page in self.pages:
+            page.page_hash = None
+        self.cached.clear()
+        return True

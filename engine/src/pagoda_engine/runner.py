@@ -1,0 +1,109 @@
+"""Batch → tensors → model → sampled tokens, for one step.
+
+The runner turns the scheduler's decision into flat, ragged tensors (input ids, positions, slot
+mapping) plus the attention backend's CPU-side plan, runs the model once, and samples one token
+for every request whose known tokens are now all computed. Decodes go first in the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagoda_engine.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.kv.manager import KVCacheManager
+from pagoda_engine.messages import TokenLogprobs
+from pagoda_engine.request import Request
+from pagoda_engine.sampling import Sampler, SamplingBatch, compute_prompt_logprobs
+from pagoda_engine.scheduler import ScheduledRequest, SchedulerOutput
+
+
+@dataclass
+class StepInputs:
+    order: list[ScheduledRequest]  # batch order: decodes first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_batch: AttentionBatch
+    sample_rows: torch.Tensor  # token index of each sampling request's last token
+    sample_reqs: list[Request]
+    # request id -> (first token index in the batch, number of positions) for prompt logprobs
+    prompt_logprob_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
+                 sampler: Sampler, device: torch.device):
+        self.model = model
+        self.attn = attn
+        self.kv = kv
+        self.sampler = sampler
+        self.device = device
+        self.page_size = kv.page_size
+        self.vocab_size = model.vocab_size
+
+    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+        def is_decode(s: ScheduledRequest) -> bool:
+            return s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
+
+        order = [s for s in sched.scheduled if is_decode(s)] + [s for s in sched.scheduled if not is_decode(s)]
+        num_decodes = sum(1 for s in order if is_decode(s))
+        ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        sample_rows, sample_reqs, spans = [], [], {}
+        offset = 0
+        for s in order:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = self.kv.page_ids(req.request_id)
+            positions = np.arange(start, start + n, dtype=np.int64)
+            ids.append(np.asarray(req.all_token_ids[start:start + n], dtype=np.int64))
+            pos.append(positions)
+            slots.append(np.asarray(table, dtype=np.int64)[positions // self.page_size] * self.page_size
+                         + positions % self.page_size)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                spans[req.request_id] = (offset, min(n, req.num_prompt_tokens - 1 - start))
+            if s.completes_sequence:
+                sample_rows.append(offset + n - 1)
+                sample_reqs.append(req)
+            offset += n
+        to_dev = lambda parts: torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)  # noqa: E731
+        attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
+                                    slot_mapping=to_dev(slots), num_decodes=num_decodes)
+        return StepInputs(order=order, input_ids=to_dev(ids), positions=to_dev(pos), attn_batch=attn_batch,
+                          sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
+                          sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        self.attn.plan(inputs.attn_batch)
+        return self.model(inputs.input_ids, inputs.positions, self.attn)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        inputs = self.prepare(sched)
+        hidden = self.run_model(inputs)
+        out = RunnerOutput()
+        for rid, (first, count) in inputs.prompt_logprob_spans.items():
+            req = next(s.request for s in inputs.order if s.request.request_id == rid)
+            start = req.num_computed_tokens
+            targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
+            logits = self.model.compute_logits(hidden[first:first + count])
+            out.prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+        if inputs.sample_reqs:
+            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
+            result = self.sampler.sample(logits, batch)
+            for req, token, lp in zip(inputs.sample_reqs, result.token_ids, result.logprobs):
+                out.sampled[req.request_id] = token
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        return out

@@ -1,0 +1,190 @@
+"""One token-budget loop: running requests first, then waiting ones, no prefill/decode phases.
+
+Every request has `num_computed_tokens` and simply advances: a decode asks for 1 token, a prompt
+for the rest of its prompt (chunked to fit the budget). When pages run out, the lowest-priority
+running request (the newest, under FCFS) is preempted: its pages are freed (they stay in the prefix
+cache) and it goes back to the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pagoda_engine.config import SchedulerConfig
+from pagoda_engine.kv.manager import KVCacheManager
+from pagoda_engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+
+    @property
+    def completes_sequence(self) -> bool:
+        """After this step every known token is computed, so the step samples a new one."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrival = itertools.count()
+
+    # --- queue management ---------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.arrival_seq = next(self._arrival)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _queue_key(self, req: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_seq)
+        return (req.arrival_seq,)
+
+    def _next_waiting(self) -> Request:
+        # Preempted requests go back in front of everything that arrived after them.
+        return min(self.waiting, key=self._queue_key)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.kv.forget(req)
+        del self.requests[req.request_id]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --- the loop -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests: decodes and unfinished prompt chunks. Never starved by new arrivals.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, only while nothing had to be preempted this step.
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting()
+            computed_pages, num_cached = self.kv.get_computed_pages(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, computed_pages):
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+        return out
+
+    def _pick_victim(self, current: int) -> Request:
+        """The running request to preempt: the newest (FCFS) or lowest-priority one not yet
+        scheduled this step (indices >= current)."""
+        candidates = self.running[current:]
+        return max(candidates, key=self._queue_key)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+
+    # --- after the forward pass ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance every scheduled request; append sampled tokens; finish what must finish.
+        Returns the requests that produced a token (or finished) this step."""
+        updated = []
+        for sched in out.scheduled:
+            req = sched.request
+            completes = sched.completes_sequence
+            req.num_computed_tokens += sched.num_new_tokens
+            if not completes:
+                continue  # a prompt chunk: nothing sampled yet
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            updated.append(req)
+            if status is not None:
+                self._finish(req, status)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
