@@ -186,7 +186,7 @@ class Sampler:
             rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
             raw_logprobs = (rows, torch.log_softmax(logits[rows], dim=-1))
 
-        logits = self._apply_penalties_and_masks(logits, batch)
+        logits = apply_penalties_and_masks(logits, batch)
         # Greedy is the argmax after penalties and masks, before temperature (as in vLLM).
         token_ids = logits.argmax(dim=-1)
         if not batch.all_greedy:
@@ -201,21 +201,6 @@ class Sampler:
             for i, entry in zip(rows, entries):
                 logprobs[i] = entry
         return SamplerOutput(token_ids=token_list, logprobs=logprobs)
-
-    @staticmethod
-    def _apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """Returns new logits (the input, which raw logprobs were taken from, is left alone)."""
-        if batch.repetition_penalty is not None:
-            # HF-style repetition penalty: positive logits shrink, negative ones grow, for every
-            # token seen in the prompt or the output. Then OpenAI-style frequency and presence.
-            rep = torch.where(batch.seen_mask, batch.repetition_penalty[:, None], 1.0)
-            logits = torch.where(logits > 0, logits / rep, logits * rep)
-            logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
-            logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
-        if batch.min_tokens_rows is not None:
-            logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
-                                      torch.tensor(float("-inf"), device=logits.device))
-        return logits
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample one token per random row from logits `[R, V]` after penalties and masks."""
@@ -239,7 +224,23 @@ class Sampler:
             gen = torch.Generator(device=device)
             gen.manual_seed(seed)
             noise[row].exponential_(generator=gen)
-        return noise
+        # An exact 0 would turn a masked token's 0/0 into NaN, which argmax picks.
+        return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Returns new logits (the input, which raw logprobs were taken from, is left alone)."""
+    if batch.repetition_penalty is not None:
+        # HF-style repetition penalty: positive logits shrink, negative ones grow, for every
+        # token seen in the prompt or the output. Then OpenAI-style frequency and presence.
+        rep = torch.where(batch.seen_mask, batch.repetition_penalty[:, None], 1.0)
+        logits = torch.where(logits > 0, logits / rep, logits * rep)
+        logits = logits - batch.frequency_penalty[:, None] * batch.output_counts
+        logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
+    if batch.min_tokens_rows is not None:
+        logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
+                                  torch.tensor(float("-inf"), device=logits.device))
+    return logits
 
 
 def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
