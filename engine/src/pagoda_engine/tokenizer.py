@@ -1,0 +1,136 @@
+"""Tokenizer loading, end-of-sequence ids, prompt encoding and chat templates.
+
+Everything here runs in the API process (or the offline `LLM`), never in the engine core:
+the core sees token ids only. Tokenizers are transformers' AutoTokenizer, so any model
+directory a Hugging Face user has works unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pagoda_engine.errors import InvalidRequestError, ModelLoadError
+
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def load_tokenizer(model_dir):
+    """Load the tokenizer of a local model directory (transformers' AutoTokenizer)."""
+    path = Path(model_dir).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})"
+        )
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many types; the user needs one clear message
+        raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
+
+
+def eos_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
+    """Token ids that end generation: the tokenizer's eos plus generation_config.json's
+    `eos_token_id` (an int or a list: chat models often add their end-of-turn token)."""
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    gen_path = Path(model_dir).expanduser() / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        except ValueError as e:
+            raise ModelLoadError(f"{gen_path.name} in {str(model_dir)!r} is not valid JSON: {e}") from e
+        if isinstance(gen_eos, int):
+            gen_eos = [gen_eos]
+        ids.extend(int(i) for i in gen_eos or [])
+    return tuple(dict.fromkeys(ids))  # dedupe, keep order
+
+
+def encode_prompt(tokenizer, prompt: str) -> list[int]:
+    """Token ids of a completion prompt, with the special tokens (bos) the tokenizer adds."""
+    if not isinstance(prompt, str):
+        raise InvalidRequestError(f"prompt must be a string, got {type(prompt).__name__}", param="prompt")
+    return list(tokenizer.encode(prompt))
+
+
+def _content_text(content: Any, index: int) -> str:
+    """A message's content as one string: a string, or OpenAI's list of text parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise InvalidRequestError(
+                    f"messages[{index}].content[{j}] must be {{'type': 'text', 'text': <string>}} "
+                    f"(only text parts are supported), got {part!r}",
+                    param="messages",
+                )
+            texts.append(part["text"])
+        # vLLM's convention for templates that expect a string.
+        return "\n".join(texts)
+    raise InvalidRequestError(
+        f"messages[{index}].content must be a string or a list of text parts, got {type(content).__name__}",
+        param="messages",
+    )
+
+
+def validate_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the shape of a chat conversation and return it with every content a string.
+    Keys other than role and content (name, tool_call_id, ...) pass through to the template."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequestError("messages must be a non-empty list of message objects", param="messages")
+    normalised = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise InvalidRequestError(
+                f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}",
+                param="messages",
+            )
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}", param="messages"
+            )
+        if "content" not in message:
+            raise InvalidRequestError(f"messages[{i}] has no 'content'", param="messages")
+        normalised.append({**message, "content": _content_text(message["content"], i)})
+    return normalised
+
+
+def apply_chat_template(
+    tokenizer,
+    messages: Any,
+    add_generation_prompt: bool = True,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Render a conversation with the model's (or the given) chat template and encode it.
+
+    The template itself writes any bos token, so the rendered text is encoded without
+    adding special tokens again (vLLM does the same)."""
+    conversation = validate_messages(messages)
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequestError(
+            "this model has no chat template, so chat completions cannot be served; "
+            "use the completions API, or start the server with a chat template",
+            param="messages",
+        )
+    from jinja2 import TemplateError
+
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
+        )
+    except TemplateError as e:
+        # Templates reject conversations they cannot render (e.g. roles not alternating).
+        raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
+    return list(tokenizer.encode(text, add_special_tokens=False))
