@@ -1,0 +1,109 @@
+"""The token-budget scheduler on its own: budget, decode priority, chunking, preemption, policies."""
+
+import random
+
+from pagoda_engine.config import SchedulerConfig
+from pagoda_engine.kv.manager import KVCacheManager
+from pagoda_engine.request import Request, RequestStatus, SamplingParams
+from pagoda_engine.scheduler import Scheduler
+
+
+def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256):
+    kv = KVCacheManager(num_pages, page_size)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), kv, max_len)
+
+
+def _req(rid, n, max_tokens=8, priority=0):
+    return Request(request_id=rid, prompt_token_ids=[(hash(rid) + i) % 50 + 1 for i in range(n)],
+                   sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
+
+
+def _run_step(s: Scheduler):
+    out = s.schedule()
+    sampled = {x.request.request_id: 7 for x in out.scheduled}
+    s.update_from_output(out, sampled)
+    return out
+
+
+def test_budget_never_exceeded_and_decodes_never_starved():
+    rng = random.Random(0)
+    s = _sched(num_pages=200, budget=16, max_seqs=6)
+    for i in range(12):
+        s.add_request(_req(f"r{i}", rng.randint(1, 40), max_tokens=rng.randint(1, 10)))
+    steps = 0
+    while s.has_unfinished_requests():
+        decoding_before = [r for r in s.running if r.num_computed_tokens >= r.num_prompt_tokens]
+        out = _run_step(s)
+        steps += 1
+        assert 0 < out.num_tokens <= 16
+        assert len(s.running) <= 6
+        scheduled = {x.request.request_id for x in out.scheduled}
+        # Every request already decoding gets its token in this step (no preemption in a big pool).
+        assert all(r.request_id in scheduled for r in decoding_before)
+        assert steps < 500
+    assert s.kv.num_free_pages == s.kv.pool.num_pages - 1
+
+
+def test_long_prompt_is_chunked_and_mixed_with_decodes():
+    s = _sched(budget=8)
+    s.add_request(_req("short", 3, max_tokens=5))
+    _run_step(s)  # short's prefill
+    s.add_request(_req("long", 20))
+    out = _run_step(s)
+    kinds = {x.request.request_id: x.num_new_tokens for x in out.scheduled}
+    assert kinds == {"short": 1, "long": 7}
+    out = _run_step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "long": 7}
+
+
+def test_preemption_recomputes_newest_request_when_pages_run_out():
+    s = _sched(num_pages=7, page_size=4, budget=64)  # 6 usable pages = 24 tokens
+    s.add_request(_req("old", 8, max_tokens=12))
+    s.add_request(_req("new", 8, max_tokens=12))
+    _run_step(s)
+    preempted = []
+    while s.has_unfinished_requests():
+        out = _run_step(s)
+        preempted += [r.request_id for r in out.preempted]
+    assert preempted and preempted[0] == "new"
+    assert s.num_preemptions == len(preempted)
+    assert s.kv.num_free_pages == 6
+
+
+def test_priority_policy_runs_lower_value_first():
+    s = _sched(budget=4, max_seqs=1, policy="priority")
+    s.add_request(_req("late-important", 4, priority=5))
+    s.add_request(_req("urgent", 4, priority=-1))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["urgent"]
+
+
+def test_fcfs_runs_in_arrival_order():
+    s = _sched(budget=4, max_seqs=1)
+    s.add_request(_req("first", 4, priority=5))
+    s.add_request(_req("second", 4, priority=-1))
+    assert [x.request.request_id for x in s.schedule().scheduled] == ["first"]
+
+
+def test_abort_frees_pages_from_running_and_waiting():
+    s = _sched(budget=8, max_seqs=1)
+    s.add_request(_req("a", 6))
+    s.add_request(_req("b", 6))
+    _run_step(s)
+    assert s.kv.num_free_pages < 63
+    aborted = s.abort(["a", "b", "missing"])
+    assert [r.status for r in aborted] == [RequestStatus.FINISHED_ABORTED] * 2
+    assert not s.has_unfinished_requests() and s.kv.num_free_pages == 63
+
+
+def test_max_tokens_and_stop_tokens_finish_requests():
+    s = _sched()
+    r = Request(request_id="x", prompt_token_ids=[1, 2, 3],
+                sampling_params=SamplingParams(max_tokens=5, stop_token_ids=[9], min_tokens=2), eos_token_ids=(2,))
+    s.add_request(r)
+    out = s.schedule()
+    s.update_from_output(out, {"x": 9})  # stop token before min_tokens: ignored
+    assert not r.is_finished
+    out = s.schedule()
+    s.update_from_output(out, {"x": 9})
+    assert r.status == RequestStatus.FINISHED_STOPPED and r.stop_reason == 9
