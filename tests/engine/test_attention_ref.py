@@ -1,0 +1,103 @@
+"""The reference paged-attention backend equals plain causal attention on contiguous K/V.
+
+Batches mix decodes and prefill chunks that start after cached tokens (prefix hits, earlier
+chunks); pages come from a shuffled pool, so a request's pages are neither contiguous nor in order.
+The oracle is a float64 softmax over each request's whole sequence, written out here.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from pagoda_engine.attention import AttentionBatch, KVCacheSpec, get_attention_backend
+from pagoda_engine.attention.torch_ref import TorchRefBackend
+
+CPU = torch.device("cpu")
+NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q [Lq, Hq, D] for the last Lq positions of k/v [L, Hkv, D]; float64 softmax."""
+    lq, hq, d = q.shape
+    seq_len, hkv, _ = k.shape
+    group = hq // hkv
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) / d ** 0.5
+    query_pos = torch.arange(seq_len - lq, seq_len)[:, None]
+    scores = scores.masked_fill(torch.arange(seq_len)[None, :] > query_pos, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
+
+
+def slots_for(table: list[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    return torch.tensor([table[p // page_size] * page_size + p % page_size for p in range(start, end)])
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_paged_attention_equals_contiguous_causal_attention(page_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    # (cached tokens, new tokens): decodes first, then prefills from scratch and after a prefix.
+    requests = [(7, 1), (16, 1), (33, 1), (0, 13), (8, 11), (page_size, 2 * page_size + 3), (0, 1)]
+    num_pages = 64
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=NUM_KV_HEADS, num_qo_heads=NUM_QO_HEADS, head_dim=HEAD_DIM,
+                       page_size=page_size, dtype=torch.float32)
+    backend = TorchRefBackend(spec, num_pages, CPU)
+    free = list(range(1, num_pages))
+    random.Random(seed).shuffle(free)
+
+    tables, keys, values, queries = [], [], [], []
+    for cached, new in requests:
+        seq_len = cached + new
+        tables.append([free.pop() for _ in range(-(-seq_len // page_size))])
+        keys.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen))
+        values.append(torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen))
+        queries.append(torch.randn(new, NUM_QO_HEADS, HEAD_DIM, generator=gen))
+
+    layer = 1
+    # The earlier steps' K/V are already in the pages.
+    for (cached, _), table, k, v in zip(requests, tables, keys, values):
+        if cached:
+            backend.write_kv(layer, k[:cached], v[:cached], slots_for(table, 0, cached, page_size))
+
+    slot_mapping = torch.cat([slots_for(t, c, c + n, page_size) for (c, n), t in zip(requests, tables)])
+    batch = AttentionBatch(query_lens=[n for _, n in requests], seq_lens=[c + n for c, n in requests],
+                           page_tables=tables, slot_mapping=slot_mapping, num_decodes=3)
+    backend.plan(batch)
+    out = backend.forward(layer, torch.cat(queries),
+                          torch.cat([k[c:] for (c, _), k in zip(requests, keys)]),
+                          torch.cat([v[c:] for (c, _), v in zip(requests, values)]))
+
+    assert out.shape == (batch.num_tokens, NUM_QO_HEADS, HEAD_DIM)
+    for got, q, k, v in zip(out.split(batch.query_lens), queries, keys, values):
+        torch.testing.assert_close(got, causal_attention(q, k, v), atol=1e-5, rtol=1e-5)
+    # The new tokens' K/V landed in their pages; the other layer's cache was not touched.
+    for (cached, new), table, k, v in zip(requests, tables, keys, values):
+        slots = slots_for(table, 0, cached + new, page_size)
+        cache = backend.kv_caches[layer]
+        torch.testing.assert_close(cache[slots // page_size, 0, slots % page_size], k)
+        torch.testing.assert_close(cache[slots // page_size, 1, slots % page_size], v)
+    assert not backend.kv_caches[0].any()
+
+
+def test_page_table_too_short_for_seq_len_is_rejected():
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, num_qo_heads=1, head_dim=4, page_size=4, dtype=torch.float32)
+    backend = TorchRefBackend(spec, 8, CPU)
+    with pytest.raises(ValueError, match="cannot hold 9 tokens"):
+        backend.plan(AttentionBatch([9], [9], [[1, 2]], torch.arange(4, 13)))
+
+
+def test_factory_picks_backends_by_name_and_device():
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, num_qo_heads=2, head_dim=4, page_size=4, dtype=torch.float32)
+    assert isinstance(get_attention_backend("torch", spec, 4, CPU), TorchRefBackend)
+    assert isinstance(get_attention_backend("auto", spec, 4, CPU), TorchRefBackend)
+    backend = get_attention_backend("torch", spec, 4, CPU)
+    assert len(backend.kv_caches) == 1 and backend.kv_caches[0].shape == (4, 2, 4, 1, 4)
+    # FlashInfer is CUDA-only: on CPU it is refused (not installed, or no CUDA device), never silently replaced.
+    with pytest.raises((ImportError, ValueError), match="flashinfer"):
+        get_attention_backend("flashinfer", spec, 4, CPU)
+    with pytest.raises(ValueError, match="attention backend must be one of"):
+        get_attention_backend("triton", spec, 4, CPU)
