@@ -254,12 +254,10 @@ def _apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None,
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
     if top_p is not None:
         sorted_probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token while the mass of the more likely tokens before it is below top_p
-        # (vLLM's rule); the most likely token is always kept.
+        # Keep a token while the mass of the more likely tokens before it is below top_p (vLLM's
+        # rule). The most likely token has mass 0 before it, so it is always kept (top_p > 0).
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-        remove = mass_before >= top_p[:, None]
-        remove[:, 0] = False
-        sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
+        sorted_logits = sorted_logits.masked_fill(mass_before >= top_p[:, None], float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
