@@ -1,0 +1,154 @@
+"""Process harness for tests that run Pagoda's parts for real on one machine: free ports,
+subprocesses with their output in a log file (shown when a start fails), HTTP readiness waits,
+`pagoda serve`, `pagoda route` and a Prometheus with a generated scrape config.
+
+Shared by e2e/local and tests/router (their conftests put this directory on sys.path).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+PYTHON = sys.executable
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+class Proc:
+    """A child process whose stdout+stderr go to `log_path`; stop() is SIGTERM, then SIGKILL."""
+
+    def __init__(self, args: list[str], log_path: Path, env: dict | None = None, cwd: str | None = None):
+        self.args = args
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        self.popen = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
+                                      start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def log_text(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def kill(self) -> None:
+        """SIGKILL: a replica dying, not shutting down."""
+        if self.alive():
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self, timeout: float = 15.0) -> int | None:
+        if self.alive():
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+        self._log.close()
+        return self.popen.returncode
+
+    def wait_http(self, url: str, timeout: float = 60.0, status: int = 200) -> None:
+        """Wait until GET url answers `status`; fail with the process log if it exits first."""
+        deadline = time.monotonic() + timeout
+        last = None
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.args[:3]} exited with {self.popen.returncode}:\n{self.log_text()[-4000:]}")
+            try:
+                code, _ = http_get(url, timeout=1.0)
+                if code == status:
+                    return
+                last = code
+            except OSError as e:
+                last = e
+            time.sleep(0.1)
+        raise TimeoutError(f"{url} not answering {status} after {timeout}s (last: {last}):\n{self.log_text()[-4000:]}")
+
+
+def start_pagoda(verb_args: list[str], log_path: Path, env: dict | None = None) -> Proc:
+    """`pagoda <verb> ...` with the interpreter running the tests."""
+    if verb_args[0] == "route":  # the router alone: it must not depend on the engine server importing
+        return Proc([PYTHON, "-m", "pagoda_engine.router.app", *verb_args[1:]], log_path, env=env)
+    return Proc([PYTHON, "-m", "pagoda_engine.cli", *verb_args], log_path, env=env)
+
+
+def start_engine(port: int, log_path: Path, extra: list[str] | None = None) -> Proc:
+    """`pagoda serve` on 127.0.0.1 with the built-in tiny model, ready when this returns."""
+    proc = start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), *(extra or [])], log_path)
+    proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
+    return proc
+
+
+def start_router(port: int, backends: list[str], log_path: Path, extra: list[str] | None = None,
+                 wait: bool = True) -> Proc:
+    proc = start_pagoda(["route", "--host", "127.0.0.1", "--port", str(port), "--backends", ",".join(backends),
+                         *(extra or [])], log_path)
+    if wait:
+        proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
+    return proc
+
+
+PROMETHEUS = shutil.which("prometheus")
+
+
+def prometheus_config(jobs: dict[str, list[tuple[str, dict]]], interval_s: float = 1.0) -> str:
+    """A scrape config: job name -> [(host:port, extra labels)]. YAML is a JSON superset."""
+    return json.dumps({
+        "global": {"scrape_interval": f"{interval_s:g}s", "evaluation_interval": f"{interval_s:g}s"},
+        "scrape_configs": [
+            {"job_name": job, "scrape_interval": f"{interval_s:g}s", "scrape_timeout": f"{interval_s:g}s",
+             "static_configs": [{"targets": [t], "labels": labels} for t, labels in targets]}
+            for job, targets in jobs.items()
+        ],
+    }, indent=1)
+
+
+def start_prometheus(port: int, config: str, workdir: Path) -> Proc:
+    if PROMETHEUS is None:
+        raise RuntimeError("prometheus is not installed (apt-get install -y prometheus)")
+    workdir.mkdir(parents=True, exist_ok=True)
+    cfg = workdir / "prometheus.yml"
+    cfg.write_text(config)
+    proc = Proc([PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={workdir / 'data'}",
+                 f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h",
+                 "--query.lookback-delta=15s"], workdir / "prometheus.log")
+    proc.wait_http(f"http://127.0.0.1:{port}/-/ready", timeout=60)
+    return proc
+
+
+def prom_query(base_url: str, promql: str) -> list[dict]:
+    code, body = http_get(f"{base_url}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
+    data = json.loads(body)
+    if code != 200 or data.get("status") != "success":
+        raise RuntimeError(f"query {promql!r} failed: {code} {body[:300]!r}")
+    return data["data"]["result"]

@@ -1,0 +1,239 @@
+"""`pagoda route`: the OpenAI-compatible router in front of engine replicas.
+
+Owns the HTTP surface (the engine server's endpoints, /v1/models merged over replicas, the
+router's own /health and /metrics) and the command line. Requests are validated with the server's
+own protocol models, so a malformed body gets the same 400 here as from an engine and never
+costs a replica anything; forwarding lives in `proxy.py`, replica state in `backends.py`,
+discovery in `discovery.py`, the choice of replica in `policy.py`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+
+import httpx
+import prometheus_client
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from pagoda_engine import __version__
+from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
+from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
+from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
+from pagoda_engine.router.proxy import QueueConfig, Router
+from pagoda_engine.server.errors import (ModelNotFoundError, install_exception_handlers,
+                                         validation_error_body)
+from pagoda_engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                           TokenizeRequest)
+
+log = logging.getLogger("pagoda.router")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--backends", help="comma-separated engine URLs, e.g. http://10.0.0.5:8000,http://10.0.0.6:8000")
+    src.add_argument("--k8s-service", metavar="NAMESPACE/NAME",
+                     help="discover engines from this Service's EndpointSlices (watched)")
+    parser.add_argument("--policy", default="prefix-aware", choices=POLICIES)
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--backend-port-name", default="http",
+                        help="EndpointSlice port name of the engine (default: http; else the first port)")
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig for --k8s-service outside a cluster")
+    parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health polls")
+    parser.add_argument("--queue-size", type=int, default=1024,
+                        help="requests held at most while no replica is ready (scale from zero)")
+    parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds one request is held at most")
+    parser.add_argument("--retry-after", type=int, default=5, help="Retry-After seconds on a 503")
+    parser.add_argument("--prefix-load-factor", type=float, default=1.25,
+                        help="prefix-aware: a replica takes new prefixes only while under this x mean load")
+    parser.add_argument("--prefix-page-chars", type=int, default=64,
+                        help="prefix-aware: characters per hashed prompt page (about 16 tokens)")
+    parser.add_argument("--backend-api-key", default=None,
+                        help="bearer token the router's own polls send to engines started with --api-key")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _validate_args(args: argparse.Namespace) -> None:
+    """Refuse, with a message naming the flag, anything the router cannot run with."""
+    if args.backends is not None:
+        args.backend_urls = parse_backend_list(args.backends)
+    else:
+        args.backend_urls = None
+        args.k8s_namespace, args.k8s_name = parse_k8s_service(args.k8s_service)
+    if args.queue_size < 0:
+        raise BackendConfigError("--queue-size must be >= 0")
+    if args.queue_timeout < 0:
+        raise BackendConfigError("--queue-timeout must be >= 0")
+    if args.health_interval <= 0:
+        raise BackendConfigError("--health-interval must be > 0")
+    if args.prefix_load_factor < 1:
+        raise BackendConfigError("--prefix-load-factor must be >= 1")
+    if args.prefix_page_chars < 1:
+        raise BackendConfigError("--prefix-page-chars must be >= 1")
+
+
+def _prompt_text(req: BaseModel) -> str | None:
+    """The text whose leading pages decide prefix affinity (token ids are spelled out, which
+    keeps equal id prefixes equal)."""
+    if isinstance(req, ChatCompletionRequest):
+        return "".join(f"<{m.role}>{m.text()}" for m in req.messages)
+    prompt = getattr(req, "prompt", None)
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        first = prompt[0]
+        if isinstance(first, str):  # a batch of prompts: the first one decides
+            return first
+        if isinstance(first, list):
+            return " ".join(map(str, first))
+        return " ".join(map(str, prompt))
+    return None
+
+
+def build_app(args: argparse.Namespace) -> FastAPI:
+    """The router app for validated `args` (see `_validate_args`)."""
+    metrics = RouterMetrics()
+    state: dict = {}
+    wants_prefix = args.policy == "prefix-aware"
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=5.0, read=None, write=30.0, pool=None),
+            limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
+        )
+        pool = BackendPool(client, metrics, poll_interval=args.health_interval,
+                           poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
+        policy = make_policy(args.policy, load_factor=args.prefix_load_factor) if wants_prefix \
+            else make_policy(args.policy)
+        router = Router(pool, policy, metrics, client,
+                        QueueConfig(args.queue_size, args.queue_timeout, args.retry_after))
+        state["router"], state["pool"] = router, pool
+        watcher = None
+        if args.backend_urls is not None:
+            pool.set_urls(args.backend_urls)
+            await pool.poll_all()  # serve with a known ready set from the first request
+        else:
+            watcher = EndpointSliceWatcher(args.k8s_namespace, args.k8s_name, pool.set_urls,
+                                           asyncio.get_running_loop(), port_name=args.backend_port_name,
+                                           kubeconfig=args.kubeconfig)
+            watcher.start()
+        poller = asyncio.create_task(pool.run())
+        try:
+            yield
+        finally:
+            poller.cancel()
+            if watcher is not None:
+                watcher.stop()
+            await client.aclose()
+
+    app = FastAPI(title="Pagoda router", version=__version__, lifespan=lifespan)
+    install_exception_handlers(app)
+    page_chars = args.prefix_page_chars
+
+    def parse(model_cls: type[BaseModel], body: bytes):
+        try:
+            return model_cls.model_validate_json(body or b"null")
+        except ValidationError as e:
+            return JSONResponse(validation_error_body(RequestValidationError(e.errors())), status_code=400)
+
+    def check_model(model: str | None) -> None:
+        known = state["pool"].merged_models()
+        if model is not None and known and not any(m.get("id") == model for m in known):
+            raise ModelNotFoundError(model, [m.get("id") for m in known])
+
+    async def forward(request: Request, model_cls: type[BaseModel], routed: bool) -> Response:
+        body = await request.body()
+        parsed = parse(model_cls, body)
+        if isinstance(parsed, Response):
+            return parsed
+        model = getattr(parsed, "model", None)
+        check_model(model)
+        key: PrefixKey | None = None
+        if routed and wants_prefix:
+            text = _prompt_text(parsed)
+            key = prefix_key(text, page_chars) if text else None
+        return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, CompletionRequest, routed=True)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await forward(request, ChatCompletionRequest, routed=True)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request, TokenizeRequest, routed=False)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request, DetokenizeRequest, routed=False)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": state["pool"].merged_models()}
+
+    @app.get("/health")
+    async def health() -> dict:
+        # Always 200 while the router runs: with zero replicas it still has to accept and hold
+        # requests (scale from zero), so its own readiness must not depend on theirs.
+        pool = state["pool"]
+        return {"status": "ok", "backends": len(pool.backends), "ready_backends": len(pool.ready()),
+                "queue_length": state["router"].held}
+
+    @app.get("/router/backends")
+    async def backends() -> dict:
+        return {"policy": args.policy, "backends": state["pool"].describe()}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics_endpoint() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape
+    try:
+        _validate_args(args)
+    except BackendConfigError as e:
+        print(f"pagoda route: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    app = build_app(args)
+    source = ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}"
+    log.info("routing %s over %s on %s:%d", args.policy, source, args.host, args.port)
+    started = time.monotonic()
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
+                timeout_graceful_shutdown=30)
+    log.info("router stopped after %.0fs", time.monotonic() - started)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m pagoda_engine.router.app ...`: the router alone, same flags as `pagoda route`."""
+    parser = argparse.ArgumentParser(prog="pagoda route", description="OpenAI-compatible router")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

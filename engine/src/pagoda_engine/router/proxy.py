@@ -1,0 +1,219 @@
+"""Forwarding one OpenAI request: hold it while no replica is ready, pick a replica, send, retry
+once elsewhere if the replica fails before its first byte, then pass the response through chunk
+by chunk.
+
+The request body goes upstream byte for byte as the client sent it; the response comes back
+byte for byte (`aiter_raw`), so streams are exactly the engine's. A stream that breaks after its
+headers went out ends with one OpenAI error frame (the status line, 200, cannot be taken back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+from starlette.responses import Response
+
+from pagoda_engine.router.backends import Backend, BackendPool
+from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.policy import PrefixAware, PrefixKey
+from pagoda_engine.server.errors import error_response, sse_error_frame
+
+log = logging.getLogger("pagoda.router")
+
+# Hop-by-hop headers (RFC 9110 §7.6.1) and the ones httpx recomputes; never forwarded.
+_DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authenticate",
+                 "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
+_DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "date", "server"}
+# A replica answering these before any body byte is overloaded, draining or behind a failing
+# proxy: another replica may well succeed.
+_RETRYABLE_STATUS = {502, 503, 504}
+
+
+@dataclass
+class QueueConfig:
+    size: int = 1024  # requests held at most while no replica is ready
+    timeout_s: float = 60.0  # how long one request is held
+    retry_after_s: int = 5  # Retry-After sent with the 503 when the wait expires or the queue is full
+
+
+class Router:
+    def __init__(self, pool: BackendPool, policy, metrics: RouterMetrics, client: httpx.AsyncClient,
+                 queue: QueueConfig):
+        self.pool = pool
+        self.policy = policy
+        self.metrics = metrics
+        self.client = client
+        self.queue = queue
+        self.held = 0
+        if isinstance(policy, PrefixAware):
+            pool.on_remove(policy.forget)
+
+    # ---- hold queue (scale from zero) ----
+    def _unavailable(self, message: str) -> Response:
+        return error_response(503, message, code="no_backend_available",
+                              headers={"Retry-After": str(self.queue.retry_after_s)})
+
+    async def _hold_until_ready(self, model: str | None) -> Response | None:
+        """None once a replica serving `model` is ready; a 503 response when the queue is full
+        or the wait expires."""
+        if self.pool.ready(model):
+            return None
+        if self.held >= self.queue.size:
+            self.metrics.queue_rejected.inc()
+            return self._unavailable(f"No backend is ready and the router's hold queue is full "
+                                     f"({self.queue.size} requests); retry later.")
+        self.held += 1
+        self.metrics.queue_length.set(self.held)
+        try:
+            deadline = time.monotonic() + self.queue.timeout_s
+            while not self.pool.ready(model):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    self.metrics.queue_timeouts.inc()
+                    return self._unavailable(f"No backend became ready within {self.queue.timeout_s:g}s; "
+                                             f"retry later.")
+                if self.pool.ready():  # ready, but not for this model: wait for the set to change
+                    await asyncio.sleep(min(0.1, remaining))
+                else:
+                    await self.pool.wait_ready(remaining)
+            return None
+        finally:
+            self.held -= 1
+            self.metrics.queue_length.set(self.held)
+
+    # ---- forwarding ----
+    def _choose(self, model: str | None, key: PrefixKey | None, exclude: set[str]) -> Backend | None:
+        candidates = [b for b in self.pool.ready(model) if b.url not in exclude]
+        if not candidates:
+            return None
+        url = self.policy.choose([b.view() for b in candidates], key)
+        return self.pool.backends[url]
+
+    async def forward(self, method: str, path: str, headers, body: bytes, model: str | None,
+                      key: PrefixKey | None) -> Response:
+        start = time.monotonic()
+        self.metrics.waiting_for_backend.inc()
+        try:
+            upstream, backend = await self._connect(method, path, headers, body, model, key)
+        finally:
+            self.metrics.waiting_for_backend.dec()
+        if isinstance(upstream, Response):  # the router's own error
+            self.metrics.requests.labels("none", str(upstream.status_code)).inc()
+            return upstream
+        return self._relay(upstream, backend, start)
+
+    async def _connect(self, method, path, headers, body, model, key):
+        held = await self._hold_until_ready(model)
+        if held is not None:
+            return held, None
+        fwd_headers = [(k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST]
+        tried: set[str] = set()
+        last_error = "no backend is ready"
+        for attempt in range(2):
+            backend = self._choose(model, key, tried)
+            if backend is None:
+                break
+            if attempt:
+                self.metrics.retries.inc()
+            tried.add(backend.url)
+            backend.in_flight += 1
+            request = self.client.build_request(method, backend.url + path, content=body, headers=fwd_headers)
+            try:
+                upstream = await self.client.send(request, stream=True)
+            except httpx.TransportError as e:
+                backend.in_flight -= 1
+                last_error = f"{backend.url}: {type(e).__name__}: {e}"
+                self.pool.mark_failed(backend, last_error)
+                continue
+            if upstream.status_code in _RETRYABLE_STATUS and attempt == 0 and self._choose(model, key, tried):
+                last_error = f"{backend.url} answered {upstream.status_code}"
+                await upstream.aclose()
+                backend.in_flight -= 1
+                continue
+            if isinstance(self.policy, PrefixAware) and key is not None:
+                self.policy.remember(key, backend.url)
+            return upstream, backend
+        return error_response(502, f"No backend could take the request ({last_error}).",
+                              code="backend_unavailable"), None
+
+    def _relay(self, upstream: httpx.Response, backend: Backend, start: float) -> Response:
+        return RelayResponse(self, upstream, backend, start)
+
+
+class RelayResponse(Response):
+    """Streams an upstream response to the client and always releases it: on completion, on a
+    broken upstream, and when the client disconnects (then the upstream connection is closed,
+    which makes the engine abort the request and free its pages)."""
+
+    def __init__(self, router: Router, upstream: httpx.Response, backend: Backend, start: float):
+        self.router = router
+        self.upstream = upstream
+        self.backend = backend
+        self.start = start
+        self.status_code = upstream.status_code
+        self.background = None
+        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1"))
+                            for k, v in upstream.headers.multi_items() if k.lower() not in _DROP_RESPONSE]
+        self.raw_headers.append((b"x-pagoda-backend", backend.url.encode("latin-1")))
+        self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.outcome = str(upstream.status_code)
+
+    async def _stream(self, send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        first = True
+        try:
+            async for chunk in self.upstream.aiter_raw():
+                if first:
+                    self.router.metrics.ttft.observe(time.monotonic() - self.start)
+                    first = False
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except httpx.HTTPError as e:
+            # The replica died or hung up mid-response: say so in-band, and take it out of
+            # rotation now rather than at the next health poll.
+            self.outcome = "stream_error"
+            self.router.pool.mark_failed(self.backend, f"{type(e).__name__}: {e}")
+            log.warning("response from %s broke: %s", self.backend.url, e)
+            if self.is_sse:
+                frame = sse_error_frame(f"The backend {self.backend.url} failed mid-stream "
+                                        f"({type(e).__name__}: {e}); the response is incomplete.",
+                                        code="backend_stream_error")
+                await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def __call__(self, scope, receive, send) -> None:
+        me = asyncio.current_task()
+        disconnected = False
+
+        async def watch_disconnect():
+            nonlocal disconnected
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            disconnected = True
+            me.cancel()
+
+        watcher = asyncio.create_task(watch_disconnect())
+        try:
+            await self._stream(send)
+        except asyncio.CancelledError:
+            if not disconnected:
+                raise
+            me.uncancel()
+            self.outcome = "client_disconnected"
+        except OSError:  # ASGI 2.4 servers raise on send() once the client is gone
+            self.outcome = "client_disconnected"
+        finally:
+            watcher.cancel()
+            await self.upstream.aclose()
+            self.backend.in_flight -= 1
+            metrics = self.router.metrics
+            metrics.requests.labels(self.backend.url, self.outcome).inc()
+            metrics.e2e.observe(time.monotonic() - self.start)
+
+
+def retry_after_seconds(queue_timeout_s: float) -> int:
+    return max(1, math.ceil(queue_timeout_s / 4))
