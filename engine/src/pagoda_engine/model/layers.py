@@ -26,9 +26,14 @@ def _set_weight_loader(param: nn.Parameter, loader, shard_ids: Sequence = (None,
     param.shard_ids = tuple(shard_ids)
 
 
+def _check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
+    """A checkpoint tensor must have exactly the (unsharded) shape the config implies."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ModelLoadError(f"weight of shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(expected)}")
+
+
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-    if param.shape != loaded.shape:
-        raise ModelLoadError(f"weight of shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(param.shape)}")
+    _check_shape(loaded, param.shape)
     param.data.copy_(loaded)
 
 
@@ -211,6 +216,7 @@ class ColumnParallelLinear(LinearBase):
 
     def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.shape[0]
+        _check_shape(loaded, (n * self.tp_size, *param.shape[1:]))
         default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
 
 
@@ -229,6 +235,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _load_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
         n = self.output_sizes[shard_id]
         start = sum(self.output_sizes[:shard_id])
+        _check_shape(loaded, (n * self.tp_size, *param.shape[1:]))
         default_weight_loader(param.narrow(0, start, n), loaded.narrow(0, self.tp_rank * n, n))
 
 
@@ -242,6 +249,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
                  tp_size: int = 1, tp_rank: int = 0):
         self.head_dim = head_dim
+        self.total_num_kv_heads = num_kv_heads
         self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
         if num_kv_heads >= tp_size:
             self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
@@ -257,6 +265,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _load_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         d = self.head_dim
         q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        rows = q_size * self.tp_size if shard_id == "q" else self.total_num_kv_heads * d
+        _check_shape(loaded, (rows, *param.shape[1:]))
         if shard_id == "q":
             dst, src = param.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
         else:
@@ -278,6 +288,7 @@ class RowParallelLinear(LinearBase):
 
     def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
         n = param.shape[1]
+        _check_shape(loaded, (param.shape[0], n * self.tp_size))
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -53,7 +53,7 @@ def load_hf_config(model_dir: str) -> PretrainedConfig:
     architectures = raw.get("architectures")
     if architectures is not None and not isinstance(architectures, list):
         raise ModelLoadError(f"{config_file}: 'architectures' must be a list of names, got {architectures!r}")
-    resolve_architecture(architectures)  # raises UnsupportedArchitectureError, listing what we serve
+    resolve_architecture(architectures, raw.get("model_type"))  # raises UnsupportedArchitectureError, listing what we serve
     try:
         return AutoConfig.from_pretrained(str(path))
     except Exception as e:  # transformers raises ValueError, KeyError, OSError... for a bad config
@@ -107,7 +107,8 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
-    architecture, model_cls = resolve_architecture(getattr(hf_config, "architectures", None))
+    architecture, model_cls = resolve_architecture(getattr(hf_config, "architectures", None),
+                                                   getattr(hf_config, "model_type", None))
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, architecture)
