@@ -40,22 +40,20 @@ esac
 kubectl version --request-timeout=15s >/dev/null 2>&1 \
   || die "cannot reach the cluster of KUBECONFIG=$KUBECONFIG (kubectl version failed)"
 
-NAME=$(kubectl create --dry-run=client -o jsonpath='{.metadata.name}' -f "$EXAMPLE")
-NAMESPACE=$(kubectl create --dry-run=client -o jsonpath='{.metadata.namespace}' -f "$EXAMPLE")
-NAMESPACE=${NAMESPACE:-default}
-
+NAME=""
+NAMESPACE=default
 WORKDIR=$(mktemp -d)
 PORT_FORWARD_PID=""
 cleanup() {
   local rc=$?
   [ -n "$PORT_FORWARD_PID" ] && kill "$PORT_FORWARD_PID" 2>/dev/null || true
-  if [ "$rc" != 0 ]; then
+  if [ "$rc" != 0 ] && [ -n "$NAME" ]; then
     log "failed (exit $rc); cluster state for diagnosis:"
     kubectl get pis,deploy,svc,pods -n "$NAMESPACE" -o wide >&2 || true
     kubectl get pis "$NAME" -n "$NAMESPACE" -o jsonpath='{range .status.conditions[*]}{.type}={.status} {.reason}: {.message}{"\n"}{end}' >&2 || true
     kubectl logs -n "$OPERATOR_NAMESPACE" "deploy/$OPERATOR_DEPLOYMENT" --tail=50 >&2 || true
   fi
-  if [ "${PAGODA_E2E_KEEP:-0}" != 1 ]; then
+  if [ "${PAGODA_E2E_KEEP:-0}" != 1 ] && [ -n "$NAME" ]; then
     log "deleting InferenceService $NAMESPACE/$NAME"
     kubectl delete -n "$NAMESPACE" -f "$EXAMPLE" --ignore-not-found --wait=true --timeout=5m >/dev/null || true
   fi
@@ -77,6 +75,10 @@ trap cleanup EXIT
 log "installing the InferenceService CRD"
 kubectl apply --server-side --force-conflicts -k "$ROOT/crds" >/dev/null
 kubectl wait --for=condition=Established --timeout=60s crd/inferenceservices.pagoda.dev >/dev/null
+# Read name and namespace the way kubectl does (needs the CRD served for the mapping).
+NAME=$(kubectl create --dry-run=client -o jsonpath='{.metadata.name}' -f "$EXAMPLE")
+NAMESPACE=$(kubectl create --dry-run=client -o jsonpath='{.metadata.namespace}' -f "$EXAMPLE")
+NAMESPACE=${NAMESPACE:-default}
 
 # 2. The operator, its RBAC and the router's account in the example's namespace.
 if [ "$INSTALLER" = helm ]; then

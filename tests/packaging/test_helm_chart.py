@@ -1,0 +1,227 @@
+"""The Helm chart charts/pagoda: its values schema, and what Helm's own engine renders from it.
+
+Rendering and linting go through helm-python-sdk, which embeds Helm's Go SDK (the same template
+engine and schema check as the `helm` binary, which cannot be downloaded here).
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+import yaml
+from packaging_support import CHART_DIR, IMAGES, load_yaml_stream, parse_dockerfile
+
+SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
+VALUES = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
+APP_VERSION = yaml.safe_load((CHART_DIR / "Chart.yaml").read_text())["appVersion"]
+RELEASE, NAMESPACE = "pagoda", "pagoda-system"
+
+
+def render(helm, values: dict | None = None, *, name: str = RELEASE, namespace: str = NAMESPACE) -> list[dict]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = chart.render(values or {}, name=name, namespace=namespace)
+    return [obj for template, text in sorted(rendered.items()) if template.endswith(".yaml") for obj in load_yaml_stream(text)]
+
+
+def by_kind(objects: list[dict], kind: str) -> list[dict]:
+    return [o for o in objects if o["kind"] == kind]
+
+
+def operator_container(objects: list[dict]) -> dict:
+    (deployment,) = by_kind(objects, "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+# --- values and their schema -------------------------------------------------------------------
+
+
+def test_default_values_satisfy_the_schema():
+    jsonschema.Draft7Validator.check_schema(SCHEMA)
+    jsonschema.Draft7Validator(SCHEMA).validate(VALUES)
+
+
+def _schema_at(schema: dict, key: str) -> dict:
+    node = schema["properties"][key]
+    return SCHEMA["definitions"][node["$ref"].rsplit("/", 1)[1]] if "$ref" in node else node
+
+
+def _assert_typed(values: dict, schema: dict, path: str) -> None:
+    assert schema.get("additionalProperties") is False, f"{path or '<root>'} accepts unknown keys"
+    for key, value in values.items():
+        assert key in schema.get("properties", {}), f"{path}.{key} has no schema"
+        node = _schema_at(schema, key)
+        assert "type" in node, f"{path}.{key} has no type"
+        if isinstance(value, dict) and "properties" in node:
+            _assert_typed(value, node, f"{path}.{key}")
+
+
+def test_every_value_is_typed_and_unknown_keys_are_refused():
+    _assert_typed(VALUES, SCHEMA, "")
+
+
+BAD_VALUES = [
+    ({"operator": {"logLevel": "loud"}}, "/operator/logLevel"),
+    ({"operator": {"image": {"repository": "", "tag": "x", "pullPolicy": "Always"}}}, "/operator/image/repository"),
+    ({"operator": {"image": {"repository": "r", "tag": "x", "pullPolicy": "Sometimes"}}}, "/operator/image/pullPolicy"),
+    ({"operator": {"watchNamespaces": ["Not_A_Namespace"]}}, "/operator/watchNamespaces/0"),
+    ({"operator": {"healthPort": 80}}, "/operator/healthPort"),
+    ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
+    ({"operator": {"replicas": 2}}, "replicas"),
+    ({"router": {"namespaces": "default"}}, "/router/namespaces"),
+    ({"monitoring": {"podMonitor": {"enabled": "yes"}}}, "/monitoring/podMonitor/enabled"),
+    ({"monitoring": {"podMonitor": {"interval": "soon"}}}, "/monitoring/podMonitor/interval"),
+    ({"typo": True}, "typo"),
+]
+
+
+@pytest.mark.parametrize("values, where", BAD_VALUES, ids=[w for _, w in BAD_VALUES])
+def test_bad_values_are_refused_by_helm(helm, values, where):
+    with helm.Chart.load(CHART_DIR) as chart:
+        with pytest.raises(helm.HelmValuesError) as refused:
+            chart.validate_schema(values)
+        # Helm also refuses to render them (install and template validate first).
+        with pytest.raises(helm.HelmError):
+            chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    assert where in str(refused.value)
+
+
+def test_chart_lints_clean(helm):
+    report = helm.lint(CHART_DIR, strict=True, namespace=NAMESPACE, kube_version="v1.34.0")
+    problems = [m for m in report["messages"] if m["severity"] >= 2]
+    assert not report["errors"] and not problems, report
+
+
+# --- rendered manifests ------------------------------------------------------------------------
+
+VARIANTS = {
+    "defaults": {},
+    "namespaced": {"operator": {"watchNamespaces": ["team-a", "team-b"], "logLevel": "debug"}},
+    "everything": {
+        "operator": {
+            "image": {"repository": "registry.example/pagoda-operator", "tag": "1.2.3", "pullPolicy": "Always"},
+            "imagePullSecrets": [{"name": "regcred"}],
+            "extraArgs": ["--log-format=json"],
+            "extraEnv": [{"name": "A", "value": "1"}],
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ops", "effect": "NoSchedule"}],
+            "podAnnotations": {"a": "b"},
+            "podLabels": {"team": "ml"},
+            "priorityClassName": "system-cluster-critical",
+            "healthPort": 9090,
+        },
+        "serviceAccount": {"name": "custom-sa", "annotations": {"x": "y"}},
+        "router": {"namespaces": ["default", "team-a"]},
+        "monitoring": {"podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prom"}}},
+    },
+}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_rendered_objects_are_valid_kubernetes(helm, validate_manifest, variant):
+    objects = render(helm, VARIANTS[variant])
+    assert objects
+    for obj in objects:
+        validate_manifest(obj)
+    names = [(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects]
+    assert len(names) == len(set(names)), f"duplicate objects: {names}"
+
+
+def test_operator_runs_locked_down_with_kopf_probes(helm):
+    objects = render(helm)
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(objects)
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"]["type"] == "Recreate"
+    assert container["command"] == ["pagoda-operator", "run"]
+    assert container["args"] == ["--all-namespaces", "--standalone", "--liveness=http://0.0.0.0:8080/healthz"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert container["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("livenessProbe", "readinessProbe"):
+        http = container[probe]["httpGet"]
+        assert http["path"] == "/healthz" and ports[http["port"]] == 8080
+    assert container["image"] == f"pagoda/operator:{APP_VERSION}"
+    assert pod["serviceAccountName"] == "pagoda-operator"
+
+
+def test_pod_runs_as_the_uid_the_operator_image_declares(helm):
+    """kubelet's runAsNonRoot check and file ownership need the chart and image to agree."""
+    user = [i.args for i in parse_dockerfile(IMAGES / "operator.Dockerfile") if i.keyword == "USER"][-1]
+    uid, gid = (int(x) for x in user.split(":"))
+    (deployment,) = by_kind(render(helm), "Deployment")
+    security = deployment["spec"]["template"]["spec"]["securityContext"]
+    assert (security["runAsUser"], security["runAsGroup"]) == (uid, gid)
+
+
+def test_values_reach_the_operator_pod(helm):
+    objects = render(helm, VARIANTS["everything"])
+    (deployment,) = by_kind(objects, "Deployment")
+    pod = deployment["spec"]["template"]["spec"]
+    container = operator_container(objects)
+    assert container["image"] == "registry.example/pagoda-operator:1.2.3"
+    assert container["imagePullPolicy"] == "Always"
+    assert container["args"][-2:] == ["--liveness=http://0.0.0.0:9090/healthz", "--log-format=json"]
+    assert {"name": "A", "value": "1"} in container["env"]
+    assert pod["serviceAccountName"] == "custom-sa"
+    assert pod["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    assert pod["priorityClassName"] == "system-cluster-critical"
+    assert deployment["spec"]["template"]["metadata"]["labels"]["team"] == "ml"
+    (monitor,) = by_kind(objects, "PodMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["podMetricsEndpoints"][0]["interval"] == "30s"
+
+
+def test_all_namespaces_binds_the_operator_role_cluster_wide(helm):
+    objects = render(helm)
+    bindings = {b["roleRef"]["name"]: b for b in by_kind(objects, "ClusterRoleBinding")}
+    assert set(bindings) == {"pagoda-operator", "pagoda-operator-cluster"}
+    assert not by_kind(objects, "RoleBinding") or all(
+        b["roleRef"]["kind"] == "Role" for b in by_kind(objects, "RoleBinding")
+    )
+    for binding in bindings.values():
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "pagoda-operator", "namespace": NAMESPACE}]
+
+
+def test_watched_namespaces_get_the_operator_role_only_there(helm):
+    objects = render(helm, VARIANTS["namespaced"])
+    container = operator_container(objects)
+    assert container["args"][:2] == ["--namespace=team-a", "--namespace=team-b"]
+    assert "--all-namespaces" not in container["args"] and "--debug" in container["args"]
+    cluster_bindings = [b["roleRef"]["name"] for b in by_kind(objects, "ClusterRoleBinding")]
+    assert cluster_bindings == ["pagoda-operator-cluster"]
+    operator_bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == "pagoda-operator"]
+    assert sorted(b["metadata"]["namespace"] for b in operator_bindings) == ["team-a", "team-b"]
+    assert all(b["roleRef"]["kind"] == "ClusterRole" for b in operator_bindings)
+
+
+def test_router_account_in_each_listed_namespace(helm):
+    objects = render(helm, {"router": {"namespaces": ["default", "team-a"]}})
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        routers = [o for o in by_kind(objects, kind) if o["metadata"]["name"] == "pagoda-router"]
+        assert sorted(o["metadata"]["namespace"] for o in routers) == ["default", "team-a"], kind
+    for role in (o for o in by_kind(objects, "Role") if o["metadata"]["name"] == "pagoda-router"):
+        assert role["rules"] == [
+            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
+        ]
+    assert not [o for o in render(helm, {"router": {"namespaces": []}}) if o["metadata"]["name"] == "pagoda-router"]
+
+
+def test_pod_monitor_only_when_enabled(helm):
+    assert not by_kind(render(helm), "PodMonitor")
+    (monitor,) = by_kind(render(helm, {"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pagoda-operator"}
+
+
+def test_chart_ships_the_generated_crd(helm, inferenceservice_crd):
+    with helm.Chart.load(CHART_DIR) as chart:
+        shipped = [o for c in chart.crds for o in load_yaml_stream(c["data"])]
+    assert inferenceservice_crd in shipped, "charts/pagoda/crds is stale: run `make crds`"
