@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +26,11 @@ STAMP_FILE = "pagoda_tiny.json"
 VOCAB_SIZE = 512
 
 BOS, EOS, PAD, IM_START, IM_END = "<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"
-SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END]  # ids 0..4, in this order
+# transformers loads a qwen2 directory with Qwen2Tokenizer whatever tokenizer_config.json says,
+# and that class adds <|endoftext|> unless the vocabulary has it: without it the tokenizer
+# would be one token larger than the model's embedding.
+ENDOFTEXT = "<|endoftext|>"
+SPECIAL_TOKENS = [BOS, EOS, PAD, IM_START, IM_END, ENDOFTEXT]  # ids 0..5, in this order
 
 CHATML_TEMPLATE = (
     "{{ bos_token }}"
@@ -102,7 +107,7 @@ def _save_tokenizer(tok, out: Path) -> None:
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=[IM_START, IM_END],
+        additional_special_tokens=[IM_START, IM_END, ENDOFTEXT],
         clean_up_tokenization_spaces=False,
         model_max_length=_BASE_CONFIG["max_position_embeddings"],
     )
@@ -152,9 +157,16 @@ def _build_into(out: Path, arch: str, seed: int, dtype: str, config_overrides: d
     model.save_pretrained(str(out), safe_serialization=True)
 
 
+def _recipe_hash() -> str:
+    """Changes whenever the inputs of a build change, so stale builds are never reused."""
+    recipe = json.dumps([corpus_text(), SPECIAL_TOKENS, CHATML_TEMPLATE, _BASE_CONFIG, VOCAB_SIZE])
+    return hashlib.sha256(recipe.encode()).hexdigest()[:16]
+
+
 def _stamp(arch: str, seed: int, dtype: str, config_overrides: dict) -> dict:
     return {
         "format": TINY_FORMAT_VERSION,
+        "recipe": _recipe_hash(),
         "arch": arch,
         "seed": seed,
         "dtype": dtype,
@@ -249,7 +261,14 @@ def default_model_dir() -> Path:
 
     The lock makes concurrent first uses wait for one build instead of all building."""
     path = cache_dir() / DEFAULT_MODEL_NAME
-    if _read_stamp(path) is not None:
-        return build_tiny_model(path)  # validates the stamp, builds nothing
+    expected = _stamp("llama", 0, "float32", {})
+    if _read_stamp(path) == expected:
+        return path
     with _file_lock(path.parent / f"{DEFAULT_MODEL_NAME}.lock"):
+        if path.exists() and _read_stamp(path) != expected:
+            # Built by an older Pagoda (or half-written by hand): move it aside in one rename so
+            # no reader sees a half-deleted model, then delete it.
+            stale = Path(tempfile.mkdtemp(prefix=f".{path.name}.stale-", dir=path.parent))
+            os.rename(path, stale / path.name)
+            shutil.rmtree(stale, ignore_errors=True)
         return build_tiny_model(path)
