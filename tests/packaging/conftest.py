@@ -64,17 +64,18 @@ def inferenceservice_crd(crd_objects: list[dict]) -> dict:
 
 @pytest.fixture(scope="session")
 def inferenceservice_validator(inferenceservice_crd: dict):
-    """jsonschema validator for InferenceService objects, from the served version's openAPIV3Schema.
+    """jsonschema validator for InferenceService objects, from the storage version's openAPIV3Schema.
 
-    jsonschema ignores the x-kubernetes-* extension keywords, which is what the API server's
-    structural checks add on top; everything else (types, enums, required, bounds) applies.
+    OpenAPI 3.0 schemas use draft-4 semantics (boolean exclusiveMinimum), hence Draft4Validator.
+    It ignores the x-kubernetes-* extension keywords the API server adds on top; everything else
+    (types, enums, required, bounds, patterns) applies.
     """
     import jsonschema
 
     served = [v for v in inferenceservice_crd["spec"]["versions"] if v.get("served")]
     storage = next(v for v in served if v.get("storage"))
     schema = dict(storage["schema"]["openAPIV3Schema"])
-    return jsonschema.Draft202012Validator(schema)
+    return jsonschema.Draft4Validator(schema)
 
 
 @pytest.fixture(scope="session")

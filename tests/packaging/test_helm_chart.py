@@ -151,6 +151,18 @@ def test_operator_runs_locked_down_with_kopf_probes(helm):
     assert pod["serviceAccountName"] == "pagoda-operator"
 
 
+def test_engine_images_reach_the_operator_as_its_defaults(helm):
+    """pagoda_operator.render.Images reads these two variables."""
+    env = {e["name"]: e.get("value") for e in operator_container(render(helm))["env"]}
+    assert env["PAGODA_ENGINE_IMAGE"] == f"pagoda/engine:{APP_VERSION}"
+    assert env["PAGODA_ENGINE_CPU_IMAGE"] == f"pagoda/engine-cpu:{APP_VERSION}"
+    images = {"gpu": {"repository": "r.example/engine", "tag": "cu13"}, "cpu": {"repository": "r.example/cpu", "tag": "7"}}
+    env = {e["name"]: e.get("value") for e in operator_container(render(helm, {"engineImages": images}))["env"]}
+    assert (env["PAGODA_ENGINE_IMAGE"], env["PAGODA_ENGINE_CPU_IMAGE"]) == ("r.example/engine:cu13", "r.example/cpu:7")
+    operator_render = pytest.importorskip("pagoda_operator.render")
+    assert operator_render.Images.from_env(env) == operator_render.Images(engine="r.example/engine:cu13", engine_cpu="r.example/cpu:7")
+
+
 def test_pod_runs_as_the_uid_the_operator_image_declares(helm):
     """kubelet's runAsNonRoot check and file ownership need the chart and image to agree."""
     user = [i.args for i in parse_dockerfile(IMAGES / "operator.Dockerfile") if i.keyword == "USER"][-1]

@@ -97,9 +97,12 @@ def test_gpu_overlay_puts_engines_on_nvidia_nodes(kustomize_build, crd_objects):
     objects = kustomize_build(KUSTOMIZE_DIR / "overlays" / "gpu")
     services = _objects_of(objects, "InferenceService")
     assert services
+    from pagoda_operator import sizing
+    from pagoda_operator.spec import parse_spec
+
     for service in services:
+        assert sizing.gpus_per_pod(parse_spec(service["spec"])) >= 1, "not a GPU example"
         resources = service["spec"]["resources"]
-        assert resources["gpusPerPod"] >= 1
         assert resources["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
         assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in resources["tolerations"]
     # The operator itself never needs a GPU node.

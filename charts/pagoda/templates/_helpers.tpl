@@ -21,6 +21,13 @@
 pagoda-router
 {{- end -}}
 
+{{/* "repository:tag" of an engine image value; (list $ .Values.engineImages.gpu) */}}
+{{- define "pagoda.engineImage" -}}
+{{- $root := index . 0 -}}
+{{- $image := index . 1 -}}
+{{- printf "%s:%s" $image.repository ($image.tag | default $root.Chart.AppVersion) -}}
+{{- end -}}
+
 {{- define "pagoda.labels" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}

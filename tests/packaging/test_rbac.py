@@ -1,0 +1,130 @@
+"""Least-privilege RBAC, in the chart and in kustomize alike: every kind the operator's renderer can
+emit is covered by a rule with the verbs that writing it needs, and nothing else is granted."""
+
+from __future__ import annotations
+
+import pytest
+from packaging_support import CHART_DIR, KUSTOMIZE_DIR, group_of, load_yaml_stream, rules_of
+
+render = pytest.importorskip("pagoda_operator.render", reason="the operator package is not installed")
+
+# Writing a child by server-side apply is a PATCH (which also creates a missing object); get/list/
+# watch read children back for status; delete removes a child a spec change made obsolete.
+CHILD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
+# What the operator needs beyond its children, with the reason it needs it.
+EXTRA_GRANTS = {
+    ("pagoda.dev", "inferenceservices"): {"get", "list", "watch", "patch"},  # kopf: watch, finalizers, annotations
+    ("pagoda.dev", "inferenceservices/status"): {"get", "patch", "update"},
+    ("pagoda.dev", "inferenceservices/scale"): {"get", "patch", "update"},  # the autoscaler's decisions
+    ("pagoda.dev", "inferenceservices/finalizers"): {"update"},  # ownerReferences with blockOwnerDeletion
+    ("", "pods"): {"get", "list", "watch"},  # engine pod state for conditions
+    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},  # ready engine endpoints
+    ("", "events"): {"create", "patch"},  # kopf and the operator post Events
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},  # kopf; optional CRDs
+    ("", "namespaces"): {"get", "list", "watch"},  # kopf, to serve all namespaces
+}
+
+
+def plural(kind: str) -> str:
+    """The resource name of a built-in or well-known kind (all of ours follow English -s/-es)."""
+    lower = kind.lower()
+    return lower + ("es" if lower.endswith("s") else "s")
+
+
+def grants(rules: list[dict]) -> dict[tuple[str, str], set[str]]:
+    out: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs"), rule
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out.setdefault((group, resource), set()).update(rule["verbs"])
+    return out
+
+
+def chart_objects(helm, values: dict | None = None) -> list[dict]:
+    with helm.Chart.load(CHART_DIR) as chart:
+        rendered = chart.render(values or {}, name="pagoda", namespace="pagoda-system")
+    return [o for name, text in rendered.items() if name.endswith(".yaml") for o in load_yaml_stream(text)]
+
+
+def kustomize_objects() -> list[dict]:
+    # The generated files themselves (their freshness is tested in test_kustomize.py), so this
+    # test needs neither kubectl nor the CRDs.
+    return [
+        o for path in ("base/operator.yaml", "router-rbac/router-rbac.yaml")
+        for o in load_yaml_stream((KUSTOMIZE_DIR / path).read_text())
+    ]
+
+
+def operator_grants(objects: list[dict]) -> dict[tuple[str, str], set[str]]:
+    """Everything bound to the operator's ServiceAccount, through any binding."""
+    roles = {(o["kind"], o["metadata"]["name"]): o for o in objects if o["kind"] in ("Role", "ClusterRole")}
+    bound = [
+        roles[(b["roleRef"]["kind"], b["roleRef"]["name"])]
+        for b in objects
+        if b["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        and any(s["kind"] == "ServiceAccount" and s["name"] == "pagoda-operator" for s in b["subjects"])
+    ]
+    return grants(rules_of(bound))
+
+
+@pytest.fixture(params=["chart", "chart-namespaced", "kustomize"])
+def installed(request):
+    if request.param == "kustomize":
+        return kustomize_objects()
+    helm = request.getfixturevalue("helm")
+    values = {"operator": {"watchNamespaces": ["team-a"]}} if request.param == "chart-namespaced" else {}
+    return chart_objects(helm, values)
+
+
+def test_every_kind_the_renderer_emits_is_writable(installed):
+    granted = operator_grants(installed)
+    assert render.CHILD_KINDS, "the renderer lists no kinds"
+    for api_version, kind in render.CHILD_KINDS:
+        key = (group_of(api_version), plural(kind))
+        assert key in granted, f"no rule lets the operator write {kind} ({api_version})"
+        assert CHILD_VERBS <= granted[key], f"{kind}: missing verbs {CHILD_VERBS - granted[key]}"
+
+
+def test_nothing_beyond_the_children_and_the_listed_needs(installed):
+    allowed = {(group_of(v), plural(k)): CHILD_VERBS for v, k in render.CHILD_KINDS} | EXTRA_GRANTS
+    granted = operator_grants(installed)
+    for key, verbs in granted.items():
+        assert key in allowed, f"the operator is granted {key}, which it does not use"
+        assert verbs <= allowed[key], f"{key}: verbs beyond need: {verbs - allowed[key]}"
+    assert set(granted) == set(allowed), f"not granted: {set(allowed) - set(granted)}"
+
+
+def test_no_wildcards_or_escalation_anywhere(installed):
+    for rule in rules_of(installed):
+        for field in ("apiGroups", "resources"):
+            assert "*" not in rule[field], rule
+        assert not FORBIDDEN_VERBS & set(rule["verbs"]), rule
+
+
+def test_crd_subresources_are_the_ones_granted(inferenceservice_crd):
+    """The scale and status grants exist because the CRD has those subresources."""
+    (version,) = [v for v in inferenceservice_crd["spec"]["versions"] if v.get("storage")]
+    assert set(version["subresources"]) == {"status", "scale"}
+    plural_name = inferenceservice_crd["spec"]["names"]["plural"]
+    for sub in version["subresources"]:
+        assert ("pagoda.dev", f"{plural_name}/{sub}") in EXTRA_GRANTS
+
+
+def test_router_pods_run_as_the_account_the_installers_create(installed):
+    accounts = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in installed if o["kind"] == "ServiceAccount"}
+    assert ("default", render.ROUTER_SERVICE_ACCOUNT) in accounts
+    roles = [o for o in installed if o["kind"] == "Role" and o["metadata"]["name"] == render.ROUTER_SERVICE_ACCOUNT]
+    # `pagoda route --k8s-service` lists and watches the engine Service's EndpointSlices, nothing else.
+    assert all(grants(r["rules"]) == {("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}} for r in roles)
+
+
+def test_rendered_router_uses_that_account():
+    from pagoda_operator.validation import check
+
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "t", "namespace": "default"}, "spec": {}}
+    checked = check(body)
+    assert checked.ok, checked.problems
+    (router,) = [o for o in render.render(body, checked.spec) if o["kind"] == "Deployment" and o["metadata"]["name"] == "t"]
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == render.ROUTER_SERVICE_ACCOUNT
