@@ -1,0 +1,87 @@
+"""Reading an InferenceService's load from the Prometheus HTTP API.
+
+Series are selected by the labels the Prometheus operator puts on ServiceMonitor targets
+(`namespace`, and `service` = the Service the target belongs to): the engines are
+`service="<name>-engine"`, the router `service="<name>"`. A Prometheus configured by hand must
+attach the same two labels (e2e/local does).
+
+`observe()` runs the queries a policy needs and returns a `decision.Observation`; an absent
+series is `None`, so the decision can tell "zero" from "not measured".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx
+
+from pagoda_operator.autoscaler.decision import Observation
+
+
+class PrometheusError(RuntimeError):
+    """The Prometheus HTTP API could not answer a query."""
+
+
+def selectors(namespace: str, name: str) -> tuple[str, str]:
+    """(engine selector, router selector) as PromQL label matchers."""
+    return (f'namespace="{namespace}",service="{name}-engine"', f'namespace="{namespace}",service="{name}"')
+
+
+def queries(policy: str, namespace: str, name: str, rate_window_s: int = 60) -> dict[str, str]:
+    """The PromQL of each Observation field a policy needs (waiting, running and the router's held
+    requests are always read: they decide scale-from-zero and idleness)."""
+    engine, router = selectors(namespace, name)
+    out = {
+        "waiting": f"sum(pagoda:num_requests_waiting{{{engine}}})",
+        "running": f"sum(pagoda:num_requests_running{{{engine}}})",
+        "router_held": f"sum(pagoda_router:queue_length{{{router}}})",
+    }
+    if policy == "kvUtilization":
+        out["kv_usage"] = f"avg(pagoda:kv_cache_usage_perc{{{engine}}})"
+    elif policy == "ttft":
+        out["ttft_p90"] = (f"histogram_quantile(0.9, sum by (le) "
+                           f"(rate(pagoda:time_to_first_token_seconds_bucket{{{engine}}}[{rate_window_s}s])))")
+    return out
+
+
+class PrometheusClient:
+    def __init__(self, base_url: str, timeout_s: float = 5.0, client: httpx.AsyncClient | None = None):
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self._client = client
+
+    async def query(self, promql: str) -> float | None:
+        """An instant query reduced to one number: None for an empty result, the sum when a
+        query returns several series (it should not: every query above aggregates)."""
+        client = self._client or httpx.AsyncClient()
+        try:
+            r = await client.get(f"{self.base_url}/api/v1/query", params={"query": promql}, timeout=self.timeout_s)
+        except httpx.HTTPError as e:
+            raise PrometheusError(f"{self.base_url} unreachable: {type(e).__name__}: {e}") from e
+        finally:
+            if self._client is None:
+                await client.aclose()
+        try:
+            body = r.json()
+        except ValueError:
+            raise PrometheusError(f"{self.base_url} answered {r.status_code} with a non-JSON body") from None
+        if r.status_code != 200 or body.get("status") != "success":
+            raise PrometheusError(f"query {promql!r} failed: {r.status_code} {body.get('error', '')}")
+        data = body.get("data") or {}
+        result = data.get("result") or []
+        if data.get("resultType") == "scalar":
+            return float(result[1])
+        if not result:
+            return None
+        values = [float(series["value"][1]) for series in result]
+        return math.fsum(values)
+
+    async def observe(self, policy: str, namespace: str, name: str, current_replicas: int, ready_replicas: int,
+                      rate_window_s: int = 60) -> Observation:
+        named = queries(policy, namespace, name, rate_window_s)
+        try:
+            values = await asyncio.gather(*(self.query(q) for q in named.values()))
+        except PrometheusError as e:
+            return Observation(current_replicas, ready_replicas, error=str(e))
+        return Observation(current_replicas, ready_replicas, **dict(zip(named, values)))

@@ -1,0 +1,586 @@
+"""Spec in, manifests out: everything one InferenceService becomes, as plain dicts.
+
+Pure: no API calls, no clock, no randomness; the same resource always renders the same bytes, so
+`pagoda-operator render`, the tests and the handler see exactly what will be applied. The
+handler applies the list in order by server-side apply. Children, all named from the
+InferenceService `<name>` and all in its namespace:
+
+  ConfigMap <name>-engine           the engine configuration; its hash rolls the pods
+  Service <name>-engine             headless; the router discovers replicas through it
+  Deployment <name>-engine          engine pods (topology.nodes == 1), or
+  LeaderWorkerSet <name>-engine     one leader + workers group per replica (nodes > 1)
+  PodDisruptionBudget <name>-engine at most one replica down for voluntary disruptions
+  Service <name>, Deployment <name> the router: the OpenAI endpoint (`pagoda route`)
+  Ingress <name>                    when spec.router.ingress is set
+  ServiceMonitor <name>             when spec.monitoring.serviceMonitor (Prometheus operator)
+
+The engine command-line contract used here (vLLM's flag names): --model --served-model-name
+--dtype --max-model-len --load-format --tensor-parallel-size --pipeline-parallel-size
+--data-parallel-size --enable-expert-parallel --max-num-seqs --max-num-batched-tokens
+--gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --device --host --port,
+and for KV tiers --kv-offload-cpu-gb, --kv-offload-disk-path/--kv-offload-disk-gb,
+--kv-offload-remote-url (password in PAGODA_KV_REMOTE_PASSWORD). The engine does not implement
+the tiers yet; the operator already renders them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_operator import sizing
+from pagoda_operator.quantity import gib
+from pagoda_operator.spec import API_VERSION, KIND, InferenceServiceSpec, desired_replicas
+
+FIELD_MANAGER = "pagoda-operator"
+ENGINE_PORT = 8000
+ROUTER_PORT = 8000
+CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
+ROUTER_SERVICE_ACCOUNT = "pagoda-router"  # created per namespace by the Helm chart / kustomize
+MODELS_DIR = "/models"
+CONFIG_DIR = "/etc/pagoda"
+KV_DISK_DIR = "/var/lib/pagoda/kv"
+PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
+STARTUP_PROBE_PERIOD = 10
+LWS_GROUP = "leaderworkerset.x-k8s.io"
+LWS_LABEL_PREFIX = "leaderworkerset.sigs.k8s.io"
+
+# The kinds the renderer can emit (apiVersion, kind): RBAC and tests cover exactly these.
+CHILD_KINDS = [
+    ("v1", "ConfigMap"),
+    ("v1", "Service"),
+    ("apps/v1", "Deployment"),
+    (f"{LWS_GROUP}/v1", "LeaderWorkerSet"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "Ingress"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+]
+
+
+@dataclass(frozen=True)
+class Images:
+    """Default images, set per installation (PAGODA_ENGINE_IMAGE, PAGODA_ENGINE_CPU_IMAGE)."""
+
+    engine: str = "pagoda/engine:dev"
+    engine_cpu: str = "pagoda/engine-cpu:dev"
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "Images":
+        env = os.environ if env is None else env
+        return cls(
+            engine=env.get("PAGODA_ENGINE_IMAGE") or cls.engine,
+            engine_cpu=env.get("PAGODA_ENGINE_CPU_IMAGE") or cls.engine_cpu,
+        )
+
+
+# --- names, labels, references ---------------------------------------------------------------
+
+
+def engine_name(name: str) -> str:
+    return f"{name}-engine"
+
+
+def selector_labels(name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "pagoda",
+        "app.kubernetes.io/instance": name,
+        "app.kubernetes.io/component": component,
+    }
+
+
+def labels(name: str, component: str) -> dict[str, str]:
+    return {**selector_labels(name, component), "app.kubernetes.io/managed-by": FIELD_MANAGER}
+
+
+def engine_selector(name: str) -> str:
+    """status.selector: the engine pods, as a label selector string (scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "engine").items()))
+
+
+def owner_references(body: dict[str, Any]) -> list[dict[str, Any]]:
+    meta = body.get("metadata") or {}
+    if not meta.get("uid"):
+        return []  # a file rendered before the object exists has no uid to point at
+    return [{
+        "apiVersion": API_VERSION,
+        "kind": KIND,
+        "name": meta["name"],
+        "uid": meta["uid"],
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }]
+
+
+def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
+    ingress = spec.router.ingress
+    if ingress is not None and ingress.host:
+        return f"{'https' if ingress.tls else 'http'}://{ingress.host}"
+    return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
+
+
+def _meta(body: dict[str, Any], name: str, component: str) -> dict[str, Any]:
+    meta = body["metadata"]
+    out = {
+        "name": name,
+        "namespace": meta.get("namespace") or "default",
+        "labels": labels(meta["name"], component),
+    }
+    refs = owner_references(body)
+    if refs:
+        out["ownerReferences"] = refs
+    return out
+
+
+# --- engine -----------------------------------------------------------------------------------
+
+
+def model_path(spec: InferenceServiceSpec) -> str | None:
+    """Where the engine finds the weights inside its container (None: the built-in tiny model)."""
+    uri = spec.model.uri
+    if uri is None:
+        return None
+    scheme, rest = uri.split("://", 1)
+    if scheme == "hf":
+        return f"{MODELS_DIR}/{rest.split('@', 1)[0]}"
+    if scheme == "pvc":
+        _, _, path = rest.partition("/")
+        return f"{MODELS_DIR}/{path}".rstrip("/") if path else MODELS_DIR
+    return "/" + rest.lstrip("/")  # file:///path: a path in the image or on the node, as is
+
+
+def _format_gb(num_gib: float) -> str:
+    return f"{num_gib:g}"
+
+
+def engine_args(name: str, spec: InferenceServiceSpec) -> list[str]:
+    """`pagoda serve` flags for this spec, in a fixed order."""
+    m, e, t = spec.model, spec.engine, spec.topology
+    args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
+    path = model_path(spec)
+    if path is not None:
+        args += ["--model", path]
+    args += ["--served-model-name", m.name or name]
+    if m.dtype != "auto":
+        args += ["--dtype", m.dtype]
+    if m.max_model_len is not None:
+        args += ["--max-model-len", str(m.max_model_len)]
+    if m.load_format != "auto":
+        args += ["--load-format", m.load_format]
+    args += ["--tensor-parallel-size", str(t.tensor), "--pipeline-parallel-size", str(t.pipeline)]
+    if t.data > 1:
+        args += ["--data-parallel-size", str(t.data)]
+    if t.expert:
+        args += ["--enable-expert-parallel"]
+    if e.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(e.max_num_seqs)]
+    if e.max_num_batched_tokens is not None:
+        args += ["--max-num-batched-tokens", str(e.max_num_batched_tokens)]
+    if e.gpu_memory_utilization is not None:
+        args += ["--gpu-memory-utilization", f"{e.gpu_memory_utilization:g}"]
+    args += ["--block-size", str(spec.kv_cache.page_size)]
+    args += ["--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching"]
+    if e.seed is not None:
+        args += ["--seed", str(e.seed)]
+    if sizing.gpus_per_pod(spec) == 0:
+        args += ["--device", "cpu"]
+    for tier in spec.kv_cache.tiers:
+        if tier.type == "cpu":
+            args += ["--kv-offload-cpu-gb", _format_gb(gib(tier.size))]
+        elif tier.type == "disk":
+            args += ["--kv-offload-disk-path", KV_DISK_DIR, "--kv-offload-disk-gb", _format_gb(gib(tier.size))]
+        elif tier.type == "remote":
+            args += ["--kv-offload-remote-url", tier.url]
+    return args + list(e.extra_args)
+
+
+def engine_config(name: str, spec: InferenceServiceSpec, images: Images) -> dict[str, str]:
+    """ConfigMap data: the engine's resolved configuration, for review and as the rollout hash."""
+    config = {
+        "args": engine_args(name, spec),
+        "image": engine_image(spec, images),
+        "gpusPerPod": sizing.gpus_per_pod(spec),
+        "topology": {"tensor": spec.topology.tensor, "pipeline": spec.topology.pipeline,
+                     "data": spec.topology.data, "expert": spec.topology.expert, "nodes": spec.topology.nodes},
+        "kvTiers": [{"type": t.type, "size": t.size, "url": t.url} for t in spec.kv_cache.tiers],
+    }
+    return {"engine.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+
+
+def config_hash(data: dict[str, str]) -> str:
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def engine_image(spec: InferenceServiceSpec, images: Images) -> str:
+    if spec.engine.image:
+        return spec.engine.image
+    return images.engine if sizing.gpus_per_pod(spec) else images.engine_cpu
+
+
+def _probe(path: str, period: int, failures: int, timeout: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": timeout,
+    }
+
+
+def engine_resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    requests: dict[str, Any] = {"cpu": sizing.pod_cpu(spec), "memory": sizing.pod_memory(spec)}
+    limits: dict[str, Any] = {"memory": sizing.pod_memory(spec)}
+    gpus = sizing.gpus_per_pod(spec)
+    if gpus:
+        # Extended resources are requested through limits (requests must equal them).
+        requests[spec.resources.gpu_resource] = str(gpus)
+        limits[spec.resources.gpu_resource] = str(gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], list[dict]]:
+    """(volumes, the engine container's mounts)."""
+    volumes = [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": sizing.shm_size(spec)}},
+        {"name": "config", "configMap": {"name": engine_name(name)}},
+    ]
+    mounts = [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
+    ]
+    uri = spec.model.uri or ""
+    if uri.startswith("hf://"):
+        dl = spec.model.download
+        source = (
+            {"persistentVolumeClaim": {"claimName": dl.cache_claim_name}}
+            if dl.cache_claim_name
+            else {"emptyDir": {"sizeLimit": str(dl.cache_size_limit)} if dl.cache_size_limit else {}}
+        )
+        volumes.append({"name": "model-cache", **source})
+        mounts.append({"name": "model-cache", "mountPath": MODELS_DIR, "readOnly": True})
+    elif uri.startswith("pvc://"):
+        claim = uri[len("pvc://"):].split("/", 1)[0]
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    for tier in spec.kv_cache.tiers:
+        if tier.type == "disk":
+            source = tier.volume or {"emptyDir": {"sizeLimit": str(tier.size)}}
+            volumes.append({"name": "kv-disk", **source})
+            mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
+    return volumes, mounts
+
+
+DOWNLOAD_SCRIPT = """\
+attempt=0
+until timeout "$DOWNLOAD_TIMEOUT_SECONDS" hf download "$MODEL_REPO" --revision "$MODEL_REVISION" --local-dir "$MODEL_DIR"; do
+  attempt=$((attempt + 1))
+  if [ "$attempt" -gt "$DOWNLOAD_RETRIES" ]; then
+    echo "pagoda: downloading $MODEL_REPO failed $attempt times; giving up" >&2
+    exit 1
+  fi
+  echo "pagoda: download attempt $attempt of $MODEL_REPO failed; retrying in $((attempt * 15))s" >&2
+  sleep $((attempt * 15))
+done
+"""
+
+
+def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
+    """Init container fetching an hf:// model into the cache volume; files already there are
+    kept, so a restart resumes instead of starting over."""
+    repo, _, revision = spec.model.uri[len("hf://"):].partition("@")
+    dl = spec.model.download
+    env = [
+        {"name": "MODEL_REPO", "value": repo},
+        {"name": "MODEL_REVISION", "value": revision or "main"},
+        {"name": "MODEL_DIR", "value": f"{MODELS_DIR}/{repo}"},
+        {"name": "DOWNLOAD_TIMEOUT_SECONDS", "value": str(dl.timeout_seconds)},
+        {"name": "DOWNLOAD_RETRIES", "value": str(dl.retries)},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if dl.token_secret_ref is not None:
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": dl.token_secret_ref.name, "key": dl.token_secret_ref.key}}})
+    container = {
+        "name": "model-download",
+        "image": image,
+        "command": ["sh", "-c", DOWNLOAD_SCRIPT],
+        "env": env,
+        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
+        "volumeMounts": [{"name": "model-cache", "mountPath": MODELS_DIR}],
+    }
+    if spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = spec.engine.image_pull_policy
+    return container
+
+
+def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = []
+    if spec.topology.nodes > 1:
+        # The LWS controller injects these too, only where absent; spelling them out makes the
+        # pod's contract visible. $(VAR) expansion needs LWS_GROUP_INDEX defined first.
+        lws = engine_name(name)
+        env += [
+            {"name": "LWS_GROUP_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LWS_LABEL_PREFIX}/group-index']"}}},
+            {"name": "LWS_WORKER_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{LWS_LABEL_PREFIX}/worker-index']"}}},
+            {"name": "LWS_GROUP_SIZE", "value": str(spec.topology.nodes)},
+            {"name": "LWS_LEADER_ADDRESS", "value": f"{lws}-$(LWS_GROUP_INDEX).{lws}.{namespace}"},
+        ]
+    for tier in spec.kv_cache.tiers:
+        if tier.type == "remote" and tier.secret_ref is not None:
+            env.append({"name": "PAGODA_KV_REMOTE_PASSWORD", "valueFrom": {"secretKeyRef": {
+                "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
+    return env + [dict(v) for v in spec.engine.env]
+
+
+def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    tolerations = [dict(t) for t in spec.resources.tolerations]
+    gpu = spec.resources.gpu_resource
+    if sizing.gpus_per_pod(spec) and not any(t.get("key") == gpu for t in tolerations):
+        # GPU node pools are commonly tainted with the GPU resource name (GKE, AKS, EKS guides).
+        tolerations.append({"key": gpu, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine") -> dict[str, Any]:
+    """The engine pod; role "leader"/"worker" for LeaderWorkerSet groups (workers serve no HTTP,
+    so they carry no probes)."""
+    name = body["metadata"]["name"]
+    namespace = body["metadata"].get("namespace") or "default"
+    image = engine_image(spec, images)
+    volumes, mounts = _engine_volumes(name, spec)
+    container: dict[str, Any] = {
+        "name": "engine",
+        "image": image,
+        "command": ["pagoda", "serve"],
+        "args": engine_args(name, spec),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "resources": engine_resources(spec),
+        "volumeMounts": mounts,
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+    }
+    if spec.engine.image_pull_policy:
+        container["imagePullPolicy"] = spec.engine.image_pull_policy
+    env = _engine_env(name, namespace, spec)
+    if env:
+        container["env"] = env
+    if role != "worker":
+        budget = sizing.startup_budget_seconds(spec)
+        container["startupProbe"] = _probe("/health", STARTUP_PROBE_PERIOD, math.ceil(budget / STARTUP_PROBE_PERIOD), 5)
+        container["readinessProbe"] = _probe("/health", 5, 3, 5)
+        container["livenessProbe"] = _probe("/health", 15, 4, 10)
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if (spec.model.uri or "").startswith("hf://"):
+        pod_spec["initContainers"] = [_download_container(spec, image)]
+    if spec.resources.node_selector:
+        pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
+    tolerations = _tolerations(spec)
+    if tolerations:
+        pod_spec["tolerations"] = tolerations
+    pod_labels = labels(name, "engine")
+    if role in ("leader", "worker"):
+        pod_labels["pagoda.dev/role"] = role
+    return {
+        "metadata": {
+            "labels": pod_labels,
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_config(name, spec, images))},
+        },
+        "spec": pod_spec,
+    }
+
+
+def render_engine_configmap(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": _meta(body, engine_name(name), "engine"),
+        "data": engine_config(name, spec, images),
+    }
+
+
+def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    selector = selector_labels(name, "engine")
+    service_spec: dict[str, Any] = {
+        "clusterIP": "None",
+        "selector": selector,
+        "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+    }
+    if spec.topology.nodes > 1:
+        # Leaders only (workers serve no HTTP). LWS uses this Service as its pods' subdomain, and
+        # workers must resolve the leader's name before it is ready.
+        selector[f"{LWS_LABEL_PREFIX}/worker-index"] = "0"
+        service_spec["publishNotReadyAddresses"] = True
+    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(body, engine_name(name), "engine"), "spec": service_spec}
+
+
+def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
+    # GPUs are scarce: replace a GPU replica in place rather than asking for a surge of GPUs.
+    return {"maxSurge": 0, "maxUnavailable": 1} if sizing.gpus_per_pod(spec) else {"maxSurge": 1, "maxUnavailable": 0}
+
+
+def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(body, engine_name(name), "engine"),
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "selector": {"matchLabels": selector_labels(name, "engine")},
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout_bounds(spec)},
+            # Loading a large model is slow; a rollout is not stuck until its pods had their budget.
+            "progressDeadlineSeconds": sizing.startup_budget_seconds(spec) + 600,
+            "template": engine_pod_template(body, spec, images),
+        },
+    }
+
+
+def render_engine_leaderworkerset(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": f"{LWS_GROUP}/v1",
+        "kind": "LeaderWorkerSet",
+        "metadata": _meta(body, engine_name(name), "engine"),
+        "spec": {
+            "replicas": desired_replicas(spec),
+            "startupPolicy": "LeaderCreated",
+            "rolloutStrategy": {"type": "RollingUpdate", "rollingUpdateConfiguration": _rollout_bounds(spec)},
+            "leaderWorkerTemplate": {
+                "size": spec.topology.nodes,
+                # One lost pod breaks the replica's collectives: restart the whole group.
+                "restartPolicy": "RecreateGroupOnPodRestart",
+                "leaderTemplate": engine_pod_template(body, spec, images, role="leader"),
+                "workerTemplate": engine_pod_template(body, spec, images, role="worker"),
+            },
+        },
+    }
+
+
+def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _meta(body, engine_name(name), "engine"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, "engine")}},
+    }
+
+
+# --- router -----------------------------------------------------------------------------------
+
+
+def router_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
+    meta = body["metadata"]
+    namespace = meta.get("namespace") or "default"
+    return ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}", "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
+
+
+def render_router_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    container = {
+        "name": "router",
+        "image": spec.router.image or images.engine_cpu,
+        "command": ["pagoda", "route"],
+        "args": router_args(body, spec),
+        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "readinessProbe": _probe("/health", 5, 3, 5),
+        "livenessProbe": _probe("/health", 15, 4, 10),
+        "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": _meta(body, name, "router"),
+        "spec": {
+            "replicas": spec.router.replicas,
+            "selector": {"matchLabels": selector_labels(name, "router")},
+            "template": {
+                "metadata": {"labels": labels(name, "router")},
+                "spec": {
+                    "serviceAccountName": ROUTER_SERVICE_ACCOUNT,
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [container],
+                },
+            },
+        },
+    }
+
+
+def render_router_service(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _meta(body, name, "router"),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, "router"),
+            "ports": [{"name": "http", "port": ROUTER_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render_ingress(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    ingress = spec.router.ingress
+    meta = _meta(body, name, "router")
+    if ingress.annotations:
+        meta["annotations"] = dict(ingress.annotations)
+    rule: dict[str, Any] = {"http": {"paths": [{
+        "path": "/",
+        "pathType": "Prefix",
+        "backend": {"service": {"name": name, "port": {"name": "http"}}},
+    }]}}
+    if ingress.host:
+        rule = {"host": ingress.host, **rule}
+    ingress_spec: dict[str, Any] = {"rules": [rule]}
+    if ingress.class_name:
+        ingress_spec = {"ingressClassName": ingress.class_name, **ingress_spec}
+    if ingress.tls is not None:
+        ingress_spec["tls"] = [{"hosts": [ingress.host], "secretName": ingress.tls.secret_name}]
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": ingress_spec}
+
+
+def render_service_monitor(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": _meta(body, name, "monitoring"),
+        "spec": {
+            # Both Services (engine and router) carry these labels and a port named http.
+            "selector": {"matchLabels": {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": name}},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": str(spec.monitoring.interval)}],
+        },
+    }
+
+
+def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | None = None) -> list[dict[str, Any]]:
+    """Every child of a validated InferenceService, in the order they are applied."""
+    images = images or Images()
+    workload = (
+        render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
+        else render_engine_deployment(body, spec, images)
+    )
+    out = [
+        render_engine_configmap(body, spec, images),
+        render_engine_service(body, spec),
+        workload,
+        render_engine_pdb(body),
+        render_router_service(body),
+        render_router_deployment(body, spec, images),
+    ]
+    if spec.router.ingress is not None:
+        out.append(render_ingress(body, spec))
+    if spec.monitoring.service_monitor:
+        out.append(render_service_monitor(body, spec))
+    return out

@@ -1,0 +1,286 @@
+"""The InferenceService resource (pagoda.dev/v1alpha1), defined once.
+
+Every field of `spec` and `status` is declared here with its type, bounds and description. The
+operator parses specs with these classes (`parse_spec`), and `crd.py` generates the CRD's schema
+from them, so the two cannot drift. Defaults that depend on other fields (GPUs per pod from the
+topology, the image from CPU or GPU) are resolved where they are used, in `render.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pagoda_operator.schema import Duration, FreeForm, Quantity, parse, preserve_unknown_fields, prop
+
+GROUP = "pagoda.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ["pis"]  # KServe owns `isvc`
+CATEGORIES = ["pagoda"]
+
+MODEL_URI_PATTERN = r"^(hf://[^/@\s]+/[^@\s]+(@[^\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$"
+DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+
+
+@dataclass
+class SecretKeyRef:
+    """A key of a Secret in the InferenceService's namespace."""
+
+    name: str = prop(doc="Secret name.", pattern=DNS_SUBDOMAIN_PATTERN)
+    key: str = prop("token", doc="Key in the Secret (default token).")
+
+
+@dataclass
+class ModelArchitecture:
+    """What the model is, for validation arithmetic when its config cannot be read (the
+    operator never downloads a model). Known model names (Llama 3.x, Mixtral, Qwen) are
+    recognised from the URI; fields given here override that."""
+
+    num_attention_heads: int | None = prop(None, doc="Query attention heads.", minimum=1)
+    num_key_value_heads: int | None = prop(None, doc="Key/value heads (GQA).", minimum=1)
+    num_layers: int | None = prop(None, doc="Transformer layers.", minimum=1)
+    head_dim: int | None = prop(None, doc="Dimension of one attention head.", minimum=1)
+    params_billion: float | None = prop(None, doc="Parameters, in billions (all experts included).", minimum=0, exclusive_minimum=True)
+    moe: bool | None = prop(None, doc="Mixture-of-experts model.")
+    num_experts: int | None = prop(None, doc="Experts per MoE layer.", minimum=1)
+
+
+@dataclass
+class ModelDownload:
+    """How an hf:// model is fetched by the engine pod's init container."""
+
+    timeout_seconds: int = prop(3600, doc="Time limit of one download attempt (default 3600).", minimum=60)
+    retries: int = prop(3, doc="Attempts after the first one fails (default 3).", minimum=0, maximum=20)
+    token_secret_ref: SecretKeyRef | None = prop(None, doc="Hugging Face token (gated models), passed as HF_TOKEN.")
+    cache_claim_name: str | None = prop(None, doc="PersistentVolumeClaim that caches the download across restarts; default: an emptyDir.", pattern=DNS_LABEL_PATTERN)
+    cache_size_limit: Quantity | None = prop(None, doc="Size limit of the emptyDir cache.")
+
+
+@dataclass
+class Model:
+    """The model to serve."""
+
+    uri: str | None = prop(None, doc="hf://org/name[@revision], pvc://claim/path or file:///path (a path in the image or on the node). Omitted: the engine's built-in tiny model.", pattern=MODEL_URI_PATTERN)
+    name: str | None = prop(None, doc="Name clients use in the OpenAI API (default: the InferenceService name).")
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = prop("auto", doc="Weight and activation dtype (auto: the model config's).")
+    max_model_len: int | None = prop(None, doc="Longest sequence (prompt + output) in tokens; default: the model's.", minimum=16)
+    load_format: Literal["auto", "safetensors", "dummy"] = prop("auto", doc="dummy: random weights from the config (benchmarks).")
+    architecture: ModelArchitecture | None = prop(None, doc="Model shape hints for validation.")
+    download: ModelDownload = prop(doc="hf:// download settings.", factory=ModelDownload)
+
+
+@dataclass
+class Engine:
+    """The engine pods (`pagoda serve`)."""
+
+    image: str | None = prop(None, doc="Engine image; default: the operator's engine image (engine-cpu when no GPUs).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = prop(None, doc="Image pull policy.")
+    max_num_seqs: int | None = prop(None, doc="Most sequences in one batch (engine default 256).", minimum=1)
+    max_num_batched_tokens: int | None = prop(None, doc="Token budget of one step (engine default 8192).", minimum=1)
+    gpu_memory_utilization: float | None = prop(None, doc="Fraction of GPU memory the engine may use (engine default 0.9).", minimum=0, exclusive_minimum=True, maximum=1)
+    prefix_caching: bool = prop(True, doc="Reuse KV pages of shared prompt prefixes.")
+    seed: int | None = prop(None, doc="Sampling seed.", minimum=0)
+    extra_args: list[str] = prop(doc="More `pagoda serve` flags, appended as given.", factory=list)
+    env: list[FreeForm] = prop(doc="Extra environment variables (Kubernetes EnvVar objects).", factory=list)
+    startup_timeout_seconds: int | None = prop(None, doc="Time a pod may take to load the model before it is restarted; default sized from the model (30 min or more for 70B).", minimum=60)
+    termination_grace_period_seconds: int = prop(60, doc="Time to drain in-flight requests on shutdown.", minimum=10)
+
+
+@dataclass
+class Resources:
+    """What one engine pod asks for."""
+
+    gpus_per_pod: int | None = prop(None, doc="GPUs per pod; default tensor × pipeline × data / nodes. 0: run on CPU.", minimum=0)
+    gpu_resource: str = prop("nvidia.com/gpu", doc="Extended resource name of a GPU.")
+    gpu_memory_gi_b: float = prop(80.0, name="gpuMemoryGiB", doc="Memory of one GPU in GiB, for the fit check (80: H100/A100-80G; 141: H200; 24: L4).", minimum=1)
+    cpu: Quantity | None = prop(None, doc="CPU request.")
+    memory: Quantity | None = prop(None, doc="Memory request and limit (must hold a cpu KV tier).")
+    shm_size: Quantity | None = prop(None, doc="Size of the /dev/shm memory volume.")
+    node_selector: dict[str, str] = prop(doc="Node selector of engine pods.", factory=dict)
+    tolerations: list[FreeForm] = prop(doc="Tolerations of engine pods.", factory=list)
+
+
+@dataclass
+class Topology:
+    """How one replica is split across GPUs and nodes."""
+
+    tensor: int = prop(1, doc="Tensor-parallel size.", minimum=1)
+    pipeline: int = prop(1, doc="Pipeline-parallel size.", minimum=1)
+    data: int = prop(1, doc="Data-parallel engine cores inside one replica (MoE expert parallelism spans tensor × data).", minimum=1)
+    expert: bool = prop(False, doc="Shard MoE experts across tensor × data ranks (needs a MoE model).")
+    nodes: int = prop(1, doc="Nodes per replica; > 1 runs a LeaderWorkerSet.", minimum=1)
+
+
+@dataclass
+class KVTier:
+    """One KV-cache tier below GPU memory. (Pagoda's engine accepts the flags; tiers are not yet
+    implemented inside it.)"""
+
+    type: Literal["cpu", "disk", "remote"] = prop(doc="cpu: pinned host memory; disk: local files; remote: Redis shared by all replicas.")
+    size: Quantity | None = prop(None, doc="Capacity (cpu and disk tiers).")
+    volume: FreeForm | None = prop(None, doc="disk tier: a Kubernetes volume source (e.g. {persistentVolumeClaim: {claimName: kv}}); default an emptyDir.")
+    url: str | None = prop(None, doc="remote tier: redis://host:port[/db].")
+    secret_ref: SecretKeyRef | None = prop(None, doc="remote tier: Secret key holding the password.")
+
+
+@dataclass
+class KVCache:
+    """Paged KV cache."""
+
+    page_size: int = prop(16, doc="Tokens per KV page (a power of two).", minimum=1, maximum=1024)
+    tiers: list[KVTier] = prop(doc="Tiers below GPU memory, fastest first.", factory=list)
+
+
+@dataclass
+class Autoscaling:
+    """Scale replicas from Prometheus metrics. Exclusive with spec.replicas: with autoscaling,
+    spec.replicas belongs to the scaler (written through the scale subresource)."""
+
+    max_replicas: int = prop(doc="Most replicas.", minimum=1)
+    min_replicas: int = prop(1, doc="Fewest replicas; 0 allows scale to zero (the router holds requests).", minimum=0)
+    driver: Literal["builtin", "keda", "hpa"] = prop("builtin", doc="builtin: the operator's autoscaler; keda or hpa: target the scale subresource with those.")
+    prometheus_url: str | None = prop(None, name="prometheusURL", doc="Prometheus HTTP API base URL.", pattern=r"^https?://")
+    policy: Literal["queue", "kvUtilization", "ttft"] = prop("queue", doc="queue: waiting requests per replica; kvUtilization: mean KV usage; ttft: p90 time to first token.")
+    target: float | None = prop(None, doc="Target value of the policy's metric per replica.", minimum=0, exclusive_minimum=True)
+    scale_up_delay: Duration | None = prop(None, doc="How long the metric must ask for more before scaling up.")
+    scale_down_delay: Duration | None = prop(None, doc="How long the metric must ask for fewer before scaling down.")
+    interval_seconds: int | None = prop(None, doc="Seconds between decisions.", minimum=1)
+
+
+@dataclass
+class IngressTLS:
+    """TLS of the Ingress."""
+
+    secret_name: str = prop(doc="Secret holding the certificate for the host.", pattern=DNS_LABEL_PATTERN)
+
+
+@dataclass
+class Ingress:
+    """An Ingress in front of the router Service."""
+
+    host: str | None = prop(None, doc="Host name; omitted: any host.")
+    class_name: str | None = prop(None, doc="IngressClass name.")
+    tls: IngressTLS | None = prop(None, doc="Serve HTTPS with this certificate.")
+    annotations: dict[str, str] = prop(doc="Annotations (e.g. proxy timeouts for streaming).", factory=dict)
+
+
+@dataclass
+class Router:
+    """The OpenAI endpoint in front of the replicas (`pagoda route`)."""
+
+    policy: Literal["prefix-aware", "least-load", "round-robin"] = prop("prefix-aware", doc="How a request picks a replica.")
+    replicas: int = prop(1, doc="Router pods.", minimum=1)
+    image: str | None = prop(None, doc="Router image; default: the operator's engine-cpu image.")
+    ingress: Ingress | None = prop(None, doc="Expose the router through an Ingress.")
+
+
+@dataclass
+class Monitoring:
+    """Prometheus scraping."""
+
+    service_monitor: bool = prop(True, doc="Create a ServiceMonitor (Prometheus operator) for engine and router metrics.")
+    interval: Duration = prop(Duration("15s"), doc="Scrape interval.")
+
+
+@dataclass
+class InferenceServiceSpec:
+    """The desired state of an InferenceService."""
+
+    model: Model = prop(doc="The model to serve.", factory=Model)
+    engine: Engine = prop(doc="Engine pods.", factory=Engine)
+    resources: Resources = prop(doc="Per-pod resources.", factory=Resources)
+    topology: Topology = prop(doc="Parallelism of one replica.", factory=Topology)
+    kv_cache: KVCache = prop(doc="KV cache.", factory=KVCache)
+    replicas: int | None = prop(None, doc="Engine replicas (default 1); exclusive with autoscaling.", minimum=0)
+    autoscaling: Autoscaling | None = prop(None, doc="Prometheus-driven autoscaling.")
+    router: Router = prop(doc="The router.", factory=Router)
+    monitoring: Monitoring = prop(doc="Prometheus scraping.", factory=Monitoring)
+
+
+# --- status (written by the operator; declared here for the CRD schema) -----------------------
+
+
+@dataclass
+class Condition:
+    """A condition, as Kubernetes conventions define it."""
+
+    type: str = prop(doc="Ready, Progressing, Degraded, Validated or ScalingReady.")
+    status: Literal["True", "False", "Unknown"] = prop(doc="True, False or Unknown.")
+    observed_generation: int | None = prop(None, doc="metadata.generation this condition was computed from.", minimum=0)
+    reason: str | None = prop(None, doc="CamelCase reason.")
+    message: str | None = prop(None, doc="Human-readable detail.")
+    last_transition_time: str | None = prop(None, doc="When status last changed (RFC 3339).")
+
+
+@preserve_unknown_fields
+@dataclass
+class ScalingDecision:
+    """One autoscaling decision."""
+
+    time: str | None = prop(None, doc="When it was made (RFC 3339).")
+    inputs: FreeForm | None = prop(None, doc="Metric values it was made from.")
+    result: int | None = prop(None, doc="Replicas decided.")
+    reason: str | None = prop(None, doc="Why.")
+
+
+@preserve_unknown_fields
+@dataclass
+class AutoscalingStatus:
+    """What the autoscaler last decided."""
+
+    desired_replicas: int | None = prop(None, doc="Replicas the autoscaler wants.")
+    last_decision: ScalingDecision | None = prop(None, doc="The latest decision.")
+
+
+@preserve_unknown_fields
+@dataclass
+class KVTierStatus:
+    """Configured capacity (and, where reported, usage) of one KV tier."""
+
+    type: str | None = prop(None, doc="Tier type.")
+    capacity: str | None = prop(None, doc="Configured size.")
+
+
+@preserve_unknown_fields
+@dataclass
+class KVCacheStatus:
+    """KV tiers of the service."""
+
+    tiers: list[KVTierStatus] | None = prop(None, doc="One entry per configured tier.")
+
+
+@dataclass
+class InferenceServiceStatus:
+    """The observed state of an InferenceService."""
+
+    observed_generation: int | None = prop(None, doc="metadata.generation last reconciled.")
+    conditions: list[Condition] | None = prop(None, doc="Ready, Progressing, Degraded, Validated, ScalingReady.", list_map_keys=["type"])
+    replicas: int | None = prop(None, doc="Engine replicas that exist (scale subresource).")
+    ready_replicas: int | None = prop(None, doc="Engine replicas that are ready.")
+    selector: str | None = prop(None, doc="Label selector of engine pods (scale subresource).")
+    url: str | None = prop(None, doc="OpenAI endpoint of the service.")
+    autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state.")
+    kv_cache: KVCacheStatus | None = prop(None, doc="KV tier state.")
+
+
+def parse_spec(spec: Any) -> InferenceServiceSpec:
+    """Parse a spec dict; raises schema.SpecProblems with every problem found."""
+    return parse(InferenceServiceSpec, {} if spec is None else spec, "spec")
+
+
+def desired_replicas(spec: InferenceServiceSpec) -> int:
+    """Engine replicas the workload should run now: spec.replicas (set by the user, or by the
+    scaler through the scale subresource), else the autoscaling floor, else 1."""
+    if spec.replicas is not None:
+        return spec.replicas
+    if spec.autoscaling is not None:
+        return spec.autoscaling.min_replicas
+    return 1
+
+
+__all__ = [name for name in dir() if not name.startswith("_") and name != "Any"]

@@ -1,0 +1,211 @@
+"""Is an InferenceService servable as written? A pure function from the resource to a list of
+problems, each a sentence that shows its arithmetic, so the user can fix the spec from the
+`Validated=False` condition (or `pagoda-operator render`) alone. Nothing here raises on user
+input; the handler creates nothing while the list is non-empty.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from pagoda_operator import sizing
+from pagoda_operator.models import architecture_of
+from pagoda_operator.quantity import gib
+from pagoda_operator.schema import SpecProblems
+from pagoda_operator.spec import InferenceServiceSpec, parse_spec
+
+# Children are named <name>-engine (a Service: a DNS-1035 label of at most 63 characters).
+NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
+MAX_NAME_LENGTH = 63 - len("-engine")
+REDIS_URL_PATTERN = r"^rediss?://[^\s/:]+(:[0-9]+)?(/[0-9]+)?$"
+# Managers allowed to own spec.replicas next to spec.autoscaling: writes through the scale
+# subresource (HPA, KEDA, kubectl scale) and Pagoda's own autoscaler.
+SCALER_MANAGER_PREFIX = "pagoda"
+
+
+@dataclass
+class Checked:
+    """The outcome of validation: the parsed spec when it parsed, and every problem found."""
+
+    spec: InferenceServiceSpec | None
+    problems: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def check(body: dict[str, Any]) -> Checked:
+    """Parse and validate a whole InferenceService object (metadata and spec)."""
+    problems = _check_metadata(body.get("metadata") or {})
+    try:
+        spec = parse_spec(body.get("spec"))
+    except SpecProblems as e:
+        return Checked(None, problems + e.problems)
+    problems += validate_spec(spec)
+    problems += _check_replicas_owner(spec, body.get("metadata") or {})
+    return Checked(spec, problems)
+
+
+def _check_metadata(meta: dict[str, Any]) -> list[str]:
+    name = meta.get("name")
+    if not isinstance(name, str) or not name:
+        return ["metadata.name: required"]
+    if not re.fullmatch(NAME_PATTERN, name) or len(name) > MAX_NAME_LENGTH:
+        return [
+            f"metadata.name: {name!r} must be a lower-case DNS label that starts with a letter and has at most "
+            f"{MAX_NAME_LENGTH} characters, so that the Service {name}-engine is a valid name"
+        ]
+    return []
+
+
+def validate_spec(spec: InferenceServiceSpec) -> list[str]:
+    """Semantic checks of a parsed spec (types and bounds were checked by parsing)."""
+    return [
+        *_check_topology(spec),
+        *_check_heads(spec),
+        *_check_experts(spec),
+        *_check_memory(spec),
+        *_check_scaling(spec),
+        *_check_kv_cache(spec),
+        *_check_router(spec),
+    ]
+
+
+def _check_topology(spec: InferenceServiceSpec) -> list[str]:
+    t = spec.topology
+    ranks = sizing.ranks(spec)
+    given = spec.resources.gpus_per_pod
+    shape = f"tensor {t.tensor} × pipeline {t.pipeline} × data {t.data} = {ranks} ranks"
+    if given == 0:
+        return []  # CPU: ranks are processes, not devices
+    if given is not None and given * t.nodes != ranks:
+        return [
+            f"topology: {shape} need {ranks} GPUs per replica, but resources give "
+            f"gpusPerPod {given} × nodes {t.nodes} = {given * t.nodes}; make them equal"
+        ]
+    if given is None and ranks % t.nodes:
+        return [f"topology: {shape} cannot be spread evenly over nodes {t.nodes} ({ranks} / {t.nodes} = {ranks / t.nodes:.2f} GPUs per pod)"]
+    return []
+
+
+def _check_heads(spec: InferenceServiceSpec) -> list[str]:
+    arch = architecture_of(spec.model)
+    tp = spec.topology.tensor
+    problems = []
+    heads, kv_heads = arch.num_attention_heads, arch.num_key_value_heads
+    if heads is not None and heads % tp:
+        problems.append(
+            f"topology.tensor: {tp} does not divide the model's {heads} attention heads "
+            f"({heads} / {tp} = {heads / tp:.2f}); use a divisor of {heads}"
+        )
+    if kv_heads is not None and kv_heads % tp and tp % kv_heads:
+        problems.append(
+            f"topology.tensor: {tp} neither divides the model's {kv_heads} KV heads ({kv_heads} / {tp} = {kv_heads / tp:.2f}) "
+            f"nor is a multiple of them (each GPU must hold whole KV heads)"
+        )
+    if arch.num_layers is not None and spec.topology.pipeline > arch.num_layers:
+        problems.append(f"topology.pipeline: {spec.topology.pipeline} stages for {arch.num_layers} layers leaves stages empty")
+    return problems
+
+
+def _check_experts(spec: InferenceServiceSpec) -> list[str]:
+    if not spec.topology.expert:
+        return []
+    arch = architecture_of(spec.model)
+    what = spec.model.uri or "the built-in tiny model"
+    if arch.moe is None:
+        return [f"topology.expert: expert parallelism needs a mixture-of-experts model, and {what} is not a known one; set spec.model.architecture.moe: true if it is"]
+    if not arch.moe:
+        return [f"topology.expert: expert parallelism needs a mixture-of-experts model, but {what} is dense (moe: false)"]
+    ep = spec.topology.tensor * spec.topology.data
+    if arch.num_experts is not None and arch.num_experts % ep:
+        return [f"topology.expert: {arch.num_experts} experts cannot be split evenly over tensor {spec.topology.tensor} × data {spec.topology.data} = {ep} ranks"]
+    return []
+
+
+def _check_memory(spec: InferenceServiceSpec) -> list[str]:
+    if sizing.gpus_per_pod(spec) == 0:
+        return []
+    plan = sizing.memory_plan(spec)
+    if plan is None or plan.needed_gib <= plan.usable_gib:
+        return []
+    need_shards = -(-plan.weights_gib * plan.model_shards // max(plan.usable_gib - plan.kv_gib - plan.reserve_gib, 1e-9))
+    return [f"memory: the model does not fit: {plan.explain()}; raise topology.tensor or topology.pipeline (about {int(need_shards)} shards), or use GPUs with more memory (resources.gpuMemoryGiB)"]
+
+
+def _check_scaling(spec: InferenceServiceSpec) -> list[str]:
+    a = spec.autoscaling
+    if a is None:
+        return []
+    problems = []
+    if a.min_replicas > a.max_replicas:
+        problems.append(f"autoscaling: minReplicas {a.min_replicas} > maxReplicas {a.max_replicas}")
+    if spec.replicas is not None and not a.min_replicas <= spec.replicas <= a.max_replicas:
+        problems.append(f"replicas: {spec.replicas} is outside autoscaling's [{a.min_replicas}, {a.max_replicas}]")
+    return problems
+
+
+def _check_replicas_owner(spec: InferenceServiceSpec, meta: dict[str, Any]) -> list[str]:
+    """replicas and autoscaling are exclusive for users; with autoscaling, spec.replicas is the
+    scaler's output (scale subresource). managedFields tell who wrote it."""
+    if spec.autoscaling is None or spec.replicas is None:
+        return []
+    owners = [
+        entry for entry in meta.get("managedFields") or []
+        if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
+    ]
+    by_user = [
+        e.get("manager", "?") for e in owners
+        if e.get("subresource") != "scale" and not str(e.get("manager", "")).startswith(SCALER_MANAGER_PREFIX)
+    ]
+    if owners and not by_user:
+        return []
+    who = f" (set by {', '.join(by_user)})" if by_user else ""
+    return [f"replicas: set replicas or autoscaling, not both{who}; with autoscaling the scaler sets replicas through the scale subresource"]
+
+
+def _check_kv_cache(spec: InferenceServiceSpec) -> list[str]:
+    kv = spec.kv_cache
+    problems = []
+    if kv.page_size & (kv.page_size - 1):
+        problems.append(f"kvCache.pageSize: {kv.page_size} is not a power of two")
+    seen = set()
+    for i, tier in enumerate(kv.tiers):
+        where = f"kvCache.tiers[{i}] ({tier.type})"
+        if tier.type in seen:
+            problems.append(f"{where}: a second {tier.type} tier; give each type at most once")
+        seen.add(tier.type)
+        if tier.type in ("cpu", "disk"):
+            if tier.size is None:
+                problems.append(f"{where}: size is required")
+            elif gib(tier.size) <= 0:
+                problems.append(f"{where}: size {tier.size} must be positive")
+            if tier.url is not None or tier.secret_ref is not None:
+                problems.append(f"{where}: url and secretRef belong to a remote tier")
+        if tier.type == "cpu" and tier.size is not None and spec.resources.memory is not None:
+            pod = gib(spec.resources.memory)
+            if gib(tier.size) >= pod:
+                problems.append(
+                    f"{where}: size {tier.size} ({gib(tier.size):g} GiB) must be less than the pod's memory "
+                    f"resources.memory {spec.resources.memory} ({pod:g} GiB): the tier lives in it"
+                )
+        if tier.type == "disk" and tier.volume is not None and len(tier.volume) != 1:
+            problems.append(f"{where}: volume must be one Kubernetes volume source (e.g. persistentVolumeClaim), got {sorted(tier.volume)}")
+        if tier.type != "disk" and tier.volume is not None:
+            problems.append(f"{where}: volume belongs to a disk tier")
+        if tier.type == "remote":
+            if tier.url is None:
+                problems.append(f"{where}: url is required (redis://host:port)")
+            elif not re.fullmatch(REDIS_URL_PATTERN, tier.url):
+                problems.append(f"{where}: url {tier.url!r} is not redis://host[:port][/db] or rediss://...")
+    return problems
+
+
+def _check_router(spec: InferenceServiceSpec) -> list[str]:
+    ingress = spec.router.ingress
+    if ingress is not None and ingress.tls is not None and not ingress.host:
+        return ["router.ingress.tls: needs router.ingress.host (the certificate is for a host name)"]
+    return []

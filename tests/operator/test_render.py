@@ -1,0 +1,304 @@
+"""The renderer: every example becomes valid Kubernetes objects with exactly the fields the
+engine, router and cluster need (no cluster involved)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagoda_operator import render as r
+from pagoda_operator.validation import check
+from tests.operator.support import EXAMPLE_FILES, EXAMPLES_DIR, load_example, with_spec
+
+K8S_VERSION = "1.33.0"
+OWNER = [{
+    "apiVersion": "pagoda.dev/v1alpha1",
+    "kind": "InferenceService",
+    "name": None,  # filled per example
+    "uid": "0000-uid",
+    "controller": True,
+    "blockOwnerDeletion": True,
+}]
+
+
+def rendered(body: dict) -> dict[tuple[str, str], dict]:
+    checked = check(body)
+    assert checked.ok, checked.problems
+    manifests = r.render(body, checked.spec)
+    by_key = {(m["kind"], m["metadata"]["name"]): m for m in manifests}
+    assert len(by_key) == len(manifests), "two children with one kind and name"
+    return by_key
+
+
+def engine_container(pod_template: dict) -> dict:
+    (container,) = pod_template["spec"]["containers"]
+    assert container["name"] == "engine"
+    return container
+
+
+def _validate(manifest: dict) -> None:
+    kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("filename", EXAMPLE_FILES)
+def test_every_manifest_is_valid_kubernetes(filename):
+    for manifest in rendered(load_example(filename)).values():
+        if manifest["kind"] == "LeaderWorkerSet":
+            # Not a built-in kind: its pod templates are validated as core PodTemplates.
+            lwt = manifest["spec"]["leaderWorkerTemplate"]
+            for role in ("leaderTemplate", "workerTemplate"):
+                _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": f"x-{role.lower()}"}, "template": lwt[role]})
+        elif manifest["kind"] == "ServiceMonitor":
+            assert set(manifest["spec"]) == {"selector", "endpoints"}
+        else:
+            _validate(manifest)
+
+
+@pytest.mark.parametrize("filename", EXAMPLE_FILES)
+def test_every_child_has_labels_owner_and_namespace(filename):
+    body = load_example(filename)
+    name = body["metadata"]["name"]
+    for (kind, child_name), m in rendered(body).items():
+        meta = m["metadata"]
+        assert meta["namespace"] == "default"
+        assert meta["ownerReferences"] == [{**OWNER[0], "name": name}]
+        assert meta["labels"]["app.kubernetes.io/name"] == "pagoda"
+        assert meta["labels"]["app.kubernetes.io/instance"] == name
+        assert meta["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
+        assert meta["labels"]["app.kubernetes.io/component"] in ("engine", "router", "monitoring")
+        assert child_name in (name, f"{name}-engine")
+        assert (m["apiVersion"], kind) in r.CHILD_KINDS
+
+
+@pytest.mark.parametrize("filename", EXAMPLE_FILES)
+def test_rendering_is_deterministic(filename):
+    assert rendered(load_example(filename)) == rendered(load_example(filename))
+
+
+def test_tiny_cpu_example():
+    body = load_example("tiny-cpu.yaml")
+    out = rendered(body)
+    assert sorted(out) == [
+        ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
+        ("PodDisruptionBudget", "tiny-engine"), ("Service", "tiny"), ("Service", "tiny-engine"),
+    ]
+    deploy = out[("Deployment", "tiny-engine")]
+    assert deploy["spec"]["replicas"] == 1
+    assert deploy["spec"]["selector"] == {"matchLabels": {
+        "app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "tiny", "app.kubernetes.io/component": "engine"}}
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = deploy["spec"]["template"]
+    c = engine_container(pod)
+    assert c["image"] == "pagoda/engine-cpu:dev"
+    assert c["command"] == ["pagoda", "serve"]
+    assert c["args"] == [
+        "--host", "0.0.0.0", "--port", "8000", "--served-model-name", "tiny",
+        "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--block-size", "16",
+        "--enable-prefix-caching", "--device", "cpu",
+    ]
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
+    assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    assert "env" not in c
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "10"]}}}
+    # The tiny model: the 10-minute floor of the startup budget.
+    assert c["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60, "timeoutSeconds": 5}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert pod["spec"]["volumes"] == [
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+        {"name": "config", "configMap": {"name": "tiny-engine"}},
+    ]
+    assert c["volumeMounts"] == [
+        {"name": "shm", "mountPath": "/dev/shm"},
+        {"name": "config", "mountPath": "/etc/pagoda", "readOnly": True},
+    ]
+    assert "initContainers" not in pod["spec"] and "tolerations" not in pod["spec"]
+    assert pod["spec"]["terminationGracePeriodSeconds"] == 60
+    assert pod["metadata"]["annotations"][r.CONFIG_HASH_ANNOTATION] == r.config_hash(out[("ConfigMap", "tiny-engine")]["data"])
+
+    svc = out[("Service", "tiny-engine")]["spec"]
+    assert svc["clusterIP"] == "None" and "publishNotReadyAddresses" not in svc
+    router = out[("Deployment", "tiny")]["spec"]["template"]["spec"]
+    (rc,) = router["containers"]
+    assert rc["command"] == ["pagoda", "route"]
+    assert rc["args"] == ["--k8s-service", "default/tiny-engine", "--policy", "round-robin", "--port", "8000"]
+    assert router["serviceAccountName"] == "pagoda-router"
+    assert out[("Service", "tiny")]["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
+    assert out[("PodDisruptionBudget", "tiny-engine")]["spec"]["maxUnavailable"] == 1
+
+
+def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
+    out = rendered(load_example("llama-3.1-8b.yaml"))
+    deploy = out[("Deployment", "llama-8b-engine")]
+    assert deploy["spec"]["replicas"] == 2
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    pod = deploy["spec"]["template"]["spec"]
+    c = engine_container(deploy["spec"]["template"])
+    assert c["image"] == "pagoda/engine:dev"
+    assert c["args"] == [
+        "--host", "0.0.0.0", "--port", "8000",
+        "--model", "/models/meta-llama/Llama-3.1-8B-Instruct",
+        "--served-model-name", "llama-3.1-8b-instruct", "--dtype", "bfloat16", "--max-model-len", "32768",
+        "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
+        "--max-num-seqs", "256", "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+    ]
+    assert c["resources"] == {
+        "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
+        "limits": {"memory": "16Gi", "nvidia.com/gpu": "1"},
+    }
+    assert c["startupProbe"]["failureThreshold"] == 80  # 600 s + 25 s × 8.03B params = 800 s
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    (init,) = pod["initContainers"]
+    assert init["name"] == "model-download" and init["image"] == c["image"]
+    assert init["command"][:2] == ["sh", "-c"] and "hf download" in init["command"][2] and "timeout" in init["command"][2]
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in init["env"]}
+    assert env == {
+        "MODEL_REPO": "meta-llama/Llama-3.1-8B-Instruct",
+        "MODEL_REVISION": "main",
+        "MODEL_DIR": "/models/meta-llama/Llama-3.1-8B-Instruct",
+        "DOWNLOAD_TIMEOUT_SECONDS": "3600",
+        "DOWNLOAD_RETRIES": "3",
+        "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_TOKEN": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
+    }
+    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    sm = out[("ServiceMonitor", "llama-8b")]
+    assert sm["spec"] == {
+        "selector": {"matchLabels": {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "llama-8b"}},
+        "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+    }
+    assert out[("Deployment", "llama-8b")]["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "--k8s-service", "default/llama-8b-engine", "--policy", "prefix-aware", "--port", "8000"]
+
+
+def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
+    out = rendered(load_example("llama-3.1-70b-multinode.yaml"))
+    assert ("Deployment", "llama-70b-engine") not in out
+    lws = out[("LeaderWorkerSet", "llama-70b-engine")]
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1"
+    spec = lws["spec"]
+    assert spec["replicas"] == 1
+    lwt = spec["leaderWorkerTemplate"]
+    assert lwt["size"] == 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
+    leader, worker = engine_container(lwt["leaderTemplate"]), engine_container(lwt["workerTemplate"])
+    assert leader["args"] == worker["args"]
+    assert leader["args"][leader["args"].index("--tensor-parallel-size") + 1] == "8"
+    assert leader["args"][leader["args"].index("--model") + 1] == "/models/meta-llama/Llama-3.1-70B-Instruct"
+    for c in (leader, worker):
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"  # TP 8 / 2 nodes
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "4"
+        assert c["env"] == [
+            {"name": "LWS_GROUP_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/group-index']"}}},
+            {"name": "LWS_WORKER_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}},
+            {"name": "LWS_GROUP_SIZE", "value": "2"},
+            {"name": "LWS_LEADER_ADDRESS", "value": "llama-70b-engine-$(LWS_GROUP_INDEX).llama-70b-engine.default"},
+        ]
+    # A 70B model gets at least 30 minutes to start; workers serve no HTTP and have no probes.
+    probe = leader["startupProbe"]
+    assert probe["periodSeconds"] * probe["failureThreshold"] >= 30 * 60
+    assert not {"startupProbe", "readinessProbe", "livenessProbe"} & set(worker)
+    pod = lwt["leaderTemplate"]["spec"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in pod["volumes"]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert "initContainers" not in pod
+    svc = out[("Service", "llama-70b-engine")]["spec"]
+    assert svc["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert svc["publishNotReadyAddresses"] is True
+    ingress = out[("Ingress", "llama-70b")]
+    assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/proxy-read-timeout": "600"}
+    assert ingress["spec"] == {
+        "ingressClassName": "nginx",
+        "rules": [{"host": "llama-70b.example.com", "http": {"paths": [{
+            "path": "/", "pathType": "Prefix", "backend": {"service": {"name": "llama-70b", "port": {"name": "http"}}}}]}}],
+        "tls": [{"hosts": ["llama-70b.example.com"], "secretName": "llama-70b-tls"}],
+    }
+
+
+def test_mixtral_example_enables_expert_parallelism():
+    out = rendered(load_example("mixtral-8x7b-ep.yaml"))
+    c = engine_container(out[("Deployment", "mixtral-engine")]["spec"]["template"])
+    args = c["args"]
+    assert args[args.index("--tensor-parallel-size"):args.index("--block-size")] == [
+        "--tensor-parallel-size", "2", "--pipeline-parallel-size", "1", "--data-parallel-size", "2", "--enable-expert-parallel"]
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == "4"  # tensor 2 × data 2
+
+
+def test_tiers_and_autoscaling_example():
+    out = rendered(load_example("llama-3.1-8b-tiers-autoscaling.yaml"))
+    deploy = out[("Deployment", "llama-8b-tiered-engine")]
+    assert deploy["spec"]["replicas"] == 1  # minReplicas until the autoscaler sets spec.replicas
+    c = engine_container(deploy["spec"]["template"])
+    args = c["args"]
+    assert args[args.index("--kv-offload-cpu-gb"):] == [
+        "--kv-offload-cpu-gb", "64",
+        "--kv-offload-disk-path", "/var/lib/pagoda/kv", "--kv-offload-disk-gb", "200",
+        "--kv-offload-remote-url", "redis://kv-redis.default.svc:6379",
+    ]
+    assert c["env"] == [{"name": "PAGODA_KV_REMOTE_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "kv-redis", "key": "password"}}}]
+    assert c["resources"]["requests"]["memory"] == "96Gi"
+    pod = deploy["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["model-cache"] == {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}}
+    assert set(volumes["kv-disk"]) == {"name", "ephemeral"}
+    assert {"name": "kv-disk", "mountPath": "/var/lib/pagoda/kv"} in c["volumeMounts"]
+
+
+def test_default_memory_makes_room_for_a_cpu_tier():
+    body = with_spec(load_example("llama-3.1-8b.yaml"), kvCache={"tiers": [{"type": "cpu", "size": "32Gi"}]})
+    c = engine_container(rendered(body)[("Deployment", "llama-8b-engine")]["spec"]["template"])
+    assert c["resources"]["requests"]["memory"] == "48Gi"  # 16Gi per GPU + the 32Gi tier
+
+
+def test_engine_config_change_changes_the_pod_template_hash_and_nothing_else_does():
+    body = load_example("llama-3.1-8b.yaml")
+
+    def template_hash(b):
+        return rendered(b)[("Deployment", "llama-8b-engine")]["spec"]["template"]["metadata"]["annotations"][r.CONFIG_HASH_ANNOTATION]
+
+    base = template_hash(body)
+    assert template_hash(with_spec(body, engine__maxNumSeqs=128)) != base
+    assert template_hash(with_spec(body, model__maxModelLen=8192)) != base
+    assert template_hash(with_spec(body, replicas=5)) == base
+    assert template_hash(with_spec(body, router__policy="least-load")) == base
+
+
+def test_models_from_a_pvc_and_a_file_path():
+    body = load_example("llama-3.1-8b.yaml")
+    pvc = rendered(with_spec(body, model__uri="pvc://weights", model__download=None))
+    c = engine_container(pvc[("Deployment", "llama-8b-engine")]["spec"]["template"])
+    assert c["args"][c["args"].index("--model") + 1] == "/models"
+    f = rendered(with_spec(body, model__uri="file:///opt/models/llama", model__download=None))
+    pod = f[("Deployment", "llama-8b-engine")]["spec"]["template"]
+    c = engine_container(pod)
+    assert c["args"][c["args"].index("--model") + 1] == "/opt/models/llama"
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["shm", "config"]
+
+
+def test_render_command_prints_the_manifests(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "pagoda_operator.cli", "render", "-f", str(EXAMPLES_DIR / "tiny-cpu.yaml"), "-n", "team-a"],
+        capture_output=True, text=True, check=True,
+    )
+    docs = list(yaml.safe_load_all(result.stdout))
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Service", "Deployment"]
+    assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
+    assert docs[5]["spec"]["template"]["spec"]["containers"][0]["args"][1] == "team-a/tiny-engine"
+    assert "ownerReferences" not in docs[0]["metadata"]  # no uid before the object exists
+
+
+def test_render_command_rejects_an_invalid_file(tmp_path):
+    bad = load_example("llama-3.1-8b.yaml")
+    bad["spec"]["topology"]["tensor"] = 3
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(bad))
+    result = subprocess.run([sys.executable, "-m", "pagoda_operator.cli", "render", "-f", str(path)], capture_output=True, text=True)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    assert "InferenceService 'llama-8b' is invalid" in result.stderr
+    assert "topology.tensor: 3 does not divide the model's 32 attention heads (32 / 3 = 10.67)" in result.stderr

@@ -1,0 +1,135 @@
+"""Validation: the examples pass; bad specs are rejected with the arithmetic in the message;
+nothing a user writes makes validation raise."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagoda_operator.validation import check
+from tests.operator.support import EXAMPLE_FILES, load_example, with_spec
+
+
+def problems_of(body: dict) -> list[str]:
+    return check(body).problems
+
+
+@pytest.mark.parametrize("filename", EXAMPLE_FILES)
+def test_examples_are_valid(filename):
+    assert problems_of(load_example(filename)) == []
+
+
+LLAMA_8B = "llama-3.1-8b.yaml"
+LLAMA_70B = "llama-3.1-70b-multinode.yaml"
+TINY = "tiny-cpu.yaml"
+
+BAD_SPECS = [
+    ("tp-does-not-divide-heads", LLAMA_8B, {"topology": {"tensor": 3}},
+     "topology.tensor: 3 does not divide the model's 32 attention heads (32 / 3 = 10.67); use a divisor of 32"),
+    ("tp-does-not-divide-kv-heads", LLAMA_8B,
+     {"topology": {"tensor": 6}, "model": {"uri": "hf://acme/custom", "architecture": {"numAttentionHeads": 48, "numKeyValueHeads": 8}}},
+     "topology.tensor: 6 neither divides the model's 8 KV heads (8 / 6 = 1.33) nor is a multiple of them"),
+    ("gpus-per-pod-inconsistent", LLAMA_70B, {"topology": {"tensor": 8, "nodes": 1}, "resources": {"gpusPerPod": 4}},
+     "topology: tensor 8 × pipeline 1 × data 1 = 8 ranks need 8 GPUs per replica, but resources give gpusPerPod 4 × nodes 1 = 4"),
+    ("ranks-over-nodes-uneven", LLAMA_70B, {"topology": {"tensor": 2, "pipeline": 3, "nodes": 4}, "resources": {"gpusPerPod": None}},
+     "topology: tensor 2 × pipeline 3 × data 1 = 6 ranks cannot be spread evenly over nodes 4 (6 / 4 = 1.50 GPUs per pod)"),
+    ("expert-on-dense-model", LLAMA_8B, {"topology": {"expert": True}},
+     "topology.expert: expert parallelism needs a mixture-of-experts model, but hf://meta-llama/Llama-3.1-8B-Instruct is dense (moe: false)"),
+    ("expert-on-unknown-model", LLAMA_8B, {"topology": {"expert": True}, "model": {"uri": "hf://acme/custom"}},
+     "hf://acme/custom is not a known one; set spec.model.architecture.moe: true if it is"),
+    ("70b-does-not-fit-one-gpu", LLAMA_70B, {"topology": {"tensor": 1, "nodes": 1}, "resources": {"gpusPerPod": 1}},
+     "memory: the model does not fit: weights 70.6B params × 2 bytes / (tensor × pipeline = 1) = 131.5 GiB per GPU, "
+     "+ KV for 16384 tokens 5.0 GiB + 2.0 GiB activations = 138.5 GiB, but a GPU offers 80 GiB × gpuMemoryUtilization 0.9 = 72.0 GiB"),
+    ("replicas-and-autoscaling", LLAMA_8B, {"autoscaling": {"maxReplicas": 4}},
+     "replicas: set replicas or autoscaling, not both; with autoscaling the scaler sets replicas through the scale subresource"),
+    ("min-over-max", LLAMA_8B, {"replicas": None, "autoscaling": {"minReplicas": 5, "maxReplicas": 2}},
+     "autoscaling: minReplicas 5 > maxReplicas 2"),
+    ("cpu-tier-bigger-than-pod", LLAMA_8B, {"resources": {"memory": "32Gi"}, "kvCache": {"tiers": [{"type": "cpu", "size": "64Gi"}]}},
+     "kvCache.tiers[0] (cpu): size 64Gi (64 GiB) must be less than the pod's memory resources.memory 32Gi (32 GiB): the tier lives in it"),
+    ("remote-tier-without-url", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote"}]}},
+     "kvCache.tiers[0] (remote): url is required (redis://host:port)"),
+    ("remote-tier-not-redis", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote", "url": "http://cache:80"}]}},
+     "kvCache.tiers[0] (remote): url 'http://cache:80' is not redis://host[:port][/db] or rediss://..."),
+    ("disk-tier-without-size", LLAMA_8B, {"kvCache": {"tiers": [{"type": "disk"}]}},
+     "kvCache.tiers[0] (disk): size is required"),
+    ("tier-twice", LLAMA_8B, {"kvCache": {"tiers": [{"type": "cpu", "size": "1Gi"}, {"type": "cpu", "size": "2Gi"}]}},
+     "kvCache.tiers[1] (cpu): a second cpu tier; give each type at most once"),
+    ("tier-size-not-a-quantity", LLAMA_8B, {"kvCache": {"tiers": [{"type": "cpu", "size": "lots"}]}},
+     "spec.kvCache.tiers[0].size: expected a quantity such as 64Gi or 500m, got 'lots'"),
+    ("page-size-not-power-of-two", LLAMA_8B, {"kvCache": {"pageSize": 24}},
+     "kvCache.pageSize: 24 is not a power of two"),
+    ("unknown-field", LLAMA_8B, {"engine": {"maxNumSeq": 12}},
+     "spec.engine.maxNumSeq: unknown field"),
+    ("wrong-type", LLAMA_8B, {"topology": {"tensor": "two"}},
+     "spec.topology.tensor: expected an integer, got 'two'"),
+    ("below-minimum", LLAMA_8B, {"topology": {"tensor": 0}},
+     "spec.topology.tensor: must be >= 1, got 0"),
+    ("bad-enum", LLAMA_8B, {"router": {"policy": "random"}},
+     "spec.router.policy: must be one of prefix-aware, least-load, round-robin; got 'random'"),
+    ("bad-uri-scheme", LLAMA_8B, {"model": {"uri": "s3://bucket/llama"}},
+     "spec.model.uri: 's3://bucket/llama' does not match"),
+    ("tls-without-host", TINY, {"router": {"ingress": {"tls": {"secretName": "cert"}}}},
+     "router.ingress.tls: needs router.ingress.host"),
+    ("utilization-over-one", LLAMA_8B, {"engine": {"gpuMemoryUtilization": 1.5}},
+     "spec.engine.gpuMemoryUtilization: must be <= 1, got 1.5"),
+]
+
+
+def _merge(spec: dict, changes: dict) -> None:
+    for key, value in changes.items():
+        if value is None:
+            spec.pop(key, None)
+        elif isinstance(value, dict) and isinstance(spec.get(key), dict):
+            _merge(spec[key], value)
+        else:
+            spec[key] = value
+
+
+@pytest.mark.parametrize("case,filename,changes,expected", BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+def test_bad_spec_is_rejected_with_its_arithmetic(case, filename, changes, expected):
+    body = load_example(filename)
+    _merge(body["spec"], changes)
+    problems = problems_of(body)
+    assert any(expected in p for p in problems), problems
+
+
+def test_every_problem_is_reported_at_once():
+    body = with_spec(load_example(LLAMA_8B), topology={"tensor": 3, "expert": True}, kvCache={"pageSize": 24})
+    problems = problems_of(body)
+    # heads, KV heads, expert parallelism on a dense model, page size
+    assert [p.split(":")[0] for p in problems] == ["topology.tensor", "topology.tensor", "topology.expert", "kvCache.pageSize"]
+
+
+def test_bad_names_are_rejected():
+    body = load_example(TINY)
+    body["metadata"]["name"] = "Tiny_Model"
+    assert problems_of(body)[0].startswith("metadata.name: 'Tiny_Model' must be a lower-case DNS label that starts with a letter")
+    body["metadata"]["name"] = "x" * 57
+    assert "at most 56 characters" in problems_of(body)[0]
+
+
+def test_replicas_written_through_the_scale_subresource_do_not_conflict_with_autoscaling():
+    body = with_spec(load_example(LLAMA_8B), replicas=3, autoscaling={"minReplicas": 1, "maxReplicas": 4})
+    owned_replicas = {"f:spec": {"f:replicas": {}}}
+    body["metadata"]["managedFields"] = [
+        {"manager": "kubectl-client-side-apply", "operation": "Update", "fieldsV1": {"f:spec": {"f:model": {}}}},
+        {"manager": "kube-controller-manager", "operation": "Update", "subresource": "scale", "fieldsV1": owned_replicas},
+    ]
+    assert problems_of(body) == []
+    body["metadata"]["managedFields"].append({"manager": "kubectl", "operation": "Apply", "fieldsV1": owned_replicas})
+    assert problems_of(body) == ["replicas: set replicas or autoscaling, not both (set by kubectl); with autoscaling the scaler sets replicas through the scale subresource"]
+    # Even the scaler cannot put replicas outside the bounds.
+    body["metadata"]["managedFields"].pop()
+    body["spec"]["replicas"] = 9
+    assert problems_of(body) == ["replicas: 9 is outside autoscaling's [1, 4]"]
+
+
+@pytest.mark.parametrize("spec", [None, [], "text", 3, {"model": 5}, {"model": {"uri": 7}}, {"topology": None},
+                                  {"kvCache": {"tiers": ["cpu"]}}, {"kvCache": {"tiers": [{"type": "cpu", "size": True}]}},
+                                  {"resources": {"tolerations": "all"}}, {"autoscaling": {}}, {"replicas": -1},
+                                  {"engine": {"extraArgs": [1, 2]}}, {"resources": {"nodeSelector": {"a": 1}}}])
+def test_junk_specs_give_problems_never_exceptions(spec):
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "junk"}, "spec": spec}
+    problems = problems_of(body)
+    if spec is not None:  # an absent spec means every default: the built-in tiny model on one GPU
+        assert problems
+    assert all(isinstance(p, str) and p for p in problems)
