@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -68,6 +69,17 @@ def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
+def _set_cpu_threads(model: torch.nn.Module) -> None:
+    """Small models on CPU run faster on one thread: OpenMP synchronisation costs more than the
+    tiny matmuls gain, and collapses when several engines share a machine. PAGODA_CPU_THREADS
+    overrides."""
+    wanted = os.environ.get("PAGODA_CPU_THREADS")
+    if wanted:
+        torch.set_num_threads(int(wanted))
+    elif sum(p.numel() for p in model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -83,6 +95,8 @@ class EngineCore:
         self.model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, mc.load_format, mc.seed)
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_dir, time.monotonic() - t0, self.dtype, self.device)
         self.vocab_size = self.model.vocab_size
+        if self.device.type == "cpu":
+            _set_cpu_threads(self.model)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
 
         spec: KVCacheSpec = self.model.kv_cache_spec(cc.block_size, self.dtype)
@@ -93,8 +107,16 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.attn, self.kv, Sampler(mc.seed), self.device)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        logger.info("KV cache: %d pages of %d tokens = %d tokens", self.num_kv_pages - 1, cc.block_size,
-                    self.kv_capacity_tokens)
+        logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
+                    cc.block_size, self.kv_capacity_tokens, self.attn.name)
+        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager
+                            and hasattr(self.attn, "plan_graph_decode"))
+        if self.cuda_graphs:
+            t1 = time.monotonic()
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
+                        self.runner.graphs.batch_sizes, time.monotonic() - t1)
+        self.startup_seconds = time.monotonic() - t0
 
     def _resolve_max_model_len(self) -> int:
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
@@ -125,17 +147,22 @@ class EngineCore:
         return int(num_pages)
 
     def _profile_free_gpu_bytes(self) -> int:
-        """Run one forward at the maximum batch with a scratch KV pool, then give
-        gpu_memory_utilization × total − peak use to the pages."""
+        """Bytes the KV pages may take: gpu_memory_utilization × total − the peak of one profile step.
+
+        The profile step is the largest the scheduler can form: max_num_batched_tokens new tokens
+        through the configured attention backend (over a scratch pool of just enough pages),
+        then logits and sampling scratch for max_num_seqs rows. Its peak covers weights,
+        activations, attention workspace and sampler temporaries; CUDA graphs, captured later, reuse
+        one pool sized by the largest decode batch (far smaller than this step)."""
         cc, sc = self.config.cache, self.config.scheduler
         num_tokens = min(sc.max_num_batched_tokens, self.max_model_len)
         spec = self.model.kv_cache_spec(cc.block_size, self.dtype)
         scratch_pages = -(-num_tokens // cc.block_size) + 1
-        scratch = get_attention_backend("torch", spec, scratch_pages, self.device)
         from pagoda_engine.attention.base import AttentionBatch
 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        scratch = get_attention_backend(self.config.model.attention_backend, spec, scratch_pages, self.device)
         table = list(range(1, scratch_pages))
         batch = AttentionBatch(query_lens=[num_tokens], seq_lens=[num_tokens], page_tables=[table],
                                slot_mapping=torch.arange(cc.block_size, cc.block_size + num_tokens, device=self.device))
@@ -143,13 +170,24 @@ class EngineCore:
             scratch.plan(batch)
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch)
-            self.model.compute_logits(hidden[-sc.max_num_seqs:])
+            rows = min(sc.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[-rows:])
+            # The sampler holds about three logits-sized float32 tensors at once (logits, probs, noise).
+            probs = torch.softmax(logits, dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            del probs, noise, logits
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         del scratch, hidden
         torch.cuda.empty_cache()
-        _, total = torch.cuda.mem_get_info()
-        return max(0, int(cc.gpu_memory_utilization * total) - peak)
+        # Memory that is not torch's (CUDA context, cuBLAS and NCCL workspaces, other processes).
+        free, total = torch.cuda.mem_get_info()
+        non_torch = max(0, total - free - torch.cuda.memory_reserved())
+        budget = int(cc.gpu_memory_utilization * total) - peak - non_torch
+        logger.info("KV sizing: %.2f GiB total × %.2f − %.2f GiB peak (profile step of %d tokens) − %.2f GiB "
+                    "outside torch = %.2f GiB for pages", total / _GiB, cc.gpu_memory_utilization, peak / _GiB,
+                    num_tokens, non_torch / _GiB, budget / _GiB)
+        return max(0, budget)
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:
