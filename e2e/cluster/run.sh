@@ -7,7 +7,8 @@
 #
 # Settings (environment):
 #   PAGODA_E2E_INSTALLER   kustomize (default: kubectl apply -k kustomize/overlays/cpu-dev) or helm
-#   PAGODA_E2E_OPERATOR_TAG  operator image tag for helm (default dev, as `make images` builds)
+#   PAGODA_E2E_IMAGE_TAG   tag of the operator and engine images for helm (default dev, as
+#                          `make images` builds; the cpu-dev overlay always uses dev)
 #   PAGODA_E2E_TIMEOUT     how long the InferenceService may take to become Ready (default 15m)
 #   PAGODA_E2E_KEEP=1      leave the InferenceService running afterwards
 #   PAGODA_E2E_UNINSTALL=1 also remove the operator afterwards (never the CRD: deleting it would
@@ -21,6 +22,7 @@ OPERATOR_NAMESPACE=pagoda-system
 OPERATOR_DEPLOYMENT=pagoda-operator
 INSTALLER=${PAGODA_E2E_INSTALLER:-kustomize}
 TIMEOUT=${PAGODA_E2E_TIMEOUT:-15m}
+IMAGE_TAG=${PAGODA_E2E_IMAGE_TAG:-dev}
 
 log() { printf '==> %s\n' "$*" >&2; }
 die() { printf 'e2e/cluster: %s\n' "$*" >&2; exit 1; }
@@ -84,7 +86,8 @@ NAMESPACE=${NAMESPACE:-default}
 if [ "$INSTALLER" = helm ]; then
   log "installing the operator with helm"
   helm upgrade --install pagoda "$ROOT/charts/pagoda" --namespace "$OPERATOR_NAMESPACE" --create-namespace \
-    --set operator.image.tag="${PAGODA_E2E_OPERATOR_TAG:-dev}" --set "router.namespaces={$NAMESPACE}" >/dev/null
+    --set operator.image.tag="$IMAGE_TAG" --set engineImages.cpu.tag="$IMAGE_TAG" \
+    --set engineImages.gpu.tag="$IMAGE_TAG" --set "router.namespaces={$NAMESPACE}" >/dev/null
 else
   log "installing the operator with kustomize ($OVERLAY)"
   kubectl apply --server-side --force-conflicts -k "$OVERLAY" >/dev/null

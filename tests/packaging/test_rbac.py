@@ -22,8 +22,9 @@ EXTRA_GRANTS = {
     ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},  # ready engine endpoints
     ("", "events"): {"create", "patch"},  # kopf and the operator post Events
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},  # kopf; optional CRDs
-    ("", "namespaces"): {"get", "list", "watch"},  # kopf, to serve all namespaces
 }
+# Only when watching chosen namespaces: kopf lists and follows namespaces to find them.
+NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}
 
 
 def plural(kind: str) -> str:
@@ -78,6 +79,15 @@ def installed(request):
     return chart_objects(helm, values)
 
 
+@pytest.fixture
+def needed(request, installed) -> dict[tuple[str, str], set[str]]:
+    """Exactly what the operator needs in this installation."""
+    out = {(group_of(v), plural(k)): CHILD_VERBS for v, k in render.CHILD_KINDS} | EXTRA_GRANTS
+    if "namespaced" in request.node.callspec.params["installed"]:
+        out |= NAMESPACED_EXTRA_GRANTS
+    return out
+
+
 def test_every_kind_the_renderer_emits_is_writable(installed):
     granted = operator_grants(installed)
     assert render.CHILD_KINDS, "the renderer lists no kinds"
@@ -87,13 +97,12 @@ def test_every_kind_the_renderer_emits_is_writable(installed):
         assert CHILD_VERBS <= granted[key], f"{kind}: missing verbs {CHILD_VERBS - granted[key]}"
 
 
-def test_nothing_beyond_the_children_and_the_listed_needs(installed):
-    allowed = {(group_of(v), plural(k)): CHILD_VERBS for v, k in render.CHILD_KINDS} | EXTRA_GRANTS
+def test_grants_are_exactly_what_the_operator_needs(installed, needed):
     granted = operator_grants(installed)
     for key, verbs in granted.items():
-        assert key in allowed, f"the operator is granted {key}, which it does not use"
-        assert verbs <= allowed[key], f"{key}: verbs beyond need: {verbs - allowed[key]}"
-    assert set(granted) == set(allowed), f"not granted: {set(allowed) - set(granted)}"
+        assert key in needed, f"the operator is granted {key}, which it does not use"
+        assert verbs == needed[key], f"{key}: granted {sorted(verbs)}, needed {sorted(needed[key])}"
+    assert set(granted) == set(needed), f"not granted: {set(needed) - set(granted)}"
 
 
 def test_no_wildcards_or_escalation_anywhere(installed):
