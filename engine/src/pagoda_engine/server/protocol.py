@@ -121,8 +121,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    echo: bool = False  # vLLM: prepend the last message's content to the reply when it is the assistant's
 
     def requested_max_tokens(self) -> int | None:
         # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
@@ -137,14 +135,19 @@ class ChatCompletionRequest(_SamplingRequest):
         return SamplingParams(max_tokens=max_tokens, logprobs=self.num_logprobs(), **self._sampling_kwargs())
 
     def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the tokenizer's chat template expects them."""
-        out = []
-        for m in self.messages:
-            msg = {"role": m.role, "content": m.text()}
-            if m.name is not None:
-                msg["name"] = m.name
-            out.append(msg)
-        return out
+        return chat_message_dicts(self.messages)
+
+
+def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the tokenizer's chat template expects them. `developer` is OpenAI's newer name
+    for `system`; templates know only the latter."""
+    out = []
+    for m in messages:
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
 
 
 class TokenizeRequest(_StrictModel):

@@ -1,0 +1,95 @@
+"""The engine server's Prometheus metrics (`GET /metrics`).
+
+Names are vLLM's with the prefix `pagoda:` (ARCHITECTURE §2), so dashboards, KEDA triggers and
+routers written for vLLM map one-to-one. Two sources feed them:
+  - the core's `SchedulerStats` (running/waiting gauges, KV usage, cumulative prefix-cache and
+    preemption counters), exported as they are by a collector at scrape time;
+  - per-request timings observed in the API process (TTFT, inter-token latency, end-to-end
+    latency, queue time) and token / finished-request counters.
+Each server owns its registry, so several servers (or tests) in one process never collide.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from pagoda_engine.messages import SchedulerStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class _SchedulerStatsCollector(Collector):
+    """Exports the latest SchedulerStats snapshot; the core's counters are already cumulative."""
+
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.stats = SchedulerStats()
+
+    def collect(self):
+        s, labels = self.stats, [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["model_name"])
+            g.add_metric(labels, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=["model_name"])
+            c.add_metric(labels, value)
+            return c
+
+        yield gauge("pagoda:num_requests_running", "Number of requests in the model execution batch.", s.num_running)
+        yield gauge("pagoda:num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting)
+        yield gauge("pagoda:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of pages in use.",
+                    s.kv_cache_usage)
+        yield counter("pagoda:prefix_cache_queries", "Prefix-cache queries, in tokens.", s.prefix_cache_queries)
+        yield counter("pagoda:prefix_cache_hits", "Prefix-cache hits, in tokens.", s.prefix_cache_hits)
+        yield counter("pagoda:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self._stats = _SchedulerStatsCollector(model_name)
+        self.registry.register(self._stats)
+        r, label = self.registry, ["model_name"]
+        self.prompt_tokens = Counter("pagoda:prompt_tokens", "Number of prefill tokens processed.", label,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("pagoda:generation_tokens", "Number of generation tokens processed.",
+                                         label, registry=r).labels(model_name)
+        self._request_success = Counter("pagoda:request_success", "Count of finished requests by finish reason.",
+                                        ["model_name", "finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._request_success.labels(model_name, reason)  # exported at 0 from the start
+        self.ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token in seconds.", label,
+                              buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("pagoda:inter_token_latency_seconds", "Inter-token latency in seconds.", label,
+                             buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                             label, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("pagoda:request_queue_time_seconds",
+                                    "Time a request spent waiting in the engine before it was first scheduled.",
+                                    label, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+    def update_stats(self, stats: SchedulerStats) -> None:
+        self._stats.stats = stats
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self._stats.stats
+
+    def request_finished(self, finish_reason: str) -> None:
+        self._request_success.labels(self.model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
