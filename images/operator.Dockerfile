@@ -8,9 +8,8 @@ ENV PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 COPY operator/ /src/operator/
-RUN pip install /src/operator
-
-RUN useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent pagoda
+RUN pip install /src/operator \
+ && useradd --uid 10001 --user-group --no-create-home --home-dir /nonexistent pagoda
 USER 10001:10001
 # kopf's liveness endpoint when started with --liveness=http://0.0.0.0:8080/healthz (the chart does).
 EXPOSE 8080

