@@ -147,6 +147,8 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         params = dict(rope_params or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
         attention_factor = 1.0
         if rope_type == "default":
             inv_freq = _default_inv_freq(head_dim, base)
