@@ -17,7 +17,8 @@ class _RequestPlan:
     query_len: int
     pages: torch.Tensor  # int64 [seq_len]: page of each cached position 0..seq_len-1
     offsets: torch.Tensor  # int64 [seq_len]: slot within that page
-    mask: torch.Tensor | None  # bool [query_len, seq_len], True = may attend; None = sees everything
+    mask: torch.Tensor | None  # bool [query_len, seq_len], True = may attend; None = see is_causal
+    is_causal: bool  # no cached tokens: plain causal attention (lets SDPA pick a fused kernel)
 
 
 class TorchRefBackend(AttentionBackend):
@@ -30,6 +31,8 @@ class TorchRefBackend(AttentionBackend):
 
     def plan(self, batch: AttentionBatch) -> None:
         page_size = self.spec.page_size
+        if batch.slot_mapping.numel() != batch.num_tokens:
+            raise ValueError(f"slot_mapping has {batch.slot_mapping.numel()} slots for {batch.num_tokens} new tokens")
         plans = []
         start = 0
         for query_len, seq_len, page_table in zip(batch.query_lens, batch.seq_lens, batch.page_tables):
@@ -43,11 +46,12 @@ class TorchRefBackend(AttentionBackend):
             pages = table[positions // page_size]
             offsets = positions % page_size
             mask = None
-            if query_len > 1:
+            is_causal = query_len == seq_len and query_len > 1
+            if query_len > 1 and not is_causal:
                 # Query i sits at absolute position seq_len - query_len + i and sees positions up to it.
                 query_pos = torch.arange(seq_len - query_len, seq_len).unsqueeze(1)
                 mask = (positions.unsqueeze(0) <= query_pos).to(self.device)
-            plans.append(_RequestPlan(start, query_len, pages.to(self.device), offsets.to(self.device), mask))
+            plans.append(_RequestPlan(start, query_len, pages.to(self.device), offsets.to(self.device), mask, is_causal))
             start += query_len
         self._batch = batch
         self._plans = plans
@@ -64,6 +68,7 @@ class TorchRefBackend(AttentionBackend):
             keys = cache[p.pages, 0, p.offsets].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             values = cache[p.pages, 1, p.offsets].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
             query = q[p.start:p.start + p.query_len].transpose(0, 1)
-            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, scale=self.scale)
+            o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.is_causal,
+                                               scale=self.scale)
             out[p.start:p.start + p.query_len] = o.transpose(0, 1)
         return out
