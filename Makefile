@@ -11,8 +11,10 @@ PYTEST_ARGS ?= -n 2
 
 setup: $(STAMP)
 
+# A kubectl from another package (e.g. Google's apt repository) owns /usr/bin/kubectl, and
+# kubernetes-client would fail to install over it: any kubectl on PATH satisfies it.
 $(STAMP): engine/pyproject.toml operator/pyproject.toml requirements-test.txt
-	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	@missing=""; for p in $(APT_PKGS); do dpkg -s $$p >/dev/null 2>&1 || { [ $$p = kubernetes-client ] && command -v kubectl >/dev/null; } || missing="$$missing $$p"; done; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
 	  else echo "note: tests that need$$missing will skip (install them with apt-get as root)"; fi; \
