@@ -194,3 +194,11 @@ def test_sliding_window_shorter_than_context_caps_the_servable_length(tmp_path):
     config.sliding_window = None
     config.save_pretrained(tmp_path)
     assert load(tmp_path, load_format="dummy").max_position_embeddings == 128
+
+
+def test_unsupported_rope_type_is_a_clear_error(tmp_path):
+    config = tiny_llama().config
+    config.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="rope type 'dynamic' is not supported"):
+        load(tmp_path, load_format="dummy")
