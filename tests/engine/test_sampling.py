@@ -13,6 +13,7 @@ from pagoda_engine.sampling import (
     Sampler,
     SamplingBatch,
     apply_penalties_and_masks,
+    apply_top_k_top_p,
     compute_prompt_logprobs,
 )
 
@@ -151,6 +152,59 @@ def test_top_k_then_top_p_renormalises_before_the_nucleus():
     assert (top4.cumsum(-1) - top4 < 0.7).sum() == 2
     assert_distribution(draw({"top_p": 0.7}), expected([0, 1, 2]))
     assert_distribution(draw({"top_k": 4, "top_p": 0.7}), expected([0, 1]))
+
+
+def reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
+    """The kept set, straight from the definition: rank the whole row (ties by token id), keep k,
+    renormalise, keep while the mass before a token is below p."""
+    order = sorted(range(len(row)), key=lambda t: (-row[t].item(), t))[:k]
+    probs = torch.softmax(row[order], -1)
+    before = probs.cumsum(-1) - probs
+    return {t for t, b in zip(order, before.tolist()) if b < p or p >= 1.0}
+
+
+def test_top_k_top_p_on_a_large_vocabulary_match_the_definition():
+    # 1000 tokens: more than the sampler's first candidate window, so peaked rows are decided inside
+    # it and flat rows with a wide nucleus must fall back to ranking the whole vocabulary.
+    vocab, rows = 1000, 24
+    gen = torch.Generator().manual_seed(5)
+    scales = torch.tensor([8.0, 2.0, 0.5, 0.05] * (rows // 4))
+    logits = torch.randn(rows, vocab, generator=gen) * scales[:, None]
+    top_ks = [vocab, 1, 7, 300, vocab, 999] * (rows // 6)
+    top_ps = [0.5, 1.0, 0.9, 0.999, 0.95, 0.3, 1.0, 0.999] * (rows // 8)
+    batched = apply_top_k_top_p(logits, torch.tensor(top_ks), torch.tensor(top_ps))
+    for i in range(rows):
+        # Alone, a row without a large top_k gets the small candidate window; in the batch, the
+        # largest top_k sets the window for every row. Both must give the definition's set.
+        alone = apply_top_k_top_p(logits[i:i + 1], torch.tensor(top_ks[i:i + 1]), torch.tensor(top_ps[i:i + 1]))
+        for got in (batched[i], alone[0]):
+            kept = set(torch.nonzero(got > float("-inf")).flatten().tolist())
+            assert kept == reference_top_k_top_p(logits[i], top_ks[i], top_ps[i]), i
+            torch.testing.assert_close(got[sorted(kept)], logits[i][sorted(kept)])
+    # The flat rows with a wide nucleus really needed more than the first window.
+    assert max(len(reference_top_k_top_p(logits[i], vocab, 0.999)) for i in range(rows)) > 256
+
+
+def test_ties_rank_by_token_id_on_a_large_vocabulary():
+    vocab = 1000
+    logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(3))
+    tied = [950, 611, 402, 399, 17]
+    logits[0, tied] = 10.0
+    for k in (1, 2, 3):
+        got = apply_top_k_top_p(logits, torch.tensor([k]), None)
+        assert torch.nonzero(got[0] > float("-inf")).flatten().tolist() == sorted(tied)[:k]
+    got = apply_top_k_top_p(logits, None, torch.tensor([1e-6]))
+    assert torch.nonzero(got[0] > float("-inf")).flatten().tolist() == [17] == logits.argmax(-1).tolist()
+
+
+def test_top_k_alone_on_a_large_vocabulary():
+    vocab = 1000
+    logits = rand_logits(4, vocab=vocab, seed=8)
+    top_ks = [1, 256, 500, vocab]
+    got = apply_top_k_top_p(logits, torch.tensor(top_ks), None)
+    for i, k in enumerate(top_ks):
+        assert set(torch.nonzero(got[i] > float("-inf")).flatten().tolist()) == reference_top_k_top_p(
+            logits[i], k, 1.0)
 
 
 # --- seeds ------------------------------------------------------------------------------------------
@@ -346,3 +400,5 @@ def test_mixed_batch_on_cuda():
     assert out.token_ids[3] == logits[3].topk(2).indices[1].item()
     assert math.isclose(out.logprobs[1].chosen.logprob,
                         torch.log_softmax(logits[1], -1)[out.token_ids[1]].item(), abs_tol=1e-4)
+    tokens = sample([req(top_k=3) for _ in range(DRAWS)], SMALL_LOGITS.expand(DRAWS, -1).clone(), device=cuda)
+    assert set(tokens.token_ids) == {0, 1, 2}
