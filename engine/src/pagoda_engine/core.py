@@ -84,6 +84,9 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc, cc = config.model, config.cache
+        if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
+            raise ModelLoadError("tensor and pipeline parallelism are not implemented in this engine yet: "
+                                 "run with --tensor-parallel-size 1 --pipeline-parallel-size 1")
         self.model_dir = resolve_model_dir(mc.model)
         self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
         self.hf_config = load_hf_config(self.model_dir)
