@@ -202,3 +202,37 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path):
     config.save_pretrained(tmp_path)
     with pytest.raises(ModelLoadError, match="rope type 'dynamic' is not supported"):
         load(tmp_path, load_format="dummy")
+
+
+def test_weight_loaders_give_each_tensor_parallel_rank_its_slice():
+    """Only TP=1 runs today, but the loaders already shard: check the slices each rank would keep."""
+    from pagoda_engine.model.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+
+    hidden, d = 8, 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n * d, hidden, generator=gen) for n in (8, 2, 2))
+    for tp in (2, 4):  # 4 ranks over 2 KV heads: each KV head is replicated on two ranks
+        for rank in range(tp):
+            layer = QKVParallelLinear(hidden, d, 8, 2, tp_size=tp, tp_rank=rank)
+            for shard, w in zip("qkv", (q, k, v)):
+                layer.weight.weight_loader(layer.weight, w, shard)
+            heads = 8 // tp
+            kv_head = rank * 2 // tp
+            expected = torch.cat([q[rank * heads * d:(rank + 1) * heads * d],
+                                  k[kv_head * d:(kv_head + 1) * d], v[kv_head * d:(kv_head + 1) * d]])
+            assert torch.equal(layer.weight, expected)
+
+    gate, up = torch.randn(6, hidden, generator=gen), torch.randn(6, hidden, generator=gen)
+    for rank in range(2):
+        layer = MergedColumnParallelLinear(hidden, [6, 6], tp_size=2, tp_rank=rank)
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+        assert torch.equal(layer.weight, torch.cat([gate[3 * rank:3 * rank + 3], up[3 * rank:3 * rank + 3]]))
+
+    down, x = torch.randn(hidden, 6, generator=gen), torch.randn(3, 6, generator=gen)
+    partial_sums = []
+    for rank in range(2):
+        layer = RowParallelLinear(6, hidden, tp_size=2, tp_rank=rank)
+        layer.weight.weight_loader(layer.weight, down)
+        partial_sums.append(torch.nn.functional.linear(x[:, 3 * rank:3 * rank + 3], layer.weight))
+    torch.testing.assert_close(partial_sums[0] + partial_sums[1], x @ down.T)
