@@ -8,23 +8,43 @@ from packaging_support import CHART_DIR, KUSTOMIZE_DIR, group_of, load_yaml_stre
 
 render = pytest.importorskip("pagoda_operator.render", reason="the operator package is not installed")
 
-# Writing a child by server-side apply is a PATCH (which also creates a missing object); get/list/
-# watch read children back for status; delete removes a child a spec change made obsolete.
-CHILD_VERBS = {"get", "list", "watch", "create", "patch", "delete"}
+# Writing a child is server-side apply: a PATCH that creates the object when it is missing.
+WRITE = {"create", "patch"}
+READ = {"get", "list", "watch"}
+# Children the operator also reads back (handlers._engine_and_router) and kopf watches
+# (refresh_from_child), to compute the owner's conditions.
+READ_BACK_KINDS = {"Deployment", "LeaderWorkerSet"}
 FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # What the operator needs beyond its children, with the reason it needs it.
 EXTRA_GRANTS = {
-    ("pagoda.dev", "inferenceservices"): {"get", "list", "watch", "patch"},  # kopf: watch, finalizers, annotations
-    ("pagoda.dev", "inferenceservices/status"): {"get", "patch", "update"},
-    ("pagoda.dev", "inferenceservices/scale"): {"get", "patch", "update"},  # the autoscaler's decisions
+    ("pagoda.dev", "inferenceservices"): {"get", "list", "watch", "patch"},  # kopf; read before status
+    ("pagoda.dev", "inferenceservices/status"): {"patch"},  # conditions (kube.patch_status, kopf)
+    ("pagoda.dev", "inferenceservices/scale"): {"patch"},  # the built-in autoscaler's decisions
     ("pagoda.dev", "inferenceservices/finalizers"): {"update"},  # ownerReferences with blockOwnerDeletion
-    ("", "pods"): {"get", "list", "watch"},  # engine pod state for conditions
-    ("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},  # ready engine endpoints
-    ("", "events"): {"create", "patch"},  # kopf and the operator post Events
-    ("apiextensions.k8s.io", "customresourcedefinitions"): {"get", "list", "watch"},  # kopf; optional CRDs
+    ("", "events"): {"create"},  # kopf.event
+    ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf follows CRDs
 }
 # Only when watching chosen namespaces: kopf lists and follows namespaces to find them.
 NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}
+
+
+def emitted_kinds() -> set[tuple[str, str]]:
+    """(apiVersion, kind) of everything the operator can apply: the renderer's list, plus the
+    scaler objects (KEDA ScaledObject, HPA) for spec.autoscaling.driver keda | hpa."""
+    kinds = set(render.CHILD_KINDS)
+    try:
+        from pagoda_operator.autoscaler import scaledobjects
+        from pagoda_operator.validation import check
+    except ImportError:
+        return kinds
+    for driver in ("keda", "hpa"):
+        body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "s", "namespace": "default"},
+                "spec": {"autoscaling": {"driver": driver, "minReplicas": 1, "maxReplicas": 4,
+                                          "prometheusURL": "http://prometheus.monitoring:9090"}}}
+        checked = check(body)
+        assert checked.ok, checked.problems
+        kinds |= {(o["apiVersion"], o["kind"]) for o in scaledobjects.render_scaler(body, checked.spec)}
+    return kinds
 
 
 def plural(kind: str) -> str:
@@ -82,7 +102,8 @@ def installed(request):
 @pytest.fixture
 def needed(request, installed) -> dict[tuple[str, str], set[str]]:
     """Exactly what the operator needs in this installation."""
-    out = {(group_of(v), plural(k)): CHILD_VERBS for v, k in render.CHILD_KINDS} | EXTRA_GRANTS
+    out = {(group_of(v), plural(k)): WRITE | (READ if k in READ_BACK_KINDS else set()) for v, k in emitted_kinds()}
+    out |= EXTRA_GRANTS
     if "namespaced" in request.node.callspec.params["installed"]:
         out |= NAMESPACED_EXTRA_GRANTS
     return out
@@ -91,10 +112,10 @@ def needed(request, installed) -> dict[tuple[str, str], set[str]]:
 def test_every_kind_the_renderer_emits_is_writable(installed):
     granted = operator_grants(installed)
     assert render.CHILD_KINDS, "the renderer lists no kinds"
-    for api_version, kind in render.CHILD_KINDS:
+    for api_version, kind in emitted_kinds():
         key = (group_of(api_version), plural(kind))
         assert key in granted, f"no rule lets the operator write {kind} ({api_version})"
-        assert CHILD_VERBS <= granted[key], f"{kind}: missing verbs {CHILD_VERBS - granted[key]}"
+        assert WRITE <= granted[key], f"{kind}: missing verbs {WRITE - granted[key]}"
 
 
 def test_grants_are_exactly_what_the_operator_needs(installed, needed):
