@@ -61,13 +61,17 @@ class AsyncEngine:
         self._idle.set()
 
     async def start(self) -> CoreReady:
-        """Start the core process and load the tokenizer. Raises ModelLoadError on failure."""
-        from pagoda_engine.tokenizer import load_tokenizer
-
-        self.ready = await self.client.start()
+        """Start the core process and load the tokenizer (in parallel: both take seconds).
+        Raises ModelLoadError when either fails."""
+        loop = asyncio.get_running_loop()
+        tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model.model)
         try:
-            self.tokenizer = await asyncio.get_running_loop().run_in_executor(
-                None, load_tokenizer, self.ready.model_dir)
+            self.ready = await self.client.start()
+        except BaseException:
+            await asyncio.wait([tokenizer_future])  # a thread cannot be cancelled; let it end quietly
+            raise
+        try:
+            self.tokenizer = await tokenizer_future
         except BaseException:
             await self.client.shutdown()
             raise
@@ -209,6 +213,18 @@ class AsyncEngine:
     def _on_queue_times(self, seconds: list[float]) -> None:
         for s in seconds:
             self.metrics.queue_time.observe(s)
+
+
+def _load_tokenizer(model: str | None):
+    # The same directory the core resolves: the given one, or the built-in tiny model (built
+    # once under a file lock, so the two processes never build it twice).
+    from pagoda_engine.tokenizer import load_tokenizer
+
+    if model is None:
+        from pagoda_engine.tiny import default_model_dir
+
+        return load_tokenizer(default_model_dir())
+    return load_tokenizer(model)
 
 
 class RequestGroup:

@@ -1,0 +1,57 @@
+"""Server tests run `pagoda serve` for real (a subprocess on 127.0.0.1 with the built-in tiny
+model), one per test module, through the process harness shared with e2e/local and the router."""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
+
+from pagoda_e2e import Proc, free_port, start_engine  # noqa: E402
+
+
+@dataclass
+class Server:
+    proc: Proc
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+
+def launch(tmp_path: Path, *extra: str) -> Server:
+    port = free_port()
+    proc = start_engine(port, tmp_path / "serve.log", extra=list(extra))
+    return Server(proc, port)
+
+
+# Small KV pool and context: start-up stays fast and every request stays bounded.
+DEFAULT_ARGS = ("--num-kv-pages", "512", "--max-model-len", "512", "--max-num-seqs", "64")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    srv = launch(tmp_path_factory.mktemp("serve"), *DEFAULT_ARGS)
+    yield srv
+    srv.proc.stop()
+
+
+def scrape(url: str) -> dict[str, float]:
+    """GET /metrics as {sample name with sorted labels except model_name: value}."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples

@@ -1,0 +1,184 @@
+"""The official `openai` client, sync and async, against a real `pagoda serve` process."""
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from pagoda_engine.tiny import corpus_text
+
+from conftest import scrape
+
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_models_lists_the_served_model(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["pagoda-tiny"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_completion_greedy_equals_offline_llm(client, model):
+    from pagoda_engine import LLM, SamplingParams
+
+    prompts = [PROMPT, corpus_text()[:200]]
+    llm = LLM(num_kv_pages=128, max_model_len=512)
+    offline = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24))
+    for prompt, expected in zip(prompts, offline):
+        got = client.completions.create(model=model, prompt=prompt, max_tokens=24, temperature=0)
+        assert got.choices[0].text == expected.outputs[0].text
+        assert got.usage.completion_tokens == len(expected.outputs[0].token_ids)
+        assert got.usage.prompt_tokens == len(expected.prompt_token_ids)
+
+
+def test_completion_prompt_forms_agree(client, model, server):
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    by_text = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0)
+    by_ids = client.completions.create(model=model, prompt=ids, max_tokens=8, temperature=0)
+    batch = client.completions.create(model=model, prompt=[ids, ids[:2]], max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert [c.index for c in batch.choices] == [0, 1]
+    assert batch.choices[0].text == by_text.choices[0].text
+    assert batch.usage.prompt_tokens == len(ids) + 2
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].text.startswith(PROMPT)
+    back = httpx.post(f"{server.url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    assert PROMPT in back
+
+
+def test_chat_completion_and_max_completion_tokens(client, model):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    a = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0)
+    b = client.chat.completions.create(model=model, messages=messages, max_completion_tokens=6, temperature=0)
+    assert a.choices[0].message.role == "assistant"
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.completion_tokens <= 6 and a.usage.prompt_tokens > 5
+
+
+def test_streaming_with_usage_matches_non_streaming(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0)
+    chunks = list(client.completions.create(model=model, prompt=PROMPT, max_tokens=16, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+    messages = [{"role": "user", "content": "Tell me"}]
+    chat_full = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0)
+    chat_chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                                      stream=True, stream_options={"include_usage": True}))
+    assert chat_chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chat_chunks if c.choices) == \
+        chat_full.choices[0].message.content
+    assert chat_chunks[-1].usage.total_tokens == chat_full.usage.total_tokens
+
+
+def test_n_greater_than_one(client, model):
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, n=3, temperature=1.0, seed=5)
+    assert sorted(c.index for c in got.choices) == [0, 1, 2]
+    assert 3 <= got.usage.completion_tokens <= 3 * 8  # usage counts all n sequences
+    assert len({c.text for c in got.choices}) > 1, "n samples with different seeds should differ"
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], n=2,
+                                          max_tokens=5, temperature=0)
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same
+
+
+def test_logprobs(client, model):
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=5, temperature=0, logprobs=3)
+    lp = got.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 5
+    assert "".join(lp.tokens) == got.choices[0].text
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
+        assert chosen <= 0 and 3 <= len(top) <= 4
+        assert max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy picks the most likely
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
+
+
+def test_seeded_sampling_is_reproducible(client, model):
+    def sample(seed):
+        return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.0,
+                                         seed=seed).choices[0].text
+
+    assert sample(1234) == sample(1234)
+    assert len({sample(s) for s in (1, 2, 3)}) > 1
+
+
+def test_stop_string_is_cut(client, model):
+    full = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
+    stop = full[5:8]
+    cut = client.completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[:full.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_have_openai_shape(client, model):
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="no-such-model", prompt="x", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=[1] * 600, max_tokens=2)
+    assert "maximum context length" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model, prompt=PROMPT, max_tokens=2, temperature=-1)
+    assert e.value.body["param"] == "temperature"
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model, messages=[], max_tokens=2)
+
+
+async def test_async_client_concurrent_requests(server, model):
+    async with openai.AsyncOpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as aclient:
+        prompts = [f"{PROMPT} {i}" for i in range(8)]
+        results = await asyncio.gather(*(aclient.completions.create(model=model, prompt=p, max_tokens=10,
+                                                                    temperature=0) for p in prompts))
+        single = await aclient.completions.create(model=model, prompt=prompts[3], max_tokens=10, temperature=0)
+        assert results[3].choices[0].text == single.choices[0].text
+        stream = await aclient.chat.completions.create(model=model, messages=[{"role": "user", "content": "yo"}],
+                                                       max_tokens=6, temperature=0, stream=True)
+        pieces = [c.choices[0].delta.content async for c in stream if c.choices and c.choices[0].delta.content]
+        assert pieces
+
+
+def test_metrics_exposed_and_counters_move(client, model, server):
+    names = ["pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
+             "pagoda:prefix_cache_queries_total", "pagoda:prefix_cache_hits_total", "pagoda:num_preemptions_total",
+             "pagoda:prompt_tokens_total", "pagoda:generation_tokens_total",
+             "pagoda:request_success_total{finished_reason=length}",
+             "pagoda:time_to_first_token_seconds_count", "pagoda:inter_token_latency_seconds_count",
+             "pagoda:e2e_request_latency_seconds_count", "pagoda:request_queue_time_seconds_count"]
+    before = scrape(server.url)
+    missing = [n for n in names if n not in before]
+    assert not missing, f"missing metrics: {missing}"
+    long_prompt = corpus_text()[300:700]  # several full KV pages, so the second run hits the prefix cache
+    for _ in range(2):
+        client.completions.create(model=model, prompt=long_prompt, max_tokens=7, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    after = scrape(server.url)
+    assert after["pagoda:generation_tokens_total"] - before["pagoda:generation_tokens_total"] == 14
+    assert after["pagoda:request_success_total{finished_reason=length}"] - \
+        before["pagoda:request_success_total{finished_reason=length}"] == 2
+    for n in ("pagoda:prompt_tokens_total", "pagoda:time_to_first_token_seconds_count",
+              "pagoda:e2e_request_latency_seconds_count", "pagoda:request_queue_time_seconds_count",
+              "pagoda:prefix_cache_queries_total"):
+        assert after[n] > before[n], n
+    assert after["pagoda:inter_token_latency_seconds_count"] - before["pagoda:inter_token_latency_seconds_count"] == 12
+    assert after["pagoda:prefix_cache_hits_total"] > before["pagoda:prefix_cache_hits_total"]  # same prompt twice
+    assert after["pagoda:num_requests_running"] == after["pagoda:num_requests_waiting"] == 0
