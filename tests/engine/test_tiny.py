@@ -12,6 +12,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from pagoda_engine import tiny
 from pagoda_engine.tiny import DEFAULT_MODEL_NAME, STAMP_FILE, build_tiny_model, default_model_dir
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -123,25 +124,37 @@ _BUILD_SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("target", ["explicit", "default"])
-def test_concurrent_builds_of_one_directory_do_not_corrupt_it(tmp_path, llama_dir, target):
-    env = dict(os.environ, PAGODA_CACHE_DIR=str(tmp_path / "cache"))
-    arg = str(tmp_path / "shared") if target == "explicit" else "default"
+def test_two_processes_building_one_directory_do_not_corrupt_it(tmp_path, llama_dir):
+    # One goes through default_model_dir (file lock), the other builds the same path directly
+    # (no lock), so both may build at once and race on the final rename.
+    env = dict(os.environ, PAGODA_CACHE_DIR=str(tmp_path))
+    target = tmp_path / DEFAULT_MODEL_NAME
     procs = [
         subprocess.Popen([sys.executable, "-c", _BUILD_SCRIPT, arg], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
-        for _ in range(2)
+        for arg in ("default", str(target))
     ]
-    results = [p.communicate(timeout=300) for p in procs]
+    results = [p.communicate(timeout=600) for p in procs]
     for proc, (stdout, stderr) in zip(procs, results):
         assert proc.returncode == 0, stderr
-    paths = {stdout.strip().splitlines()[-1] for stdout, _ in results}
-    assert len(paths) == 1
-    built = type(llama_dir)(paths.pop())
-    assert (built / STAMP_FILE).is_file()
-    assert file_hashes(built) == file_hashes(llama_dir)
-    # No temp build directory is left behind.
-    assert [p.name for p in built.parent.iterdir() if ".tmp-" in p.name] == []
+        assert stdout.strip().splitlines()[-1] == str(target)
+    assert file_hashes(target) == file_hashes(llama_dir)
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []  # no temp build left
+
+
+def test_a_builder_that_loses_the_rename_race_uses_the_winners_build(tmp_path, monkeypatch, llama_dir):
+    target = tmp_path / "shared"
+    real_build_into = tiny._build_into
+
+    def build_while_another_process_finishes_first(out, *args):
+        real_build_into(out, *args)
+        monkeypatch.setattr(tiny, "_build_into", real_build_into)
+        build_tiny_model(target)  # the other builder wins
+
+    monkeypatch.setattr(tiny, "_build_into", build_while_another_process_finishes_first)
+    assert build_tiny_model(target) == target
+    assert file_hashes(target) == file_hashes(llama_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared"]
 
 
 def test_stale_default_model_is_rebuilt(tmp_path, monkeypatch):
