@@ -11,7 +11,7 @@ import json
 import jsonschema
 import pytest
 import yaml
-from packaging_support import CHART_DIR, IMAGES, load_yaml_stream, parse_dockerfile
+from packaging_support import CHART_DIR, EXAMPLES_DIR, IMAGES, load_yaml_stream, parse_dockerfile
 
 SCHEMA = json.loads((CHART_DIR / "values.schema.json").read_text())
 VALUES = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
@@ -237,3 +237,22 @@ def test_chart_ships_the_generated_crd(helm, inferenceservice_crd):
     with helm.Chart.load(CHART_DIR) as chart:
         shipped = [o for c in chart.crds for o in load_yaml_stream(c["data"])]
     assert inferenceservice_crd in shipped, "charts/pagoda/crds is stale: run `make crds`"
+
+
+def test_pod_monitor_selects_the_pods_the_operator_renders(helm):
+    """The PodMonitor's selector and port name must match the engine and router pods as
+    pagoda_operator.render writes them, or Prometheus scrapes nothing."""
+    operator_render = pytest.importorskip("pagoda_operator.render")
+    from pagoda_operator.validation import check
+
+    (monitor,) = by_kind(render(helm, {"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    port = monitor["spec"]["podMetricsEndpoints"][0]["port"]
+    body = yaml.safe_load((EXAMPLES_DIR / "tiny-cpu.yaml").read_text())
+    checked = check(body)
+    assert checked.ok, checked.problems
+    pods = [o["spec"]["template"] for o in operator_render.render(body, checked.spec) if o["kind"] == "Deployment"]
+    assert {p["metadata"]["labels"]["app.kubernetes.io/component"] for p in pods} == {"engine", "router"}
+    for pod in pods:
+        assert selector.items() <= pod["metadata"]["labels"].items()
+        assert port in {p["name"] for c in pod["spec"]["containers"] for p in c.get("ports", [])}
