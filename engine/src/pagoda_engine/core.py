@@ -92,12 +92,12 @@ class EngineCore:
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        self.max_model_len = self._resolve_max_model_len()
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         self.model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, mc.load_format, mc.seed)
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_dir, time.monotonic() - t0, self.dtype, self.device)
         self.vocab_size = self.model.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
         if self.device.type == "cpu":
             _set_cpu_threads(self.model)
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
@@ -122,7 +122,8 @@ class EngineCore:
         self.startup_seconds = time.monotonic() - t0
 
     def _resolve_max_model_len(self) -> int:
-        limit = getattr(self.hf_config, "max_position_embeddings", None) or 2048
+        # The model's own limit: it already accounts for a sliding window shorter than the context.
+        limit = self.model.max_position_embeddings
         wanted = self.config.model.max_model_len
         if wanted is None:
             return limit
