@@ -15,8 +15,10 @@ the sampler's engine-wide generator.
 `SamplingBatch.from_requests` turns the Python-side requests into per-row tensors once per step;
 `Sampler.sample` is then a fixed sequence of whole-batch tensor ops (no loops over the vocabulary).
 Everything is plain torch on whatever device the logits live on. The GPU seam is
-`Sampler._sample_random`: a FlashInfer implementation (top-k/top-p sampling from probabilities)
-replaces that one method; everything before it (penalties, masks, greedy, logprobs) stays shared.
+`Sampler._sample_random` (temperature-scaled logits of the random rows in, one token per row out): a
+FlashInfer implementation replaces that one method, and everything around it (penalties, masks,
+greedy, logprobs) stays shared. FlashInfer's sampling kernels take per-row `seed` and `offset`
+tensors, which is where `SamplingBatch.seeded` (one seed per seeded row and step) goes.
 """
 
 from __future__ import annotations
