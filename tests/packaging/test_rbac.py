@@ -28,23 +28,29 @@ EXTRA_GRANTS = {
 NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}
 
 
+# spec.autoscaling.driver keda | hpa makes the operator write one of these instead of scaling itself.
+SCALER_KINDS = {("keda.sh/v1alpha1", "ScaledObject"), ("autoscaling/v2", "HorizontalPodAutoscaler")}
+
+
 def emitted_kinds() -> set[tuple[str, str]]:
-    """(apiVersion, kind) of everything the operator can apply: the renderer's list, plus the
-    scaler objects (KEDA ScaledObject, HPA) for spec.autoscaling.driver keda | hpa."""
-    kinds = set(render.CHILD_KINDS)
+    """(apiVersion, kind) of everything the operator can apply: the renderer's list and the
+    scaler objects. Where the autoscaler's renderer is installed, its output must be SCALER_KINDS."""
     try:
         from pagoda_operator.autoscaler import scaledobjects
-        from pagoda_operator.validation import check
     except ImportError:
-        return kinds
+        return set(render.CHILD_KINDS) | SCALER_KINDS
+    from pagoda_operator.validation import check
+
+    scalers = set()
     for driver in ("keda", "hpa"):
         body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "s", "namespace": "default"},
                 "spec": {"autoscaling": {"driver": driver, "minReplicas": 1, "maxReplicas": 4,
                                           "prometheusURL": "http://prometheus.monitoring:9090"}}}
         checked = check(body)
         assert checked.ok, checked.problems
-        kinds |= {(o["apiVersion"], o["kind"]) for o in scaledobjects.render_scaler(body, checked.spec)}
-    return kinds
+        scalers |= {(o["apiVersion"], o["kind"]) for o in scaledobjects.render_scaler(body, checked.spec)}
+    assert scalers == SCALER_KINDS
+    return set(render.CHILD_KINDS) | scalers
 
 
 def plural(kind: str) -> str:
