@@ -154,7 +154,22 @@ def _build_into(out: Path, arch: str, seed: int, dtype: str, config_overrides: d
     model.generation_config = GenerationConfig(
         bos_token_id=ids[BOS], eos_token_id=[ids[EOS], ids[IM_END]], pad_token_id=ids[PAD]
     )
-    model.save_pretrained(str(out), safe_serialization=True)
+    with _no_progress_bars():
+        model.save_pretrained(str(out), safe_serialization=True)
+
+
+@contextlib.contextmanager
+def _no_progress_bars():
+    """A one-shard save needs no progress bar on the first `pagoda serve`'s console."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _recipe_hash() -> str:
