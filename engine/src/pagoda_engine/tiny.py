@@ -19,7 +19,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-# Bump when the built files change, so a cached default model is rebuilt rather than reused.
+# The stamp's recipe hash catches changes to the corpus, special tokens, template and sizes;
+# bump this when the build code changes what it writes, so cached builds are not reused.
 TINY_FORMAT_VERSION = 1
 DEFAULT_MODEL_NAME = f"tiny-llama-v{TINY_FORMAT_VERSION}"
 STAMP_FILE = "pagoda_tiny.json"
