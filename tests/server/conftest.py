@@ -55,3 +55,28 @@ def scrape(url: str) -> dict[str, float]:
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
             samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return samples
+
+
+def child_pids(pid: int) -> list[int]:
+    """Live direct children of `pid` (Linux /proc), e.g. the engine core under `pagoda serve`."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # Field 4 is the parent pid; the command name (field 2) may contain spaces, so split after ")".
+        fields = stat[stat.rindex(")") + 2:].split()
+        if int(fields[1]) == pid and fields[0] != "Z":
+            children.append(int(entry.name))
+    return children
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2:].split()[0] != "Z"
