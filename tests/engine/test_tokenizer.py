@@ -86,6 +86,14 @@ def test_chat_template_renders_chatml_and_encodes(tokenizer):
     assert tokenizer.decode(without_prompt) == expected.removesuffix("<|im_start|>assistant\n")
 
 
+def test_null_assistant_content_renders_as_empty(tokenizer):
+    ids = apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+                              add_generation_prompt=False)
+    assert tokenizer.decode(ids).endswith("<|im_start|>assistant\n<|im_end|>\n")
+    with pytest.raises(InvalidRequestError):
+        apply_chat_template(tokenizer, [{"role": "user", "content": None}])
+
+
 def test_explicit_chat_template_overrides_the_models(tokenizer):
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     ids = apply_chat_template(tokenizer, [{"role": "user", "content": "hi"}], chat_template=template)

@@ -100,7 +100,10 @@ def validate_messages(messages: Any) -> list[dict[str, Any]]:
             )
         if "content" not in message:
             raise InvalidRequestError(f"messages[{i}] has no 'content'", param="messages")
-        normalised.append({**message, "content": _content_text(message["content"], i)})
+        content = message["content"]
+        if content is None and role == "assistant":
+            content = ""  # OpenAI allows a null assistant content (a turn that only called tools)
+        normalised.append({**message, "content": _content_text(content, i)})
     return normalised
 
 
