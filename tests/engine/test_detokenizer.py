@@ -70,6 +70,26 @@ def test_a_long_run_of_invalid_bytes_is_emitted_before_the_end(tokenizer):
     assert "".join(deltas) + last == tokenizer.decode(ids)
 
 
+def byte_token_id(tokenizer, byte: int) -> int:
+    """The id of the single-byte token for `byte` (GPT-2's byte-to-unicode mapping)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    char = chr(byte) if byte in printable else chr(256 + sorted(set(range(256)) - set(printable)).index(byte))
+    return tokenizer.convert_tokens_to_ids(char)
+
+
+@pytest.mark.parametrize("before", range(0, 13))
+def test_characters_inside_long_invalid_runs_are_not_split(tokenizer, before):
+    # Split one byte per token, a character can straddle the point where a long window of
+    # invalid bytes is cut short; the cut must move rather than break the character.
+    lead = byte_token_id(tokenizer, 0xE6)
+    rocket = [byte_token_id(tokenizer, b) for b in "🚀".encode()]
+    assert tokenizer.decode(rocket) == "🚀"
+    for after in range(5):
+        ids = [lead] * before + rocket + [lead] * after + encode(tokenizer, " ok")
+        deltas, last, _ = stream(tokenizer, ids)
+        assert "".join(deltas) + last == tokenizer.decode(ids)
+
+
 def test_prompt_ending_inside_a_character(tokenizer):
     rocket = encode(tokenizer, "🚀")
     assert len(rocket) > 1
