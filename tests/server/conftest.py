@@ -80,3 +80,16 @@ def pid_alive(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core process of a `pagoda serve` (its spawned child, not multiprocessing's
+    resource tracker)."""
+    for pid in child_pids(server_pid):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"spawn_main" in cmdline:
+            return pid
+    raise LookupError(f"no engine core process under pid {server_pid}")

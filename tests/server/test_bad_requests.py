@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import DEFAULT_ARGS, child_pids, launch
+from conftest import DEFAULT_ARGS, core_pid, launch
 
 API_KEY = "test-key-123"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -19,6 +19,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 def server(tmp_path_factory):
     # A short context keeps any body that happens to be valid cheap to serve.
     srv = launch(tmp_path_factory.mktemp("serve"), *DEFAULT_ARGS, "--max-model-len", "64", "--api-key", API_KEY)
+    srv.core_at_start = core_pid(srv.proc.pid)
     yield srv
     srv.proc.stop()
 
@@ -147,11 +148,10 @@ def test_generated_tokenize_bodies_never_5xx(http, tok, detok):
 
 def test_server_and_core_survive_the_fuzzing(server, http):
     # Runs after the generated bodies above (pytest keeps file order): same core, still serving.
-    core_pids = child_pids(server.proc.pid)
     assert http.get("/health").status_code == 200
     r = http.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 4, "temperature": 0})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
-    assert child_pids(server.proc.pid) == core_pids
+    assert core_pid(server.proc.pid) == server.core_at_start  # the core it started with, never replaced
 
 
 def test_specific_bad_values_name_their_param(http):

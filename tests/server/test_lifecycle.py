@@ -1,0 +1,124 @@
+"""Process life cycle of `pagoda serve`: SIGTERM drains in-flight requests and exits 0 with no
+orphan, a dead core turns /health to 503 and fails requests fast, a lost parent takes the core
+with it, and a model that cannot load is a clear error before any port opens."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from conftest import DEFAULT_ARGS, core_pid, launch, pid_alive
+from pagoda_e2e import free_port
+
+
+def _stream(url: str, max_tokens: int, started: list) -> dict:
+    body = {"prompt": "Tell a story", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    text, finish, error, done = "", None, None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+        status = resp.status_code
+        for line in resp.iter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    error = chunk["error"]
+                    continue
+                text += chunk["choices"][0]["text"]
+                finish = chunk["choices"][0]["finish_reason"] or finish
+                started.append(True)
+    return {"status": status, "finish": finish, "error": error, "done": done, "chunks": len(started)}
+
+
+def _wait_exit(proc, timeout: float) -> int:
+    proc.popen.wait(timeout)
+    return proc.popen.returncode
+
+
+def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_sigterm_drains_then_exits_zero_without_orphans(tmp_path):
+    srv = launch(tmp_path, "--num-kv-pages", "512", "--max-model-len", "2048", "--drain-timeout", "2")
+    try:
+        core = core_pid(srv.proc.pid)
+        with ThreadPoolExecutor(6) as pool:
+            started = [[] for _ in range(6)]
+            # Four short requests finish within the drain window; two long ones cannot.
+            lengths = [12, 12, 12, 12, 2000, 2000]
+            futures = [pool.submit(_stream, srv.url, n, s) for n, s in zip(lengths, started)]
+            deadline = time.monotonic() + 60
+            while not all(started) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert all(started), "requests did not start"
+            srv.proc.popen.send_signal(signal.SIGTERM)
+            time.sleep(0.5)
+            with pytest.raises(httpx.TransportError):  # no longer accepting connections
+                httpx.get(f"{srv.url}/health", timeout=2)
+            results = [f.result(timeout=60) for f in futures]
+        for r in results[:4]:
+            assert r["status"] == 200 and r["finish"] == "length" and r["error"] is None and r["done"]
+        for r in results[4:]:
+            assert r["status"] == 200 and r["error"] is not None and r["done"]
+            assert r["error"]["code"] == "shutting_down" and "shutting down" in r["error"]["message"]
+        assert _wait_exit(srv.proc, 30) == 0
+        assert _wait_gone(core), "engine core outlived the server"
+    finally:
+        srv.proc.stop()
+
+
+def test_dead_core_fails_fast_with_503(tmp_path):
+    srv = launch(tmp_path, *DEFAULT_ARGS)
+    try:
+        core = core_pid(srv.proc.pid)
+        with ThreadPoolExecutor(1) as pool:
+            started: list = []
+            future = pool.submit(_stream, srv.url, 500, started)
+            while not started:
+                time.sleep(0.02)
+            os.kill(core, signal.SIGKILL)
+            r = future.result(timeout=30)
+        # The stream was already 200: it ends with an in-band error frame.
+        assert r["status"] == 200 and r["done"] and r["error"]["code"] == "engine_dead"
+
+        health = httpx.get(f"{srv.url}/health", timeout=5)
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        t0 = time.monotonic()
+        resp = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
+        assert resp.status_code == 503 and time.monotonic() - t0 < 2
+        assert "engine" in resp.json()["error"]["message"].lower()
+        srv.proc.popen.send_signal(signal.SIGTERM)
+        assert _wait_exit(srv.proc, 30) == 0
+    finally:
+        srv.proc.stop()
+
+
+def test_core_exits_when_the_server_is_killed(tmp_path):
+    srv = launch(tmp_path, *DEFAULT_ARGS)
+    core = core_pid(srv.proc.pid)
+    srv.proc.kill()  # SIGKILL: no chance to clean up
+    assert _wait_gone(core), "engine core orphaned after its server was killed"
+
+
+def test_missing_model_is_a_clear_error_before_any_port(tmp_path):
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--host", "127.0.0.1", "--port",
+                           str(port), "--model", str(tmp_path / "no-such-model")],
+                          capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 1
+    assert "does not exist" in proc.stderr
+    with pytest.raises(httpx.TransportError):
+        httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
