@@ -269,6 +269,19 @@ def test_penalties_follow_the_formulas():
     assert torch.equal(logits, torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]]))  # input untouched
 
 
+def test_penalties_follow_the_request_from_step_to_step():
+    logits = torch.zeros(1, 6)
+    r = req(prompt=[0], presence_penalty=1.0, repetition_penalty=2.0)
+    before = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    torch.testing.assert_close(before, torch.tensor([[0.5, 1, 1, 1, 1, 1]]))
+    r.output_token_ids.append(4)
+    after = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    torch.testing.assert_close(after, torch.tensor([[0.5, 1, 1, 1, 0.5 - 1.0, 1]]))
+    r.prompt_token_ids = [2]  # a new prompt list is read afresh
+    again = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    torch.testing.assert_close(again, torch.tensor([[1, 1, 0.5, 1, 0.5 - 1.0, 1]]))
+
+
 def test_penalties_are_per_row():
     logits = rand_logits(3, vocab=6)
     rows = [req(output=[1, 1]), req(output=[1, 1], frequency_penalty=1.0), req(temperature=0.0)]

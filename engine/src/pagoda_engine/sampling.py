@@ -23,7 +23,7 @@ tensors, which is where `SamplingBatch.seeded` (one seed per seeded row and step
 
 from __future__ import annotations
 
-import itertools
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -118,9 +118,13 @@ class SamplingBatch:
             repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
             frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
             presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
-            output_counts = _token_counts([r.output_token_ids for r in reqs], vocab_size, device)
-            prompt_counts = _token_counts([r.prompt_token_ids for r in reqs], vocab_size, device)
-            seen_mask = (output_counts > 0) | (prompt_counts > 0)
+            outputs = _flat_token_index([np.array(r.output_token_ids, dtype=np.int64) for r in reqs],
+                                        vocab_size, device)
+            output_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+            output_counts.index_add_(0, outputs, torch.ones(outputs.shape, dtype=torch.float32, device=device))
+            output_counts = output_counts.view(num_rows, vocab_size)
+            seen_mask = output_counts > 0
+            seen_mask.view(-1)[_flat_token_index([_prompt_array(r) for r in reqs], vocab_size, device)] = True
 
         mask_rows: list[int] = []
         mask_ids: list[int] = []
@@ -144,19 +148,27 @@ class SamplingBatch:
                    min_tokens_rows=min_tokens_rows, min_tokens_ids=min_tokens_ids, num_logprobs=num_logprobs)
 
 
-def _token_counts(token_lists: list[list[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """float32 [B, V]: how often each token id occurs in each row's list. Ids outside the vocabulary
-    (a tokenizer larger than the LM head) are left out. One host-to-device copy for the whole batch."""
-    lengths = [len(t) for t in token_lists]
-    counts = torch.zeros(len(token_lists), vocab_size, dtype=torch.float32, device=device)
-    if not any(lengths):
-        return counts
-    ids = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.int64, count=sum(lengths))
-    rows = np.repeat(np.arange(len(token_lists), dtype=np.int64), lengths)
+# Each request's prompt as an array, made on its first penalised step: converting a long prompt
+# from a Python list again on every step would cost more than the penalties themselves. A request's
+# prompt list is never edited in place; a new list (or length) makes a new array.
+_prompt_arrays: weakref.WeakKeyDictionary[Request, tuple[list[int], np.ndarray]] = weakref.WeakKeyDictionary()
+
+
+def _prompt_array(req: Request) -> np.ndarray:
+    cached = _prompt_arrays.get(req)
+    if cached is None or cached[0] is not req.prompt_token_ids or len(cached[1]) != len(req.prompt_token_ids):
+        cached = _prompt_arrays[req] = (req.prompt_token_ids, np.array(req.prompt_token_ids, dtype=np.int64))
+    return cached[1]
+
+
+def _flat_token_index(token_arrays: list[np.ndarray], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """int64 [N]: `row * V + token_id` for every token of every row, for indexing a flattened [B, V]
+    tensor; one host-to-device copy for the whole batch. Ids outside the vocabulary (a tokenizer
+    larger than the LM head) are left out."""
+    ids = np.concatenate(token_arrays) if token_arrays else np.zeros(0, dtype=np.int64)
+    rows = np.repeat(np.arange(len(token_arrays), dtype=np.int64), [len(a) for a in token_arrays])
     valid = (ids >= 0) & (ids < vocab_size)
-    flat = torch.from_numpy(rows[valid] * vocab_size + ids[valid]).to(device)
-    counts.view(-1).index_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
-    return counts
+    return torch.from_numpy(rows[valid] * vocab_size + ids[valid]).to(device)
 
 
 @dataclass
