@@ -15,7 +15,7 @@ import pytest
 
 from pagoda_e2e import PYTHON, Proc, free_port, start_router
 
-FAKE = str(Path(__file__).with_name("fake_engine.py"))
+FAKE = str(Path(__file__).resolve().parents[2] / "e2e" / "local" / "fake_engine.py")
 
 
 def start_fake(tmp: Path, name: str, model: str = "fake-model", token_delay: float = 0.005,

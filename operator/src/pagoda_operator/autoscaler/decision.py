@@ -26,10 +26,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagoda_operator.schema import parse_duration
+
+if TYPE_CHECKING:
+    from pagoda_operator.spec import Autoscaling
 
 POLICIES = ("queue", "kvUtilization", "ttft")
 DEFAULT_TARGETS = {"queue": 2.0, "kvUtilization": 0.7, "ttft": 1.0}  # waiting/replica, fraction, seconds
 TOLERANCE = 0.1
+# spec.autoscaling fields left unset (shared by the built-in driver and the KEDA/HPA manifests)
+DEFAULT_INTERVAL_S = 15
+DEFAULT_SCALE_UP_DELAY_S = 0.0
+DEFAULT_SCALE_DOWN_DELAY_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,22 @@ class Settings:
     @property
     def effective_target(self) -> float:
         return self.target if self.target is not None else DEFAULT_TARGETS[self.policy]
+
+
+def settings_of(a: "Autoscaling") -> Settings:
+    """Settings from spec.autoscaling, defaults filled in."""
+    return Settings(
+        min_replicas=a.min_replicas,
+        max_replicas=a.max_replicas,
+        policy=a.policy,
+        target=a.target,
+        scale_up_delay_s=parse_duration(a.scale_up_delay) if a.scale_up_delay else DEFAULT_SCALE_UP_DELAY_S,
+        scale_down_delay_s=parse_duration(a.scale_down_delay) if a.scale_down_delay else DEFAULT_SCALE_DOWN_DELAY_S,
+    )
+
+
+def interval_of(a: "Autoscaling") -> float:
+    return float(a.interval_seconds or DEFAULT_INTERVAL_S)
 
 
 @dataclass(frozen=True)

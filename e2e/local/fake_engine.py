@@ -1,7 +1,8 @@
-"""A small real HTTP engine for router tests: the engine server's wire surface (OpenAI completions
+"""A small real HTTP engine for router and autoscaler tests: the engine server's wire surface (OpenAI completions
 and chat with SSE streaming, /v1/models, /health, /metrics with the engine's gauge names) without
 a model. Tokens are `t0 t1 ...`, one per `--token-delay` seconds, so a test knows what a stream
-must contain. /admin/* lets a test make it unhealthy or fail its next requests.
+must contain. POST /admin lets a test make it unhealthy, fail its next requests, or report a
+queue (`waiting`).
 
 Run: python fake_engine.py --port P [--model NAME] [--token-delay S]
 """
@@ -18,7 +19,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 def build(model: str, token_delay: float) -> FastAPI:
     app = FastAPI()
-    st = {"healthy": True, "fail_next": 0, "fail_status": 503, "running": 0, "served": 0, "prompts": []}
+    st = {"healthy": True, "fail_next": 0, "fail_status": 503, "running": 0, "waiting": 0, "served": 0, "prompts": []}
 
     @app.get("/health")
     async def health():
@@ -30,7 +31,7 @@ def build(model: str, token_delay: float) -> FastAPI:
             "# TYPE pagoda:num_requests_running gauge\n"
             f'pagoda:num_requests_running{{model_name="{model}"}} {st["running"]}\n'
             "# TYPE pagoda:num_requests_waiting gauge\n"
-            f'pagoda:num_requests_waiting{{model_name="{model}"}} 0.0\n'
+            f'pagoda:num_requests_waiting{{model_name="{model}"}} {st["waiting"]}\n'
             "# TYPE pagoda:kv_cache_usage_perc gauge\n"
             f'pagoda:kv_cache_usage_perc{{model_name="{model}"}} {min(1.0, st["running"] / 10)}\n')
 
