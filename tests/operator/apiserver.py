@@ -1,0 +1,241 @@
+"""kmock's KubernetesEmulator, extended to the documented behaviour of the real API server where
+the operator depends on it, and run in a background thread so tests stay synchronous.
+
+Extensions (each is what the Kubernetes API documentation specifies; the base emulator merges
+every write into the stored dict and keeps no server-side metadata):
+  1. metadata set by the server: uid and creationTimestamp on create, generation 1 on create and
+     +1 whenever spec changes, resourceVersion changed on every write that changes the object.
+  2. A write that changes nothing (same content) is a no-op: no new resourceVersion, no watch
+     event. The tests count the writes that did change something.
+  3. Optimistic concurrency: a patch carrying metadata.resourceVersion that is not the current
+     one fails with 409 Conflict.
+  4. Server-side apply (application/apply-patch+yaml): creates a missing object; otherwise the
+     applied configuration replaces what the same field manager applied before (fields it no
+     longer applies are removed, fields of other writers are kept). Lists are replaced as a
+     whole (atomic); the real server merges some lists by key (e.g. containers by name).
+  5. The status subresource: for kinds that declare it, writes to the main resource leave
+     status alone and writes to /status change only status.
+  6. JSON merge patch (RFC 7386) for application/merge-patch+json: null removes a key, lists
+     are replaced.
+  7. metadata.generateName: the server picks a unique name on create (kopf's Events use it).
+Not emulated: garbage collection through owner references, admission, defaulting, strategic
+merge patch (the operator does not use it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import itertools
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp.web
+import kmock
+
+RESOURCES = {
+    # (group, version, plural): (kind, subresources); kopf needs the first two discoverable
+    ("", "v1", "namespaces"): ("Namespace", {"status"}),
+    ("apiextensions.k8s.io", "v1", "customresourcedefinitions"): ("CustomResourceDefinition", {"status"}),
+    ("pagoda.dev", "v1alpha1", "inferenceservices"): ("InferenceService", {"status", "scale"}),
+    ("", "v1", "configmaps"): ("ConfigMap", set()),
+    ("", "v1", "services"): ("Service", {"status"}),
+    ("", "v1", "events"): ("Event", set()),
+    ("apps", "v1", "deployments"): ("Deployment", {"status", "scale"}),
+    ("policy", "v1", "poddisruptionbudgets"): ("PodDisruptionBudget", {"status"}),
+    ("networking.k8s.io", "v1", "ingresses"): ("Ingress", {"status"}),
+}
+CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}
+SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp")
+
+
+@dataclass
+class Write:
+    method: str
+    path: str
+    content_type: str
+    params: dict[str, str]
+    changed: bool
+
+
+def _merge_patch(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merge_patch(out.get(key), value)
+    return out
+
+
+def _drop_unapplied(target: dict, previous: dict, applied: dict) -> None:
+    """Remove from target the fields the manager applied before but applies no longer."""
+    for key, old_value in previous.items():
+        if key not in target:
+            continue
+        if key not in applied:
+            del target[key]
+        elif isinstance(old_value, dict) and isinstance(applied[key], dict) and isinstance(target[key], dict):
+            _drop_unapplied(target[key], old_value, applied[key])
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    """The emulator with the extensions listed in the module docstring."""
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.writes: list[Write] = []
+        self._versions = itertools.count(1)
+        self._applied: dict[tuple, dict[str, dict]] = {}  # object key → manager → last applied
+        for (group, version, plural), (kind, subresources) in RESOURCES.items():
+            self.resources[f"{group}/{version}/{plural}" if group else f"{version}/{plural}"] = kmock.ResourceInfo(
+                kind=kind, namespaced=kind not in CLUSTER_SCOPED, verbs={"get", "list", "watch", "create", "patch", "delete"},
+                subresources=subresources)
+
+    def declare(self, group: str, version: str, plural: str, kind: str) -> None:
+        """Install a CRD (e.g. LeaderWorkerSet) after the fact."""
+        self.resources[f"{group}/{version}/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"}, subresources={"status"})
+
+    def _has_status_subresource(self, resource: Any) -> bool:
+        for known, info in self.resources.items():
+            if known == resource:
+                return "status" in info.subresources
+        return False
+
+    def _key(self, request: Any, name: str | None = None) -> tuple:
+        data = request.data if isinstance(request.data, dict) else {}
+        meta = data.get("metadata") or {}
+        return (request.resource, request.namespace or meta.get("namespace"), name or request.name or meta.get("name"))
+
+    def _server_fields(self, new: dict, old: dict | None) -> dict:
+        meta = new.setdefault("metadata", {})
+        old_meta = (old or {}).get("metadata") or {}
+        meta["uid"] = old_meta.get("uid") or str(uuid.uuid4())
+        meta["creationTimestamp"] = old_meta.get("creationTimestamp") or datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta["generation"] = old_meta.get("generation", 0) + (1 if old is None or new.get("spec") != old.get("spec") else 0)
+        meta["resourceVersion"] = old_meta.get("resourceVersion", "0")
+        return new
+
+    async def _store(self, key: tuple, new: dict, old: dict | None) -> bool:
+        """Store new unless equal to old; True when something changed."""
+        if old is not None and new == old:
+            return False
+        new["metadata"]["resourceVersion"] = str(next(self._versions))
+        if key not in self._objects:
+            self._objects[key] = new
+        else:
+            self._objects[key].create(new)
+        await self._buses[key[0]].put({"type": "ADDED" if old is None else "MODIFIED", "object": copy.deepcopy(new)})
+        return True
+
+    def _current(self, key: tuple) -> dict | None:
+        if key in self._objects and not self._objects[key].deleted:
+            return copy.deepcopy(self._objects[key].raw)
+        return None
+
+    async def _write(self, request: Any) -> tuple[bool, tuple]:
+        data = request.data if isinstance(request.data, dict) else {}
+        content_type = request.headers.get("Content-Type", "").split(";")[0]
+        key = self._key(request)
+        old = self._current(key)
+        if request.action == kmock.action.CREATE:
+            meta = data.setdefault("metadata", {})
+            if not meta.get("name") and meta.get("generateName"):
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+                key = self._key(request)
+                old = self._current(key)
+            if old is not None:
+                raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{key[2]} already exists")
+            return await self._store(key, self._server_fields(copy.deepcopy(data), None), None), key
+
+        status_only = request.subresource == "status"
+        if content_type == "application/apply-patch+yaml":
+            manager = request.params.get("fieldManager")
+            if not manager:
+                raise kmock.KubernetesError(status=400, reason="BadRequest", message="fieldManager is required for apply")
+            previous = self._applied.setdefault(key, {}).get(manager, {})
+            base = copy.deepcopy(old) if old is not None else {}
+            _drop_unapplied(base, previous, data)
+            new = _merge_patch(base, copy.deepcopy(data))
+            self._applied[key][manager] = copy.deepcopy(data)
+        else:
+            if old is None:
+                raise kmock.KubernetesObjectNotFoundError()
+            wanted_rv = (data.get("metadata") or {}).get("resourceVersion")
+            if wanted_rv is not None and wanted_rv != old["metadata"].get("resourceVersion"):
+                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified; please apply your changes to the latest version and try again")
+            new = _merge_patch(old, data)
+        if old is not None:
+            for field in SERVER_METADATA:  # clients cannot set these
+                if field in old["metadata"]:
+                    new.setdefault("metadata", {})[field] = old["metadata"][field]
+            if status_only:
+                new = {**old, "status": new.get("status")}
+                if new["status"] is None:
+                    del new["status"]
+            elif self._has_status_subresource(key[0]):
+                new.pop("status", None)
+                if "status" in old:
+                    new["status"] = old["status"]
+        return await self._store(key, self._server_fields(new, old), old), key
+
+    async def _handle(self, request: Any) -> Any:
+        if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
+            async with self._lock:
+                changed, key = await self._write(request)
+                self.writes.append(Write(str(request.method.value), request.url.path, request.headers.get("Content-Type", ""),
+                                         dict(request.params), changed))
+                stored = self._current(key)
+            # Answer with the stored object (the base class would merge the write a second time).
+            return aiohttp.web.json_response(stored, status=201 if request.action == kmock.action.CREATE else 200)
+        if request.resource is not None and request.action == kmock.action.DELETE:
+            self.writes.append(Write("DELETE", request.url.path, "", dict(request.params), True))
+        return await super()._handle(request)
+
+    def get(self, group: str, version: str, plural: str, namespace: str, name: str) -> dict | None:
+        for (resource, ns, obj_name), obj in list(self._objects.items()):
+            if (resource.group, resource.version, resource.plural, ns, obj_name) == (group, version, plural, namespace, name):
+                return None if obj.deleted else copy.deepcopy(obj.raw)
+        return None
+
+    def names(self, group: str, version: str, plural: str, namespace: str) -> list[str]:
+        return sorted(
+            name for (resource, ns, name), obj in list(self._objects.items())
+            if (resource.group, resource.version, resource.plural, ns) == (group, version, plural, namespace) and not obj.deleted
+        )
+
+
+class BackgroundApiServer:
+    """ApiServer on 127.0.0.1 (a free port) in its own thread and event loop."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="apiserver", daemon=True)
+        self._thread.start()
+        self.api = ApiServer()
+        self._server = kmock.Server(self.api)
+
+        async def start() -> str:
+            await self.api.__aenter__()
+            await self._server.__aenter__()
+            return str(self._server.url).rstrip("/")
+
+        self.url = self.call(start())
+
+    def call(self, coro: Any, timeout: float = 30) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            await self._server.__aexit__(None, None, None)
+            await self.api.__aexit__(None, None, None)
+
+        self.call(stop())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)

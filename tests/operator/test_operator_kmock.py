@@ -1,0 +1,307 @@
+"""The kopf operator, in-process, against an emulated API server (kmock, extended in
+apiserver.py): what it creates, updates and writes, and what it leaves alone."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import threading
+import time
+from typing import Any, Callable
+
+import kopf
+import pytest
+
+from pagoda_operator import handlers
+from pagoda_operator import render as r
+from pagoda_operator.kube import KubeClient, resource_path
+from tests.operator.apiserver import BackgroundApiServer
+from tests.operator.support import load_example
+
+NS = "default"
+IS = ("pagoda.dev", "v1alpha1", "inferenceservices")
+DEPLOYMENTS = ("apps", "v1", "deployments")
+TIMEOUT = 20
+
+
+class Operator:
+    """kopf.operator() in its own thread and event loop (kopf cancels every task of its loop
+    when it stops, so it cannot share the API server's); start and stop at will."""
+
+    def __init__(self, apiserver: BackgroundApiServer):
+        self.apiserver = apiserver
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        url = self.apiserver.url
+        registry = kopf.OperatorRegistry()
+        handlers.register(registry)
+
+        @kopf.on.login(registry=registry)
+        def login(**_: Any) -> kopf.ConnectionInfo:
+            return kopf.ConnectionInfo(server=url, insecure=True)
+
+        @kopf.on.startup(registry=registry)
+        def quick(settings: kopf.OperatorSettings, **_: Any) -> None:
+            settings.scanning.disabled = True  # the emulator serves no CRD list to watch
+            settings.watching.connect_timeout = 5
+            settings.batching.idle_timeout = 1
+            settings.batching.batch_window = 0.05
+
+        self._stop = threading.Event()
+        ready = threading.Event()
+
+        def run() -> None:
+            memo = kopf.Memo(kube=KubeClient(server=url), images=r.Images())
+            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
+                                      stop_flag=self._stop, ready_flag=ready, memo=memo))
+
+        self._thread = threading.Thread(target=run, name="operator", daemon=True)
+        self._thread.start()
+        assert ready.wait(TIMEOUT), "the operator did not start"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(TIMEOUT)
+        assert not self._thread.is_alive(), "the operator did not stop"
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver)
+    operator.start()
+    yield apiserver, operator
+    operator.stop()
+    apiserver.close()
+
+
+def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None, content_type: str = "application/json") -> dict:
+    async def go() -> dict:
+        kube = KubeClient(server=apiserver.url)
+        try:
+            return await kube.request(method, path, body=body, content_type=content_type)
+        finally:
+            await kube.close()
+
+    return apiserver.call(go())
+
+
+def create(apiserver: BackgroundApiServer, body: dict) -> dict:
+    return request(apiserver, "POST", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS), body)
+
+
+def patch_spec(apiserver: BackgroundApiServer, name: str, spec: dict) -> dict:
+    return request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, name), {"spec": spec},
+                   "application/merge-patch+json")
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = fn()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def get(apiserver: BackgroundApiServer, kind: tuple, name: str) -> dict | None:
+    return apiserver.call(_read(apiserver, kind, name))
+
+
+async def _read(apiserver: BackgroundApiServer, kind: tuple, name: str) -> dict | None:
+    return apiserver.api.get(*kind, NS, name)
+
+
+def children_of(apiserver: BackgroundApiServer, name: str) -> dict[tuple[str, str], dict]:
+    async def read() -> dict:
+        out = {}
+        for group, version, plural in [("", "v1", "configmaps"), ("", "v1", "services"), DEPLOYMENTS,
+                                       ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "ingresses")]:
+            for child in apiserver.api.names(group, version, plural, NS):
+                if child in (name, f"{name}-engine"):
+                    obj = apiserver.api.get(group, version, plural, NS, child)
+                    out[(obj.get("kind", plural), child)] = obj
+        return out
+
+    return apiserver.call(read())
+
+
+def conditions(obj: dict) -> dict[str, dict]:
+    return {c["type"]: c for c in (obj.get("status") or {}).get("conditions") or []}
+
+
+def status_of(apiserver, name) -> dict:
+    return (get(apiserver, IS, name) or {}).get("status") or {}
+
+
+def mark_rolled_out(apiserver: BackgroundApiServer, name: str, replicas: int) -> None:
+    """Play the Deployment controller: every replica of the current generation is ready."""
+    obj = get(apiserver, DEPLOYMENTS, name)
+    status = {"observedGeneration": obj["metadata"]["generation"], "replicas": replicas, "readyReplicas": replicas,
+              "updatedReplicas": replicas, "availableReplicas": replicas}
+    request(apiserver, "PATCH", resource_path("apps/v1", "Deployment", NS, name) + "/status", {"status": status},
+            "application/merge-patch+json")
+
+
+def tiny(name: str = "tiny") -> dict:
+    body = load_example("tiny-cpu.yaml")
+    body["metadata"] = {"name": name, "namespace": NS}
+    return body
+
+
+def test_applying_an_inference_service_creates_its_children_with_owner_references(cluster):
+    apiserver, _ = cluster
+    created = create(apiserver, tiny())
+    uid = created["metadata"]["uid"]
+    children = wait_for("children", lambda: len(children_of(apiserver, "tiny")) == 6 and children_of(apiserver, "tiny"))
+    assert sorted(children) == [
+        ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
+        ("PodDisruptionBudget", "tiny-engine"), ("Service", "tiny"), ("Service", "tiny-engine"),
+    ]
+    for child in children.values():
+        assert child["metadata"]["ownerReferences"] == [{
+            "apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "tiny", "uid": uid,
+            "controller": True, "blockOwnerDeletion": True}]
+        assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
+    applies = [w for w in apiserver.api.writes if w.path.endswith("/tiny-engine") or w.path.endswith("/tiny")]
+    applies = [w for w in applies if "inferenceservices" not in w.path]
+    assert applies and all(w.method == "PATCH" and w.content_type == "application/apply-patch+yaml"
+                           and w.params == {"fieldManager": "pagoda-operator", "force": "true"} for w in applies)
+
+    status = wait_for("status", lambda: conditions(get(apiserver, IS, "tiny") or {}).get("Validated") and status_of(apiserver, "tiny"))
+    conds = conditions({"status": status})
+    assert status["observedGeneration"] == 1
+    assert status["selector"] == "app.kubernetes.io/component=engine,app.kubernetes.io/instance=tiny,app.kubernetes.io/name=pagoda"
+    assert status["url"] == "http://tiny.default.svc:8000"
+    assert {t: (c["status"], c["reason"]) for t, c in conds.items()} == {
+        "Ready": ("False", "RouterNotReady"),
+        "Progressing": ("True", "RollingOut"),
+        "Degraded": ("False", "AsExpected"),
+        "Validated": ("True", "Valid"),
+    }
+    assert all(c["observedGeneration"] == 1 and c["lastTransitionTime"] and c["message"] for c in conds.values())
+
+    # The controllers bring the pods up: the status follows the children.
+    mark_rolled_out(apiserver, "tiny", 1)
+    mark_rolled_out(apiserver, "tiny-engine", 1)
+    status = wait_for("Ready", lambda: conditions(get(apiserver, IS, "tiny")).get("Ready", {}).get("status") == "True" and status_of(apiserver, "tiny"))
+    conds = conditions({"status": status})
+    assert (conds["Ready"]["reason"], conds["Ready"]["message"]) == ("AllReplicasReady", "1/1 engine replicas ready.")
+    assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("False", "RolloutComplete")
+    assert status["replicas"] == 1 and status["readyReplicas"] == 1
+    assert conds["Validated"]["lastTransitionTime"] <= conds["Ready"]["lastTransitionTime"]
+    events = wait_for("the Ready event", lambda: [e for e in apiserver.api.names("", "v1", "events", NS)] and
+                      [get(apiserver, ("", "v1", "events"), e) for e in apiserver.api.names("", "v1", "events", NS)])
+    assert any(e.get("reason") == "Ready" and e.get("involvedObject", {}).get("name") == "tiny" for e in events)
+
+
+def _template_hash(apiserver) -> str:
+    deploy = get(apiserver, DEPLOYMENTS, "tiny-engine")
+    return deploy["spec"]["template"]["metadata"]["annotations"][r.CONFIG_HASH_ANNOTATION]
+
+
+def test_a_spec_change_updates_the_children_and_rolls_the_pods(cluster):
+    apiserver, _ = cluster
+    wait_for("tiny ready", lambda: conditions(get(apiserver, IS, "tiny") or {}).get("Ready", {}).get("status") == "True")
+    before = get(apiserver, DEPLOYMENTS, "tiny-engine")
+    validated_since = conditions(get(apiserver, IS, "tiny"))["Validated"]["lastTransitionTime"]
+    old_hash = _template_hash(apiserver)
+
+    patch_spec(apiserver, "tiny", {"engine": {"maxNumSeqs": 8}})
+    wait_for("new template", lambda: _template_hash(apiserver) != old_hash)
+    after = get(apiserver, DEPLOYMENTS, "tiny-engine")
+    args = after["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "8"
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
+    configmap = get(apiserver, ("", "v1", "configmaps"), "tiny-engine")
+    assert r.config_hash(configmap["data"]) == _template_hash(apiserver)
+
+    status = wait_for("generation 2 observed", lambda: status_of(apiserver, "tiny").get("observedGeneration") == 2 and status_of(apiserver, "tiny"))
+    conds = conditions({"status": status})
+    assert all(c["observedGeneration"] == 2 for c in conds.values())
+    assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("True", "RollingOut")
+    assert conds["Ready"]["status"] == "False"  # the Deployment controller has not caught up yet
+    assert conds["Validated"]["lastTransitionTime"] == validated_since  # still valid: no transition
+
+    mark_rolled_out(apiserver, "tiny-engine", 1)
+    wait_for("rolled out", lambda: conditions(get(apiserver, IS, "tiny")).get("Progressing", {}).get("reason") == "RolloutComplete")
+
+
+def test_an_unchanged_spec_makes_no_changing_writes(cluster):
+    apiserver, operator = cluster
+    wait_for("tiny rolled out", lambda: conditions(get(apiserver, IS, "tiny") or {}).get("Progressing", {}).get("reason") == "RolloutComplete")
+    time.sleep(0.5)  # let the last status write and events settle
+    before = {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "tiny").items()}
+    is_version = get(apiserver, IS, "tiny")["metadata"]["resourceVersion"]
+    mark = len(apiserver.api.writes)
+
+    operator.stop()
+    operator.start()  # resume: kopf reconciles every existing InferenceService again
+    applies = wait_for("the resumed reconcile", lambda: len([
+        w for w in apiserver.api.writes[mark:] if w.content_type == "application/apply-patch+yaml" and "/tiny" in w.path]) >= 6)
+    time.sleep(1.0)  # a status write, had there been one, follows the applies
+    writes = apiserver.api.writes[mark:]
+    assert applies and [w for w in writes if w.changed] == []
+    assert not [w for w in writes if w.path.endswith("/status")]
+    assert {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "tiny").items()} == before
+    assert get(apiserver, IS, "tiny")["metadata"]["resourceVersion"] == is_version
+
+
+def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
+    apiserver, _ = cluster
+    body = load_example("llama-3.1-8b.yaml")
+    body["metadata"] = {"name": "broken", "namespace": NS}
+    body["spec"]["topology"]["tensor"] = 3
+    create(apiserver, body)
+    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "broken") or {}).get("Validated") and conditions(get(apiserver, IS, "broken")))
+    assert conds["Validated"]["status"] == "False" and conds["Validated"]["reason"] == "InvalidSpec"
+    assert "topology.tensor: 3 does not divide the model's 32 attention heads (32 / 3 = 10.67)" in conds["Validated"]["message"]
+    assert conds["Validated"]["observedGeneration"] == 1
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "InvalidSpec")
+    assert children_of(apiserver, "broken") == {}
+    events = [get(apiserver, ("", "v1", "events"), e) for e in apiserver.api.names("", "v1", "events", NS)]
+    assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" and e["involvedObject"]["name"] == "broken" for e in events)
+
+    # Fixing the spec creates the children; the operator kept running throughout.
+    patch_spec(apiserver, "broken", {"topology": {"tensor": 1}})
+    wait_for("children after the fix", lambda: len(children_of(apiserver, "broken")) == 6)
+    conds = wait_for("Validated=True", lambda: conditions(get(apiserver, IS, "broken")).get("Validated", {}).get("status") == "True"
+                     and conditions(get(apiserver, IS, "broken")))
+    assert conds["Validated"]["observedGeneration"] == 2
+
+
+def test_a_valid_service_turned_invalid_keeps_its_children(cluster):
+    apiserver, _ = cluster
+    wait_for("tiny", lambda: children_of(apiserver, "tiny"))
+    before = copy.deepcopy(children_of(apiserver, "tiny"))
+    patch_spec(apiserver, "tiny", {"kvCache": {"pageSize": 24}})
+    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "tiny")).get("Validated", {}).get("status") == "False"
+                     and conditions(get(apiserver, IS, "tiny")))
+    assert "kvCache.pageSize: 24 is not a power of two" in conds["Validated"]["message"]
+    assert children_of(apiserver, "tiny") == before
+    patch_spec(apiserver, "tiny", {"kvCache": {"pageSize": 16}})
+    wait_for("valid again", lambda: conditions(get(apiserver, IS, "tiny")).get("Validated", {}).get("status") == "True")
+
+
+def test_missing_optional_crds_degrade_instead_of_failing(cluster):
+    apiserver, _ = cluster
+    body = tiny("watched")
+    body["spec"]["monitoring"] = {"serviceMonitor": True}
+    create(apiserver, body)
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "watched") or {}).get("Degraded") and conditions(get(apiserver, IS, "watched")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ServiceMonitorCRDMissing")
+    assert "the ServiceMonitor CRD (monitoring.coreos.com/v1) is not installed" in conds["Degraded"]["message"]
+    assert conds["Validated"]["status"] == "True"
+    assert len(children_of(apiserver, "watched")) == 6  # everything else was applied
+
+    multinode = tiny("spread")
+    multinode["spec"]["topology"] = {"nodes": 2}
+    create(apiserver, multinode)
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "spread") or {}).get("Degraded") and conditions(get(apiserver, IS, "spread")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "LeaderWorkerSetMissing")
+    assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "EngineMissing")
+    assert ("Deployment", "spread-engine") not in children_of(apiserver, "spread")
