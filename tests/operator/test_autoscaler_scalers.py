@@ -1,0 +1,71 @@
+"""driver keda | hpa: the ScaledObject / HPA manifests the operator applies instead of running
+the built-in autoscaler. Same PromQL and arithmetic as the built-in driver."""
+
+import kubernetes_validate
+import pytest
+
+from pagoda_operator.autoscaler.prometheus import queries
+from pagoda_operator.autoscaler.scaledobjects import HPA_MIN_NOTE, render_scaler
+from pagoda_operator.spec import parse_spec
+
+PROM = "http://prometheus.monitoring.svc:9090"
+
+
+def body(autoscaling: dict) -> dict:
+    return {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "llama", "namespace": "prod", "uid": "1234"},
+            "spec": {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct"}, "autoscaling": autoscaling}}
+
+
+def render(autoscaling: dict) -> list[dict]:
+    b = body(autoscaling)
+    return render_scaler(b, parse_spec(b["spec"]))
+
+
+def test_builtin_driver_and_no_autoscaling_render_nothing():
+    assert render({"maxReplicas": 3}) == []
+    b = body({"maxReplicas": 3})
+    del b["spec"]["autoscaling"]
+    assert render_scaler(b, parse_spec(b["spec"])) == []
+
+
+def test_keda_queue_scaledobject_targets_the_scale_subresource_with_the_builtin_promql():
+    [so] = render({"driver": "keda", "minReplicas": 0, "maxReplicas": 6, "policy": "queue", "target": 4,
+                   "prometheusURL": PROM, "scaleUpDelay": "30s", "scaleDownDelay": "10m", "intervalSeconds": 20})
+    assert so["apiVersion"] == "keda.sh/v1alpha1" and so["kind"] == "ScaledObject"
+    assert so["metadata"]["name"] == "llama" and so["metadata"]["namespace"] == "prod"
+    assert so["metadata"]["ownerReferences"][0]["uid"] == "1234"
+    spec = so["spec"]
+    assert spec["scaleTargetRef"] == {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "llama"}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"], spec["pollingInterval"], spec["cooldownPeriod"]) == (0, 6, 20, 600)
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleUp": {"stabilizationWindowSeconds": 30}, "scaleDown": {"stabilizationWindowSeconds": 600}}
+    main, held = spec["triggers"]
+    q = queries("queue", "prod", "llama")
+    assert main["metadata"] == {"serverAddress": PROM, "query": q["waiting"], "threshold": "4"}
+    assert main["metricType"] == "AverageValue"  # ceil(total waiting / target), as the built-in driver
+    assert held["metadata"]["query"] == q["router_held"] and held["metadata"]["activationThreshold"] == "0"
+
+
+def test_keda_needs_a_prometheus_url():
+    with pytest.raises(ValueError, match="prometheusURL: required with driver keda"):
+        render({"driver": "keda", "maxReplicas": 2})
+
+
+def test_hpa_kv_utilization_uses_value_targets_and_validates():
+    [hpa] = render({"driver": "hpa", "minReplicas": 1, "maxReplicas": 5, "policy": "kvUtilization", "target": 0.8})
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert metric["metric"] == {"name": "pagoda_kv_cache_usage_perc",
+                                "selector": {"matchLabels": {"namespace": "prod", "service": "llama-engine"}}}
+    assert metric["target"] == {"type": "Value", "value": "0.8"}
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "InferenceService"
+    assert hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"] == 300  # the default delay
+    kubernetes_validate.validate(hpa, "1.33", strict=True)
+
+
+def test_hpa_cannot_scale_to_zero_and_says_so():
+    [hpa] = render({"driver": "hpa", "minReplicas": 0, "maxReplicas": 2})
+    assert hpa["spec"]["minReplicas"] == 1
+    assert "cannot scale to zero" in hpa["metadata"]["annotations"][HPA_MIN_NOTE]
+    assert hpa["spec"]["metrics"][0]["external"]["target"] == {"type": "AverageValue", "averageValue": "2"}
+    kubernetes_validate.validate(hpa, "1.33", strict=True)
