@@ -157,7 +157,7 @@ def test_top_k_then_top_p_renormalises_before_the_nucleus():
 def reference_top_k_top_p(row: torch.Tensor, k: int, p: float) -> set[int]:
     """The kept set, straight from the definition: rank the whole row (ties by token id), keep k,
     renormalise, keep while the mass before a token is below p."""
-    order = sorted(range(len(row)), key=lambda t: (-row[t].item(), t))[:k]
+    order = torch.sort(-row, stable=True).indices[:k].tolist()
     probs = torch.softmax(row[order], -1)
     before = probs.cumsum(-1) - probs
     return {t for t, b in zip(order, before.tolist()) if b < p or p >= 1.0}
