@@ -3,6 +3,9 @@
 The runner turns the scheduler's decision into flat, ragged tensors (input ids, positions, slot
 mapping) plus the attention backend's CPU-side plan, runs the model once, and samples one token
 for every request whose known tokens are now all computed. Decodes go first in the batch.
+
+On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
+next larger batch size (`DecodeGraphs`); prefill chunks and `--enforce-eager` run eagerly.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import numpy as np
 import torch
 
 from pagoda_engine.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.executor import Executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import TokenLogprobs
 from pagoda_engine.request import Request
@@ -41,7 +45,7 @@ class RunnerOutput:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device):
+                 sampler: Sampler, device: torch.device, executor: Executor | None = None):
         self.model = model
         self.attn = attn
         self.kv = kv
@@ -49,6 +53,14 @@ class ModelRunner:
         self.device = device
         self.page_size = kv.page_size
         self.vocab_size = model.vocab_size
+        # Runs the forward and LM head: here, or on every tensor-parallel rank.
+        self.executor = executor if executor is not None else Executor(model, device, attn)
+        self.graphs: DecodeGraphs | None = None
+
+    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_num_seqs)`."""
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, graph_batch_sizes(max_num_seqs),
+                                   -(-max_model_len // self.page_size))
 
     def prepare(self, sched: SchedulerOutput) -> StepInputs:
         def is_decode(s: ScheduledRequest) -> bool:
@@ -84,8 +96,10 @@ class ModelRunner:
                           sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        self.attn.plan(inputs.attn_batch)
-        return self.model(inputs.input_ids, inputs.positions, self.attn)
+        batch = inputs.attn_batch
+        if self.graphs is not None and batch.num_decodes == batch.num_reqs <= self.graphs.max_batch_size:
+            return self.graphs.run(inputs.input_ids, inputs.positions, batch)
+        return self.executor.execute_model(inputs.input_ids, inputs.positions, batch)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
@@ -96,10 +110,10 @@ class ModelRunner:
             req = next(s.request for s in inputs.order if s.request.request_id == rid)
             start = req.num_computed_tokens
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
-            logits = self.model.compute_logits(hidden[first:first + count])
+            logits = self.executor.compute_logits(hidden[first:first + count])
             out.prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
         if inputs.sample_reqs:
-            logits = self.model.compute_logits(hidden[inputs.sample_rows])
+            logits = self.executor.compute_logits(hidden[inputs.sample_rows])
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
             result = self.sampler.sample(logits, batch)
             for req, token, lp in zip(inputs.sample_reqs, result.token_ids, result.logprobs):
@@ -107,3 +121,62 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[req.request_id] = lp
         return out
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (which is always included): a
+    decode batch pads to the next size, wasting at most 15 rows once batches are large."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """The model's forward for all-decode batches, captured as one CUDA graph per batch size.
+
+    Inputs live in fixed buffers; the attention backend plans each step into its own fixed
+    buffers (`plan_graph_decode`) before the replay. Padding rows decode token 0 at position 0
+    into the null page; their outputs are dropped.
+    """
+
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
+                 batch_sizes: list[int], max_pages_per_seq: int):
+        if not hasattr(attn, "plan_graph_decode"):
+            raise ValueError(f"attention backend {attn.name!r} cannot run in CUDA graphs")
+        self.model, self.attn = model, attn
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_batch_size = self.batch_sizes[-1]
+        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
+        attn.init_graph_buffers(self.batch_sizes, max_pages_per_seq)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        pool = torch.cuda.graph_pool_handle()
+        with torch.inference_mode():
+            # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
+            for bs in reversed(self.batch_sizes):
+                dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
+                                       slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
+                                       num_decodes=bs)
+                attn.plan_graph_decode(dummy, bs)
+                model(self.input_ids[:bs], self.positions[:bs], attn)  # warm-up: lazy inits stay out of the graph
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], attn)
+                self.graphs[bs] = graph
+        torch.cuda.synchronize()
+
+    def padded_size(self, num_reqs: int) -> int:
+        return next(s for s in self.batch_sizes if s >= num_reqs)
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        n = batch.num_reqs
+        bs = self.padded_size(n)
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        if bs > n:
+            self.input_ids[n:bs].zero_()
+            self.positions[n:bs].zero_()
+        self.attn.plan_graph_decode(batch, bs)
+        self.graphs[bs].replay()
+        return self.outputs[bs][:n]

@@ -1,0 +1,180 @@
+"""FlashInfer paged attention on CUDA.
+
+Owns the two FlashInfer wrappers and the per-step plan: prefill chunks (any query length, causal,
+starting after cached tokens) go to `BatchPrefillWithPagedKVCacheWrapper` (FA3 on Hopper when
+FlashInfer picks it), decodes (one query token each) to `BatchDecodeWithPagedKVCacheWrapper`
+(tensor cores for grouped-query attention). Both run in the same step: decodes are the first
+`num_decodes` rows of q, prefill chunks the rest. `plan` builds the CSR page tables on the CPU
+from the runner's page tables once per step; `forward` writes K/V through the slot mapping, then
+attends.
+
+CUDA graphs: `plan_graph_decode` plans a decode batch padded to a captured batch size into fixed
+buffers (one cuda-graph decode wrapper per size, all sharing those buffers), so a graph captured
+after one such plan replays correctly after any later one. Padding rows attend to one slot of the
+reserved null page 0 and write their K/V there; nobody reads it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall back to the reference
+import numpy as np
+import torch
+
+from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
+
+# FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
+WORKSPACE_BYTES = 256 << 20
+# Grouped-query attention with this many query heads per KV head runs faster on tensor cores.
+TENSOR_CORE_MIN_GROUP = 4
+
+
+def page_table_csr(page_tables: list[list[int]], seq_lens: list[int], page_size: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(kv_indptr [B+1], kv_indices, kv_last_page_len [B]), int32: FlashInfer's CSR page table of
+    the pages that hold each request's first `seq_len` tokens."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    counts = (lens + page_size - 1) // page_size
+    for table, n, seq_len in zip(page_tables, counts.tolist(), seq_lens):
+        if seq_len < 1 or len(table) < n:
+            raise ValueError(f"page table of {len(table)} pages cannot hold {seq_len} tokens")
+    indptr = np.zeros(len(lens) + 1, dtype=np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    indices = np.fromiter(itertools.chain.from_iterable(t[:n] for t, n in zip(page_tables, counts.tolist())),
+                          dtype=np.int32, count=int(indptr[-1]))
+    last_page_len = (lens - (counts - 1) * page_size).astype(np.int32)
+    return indptr, indices, last_page_len
+
+
+@dataclass
+class _Step:
+    num_decodes: int  # rows [0, num_decodes) of q are decodes
+    num_prefill_tokens: int  # rows after them are prefill chunks
+    decode: object | None  # the decode wrapper planned for this step
+    k_rows: torch.Tensor  # int64 [T]: row of each new token's K in the layer cache viewed as [-1, Hkv, D]
+    v_rows: torch.Tensor
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "flashinfer"
+
+    def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
+        if spec.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer attention backend needs float16 or bfloat16, got {spec.dtype} "
+                             "(use --dtype bfloat16 or --attention-backend torch)")
+        super().__init__(spec, num_pages, device)
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.use_tensor_cores = spec.num_qo_heads // spec.num_kv_heads >= TENSOR_CORE_MIN_GROUP
+        self.prefill_wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
+        self._step: _Step | None = None
+        # CUDA-graph decode state, made by `init_graph_buffers`.
+        self._graph_wrappers: dict[int, object] = {}
+        self._graph_bufs: dict[str, torch.Tensor] = {}
+
+    def _kv_args(self) -> dict:
+        s = self.spec
+        return dict(q_data_type=s.dtype, kv_data_type=s.dtype)
+
+    def _slot_rows(self, slot_mapping: torch.Tensor, k_out: torch.Tensor | None = None,
+                   v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        # A layer cache [pages, 2, page_size, H, D] viewed as [-1, H, D]: the K of slot
+        # page * page_size + offset is row page * 2 * page_size + offset, its V page_size rows later.
+        ps = self.spec.page_size
+        k_rows = torch.add(slot_mapping, torch.div(slot_mapping, ps, rounding_mode="floor") * ps, out=k_out)
+        v_rows = torch.add(k_rows, ps, out=v_out)
+        return k_rows, v_rows
+
+    # --- eager plan ------------------------------------------------------------------------------
+    def plan(self, batch: AttentionBatch) -> None:
+        s = self.spec
+        nd = batch.num_decodes
+        for q_len, seq_len in zip(batch.query_lens, batch.seq_lens):
+            if not 0 < q_len <= seq_len:
+                raise ValueError(f"query_len {q_len} must be in [1, seq_len {seq_len}]")
+        if any(q != 1 for q in batch.query_lens[:nd]):
+            raise ValueError("the first num_decodes requests must have query_len 1")
+        decode = None
+        if nd:
+            indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
+            self.decode_wrapper.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+                                     s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size, **self._kv_args())
+            decode = self.decode_wrapper
+        num_prefill_tokens = sum(batch.query_lens[nd:])
+        if num_prefill_tokens:
+            indptr, indices, last = page_table_csr(batch.page_tables[nd:], batch.seq_lens[nd:], s.page_size)
+            qo_indptr = np.zeros(batch.num_reqs - nd + 1, dtype=np.int32)
+            np.cumsum(batch.query_lens[nd:], out=qo_indptr[1:])
+            self.prefill_wrapper.plan(torch.from_numpy(qo_indptr), torch.from_numpy(indptr), torch.from_numpy(indices),
+                                      torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
+                                      s.page_size, causal=True, **self._kv_args())
+        k_rows, v_rows = self._slot_rows(batch.slot_mapping.to(self.device, torch.int64))
+        self._step = _Step(nd, num_prefill_tokens, decode, k_rows, v_rows)
+
+    # --- CUDA-graph decode ---------------------------------------------------------------------------
+    def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
+        """Fixed buffers and one cuda-graph decode wrapper per batch size (all share the buffers)."""
+        max_bs = max(batch_sizes)
+        dev = self.device
+        self._graph_bufs = dict(
+            indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
+            indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
+            last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
+            slots=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            k_rows=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            v_rows=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+        )
+        b = self._graph_bufs
+        for bs in batch_sizes:
+            self._graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=b["indptr"][:bs + 1], paged_kv_indices_buffer=b["indices"],
+                paged_kv_last_page_len_buffer=b["last_page_len"][:bs])
+
+    def plan_graph_decode(self, batch: AttentionBatch, padded_size: int) -> None:
+        """Plan an all-decode batch padded to `padded_size` rows into the fixed graph buffers."""
+        s = self.spec
+        n = batch.num_reqs
+        if batch.num_decodes != n or n > padded_size or padded_size not in self._graph_wrappers:
+            raise ValueError(f"cannot plan {n} requests ({batch.num_decodes} decodes) as a graph of {padded_size}")
+        pad = padded_size - n
+        # Each padding row: one page, the null page 0, holding one token.
+        tables = batch.page_tables + [[0]] * pad
+        indptr, indices, last = page_table_csr(tables, batch.seq_lens + [1] * pad, s.page_size)
+        if len(indices) > self._graph_bufs["indices"].numel():
+            raise ValueError(f"{len(indices)} pages exceed the graph page buffer")
+        self._graph_wrappers[padded_size].plan(
+            torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+            s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size, **self._kv_args())
+        b = self._graph_bufs
+        slots = b["slots"][:padded_size]
+        slots[n:].zero_()
+        slots[:n].copy_(batch.slot_mapping, non_blocking=True)
+        k_rows, v_rows = self._slot_rows(slots, b["k_rows"][:padded_size], b["v_rows"][:padded_size])
+        self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], k_rows, v_rows)
+
+    # --- per layer -------------------------------------------------------------------------------
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st = self._step
+        if st is None:
+            raise RuntimeError("plan(batch) must run before forward")
+        cache = self.kv_caches[layer_id]
+        rows = cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
+        rows.index_copy_(0, st.k_rows, k.to(cache.dtype))
+        rows.index_copy_(0, st.v_rows, v.to(cache.dtype))
+        q = q.contiguous()
+        nd = st.num_decodes
+        if not st.num_prefill_tokens:
+            return st.decode.run(q, cache)
+        if not nd:
+            return self.prefill_wrapper.run(q, cache)
+        out = torch.empty_like(q)
+        st.decode.run(q[:nd], cache, out=out[:nd])
+        self.prefill_wrapper.run(q[nd:], cache, out=out[nd:])
+        return out

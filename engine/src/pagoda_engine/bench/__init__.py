@@ -1,0 +1,65 @@
+"""`pagoda bench throughput | latency`: the offline benchmarks of ARCHITECTURE §6.
+
+    pagoda bench throughput --workload T1     # 1000 x 1024 in x 512 out: output and total tok/s
+    pagoda bench throughput --workload N1     # 256 requests, lengths uniform in [100, 1024]
+    pagoda bench latency                      # L1: one stream, 128 in, 512 out: ms per output token
+
+By default the model is Llama-3.1-8B's architecture (the config.json shipped under
+`bench/configs/llama-3.1-8b`) with `--load-format dummy` random bf16 weights; every engine flag of
+`pagoda serve` applies. Each run prints its figures with the roofline (weight bytes ÷ a measured
+device copy bandwidth), the settings, the GPU and the versions, and can write them as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+from pagoda_engine.bench.workloads import WORKLOADS
+from pagoda_engine.config import add_engine_args
+
+DEFAULT_MODEL = "llama-3.1-8b"
+
+
+def default_model_dir() -> str:
+    return str(resources.files("pagoda_engine").joinpath(f"bench/configs/{DEFAULT_MODEL}"))
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.set_defaults(model=default_model_dir(), load_format="dummy", dtype="bfloat16")
+    p.add_argument("--num-prompts", type=int, default=None,
+                   help="override the workload's request count (smoke runs; the result is then not T1/N1/L1)")
+    p.add_argument("--input-len", type=int, default=None, help="override the workload's input length (smoke runs)")
+    p.add_argument("--output-len", type=int, default=None, help="override the workload's output length (smoke runs)")
+    p.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="record a torch.profiler trace of a few steps into DIR and print the top kernels")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="bench", required=True)
+    t = sub.add_parser("throughput", help="offline throughput: T1 (default) or N1")
+    _add_common(t)
+    t.add_argument("--workload", default="T1", choices=[w for w in WORKLOADS if w != "L1"])
+    lat = sub.add_parser("latency", help="single-stream latency: L1")
+    _add_common(lat)
+    lat.add_argument("--workload", default="L1", choices=["L1"])
+    lat.add_argument("--num-iters", type=int, default=3, help="timed repetitions (after one warm-up)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagoda_engine.bench.offline import run_latency, run_throughput
+
+    for name in ("num_prompts", "input_len", "output_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
+            return 2
+    result = run_throughput(args) if args.bench == "throughput" else run_latency(args)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0

@@ -1,0 +1,271 @@
+"""Drives a workload through an in-process `EngineCore` and measures it.
+
+Owns the timing (throughput: wall time from the first request added to the last token; latency:
+time to first token and end-to-end time of one stream), the roofline (weight bytes ÷ a measured
+device-to-device copy bandwidth), the start-to-ready time, and the report: figures, settings,
+GPU and versions, printed and returned as a dict.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+from pagoda_engine.bench.workloads import Workload, build_workload
+from pagoda_engine.config import config_from_args
+from pagoda_engine.core import EngineCore
+from pagoda_engine.messages import EngineCoreRequest
+from pagoda_engine.request import SamplingParams
+
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (Linux), so start-to-ready includes the imports."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def environment() -> dict:
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / (1 << 30), 1)
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        env["flashinfer"] = None
+    return env
+
+
+def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float | None:
+    """Device memory bandwidth in bytes/s from a large device-to-device copy (bytes read + written)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    end.synchronize()
+    seconds = start.elapsed_time(end) / 1e3
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * nbytes * iters / seconds
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():  # tied weights once
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def _build(args) -> tuple[EngineCore, dict]:
+    t0 = time.monotonic()
+    core = EngineCore(config_from_args(args))
+    init_s = time.monotonic() - t0
+    age = process_age_s()
+    sc, cc, mc = core.config.scheduler, core.config.cache, core.config.model
+    settings = {
+        "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
+        "device": str(core.device), "attention_backend": core.attn.name, "cuda_graphs": core.cuda_graphs,
+        "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "max_model_len": core.max_model_len, "block_size": cc.block_size,
+        "gpu_memory_utilization": cc.gpu_memory_utilization, "enable_prefix_caching": cc.enable_prefix_caching,
+        "kv_capacity_tokens": core.kv_capacity_tokens,
+    }
+    startup = {"engine_init_s": round(init_s, 2), "start_to_ready_s": round(age, 2) if age is not None else None}
+    return core, {"settings": settings, "startup": startup}
+
+
+def _warm_up(core: EngineCore) -> None:
+    """A few short requests, so one-time costs (kernel loads, cuBLAS heuristics) stay out of the timing."""
+    params = SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)
+    for i in range(4):
+        core.add_request(EngineCoreRequest(request_id=f"warmup-{i}", prompt_token_ids=list(range(1, 65 + i)),
+                                           sampling_params=params))
+    while core.has_unfinished_requests():
+        core.step()
+    if core.device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _StepProfiler:
+    """torch.profiler over steps [first, first + count) of a run, then a table of the top ops."""
+
+    def __init__(self, out_dir: str | None, first: int, count: int):
+        self.out_dir, self.first, self.last = out_dir, first, first + count
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if self.out_dir and step == self.first:
+            from torch.profiler import ProfilerActivity, profile
+
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.last - 1:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.prof is None:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.prof.__exit__(None, None, None)
+        os.makedirs(self.out_dir, exist_ok=True)
+        self.prof.export_chrome_trace(os.path.join(self.out_dir, "trace.json"))
+        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
+        print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by {sort}) ---")
+        print(self.prof.key_averages().table(sort_by=sort, row_limit=30))
+        self.prof = None
+
+
+def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | None = None) -> dict:
+    """Add every request, step until all finish. Returns timing per request and overall."""
+    start = time.perf_counter()
+    ids = [f"{tag}-{i}" for i in range(wl.num_requests)]
+    for i, (rid, prompt) in enumerate(zip(ids, wl.prompts)):
+        core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt,
+                                           sampling_params=wl.sampling_params(i)))
+    first_token: dict[str, float] = {}
+    finished: dict[str, float] = {}
+    num_out: dict[str, int] = dict.fromkeys(ids, 0)
+    step = 0
+    while core.has_unfinished_requests():
+        if profiler:
+            profiler.before(step)
+        out = core.step()
+        if profiler:
+            profiler.after(step)
+        now = time.perf_counter()
+        for o in out.outputs:
+            num_out[o.request_id] += len(o.new_token_ids)
+            first_token.setdefault(o.request_id, now)
+            if o.finish_reason is not None:
+                finished[o.request_id] = now
+        step += 1
+    if profiler:
+        profiler.finish()
+    if core.device.type == "cuda":
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    produced = sum(num_out.values())
+    if produced != wl.num_output_tokens or len(finished) != wl.num_requests:
+        raise RuntimeError(f"workload {wl.name}: produced {produced} of {wl.num_output_tokens} output tokens, "
+                           f"{len(finished)} of {wl.num_requests} requests finished")
+    tpots = [(finished[r] - first_token[r]) / (num_out[r] - 1) for r in ids if num_out[r] > 1]
+    return {"elapsed_s": elapsed, "steps": step, "start": start, "first_token": first_token, "finished": finished,
+            "mean_tpot_s": statistics.fmean(tpots) if tpots else None,
+            "num_preemptions": core.scheduler.num_preemptions}
+
+
+def _roofline(core: EngineCore) -> dict:
+    wbytes = weight_bytes(core.model)
+    bw = measure_copy_bandwidth(core.device)
+    return {"weight_bytes": wbytes, "copy_bandwidth_Bps": bw,
+            "roofline_ms_per_token": wbytes / bw * 1e3 if bw else None}
+
+
+def _print_header(title: str, wl: Workload, info: dict, env: dict) -> None:
+    print(f"=== pagoda bench {title}: workload {wl.name} ({wl.description}) ===")
+    print("command: pagoda " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("pagoda") else
+          "command: " + " ".join(sys.argv))
+    print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    print("settings: " + ", ".join(f"{k}={v}" for k, v in info["settings"].items()))
+    s = info["startup"]
+    print(f"start to ready: {s['start_to_ready_s']} s since process start (engine init {s['engine_init_s']} s)")
+
+
+def _print_roofline(r: dict) -> None:
+    if r["copy_bandwidth_Bps"]:
+        print(f"roofline: {r['weight_bytes'] / 1e9:.2f} GB weights / {r['copy_bandwidth_Bps'] / 1e12:.2f} TB/s "
+              f"measured copy = {r['roofline_ms_per_token']:.2f} ms per token (single-stream floor)")
+
+
+def _is_standard(args) -> bool:
+    return args.num_prompts is None and args.input_len is None and args.output_len is None
+
+
+def run_throughput(args) -> dict:
+    core, info = _build(args)
+    wl = build_workload(args.workload, core.vocab_size, args.num_prompts, args.input_len, args.output_len)
+    env = environment()
+    _print_header("throughput", wl, info, env)
+    roof = _roofline(core)
+    _warm_up(core)
+    profiler = _StepProfiler(args.profile, first=200, count=10) if args.profile else None
+    r = _drive(core, wl, "bench", profiler)
+    out_tps = wl.num_output_tokens / r["elapsed_s"]
+    total_tps = (wl.num_output_tokens + wl.num_input_tokens) / r["elapsed_s"]
+    result = {
+        "bench": "throughput", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
+        "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens, "output_tokens": wl.num_output_tokens,
+        "elapsed_s": round(r["elapsed_s"], 3), "requests_per_s": round(wl.num_requests / r["elapsed_s"], 3),
+        "output_tokens_per_s": round(out_tps, 1), "total_tokens_per_s": round(total_tps, 1),
+        "mean_time_per_output_token_ms": round(r["mean_tpot_s"] * 1e3, 3) if r["mean_tpot_s"] else None,
+        "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
+    }
+    _print_roofline(roof)
+    print(f"{wl.num_requests} requests in {r['elapsed_s']:.2f} s ({r['steps']} steps, "
+          f"{r['num_preemptions']} preemptions)")
+    print(f"output tokens/s: {out_tps:,.1f}   total tokens/s: {total_tps:,.1f}   "
+          f"requests/s: {result['requests_per_s']}")
+    if r["mean_tpot_s"]:
+        print(f"mean time per output token (per request, after its first): {r['mean_tpot_s'] * 1e3:.2f} ms")
+    return result
+
+
+def run_latency(args) -> dict:
+    if args.num_iters < 1:
+        raise SystemExit("error: --num-iters must be >= 1")
+    core, info = _build(args)
+    wl = build_workload(args.workload, core.vocab_size, args.num_prompts, args.input_len, args.output_len)
+    env = environment()
+    _print_header("latency", wl, info, env)
+    roof = _roofline(core)
+    _warm_up(core)
+    _drive(core, wl, "warmup-run")
+    runs = []
+    for it in range(args.num_iters):
+        profiler = _StepProfiler(args.profile, first=100, count=20) if args.profile and it == 0 else None
+        r = _drive(core, wl, f"iter{it}", profiler)
+        ttft = statistics.fmean(r["first_token"][k] - r["start"] for k in r["first_token"])
+        runs.append({"e2e_s": r["elapsed_s"], "ttft_s": ttft, "tpot_s": r["mean_tpot_s"]})
+    out_len = wl.output_lens[0]
+    e2e = statistics.median(x["e2e_s"] for x in runs)
+    tpot = statistics.median(x["tpot_s"] for x in runs)
+    ttft = statistics.median(x["ttft_s"] for x in runs)
+    result = {
+        "bench": "latency", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
+        "iterations": runs, "median_e2e_s": round(e2e, 4), "median_ttft_ms": round(ttft * 1e3, 2),
+        "ms_per_output_token": round(e2e / out_len * 1e3, 3), "ms_per_decode_token": round(tpot * 1e3, 3),
+        "roofline": roof,
+    }
+    _print_roofline(roof)
+    print(f"end to end: {e2e:.3f} s for {out_len} output tokens (median of {args.num_iters}); TTFT {ttft * 1e3:.1f} ms")
+    print(f"time per output token: {e2e / out_len * 1e3:.3f} ms (end to end / output tokens); "
+          f"decode only: {tpot * 1e3:.3f} ms")
+    if roof["roofline_ms_per_token"]:
+        print(f"vs roofline: {e2e / out_len * 1e3 / roof['roofline_ms_per_token']:.3f} x")
+    return result

@@ -1,0 +1,192 @@
+"""The GPU engine end to end on a small bf16 Llama: logits against transformers, greedy tokens
+against transformers, prefix caching and CUDA graphs changing nothing, KV sizing by measurement,
+and no memory growth over 1,000 requests."""
+
+from __future__ import annotations
+
+import gc
+import random
+
+import pytest
+import torch
+
+from gpu_support import requires_gpu
+from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.attention import AttentionBatch, get_attention_backend
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+CUDA = torch.device("cuda")
+
+
+def make_llm(model_dir, **kwargs) -> LLM:
+    gc.collect()
+    torch.cuda.empty_cache()
+    args = dict(dtype="bfloat16", num_kv_pages=512, max_num_seqs=32, seed=0)
+    args.update(kwargs)
+    return LLM(str(model_dir), **args)
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def hf_reference(gpu_model_dir):
+    import transformers
+
+    return transformers.LlamaForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32).to(CUDA).eval()
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device=CUDA)).logits[0].float()
+
+
+def test_flashinfer_is_the_automatic_choice(gpu_model_dir):
+    llm = make_llm(gpu_model_dir)
+    assert llm.core.attn.name == "flashinfer"
+    assert llm.core.runner.graphs is not None
+
+
+def test_bf16_logits_match_transformers(gpu_model_dir, hf_reference):
+    """A prefill step of three prompts, then steps that mix decodes with a chunked prefill: each
+    step's last-token logits stay within bf16 rounding of transformers' (float32) logits."""
+    from pagoda_engine.model.loader import load_hf_config, load_model
+
+    model = load_model(str(gpu_model_dir), load_hf_config(str(gpu_model_dir)), torch.bfloat16, CUDA)
+    attn = get_attention_backend("auto", model.kv_cache_spec(16, torch.bfloat16), 64, CUDA)
+    assert attn.name == "flashinfer"
+    free = list(range(1, 64))
+    random.Random(0).shuffle(free)
+    seqs = dict(zip("abc", random_prompts(1, [3, 40, 90])))
+    tables: dict[str, list[int]] = {}
+    done: dict[str, int] = {}
+    checked = 0
+
+    def step(chunks):  # (request, number of new tokens); decodes first
+        nonlocal checked
+        ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
+        for rid, n in chunks:
+            start = done.get(rid, 0)
+            table = tables.setdefault(rid, [])
+            while len(table) * 16 < start + n:
+                table.append(free.pop())
+            ids += seqs[rid][start:start + n]
+            pos += range(start, start + n)
+            slots += [table[p // 16] * 16 + p % 16 for p in range(start, start + n)]
+            qlens.append(n)
+            slens.append(start + n)
+            tabs.append(list(table))
+            done[rid] = start + n
+        nd = sum(1 for (rid, n), s in zip(chunks, slens) if n == 1 and s > 1)
+        attn.plan(AttentionBatch(qlens, slens, tabs, torch.tensor(slots, device=CUDA), nd))
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids, device=CUDA), torch.tensor(pos, device=CUDA), attn)
+            last = torch.tensor(qlens, device=CUDA).cumsum(0) - 1
+            logits = model.compute_logits(hidden[last])
+        for (rid, _), got in zip(chunks, logits):
+            ref = hf_logits(hf_reference, seqs[rid][:done[rid]])[-1]
+            scale = ref.abs().max().item()
+            assert (got - ref).abs().max().item() <= 0.05 * scale, rid
+            assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, rid
+            checked += 1
+            if done[rid] == len(seqs[rid]):
+                seqs[rid].append(int(got.argmax()))
+
+    step([("a", 3), ("b", 40), ("c", 50)])
+    step([("a", 1), ("b", 1), ("c", 40)])
+    for _ in range(3):
+        step([("a", 1), ("b", 1), ("c", 1)])
+    assert checked == 15
+
+
+def test_greedy_tokens_match_transformers(gpu_model_dir, hf_reference):
+    """Our greedy tokens are transformers' greedy tokens: at every generated position, transformers
+    (float32, fed the same sequence) ranks our token first."""
+    prompts = random_prompts(2, [5, 33, 64, 100])
+    outputs = greedy_tokens(make_llm(gpu_model_dir), prompts, 24)
+    for prompt, out in zip(prompts, outputs):
+        assert len(out) == 24
+        ref = hf_logits(hf_reference, prompt + out)[len(prompt) - 1:-1]
+        top2 = ref.topk(2, dim=-1).values
+        scale = ref.abs().max().item()
+        report = [(i, tok, int(ref[i].argmax()), round((top2[i, 0] - ref[i, tok]).item() / scale, 4),
+                   round((top2[i, 0] - top2[i, 1]).item() / scale, 4)) for i, tok in enumerate(out)]
+        # (position, ours, transformers', our token's gap to the best, best-to-second gap), gaps / max |logit|
+        # A token within bf16 rounding of a tie may legitimately differ; none may lose clearly.
+        assert all(gap < 0.01 for *_, gap, _ in report), report
+        assert sum(ours == theirs for _, ours, theirs, *_ in report) >= len(out) - 1, report
+
+
+def test_prefix_caching_on_and_off_give_identical_greedy_tokens(gpu_model_dir):
+    shared = random_prompts(3, [70])[0]
+    prompts = [shared + tail for tail in random_prompts(4, [3, 20, 41])]
+    off = greedy_tokens(make_llm(gpu_model_dir, enable_prefix_caching=False), prompts, 16)
+    llm = make_llm(gpu_model_dir, enable_prefix_caching=True)
+    first = greedy_tokens(llm, prompts, 16)
+    again = greedy_tokens(llm, prompts, 16)  # every full page of every prompt is now a cache hit
+    assert llm.core.kv.prefix_hits > 0
+    assert first == off
+    assert again == off
+
+
+def test_cuda_graphs_on_and_off_give_identical_greedy_tokens(gpu_model_dir):
+    prompts = random_prompts(5, [4, 17, 30, 31, 64])  # 5 decodes pad to the graph of 8
+    eager = make_llm(gpu_model_dir, enforce_eager=True)
+    assert eager.core.runner.graphs is None
+    want = greedy_tokens(eager, prompts, 32)
+    del eager
+    graphs = make_llm(gpu_model_dir)
+    assert graphs.core.runner.graphs is not None and 8 in graphs.core.runner.graphs.batch_sizes
+    assert greedy_tokens(graphs, prompts, 32) == want
+    assert greedy_tokens(graphs, prompts[:1], 32) == want[:1]  # batch of one: the graph of 1
+
+
+def test_kv_pool_is_sized_by_measurement(gpu_model_dir):
+    """With a budget of about 1 GiB above what is in use now, the pool takes what the profile step
+    leaves of it (fewer pages than the sequences could use) and the GPU ends within the budget."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = (total - free + (1 << 30)) / total
+    llm = LLM(str(gpu_model_dir), dtype="bfloat16", gpu_memory_utilization=utilization, max_num_seqs=256)
+    core = llm.core
+    page_bytes = core.model.kv_cache_spec(16, torch.bfloat16).bytes_per_page()
+    assert 0 < core.kv_capacity_tokens < 256 * core.max_model_len  # the budget, not the sequences, set it
+    assert core.num_kv_pages * page_bytes > (256 << 20)  # most of the spare GiB went to pages
+    free_after, _ = torch.cuda.mem_get_info()
+    assert total - free_after <= utilization * total + (128 << 20)  # CUDA graphs come on top: small
+    assert greedy_tokens(llm, random_prompts(6, [10]), 4)[0]
+
+
+def test_no_memory_growth_over_1000_requests(gpu_model_dir):
+    """After warm-up, the allocated bytes stay put while 1,000 requests of mixed lengths and
+    sampling settings (greedy, seeded, unseeded, top-k/top-p) come and go."""
+    llm = make_llm(gpu_model_dir)
+    rng = random.Random(7)
+
+    def batch(n):
+        prompts = [[rng.randrange(5, 500) for _ in range(rng.randrange(1, 120))] for _ in range(n)]
+        params = [SamplingParams(temperature=rng.choice([0, 0.7, 1.0]), top_p=rng.choice([1.0, 0.9]),
+                                 top_k=rng.choice([0, 20]), seed=rng.choice([None, rng.randrange(1000)]),
+                                 max_tokens=rng.randrange(1, 12), ignore_eos=True) for _ in range(n)]
+        outs = llm.generate(prompts, params)
+        assert all(len(o.outputs[0].token_ids) == p.max_tokens for o, p in zip(outs, params))
+
+    batch(100)  # warm-up: every graph size and code path once
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    readings = []
+    for _ in range(10):
+        batch(100)
+        torch.cuda.synchronize()
+        readings.append(torch.cuda.memory_allocated())
+    assert not llm.core.scheduler.requests
+    assert max(readings) - baseline <= 1 << 20, [r - baseline for r in readings]
