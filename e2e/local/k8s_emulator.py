@@ -1,38 +1,28 @@
-"""A Kubernetes API on 127.0.0.1 for tests that run Pagoda's operator code for real: kmock's
-`KubernetesEmulator`, extended where kopf and the kubernetes client rely on documented API server
-behaviour the emulator leaves out, plus a kubeconfig pointing at it and the built-in autoscaler
-running under a real kopf operator.
-
-Extensions (each is what the real API server does):
-  - `metadata.generateName` on create gets a unique name (kopf posts Events that way);
-  - objects carry a `metadata.resourceVersion` (kopf's finalizer JSON patch tests it).
-Known gap: GET /api/v1/namespaces does not parse in kmock 0.8, so kopf runs cluster-wide.
+"""Kubernetes for tests that run the built-in autoscaler for real: the operator tests' emulated
+API server (tests/operator/apiserver.py: kmock's KubernetesEmulator extended to the documented
+API server behaviour, in a background thread), a kubeconfig pointing at it, and a real kopf
+operator running the autoscaler's handlers in a thread of its own (kopf cancels every task of
+the loop it runs in, so it gets its own loop).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
+import sys
+import threading
 from pathlib import Path
 
-import kmock
+import httpx
 
-IS_RESOURCE = "pagoda.dev/v1alpha1/inferenceservices"
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
+from tests.operator.apiserver import BackgroundApiServer  # noqa: E402
 
-class Emulator(kmock.KubernetesEmulator):
-    _names = itertools.count(1)
-
-    async def _handle(self, request):
-        data = request.data
-        if request.action == kmock.action.CREATE and isinstance(data, dict):
-            meta = data.setdefault("metadata", {})
-            if not meta.get("name") and meta.get("generateName"):
-                meta["name"] = f"{meta['generateName']}{next(self._names):05d}"
-            meta.setdefault("resourceVersion", "1")
-        return await super()._handle(request)
+IS_PATH = "/apis/pagoda.dev/v1alpha1/namespaces/{namespace}/inferenceservices"
 
 
 def write_kubeconfig(path: Path, server: str) -> Path:
@@ -45,30 +35,52 @@ def write_kubeconfig(path: Path, server: str) -> Path:
     return path
 
 
-@contextlib.asynccontextmanager
-async def emulated_cluster(tmp_path: Path):
-    """(emulator, base URL, kubeconfig path) with the resources Pagoda's parts use declared."""
-    async with Emulator() as k, kmock.Server(k) as server:
-        url = str(server.url).rstrip("/")
-        verbs = ["get", "list", "watch", "create", "update", "patch", "delete"]
-        k.resources[IS_RESOURCE] = kmock.ResourceInfo(kind="InferenceService", namespaced=True,
-                                                      subresources=["status", "scale"], verbs=verbs)
-        k.resources["discovery.k8s.io/v1/endpointslices"] = kmock.ResourceInfo(kind="EndpointSlice", namespaced=True,
-                                                                              verbs=verbs)
-        k.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
-        # kopf's startup waits for these two to be discoverable
-        k.resources["v1/namespaces"] = kmock.ResourceInfo(kind="Namespace", namespaced=False, verbs=verbs)
-        k.resources["apiextensions.k8s.io/v1/customresourcedefinitions"] = kmock.ResourceInfo(
-            kind="CustomResourceDefinition", namespaced=False, verbs=verbs)
-        yield k, url, write_kubeconfig(tmp_path / "kubeconfig.json", url)
+class Cluster:
+    """The emulated API server plus the calls the tests make on InferenceServices."""
+
+    def __init__(self, apiserver: BackgroundApiServer, kubeconfig: Path):
+        self.apiserver = apiserver
+        self.url = apiserver.url
+        self.kubeconfig = kubeconfig
+
+    def create(self, body: dict) -> dict:
+        ns = body["metadata"].get("namespace", "default")
+        r = httpx.post(self.url + IS_PATH.format(namespace=ns), json=body)
+        r.raise_for_status()
+        return r.json()
+
+    def set_status(self, name: str, status: dict, namespace: str = "default") -> None:
+        """What the operator (from the engine Deployment) would write: replicas, readyReplicas."""
+        r = httpx.patch(f"{self.url}{IS_PATH.format(namespace=namespace)}/{name}/status", json={"status": status},
+                        headers={"content-type": "application/merge-patch+json"})
+        r.raise_for_status()
+
+    def get(self, name: str, namespace: str = "default") -> dict:
+        return self.apiserver.api.get("pagoda.dev", "v1alpha1", "inferenceservices", namespace, name)
+
+    def events(self, namespace: str = "default") -> list[dict]:
+        return [self.apiserver.api.get("", "v1", "events", namespace, n)
+                for n in self.apiserver.api.names("", "v1", "events", namespace)]
+
+    def scale_writes(self) -> list:
+        return [w for w in self.apiserver.api.writes if w.path.endswith("/scale")]
+
+
+@contextlib.contextmanager
+def emulated_cluster(tmp_path: Path):
+    apiserver = BackgroundApiServer()
+    try:
+        yield Cluster(apiserver, write_kubeconfig(tmp_path / "kubeconfig.json", apiserver.url))
+    finally:
+        apiserver.close()
 
 
 _server: dict = {"url": None}
 
 
-@contextlib.asynccontextmanager
-async def autoscaler_operator(url: str):
-    """The built-in autoscaler's kopf handlers in a real kopf operator against `url`."""
+@contextlib.contextmanager
+def autoscaler_operator(url: str):
+    """kopf.operator() with the autoscaler's handlers (kopf's default registry) against `url`."""
     import kopf
 
     import pagoda_operator.autoscaler.handlers  # noqa: F401 - registers the timer
@@ -76,31 +88,37 @@ async def autoscaler_operator(url: str):
     _server["url"] = url
     registry = kopf.get_default_registry()
     if not any(h.id == "pagoda-emulator-login" for h in registry._activities.get_all_handlers()):
-        # Registered once per process (kopf's registry is global); reads the current emulator.
+        # Registered once per process (the default registry is global); reads the current server.
         @kopf.on.login(id="pagoda-emulator-login")
         def _login(**_):
             return kopf.ConnectionInfo(server=_server["url"], insecure=True, token="test-token")
 
-    stop = asyncio.Event()
-    task = asyncio.create_task(kopf.operator(standalone=True, clusterwide=True, stop_flag=stop))
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    holder: dict = {}
+
+    def main():
+        asyncio.set_event_loop(loop)
+        holder["stop"] = asyncio.Event()
+        ready.set()
+        loop.run_until_complete(kopf.operator(standalone=True, clusterwide=True, stop_flag=holder["stop"]))
+
+    thread = threading.Thread(target=main, name="kopf-autoscaler", daemon=True)
+    thread.start()
+    ready.wait(10)
     try:
-        yield task
+        yield
     finally:
-        stop.set()
-        try:
-            await asyncio.wait_for(task, 30)
-        except (asyncio.TimeoutError, asyncio.CancelledError):
-            task.cancel()
+        loop.call_soon_threadsafe(holder["stop"].set)
+        thread.join(30)
 
 
 def inference_service(name: str, namespace: str = "default", *, replicas: int | None = None,
-                      ready: int = 0, autoscaling: dict | None = None) -> dict:
+                      autoscaling: dict | None = None) -> dict:
     spec: dict = {"model": {"uri": "file:///models/tiny", "name": name}}
     if replicas is not None:
         spec["replicas"] = replicas
     if autoscaling is not None:
         spec["autoscaling"] = autoscaling
     return {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": name, "namespace": namespace, "generation": 1, "uid": f"uid-{name}",
-                         "resourceVersion": "1"},
-            "spec": spec, "status": {"replicas": replicas or 0, "readyReplicas": ready}}
+            "metadata": {"name": name, "namespace": namespace}, "spec": spec}

@@ -1,9 +1,10 @@
 """The built-in autoscaler end to end with real parts and small engines: engine doubles
-(e2e/local/fake_engine.py, real HTTP, a settable queue) and `pagoda route` scraped by a real
-Prometheus; the autoscaler's kopf timer in a real kopf operator against kmock's Kubernetes
-emulator, scaling the InferenceService through its scale subresource."""
+(e2e/local/fake_engine.py, real HTTP, a settable queue) and `pagoda route`, scraped by a real
+Prometheus; the autoscaler's kopf timer in a real kopf operator against the emulated API server,
+scaling the InferenceService through its scale subresource."""
 
 import asyncio
+import concurrent.futures
 import sys
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
 
-from k8s_emulator import IS_RESOURCE, autoscaler_operator, emulated_cluster, inference_service  # noqa: E402
+from k8s_emulator import autoscaler_operator, emulated_cluster, inference_service  # noqa: E402
 from pagoda_e2e import (PROMETHEUS, PYTHON, Proc, free_port, prometheus_config, start_prometheus,  # noqa: E402
                         start_router)
 
@@ -29,19 +30,26 @@ def start_fake(tmp: Path, port: int, name: str) -> Proc:
     return proc
 
 
-async def until(predicate, timeout: float, what: str, step: float = 0.2):
+def until(predicate, timeout: float, what: str, step: float = 0.2):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        value = predicate()
+        try:
+            value = predicate()
+        except (KeyError, TypeError):  # the field is not written yet
+            value = None
         if value:
             return value
-        await asyncio.sleep(step)
+        time.sleep(step)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def query(prom: str, promql: str):
+    return asyncio.run(PrometheusClient(prom).query(promql))
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """Two engines (one not started: the replica the scaler brings up), a router, Prometheus."""
+    """An engine, a router whose only engine is not started yet, and Prometheus scraping both."""
     tmp = tmp_path_factory.mktemp("autoscale")
     p_engine, p_late, p_router, p_prom = free_port(), free_port(), free_port(), free_port()
     engine = start_fake(tmp, p_engine, "engine")
@@ -59,113 +67,100 @@ def stack(tmp_path_factory):
         p.stop()
 
 
-async def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(stack):
+def set_waiting(stack, value: int) -> None:
+    """Make the engine report a queue, and wait until Prometheus has scraped it."""
+    httpx.post(stack["engine"] + "/admin", json={"waiting": value})
+    until(lambda: query(stack["prom"], queries("queue", "default", "svc")["waiting"]) == value, 20,
+          f"Prometheus to see waiting = {value}")
+
+
+def decided(cluster, name: str, replicas: int) -> bool:
+    # spec.replicas (scale subresource) is written before kopf patches the status
+    obj = cluster.get(name)
+    return obj["spec"].get("replicas") == replicas and obj["status"]["autoscaling"]["desiredReplicas"] == replicas
+
+
+def scaling_ready(cluster, name: str) -> dict | None:
+    return next((c for c in cluster.get(name).get("status", {}).get("conditions") or []
+                 if c["type"] == "ScalingReady"), None)
+
+
+def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(stack):
     httpx.post(stack["engine"] + "/admin", json={"waiting": 5, "running": 3})
     client = PrometheusClient(stack["prom"])
-    obs = None
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        obs = await client.observe("kvUtilization", "default", "svc", current_replicas=1, ready_replicas=1)
-        if obs.waiting == 5:
-            break
-        await asyncio.sleep(0.3)
+    obs = until(lambda: (o := asyncio.run(client.observe("kvUtilization", "default", "svc", 1, 1))).waiting == 5 and o,
+                20, "Prometheus to scrape the queue")
     assert obs.error is None and (obs.waiting, obs.running) == (5, 3)
     assert obs.kv_usage == pytest.approx(0.3)
     assert obs.router_held is None  # no router scraped for this service: absent, not zero
-    assert await client.query(queries("queue", "default", "nothing")["waiting"]) is None
-    bad = await PrometheusClient(f"http://127.0.0.1:{free_port()}").observe("queue", "default", "svc", 1, 1)
+    assert query(stack["prom"], queries("queue", "default", "nothing")["waiting"]) is None
+    bad = asyncio.run(PrometheusClient(f"http://127.0.0.1:{free_port()}").observe("queue", "default", "svc", 1, 1))
     assert bad.error and "unreachable" in bad.error
-    httpx.post(stack["engine"] + "/admin", json={"waiting": 0, "running": 0})
+    httpx.post(stack["engine"] + "/admin", json={"running": 0})
+    set_waiting(stack, 0)
 
 
-async def prometheus_sees_waiting(stack, value: float) -> None:
-    client, promql = PrometheusClient(stack["prom"]), queries("queue", "default", "svc")["waiting"]
-    deadline = time.monotonic() + 20
-    while await client.query(promql) != value:
-        assert time.monotonic() < deadline, f"Prometheus never saw waiting = {value}"
-        await asyncio.sleep(0.2)
-
-
-async def test_queue_scales_up_then_down_after_the_delay_with_status_and_events(stack, tmp_path, monkeypatch):
-    httpx.post(stack["engine"] + "/admin", json={"waiting": 0})
-    await prometheus_sees_waiting(stack, 0)
-    async with emulated_cluster(tmp_path) as (k8s, url, kubeconfig):
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        key = (IS_RESOURCE, "default", "svc")
-        k8s.objects[key] = inference_service("svc", replicas=1, ready=1, autoscaling={
+def test_queue_scales_up_then_down_after_the_delay_with_status_and_events(stack, tmp_path, monkeypatch):
+    set_waiting(stack, 0)
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("svc", replicas=1, autoscaling={
             "minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 2, "scaleUpDelay": "0s",
-            "scaleDownDelay": "3s", "intervalSeconds": 1, "prometheusURL": stack["prom"]})
-        obj = lambda: k8s.objects[key].raw  # noqa: E731
-        async with autoscaler_operator(url):
-            await until(lambda: (obj().get("status") or {}).get("autoscaling"), 20, "a first decision")
-            assert obj()["spec"]["replicas"] == 1
-            httpx.post(stack["engine"] + "/admin", json={"waiting": 6})
-            # spec.replicas (scale subresource) is written before kopf patches the status
-            await until(lambda: obj()["spec"]["replicas"] == 3 and obj()["status"]["autoscaling"]["desiredReplicas"] == 3,
-                        20, "scale up to ceil(6/2) = 3")
-            up = obj()["status"]["autoscaling"]
-            assert up["lastDecision"]["result"] == 3 and up["lastDecision"]["inputs"]["waiting"] == 6
-            assert "ceil(6/2) = 3" in up["lastDecision"]["reason"]
-            ready = [c for c in obj()["status"]["conditions"] if c["type"] == "ScalingReady"]
-            assert ready and ready[0]["status"] == "True"
+            "scaleDownDelay": "3s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
+        cluster.set_status("svc", {"replicas": 1, "readyReplicas": 1})
+        until(lambda: decided(cluster, "svc", 1), 30, "a first decision")
+        set_waiting(stack, 6)
+        until(lambda: decided(cluster, "svc", 3), 20, "scale up to ceil(6/2) = 3")
+        up = cluster.get("svc")["status"]["autoscaling"]["lastDecision"]
+        assert up["result"] == 3 and up["inputs"]["waiting"] == 6 and "ceil(6/2) = 3" in up["reason"]
+        assert scaling_ready(cluster, "svc")["status"] == "True"
 
-            httpx.post(stack["engine"] + "/admin", json={"waiting": 0})
-            quiet_since = time.monotonic()
-            await until(lambda: obj()["spec"]["replicas"] == 2 and obj()["status"]["autoscaling"]["desiredReplicas"] == 2,
-                        20, "one step down")
-            assert time.monotonic() - quiet_since >= 3 - 0.5  # not before scaleDownDelay
-            assert "scaleDownDelay" in obj()["status"]["autoscaling"]["lastDecision"]["reason"]
+        httpx.post(stack["engine"] + "/admin", json={"waiting": 0})
+        quiet_since = time.monotonic()
+        until(lambda: decided(cluster, "svc", 2), 20, "one step down")
+        assert time.monotonic() - quiet_since >= 3 - 0.5  # not before scaleDownDelay
+        assert "scaleDownDelay" in cluster.get("svc")["status"]["autoscaling"]["lastDecision"]["reason"]
 
-            events = await until(lambda: [o.raw for (res, _, _), o in k8s.objects.items()
-                                          if res.plural == "events" and not o.deleted], 10, "events")
-            reasons = {e.get("reason") for e in events}
-            assert {"ScaledUp", "ScaledDown"} <= reasons
-            scale_writes = [r for r in k8s if r.subresource == "scale"]
-            assert scale_writes and scale_writes[-1].data == {"spec": {"replicas": 2}}
+        reasons = until(lambda: {"ScaledUp", "ScaledDown"} <= (r := {e.get("reason") for e in cluster.events()}) and r,
+                        10, "the scaling Events")
+        assert reasons
+        writes = cluster.scale_writes()
+        assert [w.changed for w in writes] == [True, True]  # exactly two scalings: 1 -> 3 -> 2
 
 
-async def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path, monkeypatch):
-    async with emulated_cluster(tmp_path) as (k8s, url, kubeconfig):
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        key = (IS_RESOURCE, "default", "zero")
-        k8s.objects[key] = inference_service("zero", replicas=0, ready=0, autoscaling={
+def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path, monkeypatch):
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("zero", replicas=0, autoscaling={
             "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "60s",
-            "intervalSeconds": 1, "prometheusURL": stack["prom"]})
-        obj = lambda: k8s.objects[key].raw  # noqa: E731
-        async with autoscaler_operator(url):
-            await until(lambda: (obj().get("status") or {}).get("autoscaling"), 20, "a first decision")
-            assert obj()["spec"]["replicas"] == 0  # idle at zero stays at zero
-            held = asyncio.create_task(asyncio.to_thread(
-                httpx.post, stack["router"] + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
-                timeout=120))
-            await until(lambda: obj()["spec"]["replicas"] == 1 and obj()["status"]["autoscaling"]["desiredReplicas"] == 1,
-                        30, "scale from zero")
-            decision = obj()["status"]["autoscaling"]["lastDecision"]
+            "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
+        until(lambda: decided(cluster, "zero", 0), 30, "a first decision")  # idle at zero stays at zero
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(httpx.post, stack["router"] + "/v1/completions",
+                               json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=120)
+            until(lambda: decided(cluster, "zero", 1), 30, "scale from zero")
+            decision = cluster.get("zero")["status"]["autoscaling"]["lastDecision"]
             assert decision["inputs"]["routerHeld"] >= 1 and "scale from zero" in decision["reason"]
             assert not held.done()
-            # Kubernetes would now start a pod; here the test does
-            engine = start_fake(stack["tmp"], stack["late_port"], "late")
+            engine = start_fake(stack["tmp"], stack["late_port"], "late")  # what Kubernetes would now start
             try:
-                response = await asyncio.wait_for(held, 60)
+                response = held.result(60)
                 assert response.status_code == 200 and response.json()["choices"][0]["text"] == "t0 t1 "
             finally:
                 engine.stop()
 
 
-async def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_path, monkeypatch):
-    async with emulated_cluster(tmp_path) as (k8s, url, kubeconfig):
-        monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
-        key = (IS_RESOURCE, "default", "svc")
-        k8s.objects[key] = inference_service("svc", replicas=2, ready=2, autoscaling={
+def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_path, monkeypatch):
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("svc", replicas=2, autoscaling={
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
-            "prometheusURL": stack["prom"]})
-        obj = lambda: k8s.objects[key].raw  # noqa: E731
-        cond = lambda: next((c for c in (obj().get("status") or {}).get("conditions") or []  # noqa: E731
-                             if c["type"] == "ScalingReady"), None)
-        async with autoscaler_operator(url):
-            await until(lambda: cond() and cond()["status"] == "True", 20, "ScalingReady=True")
-            stack["prom_proc"].stop()
-            await until(lambda: cond()["status"] == "False", 20, "ScalingReady=False")
-            assert cond()["reason"] == "PrometheusUnavailable" and "unreachable" in cond()["message"]
-            await asyncio.sleep(2)
-            assert obj()["spec"]["replicas"] == 2
+            "prometheusURL": stack["prom"]}))
+        cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
+        until(lambda: scaling_ready(cluster, "svc")["status"] == "True", 30, "ScalingReady=True")
+        stack["prom_proc"].stop()
+        until(lambda: scaling_ready(cluster, "svc")["status"] == "False", 20, "ScalingReady=False")
+        cond = scaling_ready(cluster, "svc")
+        assert cond["reason"] == "PrometheusUnavailable" and "unreachable" in cond["message"]
+        time.sleep(2)
+        assert cluster.get("svc")["spec"]["replicas"] == 2 and not cluster.scale_writes()
