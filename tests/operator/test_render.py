@@ -302,3 +302,17 @@ def test_render_command_rejects_an_invalid_file(tmp_path):
     assert result.stdout == ""
     assert "InferenceService 'llama-8b' is invalid" in result.stderr
     assert "topology.tensor: 3 does not divide the model's 32 attention heads (32 / 3 = 10.67)" in result.stderr
+
+
+@pytest.mark.parametrize("driver,kind", [("hpa", "HorizontalPodAutoscaler"), ("keda", "ScaledObject"), ("builtin", None)])
+def test_autoscaling_driver_adds_its_scaler_object(driver, kind):
+    body = load_example("llama-3.1-8b-tiers-autoscaling.yaml")
+    body["spec"]["autoscaling"]["driver"] = driver
+    out = rendered(body)
+    scalers = [m for (k, _), m in out.items() if k in ("HorizontalPodAutoscaler", "ScaledObject")]
+    assert [m["kind"] for m in scalers] == ([kind] if kind else [])
+    for m in scalers:
+        assert m["spec"]["scaleTargetRef"] == {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "llama-8b-tiered"}
+        assert m["metadata"]["ownerReferences"][0]["uid"] == "0000-uid"
+        if kind == "HorizontalPodAutoscaler":
+            _validate(m)

@@ -40,6 +40,11 @@ OPTIONAL_KINDS = {
         "the ServiceMonitor CRD (monitoring.coreos.com/v1) is not installed, so no ServiceMonitor was created; "
         "install the Prometheus operator or set spec.monitoring.serviceMonitor: false",
     ),
+    ("keda.sh/v1alpha1", "ScaledObject"): (
+        "KEDAMissing",
+        "the ScaledObject CRD (keda.sh/v1alpha1) is not installed, so spec.autoscaling.driver: keda cannot scale; "
+        "install KEDA (https://keda.sh) or use driver builtin",
+    ),
 }
 MISSING_CRD_RECHECK_SECONDS = 60
 STATUS_WRITE_ATTEMPTS = 3

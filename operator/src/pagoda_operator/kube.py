@@ -27,6 +27,8 @@ PLURALS = {
     "PodDisruptionBudget": "poddisruptionbudgets",
     "Ingress": "ingresses",
     "ServiceMonitor": "servicemonitors",
+    "ScaledObject": "scaledobjects",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
     KIND: PLURAL,
 }
 

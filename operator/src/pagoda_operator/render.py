@@ -13,6 +13,8 @@ InferenceService `<name>` and all in its namespace:
   Service <name>, Deployment <name> the router: the OpenAI endpoint (`pagoda route`)
   Ingress <name>                    when spec.router.ingress is set
   ServiceMonitor <name>             when spec.monitoring.serviceMonitor (Prometheus operator)
+  ScaledObject / HorizontalPodAutoscaler <name>
+                                    when spec.autoscaling.driver is keda / hpa (the autoscaler's)
 
 The engine command-line contract used here (vLLM's flag names): --model --served-model-name
 --dtype --max-model-len --load-format --tensor-parallel-size --pipeline-parallel-size
@@ -58,6 +60,9 @@ CHILD_KINDS = [
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "Ingress"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    # spec.autoscaling.driver keda | hpa (rendered by pagoda_operator.autoscaler.scaledobjects)
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
 ]
 
 
@@ -583,4 +588,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
         out.append(render_ingress(body, spec))
     if spec.monitoring.service_monitor:
         out.append(render_service_monitor(body, spec))
-    return out
+    # Imported here: the autoscaler's renderer builds on this module's labels and references.
+    from pagoda_operator.autoscaler.scaledobjects import render_scaler
+
+    return out + render_scaler(body, spec)
