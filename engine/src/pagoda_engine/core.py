@@ -12,16 +12,16 @@ from pathlib import Path
 
 import torch
 
-from pagoda_engine.attention import get_attention_backend
 from pagoda_engine.attention.base import KVCacheSpec
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
+from pagoda_engine.executor import create_executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats, TokenLogprobs
-from pagoda_engine.model.loader import load_hf_config, load_model, resolve_dtype
+from pagoda_engine.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.request import Request
 from pagoda_engine.runner import ModelRunner
-from pagoda_engine.sampling import Sampler
+from pagoda_engine.sampling import make_sampler
 from pagoda_engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -83,10 +83,10 @@ def _set_cpu_threads(model: torch.nn.Module) -> None:
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        mc, cc = config.model, config.cache
-        if config.parallel.tensor_parallel_size > 1 or config.parallel.pipeline_parallel_size > 1:
-            raise ModelLoadError("tensor and pipeline parallelism are not implemented in this engine yet: "
-                                 "run with --tensor-parallel-size 1 --pipeline-parallel-size 1")
+        mc = config.model
+        if config.parallel.pipeline_parallel_size > 1:
+            raise ModelLoadError("pipeline parallelism is not implemented in this engine yet: "
+                                 "run with --pipeline-parallel-size 1 (tensor parallelism is)")
         self.model_dir = resolve_model_dir(mc.model)
         self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
         self.hf_config = load_hf_config(self.model_dir)
@@ -94,7 +94,20 @@ class EngineCore:
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
-        self.model = load_model(self.model_dir, self.hf_config, self.dtype, self.device, mc.load_format, mc.seed)
+        # Under TP this starts the worker ranks; self.model is rank 0's shard.
+        self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device)
+        try:
+            self._init_with_model(t0)
+        except BaseException:
+            self.executor.close()  # TP workers must not outlive a failed start
+            raise
+
+    def _init_with_model(self, t0: float) -> None:
+        """Everything that needs the loaded model: limits, the KV pool, scheduler, runner, CUDA graphs."""
+        config = self.config
+        mc, cc = config.model, config.cache
+        self.model = self.executor.model
+        self.device = self.executor.device
         logger.info("loaded %s in %.1fs (%s, %s)", self.model_dir, time.monotonic() - t0, self.dtype, self.device)
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self._resolve_max_model_len()
@@ -104,15 +117,15 @@ class EngineCore:
 
         spec: KVCacheSpec = self.model.kv_cache_spec(cc.block_size, self.dtype)
         self.num_kv_pages = cc.num_kv_pages or self._measure_num_pages(spec)
-        self.attn = get_attention_backend(mc.attention_backend, spec, self.num_kv_pages, self.device)
+        self.attn = self.executor.init_kv_cache(mc.attention_backend, spec, self.num_kv_pages)
         self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.attn, self.kv, Sampler(mc.seed), self.device)
+        self.runner = ModelRunner(self.model, self.attn, self.kv, make_sampler(mc.seed, self.device), self.device, self.executor)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
-        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager
+        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and self.executor.tp_size == 1
                             and hasattr(self.attn, "plan_graph_decode"))
         if self.cuda_graphs:
             t1 = time.monotonic()
@@ -120,6 +133,10 @@ class EngineCore:
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
                         self.runner.graphs.batch_sizes, time.monotonic() - t1)
         self.startup_seconds = time.monotonic() - t0
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
+        self.executor.close()
 
     def _resolve_max_model_len(self) -> int:
         # The model's own limit: it already accounts for a sliding window shorter than the context.
@@ -161,28 +178,18 @@ class EngineCore:
         cc, sc = self.config.cache, self.config.scheduler
         num_tokens = min(sc.max_num_batched_tokens, self.max_model_len)
         spec = self.model.kv_cache_spec(cc.block_size, self.dtype)
-        scratch_pages = -(-num_tokens // cc.block_size) + 1
-        from pagoda_engine.attention.base import AttentionBatch
-
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        scratch = get_attention_backend(self.config.model.attention_backend, spec, scratch_pages, self.device)
-        table = list(range(1, scratch_pages))
-        batch = AttentionBatch(query_lens=[num_tokens], seq_lens=[num_tokens], page_tables=[table],
-                               slot_mapping=torch.arange(cc.block_size, cc.block_size + num_tokens, device=self.device))
         with torch.inference_mode():
-            scratch.plan(batch)
-            ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch)
             rows = min(sc.max_num_seqs, num_tokens)
-            logits = self.model.compute_logits(hidden[-rows:])
+            # On every TP rank at once (its collectives need them all); rank 0's peak stands for all.
+            logits = self.executor.profile_run(self.config.model.attention_backend, spec, num_tokens, rows)
             # The sampler holds about three logits-sized float32 tensors at once (logits, probs, noise).
             probs = torch.softmax(logits, dim=-1)
             noise = torch.empty_like(probs).exponential_()
             del probs, noise, logits
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
-        del scratch, hidden
         torch.cuda.empty_cache()
         # Memory that is not torch's (CUDA context, cuBLAS and NCCL workspaces, other processes).
         free, total = torch.cuda.mem_get_info()

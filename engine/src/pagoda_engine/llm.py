@@ -41,6 +41,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if any. Idempotent."""
+        self.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None) -> list[RequestOutput]:

@@ -4,8 +4,14 @@ linear, embedding and LM-head layers whose weights the loader fills.
 Every layer that holds weights creates them uninitialised (`torch.empty`): the loader overwrites
 them from a checkpoint or, for `--load-format dummy`, with seeded random values. Layers whose
 weights a checkpoint stores in pieces (q/k/v, gate/up) give their parameter a `weight_loader`
-that places one piece; tensor parallelism slots in there (each rank keeps its slice of heads),
-which is why the linear layers know `tp_size` and `tp_rank` although only 1 and 0 are used today.
+that places one piece; tensor parallelism slots in there (each rank keeps its slice of heads).
+
+Tensor parallelism (Megatron-style): column-parallel layers split output features and need no
+communication; row-parallel layers split input features and all-reduce their partial sums (one
+all-reduce per row-parallel layer); the embedding splits the vocabulary and all-reduces; the LM
+head splits the vocabulary and all-gathers the logits. Collectives run on the model's own
+`TPGroup` (attached after construction with `attach_tp_group`; `pagoda_engine.executor` makes
+it), never on torch.distributed's global default group, so one process may hold several engines.
 """
 
 from __future__ import annotations
@@ -40,6 +46,25 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 # --- normalisation and activation -------------------------------------------------------------
 
 
+_FLASHINFER = None  # the flashinfer module once imported; False when it is not installed
+
+
+def _fused_kernels(x: torch.Tensor):
+    """FlashInfer's module when `x` is a half-precision CUDA tensor and FlashInfer imports, else
+    None (the torch code runs, unchanged: CPU results stay bit-identical)."""
+    global _FLASHINFER
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if _FLASHINFER is None:
+        try:
+            import flashinfer
+
+            _FLASHINFER = flashinfer
+        except ImportError:
+            _FLASHINFER = False
+    return _FLASHINFER or None
+
+
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, computed in float32 as the reference models do.
 
@@ -60,6 +85,13 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() else None
+        if fi is not None:
+            if residual is None:
+                return fi.rmsnorm(x, self.weight, self.eps)
+            # One kernel, in place: residual += x, then x = norm(residual).
+            fi.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
         if residual is None:
             return self._norm(x)
         x = x + residual
@@ -70,6 +102,9 @@ class SiluAndMul(nn.Module):
     """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fi = _fused_kernels(x)
+        if fi is not None and x.is_contiguous():
+            return fi.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -178,6 +213,14 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fi = _fused_kernels(q)
+        if fi is not None:
+            # FlashInfer rotates q and k in place from one float32 [max_position, D] cache (cos | sin),
+            # made on first use from the same cos/sin as below (so every rope variant applies).
+            if getattr(self, "_cos_sin_cache", None) is None:
+                self._cos_sin_cache = torch.cat((self.cos_cache, self.sin_cache), dim=-1).contiguous()
+            fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self._cos_sin_cache, is_neox=True)
+            return q, k
         # [T, 1, D/2]: broadcast over heads; cast like the reference (cos/sin in the activations' dtype).
         cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
@@ -185,6 +228,49 @@ class RotaryEmbedding(nn.Module):
 
 
 # --- linear layers (tensor-parallel aware) ------------------------------------------------------
+
+
+class TPGroup:
+    """The collectives of one tensor-parallel model, on a torch.distributed backend object
+    (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) that belongs to this model alone."""
+
+    def __init__(self, backend, rank: int, size: int):
+        self.backend = backend
+        self.rank = rank
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x`, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.backend.allgather([parts], [x.contiguous()]).wait()
+        return parts
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` into every rank's `x`, in place."""
+        self.backend.broadcast(x, src).wait()
+        return x
+
+
+def attach_tp_group(model: nn.Module, group: TPGroup) -> None:
+    """Give every tensor-parallel layer of `model` the group its collectives run on."""
+    for module in model.modules():
+        if getattr(module, "tp_size", 1) > 1:
+            if module.tp_size != group.size or module.tp_rank != group.rank:
+                raise ValueError(f"layer built for rank {module.tp_rank} of {module.tp_size}, "
+                                 f"group is rank {group.rank} of {group.size}")
+            module.tp_group = group
+
+
+def _group(layer: nn.Module) -> TPGroup:
+    if layer.tp_group is None:
+        raise RuntimeError(f"{type(layer).__name__} is sharded {layer.tp_size} ways but has no TPGroup "
+                           "(attach one with attach_tp_group)")
+    return layer.tp_group
 
 
 def _divide(total: int, parts: int, what: str) -> int:
@@ -212,6 +298,7 @@ class ColumnParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
         super().__init__(in_features, _divide(out_features, tp_size, "output features"), bias)
         for p in self.parameters():
             _set_weight_loader(p, self._load)
@@ -257,6 +344,11 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
             self.kv_head_offset = tp_rank * self.num_kv_heads
         else:
+            # Each rank keeps one KV head, the one its query heads attend with: that needs every
+            # KV head's query group to fall on whole ranks.
+            if tp_size % num_kv_heads:
+                raise ModelLoadError(f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads "
+                                     f"({num_kv_heads}) when it exceeds it, so KV heads replicate evenly")
             self.num_kv_heads = 1
             self.kv_head_offset = tp_rank * num_kv_heads // tp_size
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
@@ -283,6 +375,7 @@ class RowParallelLinear(LinearBase):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
         super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias)
         _set_weight_loader(self.weight, self._load_weight)
         if self.bias is not None:
@@ -296,7 +389,7 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            torch.distributed.all_reduce(y)
+            _group(self).all_reduce(y)
         return y
 
 
@@ -307,6 +400,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
         self.vocab_size = vocab_size
         self.shard_size = -(-vocab_size // tp_size)  # ceil: the last rank's slice may be short
         self.vocab_start = tp_rank * self.shard_size
@@ -326,8 +420,7 @@ class VocabParallelEmbedding(nn.Module):
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.shard_size)
         y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
-        torch.distributed.all_reduce(y)
-        return y
+        return _group(self).all_reduce(y)
 
 
 class ParallelLMHead(VocabParallelEmbedding):
@@ -337,7 +430,5 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden, self.weight)
         if self.tp_size > 1:
-            parts = [torch.empty_like(logits) for _ in range(self.tp_size)]
-            torch.distributed.all_gather(parts, logits)
-            logits = torch.cat(parts, dim=-1)
+            logits = torch.cat(_group(self).all_gather(logits), dim=-1)
         return logits[..., : self.vocab_size].float()

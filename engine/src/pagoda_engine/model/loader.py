@@ -98,12 +98,17 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
+
+    With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
+    slice of heads, MLP columns and vocabulary, and each weight loader copies just that slice
+    out of the checkpoint tensor.
 
     `load_format`: "auto" / "safetensors" read `model_dir`'s safetensors files; "dummy" draws
     weights from N(0, 0.02) (norm weights 1) with a generator seeded by `seed`, so the same seed
-    on the same device gives the same model, and needs nothing but config.json.
+    on the same device gives the same model, and needs nothing but config.json (dummy shards are
+    drawn per rank, so dummy weights differ between TP sizes: fine for benchmarks, which is their use).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -111,7 +116,7 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
                                                    getattr(hf_config, "model_type", None))
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, architecture)
+        model = model_cls(hf_config, architecture, tp_size, tp_rank)
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
