@@ -106,6 +106,15 @@ def test_logprobs(client, model):
     for chosen, top in zip(lp.token_logprobs, lp.top_logprobs):
         assert chosen <= 0 and 3 <= len(top) <= 4
         assert max(top.values()) == pytest.approx(chosen, abs=1e-5)  # greedy picks the most likely
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(5)]
+
+    echoed = client.completions.create(model=model, prompt=PROMPT, max_tokens=3, temperature=0, logprobs=1, echo=True)
+    lp = echoed.choices[0].logprobs
+    num_prompt = echoed.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 3
+    assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])  # prompt logprobs too
+    assert lp.text_offset[num_prompt] == len(PROMPT)  # generated text starts right after the echoed prompt
+
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2)
     content = chat.choices[0].logprobs.content

@@ -17,7 +17,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagoda_engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagoda_engine.outputs import PositionLogprobs, RequestOutput
 from pagoda_engine.request import SamplingParams
 from pagoda_engine.server.async_engine import AsyncEngine
 from pagoda_engine.server.errors import BadRequestError, ModelNotFoundError, exception_to_body, sse_error_frame
@@ -239,9 +239,9 @@ class OpenAIServing:
 
     def _add_completion_logprobs(self, into: CompletionLogprobs, token_ids: list[int],
                                  logprobs: list[PositionLogprobs | None] | None, offset: int) -> None:
+        """Append tokens to `into`; `offset` is where the first of them starts in the choice's text."""
         if logprobs is None:
             logprobs = [None] * len(token_ids)
-        offset += sum(len(t) for t in into.tokens)
         for token_id, position in zip(token_ids, logprobs):
             token = self._token_text(token_id)
             into.tokens.append(token)
@@ -262,6 +262,7 @@ class OpenAIServing:
         created = int(time.time())
         num_generated = 0
         echoed: set[int] = set()
+        text_len: dict[int, int] = {}  # choice index -> characters sent so far (logprob text offsets)
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         num_prompt = sum(len(ids) for _, ids, _ in plan)
@@ -284,8 +285,10 @@ class OpenAIServing:
                         prefix = self._echo_text(text, ids)
                         if logprobs is not None:
                             self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0)
+                    start = text_len.get(choice_index, 0) + len(prefix)
                     if logprobs is not None:
-                        self._add_completion_logprobs(logprobs, c.delta_token_ids, c.delta_logprobs, len(prefix))
+                        self._add_completion_logprobs(logprobs, c.delta_token_ids, c.delta_logprobs, start)
+                    text_len[choice_index] = start + len(delta)
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=self.model_name,
                         choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
