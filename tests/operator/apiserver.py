@@ -47,6 +47,7 @@ RESOURCES = {
     ("apps", "v1", "deployments"): ("Deployment", {"status", "scale"}),
     ("policy", "v1", "poddisruptionbudgets"): ("PodDisruptionBudget", {"status"}),
     ("networking.k8s.io", "v1", "ingresses"): ("Ingress", {"status"}),
+    ("autoscaling", "v2", "horizontalpodautoscalers"): ("HorizontalPodAutoscaler", {"status"}),
 }
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}
 SERVER_METADATA = ("uid", "resourceVersion", "generation", "creationTimestamp")

@@ -305,3 +305,28 @@ def test_missing_optional_crds_degrade_instead_of_failing(cluster):
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "LeaderWorkerSetMissing")
     assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "EngineMissing")
     assert ("Deployment", "spread-engine") not in children_of(apiserver, "spread")
+
+
+def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
+    apiserver, _ = cluster
+    create(apiserver, tiny("pruned"))
+    wait_for("children", lambda: len(children_of(apiserver, "pruned")) == 6)
+    patch_spec(apiserver, "pruned", {"router": {"ingress": {"host": "pruned.example.com"}}})
+    wait_for("the Ingress", lambda: ("Ingress", "pruned") in children_of(apiserver, "pruned"))
+
+    # Moving to two nodes once LeaderWorkerSet is installed: the LWS replaces the Deployment,
+    # and dropping the ingress removes it.
+    apiserver.api.declare("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", "LeaderWorkerSet")
+    patch_spec(apiserver, "pruned", {"router": {"ingress": None}, "topology": {"nodes": 2}})
+    wait_for("the LeaderWorkerSet", lambda: get(apiserver, ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"), "pruned-engine"))
+    children = wait_for("pruned children", lambda: (("Ingress", "pruned") not in children_of(apiserver, "pruned")
+                                                    and ("Deployment", "pruned-engine") not in children_of(apiserver, "pruned")
+                                                    and children_of(apiserver, "pruned")))
+    assert sorted(children) == [("ConfigMap", "pruned-engine"), ("Deployment", "pruned"), ("PodDisruptionBudget", "pruned-engine"),
+                                ("Service", "pruned"), ("Service", "pruned-engine")]
+    deletes = sorted(w.path for w in apiserver.api.writes if w.method == "DELETE")
+    assert deletes == ["/apis/apps/v1/namespaces/default/deployments/pruned-engine",
+                       "/apis/networking.k8s.io/v1/namespaces/default/ingresses/pruned"]
+    conds = wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "pruned")).get("Degraded", {}).get("status") == "False"
+                     and conditions(get(apiserver, IS, "pruned")))
+    assert conds["Validated"]["status"] == "True"

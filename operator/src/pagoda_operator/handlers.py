@@ -3,6 +3,7 @@
 reconcile (create, update, resume; and a slow timer while an optional CRD is missing):
   validate → if invalid: Validated=False, nothing applied → else server-side apply every child
   the renderer returns (optional kinds only when their CRD exists) → status from the children.
+Children the spec no longer asks for are deleted (pruned) after a successful apply.
 A child Deployment/LeaderWorkerSet changing (pods becoming ready) refreshes the owner's status.
 Deletion needs no handler: every child has an owner reference, the garbage collector removes it.
 
@@ -121,9 +122,11 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
     if not checked.ok:
         logger.warning("InferenceService %s/%s is invalid: %s", namespace, name, "; ".join(checked.problems))
     else:
-        for manifest in r.render(body, checked.spec, _images(memo)):
+        rendered = r.render(body, checked.spec, _images(memo))
+        served = {key: await kube.has_kind(*key) for key in OPTIONAL_KINDS}
+        for manifest in rendered:
             key = (manifest["apiVersion"], manifest["kind"])
-            if key in OPTIONAL_KINDS and not await kube.has_kind(*key):
+            if not served.get(key, True):
                 degraded.append(OPTIONAL_KINDS[key])
                 continue
             try:
@@ -131,6 +134,8 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
             except ApiError as e:
                 apply_failed = True
                 degraded.append(("ApplyFailed", f"{manifest['kind']} {manifest['metadata']['name']}: {e}"))
+        if not apply_failed:
+            await prune(kube, body, rendered, served)
     spec = checked.spec
 
     async def observe(current: dict[str, Any]) -> Observation:
@@ -155,6 +160,25 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         # The API server refused a child (quota, admission, RBAC): retried with a delay; the
         # Degraded condition already says why.
         raise kopf.TemporaryError("applying children failed; see the Degraded condition", delay=30)
+
+
+async def prune(kube: KubeClient, body: dict[str, Any], rendered: list[dict[str, Any]], served: dict[tuple[str, str], bool]) -> None:
+    """Delete children the spec no longer asks for (an Ingress switched off, the Deployment after
+    a move to a LeaderWorkerSet): those of this InferenceService, by label and owner uid, that
+    the renderer did not return."""
+    meta = body["metadata"]
+    namespace, name, uid = meta.get("namespace"), meta["name"], meta.get("uid")
+    keep = {(m["apiVersion"], m["kind"], m["metadata"]["name"]) for m in rendered}
+    selector = f"app.kubernetes.io/instance={name},app.kubernetes.io/managed-by={r.FIELD_MANAGER}"
+    for api_version, kind in r.CHILD_KINDS:
+        if not served.get((api_version, kind), True):
+            continue
+        for child in await kube.list(api_version, kind, namespace, selector):
+            child_meta = child.get("metadata") or {}
+            owned = any(ref.get("uid") == uid and ref.get("controller") for ref in child_meta.get("ownerReferences") or [])
+            labelled = (child_meta.get("labels") or {}).get("app.kubernetes.io/instance") == name
+            if owned and labelled and (api_version, kind, child_meta.get("name")) not in keep:
+                await kube.delete(api_version, kind, namespace, child_meta["name"])
 
 
 async def refresh_from_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:

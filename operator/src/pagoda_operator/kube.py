@@ -138,6 +138,19 @@ class KubeClient:
                 return None
             raise
 
+    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        listing = await self.request("GET", resource_path(api_version, kind, namespace), params={"labelSelector": label_selector})
+        return listing.get("items") or []
+
+    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        """Delete in the background: the garbage collector removes what the object owns."""
+        try:
+            await self.request("DELETE", resource_path(api_version, kind, namespace, name),
+                               params={"propagationPolicy": "Background"})
+        except ApiError as e:
+            if e.status != 404:
+                raise
+
     async def patch_status(self, namespace: str, name: str, status: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
         """Merge-patch the InferenceService's status. With resource_version, a concurrent write in
         between fails with 409 instead of being overwritten."""

@@ -1,0 +1,78 @@
+"""`pagoda-operator run` and `crds` as a user runs them: a real process, a kubeconfig, an API
+server (the emulator from apiserver.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from pagoda_operator import crd
+from tests.operator.apiserver import BackgroundApiServer
+from tests.operator.support import load_example
+from tests.operator.test_operator_kmock import NS, children_of, conditions, create, get, wait_for
+
+CLI = [sys.executable, "-m", "pagoda_operator.cli"]
+
+
+@pytest.fixture
+def apiserver():
+    server = BackgroundApiServer()
+    yield server
+    server.close()
+
+
+def test_run_reconciles_with_the_kubeconfig_it_is_given(apiserver, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emulator",
+        "clusters": [{"name": "emulator", "cluster": {"server": apiserver.url}}],
+        "users": [{"name": "nobody", "user": {"token": "unused"}}],
+        "contexts": [{"name": "emulator", "context": {"cluster": "emulator", "user": "nobody"}}],
+    }))
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PAGODA_ENGINE_CPU_IMAGE": "registry.example/engine-cpu:1"}
+    operator = subprocess.Popen([*CLI, "run", "--all-namespaces", "--standalone", "--quiet"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        body = load_example("tiny-cpu.yaml")
+        body["metadata"] = {"name": "cli", "namespace": NS}
+        create(apiserver, body)
+        children = wait_for("children", lambda: len(children_of(apiserver, "cli")) == 6 and children_of(apiserver, "cli"), timeout=60)
+        pod = children[("Deployment", "cli-engine")]["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"] == "registry.example/engine-cpu:1"
+        wait_for("status", lambda: conditions(get(apiserver, ("pagoda.dev", "v1alpha1", "inferenceservices"), "cli")).get("Validated"))
+        # The token from the kubeconfig reached the API server on the operator's own requests.
+        assert any(req.headers.get("Authorization") == "Bearer unused" and "apply-patch" in req.headers.get("Content-Type", "")
+                   for req in list(apiserver.api._requests))
+    finally:
+        operator.send_signal(signal.SIGTERM)
+        try:
+            output, _ = operator.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            operator.kill()
+            output, _ = operator.communicate()
+    assert operator.returncode == 0, output
+
+
+def test_crds_writes_both_directories_and_check_detects_staleness(tmp_path):
+    out, chart = tmp_path / "crds", tmp_path / "chart-crds"
+    subprocess.run([*CLI, "crds", "--out", str(out), "--chart", str(chart)], check=True, capture_output=True)
+    assert sorted(p.name for p in out.iterdir()) == ["inferenceservices.pagoda.dev.yaml", "kustomization.yaml"]
+    assert sorted(p.name for p in chart.iterdir()) == ["inferenceservices.pagoda.dev.yaml"]
+    assert yaml.safe_load((out / crd.CRD_FILENAME).read_text()) == crd.crd()
+    check = [*CLI, "crds", "--out", str(out), "--chart", str(chart), "--check"]
+    assert subprocess.run(check, capture_output=True).returncode == 0
+    (chart / crd.CRD_FILENAME).write_text("stale\n")
+    result = subprocess.run(check, capture_output=True, text=True)
+    assert result.returncode == 1 and "stale:" in result.stderr and "chart-crds" in result.stderr
+
+
+def test_render_reports_a_file_without_an_inference_service(tmp_path):
+    path = tmp_path / "cm.yaml"
+    path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
+    result = subprocess.run([*CLI, "render", "-f", str(path)], capture_output=True, text=True)
+    assert result.returncode == 2 and "no InferenceService (pagoda.dev/v1alpha1)" in result.stderr
