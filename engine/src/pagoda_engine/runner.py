@@ -68,17 +68,24 @@ class ModelRunner:
 
         order = [s for s in sched.scheduled if is_decode(s)] + [s for s in sched.scheduled if not is_decode(s)]
         num_decodes = sum(1 for s in order if is_decode(s))
+        # Plain Python lists for the per-token arrays: a step is mostly single-token decodes, for
+        # which small numpy arrays cost more than they save. One host-to-device copy at the end.
         ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
         sample_rows, sample_reqs, spans = [], [], {}
+        page_size = self.page_size
         offset = 0
         for s in order:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             table = self.kv.page_ids(req.request_id)
-            positions = np.arange(start, start + n, dtype=np.int64)
-            ids.append(np.asarray(req.all_token_ids[start:start + n], dtype=np.int64))
-            pos.append(positions)
-            slots.append(np.asarray(table, dtype=np.int64)[positions // self.page_size] * self.page_size
-                         + positions % self.page_size)
+            ids += _new_token_ids(req, start, n)
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // page_size] * page_size + start % page_size)
+            else:
+                positions = np.arange(start, start + n, dtype=np.int64)
+                pos += positions.tolist()
+                slots += (np.asarray(table, dtype=np.int64)[positions // page_size] * page_size
+                          + positions % page_size).tolist()
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(table)
@@ -88,12 +95,15 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        to_dev = lambda parts: torch.from_numpy(np.concatenate(parts)).to(self.device, non_blocking=True)  # noqa: E731
+        host = torch.tensor(ids + pos + slots + sample_rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        t = offset
         attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
-                                    slot_mapping=to_dev(slots), num_decodes=num_decodes)
-        return StepInputs(order=order, input_ids=to_dev(ids), positions=to_dev(pos), attn_batch=attn_batch,
-                          sample_rows=torch.tensor(sample_rows, dtype=torch.long, device=self.device),
-                          sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+                                    slot_mapping=dev[2 * t:3 * t], num_decodes=num_decodes)
+        return StepInputs(order=order, input_ids=dev[:t], positions=dev[t:2 * t], attn_batch=attn_batch,
+                          sample_rows=dev[3 * t:], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         batch = inputs.attn_batch
@@ -121,6 +131,16 @@ class ModelRunner:
                 if lp is not None:
                     out.logprobs[req.request_id] = lp
         return out
+
+
+def _new_token_ids(req: Request, start: int, n: int) -> list[int]:
+    """The request's tokens [start, start + n) without building prompt + output in full."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt:start - num_prompt + n]
+    if start + n <= num_prompt:
+        return req.prompt_token_ids[start:start + n]
+    return req.all_token_ids[start:start + n]
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -247,6 +247,45 @@ class Sampler:
         return uniform.log_().neg_()
 
 
+class FlashInferSampler(Sampler):
+    """The sampler on CUDA: unseeded random rows draw from FlashInfer's fused sampling kernels
+    (one pass over the vocabulary instead of softmax, noise and argmax). Everything before the
+    draw (penalties, masks, greedy, logprobs) is the shared code above.
+
+    Seeded rows, and min_p combined with top-k/top-p, keep the torch path: FlashInfer draws
+    row i's randomness from Philox subsequence i, so a seeded row's token would depend on its
+    position in the batch, which Pagoda's seeds promise it does not.
+    """
+
+    def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        has_top = batch.top_k is not None or batch.top_p is not None
+        if batch.seeded or not logits.is_cuda or (batch.min_p is not None and has_top):
+            return super()._sample_random(logits, batch)
+        from flashinfer import sampling as fs
+
+        gen = self._engine_generator(logits.device)
+        logits = (logits / batch.temperature[:, None]).contiguous()
+        if batch.min_p is not None:
+            probs = torch.softmax(logits, dim=-1)
+            tokens = fs.min_p_sampling_from_probs(probs, batch.min_p, generator=gen)
+        elif has_top:
+            top_k = batch.top_k.int() if batch.top_k is not None else batch.vocab_size
+            top_p = batch.top_p if batch.top_p is not None else 1.0
+            tokens = fs.top_k_top_p_sampling_from_logits(logits, top_k, top_p, generator=gen)
+        else:
+            tokens = fs.sampling_from_logits(logits, generator=gen)
+        return tokens.long()
+
+
+def make_sampler(seed: int, device: torch.device) -> Sampler:
+    """FlashInferSampler on CUDA when FlashInfer imports, else the torch Sampler."""
+    if torch.device(device).type == "cuda":
+        import importlib.util
+
+        if importlib.util.find_spec("flashinfer") is not None:
+            return FlashInferSampler(seed)
+    return Sampler(seed)
+
 def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Returns new logits (the input, which raw logprobs were taken from, is left alone)."""
     if batch.repetition_penalty is not None:

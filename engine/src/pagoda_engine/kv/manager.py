@@ -22,8 +22,10 @@ class KVCacheManager:
     def _page_hashes(self, req: Request) -> list[bytes]:
         """Hashes of every full page of the request's known tokens, extended incrementally."""
         hashes = self.req_hashes.setdefault(req.request_id, [])
+        num_full = req.num_tokens // self.page_size
+        if len(hashes) == num_full:
+            return hashes  # the common decode step: no new full page, no token list to build
         tokens = req.all_token_ids
-        num_full = len(tokens) // self.page_size
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
             hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size]))
