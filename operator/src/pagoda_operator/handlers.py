@@ -27,7 +27,6 @@ from pagoda_operator.quantity import format_gib, gib
 from pagoda_operator.spec import GROUP, KIND, PLURAL, VERSION, desired_replicas
 from pagoda_operator.validation import check
 
-log = logging.getLogger(__name__)
 
 # Kinds whose CRDs a cluster may lack: (apiVersion, kind) → (Degraded reason, what it costs).
 OPTIONAL_KINDS = {
@@ -67,18 +66,13 @@ def _images(memo: Any) -> r.Images:
 
 
 async def _engine_and_router(kube: KubeClient, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
-    engine_kind = ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
-    engine = None
-    try:
-        engine = await kube.get(*engine_kind, namespace, r.engine_name(name))
-    except ApiError as e:
-        if e.status != 404:
-            raise
+    engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
+    engine = await kube.get(*engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
     router = await kube.get("apps/v1", "Deployment", namespace, name)
     return engine, router
 
 
-async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any, logger: logging.Logger | Any = log) -> None:
+async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any) -> None:
     """Compute the status from a fresh read and patch it when it differs; post Events for
     transitions. obs_for(current_body) builds the Observation (it may read children)."""
     meta = body["metadata"]
@@ -95,7 +89,7 @@ async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any, log
         if all(old.get(key) == value for key, value in new.items()):
             return  # nothing to write: an unchanged spec makes no write
         try:
-            await kube.patch_status(namespace, name, new, meta_rv(current))
+            await kube.patch_status(namespace, name, new, current["metadata"].get("resourceVersion"))
         except ApiError as e:
             if e.status == 409 and attempt + 1 < STATUS_WRITE_ATTEMPTS:
                 continue  # written by someone else in between: recompute from their version
@@ -103,10 +97,6 @@ async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any, log
         for type_, reason, message in transitions(old, new):
             kopf.event(current, type=type_, reason=reason, message=message[:1000])
         return
-
-
-def meta_rv(obj: dict[str, Any]) -> str | None:
-    return (obj.get("metadata") or {}).get("resourceVersion")
 
 
 async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
@@ -155,7 +145,7 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
             obs.kv_tiers = [{"type": t.type, "capacity": format_gib(gib(t.size)) if t.size else "unbounded"} for t in spec.kv_cache.tiers]
         return obs
 
-    await write_status(kube, body, observe, logger)
+    await write_status(kube, body, observe)
     if apply_failed:
         # The API server refused a child (quota, admission, RBAC): retried with a delay; the
         # Degraded condition already says why.

@@ -127,7 +127,7 @@ def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
     return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
 
 
-def _meta(body: dict[str, Any], name: str, component: str) -> dict[str, Any]:
+def child_metadata(body: dict[str, Any], name: str, component: str) -> dict[str, Any]:
     meta = body["metadata"]
     out = {
         "name": name,
@@ -405,7 +405,7 @@ def render_engine_configmap(body: dict[str, Any], spec: InferenceServiceSpec, im
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": _meta(body, engine_name(name), "engine"),
+        "metadata": child_metadata(body, engine_name(name), "engine"),
         "data": engine_config(name, spec, images),
     }
 
@@ -423,7 +423,7 @@ def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> d
         # workers must resolve the leader's name before it is ready.
         selector[f"{LWS_LABEL_PREFIX}/worker-index"] = "0"
         service_spec["publishNotReadyAddresses"] = True
-    return {"apiVersion": "v1", "kind": "Service", "metadata": _meta(body, engine_name(name), "engine"), "spec": service_spec}
+    return {"apiVersion": "v1", "kind": "Service", "metadata": child_metadata(body, engine_name(name), "engine"), "spec": service_spec}
 
 
 def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
@@ -436,7 +436,7 @@ def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, i
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(body, engine_name(name), "engine"),
+        "metadata": child_metadata(body, engine_name(name), "engine"),
         "spec": {
             "replicas": desired_replicas(spec),
             "selector": {"matchLabels": selector_labels(name, "engine")},
@@ -453,7 +453,7 @@ def render_engine_leaderworkerset(body: dict[str, Any], spec: InferenceServiceSp
     return {
         "apiVersion": f"{LWS_GROUP}/v1",
         "kind": "LeaderWorkerSet",
-        "metadata": _meta(body, engine_name(name), "engine"),
+        "metadata": child_metadata(body, engine_name(name), "engine"),
         "spec": {
             "replicas": desired_replicas(spec),
             "startupPolicy": "LeaderCreated",
@@ -474,7 +474,7 @@ def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": _meta(body, engine_name(name), "engine"),
+        "metadata": child_metadata(body, engine_name(name), "engine"),
         "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, "engine")}},
     }
 
@@ -504,7 +504,7 @@ def render_router_deployment(body: dict[str, Any], spec: InferenceServiceSpec, i
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": _meta(body, name, "router"),
+        "metadata": child_metadata(body, name, "router"),
         "spec": {
             "replicas": spec.router.replicas,
             "selector": {"matchLabels": selector_labels(name, "router")},
@@ -525,7 +525,7 @@ def render_router_service(body: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _meta(body, name, "router"),
+        "metadata": child_metadata(body, name, "router"),
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(name, "router"),
@@ -537,7 +537,7 @@ def render_router_service(body: dict[str, Any]) -> dict[str, Any]:
 def render_ingress(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     name = body["metadata"]["name"]
     ingress = spec.router.ingress
-    meta = _meta(body, name, "router")
+    meta = child_metadata(body, name, "router")
     if ingress.annotations:
         meta["annotations"] = dict(ingress.annotations)
     rule: dict[str, Any] = {"http": {"paths": [{
@@ -560,7 +560,7 @@ def render_service_monitor(body: dict[str, Any], spec: InferenceServiceSpec) -> 
     return {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "ServiceMonitor",
-        "metadata": _meta(body, name, "monitoring"),
+        "metadata": child_metadata(body, name, "monitoring"),
         "spec": {
             # Both Services (engine and router) carry these labels and a port named http.
             "selector": {"matchLabels": {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": name}},
