@@ -3,11 +3,12 @@ and in order, nothing fails with a 5xx, and every page is freed afterwards."""
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
 
-from conftest import scrape
+from conftest import core_pid, scrape
 
 PROMPTS = ["Once upon a time", "The river runs", "In the beginning there was", "A quick test of"]
 MAX_TOKENS = 32
@@ -97,3 +98,17 @@ def test_non_streaming_client_that_times_out_is_aborted(server):
         before["pagoda:request_success_total{finished_reason=abort}"] == 3
     # The aborted requests never ran to their 400 tokens.
     assert after["pagoda:generation_tokens_total"] - before["pagoda:generation_tokens_total"] < 3 * 400
+
+
+def _cpu_seconds(pid: int) -> float:
+    stat = open(f"/proc/{pid}/stat").read()
+    fields = stat[stat.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_idle_core_does_not_spin(server):
+    core = core_pid(server.proc.pid)
+    _wait_idle(server.url)
+    before = _cpu_seconds(core)
+    time.sleep(3)
+    assert _cpu_seconds(core) - before < 0.3, "the idle engine core is busy-waiting"

@@ -102,4 +102,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate)
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(args, config))
+    try:
+        return asyncio.run(serve(args, config))
+    except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
+        print("pagoda serve: interrupted", file=sys.stderr)
+        return 130

@@ -89,7 +89,12 @@ class EngineCoreClient:
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
 
         first = asyncio.ensure_future(self._out.recv_multipart())
-        await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # cancelled (Ctrl-C while the model loads): leave nothing behind
+            first.cancel()
+            await asyncio.shield(self._cleanup())
+            raise
         if not first.done():
             first.cancel()
             await self._cleanup()
