@@ -154,7 +154,7 @@ class AsyncEngine:
         if not stream.finished:
             still_running = self.processor.abort_request(stream.request_id)
             self.client.abort_requests(still_running)
-            for i, done in enumerate(stream.done):
+            for done in stream.done:
                 if not done:
                     self.metrics.request_finished("abort")
         if not self._streams:
