@@ -145,6 +145,17 @@ def test_close_ends_workers_and_a_four_kv_head_model_matches(tmp_path):
     llm.close()  # idempotent
 
 
+def test_a_dead_worker_fails_the_next_step_with_a_clear_error(gqa_dir):
+    with LLM(str(gqa_dir), num_kv_pages=64, tensor_parallel_size=2) as llm:
+        assert llm.generate([[5, 6, 7]], _greedy())[0].outputs[0].token_ids
+        (worker,) = llm.core.executor.worker_pids
+        os.kill(worker, signal.SIGKILL)
+        started = time.monotonic()
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 (died|is gone)"):
+            llm.generate([[5, 6, 7, 8]], _greedy())
+        assert time.monotonic() - started < 30  # a failure, not a wait for the collective timeout
+
+
 _CHILD = """
 import json, sys
 from pagoda_engine import LLM, SamplingParams
@@ -182,6 +193,15 @@ def test_tp_that_does_not_divide_heads_is_refused_before_any_worker_starts(gqa_d
     with pytest.raises(ModelLoadError, match=r"tensor_parallel_size 3 must divide .*num_attention_heads \(4\)"):
         LLM(str(gqa_dir), num_kv_pages=64, tensor_parallel_size=3)
     assert _child_pids() == children_before
+
+
+def test_a_worker_that_cannot_start_is_a_model_load_error(gqa_dir, monkeypatch):
+    # The worker's interpreter exits at once, as a broken install would.
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    children_before = _child_pids()
+    with pytest.raises(ModelLoadError, match=r"tensor-parallel worker 1 exited \(code 1\) while trying to load"):
+        LLM(str(gqa_dir), num_kv_pages=64, tensor_parallel_size=2)
+    assert _wait_gone(list(_child_pids() - children_before), timeout_s=5)
 
 
 @pytest.mark.parametrize("fields, tp, message", [

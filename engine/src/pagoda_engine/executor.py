@@ -26,6 +26,7 @@ worker's own error.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import logging
@@ -179,7 +180,12 @@ class _WorkerHandle:
         try:
             reply = pickle.loads(self.conn.recv_bytes())
         except (EOFError, OSError) as e:
-            raise ModelLoadError(f"tensor-parallel worker {self.rank} closed its pipe while trying to {doing}") from e
+            try:
+                code = self.process.wait(2.0)
+            except subprocess.TimeoutExpired:
+                raise ModelLoadError(f"tensor-parallel worker {self.rank} closed its pipe while trying to {doing}") from e
+            raise ModelLoadError(f"tensor-parallel worker {self.rank} exited (code {code}) while trying to "
+                                 f"{doing} (its log is above)") from e
         if reply[0] == "error":
             _, error_type, message = reply
             raise ModelLoadError(f"tensor-parallel worker {self.rank} failed to {doing}: {error_type}: {message}")
@@ -279,21 +285,38 @@ class TPExecutor(Executor):
             w.wait_reply(f"allocate {num_pages} KV pages", _START_TIMEOUT_S)
         return attn
 
+    @contextlib.contextmanager
+    def _on_all_ranks(self):
+        """A collective fails (gloo) when a rank has died: name the rank instead of the socket error."""
+        try:
+            yield
+        except RuntimeError as e:
+            for w in self.workers:
+                try:
+                    code = w.process.wait(1.0)  # the sockets close a moment before the exit is reported
+                except subprocess.TimeoutExpired:
+                    continue
+                raise EngineDeadError(f"tensor-parallel worker {w.rank} died (exit code {code})") from e
+            raise
+
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
-        self._send(("profile", backend, spec, num_tokens, num_rows))
-        return super().profile_run(backend, spec, num_tokens, num_rows)
+        with self._on_all_ranks():
+            self._send(("profile", backend, spec, num_tokens, num_rows))
+            return super().profile_run(backend, spec, num_tokens, num_rows)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        self._send(("step", batch.query_lens, batch.seq_lens, batch.page_tables, batch.num_decodes))
-        # One broadcast for the step's three token-indexed arrays.
-        self.group.broadcast(torch.stack([input_ids, positions, batch.slot_mapping.to(torch.int64)]))
-        return super().execute_model(input_ids, positions, batch)
+        with self._on_all_ranks():
+            self._send(("step", batch.query_lens, batch.seq_lens, batch.page_tables, batch.num_decodes))
+            # One broadcast for the step's three token-indexed arrays.
+            self.group.broadcast(torch.stack([input_ids, positions, batch.slot_mapping.to(torch.int64)]))
+            return super().execute_model(input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.contiguous()
-        self._send(("logits", tuple(hidden.shape), hidden.dtype))
-        self.group.broadcast(hidden)
-        return super().compute_logits(hidden)
+        with self._on_all_ranks():
+            self._send(("logits", tuple(hidden.shape), hidden.dtype))
+            self.group.broadcast(hidden)
+            return super().compute_logits(hidden)
 
     def close(self) -> None:
         """Stop the workers; idempotent."""
@@ -340,7 +363,10 @@ def _start_worker(args: _WorkerArgs) -> _WorkerHandle:
     finally:
         theirs.close()
     conn = Connection(ours.detach())
-    conn.send_bytes(pickle.dumps(args))
+    try:
+        conn.send_bytes(pickle.dumps(args))
+    except OSError:
+        pass  # it died at once; waiting for its first reply reports how
     return _WorkerHandle(args.rank, process, conn)
 
 
