@@ -11,9 +11,9 @@ scheduler, on rank 0, decides for all, so a page id means the same page on every
 call rank 0 sends the workers a small pickled command over a pipe (the call, the batch's lengths
 and page tables), then broadcasts the call's tensors (token ids, positions and slots; or the hidden
 rows to turn into logits) over the group, and every rank runs the same forward: the all-reduces
-inside the model keep them in step. The group is the engine's own (`model.layers.TPGroup`), not
-torch.distributed's global one, so a process may hold several engines (tests do). Logits are gathered on every rank; only rank 0
-samples.
+inside the model keep them in step. Logits are gathered on every rank; only rank 0 samples. The
+group is the engine's own (`model.layers.TPGroup`), not torch.distributed's global one, so a
+process may hold several engines (tests do).
 
 Processes: rank 0 is the engine core's own process; ranks 1..N-1 are fresh interpreters started
 here (`python -c`, like multiprocessing's spawn but without re-importing the caller's main module,
