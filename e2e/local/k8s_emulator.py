@@ -62,6 +62,16 @@ class Cluster:
         return [self.apiserver.api.get("", "v1", "events", namespace, n)
                 for n in self.apiserver.api.names("", "v1", "events", namespace)]
 
+    def decided(self, name: str, replicas: int) -> bool:
+        """The autoscaler set `replicas` and recorded it (spec.replicas, through the scale
+        subresource, is written before kopf patches the status)."""
+        obj = self.get(name)
+        return obj["spec"].get("replicas") == replicas and obj["status"]["autoscaling"]["desiredReplicas"] == replicas
+
+    def scaling_ready(self, name: str) -> dict | None:
+        return next((c for c in (self.get(name).get("status") or {}).get("conditions") or []
+                     if c["type"] == "ScalingReady"), None)
+
     def scale_writes(self) -> list:
         return [w for w in self.apiserver.api.writes if w.path.endswith("/scale")]
 

@@ -29,6 +29,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def until(predicate, timeout: float, what: str, step: float = 0.2):
+    """Poll `predicate` until it returns something truthy (returned); a KeyError or TypeError
+    counts as "not yet" (a field not written yet). AssertionError naming `what` on timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            value = predicate()
+        except (KeyError, TypeError):
+            value = None
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
 def http_get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
@@ -61,12 +76,14 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def kill(self) -> None:
-        """SIGKILL: a replica dying, not shutting down."""
+        """SIGKILL to the whole process group: a replica dying, not shutting down."""
         if self.alive():
-            self.popen.send_signal(signal.SIGKILL)
+            os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(10)
 
     def stop(self, timeout: float = 15.0) -> int | None:
+        """SIGTERM (the process drains and takes its children down), SIGKILL after `timeout`;
+        then whatever of its process group is left."""
         if self.alive():
             self.popen.send_signal(signal.SIGTERM)
             try:
@@ -74,6 +91,10 @@ class Proc:
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(10)
+        try:
+            os.killpg(self.popen.pid, signal.SIGKILL)  # orphans of a process that did not clean up
+        except ProcessLookupError:
+            pass
         self._log.close()
         return self.popen.returncode
 

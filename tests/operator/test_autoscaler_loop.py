@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
 
 from k8s_emulator import autoscaler_operator, emulated_cluster, inference_service  # noqa: E402
 from pagoda_e2e import (PROMETHEUS, PYTHON, Proc, free_port, prometheus_config, start_prometheus,  # noqa: E402
-                        start_router)
+                        start_router, until)
 
 from pagoda_operator.autoscaler.prometheus import PrometheusClient, queries  # noqa: E402
 
@@ -28,19 +28,6 @@ def start_fake(tmp: Path, port: int, name: str) -> Proc:
     proc = Proc([PYTHON, FAKE, "--port", str(port), "--model", "tiny"], tmp / f"{name}.log")
     proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=30)
     return proc
-
-
-def until(predicate, timeout: float, what: str, step: float = 0.2):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-        except (KeyError, TypeError):  # the field is not written yet
-            value = None
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def query(prom: str, promql: str):
@@ -74,17 +61,6 @@ def set_waiting(stack, value: int) -> None:
           f"Prometheus to see waiting = {value}")
 
 
-def decided(cluster, name: str, replicas: int) -> bool:
-    # spec.replicas (scale subresource) is written before kopf patches the status
-    obj = cluster.get(name)
-    return obj["spec"].get("replicas") == replicas and obj["status"]["autoscaling"]["desiredReplicas"] == replicas
-
-
-def scaling_ready(cluster, name: str) -> dict | None:
-    return next((c for c in cluster.get(name).get("status", {}).get("conditions") or []
-                 if c["type"] == "ScalingReady"), None)
-
-
 def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(stack):
     httpx.post(stack["engine"] + "/admin", json={"waiting": 5, "running": 3})
     client = PrometheusClient(stack["prom"])
@@ -108,16 +84,16 @@ def test_queue_scales_up_then_down_after_the_delay_with_status_and_events(stack,
             "minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 2, "scaleUpDelay": "0s",
             "scaleDownDelay": "3s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
         cluster.set_status("svc", {"replicas": 1, "readyReplicas": 1})
-        until(lambda: decided(cluster, "svc", 1), 30, "a first decision")
+        until(lambda: cluster.decided("svc", 1), 30, "a first decision")
         set_waiting(stack, 6)
-        until(lambda: decided(cluster, "svc", 3), 20, "scale up to ceil(6/2) = 3")
+        until(lambda: cluster.decided("svc", 3), 20, "scale up to ceil(6/2) = 3")
         up = cluster.get("svc")["status"]["autoscaling"]["lastDecision"]
         assert up["result"] == 3 and up["inputs"]["waiting"] == 6 and "ceil(6/2) = 3" in up["reason"]
-        assert scaling_ready(cluster, "svc")["status"] == "True"
+        assert cluster.scaling_ready("svc")["status"] == "True"
 
         httpx.post(stack["engine"] + "/admin", json={"waiting": 0})
         quiet_since = time.monotonic()
-        until(lambda: decided(cluster, "svc", 2), 20, "one step down")
+        until(lambda: cluster.decided("svc", 2), 20, "one step down")
         assert time.monotonic() - quiet_since >= 3 - 0.5  # not before scaleDownDelay
         assert "scaleDownDelay" in cluster.get("svc")["status"]["autoscaling"]["lastDecision"]["reason"]
 
@@ -134,11 +110,11 @@ def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(s
         cluster.create(inference_service("zero", replicas=0, autoscaling={
             "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "60s",
             "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
-        until(lambda: decided(cluster, "zero", 0), 30, "a first decision")  # idle at zero stays at zero
+        until(lambda: cluster.decided("zero", 0), 30, "a first decision")  # idle at zero stays at zero
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(httpx.post, stack["router"] + "/v1/completions",
                                json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=120)
-            until(lambda: decided(cluster, "zero", 1), 30, "scale from zero")
+            until(lambda: cluster.decided("zero", 1), 30, "scale from zero")
             decision = cluster.get("zero")["status"]["autoscaling"]["lastDecision"]
             assert decision["inputs"]["routerHeld"] >= 1 and "scale from zero" in decision["reason"]
             assert not held.done()
@@ -157,10 +133,10 @@ def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
             "prometheusURL": stack["prom"]}))
         cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
-        until(lambda: scaling_ready(cluster, "svc")["status"] == "True", 30, "ScalingReady=True")
+        until(lambda: cluster.scaling_ready("svc")["status"] == "True", 30, "ScalingReady=True")
         stack["prom_proc"].stop()
-        until(lambda: scaling_ready(cluster, "svc")["status"] == "False", 20, "ScalingReady=False")
-        cond = scaling_ready(cluster, "svc")
+        until(lambda: cluster.scaling_ready("svc")["status"] == "False", 20, "ScalingReady=False")
+        cond = cluster.scaling_ready("svc")
         assert cond["reason"] == "PrometheusUnavailable" and "unreachable" in cond["message"]
         time.sleep(2)
         assert cluster.get("svc")["spec"]["replicas"] == 2 and not cluster.scale_writes()

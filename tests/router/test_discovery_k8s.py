@@ -1,17 +1,13 @@
 """`pagoda route --k8s-service`: replicas come and go with the engine Service's EndpointSlices,
 watched through the kubernetes client, against the operator tests' emulated API server."""
 
-import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
-from pagoda_e2e import PYTHON, Proc, free_port
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from e2e.local.k8s_emulator import emulated_cluster  # noqa: E402
+from k8s_emulator import emulated_cluster
+from pagoda_e2e import PYTHON, Proc, free_port, until
 
 FAKE = str(Path(__file__).resolve().parents[2] / "e2e" / "local" / "fake_engine.py")
 SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
@@ -26,15 +22,6 @@ def endpoint_slice(name: str, service: str, port: int, ready: bool = True) -> di
 
 def backends(router: str) -> list[str]:
     return sorted(b["url"] for b in httpx.get(router + "/router/backends").json()["backends"])
-
-
-def until(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture

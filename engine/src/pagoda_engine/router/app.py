@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -81,6 +82,11 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--prefix-page-chars must be >= 1")
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _prompt_text(req: BaseModel) -> str | None:
     """The text whose leading pages decide prefix affinity (token ids are spelled out, which
     keeps equal id prefixes equal)."""
@@ -140,11 +146,25 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     install_exception_handlers(app)
     page_chars = args.prefix_page_chars
 
-    def parse(model_cls: type[BaseModel], body: bytes):
+    def parse(model_cls: type[BaseModel], body: bytes, content_type: str | None):
+        """The body validated as the engine's FastAPI endpoint validates it (JSON only when the
+        content type says JSON or says nothing, then the same model in python mode), so that
+        every 400 is the engine's, word for word."""
         try:
-            return model_cls.model_validate_json(body or b"null")
+            if not body:
+                obj = None
+            elif content_type is None or _is_json(content_type):
+                obj = json.loads(body)
+            else:
+                obj = body
+            return model_cls.model_validate(obj)
+        except json.JSONDecodeError as e:
+            error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
+                     "ctx": {"error": e.msg}}
+            return JSONResponse(validation_error_body(RequestValidationError([error])), status_code=400)
         except ValidationError as e:
-            return JSONResponse(validation_error_body(RequestValidationError(e.errors())), status_code=400)
+            errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
+            return JSONResponse(validation_error_body(RequestValidationError(errors)), status_code=400)
 
     def check_model(model: str | None) -> None:
         known = state["pool"].merged_models()
@@ -153,7 +173,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     async def forward(request: Request, model_cls: type[BaseModel], routed: bool) -> Response:
         body = await request.body()
-        parsed = parse(model_cls, body)
+        parsed = parse(model_cls, body, request.headers.get("content-type"))
         if isinstance(parsed, Response):
             return parsed
         model = getattr(parsed, "model", None)

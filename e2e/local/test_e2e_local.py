@@ -1,0 +1,205 @@
+"""End to end on one machine with real parts: `pagoda serve` replicas, `pagoda route`, a real
+Prometheus, and the operator's autoscaler (kopf) deciding from that Prometheus, its decisions
+applied to the InferenceService in the emulated Kubernetes API (in a real cluster, Kubernetes
+turns spec.replicas into pods; here the test starts the engine itself when scaling from zero).
+
+Tests run in file order on one shared stack; the replica kill comes last."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from k8s_emulator import autoscaler_operator, emulated_cluster, inference_service
+from pagoda_e2e import until
+
+pytestmark = pytest.mark.e2e
+MODEL = "pagoda-tiny"
+SHARED_PREFIX = ("You are Pagoda's test assistant. Answer in one short sentence, in plain words, without "
+                 "lists or formatting. The following context describes a fictional city of pagodas. ") * 6
+
+
+def engine_counter(url: str, name: str) -> float:
+    total = 0.0
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def complete(base: str, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
+    return httpx.post(base + "/v1/completions", timeout=120,
+                      json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def test_streams_through_the_router_carry_the_same_tokens_as_direct(stack):
+    u = stack["url"]
+    for base in (u["a"], u["b"]):
+        direct = openai.OpenAI(base_url=base + "/v1", api_key="x")
+        routed = openai.OpenAI(base_url=u["router"] + "/v1", api_key="x")
+        for client_kind in ("completions", "chat"):
+            texts = []
+            for client in (direct, routed):
+                if client_kind == "completions":
+                    stream = client.completions.create(model=MODEL, prompt="The pagoda stands", max_tokens=24,
+                                                       temperature=0, stream=True)
+                    chunks = [c.choices[0].text for c in stream if c.choices]
+                else:
+                    stream = client.chat.completions.create(model=MODEL, max_tokens=24, temperature=0, stream=True,
+                                                            messages=[{"role": "user", "content": "Tell me a story"}])
+                    chunks = [c.choices[0].delta.content or "" for c in stream if c.choices]
+                texts.append(chunks)
+            assert texts[0] == texts[1] and len(texts[0]) >= 20, client_kind
+
+
+def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica_with_bounded_load(stack):
+    u = stack["url"]
+    before = {k: engine_counter(u[k], "pagoda:prefix_cache_hits_total") for k in ("a", "b")}
+    homes = [complete(u["router"], SHARED_PREFIX + f"Question {i}: what is tall?").headers["x-pagoda-backend"]
+             for i in range(6)]
+    assert len(set(homes)) == 1
+    home = "a" if homes[0] == u["a"] else "b"
+    other = "b" if home == "a" else "a"
+    after = {k: engine_counter(u[k], "pagoda:prefix_cache_hits_total") for k in ("a", "b")}
+    assert after[home] - before[home] >= 5 * 16  # five later requests, each hitting many full pages
+    assert after[other] == before[other]
+    # a burst of the same prefix: bounded loads spill part of it to the other replica
+    with concurrent.futures.ThreadPoolExecutor(10) as pool:
+        served = list(pool.map(lambda i: complete(u["router"], SHARED_PREFIX + f"Burst {i}", max_tokens=48,
+                                                  ignore_eos=True).headers["x-pagoda-backend"], range(10)))
+    assert set(served) == {u["a"], u["b"]}
+    assert served.count(homes[0]) >= 5  # most stay home
+
+
+@pytest.mark.parametrize("body", [
+    b"{not json",
+    b"[]",
+    json.dumps({"model": MODEL}).encode(),
+    json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(),
+    json.dumps({"model": MODEL, "prompt": "x", "temperature": "warm"}).encode(),
+    json.dumps({"model": MODEL, "prompt": [1, -5]}).encode(),
+    json.dumps({"model": "no-such-model", "prompt": "x"}).encode(),
+    json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 100000}).encode(),  # over max_model_len: the engine says so
+])
+def test_malformed_requests_get_the_engines_answer_from_the_router(stack, body):
+    u = stack["url"]
+    headers = {"content-type": "application/json"}
+    direct = httpx.post(u["a"] + "/v1/completions", content=body, headers=headers)
+    routed = httpx.post(u["router"] + "/v1/completions", content=body, headers=headers)
+    assert 400 <= direct.status_code < 500
+    assert (routed.status_code, routed.json()) == (direct.status_code, direct.json())
+
+
+def test_burst_scales_up_and_quiet_scales_down_after_the_delay(stack, tmp_path, monkeypatch):
+    u = stack["url"]
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("tiny", replicas=2, autoscaling={
+            "minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 1, "scaleUpDelay": "0s",
+            "scaleDownDelay": "4s", "intervalSeconds": 1, "prometheusURL": stack["url"]["prom"]}))
+        cluster.set_status("tiny", {"replicas": 2, "readyReplicas": 2})
+        until(lambda: cluster.decided("tiny", 2), 30, "a steady first decision")
+
+        stop = threading.Event()
+
+        def load(i):
+            while not stop.is_set():
+                complete(u["router"], f"load {i} " * 8, max_tokens=200, ignore_eos=True)
+
+        def scaled_up():
+            status = cluster.get("tiny")["status"]["autoscaling"]
+            return status["desiredReplicas"] > 2 and status["lastDecision"]
+
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            workers = [pool.submit(load, i) for i in range(12)]
+            try:
+                up = until(scaled_up, 90, "a scale-up under load")
+            finally:
+                stop.set()
+            load_stopped = time.monotonic()
+            # the queue Prometheus saw (the engines' waiting requests) is what drove it
+            assert up["inputs"]["waiting"] > 2 and up["result"] > 2, up
+            until(lambda: cluster.decided("tiny", up["result"] - 1), 60, "a scale-down after the load")
+            # the queue empties only after the load stops, and must stay empty for scaleDownDelay
+            assert time.monotonic() - load_stopped >= 4 - 0.5
+            for w in workers:
+                w.result(120)
+        down = cluster.get("tiny")["status"]["autoscaling"]["lastDecision"]
+        assert "scaleDownDelay" in down["reason"]
+        assert {"ScaledUp", "ScaledDown"} <= {e.get("reason") for e in cluster.events()}
+
+
+def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path, monkeypatch):
+    u = stack["url"]
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("zero", replicas=0, autoscaling={
+            "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "3s",
+            "intervalSeconds": 1, "prometheusURL": u["prom"]}))
+        until(lambda: cluster.decided("zero", 0), 30, "a first decision at zero")
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            held = pool.submit(complete, u["zero_router"], "Hello from zero", 8)
+            until(lambda: cluster.decided("zero", 1), 30, "scale from zero")
+            assert "scale from zero" in cluster.get("zero")["status"]["autoscaling"]["lastDecision"]["reason"]
+            assert not held.done()
+            engine = stack["start_late_engine"]()  # Kubernetes would start the pod now
+            try:
+                cluster.set_status("zero", {"replicas": 1, "readyReplicas": 1})
+                response = held.result(120)
+                assert response.status_code == 200 and response.json()["choices"][0]["text"]
+                # nothing more to do: after scaleDownDelay of idleness, back to zero
+                until(lambda: cluster.decided("zero", 0), 60, "scale to zero")
+                assert any(e.get("reason") == "ScaledToZero" for e in cluster.events())
+            finally:
+                engine.stop()
+
+
+def test_prometheus_stopped_sets_scaling_ready_false_and_changes_nothing(stack, tmp_path, monkeypatch):
+    with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("tiny", replicas=2, autoscaling={
+            "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
+            "prometheusURL": stack["url"]["prom"]}))
+        cluster.set_status("tiny", {"replicas": 2, "readyReplicas": 2})
+        until(lambda: cluster.scaling_ready("tiny")["status"] == "True", 30, "ScalingReady=True")
+        stack["prom"].stop()
+        until(lambda: cluster.scaling_ready("tiny")["status"] == "False", 30, "ScalingReady=False")
+        assert cluster.scaling_ready("tiny")["reason"] == "PrometheusUnavailable"
+        time.sleep(2)
+        assert cluster.get("tiny")["spec"]["replicas"] == 2 and not cluster.scale_writes()
+
+
+def test_killed_replica_fails_its_streams_clearly_and_the_survivor_serves_the_rest(stack):
+    u = stack["url"]
+    router = u["router"]
+
+    def stream(i):
+        with httpx.stream("POST", router + "/v1/completions", timeout=120,
+                          json={"model": MODEL, "prompt": f"Stream number {i} " * 3, "max_tokens": 1500,
+                                "ignore_eos": True, "temperature": 0, "stream": True}) as r:
+            return r.headers["x-pagoda-backend"], [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        futures = [pool.submit(stream, i) for i in range(6)]
+        until(lambda: engine_counter(u["a"], "pagoda:num_requests_running") > 0, 30, "streams on replica a")
+        time.sleep(0.5)
+        stack["engines"]["a"].kill()
+        results = [f.result(120) for f in futures]
+    cut = [frames for backend, frames in results if backend == u["a"]]
+    whole = [frames for backend, frames in results if backend == u["b"]]
+    assert cut and whole
+    for frames in cut:
+        err = json.loads(frames[-1][len("data: "):])["error"]
+        assert err["code"] == "backend_stream_error" and u["a"] in err["message"]
+    for frames in whole:
+        assert frames[-1] == "data: [DONE]"
+    # requests that start after the kill: all served by the survivor, none a 5xx
+    responses = [complete(router, f"after the kill {i}") for i in range(6)]
+    assert [r.status_code for r in responses] == [200] * 6
+    assert {r.headers["x-pagoda-backend"] for r in responses} == {u["b"]}
