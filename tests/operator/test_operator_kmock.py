@@ -153,6 +153,21 @@ def tiny(name: str = "tiny") -> dict:
     return body
 
 
+def events_for(apiserver: BackgroundApiServer, name: str) -> list[dict]:
+    events = [get(apiserver, ("", "v1", "events"), e) for e in apiserver.api.names("", "v1", "events", NS)]
+    return [e for e in events if e and e.get("involvedObject", {}).get("name") == name]
+
+
+def ready_service(apiserver: BackgroundApiServer, name: str) -> None:
+    """A tiny service whose children the controllers have brought up (Ready, rolled out)."""
+    create(apiserver, tiny(name))
+    wait_for("children", lambda: len(children_of(apiserver, name)) == 6)
+    mark_rolled_out(apiserver, name, 1)
+    mark_rolled_out(apiserver, f"{name}-engine", 1)
+    wait_for("Ready", lambda: conditions(get(apiserver, IS, name)).get("Progressing", {}).get("reason") == "RolloutComplete"
+             and conditions(get(apiserver, IS, name)).get("Ready", {}).get("status") == "True")
+
+
 def test_applying_an_inference_service_creates_its_children_with_owner_references(cluster):
     apiserver, _ = cluster
     created = create(apiserver, tiny())
@@ -194,61 +209,63 @@ def test_applying_an_inference_service_creates_its_children_with_owner_reference
     assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("False", "RolloutComplete")
     assert status["replicas"] == 1 and status["readyReplicas"] == 1
     assert conds["Validated"]["lastTransitionTime"] <= conds["Ready"]["lastTransitionTime"]
-    events = wait_for("the Ready event", lambda: [e for e in apiserver.api.names("", "v1", "events", NS)] and
-                      [get(apiserver, ("", "v1", "events"), e) for e in apiserver.api.names("", "v1", "events", NS)])
-    assert any(e.get("reason") == "Ready" and e.get("involvedObject", {}).get("name") == "tiny" for e in events)
+    wait_for("the Ready event", lambda: any(e.get("reason") == "Ready" and e.get("type") == "Normal" for e in events_for(apiserver, "tiny")))
 
 
-def _template_hash(apiserver) -> str:
-    deploy = get(apiserver, DEPLOYMENTS, "tiny-engine")
+def _template_hash(apiserver, name) -> str:
+    deploy = get(apiserver, DEPLOYMENTS, f"{name}-engine")
     return deploy["spec"]["template"]["metadata"]["annotations"][r.CONFIG_HASH_ANNOTATION]
 
 
 def test_a_spec_change_updates_the_children_and_rolls_the_pods(cluster):
     apiserver, _ = cluster
-    wait_for("tiny ready", lambda: conditions(get(apiserver, IS, "tiny") or {}).get("Ready", {}).get("status") == "True")
-    before = get(apiserver, DEPLOYMENTS, "tiny-engine")
-    validated_since = conditions(get(apiserver, IS, "tiny"))["Validated"]["lastTransitionTime"]
-    old_hash = _template_hash(apiserver)
+    ready_service(apiserver, "changed")
+    before = get(apiserver, DEPLOYMENTS, "changed-engine")
+    validated_since = conditions(get(apiserver, IS, "changed"))["Validated"]["lastTransitionTime"]
+    old_hash = _template_hash(apiserver, "changed")
 
-    patch_spec(apiserver, "tiny", {"engine": {"maxNumSeqs": 8}})
-    wait_for("new template", lambda: _template_hash(apiserver) != old_hash)
-    after = get(apiserver, DEPLOYMENTS, "tiny-engine")
+    patch_spec(apiserver, "changed", {"engine": {"maxNumSeqs": 8}})
+    wait_for("new template", lambda: _template_hash(apiserver, "changed") != old_hash)
+    after = get(apiserver, DEPLOYMENTS, "changed-engine")
     args = after["spec"]["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--max-num-seqs") + 1] == "8"
     assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
-    configmap = get(apiserver, ("", "v1", "configmaps"), "tiny-engine")
-    assert r.config_hash(configmap["data"]) == _template_hash(apiserver)
+    configmap = get(apiserver, ("", "v1", "configmaps"), "changed-engine")
+    assert r.config_hash(configmap["data"]) == _template_hash(apiserver, "changed")
 
-    status = wait_for("generation 2 observed", lambda: status_of(apiserver, "tiny").get("observedGeneration") == 2 and status_of(apiserver, "tiny"))
+    status = wait_for("generation 2 observed", lambda: status_of(apiserver, "changed").get("observedGeneration") == 2 and status_of(apiserver, "changed"))
     conds = conditions({"status": status})
     assert all(c["observedGeneration"] == 2 for c in conds.values())
     assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("True", "RollingOut")
     assert conds["Ready"]["status"] == "False"  # the Deployment controller has not caught up yet
     assert conds["Validated"]["lastTransitionTime"] == validated_since  # still valid: no transition
 
-    mark_rolled_out(apiserver, "tiny-engine", 1)
-    wait_for("rolled out", lambda: conditions(get(apiserver, IS, "tiny")).get("Progressing", {}).get("reason") == "RolloutComplete")
+    mark_rolled_out(apiserver, "changed-engine", 1)
+    wait_for("rolled out", lambda: conditions(get(apiserver, IS, "changed")).get("Progressing", {}).get("reason") == "RolloutComplete")
 
 
 def test_an_unchanged_spec_makes_no_changing_writes(cluster):
     apiserver, operator = cluster
-    wait_for("tiny rolled out", lambda: conditions(get(apiserver, IS, "tiny") or {}).get("Progressing", {}).get("reason") == "RolloutComplete")
-    time.sleep(0.5)  # let the last status write and events settle
-    before = {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "tiny").items()}
-    is_version = get(apiserver, IS, "tiny")["metadata"]["resourceVersion"]
+    ready_service(apiserver, "steady")
+    wait_for("the Ready event", lambda: any(e.get("reason") == "Ready" for e in events_for(apiserver, "steady")))
+    before = {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "steady").items()}
+    is_version = get(apiserver, IS, "steady")["metadata"]["resourceVersion"]
+    events_before = len(events_for(apiserver, "steady"))
     mark = len(apiserver.api.writes)
 
     operator.stop()
     operator.start()  # resume: kopf reconciles every existing InferenceService again
-    applies = wait_for("the resumed reconcile", lambda: len([
-        w for w in apiserver.api.writes[mark:] if w.content_type == "application/apply-patch+yaml" and "/tiny" in w.path]) >= 6)
-    time.sleep(1.0)  # a status write, had there been one, follows the applies
-    writes = apiserver.api.writes[mark:]
-    assert applies and [w for w in writes if w.changed] == []
-    assert not [w for w in writes if w.path.endswith("/status")]
-    assert {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "tiny").items()} == before
-    assert get(apiserver, IS, "tiny")["metadata"]["resourceVersion"] == is_version
+
+    def steady_writes():
+        return [w for w in apiserver.api.writes[mark:] if "/steady" in w.path]
+
+    wait_for("the resumed reconcile", lambda: len([w for w in steady_writes() if w.content_type == "application/apply-patch+yaml"]) >= 6)
+    time.sleep(1.0)  # a status write or an Event, had there been one, follows the applies
+    assert [w for w in steady_writes() if w.changed] == []
+    assert not [w for w in steady_writes() if w.path.endswith("/status")]
+    assert {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "steady").items()} == before
+    assert get(apiserver, IS, "steady")["metadata"]["resourceVersion"] == is_version
+    assert len(events_for(apiserver, "steady")) == events_before
 
 
 def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
@@ -263,8 +280,8 @@ def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
     assert conds["Validated"]["observedGeneration"] == 1
     assert (conds["Ready"]["status"], conds["Ready"]["reason"]) == ("False", "InvalidSpec")
     assert children_of(apiserver, "broken") == {}
-    events = [get(apiserver, ("", "v1", "events"), e) for e in apiserver.api.names("", "v1", "events", NS)]
-    assert any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning" and e["involvedObject"]["name"] == "broken" for e in events)
+    wait_for("the InvalidSpec event", lambda: any(e.get("reason") == "InvalidSpec" and e.get("type") == "Warning"
+                                                  for e in events_for(apiserver, "broken")))
 
     # Fixing the spec creates the children; the operator kept running throughout.
     patch_spec(apiserver, "broken", {"topology": {"tensor": 1}})
@@ -276,15 +293,15 @@ def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
 
 def test_a_valid_service_turned_invalid_keeps_its_children(cluster):
     apiserver, _ = cluster
-    wait_for("tiny", lambda: children_of(apiserver, "tiny"))
-    before = copy.deepcopy(children_of(apiserver, "tiny"))
-    patch_spec(apiserver, "tiny", {"kvCache": {"pageSize": 24}})
-    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "tiny")).get("Validated", {}).get("status") == "False"
-                     and conditions(get(apiserver, IS, "tiny")))
+    ready_service(apiserver, "typo")
+    before = copy.deepcopy(children_of(apiserver, "typo"))
+    patch_spec(apiserver, "typo", {"kvCache": {"pageSize": 24}})
+    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "typo")).get("Validated", {}).get("status") == "False"
+                     and conditions(get(apiserver, IS, "typo")))
     assert "kvCache.pageSize: 24 is not a power of two" in conds["Validated"]["message"]
-    assert children_of(apiserver, "tiny") == before
-    patch_spec(apiserver, "tiny", {"kvCache": {"pageSize": 16}})
-    wait_for("valid again", lambda: conditions(get(apiserver, IS, "tiny")).get("Validated", {}).get("status") == "True")
+    assert children_of(apiserver, "typo") == before
+    patch_spec(apiserver, "typo", {"kvCache": {"pageSize": 16}})
+    wait_for("valid again", lambda: conditions(get(apiserver, IS, "typo")).get("Validated", {}).get("status") == "True")
 
 
 def test_missing_optional_crds_degrade_instead_of_failing(cluster):
