@@ -14,7 +14,9 @@ import logging
 import multiprocessing
 import os
 import shutil
+import sys
 import tempfile
+import uuid
 from typing import Callable
 
 import msgspec
@@ -67,9 +69,7 @@ class EngineCoreClient:
         """Spawn the core and wait until it has loaded the model. Raises ModelLoadError (or the
         typed error the core reported) when it cannot start."""
         loop = asyncio.get_running_loop()
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
-        input_addr = f"ipc://{os.path.join(self._ipc_dir, 'input')}"
-        output_addr = f"ipc://{os.path.join(self._ipc_dir, 'output')}"
+        input_addr, output_addr = self._ipc_addresses()
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request; the core bounds the work
@@ -111,6 +111,14 @@ class EngineCoreClient:
         self.ready = self._ready_decoder.decode(body)
         self._reader = asyncio.create_task(self._read_loop(), name="pagoda-core-reader")
         return self.ready
+
+    def _ipc_addresses(self) -> tuple[str, str]:
+        if sys.platform.startswith("linux"):
+            # Abstract-namespace sockets: nothing on disk to leak when a process is SIGKILLed.
+            name = f"pagoda-core-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+            return f"ipc://@{name}-input", f"ipc://@{name}-output"
+        self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
+        return (f"ipc://{os.path.join(self._ipc_dir, 'input')}", f"ipc://{os.path.join(self._ipc_dir, 'output')}")
 
     def _on_process_exit(self) -> None:
         loop = asyncio.get_running_loop()
