@@ -78,7 +78,10 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
         else:
             conditions = set_condition(conditions, "Validated", False, "InvalidSpec",
                                        "Nothing was created or changed: " + "; ".join(obs.problems), gen, now)
-        if obs.degraded:
+        if not obs.validated:
+            conditions = set_condition(conditions, "Degraded", False, "InvalidSpec",
+                                       "Nothing is applied while the spec is invalid (see Validated).", gen, now)
+        elif obs.degraded:
             reasons = [reason for reason, _ in obs.degraded]
             conditions = set_condition(conditions, "Degraded", True, reasons[0] if len(set(reasons)) == 1 else "Multiple",
                                        "; ".join(message for _, message in obs.degraded), gen, now)

@@ -1,0 +1,83 @@
+"""Status computation: conditions from children, transition times, Events, others' conditions."""
+
+from __future__ import annotations
+
+from pagoda_operator.conditions import Observation, compute_status, transitions
+
+T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
+
+
+def deployment(generation: int, observed: int, replicas: int, ready: int, updated: int) -> dict:
+    return {"kind": "Deployment", "metadata": {"generation": generation},
+            "status": {"observedGeneration": observed, "replicas": replicas, "readyReplicas": ready, "updatedReplicas": updated}}
+
+
+def by_type(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+def test_ready_when_router_and_every_replica_are_ready():
+    obs = Observation(generation=3, validated=True, engine=deployment(2, 2, 2, 2, 2), router=deployment(1, 1, 1, 1, 1), desired_replicas=2)
+    status = compute_status(None, obs, T0)
+    assert by_type(status) == {"Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
+                               "Degraded": ("False", "AsExpected"), "Validated": ("True", "Valid")}
+    assert status["observedGeneration"] == 3 and status["replicas"] == 2 and status["readyReplicas"] == 2
+    assert all(c["observedGeneration"] == 3 for c in status["conditions"])
+
+
+def test_a_workload_whose_controller_lags_is_progressing_not_ready():
+    obs = Observation(generation=2, validated=True, engine=deployment(5, 4, 2, 2, 2), router=deployment(1, 1, 1, 1, 1), desired_replicas=2)
+    assert by_type(compute_status(None, obs, T0))["Ready"] == ("False", "ReplicasNotReady")
+    assert by_type(compute_status(None, obs, T0))["Progressing"] == ("True", "RollingOut")
+
+
+def test_transition_time_moves_only_when_the_status_flips():
+    base = dict(generation=1, validated=True, router=deployment(1, 1, 1, 1, 1), desired_replicas=1)
+    first = compute_status(None, Observation(**base, engine=deployment(1, 1, 1, 0, 1)), T0)
+    again = compute_status(first, Observation(**base, engine=deployment(1, 1, 1, 0, 1)), T1)
+    assert again == first  # nothing changed: identical status, so no write
+    ready = compute_status(first, Observation(**base, engine=deployment(1, 1, 1, 1, 1)), T1)
+    times = {c["type"]: c["lastTransitionTime"] for c in ready["conditions"]}
+    assert times == {"Ready": T1, "Progressing": T1, "Degraded": T0, "Validated": T0}
+
+
+def test_other_conditions_and_autoscaling_fields_are_left_alone():
+    scaling = {"type": "ScalingReady", "status": "False", "reason": "PrometheusUnreachable", "message": "x",
+               "lastTransitionTime": T0, "observedGeneration": 1}
+    current = {"conditions": [scaling], "autoscaling": {"desiredReplicas": 4}}
+    status = compute_status(current, Observation(generation=1, validated=True, desired_replicas=1), T1)
+    assert status["conditions"][-1] == scaling
+    assert "autoscaling" not in status  # merge-patching this status leaves the autoscaler's field as is
+
+
+def test_invalid_spec_and_missing_crds():
+    invalid = compute_status(None, Observation(generation=1, validated=False, problems=["a: b", "c: d"]), T0)
+    conds = {c["type"]: c for c in invalid["conditions"]}
+    assert conds["Validated"]["message"] == "Nothing was created or changed: a: b; c: d"
+    assert (conds["Ready"]["reason"], conds["Degraded"]["reason"]) == ("InvalidSpec", "InvalidSpec")
+    degraded = compute_status(None, Observation(generation=1, validated=True, degraded=[("LeaderWorkerSetMissing", "no LWS")]), T0)
+    assert by_type(degraded)["Degraded"] == ("True", "LeaderWorkerSetMissing")
+    both = compute_status(None, Observation(generation=1, validated=True, degraded=[("A", "a"), ("B", "b")]), T0)
+    assert by_type(both)["Degraded"] == ("True", "Multiple")
+
+
+def test_child_refresh_keeps_validation_conditions():
+    first = compute_status(None, Observation(generation=1, validated=False, problems=["x: y"]), T0)
+    refreshed = compute_status(first, Observation(generation=1, engine=deployment(1, 1, 1, 1, 1), router=deployment(1, 1, 1, 1, 1)), T1)
+    assert by_type(refreshed)["Validated"] == ("False", "InvalidSpec")
+
+
+def test_scaled_to_zero_is_ready_while_the_router_runs():
+    obs = Observation(generation=1, validated=True, engine=deployment(1, 1, 0, 0, 0), router=deployment(1, 1, 1, 1, 1), desired_replicas=0)
+    assert by_type(compute_status(None, obs, T0))["Ready"] == ("True", "ScaledToZero")
+
+
+def test_events_on_transitions_only():
+    router = deployment(1, 1, 1, 1, 1)
+    pending = compute_status(None, Observation(generation=1, validated=True, engine=deployment(1, 1, 1, 0, 1), router=router), T0)
+    assert transitions(None, pending) == []  # a new, valid, not yet ready service: nothing to tell
+    ready = compute_status(pending, Observation(generation=1, validated=True, engine=deployment(1, 1, 1, 1, 1), router=router), T1)
+    assert transitions(pending, ready) == [("Normal", "Ready", "1/1 engine replicas ready.")]
+    assert transitions(ready, ready) == []
+    broken = compute_status(ready, Observation(generation=2, validated=False, problems=["p: q"], engine=deployment(1, 1, 1, 1, 1), router=router), T1)
+    assert transitions(ready, broken) == [("Warning", "InvalidSpec", "Nothing was created or changed: p: q")]
