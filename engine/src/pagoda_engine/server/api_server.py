@@ -76,9 +76,9 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
                 "The server is shutting down and could not finish this request in time.", code="shutting_down"))
 
     drain_tasks: list[asyncio.Task] = []
-    app = create_app(engine, api_key=args.api_key)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, lifespan="off",
-                               timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False)
+    app = create_app(engine, api_key=config.server.api_key)
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=args.log_level,
+                               lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False)
     server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())))
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
     # place that is a no-op, and the process stops the core and exits 0. (Before this point the
