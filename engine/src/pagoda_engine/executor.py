@@ -376,7 +376,9 @@ def _start_worker(args: _WorkerArgs) -> _WorkerHandle:
 def die_with_parent(parent_pid: int) -> None:
     """Exit when the parent process goes, even if it was SIGKILLed: the kernel's parent-death signal
     on Linux, and a thread watching the parent pid everywhere (which also covers the race before
-    the prctl call)."""
+    the prctl call). The kernel signal follows the parent *thread* that started us, so an engine
+    made on a short-lived thread loses its workers with that thread: make engines on a thread
+    that lives as long as they do (the main thread, as the server and scripts do)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
