@@ -202,17 +202,12 @@ class CompletionResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=_now)
     model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionStreamResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[CompletionChoice] = Field(default_factory=list)
     usage: UsageInfo | None = None
+
+
+# A streamed chunk has the response's shape: the choices that changed, usage only at the end.
+CompletionStreamResponse = CompletionResponse
 
 
 class ChatTopLogprob(_Response):
@@ -234,12 +229,24 @@ class ChatResponseMessage(_Response):
     content: str | None = None
 
 
-class ChatCompletionChoice(_Response):
+class _ChatChoiceBase(_Response):
     index: int
-    message: ChatResponseMessage
     logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+
+class ChatCompletionChoice(_ChatChoiceBase):
+    message: ChatResponseMessage
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_ChatChoiceBase):
+    delta: DeltaMessage
 
 
 class ChatCompletionResponse(_Response):
@@ -251,24 +258,8 @@ class ChatCompletionResponse(_Response):
     usage: UsageInfo
 
 
-class DeltaMessage(_Response):
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(_Response):
-    id: str
+class ChatCompletionStreamResponse(ChatCompletionResponse):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=_now)
-    model: str
     choices: list[ChatStreamChoice] = Field(default_factory=list)
     usage: UsageInfo | None = None
 
