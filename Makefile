@@ -29,8 +29,10 @@ serve: setup
 	$(BIN)/pagoda serve $(ARGS)
 
 # pytest's exit code 5 (no tests collected) is not a failure.
+# Then e2e/local, in one process: its tests share one stack (engines, router, Prometheus) in file order.
 test: setup
-	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests; rc=$$?; [ $$rc = 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests; rc=$$?; [ $$rc = 5 ] && rc=0; [ $$rc = 0 ] || exit $$rc; \
+	$(MAKE) --no-print-directory e2e-local
 
 test-gpu:
 	python3 -m pytest -q -m gpu tests
