@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 CUDA = torch.device("cuda")
 VOCAB = 64
-ROWS = 4000
+ROWS = 40_000  # enough draws that two samplers' histograms differ by < 0.02 in total variation
 
 
 def requests(n: int, **params) -> list[Request]:
@@ -24,7 +24,7 @@ def requests(n: int, **params) -> list[Request]:
 
 def draw(sampler, logits_row: torch.Tensor, n: int = ROWS, **params) -> torch.Tensor:
     reqs = requests(n, **params)
-    batch = SamplingBatch.from_requests(reqs, VOCAB, CUDA)
+    batch = SamplingBatch.from_requests(reqs, VOCAB, logits_row.device)
     return torch.tensor(sampler.sample(logits_row.expand(n, VOCAB).contiguous(), batch).token_ids)
 
 
@@ -53,9 +53,9 @@ def test_flashinfer_draws_follow_the_torch_sampler_distribution(logits, params):
     allowed = set(ref.tolist())
     # Filtered-out tokens never appear (the torch sampler's support, up to a rare boundary token).
     outside = sum(1 for t in fi.tolist() if t not in allowed)
-    assert outside <= ROWS * 0.002
+    assert outside <= ROWS * 0.002, outside
     total_variation = 0.5 * (empirical(fi) - empirical(ref)).abs().sum().item()
-    assert total_variation < 0.06
+    assert total_variation < 0.05, total_variation
 
 
 def test_seeded_rows_do_not_depend_on_their_position(logits):

@@ -132,10 +132,16 @@ class FlashInferBackend(AttentionBackend):
         )
         b = self._graph_bufs
         for bs in batch_sizes:
-            self._graph_wrappers[bs] = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=b["indptr"][:bs + 1], paged_kv_indices_buffer=b["indices"],
                 paged_kv_last_page_len_buffer=b["last_page_len"][:bs])
+            # Each wrapper makes its own 8 MiB scheduling workspace (and a pinned host twin): dozens
+            # of graph sizes would hold hundreds of MiB outside the KV budget. A step plans exactly
+            # one decode wrapper right before running it, so they can all share the eager one's.
+            wrapper._int_workspace_buffer = self.decode_wrapper._int_workspace_buffer
+            wrapper._pin_memory_int_workspace_buffer = self.decode_wrapper._pin_memory_int_workspace_buffer
+            self._graph_wrappers[bs] = wrapper
 
     def plan_graph_decode(self, batch: AttentionBatch, padded_size: int) -> None:
         """Plan an all-decode batch padded to `padded_size` rows into the fixed graph buffers."""

@@ -122,6 +122,7 @@ class _StepProfiler:
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
             self.prof = profile(activities=acts)
             self.prof.__enter__()
+            self.t0 = time.perf_counter()
 
     def after(self, step: int) -> None:
         if self.prof is not None and step == self.last - 1:
@@ -132,12 +133,17 @@ class _StepProfiler:
             return
         if torch.cuda.is_available():
             torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - self.t0) * 1e3
         self.prof.__exit__(None, None, None)
+        events = self.prof.key_averages()
+        gpu_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
+        print(f"--- profiled steps {self.first}..{self.last - 1}: wall {wall_ms:.1f} ms, GPU kernels {gpu_ms:.1f} ms "
+              f"({100 * gpu_ms / wall_ms:.0f}% busy; the rest is host-side work the GPU waits for) ---")
         os.makedirs(self.out_dir, exist_ok=True)
         self.prof.export_chrome_trace(os.path.join(self.out_dir, "trace.json"))
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by {sort}) ---")
-        print(self.prof.key_averages().table(sort_by=sort, row_limit=30))
+        print(events.table(sort_by=sort, row_limit=30))
         self.prof = None
 
 
@@ -214,7 +220,7 @@ def run_throughput(args) -> dict:
     _print_header("throughput", wl, info, env)
     roof = _roofline(core)
     _warm_up(core)
-    profiler = _StepProfiler(args.profile, first=200, count=10) if args.profile else None
+    profiler = _StepProfiler(args.profile, first=300, count=10) if args.profile else None
     r = _drive(core, wl, "bench", profiler)
     out_tps = wl.num_output_tokens / r["elapsed_s"]
     total_tps = (wl.num_output_tokens + wl.num_input_tokens) / r["elapsed_s"]

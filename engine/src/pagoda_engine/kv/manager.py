@@ -12,6 +12,7 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_pages, enable_caching)
         self.req_pages: dict[str, list[Page]] = {}
+        self.req_page_ids: dict[str, list[int]] = {}  # the same pages as ids, for the runner, every step
         self.req_hashes: dict[str, list[bytes]] = {}  # chained hashes of the request's full pages so far
         self.num_registered: dict[str, int] = {}  # how many of its pages are registered in the cache
         # Prometheus-style counters, in tokens.
@@ -55,6 +56,13 @@ class KVCacheManager:
 
         `computed_pages` are prefix-cache hits found for a request being scheduled from the
         waiting queue. Returns False (and changes nothing) when the pool is too small."""
+        if not computed_pages:
+            # The common decode step: the token fits in the last page and fills no page to cache.
+            pages = self.req_pages.get(req.request_id)
+            total = req.num_computed_tokens + num_new_tokens
+            if (pages is not None and total <= len(pages) * self.page_size
+                    and (not self.enable_caching or total // self.page_size <= self.num_registered.get(req.request_id, 0))):
+                return True
         computed_pages = computed_pages or []
         pages = self.req_pages.get(req.request_id, [])
         num_computed = req.num_computed_tokens + len(computed_pages) * self.page_size
@@ -66,11 +74,13 @@ class KVCacheManager:
             return False
         self.pool.touch(computed_pages)
         pages = self.req_pages.setdefault(req.request_id, [])
+        page_ids = self.req_page_ids.setdefault(req.request_id, [])
         pages.extend(computed_pages)
         if computed_pages:
             self.num_registered[req.request_id] = len(pages)
         if num_to_allocate > 0:
             pages.extend(self.pool.get_new_pages(num_to_allocate))
+        page_ids.extend(p.page_id for p in pages[len(page_ids):])
         self._register_full_pages(req, num_computed + num_new_tokens)
         return True
 
@@ -87,6 +97,7 @@ class KVCacheManager:
 
     def free(self, req: Request) -> None:
         pages = self.req_pages.pop(req.request_id, [])
+        self.req_page_ids.pop(req.request_id, None)
         self.pool.free_pages(reversed(pages))
         self.num_registered.pop(req.request_id, None)
 
@@ -96,7 +107,8 @@ class KVCacheManager:
 
     # --- views --------------------------------------------------------------------------------
     def page_ids(self, request_id: str) -> list[int]:
-        return [p.page_id for p in self.req_pages.get(request_id, [])]
+        """The request's page ids in order (the manager's own list: read it, do not change it)."""
+        return self.req_page_ids.get(request_id, [])
 
     def usage(self) -> float:
         return self.pool.usage()

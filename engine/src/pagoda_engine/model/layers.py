@@ -47,6 +47,8 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 
 _FLASHINFER = None  # the flashinfer module once imported; False when it is not installed
+# FlashInfer's rotary kernel takes these head sizes (others fault with a misaligned address).
+_FUSED_ROPE_HEAD_DIMS = (64, 128, 256)
 
 
 def _fused_kernels(x: torch.Tensor):
@@ -85,7 +87,8 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() else None
+        # 16-byte vectors: the hidden size must be a multiple of 8 half-precision values.
+        fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() and x.shape[-1] % 8 == 0 else None
         if fi is not None:
             if residual is None:
                 return fi.rmsnorm(x, self.weight, self.eps)
@@ -103,7 +106,7 @@ class SiluAndMul(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fi = _fused_kernels(x)
-        if fi is not None and x.is_contiguous():
+        if fi is not None and x.is_contiguous() and x.shape[-1] % 16 == 0:
             return fi.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -213,7 +216,7 @@ class RotaryEmbedding(nn.Module):
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        fi = _fused_kernels(q)
+        fi = _fused_kernels(q) if self.head_dim in _FUSED_ROPE_HEAD_DIMS else None
         if fi is not None:
             # FlashInfer rotates q and k in place from one float32 [max_position, D] cache (cos | sin),
             # made on first use from the same cos/sin as below (so every rope variant applies).
