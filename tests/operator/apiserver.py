@@ -18,6 +18,10 @@ every write into the stored dict and keeps no server-side metadata):
   6. JSON merge patch (RFC 7386) for application/merge-patch+json: null removes a key, lists
      are replaced.
   7. metadata.generateName: the server picks a unique name on create (kopf's Events use it).
+  8. The scale subresource: a Scale written to .../scale sets spec.replicas and nothing else.
+  9. metadata.managedFields: each write that changes the object records its manager, operation
+     and subresource as owner of the fields it wrote, taking them from earlier owners (no
+     timestamps; lists are owned whole).
 Not emulated: garbage collection through owner references, admission, defaulting, strategic
 merge patch (the operator does not use it).
 """
@@ -74,6 +78,12 @@ def _merge_patch(target: Any, patch: Any) -> Any:
     return out
 
 
+def _leaf_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
+    if isinstance(obj, dict) and obj:
+        return [path for key, value in obj.items() for path in _leaf_paths(value, prefix + (key,))]
+    return [prefix] if prefix else []
+
+
 def _drop_unapplied(target: dict, previous: dict, applied: dict) -> None:
     """Remove from target the fields the manager applied before but applies no longer."""
     for key, old_value in previous.items():
@@ -93,6 +103,7 @@ class ApiServer(kmock.KubernetesEmulator):
         self.writes: list[Write] = []
         self._versions = itertools.count(1)
         self._applied: dict[tuple, dict[str, dict]] = {}  # object key → manager → last applied
+        self._owners: dict[tuple, dict[tuple, set]] = {}  # object key → (manager, operation, subresource) → paths
         for (group, version, plural), (kind, subresources) in RESOURCES.items():
             self.resources[f"{group}/{version}/{plural}" if group else f"{version}/{plural}"] = kmock.ResourceInfo(
                 kind=kind, namespaced=kind not in CLUSTER_SCOPED, verbs={"get", "list", "watch", "create", "patch", "delete"},
@@ -153,9 +164,15 @@ class ApiServer(kmock.KubernetesEmulator):
                 old = self._current(key)
             if old is not None:
                 raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{key[2]} already exists")
-            return await self._store(key, self._server_fields(copy.deepcopy(data), None), None), key
+            self._record_owner(key, request, content_type, data)
+            new = copy.deepcopy(data)
+            new["metadata"]["managedFields"] = self._managed_fields(key)
+            return await self._store(key, self._server_fields(new, None), None), key
 
         status_only = request.subresource == "status"
+        if request.subresource == "scale":
+            # A Scale object: only its spec.replicas reaches the object (the scale subresource).
+            data = {"spec": {"replicas": (data.get("spec") or {}).get("replicas")}}
         if content_type == "application/apply-patch+yaml":
             manager = request.params.get("fieldManager")
             if not manager:
@@ -184,7 +201,42 @@ class ApiServer(kmock.KubernetesEmulator):
                 new.pop("status", None)
                 if "status" in old:
                     new["status"] = old["status"]
+        if old is not None and {**new, "metadata": {**new.get("metadata", {}), "managedFields": None}} != \
+                {**old, "metadata": {**old["metadata"], "managedFields": None}}:
+            self._record_owner(key, request, content_type, data)
+        elif old is None:
+            self._record_owner(key, request, content_type, data)
+        new.setdefault("metadata", {})["managedFields"] = self._managed_fields(key)
         return await self._store(key, self._server_fields(new, old), old), key
+
+    def _record_owner(self, key: tuple, request: Any, content_type: str, data: dict) -> None:
+        """Field ownership (managedFields): the writer takes the fields its write names."""
+        manager = request.params.get("fieldManager") or "unknown"
+        operation = "Apply" if content_type == "application/apply-patch+yaml" else "Update"
+        subresource = request.subresource if request.subresource in ("status", "scale") else None
+        body = {k: v for k, v in data.items() if k not in ("apiVersion", "kind")}
+        body["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items() if k not in SERVER_METADATA + ("managedFields",)}
+        paths = set(_leaf_paths(body))
+        owners = self._owners.setdefault(key, {})
+        for owned in owners.values():
+            owned -= paths
+        owners.setdefault((manager, operation, subresource), set()).update(paths)
+
+    def _managed_fields(self, key: tuple) -> list[dict]:
+        entries = []
+        for (manager, operation, subresource), owned in sorted(self._owners.get(key, {}).items(), key=str):
+            if not owned:
+                continue
+            fields: dict = {}
+            for path in sorted(owned):
+                node = fields
+                for part in path:
+                    node = node.setdefault(f"f:{part}", {})
+            entry = {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": fields}
+            if subresource:
+                entry["subresource"] = subresource
+            entries.append(entry)
+        return entries
 
     async def _handle(self, request: Any) -> Any:
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
@@ -193,6 +245,11 @@ class ApiServer(kmock.KubernetesEmulator):
                 self.writes.append(Write(str(request.method.value), request.url.path, request.headers.get("Content-Type", ""),
                                          dict(request.params), changed))
                 stored = self._current(key)
+            if request.subresource == "scale":
+                stored = {"apiVersion": "autoscaling/v1", "kind": "Scale", "metadata": stored["metadata"],
+                          "spec": {"replicas": stored.get("spec", {}).get("replicas")},
+                          "status": {"replicas": stored.get("status", {}).get("replicas", 0),
+                                     "selector": stored.get("status", {}).get("selector", "")}}
             # Answer with the stored object (the base class would merge the write a second time).
             return aiohttp.web.json_response(stored, status=201 if request.action == kmock.action.CREATE else 200)
         if request.resource is not None and request.action == kmock.action.DELETE:

@@ -347,3 +347,28 @@ def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
     conds = wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "pruned")).get("Degraded", {}).get("status") == "False"
                      and conditions(get(apiserver, IS, "pruned")))
     assert conds["Validated"]["status"] == "True"
+
+
+def test_replicas_set_through_the_scale_subresource_reach_the_engine(cluster):
+    apiserver, _ = cluster
+    body = tiny("scaled")
+    del body["spec"]["replicas"]
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 4}
+    create(apiserver, body)
+    wait_for("engine at minReplicas", lambda: (get(apiserver, DEPLOYMENTS, "scaled-engine") or {}).get("spec", {}).get("replicas") == 1)
+
+    # What HPA, KEDA or Pagoda's autoscaler do: write a Scale.
+    path = resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "/scale"
+    scale = request(apiserver, "PATCH", path + "?fieldManager=pagoda-autoscaler", {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
+    wait_for("engine at 3", lambda: get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3)
+    conds = wait_for("generation 2", lambda: status_of(apiserver, "scaled").get("observedGeneration") == 2 and conditions(get(apiserver, IS, "scaled")))
+    assert conds["Validated"]["status"] == "True"
+
+    # A user writing replicas next to autoscaling is told to choose.
+    request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "?fieldManager=kubectl-edit",
+            {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "scaled")).get("Validated", {}).get("status") == "False"
+                     and conditions(get(apiserver, IS, "scaled")))
+    assert "replicas: set replicas or autoscaling, not both (set by kubectl-edit)" in conds["Validated"]["message"]
+    assert get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3  # nothing applied

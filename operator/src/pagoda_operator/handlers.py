@@ -47,7 +47,7 @@ OPTIONAL_KINDS = {
     ),
 }
 MISSING_CRD_RECHECK_SECONDS = 60
-STATUS_WRITE_ATTEMPTS = 3
+STATUS_WRITE_ATTEMPTS = 5
 MANAGED = {"app.kubernetes.io/managed-by": r.FIELD_MANAGER}
 
 
@@ -74,10 +74,13 @@ async def _engine_and_router(kube: KubeClient, namespace: str, name: str, nodes:
 
 async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any) -> None:
     """Compute the status from a fresh read and patch it when it differs; post Events for
-    transitions. obs_for(current_body) builds the Observation (it may read children)."""
+    transitions. obs_for(current_body) builds the Observation (it may read children).
+
+    After a write it looks once more: a child that changed between our reads and our write
+    raised an event whose refresh found no status to refresh yet, so this pass catches it."""
     meta = body["metadata"]
     namespace, name = meta.get("namespace"), meta["name"]
-    for attempt in range(STATUS_WRITE_ATTEMPTS):
+    for _ in range(STATUS_WRITE_ATTEMPTS):
         current = await kube.get(f"{GROUP}/{VERSION}", KIND, namespace, name)
         if current is None:
             return  # deleted meanwhile
@@ -91,12 +94,11 @@ async def write_status(kube: KubeClient, body: dict[str, Any], obs_for: Any) -> 
         try:
             await kube.patch_status(namespace, name, new, current["metadata"].get("resourceVersion"))
         except ApiError as e:
-            if e.status == 409 and attempt + 1 < STATUS_WRITE_ATTEMPTS:
+            if e.status == 409:
                 continue  # written by someone else in between: recompute from their version
             raise
         for type_, reason, message in transitions(old, new):
             kopf.event(current, type=type_, reason=reason, message=message[:1000])
-        return
 
 
 async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> None:
