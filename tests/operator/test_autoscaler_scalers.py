@@ -4,6 +4,7 @@ the built-in autoscaler. Same PromQL and arithmetic as the built-in driver."""
 import kubernetes_validate
 import pytest
 
+from pagoda_operator.autoscaler.decision import autoscaling_problems
 from pagoda_operator.autoscaler.prometheus import queries
 from pagoda_operator.autoscaler.scaledobjects import HPA_MIN_NOTE, render_scaler
 from pagoda_operator.spec import parse_spec
@@ -50,6 +51,17 @@ def test_keda_queue_scaledobject_targets_the_scale_subresource_with_the_builtin_
 def test_keda_needs_a_prometheus_url():
     with pytest.raises(ValueError, match="prometheusURL: required with driver keda"):
         render({"driver": "keda", "maxReplicas": 2})
+
+
+@pytest.mark.parametrize("autoscaling, problem", [
+    ({"driver": "keda", "maxReplicas": 2}, "autoscaling.prometheusURL: required with driver keda"),
+    ({"maxReplicas": 2, "policy": "kvUtilization", "target": 70}, "can never be reached"),
+    ({"maxReplicas": 2, "policy": "kvUtilization", "target": 0.7}, None),
+    ({"maxReplicas": 2, "driver": "hpa"}, None),
+])
+def test_autoscaling_problems_for_validation(autoscaling, problem):
+    problems = autoscaling_problems(parse_spec(body(autoscaling)["spec"]).autoscaling)
+    assert problems == [] if problem is None else (len(problems) == 1 and problem in problems[0])
 
 
 def test_hpa_kv_utilization_uses_value_targets_and_validates():

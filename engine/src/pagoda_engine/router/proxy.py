@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -213,7 +212,3 @@ class RelayResponse(Response):
             metrics = self.router.metrics
             metrics.requests.labels(self.backend.url, self.outcome).inc()
             metrics.e2e.observe(time.monotonic() - self.start)
-
-
-def retry_after_seconds(queue_timeout_s: float) -> int:
-    return max(1, math.ceil(queue_timeout_s / 4))

@@ -68,6 +68,25 @@ def settings_of(a: "Autoscaling") -> Settings:
     )
 
 
+def autoscaling_problems(a: "Autoscaling") -> list[str]:
+    """What in spec.autoscaling cannot work, as sentences for the Validated condition (the
+    operator's validation calls this)."""
+    problems = []
+    if a.driver == "keda" and not a.prometheus_url:
+        problems.append("autoscaling.prometheusURL: required with driver keda (the ScaledObject's trigger "
+                        "queries it)")
+    if a.policy == "kvUtilization" and a.target is not None and a.target > 1:
+        problems.append(f"autoscaling.target: {a.target:g} can never be reached: kvUtilization is the "
+                        "fraction of the KV cache in use, in (0, 1]")
+    for field, value in (("scaleUpDelay", a.scale_up_delay), ("scaleDownDelay", a.scale_down_delay)):
+        if value:
+            try:
+                parse_duration(value)
+            except ValueError as e:
+                problems.append(f"autoscaling.{field}: {e}")
+    return problems
+
+
 def interval_of(a: "Autoscaling") -> float:
     return float(a.interval_seconds or DEFAULT_INTERVAL_S)
 

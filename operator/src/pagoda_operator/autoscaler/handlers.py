@@ -29,6 +29,7 @@ import kopf
 from pagoda_operator.autoscaler.decision import (DEFAULT_INTERVAL_S, Decision, History, Observation, decide,
                                                 interval_of, settings_of)
 from pagoda_operator.autoscaler.prometheus import PrometheusClient
+from pagoda_operator.conditions import set_condition
 from pagoda_operator.schema import SpecProblems
 from pagoda_operator.spec import GROUP, PLURAL, VERSION, Autoscaling, parse_spec
 
@@ -48,25 +49,6 @@ def current_replicas(spec: dict, a: Autoscaling) -> int:
 
 def _now_rfc3339(now: float) -> str:
     return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-def scaling_condition(decision: Decision, previous: list[dict] | None, generation: int | None, now: float) -> list[dict]:
-    """status.conditions with ScalingReady set from `decision`; other conditions untouched, and
-    lastTransitionTime kept unless the status flips."""
-    conditions = [dict(c) for c in previous or []]
-    status = "True" if decision.scaling_ready else "False"
-    old = next((c for c in conditions if c.get("type") == CONDITION), None)
-    new = {
-        "type": CONDITION,
-        "status": status,
-        "reason": decision.condition_reason,
-        "message": decision.reason,
-        "lastTransitionTime": old["lastTransitionTime"] if old and old.get("status") == status
-        and old.get("lastTransitionTime") else _now_rfc3339(now),
-    }
-    if generation is not None:
-        new["observedGeneration"] = generation
-    return [c for c in conditions if c.get("type") != CONDITION] + [new]
 
 
 @dataclass
@@ -112,7 +94,9 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
             "lastDecision": {"time": _now_rfc3339(now), "inputs": decision.inputs, "result": decision.replicas,
                              "reason": decision.reason},
         },
-        "conditions": scaling_condition(decision, status.get("conditions"), meta.get("generation"), now),
+        "conditions": set_condition([dict(c) for c in status.get("conditions") or []], CONDITION,
+                                    decision.scaling_ready, decision.condition_reason, decision.reason,
+                                    int(meta.get("generation") or 0), _now_rfc3339(now)),
     }
     return Outcome(decision, current, patch, flipped)
 

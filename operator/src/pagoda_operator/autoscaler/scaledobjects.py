@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pagoda_operator.autoscaler.decision import interval_of, settings_of
+from pagoda_operator.autoscaler.decision import autoscaling_problems, interval_of, settings_of
 from pagoda_operator.autoscaler.prometheus import queries
 from pagoda_operator.render import labels, owner_references
 from pagoda_operator.spec import API_VERSION, KIND, InferenceServiceSpec
@@ -51,8 +51,9 @@ def render_keda_scaledobject(body: dict[str, Any], spec: InferenceServiceSpec) -
     a = spec.autoscaling
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
-    if not a.prometheus_url:
-        raise ValueError("autoscaling.prometheusURL: required with driver keda (the trigger's serverAddress)")
+    problems = autoscaling_problems(a)
+    if problems:
+        raise ValueError("; ".join(problems))  # validation (autoscaling_problems) keeps this from happening
     promql = queries(a.policy, namespace, name)
     field, metric_type = _POLICY_METRIC[a.policy]
     target = settings_of(a).effective_target
