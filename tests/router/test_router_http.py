@@ -122,6 +122,26 @@ def test_health_and_metrics_of_the_router(pair, rr):
     assert metric(rr, "pagoda_router:queue_length") == 0
 
 
+def test_a_client_that_disconnects_mid_stream_frees_the_replica(tmp_path):
+    slow, url = start_fake(tmp_path, "slow", token_delay=0.1)
+    proc, base = router(tmp_path, [url])
+    try:
+        with httpx.stream("POST", base + "/v1/completions", json={"model": "fake-model", "prompt": "x",
+                                                                   "max_tokens": 600, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            assert httpx.get(url + "/admin").json()["running"] == 1
+        # the router closed its upstream stream: the engine stopped generating (it would run 60 s)
+        deadline = time.monotonic() + 5
+        while httpx.get(url + "/admin").json()["running"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert httpx.get(url + "/admin").json()["running"] == 0
+        assert metric(base, "pagoda_router:requests_total", f'{{backend="{url}",status="client_disconnected"}}') == 1
+    finally:
+        proc.stop()
+        slow.stop()
+
+
 def test_a_replica_failing_before_its_first_byte_is_retried_once_elsewhere(tmp_path):
     a, url_a = start_fake(tmp_path, "a")
     b, url_b = start_fake(tmp_path, "b")
