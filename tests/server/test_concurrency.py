@@ -4,6 +4,7 @@ and in order, nothing fails with a 5xx, and every page is freed afterwards."""
 import asyncio
 import json
 import os
+import socket
 import time
 
 import httpx
@@ -15,7 +16,9 @@ MAX_TOKENS = 32
 
 
 async def _stream(client: httpx.AsyncClient, prompt: str, disconnect_after: int | None) -> dict:
-    body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+    # A client that leaves asks for many tokens, so that it surely leaves before its request ends.
+    max_tokens = MAX_TOKENS if disconnect_after is None else 450
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     pieces, usage, finish = [], None, None
     async with client.stream("POST", "/v1/completions", json=body) as resp:
@@ -84,20 +87,26 @@ def test_64_streams_with_a_quarter_disconnecting(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
-def test_non_streaming_client_that_times_out_is_aborted(server):
+def test_non_streaming_client_that_goes_away_is_aborted(server):
     before = scrape(server.url)
-    body = {"prompt": "Long story", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
-    for _ in range(3):
-        try:
-            httpx.post(f"{server.base_url}/completions", json=body, timeout=0.5)
-        except httpx.TimeoutException:
-            pass
+    body = json.dumps({"prompt": "Long story", "max_tokens": 480, "temperature": 0, "ignore_eos": True}).encode()
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    clients = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(3)]
+    for c in clients:
+        c.sendall(request)
+    deadline = time.monotonic() + 30
+    while scrape(server.url)["pagoda:num_requests_running"] < 3:  # all three are generating
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    for c in clients:
+        c.close()  # gone before any response
     after = _wait_idle(server.url)
     assert after["pagoda:kv_cache_usage_perc"] == 0 and after["pagoda:num_requests_running"] == 0
     assert after["pagoda:request_success_total{finished_reason=abort}"] - \
         before["pagoda:request_success_total{finished_reason=abort}"] == 3
-    # The aborted requests never ran to their 400 tokens.
-    assert after["pagoda:generation_tokens_total"] - before["pagoda:generation_tokens_total"] < 3 * 400
+    # The aborted requests never ran to their 480 tokens.
+    assert after["pagoda:generation_tokens_total"] - before["pagoda:generation_tokens_total"] < 3 * 480
 
 
 def _cpu_seconds(pid: int) -> float:
