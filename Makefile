@@ -3,8 +3,8 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.pagoda-setup
-# Debian packages the tests run for real: Prometheus, Redis, kubectl (kustomize).
-APT_PKGS := prometheus redis-server kubernetes-client
+# Debian packages the tests run for real: Prometheus (e2e, autoscaler) and kubectl (kustomize).
+APT_PKGS := prometheus kubernetes-client
 PYTEST_ARGS ?= -n 2
 
 .PHONY: setup serve test test-gpu bench crds e2e-local e2e-cluster images deploy clean
