@@ -1,14 +1,19 @@
 """Router overhead on this machine (a measurement for the notes, not a test).
 
-  python e2e/local/bench_router.py [--engine fake|real] [--requests 400] [--tokens 64]
+  python e2e/local/bench_router.py [--requests 400] [--tokens 64] [--token-delay 0.005]
 
-Starts one engine (`fake`: e2e/local/fake_engine.py with no token delay, so only HTTP and the
-router cost anything; `real`: `pagoda serve` with the built-in tiny model) and `pagoda route` in
-front of it, the router pinned to CPU 0, and measures, against the same engine directly:
-  1. per request: sequential non-streaming requests (1 token), latency p50/p99;
-  2. per streamed token: sequential streams of --tokens tokens, gaps between chunks p50/p99;
+Starts one engine double (e2e/local/fake_engine.py: the engine's HTTP surface with no model, so
+only HTTP and the router cost anything; a real engine's compute would only add noise to the
+difference) and `pagoda route` in front of it, the router pinned to CPU 0, and measures against
+the same engine directly:
+  1. per request: sequential non-streaming 1-token requests, latency p50/p99;
+  2. per streamed token: each chunk's trip from the engine's send (its `t_sent`, same clock) to
+     the client, streams of --tokens tokens one --token-delay apart, p50/p99;
   3. the router's max request rate on its one core: closed-loop async clients (1-token
      requests), requests/s through the router and, for scale, directly.
+The router's CPU time per request and per token (from /proc) is reported too: on a machine busy
+with other work, wall-clock figures grow, CPU time per unit of work does not, and 1 / (CPU time per
+request) is the rate one dedicated core can sustain.
 Prints one JSON object.
 """
 
@@ -28,9 +33,16 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pagoda_e2e import PYTHON, Proc, free_port, start_engine, start_router  # noqa: E402
+from pagoda_e2e import PYTHON, Proc, free_port, start_router  # noqa: E402
 
 FAKE = str(Path(__file__).resolve().parent / "fake_engine.py")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc): unlike wall time, it does not grow
+    when the machine is busy with other work."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -57,26 +69,26 @@ def request_latencies(base: str, model: str, n: int) -> list[float]:
     return out
 
 
-def token_gaps(base: str, model: str, n_streams: int, tokens: int) -> tuple[list[float], list[float]]:
-    gaps, ttfts = [], []
+def chunk_latencies(base: str, model: str, n_streams: int, tokens: int, delay: float) -> tuple[list[float], list[float]]:
+    """Per streamed chunk: receive time minus the engine's send time (fake engine: `t_sent` in
+    each chunk, same clock), and per stream the time to the first chunk."""
+    trips, ttfts = [], []
     with httpx.Client(timeout=60) as c:
-        body = {"model": model, "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True}
+        body = {"model": model, "prompt": "hello", "max_tokens": tokens, "stream": True, "fake_token_delay": delay}
         for i in range(n_streams + 3):
             t0 = time.perf_counter()
-            last = None
+            first = True
             with c.stream("POST", base + "/v1/completions", json=body) as r:
                 for line in r.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    now = time.perf_counter()
+                    now, sent = time.time(), json.loads(line[6:])["t_sent"]
                     if i >= 3:  # the first streams warm up
-                        if last is None:
-                            ttfts.append(now - t0)
-                        else:
-                            gaps.append(now - last)
-                    last = now
-    return gaps, ttfts
+                        trips.append(now - sent)
+                        if first:
+                            ttfts.append(time.perf_counter() - t0)
+                    first = False
+    return trips, ttfts
 
 
 async def max_rate(base: str, model: str, concurrency: int, seconds: float) -> float:
@@ -102,7 +114,7 @@ async def max_rate(base: str, model: str, concurrency: int, seconds: float) -> f
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--engine", choices=["fake", "real"], default="fake")
+    p.add_argument("--token-delay", type=float, default=0.005, help="seconds between streamed tokens")
     p.add_argument("--requests", type=int, default=400)
     p.add_argument("--streams", type=int, default=20)
     p.add_argument("--tokens", type=int, default=64)
@@ -116,14 +128,10 @@ def main() -> int:
     work = Path(args.workdir or tempfile.mkdtemp(prefix="pagoda-bench-router-"))
     work.mkdir(parents=True, exist_ok=True)
     engine_port, router_port = free_port(), free_port()
-    if args.engine == "fake":
-        engine = Proc([PYTHON, FAKE, "--port", str(engine_port), "--model", "bench", "--token-delay", "0"],
-                      work / "engine.log")
-        engine.wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=60)
-        model = "bench"
-    else:
-        engine = start_engine(engine_port, work / "engine.log", ["--num-kv-pages", "512"])
-        model = httpx.get(f"http://127.0.0.1:{engine_port}/v1/models").json()["data"][0]["id"]
+    engine = Proc([PYTHON, FAKE, "--port", str(engine_port), "--model", "bench", "--token-delay", "0"],
+                  work / "engine.log")
+    engine.wait_http(f"http://127.0.0.1:{engine_port}/health", timeout=60)
+    model = "bench"
     router = start_router(router_port, [f"http://127.0.0.1:{engine_port}"], work / "router.log",
                           ["--policy", "prefix-aware", "--log-level", "warning"])
     cpus = sorted(os.sched_getaffinity(0))
@@ -133,21 +141,32 @@ def main() -> int:
         os.sched_setaffinity(0, set(cpus[1:]))
     direct, routed = f"http://127.0.0.1:{engine_port}", f"http://127.0.0.1:{router_port}"
     try:
-        out: dict = {"engine": args.engine, "machine": {"cpus": len(cpus), "python": platform.python_version(),
+        out: dict = {"machine": {"cpus": len(cpus), "python": platform.python_version(),
                                                         "cpu": platform.processor() or platform.machine()}}
-        lat_d, lat_r = request_latencies(direct, model, args.requests), request_latencies(routed, model, args.requests)
+        lat_d = request_latencies(direct, model, args.requests)
+        cpu0 = cpu_seconds(router.pid)
+        lat_r = request_latencies(routed, model, args.requests)
+        cpu_request = (cpu_seconds(router.pid) - cpu0) / (args.requests + 20)
         out["request"] = {"direct": summary_ms(lat_d), "router": summary_ms(lat_r),
                           "added_p50_ms": round((pct(lat_r, 0.5) - pct(lat_d, 0.5)) * 1e3, 3),
-                          "added_p99_ms": round((pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3, 3)}
-        gap_d, ttft_d = token_gaps(direct, model, args.streams, args.tokens)
-        gap_r, ttft_r = token_gaps(routed, model, args.streams, args.tokens)
-        out["stream"] = {"tokens_per_stream": args.tokens,
-                         "inter_chunk_direct": summary_ms(gap_d), "inter_chunk_router": summary_ms(gap_r),
-                         "added_per_token_p50_ms": round((pct(gap_r, 0.5) - pct(gap_d, 0.5)) * 1e3, 3),
-                         "added_per_token_p99_ms": round((pct(gap_r, 0.99) - pct(gap_d, 0.99)) * 1e3, 3),
+                          "added_p99_ms": round((pct(lat_r, 0.99) - pct(lat_d, 0.99)) * 1e3, 3),
+                          "router_cpu_ms_per_request": round(cpu_request * 1e3, 3)}
+        trip_d, ttft_d = chunk_latencies(direct, model, args.streams, args.tokens, args.token_delay)
+        cpu0 = cpu_seconds(router.pid)
+        trip_r, ttft_r = chunk_latencies(routed, model, args.streams, args.tokens, args.token_delay)
+        cpu_stream = (cpu_seconds(router.pid) - cpu0) / (args.streams + 3)
+        out["stream"] = {"tokens_per_stream": args.tokens, "token_interval_ms": args.token_delay * 1e3,
+                         "chunk_trip_direct": summary_ms(trip_d), "chunk_trip_router": summary_ms(trip_r),
+                         "added_per_token_p50_ms": round((pct(trip_r, 0.5) - pct(trip_d, 0.5)) * 1e3, 3),
+                         "added_per_token_p99_ms": round((pct(trip_r, 0.99) - pct(trip_d, 0.99)) * 1e3, 3),
+                         "router_cpu_ms_per_token": round((cpu_stream - cpu_request) / args.tokens * 1e3, 4),
                          "ttft_direct": summary_ms(ttft_d), "ttft_router": summary_ms(ttft_r)}
-        out["max_rate"] = {"concurrency": args.concurrency,
-                           "router_one_core_rps": round(asyncio.run(max_rate(routed, model, args.concurrency, args.seconds)), 1),
+        cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
+        rate = asyncio.run(max_rate(routed, model, args.concurrency, args.seconds))
+        busy = (cpu_seconds(router.pid) - cpu0) / (time.perf_counter() - t0)
+        out["max_rate"] = {"concurrency": args.concurrency, "router_one_core_rps": round(rate, 1),
+                           "router_core_busy": round(busy, 2),  # < 1: the machine, not the router, was the limit
+                           "router_rps_per_cpu_second": round(rate / busy, 1) if busy else None,
                            "direct_rps": round(asyncio.run(max_rate(direct, model, args.concurrency, args.seconds)), 1)}
         print(json.dumps(out, indent=1))
     finally:

@@ -59,18 +59,21 @@ def build(model: str, token_delay: float) -> FastAPI:
             return JSONResponse({"error": {"message": "no such model", "type": "invalid_request_error",
                                            "param": "model", "code": "model_not_found"}}, status_code=404)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        delay = float(body.get("fake_token_delay", token_delay))  # per request (benchmarks)
         obj = "chat.completion" if chat else "text_completion"
         st["served"] += 1
 
         def chunk(i):
             text = f"t{i} "
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            return {"id": "x", "object": obj + (".chunk" if chat else ""), "model": model, "choices": [choice]}
+            # t_sent: wall-clock send time, so a client on this machine can time each chunk's trip
+            return {"id": "x", "object": obj + (".chunk" if chat else ""), "model": model, "choices": [choice],
+                    "t_sent": time.time()}
 
         if not body.get("stream"):
             st["running"] += 1
             try:
-                await asyncio.sleep(token_delay * n)
+                await asyncio.sleep(delay * n)
             finally:
                 st["running"] -= 1
             text = "".join(f"t{i} " for i in range(n))
@@ -83,7 +86,7 @@ def build(model: str, token_delay: float) -> FastAPI:
             st["running"] += 1
             try:
                 for i in range(n):
-                    await asyncio.sleep(token_delay)
+                    await asyncio.sleep(delay)
                     yield f"data: {json.dumps(chunk(i))}\n\n"
                 yield "data: [DONE]\n\n"
             finally:
