@@ -21,7 +21,7 @@ from tests.operator.support import load_example
 NS = "default"
 IS = ("pagoda.dev", "v1alpha1", "inferenceservices")
 DEPLOYMENTS = ("apps", "v1", "deployments")
-TIMEOUT = 20
+TIMEOUT = 60  # generous: CI runs this beside heavy tests on 2 cores; waits end as soon as met
 
 
 class Operator:
@@ -261,7 +261,8 @@ def test_an_unchanged_spec_makes_no_changing_writes(cluster):
 
     wait_for("the resumed reconcile", lambda: len([w for w in steady_writes() if w.content_type == "application/apply-patch+yaml"]) >= 6)
     time.sleep(1.0)  # a status write or an Event, had there been one, follows the applies
-    assert [w for w in steady_writes() if w.changed] == []
+    changed = [w for w in steady_writes() if w.changed]
+    assert changed == [], [(w.path, get(apiserver, IS, "steady")) for w in changed]
     assert not [w for w in steady_writes() if w.path.endswith("/status")]
     assert {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "steady").items()} == before
     assert get(apiserver, IS, "steady")["metadata"]["resourceVersion"] == is_version
