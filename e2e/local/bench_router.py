@@ -74,7 +74,8 @@ def chunk_latencies(base: str, model: str, n_streams: int, tokens: int, delay: f
     each chunk, same clock), and per stream the time to the first chunk."""
     trips, ttfts = [], []
     with httpx.Client(timeout=60) as c:
-        body = {"model": model, "prompt": "hello", "max_tokens": tokens, "stream": True, "fake_token_delay": delay}
+        body = {"model": model, "prompt": "hello", "max_tokens": tokens, "stream": True, "fake_token_delay": delay,
+                "fake_stamp": True}
         for i in range(n_streams + 3):
             t0 = time.perf_counter()
             first = True

@@ -60,15 +60,17 @@ def build(model: str, token_delay: float) -> FastAPI:
                                            "param": "model", "code": "model_not_found"}}, status_code=404)
         n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
         delay = float(body.get("fake_token_delay", token_delay))  # per request (benchmarks)
+        stamp = bool(body.get("fake_stamp", False))
         obj = "chat.completion" if chat else "text_completion"
         st["served"] += 1
 
         def chunk(i):
             text = f"t{i} "
             choice = {"index": 0, "delta": {"content": text}} if chat else {"index": 0, "text": text}
-            # t_sent: wall-clock send time, so a client on this machine can time each chunk's trip
-            return {"id": "x", "object": obj + (".chunk" if chat else ""), "model": model, "choices": [choice],
-                    "t_sent": time.time()}
+            out = {"id": "x", "object": obj + (".chunk" if chat else ""), "model": model, "choices": [choice]}
+            if stamp:  # wall-clock send time, so a client on this machine can time each chunk's trip
+                out["t_sent"] = time.time()
+            return out
 
         if not body.get("stream"):
             st["running"] += 1

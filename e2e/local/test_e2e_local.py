@@ -80,6 +80,8 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica_with_bounded_
 @pytest.mark.parametrize("body", [
     b"{not json",
     b"[]",
+    b'{"model": "\xff\xfe"}',  # not UTF-8
+    b"[" * 100000,  # nesting too deep for the parser
     json.dumps({"model": MODEL}).encode(),
     json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 0}).encode(),
     json.dumps({"model": MODEL, "prompt": "x", "temperature": "warm"}).encode(),

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_engine import __version__
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
@@ -157,11 +158,14 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 obj = json.loads(body)
             else:
                 obj = body
-            return model_cls.model_validate(obj)
         except json.JSONDecodeError as e:
             error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
                      "ctx": {"error": e.msg}}
             return JSONResponse(validation_error_body(RequestValidationError([error])), status_code=400)
+        except Exception:  # undecodable bytes, nesting too deep: FastAPI's words for it
+            raise StarletteHTTPException(400, "There was an error parsing the body") from None
+        try:
+            return model_cls.model_validate(obj)
         except ValidationError as e:
             errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
             return JSONResponse(validation_error_body(RequestValidationError(errors)), status_code=400)
