@@ -14,7 +14,7 @@ from pagoda_engine.attention import AttentionBatch, KVCacheSpec
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 PAGE = 16
-NUM_PAGES = 128
+NUM_PAGES = 1024
 
 
 def make_batch(rng: random.Random, decode_lens: list[int], prefills: list[tuple[int, int]], device):
@@ -49,12 +49,13 @@ def backends(num_qo_heads, num_kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (8, 8, 64), (8, 2, 64)], ids=["gqa4-d128", "mha-d64", "gqa4-d64"])
-def test_mixed_batch_matches_reference(heads):
+@pytest.mark.parametrize("num_decodes", [4, 40], ids=["few-decodes", "many-decodes"])
+def test_mixed_batch_matches_reference(heads, num_decodes):
     num_qo, num_kv, head_dim = heads
     fi, ref = backends(num_qo, num_kv, head_dim)
     rng = random.Random(1)
-    batch = make_batch(rng, decode_lens=[1 + 1, 17, 300, 33], prefills=[(0, 5), (32, 40), (7, 100), (0, 1)],
-                       device="cuda")
+    decode_lens = [2, 17, 300, 33] + [rng.randrange(2, 400) for _ in range(num_decodes - 4)]
+    batch = make_batch(rng, decode_lens=decode_lens, prefills=[(0, 5), (32, 40), (7, 100), (0, 1)], device="cuda")
     t = batch.num_tokens
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(t, h, head_dim, generator=gen, device="cuda").bfloat16() for h in (num_qo, num_kv, num_kv))
@@ -66,19 +67,22 @@ def test_mixed_batch_matches_reference(heads):
         torch.testing.assert_close(fi.kv_caches[layer], ref.kv_caches[layer], atol=0, rtol=0)
 
 
-def test_graph_decode_plan_with_padding_matches_eager():
+@pytest.mark.parametrize("num_reqs,padded", [(5, 8), (21, 32)])
+def test_graph_decode_plan_with_padding_matches_eager(num_reqs, padded):
     """A decode batch planned into the CUDA-graph buffers, padded to a larger size, gives the real
     rows the eager plan's outputs; the padding writes only the null page."""
     fi, _ = backends(32, 8, 128)
-    fi.init_graph_buffers([8], max_pages_per_seq=64)
-    batch = make_batch(random.Random(3), decode_lens=[2, 40, 513, 16, 17], prefills=[], device="cuda")
+    fi.init_graph_buffers([8, 32], max_pages_per_seq=64)
+    rng = random.Random(3)
+    lens = [2, 40, 513, 16, 17] + [rng.randrange(2, 300) for _ in range(num_reqs - 5)]
+    batch = make_batch(rng, decode_lens=lens, prefills=[], device="cuda")
     gen = torch.Generator(device="cuda").manual_seed(4)
-    q = torch.randn(8, 32, 128, generator=gen, device="cuda").bfloat16()
-    k, v = (torch.randn(8, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    q = torch.randn(padded, 32, 128, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(padded, 8, 128, generator=gen, device="cuda").bfloat16() for _ in range(2))
     fi.plan(batch)
-    eager = fi.forward(0, q[:5], k[:5], v[:5]).clone()
+    eager = fi.forward(0, q[:num_reqs], k[:num_reqs], v[:num_reqs]).clone()
     before = fi.kv_caches[0][1:].clone()
-    fi.plan_graph_decode(batch, 8)
-    padded = fi.forward(0, q, k, v)
-    torch.testing.assert_close(padded[:5], eager, atol=1e-2, rtol=1e-2)
+    fi.plan_graph_decode(batch, padded)
+    out = fi.forward(0, q, k, v)
+    torch.testing.assert_close(out[:num_reqs], eager, atol=1e-2, rtol=1e-2)
     assert torch.equal(fi.kv_caches[0][1:], before)  # real rows rewrote the same K/V; padding only page 0

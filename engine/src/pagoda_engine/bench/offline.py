@@ -195,8 +195,8 @@ def _roofline(core: EngineCore) -> dict:
 
 def _print_header(title: str, wl: Workload, info: dict, env: dict) -> None:
     print(f"=== pagoda bench {title}: workload {wl.name} ({wl.description}) ===")
-    print("command: pagoda " + " ".join(sys.argv[1:]) if sys.argv[0].endswith("pagoda") else
-          "command: " + " ".join(sys.argv))
+    argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else sys.argv[1:]
+    print("command: pagoda " + " ".join(argv))
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print("settings: " + ", ".join(f"{k}={v}" for k, v in info["settings"].items()))
     s = info["startup"]
