@@ -373,3 +373,19 @@ def test_replicas_set_through_the_scale_subresource_reach_the_engine(cluster):
                      and conditions(get(apiserver, IS, "scaled")))
     assert "replicas: set replicas or autoscaling, not both (set by kubectl-edit)" in conds["Validated"]["message"]
     assert get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3  # nothing applied
+
+
+def test_a_stale_status_written_by_another_writer_is_corrected(cluster):
+    apiserver, _ = cluster
+    ready_service(apiserver, "shared")
+    fresh = conditions(get(apiserver, IS, "shared"))
+    stale = [{**c, "status": "False", "reason": "ReplicasNotReady"} if c["type"] == "Ready" else c for c in fresh.values()]
+    stale.append({"type": "ScalingReady", "status": "True", "reason": "MetricsFresh", "message": "ok"})
+    # What the autoscaler does: merge its condition into the list it read earlier.
+    request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "shared") + "/status",
+            {"status": {"conditions": stale}}, "application/merge-patch+json")
+    conds = wait_for("Ready restored", lambda: conditions(get(apiserver, IS, "shared")).get("Ready", {}).get("status") == "True"
+                     and conditions(get(apiserver, IS, "shared")))
+    # The same condition again; it flipped twice, so its transition time is new.
+    assert {**conds["Ready"], "lastTransitionTime": None} == {**fresh["Ready"], "lastTransitionTime": None}
+    assert conds["ScalingReady"]["reason"] == "MetricsFresh"  # the other writer's condition is kept

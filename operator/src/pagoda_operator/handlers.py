@@ -173,28 +173,38 @@ async def prune(kube: KubeClient, body: dict[str, Any], rendered: list[dict[str,
                 await kube.delete(api_version, kind, namespace, child_meta["name"])
 
 
-async def refresh_from_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A child workload changed (pods ready, rollout progress): recompute the owner's status."""
-    owner = next((ref for ref in body.get("metadata", {}).get("ownerReferences") or []
-                  if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/")), None)
-    if owner is None:
-        return
-    kube = _kube(memo)
-    namespace = body["metadata"].get("namespace")
-    parent = {"metadata": {"namespace": namespace, "name": owner["name"]}}
+async def refresh(kube: KubeClient, namespace: str, name: str) -> None:
+    """Recompute Ready/Progressing and the counts of a reconciled InferenceService from its
+    children, keeping the conditions only a reconcile decides (Validated, Degraded)."""
 
     async def observe(current: dict[str, Any]) -> Observation | None:
         status = current.get("status") or {}
         if "observedGeneration" not in status:
             return None  # not reconciled yet; the reconcile will write the status
         checked = check(current)
-        engine, router = await _engine_and_router(kube, namespace, owner["name"], checked.spec.topology.nodes if checked.spec else None)
+        engine, router = await _engine_and_router(kube, namespace, name, checked.spec.topology.nodes if checked.spec else None)
         obs = Observation(generation=int(status["observedGeneration"]), engine=engine, router=router)
         if checked.spec is not None:
             obs.desired_replicas = desired_replicas(checked.spec)
         return obs
 
-    await write_status(kube, parent, observe)
+    await write_status(kube, {"metadata": {"namespace": namespace, "name": name}}, observe)
+
+
+async def refresh_from_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A child workload changed (pods ready, rollout progress): refresh the owner's status."""
+    owner = next((ref for ref in body.get("metadata", {}).get("ownerReferences") or []
+                  if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{GROUP}/")), None)
+    if owner is not None:
+        await refresh(_kube(memo), body["metadata"].get("namespace"), owner["name"])
+
+
+async def refresh_self(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """The InferenceService changed, its status included: another writer of the status (the
+    autoscaler merges its condition into the list it read) may have sent an older Ready or
+    Progressing; recomputing restores them, and writes nothing when they are current."""
+    meta = body.get("metadata") or {}
+    await refresh(_kube(memo), meta.get("namespace"), meta["name"])
 
 
 def _missing_crd(status: dict[str, Any], **_: Any) -> bool:
@@ -231,6 +241,7 @@ def register(registry: kopf.OperatorRegistry) -> None:
         fn = decorator(*resource, registry=registry, id="reconcile")(fn)
     kopf.timer(*resource, registry=registry, id="recheck-crds", interval=MISSING_CRD_RECHECK_SECONDS,
                initial_delay=MISSING_CRD_RECHECK_SECONDS, when=_missing_crd)(reconcile)
+    kopf.on.event(*resource, registry=registry, id="status-guard")(refresh_self)
     kopf.on.event("apps", "v1", "deployments", registry=registry, labels=MANAGED, id="child-deployment")(refresh_from_child)
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
 
