@@ -4,7 +4,9 @@ reconcile (create, update, resume; and a slow timer while an optional CRD is mis
   validate → if invalid: Validated=False, nothing applied → else server-side apply every child
   the renderer returns (optional kinds only when their CRD exists) → status from the children.
 Children the spec no longer asks for are deleted (pruned) after a successful apply.
-A child Deployment/LeaderWorkerSet changing (pods becoming ready) refreshes the owner's status.
+A child Deployment/LeaderWorkerSet changing (pods becoming ready) refreshes the owner's status,
+and so does any change of the InferenceService itself (another writer of its status may have
+sent older conditions).
 Deletion needs no handler: every child has an owner reference, the garbage collector removes it.
 
 Writes happen only when something differs: server-side apply of identical content changes
