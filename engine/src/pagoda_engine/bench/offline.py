@@ -195,8 +195,10 @@ def _roofline(core: EngineCore) -> dict:
 
 def _print_header(title: str, wl: Workload, info: dict, env: dict) -> None:
     print(f"=== pagoda bench {title}: workload {wl.name} ({wl.description}) ===")
-    argv = sys.argv[sys.argv.index("bench"):] if "bench" in sys.argv else sys.argv[1:]
-    print("command: pagoda " + " ".join(argv))
+    if "bench" in sys.argv:
+        print("command: pagoda " + " ".join(sys.argv[sys.argv.index("bench"):]))
+    else:
+        print(f"command: pagoda bench {title} (called in-process; settings below)")
     print("environment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     print("settings: " + ", ".join(f"{k}={v}" for k, v in info["settings"].items()))
     s = info["startup"]
@@ -213,13 +215,19 @@ def _is_standard(args) -> bool:
     return args.num_prompts is None and args.input_len is None and args.output_len is None
 
 
-def run_throughput(args) -> dict:
+def _prepare(args, title: str) -> tuple[EngineCore, Workload, dict, dict, dict]:
+    """Engine up, workload built, header printed, roofline measured, kernels warm."""
     core, info = _build(args)
     wl = build_workload(args.workload, core.vocab_size, args.num_prompts, args.input_len, args.output_len)
     env = environment()
-    _print_header("throughput", wl, info, env)
+    _print_header(title, wl, info, env)
     roof = _roofline(core)
     _warm_up(core)
+    return core, wl, info, env, roof
+
+
+def run_throughput(args) -> dict:
+    core, wl, info, env, roof = _prepare(args, "throughput")
     profiler = _StepProfiler(args.profile, first=300, count=10) if args.profile else None
     r = _drive(core, wl, "bench", profiler)
     out_tps = wl.num_output_tokens / r["elapsed_s"]
@@ -245,12 +253,7 @@ def run_throughput(args) -> dict:
 def run_latency(args) -> dict:
     if args.num_iters < 1:
         raise SystemExit("error: --num-iters must be >= 1")
-    core, info = _build(args)
-    wl = build_workload(args.workload, core.vocab_size, args.num_prompts, args.input_len, args.output_len)
-    env = environment()
-    _print_header("latency", wl, info, env)
-    roof = _roofline(core)
-    _warm_up(core)
+    core, wl, info, env, roof = _prepare(args, "latency")
     _drive(core, wl, "warmup-run")
     runs = []
     for it in range(args.num_iters):

@@ -1,0 +1,72 @@
+"""`pagoda bench`: the workloads are exactly ARCHITECTURE §6's, and a run on the tiny CPU model
+reports figures consistent with what it generated."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from pagoda_engine.bench import default_model_dir
+from pagoda_engine.bench.workloads import build_workload
+from pagoda_engine.cli import main
+
+LLAMA_VOCAB = 128256
+
+
+def test_workloads_are_the_documented_ones_and_deterministic():
+    t1 = build_workload("T1", LLAMA_VOCAB)
+    assert (t1.num_requests, {len(p) for p in t1.prompts}, set(t1.output_lens)) == (1000, {1024}, {512})
+    n1 = build_workload("N1", LLAMA_VOCAB)
+    assert n1.num_requests == 256
+    assert all(100 <= len(p) <= 1024 for p in n1.prompts) and all(100 <= n <= 1024 for n in n1.output_lens)
+    assert len({len(p) for p in n1.prompts}) > 100  # lengths really vary
+    l1 = build_workload("L1", LLAMA_VOCAB)
+    assert (l1.num_requests, len(l1.prompts[0]), l1.output_lens) == (1, 128, [512])
+    assert build_workload("N1", LLAMA_VOCAB).prompts == n1.prompts  # default_rng(0): same every time
+    assert all(0 <= t < LLAMA_VOCAB for p in n1.prompts for t in p)
+    params = t1.sampling_params(0)
+    assert (params.temperature, params.ignore_eos, params.max_tokens) == (1.0, True, 512)
+
+
+def test_shipped_llama_config_is_llama_31_8b():
+    with open(f"{default_model_dir()}/config.json") as f:
+        config = json.load(f)
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
+    assert config["rope_scaling"]["rope_type"] == "llama3"
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from pagoda_engine.tiny import default_model_dir as tiny_dir
+
+    return str(tiny_dir())
+
+
+def test_throughput_run_reports_what_it_generated(tiny_model, tmp_path, capsys):
+    out = tmp_path / "t.json"
+    rc = main(["bench", "throughput", "--model", tiny_model, "--dtype", "float32", "--num-prompts", "3",
+               "--input-len", "12", "--output-len", "5", "--output-json", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["workload"] == "T1" and result["standard_workload"] is False
+    assert (result["input_tokens"], result["output_tokens"]) == (36, 15)
+    assert result["output_tokens_per_s"] == pytest.approx(15 / result["elapsed_s"], rel=0.05)  # elapsed is rounded
+    assert result["settings"]["device"] == "cpu" and result["roofline"]["copy_bandwidth_Bps"] is None
+    printed = capsys.readouterr().out
+    assert "command: pagoda bench throughput" in printed and "output tokens/s" in printed
+
+
+def test_latency_run_reports_time_per_token(tiny_model, tmp_path):
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",
+                 "--output-len", "6", "--num-iters", "2", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert len(result["iterations"]) == 2
+    assert result["ms_per_output_token"] == pytest.approx(result["median_e2e_s"] / 6 * 1e3, rel=0.01)
+
+
+def test_invalid_sizes_are_refused(tiny_model, capsys):
+    assert main(["bench", "throughput", "--model", tiny_model, "--num-prompts", "0"]) == 2
+    assert "--num-prompts must be >= 1" in capsys.readouterr().err
