@@ -4,7 +4,10 @@ nothing a user writes makes validation raise."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pagoda_operator.render import render
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, load_example, with_spec
 
@@ -133,3 +136,45 @@ def test_junk_specs_give_problems_never_exceptions(spec):
     if spec is not None:  # an absent spec means every default: the built-in tiny model on one GPU
         assert problems
     assert all(isinstance(p, str) and p for p in problems)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-5, 100) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=8), children, max_size=3),
+    max_leaves=12,
+)
+spec_keys = st.sampled_from(["model", "engine", "resources", "topology", "kvCache", "replicas", "autoscaling", "router", "monitoring"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.dictionaries(spec_keys, json_values, max_size=4))
+def test_any_json_spec_gives_problems_or_a_parsed_spec_never_an_exception(spec):
+    checked = check({"metadata": {"name": "fuzz"}, "spec": spec})
+    assert checked.ok == (checked.problems == [])
+    assert all(isinstance(p, str) for p in checked.problems)
+
+
+def _paths(obj, prefix=()):
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield prefix + (key,)
+            yield from _paths(value, prefix + (key,))
+    elif isinstance(obj, list):
+        for i, value in enumerate(obj):
+            yield prefix + (i,)
+            yield from _paths(value, prefix + (i,))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(EXAMPLE_FILES), st.data())
+def test_any_field_of_an_example_set_to_anything_is_rejected_or_renders(filename, data):
+    body = load_example(filename)
+    path = data.draw(st.sampled_from(list(_paths(body["spec"]))))
+    target = body["spec"]
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = data.draw(json_values)
+    checked = check(body)
+    assert checked.ok == (checked.problems == [])
+    if checked.ok:  # whatever passes validation renders
+        assert render(body, checked.spec)
