@@ -16,7 +16,8 @@ every write into the stored dict and keeps no server-side metadata):
   5. The status subresource: for kinds that declare it, writes to the main resource leave
      status alone and writes to /status change only status.
   6. JSON merge patch (RFC 7386) for application/merge-patch+json: null removes a key, lists
-     are replaced.
+     are replaced; JSON patch (RFC 6902: add, remove, replace, test) for
+     application/json-patch+json, a failed test answering 422 (kopf adds finalizers so).
   7. metadata.generateName: the server picks a unique name on create (kopf's Events use it).
   8. The scale subresource: a Scale written to .../scale sets spec.replicas and nothing else.
   9. metadata.managedFields: each write that changes the object records its manager, operation
@@ -76,6 +77,39 @@ def _merge_patch(target: Any, patch: Any) -> Any:
         else:
             out[key] = _merge_patch(out.get(key), value)
     return out
+
+
+class JsonPatchTestFailed(Exception):
+    pass
+
+
+def _json_patch(doc: Any, operations: list[dict]) -> Any:
+    """RFC 6902 (add, remove, replace, test), as kopf uses it for finalizers."""
+    doc = copy.deepcopy(doc)
+    for op in operations:
+        parts = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        parent = doc
+        for part in parts[:-1]:
+            parent = parent[int(part)] if isinstance(parent, list) else parent[part]
+        last = parts[-1]
+        if op["op"] == "test":
+            current = parent[int(last)] if isinstance(parent, list) else parent.get(last)
+            if current != op["value"]:
+                raise JsonPatchTestFailed(op["path"])
+        elif op["op"] in ("add", "replace"):
+            if isinstance(parent, list):
+                index = len(parent) if last == "-" else int(last)
+                if op["op"] == "add":
+                    parent.insert(index, copy.deepcopy(op["value"]))
+                else:
+                    parent[index] = copy.deepcopy(op["value"])
+            else:
+                parent[last] = copy.deepcopy(op["value"])
+        elif op["op"] == "remove":
+            del parent[int(last) if isinstance(parent, list) else last]
+        else:
+            raise ValueError(f"unsupported JSON patch op {op['op']!r}")
+    return doc
 
 
 def _leaf_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
@@ -185,10 +219,17 @@ class ApiServer(kmock.KubernetesEmulator):
         else:
             if old is None:
                 raise kmock.KubernetesObjectNotFoundError()
-            wanted_rv = (data.get("metadata") or {}).get("resourceVersion")
-            if wanted_rv is not None and wanted_rv != old["metadata"].get("resourceVersion"):
-                raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified; please apply your changes to the latest version and try again")
-            new = _merge_patch(old, data)
+            if content_type == "application/json-patch+json":
+                try:
+                    new = _json_patch(old, request.data)
+                except JsonPatchTestFailed as e:
+                    raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the test of {e} failed") from None
+                data = {}  # ownership of JSON-patched fields is not tracked
+            else:
+                wanted_rv = (data.get("metadata") or {}).get("resourceVersion")
+                if wanted_rv is not None and wanted_rv != old["metadata"].get("resourceVersion"):
+                    raise kmock.KubernetesError(status=409, reason="Conflict", message="the object has been modified; please apply your changes to the latest version and try again")
+                new = _merge_patch(old, data)
         if old is not None:
             for field in SERVER_METADATA:  # clients cannot set these
                 if field in old["metadata"]:

@@ -28,15 +28,16 @@ class Operator:
     """kopf.operator() in its own thread and event loop (kopf cancels every task of its loop
     when it stops, so it cannot share the API server's); start and stop at will."""
 
-    def __init__(self, apiserver: BackgroundApiServer):
+    def __init__(self, apiserver: BackgroundApiServer, recheck_crds_seconds: float = handlers.MISSING_CRD_RECHECK_SECONDS):
         self.apiserver = apiserver
+        self.recheck_crds_seconds = recheck_crds_seconds
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
         url = self.apiserver.url
         registry = kopf.OperatorRegistry()
-        handlers.register(registry)
+        handlers.register(registry, recheck_crds_seconds=self.recheck_crds_seconds)
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
@@ -389,3 +390,29 @@ def test_a_stale_status_written_by_another_writer_is_corrected(cluster):
     # The same condition again; it flipped twice, so its transition time is new.
     assert {**conds["Ready"], "lastTransitionTime": None} == {**fresh["Ready"], "lastTransitionTime": None}
     assert conds["ScalingReady"]["reason"] == "MetricsFresh"  # the other writer's condition is kept
+
+
+def test_a_crd_installed_later_is_noticed_without_a_spec_change():
+    # Its own cluster: an operator that rechecks missing CRDs every second, not every minute.
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver, recheck_crds_seconds=1)
+    operator.start()
+    try:
+        _crd_installed_later(apiserver)
+    finally:
+        operator.stop()
+        apiserver.close()
+
+
+def _crd_installed_later(apiserver: BackgroundApiServer) -> None:
+    body = tiny("later")
+    body["spec"]["monitoring"] = {"serviceMonitor": True}
+    create(apiserver, body)
+    wait_for("Degraded", lambda: conditions(get(apiserver, IS, "later") or {}).get("Degraded", {}).get("reason") == "ServiceMonitorCRDMissing")
+    apiserver.api.declare("monitoring.coreos.com", "v1", "servicemonitors", "ServiceMonitor")
+    monitor = wait_for("the ServiceMonitor", lambda: get(apiserver, ("monitoring.coreos.com", "v1", "servicemonitors"), "later"))
+    assert monitor["spec"]["endpoints"] == [{"port": "http", "path": "/metrics", "interval": "15s"}]
+    conds = wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "later")).get("Degraded", {}).get("status") == "False"
+                     and conditions(get(apiserver, IS, "later")))
+    assert conds["Degraded"]["reason"] == "AsExpected"
+    assert get(apiserver, IS, "later")["metadata"]["generation"] == 1

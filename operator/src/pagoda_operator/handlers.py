@@ -233,7 +233,7 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
         await kube.close()
 
 
-def register(registry: kopf.OperatorRegistry) -> None:
+def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = MISSING_CRD_RECHECK_SECONDS) -> None:
     """Attach the handlers to a kopf registry (the default one when running, a fresh one in tests)."""
     resource = (GROUP, VERSION, PLURAL)
     kopf.on.startup(registry=registry)(configure)
@@ -241,8 +241,8 @@ def register(registry: kopf.OperatorRegistry) -> None:
     fn = reconcile
     for decorator in (kopf.on.resume, kopf.on.create, kopf.on.update):
         fn = decorator(*resource, registry=registry, id="reconcile")(fn)
-    kopf.timer(*resource, registry=registry, id="recheck-crds", interval=MISSING_CRD_RECHECK_SECONDS,
-               initial_delay=MISSING_CRD_RECHECK_SECONDS, when=_missing_crd)(reconcile)
+    kopf.timer(*resource, registry=registry, id="recheck-crds", interval=recheck_crds_seconds,
+               initial_delay=recheck_crds_seconds, when=_missing_crd)(reconcile)
     kopf.on.event(*resource, registry=registry, id="status-guard")(refresh_self)
     kopf.on.event("apps", "v1", "deployments", registry=registry, labels=MANAGED, id="child-deployment")(refresh_from_child)
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
