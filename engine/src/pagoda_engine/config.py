@@ -34,6 +34,9 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"  # fcfs | priority
+    # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
+    # hides the host's per-step work behind the GPU's; one extra token per finished request.
+    async_scheduling: bool = False
 
 
 @dataclass
@@ -111,6 +114,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                   help="overlap scheduling of the next step with the current one on the device")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
 

@@ -1,6 +1,12 @@
 """The engine core: owns the model, the KV pool, the scheduler and the runner; one `step()` is
 schedule → execute → update. The same class runs inside the server's core process and
-in-process under the offline `LLM`."""
+in-process under the offline `LLM`.
+
+With `async_scheduling` the core owns the one step in flight (`_in_flight`): `step()` schedules
+and launches the next step first, then resolves the one in flight and returns its outputs, so the
+host's scheduling and input building overlap the device's work (vLLM's async scheduling, SGLang's
+overlap scheduler). Outputs thus come one call late; a request that finished in the resolved step
+has one surplus token in the launched one, which is dropped."""
 
 from __future__ import annotations
 
@@ -20,9 +26,9 @@ from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats, TokenLogprobs
 from pagoda_engine.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.request import Request
-from pagoda_engine.runner import ModelRunner
+from pagoda_engine.runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagoda_engine.sampling import make_sampler
-from pagoda_engine.scheduler import Scheduler
+from pagoda_engine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +129,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, self.attn, self.kv, make_sampler(mc.seed, self.device), self.device, self.executor)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
         self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and self.executor.tp_size == 1
@@ -233,14 +240,37 @@ class EngineCore:
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.config.scheduler.async_scheduling:
+            return self._step_overlapped()
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return EngineCoreOutputs(outputs=[], stats=self.get_stats())
         result = self.runner.execute(sched)
-        for rid, chunk in result.prompt_logprobs.items():
-            self._prompt_logprobs.setdefault(rid, []).extend(chunk)
+        return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats())
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Launch the next step, then resolve the one in flight (async scheduling)."""
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[EngineCoreOutput] = []
+        if prev is not None and _must_resolve_first(prev):
+            outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+            prev = None
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self._in_flight = self.runner.launch(sched, prev)
+            self.scheduler.advance(sched)
+        if prev is not None:
+            outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineCoreOutput]:
+        """Apply a resolved step to its requests; one output per request that got a token."""
+        for s in sched.scheduled:
+            chunk = result.prompt_logprobs.get(s.request.request_id)
+            if chunk is not None and not s.request.is_finished:  # not aborted while in flight
+                self._prompt_logprobs.setdefault(s.request.request_id, []).extend(chunk)
         outputs = []
-        for req in self.scheduler.update_from_output(sched, result.sampled):
+        for req in self.scheduler.update_from_output(sched, result.sampled, advanced):
             prompt_lps = None
             if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 1:
                 prompt_lps = [None] + self._prompt_logprobs.pop(req.request_id, [])
@@ -250,7 +280,7 @@ class EngineCore:
                 new_logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt_lps,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
-        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+        return outputs
 
     def get_stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -258,3 +288,10 @@ class EngineCore:
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size)
+
+
+def _must_resolve_first(step: LaunchedStep) -> bool:
+    """Penalties count a request's output tokens on the host: a step after one that sampled for
+    such a request must wait for its tokens (it runs synchronously)."""
+    return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+               for p in (r.sampling_params for r in step.sample_reqs))

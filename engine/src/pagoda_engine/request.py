@@ -124,6 +124,9 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids
+    # (their KV counts in num_computed_tokens once a step that feeds them is scheduled).
+    num_output_placeholders: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit length at first schedule (-1 = not yet scheduled)
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_preemptions: int = 0

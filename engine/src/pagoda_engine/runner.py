@@ -4,6 +4,11 @@ The runner turns the scheduler's decision into flat, ragged tensors (input ids, 
 mapping) plus the attention backend's CPU-side plan, runs the model once, and samples one token
 for every request whose known tokens are now all computed. Decodes go first in the batch.
 
+`launch` queues a step and returns it unresolved (`LaunchedStep`); `execute` is launch + resolve.
+Under async scheduling the next step is launched before the last one is resolved: a decode whose
+input token is still in flight (an output placeholder) reads it from the previous step's sampled
+tensor on the device, so nothing waits for the host.
+
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
 next larger batch size (`DecodeGraphs`); prefill chunks and `--enforce-eager` run eagerly.
 """
@@ -20,7 +25,7 @@ from pagoda_engine.executor import Executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import TokenLogprobs
 from pagoda_engine.request import Request
-from pagoda_engine.sampling import Sampler, SamplingBatch, compute_prompt_logprobs
+from pagoda_engine.sampling import PendingSample, Sampler, SamplingBatch, compute_prompt_logprobs
 from pagoda_engine.scheduler import ScheduledRequest, SchedulerOutput
 
 
@@ -43,6 +48,34 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    sample_reqs: list[Request]
+    sample: PendingSample | None
+    prompt_logprobs: dict[str, list[TokenLogprobs]]
+    _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
+
+    def sample_row(self, req: Request) -> int:
+        """The row of `req`'s token in `sample.token_ids`."""
+        if self._rows is None:
+            self._rows = {r: i for i, r in enumerate(self.sample_reqs)}
+        return self._rows[req]
+
+    def resolve(self) -> RunnerOutput:
+        """Wait for the step and read its tokens (and logprobs) back."""
+        out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sample is not None:
+            result = self.sample.resolve()
+            for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
+                out.sampled[req.request_id] = token
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        return out
+
+
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
                  sampler: Sampler, device: torch.device, executor: Executor | None = None):
@@ -62,7 +95,8 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.attn, self.device, graph_batch_sizes(max_num_seqs),
                                    -(-max_model_len // self.page_size))
 
-    def prepare(self, sched: SchedulerOutput) -> StepInputs:
+    def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
+        """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
         def is_decode(s: ScheduledRequest) -> bool:
             return s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
 
@@ -72,12 +106,20 @@ class ModelRunner:
         # which small numpy arrays cost more than they save. One host-to-device copy at the end.
         ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
         sample_rows, sample_reqs, spans = [], [], {}
+        fed_at, fed_from = [], []
         page_size = self.page_size
         offset = 0
         for s in order:
             req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
             table = self.kv.page_ids(req.request_id)
-            ids += _new_token_ids(req, start, n)
+            if req.num_output_placeholders:
+                # A decode of the token the step in flight samples: filled in on the device below.
+                assert n == 1 and start == req.num_tokens and prev is not None, req.request_id
+                fed_at.append(offset)
+                fed_from.append(prev.sample_row(req))
+                ids.append(0)
+            else:
+                ids += _new_token_ids(req, start, n)
             if n == 1:
                 pos.append(start)
                 slots.append(table[start // page_size] * page_size + start % page_size)
@@ -95,15 +137,18 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        host = torch.tensor(ids + pos + slots + sample_rows, dtype=torch.int64)
+        host = torch.tensor(ids + pos + slots + sample_rows + fed_at + fed_from, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        t = offset
+        t, r, f = offset, len(sample_rows), len(fed_at)
+        input_ids = dev[:t]
+        if f:
+            input_ids.index_copy_(0, dev[3 * t + r:3 * t + r + f], prev.sample.token_ids[dev[3 * t + r + f:]])
         attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
                                     slot_mapping=dev[2 * t:3 * t], num_decodes=num_decodes)
-        return StepInputs(order=order, input_ids=dev[:t], positions=dev[t:2 * t], attn_batch=attn_batch,
-                          sample_rows=dev[3 * t:], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+        return StepInputs(order=order, input_ids=input_ids, positions=dev[t:2 * t], attn_batch=attn_batch,
+                          sample_rows=dev[3 * t:3 * t + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         batch = inputs.attn_batch
@@ -111,26 +156,29 @@ class ModelRunner:
             return self.graphs.run(inputs.input_ids, inputs.positions, batch)
         return self.executor.execute_model(inputs.input_ids, inputs.positions, batch)
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        inputs = self.prepare(sched)
+        return self.launch(sched).resolve()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step on the device; `prev` is the step in flight (async scheduling)."""
+        inputs = self.prepare(sched, prev)
         hidden = self.run_model(inputs)
-        out = RunnerOutput()
+        prompt_logprobs = {}
+        # Prompt logprobs are read back here (a sync): such steps are not overlapped.
         for rid, (first, count) in inputs.prompt_logprob_spans.items():
             req = next(s.request for s in inputs.order if s.request.request_id == rid)
             start = req.num_computed_tokens
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
             logits = self.executor.compute_logits(hidden[first:first + count])
-            out.prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+            prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+        sample = None
         if inputs.sample_reqs:
             logits = self.executor.compute_logits(hidden[inputs.sample_rows])
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
-            result = self.sampler.sample(logits, batch)
-            for req, token, lp in zip(inputs.sample_reqs, result.token_ids, result.logprobs):
-                out.sampled[req.request_id] = token
-                if lp is not None:
-                    out.logprobs[req.request_id] = lp
-        return out
+            sample = self.sampler.sample_on_device(logits, batch)
+        return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
+                            prompt_logprobs=prompt_logprobs)
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

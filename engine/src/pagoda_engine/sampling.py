@@ -12,8 +12,10 @@ by `(seed, number of output tokens so far)` alone, so its tokens do not depend o
 share the batch, on its position, or on whether it was preempted and recomputed. Unseeded rows use
 the sampler's engine-wide generator.
 
-`SamplingBatch.from_requests` turns the Python-side requests into per-row tensors once per step;
+`SamplingBatch.from_requests` turns the Python-side requests into per-row tensors once per step
+(copied without waiting for the device, which may still run the step before);
 `Sampler.sample` is then a fixed sequence of whole-batch tensor ops (no loops over the vocabulary).
+`Sampler.sample_on_device` stops before the host reads anything, for async scheduling.
 Everything is plain torch on whatever device the logits live on. The GPU seam is
 `Sampler._sample_random` (temperature-scaled logits of the random rows in, one token per row out): a
 FlashInfer implementation replaces that one method, and everything around it (penalties, masks,
@@ -99,17 +101,18 @@ class SamplingBatch:
         seeded: list[tuple[int, int]] = []
         if not all_greedy:
             rparams = [params[i] for i in random_idx]
-            random_rows = torch.tensor(random_idx, dtype=torch.int64, device=device)
-            temperature = torch.tensor([p.temperature for p in rparams], dtype=torch.float32, device=device)
+            random_rows = _to_device(random_idx, torch.int64, device)
+            temperature = _to_device([p.temperature for p in rparams], torch.float32, device)
             if any(p.min_p > 0 for p in rparams):
-                min_p = torch.tensor([p.min_p for p in rparams], dtype=torch.float32, device=device)
+                min_p = _to_device([p.min_p for p in rparams], torch.float32, device)
             row_top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in rparams]
             max_top_k = max((k for k in row_top_k if k < vocab_size), default=0)
             if max_top_k:
-                top_k = torch.tensor(row_top_k, dtype=torch.int64, device=device)
+                top_k = _to_device(row_top_k, torch.int64, device)
             if any(p.top_p < 1.0 for p in rparams):
-                top_p = torch.tensor([p.top_p for p in rparams], dtype=torch.float32, device=device)
-            seeded = [(j, step_seed(params[i].seed, reqs[i].num_output_tokens))
+                top_p = _to_device([p.top_p for p in rparams], torch.float32, device)
+            # The output index counts tokens still in flight (async scheduling).
+            seeded = [(j, step_seed(params[i].seed, reqs[i].num_output_tokens + reqs[i].num_output_placeholders))
                       for j, i in enumerate(random_idx) if params[i].seed is not None]
 
         repetition = frequency = presence = output_counts = seen_mask = None
@@ -129,7 +132,7 @@ class SamplingBatch:
         mask_rows: list[int] = []
         mask_ids: list[int] = []
         for i, (r, p) in enumerate(zip(reqs, params)):
-            if r.num_output_tokens < p.min_tokens:
+            if r.num_output_tokens + r.num_output_placeholders < p.min_tokens:
                 # vLLM masks `all_stop_token_ids`: the stop token ids plus every EOS id, ignore_eos or
                 # not (an EOS sampled under ignore_eos would not stop, but vLLM still keeps it out).
                 ids = {t for t in (*p.stop_token_ids, *r.eos_token_ids) if 0 <= t < vocab_size}
@@ -137,8 +140,8 @@ class SamplingBatch:
                 mask_ids.extend(sorted(ids))
         min_tokens_rows = min_tokens_ids = None
         if mask_rows:
-            min_tokens_rows = torch.tensor(mask_rows, dtype=torch.int64, device=device)
-            min_tokens_ids = torch.tensor(mask_ids, dtype=torch.int64, device=device)
+            min_tokens_rows = _to_device(mask_rows, torch.int64, device)
+            min_tokens_ids = _to_device(mask_ids, torch.int64, device)
 
         return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=all_greedy,
                    random_rows=random_rows, temperature=temperature, min_p=min_p, top_k=top_k,
@@ -146,6 +149,13 @@ class SamplingBatch:
                    seeded=seeded, repetition_penalty=repetition, frequency_penalty=frequency,
                    presence_penalty=presence, output_counts=output_counts, seen_mask=seen_mask,
                    min_tokens_rows=min_tokens_rows, min_tokens_ids=min_tokens_ids, num_logprobs=num_logprobs)
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list as a tensor on `device`. On CUDA through pinned memory and a non-blocking copy:
+    a plain copy would wait for every kernel queued before it (a whole step, under async scheduling)."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
 
 
 # Each request's prompt as an array, made on its first penalised step: converting a long prompt
@@ -177,6 +187,25 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]  # one per row; None where the request asked for none
 
 
+@dataclass
+class PendingSample:
+    """A step's sampled tokens while still on the device; `resolve` reads them (and waits)."""
+
+    token_ids: torch.Tensor  # int64 [B] on the logits' device
+    num_logprobs: list[int | None]
+    raw_logprobs: tuple[list[int], torch.Tensor] | None  # rows wanting logprobs, their log_softmax
+
+    def resolve(self) -> SamplerOutput:
+        token_list = self.token_ids.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self.raw_logprobs is not None:
+            rows, lp = self.raw_logprobs
+            entries = token_logprobs(lp, self.token_ids[rows], [self.num_logprobs[i] for i in rows])
+            for i, entry in zip(rows, entries):
+                logprobs[i] = entry
+        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+
+
 class Sampler:
     def __init__(self, seed: int = 0):
         self.seed = seed
@@ -193,10 +222,14 @@ class Sampler:
         return gen
 
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape, batch.num_rows)
-        assert logits.shape[1] == batch.vocab_size, (logits.shape, batch.vocab_size)
         if batch.num_rows == 0:
             return SamplerOutput(token_ids=[], logprobs=[])
+        return self.sample_on_device(logits, batch).resolve()
+
+    def sample_on_device(self, logits: torch.Tensor, batch: SamplingBatch) -> PendingSample:
+        """Queue the whole draw on the logits' device; nothing is read back to the host."""
+        assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape, batch.num_rows)
+        assert logits.shape[1] == batch.vocab_size, (logits.shape, batch.vocab_size)
         logits = logits.float()
 
         raw_logprobs = None
@@ -210,15 +243,7 @@ class Sampler:
         if not batch.all_greedy:
             sampled = self._sample_random(logits[batch.random_rows], batch)
             token_ids = token_ids.index_copy(0, batch.random_rows, sampled)
-
-        token_list = token_ids.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * batch.num_rows
-        if raw_logprobs is not None:
-            rows, lp = raw_logprobs
-            entries = token_logprobs(lp, token_ids[rows], [batch.num_logprobs[i] for i in rows])
-            for i, entry in zip(rows, entries):
-                logprobs[i] = entry
-        return SamplerOutput(token_ids=token_list, logprobs=logprobs)
+        return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample one token per random row from logits `[R, V]` after penalties and masks."""
@@ -297,7 +322,7 @@ def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> tor
         logits = logits - batch.presence_penalty[:, None] * (batch.output_counts > 0).float()
     if batch.min_tokens_rows is not None:
         logits = logits.index_put((batch.min_tokens_rows, batch.min_tokens_ids),
-                                  torch.tensor(float("-inf"), device=logits.device))
+                                  torch.full((), float("-inf"), device=logits.device))
     return logits
 
 

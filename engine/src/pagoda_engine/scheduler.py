@@ -4,6 +4,12 @@ Every request has `num_computed_tokens` and simply advances: a decode asks for 1
 for the rest of its prompt (chunked to fit the budget). When pages run out, the lowest-priority
 running request (the newest, under FCFS) is preempted: its pages are freed (they stay in the prefix
 cache) and it goes back to the front of the waiting queue to be recomputed.
+
+Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
+scheduled step is then advanced at once (`num_computed_tokens` moves on, and each request that
+samples counts one output placeholder), so the next `schedule` gives every such request one more
+decode, fed on the device from step N's sampled token. `update_from_output(..., advanced=True)`
+later fills the placeholder in, and drops the tokens of requests that finished meanwhile.
 """
 
 from __future__ import annotations
@@ -20,11 +26,14 @@ from pagoda_engine.request import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int
+    # After this step every known token is computed, so the step samples a new one. Fixed when
+    # scheduled: under async scheduling the request moves on before the step's update.
+    completes_sequence: bool = field(init=False)
 
-    @property
-    def completes_sequence(self) -> bool:
-        """After this step every known token is computed, so the step samples a new one."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+    def __post_init__(self) -> None:
+        req = self.request
+        self.completes_sequence = (req.num_computed_tokens + self.num_new_tokens
+                                   == req.num_tokens + req.num_output_placeholders)
 
 
 @dataclass
@@ -108,9 +117,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget,
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
-            if num_new <= 0:
+            if num_new <= 0 or (req.num_output_placeholders and self._placeholder_is_last(req)):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -127,6 +136,9 @@ class Scheduler:
         # 2. Waiting requests, only while nothing had to be preempted this step.
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
+            # Only a request preempted in this very call can still wait for a token, and then
+            # nothing is admitted: the core resolves the step in flight before the next call.
+            assert not req.num_output_placeholders, req.request_id
             computed_pages, num_cached = self.kv.get_computed_pages(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, computed_pages):
@@ -156,17 +168,37 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.append(req)
 
+    def _placeholder_is_last(self, req: Request) -> bool:
+        """The token in flight reaches max_tokens or max_model_len: the request ends with it,
+        so it needs no further step."""
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= max_tokens)
+                or req.num_tokens + req.num_output_placeholders >= self.max_model_len)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling: count a scheduled step as done before its tokens are known."""
+        for sched in out.scheduled:
+            sched.request.num_computed_tokens += sched.num_new_tokens
+            if sched.completes_sequence:
+                sched.request.num_output_placeholders += 1
+
     # --- after the forward pass ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance every scheduled request; append sampled tokens; finish what must finish.
-        Returns the requests that produced a token (or finished) this step."""
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           advanced: bool = False) -> list[Request]:
+        """Advance every scheduled request (unless `advance` already did); append sampled tokens;
+        finish what must finish. Returns the requests that produced a token (or finished) this step."""
         updated = []
         for sched in out.scheduled:
             req = sched.request
-            completes = sched.completes_sequence
-            req.num_computed_tokens += sched.num_new_tokens
-            if not completes:
+            if advanced:
+                if req.is_finished:
+                    continue  # aborted, or finished by the step before: this token is surplus
+            else:
+                req.num_computed_tokens += sched.num_new_tokens
+            if not sched.completes_sequence:
                 continue  # a prompt chunk: nothing sampled yet
+            if advanced:
+                req.num_output_placeholders -= 1
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
             status = self._check_stop(req, token)

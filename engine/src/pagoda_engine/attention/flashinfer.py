@@ -77,6 +77,7 @@ class FlashInferBackend(AttentionBackend):
         self.decode_wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.use_tensor_cores)
         self._step: _Step | None = None
+        self._plan_copied: torch.cuda.Event | None = None  # see `_wait_for_last_plan`
         # CUDA-graph decode state, made by `init_graph_buffers`.
         self._graph_wrappers: dict[int, object] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
@@ -87,6 +88,19 @@ class FlashInferBackend(AttentionBackend):
         # decode wrapper right before running it, so the graph ones share the eager one's.
         wrapper._int_workspace_buffer = self.decode_wrapper._int_workspace_buffer
         wrapper._pin_memory_int_workspace_buffer = self.decode_wrapper._pin_memory_int_workspace_buffer
+
+    def _wait_for_last_plan(self) -> None:
+        """FlashInfer plans into pinned host buffers that a non-blocking copy reads once the stream
+        gets there. Under async scheduling the last step may still be queued behind the one before
+        it: wait for its copy (recorded after its plan) before a new plan overwrites those buffers.
+        The step before is resolved by then, so this costs nothing."""
+        if self._plan_copied is not None:
+            self._plan_copied.synchronize()
+        self._plan_copied = None
+
+    def _mark_plan_copied(self) -> None:
+        self._plan_copied = torch.cuda.Event()
+        self._plan_copied.record()
 
     def _kv_args(self) -> dict:
         s = self.spec
@@ -103,6 +117,7 @@ class FlashInferBackend(AttentionBackend):
 
     # --- eager plan ------------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> None:
+        self._wait_for_last_plan()
         s = self.spec
         nd = batch.num_decodes
         for q_len, seq_len in zip(batch.query_lens, batch.seq_lens):
@@ -124,6 +139,7 @@ class FlashInferBackend(AttentionBackend):
             self.prefill_wrapper.plan(torch.from_numpy(qo_indptr), torch.from_numpy(indptr), torch.from_numpy(indices),
                                       torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
                                       s.page_size, causal=True, **self._kv_args())
+        self._mark_plan_copied()
         k_rows, v_rows = self._slot_rows(batch.slot_mapping.to(self.device, torch.int64))
         self._step = _Step(nd, num_prefill_tokens, decode, k_rows, v_rows)
 
@@ -161,9 +177,11 @@ class FlashInferBackend(AttentionBackend):
         indptr, indices, last = page_table_csr(tables, batch.seq_lens + [1] * pad, s.page_size)
         if len(indices) > self._graph_bufs["indices"].numel():
             raise ValueError(f"{len(indices)} pages exceed the graph page buffer")
+        self._wait_for_last_plan()
         self._graph_wrappers[padded_size].plan(
             torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
             s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size, **self._kv_args())
+        self._mark_plan_copied()
         b = self._graph_bufs
         slots = b["slots"][:padded_size]
         slots[n:].zero_()

@@ -18,7 +18,7 @@ import torch
 
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
-from pagoda_engine.core import EngineCore
+from pagoda_engine.core import EngineCore, resolve_device
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.request import SamplingParams
 
@@ -80,6 +80,8 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def _build(args) -> tuple[EngineCore, dict]:
     t0 = time.monotonic()
+    if args.async_scheduling is None:
+        args.async_scheduling = resolve_device(args.device).type == "cuda"
     core = EngineCore(config_from_args(args))
     init_s = time.monotonic() - t0
     age = process_age_s()
@@ -88,6 +90,7 @@ def _build(args) -> tuple[EngineCore, dict]:
         "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
         "device": str(core.device), "attention_backend": core.attn.name, "cuda_graphs": core.cuda_graphs,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
+        "async_scheduling": sc.async_scheduling,
         "max_model_len": core.max_model_len, "block_size": cc.block_size,
         "gpu_memory_utilization": cc.gpu_memory_utilization, "enable_prefix_caching": cc.enable_prefix_caching,
         "kv_capacity_tokens": core.kv_capacity_tokens,
