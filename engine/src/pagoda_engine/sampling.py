@@ -194,9 +194,24 @@ class PendingSample:
     token_ids: torch.Tensor  # int64 [B] on the logits' device
     num_logprobs: list[int | None]
     raw_logprobs: tuple[list[int], torch.Tensor] | None  # rows wanting logprobs, their log_softmax
+    # On CUDA the tokens are copied to pinned host memory as soon as they are sampled: reading
+    # them later waits for this copy only, not for a next step queued behind it.
+    host_token_ids: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.token_ids.is_cuda:
+            self.host_token_ids = torch.empty(self.token_ids.shape, dtype=torch.int64, pin_memory=True)
+            self.host_token_ids.copy_(self.token_ids, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
 
     def resolve(self) -> SamplerOutput:
-        token_list = self.token_ids.tolist()
+        if self.copied is not None:
+            self.copied.synchronize()
+            token_list = self.host_token_ids.tolist()
+        else:
+            token_list = self.token_ids.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if self.raw_logprobs is not None:
             rows, lp = self.raw_logprobs
