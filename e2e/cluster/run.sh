@@ -82,12 +82,12 @@ NAME=$(kubectl create --dry-run=client -o jsonpath='{.metadata.name}' -f "$EXAMP
 NAMESPACE=$(kubectl create --dry-run=client -o jsonpath='{.metadata.namespace}' -f "$EXAMPLE")
 NAMESPACE=${NAMESPACE:-default}
 
-# 2. The operator, its RBAC and the router's account in the example's namespace.
+# 2. The operator and its RBAC (it creates each router's account beside its InferenceService).
 if [ "$INSTALLER" = helm ]; then
   log "installing the operator with helm"
   helm upgrade --install pagoda "$ROOT/charts/pagoda" --namespace "$OPERATOR_NAMESPACE" --create-namespace \
     --set operator.image.tag="$IMAGE_TAG" --set engineImages.cpu.tag="$IMAGE_TAG" \
-    --set engineImages.gpu.tag="$IMAGE_TAG" --set "router.namespaces={$NAMESPACE}" >/dev/null
+    --set engineImages.gpu.tag="$IMAGE_TAG" >/dev/null
 else
   log "installing the operator with kustomize ($OVERLAY)"
   kubectl apply --server-side --force-conflicts -k "$OVERLAY" >/dev/null

@@ -14,7 +14,7 @@ import yaml
 from pagoda_operator import crd
 from tests.operator.apiserver import BackgroundApiServer
 from tests.operator.support import load_example
-from tests.operator.test_operator_kmock import NS, children_of, conditions, create, get, wait_for
+from tests.operator.test_operator_kmock import NS, TINY_CHILDREN, children_of, conditions, create, get, wait_for
 
 CLI = [sys.executable, "-m", "pagoda_operator.cli"]
 
@@ -41,7 +41,7 @@ def test_run_reconciles_with_the_kubeconfig_it_is_given(apiserver, tmp_path):
         body = load_example("tiny-cpu.yaml")
         body["metadata"] = {"name": "cli", "namespace": NS}
         create(apiserver, body)
-        children = wait_for("children", lambda: len(children_of(apiserver, "cli")) == 6 and children_of(apiserver, "cli"), timeout=60)
+        children = wait_for("children", lambda: len(children_of(apiserver, "cli")) == TINY_CHILDREN and children_of(apiserver, "cli"), timeout=60)
         pod = children[("Deployment", "cli-engine")]["spec"]["template"]["spec"]
         assert pod["containers"][0]["image"] == "registry.example/engine-cpu:1"
         wait_for("status", lambda: conditions(get(apiserver, ("pagoda.dev", "v1alpha1", "inferenceservices"), "cli")).get("Validated"))

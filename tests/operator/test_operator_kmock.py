@@ -22,6 +22,9 @@ NS = "default"
 IS = ("pagoda.dev", "v1alpha1", "inferenceservices")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 TIMEOUT = 60  # generous: CI runs this beside heavy tests on 2 cores; waits end as soon as met
+# What the tiny example becomes: engine ConfigMap, Service, Deployment and PDB; router Service and
+# Deployment; the router's ServiceAccount, Role and RoleBinding.
+TINY_CHILDREN = 9
 
 
 class Operator:
@@ -121,9 +124,11 @@ def children_of(apiserver: BackgroundApiServer, name: str) -> dict[tuple[str, st
     async def read() -> dict:
         out = {}
         for group, version, plural in [("", "v1", "configmaps"), ("", "v1", "services"), DEPLOYMENTS,
-                                       ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "ingresses")]:
+                                       ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "ingresses"),
+                                       ("", "v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "v1", "roles"),
+                                       ("rbac.authorization.k8s.io", "v1", "rolebindings")]:
             for child in apiserver.api.names(group, version, plural, NS):
-                if child in (name, f"{name}-engine"):
+                if child in (name, f"{name}-engine", f"{name}-router"):
                     obj = apiserver.api.get(group, version, plural, NS, child)
                     out[(obj.get("kind", plural), child)] = obj
         return out
@@ -162,7 +167,7 @@ def events_for(apiserver: BackgroundApiServer, name: str) -> list[dict]:
 def ready_service(apiserver: BackgroundApiServer, name: str) -> None:
     """A tiny service whose children the controllers have brought up (Ready, rolled out)."""
     create(apiserver, tiny(name))
-    wait_for("children", lambda: len(children_of(apiserver, name)) == 6)
+    wait_for("children", lambda: len(children_of(apiserver, name)) == TINY_CHILDREN)
     mark_rolled_out(apiserver, name, 1)
     mark_rolled_out(apiserver, f"{name}-engine", 1)
     wait_for("Ready", lambda: conditions(get(apiserver, IS, name)).get("Progressing", {}).get("reason") == "RolloutComplete"
@@ -173,17 +178,24 @@ def test_applying_an_inference_service_creates_its_children_with_owner_reference
     apiserver, _ = cluster
     created = create(apiserver, tiny())
     uid = created["metadata"]["uid"]
-    children = wait_for("children", lambda: len(children_of(apiserver, "tiny")) == 6 and children_of(apiserver, "tiny"))
+    children = wait_for("children", lambda: len(children_of(apiserver, "tiny")) == TINY_CHILDREN and children_of(apiserver, "tiny"))
     assert sorted(children) == [
         ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
-        ("PodDisruptionBudget", "tiny-engine"), ("Service", "tiny"), ("Service", "tiny-engine"),
+        ("PodDisruptionBudget", "tiny-engine"), ("Role", "tiny-router"), ("RoleBinding", "tiny-router"),
+        ("Service", "tiny"), ("Service", "tiny-engine"), ("ServiceAccount", "tiny-router"),
     ]
     for child in children.values():
         assert child["metadata"]["ownerReferences"] == [{
             "apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "tiny", "uid": uid,
             "controller": True, "blockOwnerDeletion": True}]
         assert child["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
-    applies = [w for w in apiserver.api.writes if w.path.endswith("/tiny-engine") or w.path.endswith("/tiny")]
+    # The router runs as its own account, which may read this namespace's EndpointSlices only.
+    assert children[("Deployment", "tiny")]["spec"]["template"]["spec"]["serviceAccountName"] == "tiny-router"
+    assert children[("RoleBinding", "tiny-router")]["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": NS}]
+    assert children[("RoleBinding", "tiny-router")]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "tiny-router"}
+    assert children[("Role", "tiny-router")]["rules"] == [
+        {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
+    applies = [w for w in apiserver.api.writes if w.path.endswith(("/tiny-engine", "/tiny", "/tiny-router"))]
     applies = [w for w in applies if "inferenceservices" not in w.path]
     assert applies and all(w.method == "PATCH" and w.content_type == "application/apply-patch+yaml"
                            and w.params == {"fieldManager": "pagoda-operator", "force": "true"} for w in applies)
@@ -287,7 +299,7 @@ def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
 
     # Fixing the spec creates the children; the operator kept running throughout.
     patch_spec(apiserver, "broken", {"topology": {"tensor": 1}})
-    wait_for("children after the fix", lambda: len(children_of(apiserver, "broken")) == 6)
+    wait_for("children after the fix", lambda: len(children_of(apiserver, "broken")) == TINY_CHILDREN)
     conds = wait_for("Validated=True", lambda: conditions(get(apiserver, IS, "broken")).get("Validated", {}).get("status") == "True"
                      and conditions(get(apiserver, IS, "broken")))
     assert conds["Validated"]["observedGeneration"] == 2
@@ -315,7 +327,7 @@ def test_missing_optional_crds_degrade_instead_of_failing(cluster):
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ServiceMonitorCRDMissing")
     assert "the ServiceMonitor CRD (monitoring.coreos.com/v1) is not installed" in conds["Degraded"]["message"]
     assert conds["Validated"]["status"] == "True"
-    assert len(children_of(apiserver, "watched")) == 6  # everything else was applied
+    assert len(children_of(apiserver, "watched")) == TINY_CHILDREN  # everything else was applied
 
     multinode = tiny("spread")
     multinode["spec"]["topology"] = {"nodes": 2}
@@ -329,7 +341,7 @@ def test_missing_optional_crds_degrade_instead_of_failing(cluster):
 def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
     apiserver, _ = cluster
     create(apiserver, tiny("pruned"))
-    wait_for("children", lambda: len(children_of(apiserver, "pruned")) == 6)
+    wait_for("children", lambda: len(children_of(apiserver, "pruned")) == TINY_CHILDREN)
     patch_spec(apiserver, "pruned", {"router": {"ingress": {"host": "pruned.example.com"}}})
     wait_for("the Ingress", lambda: ("Ingress", "pruned") in children_of(apiserver, "pruned"))
 
@@ -342,7 +354,8 @@ def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
                                                     and ("Deployment", "pruned-engine") not in children_of(apiserver, "pruned")
                                                     and children_of(apiserver, "pruned")))
     assert sorted(children) == [("ConfigMap", "pruned-engine"), ("Deployment", "pruned"), ("PodDisruptionBudget", "pruned-engine"),
-                                ("Service", "pruned"), ("Service", "pruned-engine")]
+                                ("Role", "pruned-router"), ("RoleBinding", "pruned-router"),
+                                ("Service", "pruned"), ("Service", "pruned-engine"), ("ServiceAccount", "pruned-router")]
     deletes = sorted(w.path for w in apiserver.api.writes if w.method == "DELETE")
     assert deletes == ["/apis/apps/v1/namespaces/default/deployments/pruned-engine",
                        "/apis/networking.k8s.io/v1/namespaces/default/ingresses/pruned"]

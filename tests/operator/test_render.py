@@ -70,7 +70,7 @@ def test_every_child_has_labels_owner_and_namespace(filename):
         assert meta["labels"]["app.kubernetes.io/instance"] == name
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
         assert meta["labels"]["app.kubernetes.io/component"] in ("engine", "router", "monitoring")
-        assert child_name in (name, f"{name}-engine")
+        assert child_name in (name, f"{name}-engine", f"{name}-router")
         assert (m["apiVersion"], kind) in r.CHILD_KINDS
 
 
@@ -84,7 +84,8 @@ def test_tiny_cpu_example():
     out = rendered(body)
     assert sorted(out) == [
         ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
-        ("PodDisruptionBudget", "tiny-engine"), ("Service", "tiny"), ("Service", "tiny-engine"),
+        ("PodDisruptionBudget", "tiny-engine"), ("Role", "tiny-router"), ("RoleBinding", "tiny-router"),
+        ("Service", "tiny"), ("Service", "tiny-engine"), ("ServiceAccount", "tiny-router"),
     ]
     deploy = out[("Deployment", "tiny-engine")]
     assert deploy["spec"]["replicas"] == 1
@@ -126,9 +127,43 @@ def test_tiny_cpu_example():
     (rc,) = router["containers"]
     assert rc["command"] == ["pagoda", "route"]
     assert rc["args"] == ["--k8s-service", "default/tiny-engine", "--policy", "round-robin", "--port", "8000"]
-    assert router["serviceAccountName"] == "pagoda-router"
+    assert router["serviceAccountName"] == "tiny-router"
     assert out[("Service", "tiny")]["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert out[("PodDisruptionBudget", "tiny-engine")]["spec"]["maxUnavailable"] == 1
+
+
+def test_router_rbac_is_its_own_account_with_read_only_endpointslices():
+    """Per InferenceService, in its namespace: the router's ServiceAccount, a Role that reads
+    EndpointSlices (nothing else) and the binding between them; all validated, all owned."""
+    body = load_example("llama-3.1-8b.yaml", namespace="team-a", uid="1234-uid")
+    name = body["metadata"]["name"]
+    manifests = r.render(body, check(body).spec)
+    rbac = [m for m in manifests if m["kind"] in ("ServiceAccount", "Role", "RoleBinding")]
+    meta = {
+        "name": "llama-8b-router",
+        "namespace": "team-a",
+        "labels": {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": name,
+                   "app.kubernetes.io/component": "router", "app.kubernetes.io/managed-by": "pagoda-operator"},
+        "ownerReferences": [{**OWNER[0], "name": name, "uid": "1234-uid"}],
+    }
+    assert name == "llama-8b"
+    assert rbac == [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta,
+         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "llama-8b-router"},
+         "subjects": [{"kind": "ServiceAccount", "name": "llama-8b-router", "namespace": "team-a"}]},
+    ]
+    for m in rbac:
+        _validate(m)
+    # Applied before the router Deployment, whose pods the API server refuses without the account.
+    order = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+    assert max(order.index((k, "llama-8b-router")) for k in ("ServiceAccount", "Role", "RoleBinding")) < order.index(("Deployment", name))
+    (router,) = [m for m in manifests if m["kind"] == "Deployment" and m["metadata"]["name"] == name]
+    assert router["spec"]["template"]["spec"]["serviceAccountName"] == "llama-8b-router"
+    # Only the engine pods opt out of the token; the router needs it to read EndpointSlices.
+    assert "automountServiceAccountToken" not in router["spec"]["template"]["spec"]
 
 
 def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
@@ -286,9 +321,12 @@ def test_render_command_prints_the_manifests(tmp_path):
         capture_output=True, text=True, check=True,
     )
     docs = list(yaml.safe_load_all(result.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Service", "Deployment"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Service",
+                                         "ServiceAccount", "Role", "RoleBinding", "Deployment"]
     assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
-    assert docs[5]["spec"]["template"]["spec"]["containers"][0]["args"][1] == "team-a/tiny-engine"
+    assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][1] == "team-a/tiny-engine"
+    assert docs[7]["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "team-a"}]
+    assert "&id" not in result.stdout, "YAML anchors: children share a dict"
     assert "ownerReferences" not in docs[0]["metadata"]  # no uid before the object exists
 
 

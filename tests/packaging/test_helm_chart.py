@@ -70,7 +70,8 @@ BAD_VALUES = [
     ({"operator": {"healthPort": 80}}, "/operator/healthPort"),
     ({"operator": {"resources": {"limits": {"memory": "lots"}}}}, "/operator/resources/limits/memory"),
     ({"operator": {"replicas": 2}}, "replicas"),
-    ({"router": {"namespaces": "default"}}, "/router/namespaces"),
+    # Removed: the operator now creates each router's account itself.
+    ({"router": {"namespaces": ["default"]}}, "router"),
     ({"monitoring": {"podMonitor": {"enabled": "yes"}}}, "/monitoring/podMonitor/enabled"),
     ({"monitoring": {"podMonitor": {"interval": "soon"}}}, "/monitoring/podMonitor/interval"),
     ({"typo": True}, "typo"),
@@ -113,7 +114,6 @@ VARIANTS = {
             "healthPort": 9090,
         },
         "serviceAccount": {"name": "custom-sa", "annotations": {"x": "y"}},
-        "router": {"namespaces": ["default", "team-a"]},
         "monitoring": {"podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prom"}}},
     },
 }
@@ -212,18 +212,6 @@ def test_watched_namespaces_get_the_operator_role_only_there(helm):
     operator_bindings = [b for b in by_kind(objects, "RoleBinding") if b["roleRef"]["name"] == "pagoda-operator"]
     assert sorted(b["metadata"]["namespace"] for b in operator_bindings) == ["team-a", "team-b"]
     assert all(b["roleRef"]["kind"] == "ClusterRole" for b in operator_bindings)
-
-
-def test_router_account_in_each_listed_namespace(helm):
-    objects = render(helm, {"router": {"namespaces": ["default", "team-a"]}})
-    for kind in ("ServiceAccount", "Role", "RoleBinding"):
-        routers = [o for o in by_kind(objects, kind) if o["metadata"]["name"] == "pagoda-router"]
-        assert sorted(o["metadata"]["namespace"] for o in routers) == ["default", "team-a"], kind
-    for role in (o for o in by_kind(objects, "Role") if o["metadata"]["name"] == "pagoda-router"):
-        assert role["rules"] == [
-            {"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}
-        ]
-    assert not [o for o in render(helm, {"router": {"namespaces": []}}) if o["metadata"]["name"] == "pagoda-router"]
 
 
 def test_pod_monitor_only_when_enabled(helm):

@@ -1,5 +1,6 @@
 """Least-privilege RBAC, in the chart and in kustomize alike: every kind the operator's renderer can
-emit is covered by a rule with the verbs that writing it needs, and nothing else is granted."""
+emit is covered by a rule with the verbs that writing and pruning it need, the operator holds
+exactly what it grants to the routers' Roles, and nothing else is granted."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ render = pytest.importorskip("pagoda_operator.render", reason="the operator pack
 
 # Writing a child is server-side apply: a PATCH that creates the object when it is missing.
 WRITE = {"create", "patch"}
+# handlers.prune lists every child kind by label and deletes what the spec no longer asks for.
+PRUNE = {"list", "delete"}
 READ = {"get", "list", "watch"}
 # Children the operator also reads back (handlers._engine_and_router) and kopf watches
 # (refresh_from_child), to compute the owner's conditions.
@@ -78,10 +81,7 @@ def chart_objects(helm, values: dict | None = None) -> list[dict]:
 def kustomize_objects() -> list[dict]:
     # The generated files themselves (their freshness is tested in test_kustomize.py), so this
     # test needs neither kubectl nor the CRDs.
-    return [
-        o for path in ("base/operator.yaml", "router-rbac/router-rbac.yaml")
-        for o in load_yaml_stream((KUSTOMIZE_DIR / path).read_text())
-    ]
+    return load_yaml_stream((KUSTOMIZE_DIR / "base" / "operator.yaml").read_text())
 
 
 def operator_grants(objects: list[dict]) -> dict[tuple[str, str], set[str]]:
@@ -108,8 +108,12 @@ def installed(request):
 @pytest.fixture
 def needed(request, installed) -> dict[tuple[str, str], set[str]]:
     """Exactly what the operator needs in this installation."""
-    out = {(group_of(v), plural(k)): WRITE | (READ if k in READ_BACK_KINDS else set()) for v, k in emitted_kinds()}
+    out = {(group_of(v), plural(k)): WRITE | PRUNE | (READ if k in READ_BACK_KINDS else set()) for v, k in emitted_kinds()}
     out |= EXTRA_GRANTS
+    # RBAC lets nobody grant what they do not hold: the operator holds what the routers' Roles grant.
+    for key, verbs in router_role_grants().items():
+        assert key not in out, f"{key} is both a child kind and a router grant"
+        out[key] = verbs
     if "namespaced" in request.node.callspec.params["installed"]:
         out |= NAMESPACED_EXTRA_GRANTS
     return out
@@ -148,19 +152,54 @@ def test_crd_subresources_are_the_ones_granted(inferenceservice_crd):
         assert ("pagoda.dev", f"{plural_name}/{sub}") in EXTRA_GRANTS
 
 
-def test_router_pods_run_as_the_account_the_installers_create(installed):
-    accounts = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in installed if o["kind"] == "ServiceAccount"}
-    assert ("default", render.ROUTER_SERVICE_ACCOUNT) in accounts
-    roles = [o for o in installed if o["kind"] == "Role" and o["metadata"]["name"] == render.ROUTER_SERVICE_ACCOUNT]
-    # `pagoda route --k8s-service` lists and watches the engine Service's EndpointSlices, nothing else.
-    assert all(grants(r["rules"]) == {("discovery.k8s.io", "endpointslices"): {"get", "list", "watch"}} for r in roles)
-
-
-def test_rendered_router_uses_that_account():
+def _tiny(namespace: str = "default") -> tuple[dict, object]:
     from pagoda_operator.validation import check
 
-    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "t", "namespace": "default"}, "spec": {}}
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "t", "namespace": namespace, "uid": "u"}, "spec": {}}
     checked = check(body)
     assert checked.ok, checked.problems
-    (router,) = [o for o in render.render(body, checked.spec) if o["kind"] == "Deployment" and o["metadata"]["name"] == "t"]
-    assert router["spec"]["template"]["spec"]["serviceAccountName"] == render.ROUTER_SERVICE_ACCOUNT
+    return body, checked.spec
+
+
+def router_role_grants() -> dict[tuple[str, str], set[str]]:
+    """What the Role the operator renders for a router grants."""
+    body, spec = _tiny()
+    (role,) = [o for o in render.render(body, spec) if o["kind"] == "Role"]
+    return grants(role["rules"])
+
+
+def test_router_role_is_read_only_endpointslices():
+    # `pagoda route --k8s-service` lists and watches the engine Service's EndpointSlices, nothing else.
+    assert router_role_grants() == {("discovery.k8s.io", "endpointslices"): READ}
+
+
+def test_router_grant_is_held_exactly_where_children_are_written(installed):
+    """The endpointslices rule sits in the role that writes the children, so it is bound cluster-wide
+    or in each watched namespace alike: wherever the operator creates a router's Role."""
+    holding = {o["metadata"]["name"] for o in installed if o["kind"] in ("Role", "ClusterRole")
+               and ("discovery.k8s.io", "endpointslices") in grants(o["rules"])}
+    writing = {o["metadata"]["name"] for o in installed if o["kind"] in ("Role", "ClusterRole")
+               and ("rbac.authorization.k8s.io", "roles") in grants(o["rules"])}
+    assert holding == writing and len(holding) == 1
+
+
+def test_installers_create_no_router_accounts(installed):
+    """The operator creates each router's account beside its InferenceService; an installer-made
+    account in chosen namespaces would be the per-namespace setup this design removes."""
+    assert [o["metadata"]["name"] for o in installed if o["kind"] == "ServiceAccount"] == ["pagoda-operator"]
+    assert not [o for o in installed if o["kind"] == "Role"]
+
+
+@pytest.mark.parametrize("namespace", ["default", "team-z"])
+def test_rendered_router_runs_as_its_own_account_in_its_namespace(namespace):
+    body, spec = _tiny(namespace)
+    out = {(o["kind"], o["metadata"]["name"]): o for o in render.render(body, spec)}
+    account = out[("ServiceAccount", "t-router")]
+    assert account["metadata"]["namespace"] == namespace
+    assert out[("Deployment", "t")]["spec"]["template"]["spec"]["serviceAccountName"] == "t-router"
+    binding = out[("RoleBinding", "t-router")]
+    assert binding["metadata"]["namespace"] == namespace
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "t-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "t-router", "namespace": namespace}]
+    assert out[("Role", "t-router")]["metadata"]["namespace"] == namespace

@@ -16,11 +16,6 @@
 {{- default (include "pagoda.operatorName" .) .Values.serviceAccount.name -}}
 {{- end -}}
 
-{{/* The operator renders router Deployments with this ServiceAccount name; keep them in step. */}}
-{{- define "pagoda.routerServiceAccountName" -}}
-pagoda-router
-{{- end -}}
-
 {{/* "repository:tag" of an engine image value; (list $ .Values.engineImages.gpu) */}}
 {{- define "pagoda.engineImage" -}}
 {{- $root := index . 0 -}}

@@ -22,6 +22,9 @@ from pagoda_operator.spec import API_VERSION, KIND, PLURAL
 PLURALS = {
     "ConfigMap": "configmaps",
     "Service": "services",
+    "ServiceAccount": "serviceaccounts",
+    "Role": "roles",
+    "RoleBinding": "rolebindings",
     "Deployment": "deployments",
     "LeaderWorkerSet": "leaderworkersets",
     "PodDisruptionBudget": "poddisruptionbudgets",

@@ -11,6 +11,9 @@ InferenceService `<name>` and all in its namespace:
   LeaderWorkerSet <name>-engine     one leader + workers group per replica (nodes > 1)
   PodDisruptionBudget <name>-engine at most one replica down for voluntary disruptions
   Service <name>, Deployment <name> the router: the OpenAI endpoint (`pagoda route`)
+  ServiceAccount, Role, RoleBinding <name>-router
+                                    the router's identity: read the EndpointSlices of this
+                                    namespace, nothing else (its discovery of engine replicas)
   Ingress <name>                    when spec.router.ingress is set
   ServiceMonitor <name>             when spec.monitoring.serviceMonitor (Prometheus operator)
   ScaledObject / HorizontalPodAutoscaler <name>
@@ -42,7 +45,6 @@ FIELD_MANAGER = "pagoda-operator"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8000
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
-ROUTER_SERVICE_ACCOUNT = "pagoda-router"  # created per namespace by the Helm chart / kustomize
 MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"
@@ -51,10 +53,19 @@ STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_LABEL_PREFIX = "leaderworkerset.sigs.k8s.io"
 
+RBAC_API_VERSION = "rbac.authorization.k8s.io/v1"
+# What `pagoda route --k8s-service` reads to discover the engine replicas: (apiGroup, resource,
+# verbs). The operator grants it to each router's Role, so the operator's own RBAC must hold it
+# too (the API server refuses to let anyone grant permissions they lack).
+ROUTER_GRANT = ("discovery.k8s.io", "endpointslices", ("get", "list", "watch"))
+
 # The kinds the renderer can emit (apiVersion, kind): RBAC and tests cover exactly these.
 CHILD_KINDS = [
     ("v1", "ConfigMap"),
     ("v1", "Service"),
+    ("v1", "ServiceAccount"),
+    (RBAC_API_VERSION, "Role"),
+    (RBAC_API_VERSION, "RoleBinding"),
     ("apps/v1", "Deployment"),
     (f"{LWS_GROUP}/v1", "LeaderWorkerSet"),
     ("policy/v1", "PodDisruptionBudget"),
@@ -87,6 +98,11 @@ class Images:
 
 def engine_name(name: str) -> str:
     return f"{name}-engine"
+
+
+def router_account_name(name: str) -> str:
+    """The router's ServiceAccount, and the Role and RoleBinding that give it its rights."""
+    return f"{name}-router"
 
 
 def selector_labels(name: str, component: str) -> dict[str, str]:
@@ -511,13 +527,35 @@ def render_router_deployment(body: dict[str, Any], spec: InferenceServiceSpec, i
             "template": {
                 "metadata": {"labels": labels(name, "router")},
                 "spec": {
-                    "serviceAccountName": ROUTER_SERVICE_ACCOUNT,
+                    "serviceAccountName": router_account_name(name),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [container],
                 },
             },
         },
     }
+
+
+def render_router_rbac(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router's own ServiceAccount, Role and RoleBinding, per InferenceService: least
+    privilege (its namespace's EndpointSlices, read-only), and no install-time setup per namespace."""
+    name = body["metadata"]["name"]
+    account = router_account_name(name)
+    group, resource, verbs = ROUTER_GRANT
+    # Fresh metadata per object: shared dicts would come out as YAML anchors in `render`.
+    role_binding_meta = child_metadata(body, account, "router")
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(body, account, "router")},
+        {"apiVersion": RBAC_API_VERSION, "kind": "Role", "metadata": child_metadata(body, account, "router"),
+         "rules": [{"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}]},
+        {
+            "apiVersion": RBAC_API_VERSION,
+            "kind": "RoleBinding",
+            "metadata": role_binding_meta,
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+            "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": role_binding_meta["namespace"]}],
+        },
+    ]
 
 
 def render_router_service(body: dict[str, Any]) -> dict[str, Any]:
@@ -582,6 +620,8 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
         workload,
         render_engine_pdb(body),
         render_router_service(body),
+        # The account before the Deployment: its pods are refused until the account exists.
+        *render_router_rbac(body),
         render_router_deployment(body, spec, images),
     ]
     if spec.router.ingress is not None:
