@@ -2,13 +2,15 @@
 API server (tests/operator/apiserver.py: kmock's KubernetesEmulator extended to the documented
 API server behaviour, in a background thread), a kubeconfig pointing at it, and a real kopf
 operator running the autoscaler's handlers in a thread of its own (kopf cancels every task of
-the loop it runs in, so it gets its own loop).
+the loop it runs in, so it gets its own loop), and a log of the autoscaler's decisions as the
+status recorded them, for timing checks by the decisions' own clock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import json
 import sys
 import threading
@@ -74,6 +76,72 @@ class Cluster:
 
     def scale_writes(self) -> list:
         return [w for w in self.apiserver.api.writes if w.path.endswith("/scale")]
+
+    @contextlib.contextmanager
+    def recording_decisions(self, name: str, namespace: str = "default"):
+        """A DecisionLog of `name`, filled by a background poller while the block runs."""
+        log = DecisionLog(self, name, namespace)
+        log.start()
+        try:
+            yield log
+        finally:
+            log.stop()
+
+
+def decision_time(decision: dict) -> float:
+    """A lastDecision's time (RFC 3339, sub-second) as a Unix timestamp."""
+    return datetime.datetime.fromisoformat(decision["time"]).timestamp()
+
+
+class DecisionLog(threading.Thread):
+    """Every status.autoscaling.lastDecision of one InferenceService, in order, read from the
+    emulated API server every 50 ms (decisions are at least a second apart).
+
+    Timing checks use the decisions' own times and recommendations, so a loaded machine that
+    delays the test's polling cannot make them fail; a decision the poller missed only removes a
+    data point (the check then compares against an earlier decision: weaker, never wrong)."""
+
+    def __init__(self, cluster: Cluster, name: str, namespace: str):
+        super().__init__(name=f"decisions-{name}", daemon=True)
+        self.cluster, self.name_, self.namespace = cluster, name, namespace
+        self._seen: dict[str, dict] = {}
+        self._lock = threading.Lock()
+        self._done = threading.Event()
+
+    def run(self) -> None:
+        while not self._done.wait(0.05):
+            try:
+                d = self.cluster.get(self.name_, self.namespace)["status"]["autoscaling"]["lastDecision"]
+            except (KeyError, TypeError):
+                continue
+            with self._lock:
+                self._seen.setdefault(d["time"], d)
+
+    def stop(self) -> None:
+        self._done.set()
+        self.join(10)
+
+    def decisions(self) -> list[dict]:
+        with self._lock:
+            return sorted(self._seen.values(), key=decision_time)
+
+    def first(self, predicate) -> dict | None:
+        return next((d for d in self.decisions() if predicate(d)), None)
+
+    def assert_after_delay(self, decision: dict, delay_s: float) -> None:
+        """`decision` changed the replicas only after `delay_s` (scaleUpDelay / scaleDownDelay):
+        by the decisions' own clock, the latest earlier decision whose recommendation was on the
+        other side of its result (more, for a scale-down) is more than `delay_s` older."""
+        current, result = decision["inputs"]["currentReplicas"], decision["result"]
+        assert result != current, f"not a scaling decision: {decision}"
+        other_side = (lambda r: r > result) if result < current else (lambda r: r < result)
+        t = decision_time(decision)
+        before = next((d for d in reversed(self.decisions()) if decision_time(d) < t
+                       and d.get("recommendation") is not None and other_side(d["recommendation"])), None)
+        assert before is not None, f"no decision before {decision} asked for anything else: {self.decisions()}"
+        gap = t - decision_time(before)
+        assert gap > delay_s, (f"{current} -> {result} replicas {gap:.2f}s after a decision that asked for "
+                               f"{before['recommendation']} ({before}); the delay is {delay_s}s")
 
 
 @contextlib.contextmanager

@@ -76,32 +76,51 @@ def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(s
     set_waiting(stack, 0)
 
 
-def test_queue_scales_up_then_down_after_the_delay_with_status_and_events(stack, tmp_path, monkeypatch):
+# Several decision intervals (1 s) and Prometheus scrapes (1 s) long, so "not before the delay"
+# is unambiguous even when a loaded machine spaces decisions out.
+DOWN_DELAY_S = 5
+
+
+def test_queue_scales_up_at_once_then_down_one_step_per_delay(stack, tmp_path, monkeypatch):
     set_waiting(stack, 0)
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
-        cluster.create(inference_service("svc", replicas=1, autoscaling={
-            "minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 2, "scaleUpDelay": "0s",
-            "scaleDownDelay": "3s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
-        cluster.set_status("svc", {"replicas": 1, "readyReplicas": 1})
-        until(lambda: cluster.decided("svc", 1), 30, "a first decision")
-        set_waiting(stack, 6)
-        until(lambda: cluster.decided("svc", 3), 20, "scale up to ceil(6/2) = 3")
-        up = cluster.get("svc")["status"]["autoscaling"]["lastDecision"]
-        assert up["result"] == 3 and up["inputs"]["waiting"] == 6 and "ceil(6/2) = 3" in up["reason"]
-        assert cluster.scaling_ready("svc")["status"] == "True"
+        cluster.create(inference_service("svc", replicas=2, autoscaling={
+            "minReplicas": 2, "maxReplicas": 5, "policy": "queue", "target": 2, "scaleUpDelay": "0s",
+            "scaleDownDelay": f"{DOWN_DELAY_S}s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
+        cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
+        with cluster.recording_decisions("svc") as log:
+            until(lambda: log.first(lambda d: d["result"] == 2), 60, "a first decision")
+            set_waiting(stack, 8)
+            up = until(lambda: log.first(lambda d: d["result"] == 4), 60, "scale up to ceil(8/2) = 4")
+            until(lambda: cluster.decided("svc", 4), 30, "spec.replicas = 4")
+            assert up["inputs"]["waiting"] == 8 and "ceil(8/2) = 4" in up["reason"]
+            # scaleUpDelay 0: the first decision that saw the queue scaled
+            assert up is log.first(lambda d: d["inputs"].get("waiting") == 8)
+            assert cluster.scaling_ready("svc")["status"] == "True"
 
-        httpx.post(stack["engine"] + "/admin", json={"waiting": 0})
-        quiet_since = time.monotonic()
-        until(lambda: cluster.decided("svc", 2), 20, "one step down")
-        assert time.monotonic() - quiet_since >= 3 - 0.5  # not before scaleDownDelay
-        assert "scaleDownDelay" in cluster.get("svc")["status"]["autoscaling"]["lastDecision"]["reason"]
+            set_waiting(stack, 0)
+            # an empty queue steps down one replica at a time, each step after scaleDownDelay
+            down = until(lambda: log.first(lambda d: d["result"] == 3), DOWN_DELAY_S + 60, "one step down")
+            until(lambda: cluster.decided("svc", 3), 30, "spec.replicas = 3")
+            assert down["recommendation"] == 3 and "no request waiting" in down["reason"]
+            assert "scaleDownDelay" in down["reason"]
+            log.assert_after_delay(down, DOWN_DELAY_S)
+            floor = until(lambda: log.first(lambda d: d["result"] == 2 and d["inputs"]["currentReplicas"] == 3),
+                          DOWN_DELAY_S + 60, "a second step down, to minReplicas")
+            until(lambda: cluster.decided("svc", 2), 30, "spec.replicas = 2")
+            log.assert_after_delay(floor, DOWN_DELAY_S)
+            # minReplicas holds: later decisions keep 2
+            until(lambda: len([d for d in log.decisions() if d["time"] > floor["time"]]) >= 3, 60,
+                  "three more decisions")
+        assert all(d["result"] == 2 for d in log.decisions() if d["time"] > floor["time"])
+        assert cluster.get("svc")["spec"]["replicas"] == 2
 
         reasons = until(lambda: {"ScaledUp", "ScaledDown"} <= (r := {e.get("reason") for e in cluster.events()}) and r,
-                        10, "the scaling Events")
+                        30, "the scaling Events")
         assert reasons
-        writes = cluster.scale_writes()
-        assert [w.changed for w in writes] == [True, True]  # exactly two scalings: 1 -> 3 -> 2
+        # exactly three scalings, 2 -> 4 -> 3 -> 2, and no repeated write of a count already set
+        assert [w.changed for w in cluster.scale_writes()] == [True, True, True]
 
 
 def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path, monkeypatch):
@@ -114,7 +133,7 @@ def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(s
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(httpx.post, stack["router"] + "/v1/completions",
                                json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=120)
-            until(lambda: cluster.decided("zero", 1), 30, "scale from zero")
+            until(lambda: cluster.decided("zero", 1), 60, "scale from zero")
             decision = cluster.get("zero")["status"]["autoscaling"]["lastDecision"]
             assert decision["inputs"]["routerHeld"] >= 1 and "scale from zero" in decision["reason"]
             assert not held.done()
@@ -135,7 +154,7 @@ def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_
         cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
         until(lambda: cluster.scaling_ready("svc")["status"] == "True", 30, "ScalingReady=True")
         stack["prom_proc"].stop()
-        until(lambda: cluster.scaling_ready("svc")["status"] == "False", 20, "ScalingReady=False")
+        until(lambda: cluster.scaling_ready("svc")["status"] == "False", 60, "ScalingReady=False")
         cond = cluster.scaling_ready("svc")
         assert cond["reason"] == "PrometheusUnavailable" and "unreachable" in cond["message"]
         time.sleep(2)

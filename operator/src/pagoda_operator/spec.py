@@ -225,6 +225,7 @@ class ScalingDecision:
     time: str | None = prop(None, doc="When it was made (RFC 3339).")
     inputs: FreeForm | None = prop(None, doc="Metric values it was made from.")
     result: int | None = prop(None, doc="Replicas decided.")
+    recommendation: int | None = prop(None, doc="Replicas the policy asked for, before the scale-up/down delays.")
     reason: str | None = prop(None, doc="Why.")
 
 

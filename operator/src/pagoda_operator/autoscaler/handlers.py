@@ -47,8 +47,12 @@ def current_replicas(spec: dict, a: Autoscaling) -> int:
     return int(replicas) if isinstance(replicas, int) else a.min_replicas
 
 
-def _now_rfc3339(now: float) -> str:
-    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+def _now_rfc3339(now: float, micro: bool = False) -> str:
+    """RFC 3339 in UTC. Conditions take whole seconds (metav1.Time); a decision's time keeps
+    microseconds (as metav1.MicroTime does), so the spacing of decisions a few seconds apart, and
+    so the delay windows, can be read back from the status exactly."""
+    fmt = "%Y-%m-%dT%H:%M:%S.%fZ" if micro else "%Y-%m-%dT%H:%M:%SZ"
+    return datetime.datetime.fromtimestamp(now, datetime.timezone.utc).strftime(fmt)
 
 
 @dataclass
@@ -91,8 +95,8 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
     patch = {
         "autoscaling": {
             "desiredReplicas": decision.replicas,
-            "lastDecision": {"time": _now_rfc3339(now), "inputs": decision.inputs, "result": decision.replicas,
-                             "reason": decision.reason},
+            "lastDecision": {"time": _now_rfc3339(now, micro=True), "inputs": decision.inputs, "result": decision.replicas,
+                             "recommendation": decision.recommendation, "reason": decision.reason},
         },
         "conditions": set_condition([dict(c) for c in status.get("conditions") or []], CONDITION,
                                     decision.scaling_ready, decision.condition_reason, decision.reason,
@@ -159,6 +163,16 @@ async def autoscale(body, spec, memo, patch, **_):
     if now - state["last"] < interval:
         return
     state["last"] = now
-    outcome = await autoscale_once(dict(body), state["history"], now)
+    body = dict(body)
+    # Our last scale write bumps metadata.generation; until the watch delivers it (late on a
+    # loaded machine), `body` still holds the replicas from before it. Decide from what we set,
+    # not from that: a stale count would repeat the write and its Event with the wrong "before".
+    generation = (body.get("metadata") or {}).get("generation")
+    scaled = state.get("scaled")
+    if scaled is not None and scaled[0] == generation:
+        body["spec"] = {**(body.get("spec") or {}), "replicas": scaled[1]}
+    outcome = await autoscale_once(body, state["history"], now)
     if outcome is not None:
-        await apply_outcome(dict(body), outcome, patch, post_event=kopf.event)
+        await apply_outcome(body, outcome, patch, post_event=kopf.event)
+        if outcome.decision.changed(outcome.replicas_before):
+            state["scaled"] = (generation, outcome.decision.replicas)
