@@ -5,8 +5,9 @@ Each decision: read the status (replicas, ready replicas), ask Prometheus (`prom
 decide (`decision.py`), then
   - set spec.replicas through the scale subresource (field manager `pagoda-autoscaler`), as HPA
     would; the operator's reconcile turns spec.replicas into the engine workload's replicas,
-  - write `status.autoscaling` {desiredReplicas, lastDecision {time, inputs, result, reason}} and
-    the `ScalingReady` condition (this module owns that condition; the operator keeps it),
+  - write `status.autoscaling` {desiredReplicas, lastDecision {time, inputs, result,
+    recommendation, reason}} and the `ScalingReady` condition (this module owns that condition;
+    the operator keeps it),
   - post an Event when the replicas change or ScalingReady flips.
 Prometheus unreachable or metrics missing: ScalingReady=False with the reason, replicas unchanged.
 
@@ -95,8 +96,9 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
     patch = {
         "autoscaling": {
             "desiredReplicas": decision.replicas,
-            "lastDecision": {"time": _now_rfc3339(now, micro=True), "inputs": decision.inputs, "result": decision.replicas,
-                             "recommendation": decision.recommendation, "reason": decision.reason},
+            "lastDecision": {"time": _now_rfc3339(now, micro=True), "inputs": decision.inputs,
+                             "result": decision.replicas, "recommendation": decision.recommendation,
+                             "reason": decision.reason},
         },
         "conditions": set_condition([dict(c) for c in status.get("conditions") or []], CONDITION,
                                     decision.scaling_ready, decision.condition_reason, decision.reason,
