@@ -177,3 +177,15 @@ def test_tiny_model_cpu_throughput_figure(llm, capsys):
     assert tokens == 16 * 64
     with capsys.disabled():
         print(f"\ntiny model on CPU: {tokens / elapsed:.0f} output tokens/s (16 x 64 tokens)")
+
+
+@pytest.mark.parametrize("option, words", [
+    (dict(pipeline_parallel_size=2), "pipeline parallelism"),
+    (dict(data_parallel_size=2), "data parallelism"),
+    (dict(enable_expert_parallel=True), "expert parallelism"),
+    (dict(kv_offload_cpu_gb=8.0), "KV offload tiers"),
+    (dict(kv_offload_remote_url="redis://kv:6379"), "KV offload tiers"),
+])
+def test_options_not_implemented_refuse_to_start(model_dir, option, words):
+    with pytest.raises(ModelLoadError, match=f"not implemented in this engine yet: {words}"):
+        LLM(str(model_dir), **option)

@@ -15,19 +15,6 @@ api_server = pytest.importorskip("pagoda_engine.server.api_server")
 router_app = pytest.importorskip("pagoda_engine.router.app")
 from pagoda_engine.config import config_from_args  # noqa: E402
 
-# Flags the operator renders that `pagoda serve` does not accept yet (flag → how many values).
-# Pods of specs that use them (expert parallelism, KV tiers) fail until the engine adds them;
-# test_pending_flags_are_still_pending says when one can leave this list.
-PENDING_ENGINE_FLAGS = {
-    "--data-parallel-size": 1,
-    "--enable-expert-parallel": 0,
-    "--kv-offload-cpu-gb": 1,
-    "--kv-offload-disk-path": 1,
-    "--kv-offload-disk-gb": 1,
-    "--kv-offload-remote-url": 1,
-}
-
-
 def _parser(add_arguments) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
@@ -49,22 +36,11 @@ def _engine_args(children: list[dict]) -> list[str]:
     return container["args"]
 
 
-def _without_pending(args: list[str]) -> list[str]:
-    out, i = [], 0
-    while i < len(args):
-        if args[i] in PENDING_ENGINE_FLAGS:
-            i += 1 + PENDING_ENGINE_FLAGS[args[i]]
-        else:
-            out.append(args[i])
-            i += 1
-    return out
-
-
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)
 def test_pagoda_serve_accepts_the_rendered_arguments(filename):
     children = _children(filename)
     args = _engine_args(children)
-    parsed, unknown = _parser(api_server.add_arguments).parse_known_args(_without_pending(args))
+    parsed, unknown = _parser(api_server.add_arguments).parse_known_args(args)
     assert unknown == []
     spec = check(load_example(filename)).spec
     assert parsed.port == 8000 and parsed.host == "0.0.0.0"
@@ -75,14 +51,13 @@ def test_pagoda_serve_accepts_the_rendered_arguments(filename):
     assert parsed.enable_prefix_caching is spec.engine.prefix_caching
     assert parsed.max_model_len == spec.model.max_model_len
     assert parsed.device == ("cpu" if spec.resources.gpus_per_pod == 0 else "auto")
+    assert parsed.data_parallel_size == spec.topology.data
+    assert parsed.enable_expert_parallel is spec.topology.expert
+    tier_types = {tier.type for tier in spec.kv_cache.tiers}
+    assert (parsed.kv_offload_cpu_gb > 0) == ("cpu" in tier_types)
+    assert (parsed.kv_offload_disk_path is not None) == ("disk" in tier_types)
+    assert (parsed.kv_offload_remote_url is not None) == ("remote" in tier_types)
     config_from_args(parsed)  # the engine's own checks of the values pass too
-
-
-def test_pending_flags_are_still_pending():
-    parser = _parser(api_server.add_arguments)
-    for flag, nargs in PENDING_ENGINE_FLAGS.items():
-        _, unknown = parser.parse_known_args([flag] + ["1"] * nargs)
-        assert unknown, f"`pagoda serve` accepts {flag} now: remove it from PENDING_ENGINE_FLAGS"
 
 
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)

@@ -27,6 +27,12 @@ class CacheConfig:
     gpu_memory_utilization: float = 0.9
     num_kv_pages: int | None = None  # override the measured pool size (tests)
     cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget
+    # KV offload tiers below the device (ARCHITECTURE §4). Accepted so the operator's command
+    # line is stable; the engine refuses to start with any of them until the tiers exist.
+    kv_offload_cpu_gb: float = 0.0
+    kv_offload_disk_path: str | None = None
+    kv_offload_disk_gb: float = 0.0
+    kv_offload_remote_url: str | None = None
 
 
 @dataclass
@@ -44,6 +50,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
 
 
 @dataclass
@@ -118,6 +125,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="overlap scheduling of the next step with the current one on the device")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size (not implemented yet)")
+    p.add_argument("--kv-offload-disk-path", default=None, help="disk KV tier directory (not implemented yet)")
+    p.add_argument("--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size (not implemented yet)")
+    p.add_argument("--kv-offload-remote-url", default=None, help="remote KV tier, redis://… (not implemented yet)")
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

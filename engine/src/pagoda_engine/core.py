@@ -86,13 +86,29 @@ def _set_cpu_threads(model: torch.nn.Module) -> None:
         torch.set_num_threads(1)
 
 
+def _refuse_unimplemented(config: EngineConfig) -> None:
+    """Options the command line accepts (the operator renders them) but this engine cannot honour
+    yet: refuse to start with a clear message rather than run without them."""
+    pc, cc = config.parallel, config.cache
+    missing = []
+    if pc.pipeline_parallel_size > 1:
+        missing.append("pipeline parallelism (--pipeline-parallel-size > 1; tensor parallelism works)")
+    if pc.data_parallel_size > 1:
+        missing.append("data parallelism inside one engine (--data-parallel-size > 1; "
+                       "scale out with replicas behind the router instead)")
+    if pc.enable_expert_parallel:
+        missing.append("expert parallelism (--enable-expert-parallel; MoE models are not served yet)")
+    if cc.kv_offload_cpu_gb or cc.kv_offload_disk_path or cc.kv_offload_disk_gb or cc.kv_offload_remote_url:
+        missing.append("KV offload tiers (--kv-offload-*)")
+    if missing:
+        raise ModelLoadError("not implemented in this engine yet: " + "; ".join(missing))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         mc = config.model
-        if config.parallel.pipeline_parallel_size > 1:
-            raise ModelLoadError("pipeline parallelism is not implemented in this engine yet: "
-                                 "run with --pipeline-parallel-size 1 (tensor parallelism is)")
+        _refuse_unimplemented(config)
         self.model_dir = resolve_model_dir(mc.model)
         self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
         self.hf_config = load_hf_config(self.model_dir)
