@@ -189,3 +189,9 @@ def test_tiny_model_cpu_throughput_figure(llm, capsys):
 def test_options_not_implemented_refuse_to_start(model_dir, option, words):
     with pytest.raises(ModelLoadError, match=f"not implemented in this engine yet: {words}"):
         LLM(str(model_dir), **option)
+
+
+def test_multi_node_group_refuses_to_start(model_dir, monkeypatch):
+    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
+    with pytest.raises(ModelLoadError, match="multi-node serving"):
+        LLM(str(model_dir))

@@ -100,6 +100,9 @@ def _refuse_unimplemented(config: EngineConfig) -> None:
         missing.append("expert parallelism (--enable-expert-parallel; MoE models are not served yet)")
     if cc.kv_offload_cpu_gb or cc.kv_offload_disk_path or cc.kv_offload_disk_gb or cc.kv_offload_remote_url:
         missing.append("KV offload tiers (--kv-offload-*)")
+    group_size = os.environ.get("LWS_GROUP_SIZE", "1")  # set by the operator on LeaderWorkerSet pods
+    if group_size.isdigit() and int(group_size) > 1:
+        missing.append(f"multi-node serving (a LeaderWorkerSet group of {group_size} pods)")
     if missing:
         raise ModelLoadError("not implemented in this engine yet: " + "; ".join(missing))
 
@@ -114,6 +117,10 @@ class EngineCore:
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        tp = config.parallel.tensor_parallel_size
+        if self.device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ModelLoadError(f"--tensor-parallel-size {tp} needs {tp} GPUs, but this machine shows "
+                                 f"{torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; self.model is rank 0's shard.
