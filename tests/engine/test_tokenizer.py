@@ -2,13 +2,15 @@
 
 import json
 import shutil
+from types import SimpleNamespace
 
 import pytest
 from transformers import PreTrainedTokenizerBase
 
+from pagoda_engine.core import read_eos_token_ids
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.tiny import build_tiny_model
-from pagoda_engine.tokenizer import apply_chat_template, encode_prompt, eos_token_ids, load_tokenizer
+from pagoda_engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 MULTILINGUAL = "Héllo wörld! 日本語の文章です。 I love pizza 🍕 and rockets 🚀 — π ≈ 3.14159"
 
@@ -49,18 +51,20 @@ def test_missing_model_or_tokenizer_is_a_model_load_error(tmp_path, model_dir):
         load_tokenizer(broken)
 
 
-def test_eos_ids_join_tokenizer_and_generation_config(tmp_path, tokenizer, model_dir):
+def test_eos_ids_join_config_and_generation_config(tmp_path, tokenizer, model_dir):
+    config = SimpleNamespace(eos_token_id=tokenizer.eos_token_id)
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert eos_token_ids(tokenizer, model_dir) == (tokenizer.eos_token_id, im_end)
+    assert read_eos_token_ids(str(model_dir), config) == (tokenizer.eos_token_id, im_end)
 
     other = tmp_path / "other"
     other.mkdir()
     (other / "generation_config.json").write_text(json.dumps({"eos_token_id": 7}))
-    assert eos_token_ids(tokenizer, other) == (tokenizer.eos_token_id, 7)
+    assert read_eos_token_ids(str(other), config) == (tokenizer.eos_token_id, 7)
     (other / "generation_config.json").write_text(json.dumps({"eos_token_id": [tokenizer.eos_token_id]}))
-    assert eos_token_ids(tokenizer, other) == (tokenizer.eos_token_id,)
+    assert read_eos_token_ids(str(other), config) == (tokenizer.eos_token_id,)
     (other / "generation_config.json").unlink()
-    assert eos_token_ids(tokenizer, other) == (tokenizer.eos_token_id,)
+    assert read_eos_token_ids(str(other), config) == (tokenizer.eos_token_id,)
+    assert read_eos_token_ids(str(other), SimpleNamespace(eos_token_id=[3, 9])) == (3, 9)
 
 
 def test_chat_template_renders_chatml_and_encodes(tokenizer):

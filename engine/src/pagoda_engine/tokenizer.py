@@ -7,7 +7,6 @@ directory a Hugging Face user has works unchanged.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -32,24 +31,6 @@ def load_tokenizer(model_dir):
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as e:  # transformers raises many types; the user needs one clear message
         raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
-
-
-def eos_token_ids(tokenizer, model_dir) -> tuple[int, ...]:
-    """Token ids that end generation: the tokenizer's eos plus generation_config.json's
-    `eos_token_id` (an int or a list: chat models often add their end-of-turn token)."""
-    ids: list[int] = []
-    if tokenizer.eos_token_id is not None:
-        ids.append(int(tokenizer.eos_token_id))
-    gen_path = Path(model_dir).expanduser() / "generation_config.json"
-    if gen_path.is_file():
-        try:
-            gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
-        except ValueError as e:
-            raise ModelLoadError(f"{gen_path.name} in {str(model_dir)!r} is not valid JSON: {e}") from e
-        if isinstance(gen_eos, int):
-            gen_eos = [gen_eos]
-        ids.extend(int(i) for i in gen_eos or [])
-    return tuple(dict.fromkeys(ids))  # dedupe, keep order
 
 
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
