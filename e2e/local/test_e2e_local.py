@@ -33,8 +33,8 @@ def engine_counter(url: str, name: str) -> float:
     return total
 
 
-def complete(base: str, prompt: str, max_tokens: int = 8, **extra) -> httpx.Response:
-    return httpx.post(base + "/v1/completions", timeout=120,
+def complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = 120, **extra) -> httpx.Response:
+    return httpx.post(base + "/v1/completions", timeout=timeout,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
 
 
@@ -98,43 +98,53 @@ def test_malformed_requests_get_the_engines_answer_from_the_router(stack, body):
     assert (routed.status_code, routed.json()) == (direct.status_code, direct.json())
 
 
+# Several decision intervals (1 s) and Prometheus scrapes (1 s) long, so "not before the delay"
+# is unambiguous even when a loaded machine spaces decisions out.
+DOWN_DELAY_S = 5
+
+
 def test_burst_scales_up_and_quiet_scales_down_after_the_delay(stack, tmp_path, monkeypatch):
     u = stack["url"]
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        # minReplicas 2: an idle start stays at 2, so the only scale-down is the one after the burst
         cluster.create(inference_service("tiny", replicas=2, autoscaling={
-            "minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 1, "scaleUpDelay": "0s",
-            "scaleDownDelay": "4s", "intervalSeconds": 1, "prometheusURL": stack["url"]["prom"]}))
+            "minReplicas": 2, "maxReplicas": 4, "policy": "queue", "target": 1, "scaleUpDelay": "0s",
+            "scaleDownDelay": f"{DOWN_DELAY_S}s", "intervalSeconds": 1, "prometheusURL": stack["url"]["prom"]}))
         cluster.set_status("tiny", {"replicas": 2, "readyReplicas": 2})
-        until(lambda: cluster.decided("tiny", 2), 30, "a steady first decision")
+        with cluster.recording_decisions("tiny") as log:
+            until(lambda: log.first(lambda d: d["result"] == 2), 60, "a steady first decision")
 
-        stop = threading.Event()
+            stop = threading.Event()
 
-        def load(i):
-            while not stop.is_set():
-                complete(u["router"], f"load {i} " * 8, max_tokens=200, ignore_eos=True)
+            def load(i):
+                while not stop.is_set():
+                    complete(u["router"], f"load {i} " * 8, max_tokens=200, ignore_eos=True)
 
-        def scaled_up():
-            status = cluster.get("tiny")["status"]["autoscaling"]
-            return status["desiredReplicas"] > 2 and status["lastDecision"]
+            with concurrent.futures.ThreadPoolExecutor(12) as pool:
+                workers = [pool.submit(load, i) for i in range(12)]
+                try:
+                    up = until(lambda: log.first(lambda d: d["result"] > d["inputs"]["currentReplicas"]), 120,
+                               "a scale-up under load")
+                finally:
+                    stop.set()
+                for w in workers:
+                    w.result(300)
+            # the queue Prometheus saw (the engines' waiting requests) is what drove it, at once
+            assert up["inputs"]["currentReplicas"] == 2 and up["result"] > 2, up
+            assert up["inputs"]["waiting"] > 2 and "ceil(" in up["reason"], up
+            assert up is log.first(lambda d: d["inputs"].get("waiting", 0) > 2)
 
-        with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            workers = [pool.submit(load, i) for i in range(12)]
-            try:
-                up = until(scaled_up, 90, "a scale-up under load")
-            finally:
-                stop.set()
-            load_stopped = time.monotonic()
-            # the queue Prometheus saw (the engines' waiting requests) is what drove it
-            assert up["inputs"]["waiting"] > 2 and up["result"] > 2, up
-            until(lambda: cluster.decided("tiny", up["result"] - 1), 60, "a scale-down after the load")
-            # the queue empties only after the load stops, and must stay empty for scaleDownDelay
-            assert time.monotonic() - load_stopped >= 4 - 0.5
-            for w in workers:
-                w.result(120)
-        down = cluster.get("tiny")["status"]["autoscaling"]["lastDecision"]
-        assert "scaleDownDelay" in down["reason"]
-        assert {"ScaledUp", "ScaledDown"} <= {e.get("reason") for e in cluster.events()}
+            # the queue empties only after the in-flight requests finish; then one step down,
+            # not before it has stayed empty for scaleDownDelay
+            down = until(lambda: log.first(lambda d: d["result"] < d["inputs"]["currentReplicas"]),
+                         DOWN_DELAY_S + 120, "a scale-down after the load")
+            assert down["result"] == down["inputs"]["currentReplicas"] - 1 >= 2, down
+            assert down["inputs"]["waiting"] == 0 and "scaleDownDelay" in down["reason"], down
+            log.assert_after_delay(down, DOWN_DELAY_S)
+            until(lambda: cluster.decided("tiny", down["result"]), 30, "spec.replicas set to the scale-down")
+        until(lambda: {"ScaledUp", "ScaledDown"} <= {e.get("reason") for e in cluster.events()}, 30,
+              "the ScaledUp and ScaledDown Events")
 
 
 def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path, monkeypatch):
@@ -142,24 +152,31 @@ def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path,
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("zero", replicas=0, autoscaling={
-            "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "3s",
+            "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": f"{DOWN_DELAY_S}s",
             "intervalSeconds": 1, "prometheusURL": u["prom"]}))
-        until(lambda: cluster.decided("zero", 0), 30, "a first decision at zero")
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            held = pool.submit(complete, u["zero_router"], "Hello from zero", 8)
-            until(lambda: cluster.decided("zero", 1), 30, "scale from zero")
-            assert "scale from zero" in cluster.get("zero")["status"]["autoscaling"]["lastDecision"]["reason"]
-            assert not held.done()
-            engine = stack["start_late_engine"]()  # Kubernetes would start the pod now
-            try:
-                cluster.set_status("zero", {"replicas": 1, "readyReplicas": 1})
-                response = held.result(120)
-                assert response.status_code == 200 and response.json()["choices"][0]["text"]
-                # nothing more to do: after scaleDownDelay of idleness, back to zero
-                until(lambda: cluster.decided("zero", 0), 60, "scale to zero")
-                assert any(e.get("reason") == "ScaledToZero" for e in cluster.events())
-            finally:
-                engine.stop()
+        with cluster.recording_decisions("zero") as log:
+            until(lambda: cluster.decided("zero", 0), 60, "a first decision at zero")
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                # held by the router until a replica is up: the engine's start on a loaded machine
+                # counts against this request's timeout
+                held = pool.submit(complete, u["zero_router"], "Hello from zero", 8, timeout=600)
+                until(lambda: cluster.decided("zero", 1), 60, "scale from zero")
+                assert "scale from zero" in cluster.get("zero")["status"]["autoscaling"]["lastDecision"]["reason"]
+                assert not held.done()
+                engine = stack["start_late_engine"]()  # Kubernetes would start the pod now
+                try:
+                    cluster.set_status("zero", {"replicas": 1, "readyReplicas": 1})
+                    response = held.result(600)
+                    assert response.status_code == 200 and response.json()["choices"][0]["text"]
+                    # nothing more to do: after scaleDownDelay of idleness, back to zero
+                    zero = until(lambda: log.first(lambda d: d["result"] == 0 and d["inputs"]["currentReplicas"] == 1),
+                                 DOWN_DELAY_S + 120, "scale to zero")
+                    log.assert_after_delay(zero, DOWN_DELAY_S)
+                    until(lambda: cluster.decided("zero", 0), 30, "spec.replicas = 0")
+                    until(lambda: any(e.get("reason") == "ScaledToZero" for e in cluster.events()), 30,
+                          "the ScaledToZero Event")
+                finally:
+                    engine.stop()
 
 
 def test_prometheus_stopped_sets_scaling_ready_false_and_changes_nothing(stack, tmp_path, monkeypatch):
@@ -169,9 +186,9 @@ def test_prometheus_stopped_sets_scaling_ready_false_and_changes_nothing(stack, 
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
             "prometheusURL": stack["url"]["prom"]}))
         cluster.set_status("tiny", {"replicas": 2, "readyReplicas": 2})
-        until(lambda: cluster.scaling_ready("tiny")["status"] == "True", 30, "ScalingReady=True")
+        until(lambda: cluster.scaling_ready("tiny")["status"] == "True", 60, "ScalingReady=True")
         stack["prom"].stop()
-        until(lambda: cluster.scaling_ready("tiny")["status"] == "False", 30, "ScalingReady=False")
+        until(lambda: cluster.scaling_ready("tiny")["status"] == "False", 60, "ScalingReady=False")
         assert cluster.scaling_ready("tiny")["reason"] == "PrometheusUnavailable"
         time.sleep(2)
         assert cluster.get("tiny")["spec"]["replicas"] == 2 and not cluster.scale_writes()

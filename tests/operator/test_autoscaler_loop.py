@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import kopf
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
@@ -18,6 +19,7 @@ from k8s_emulator import autoscaler_operator, emulated_cluster, inference_servic
 from pagoda_e2e import (PROMETHEUS, PYTHON, Proc, free_port, prometheus_config, start_prometheus,  # noqa: E402
                         start_router, until)
 
+from pagoda_operator.autoscaler import handlers  # noqa: E402
 from pagoda_operator.autoscaler.prometheus import PrometheusClient, queries  # noqa: E402
 
 FAKE = str(Path(__file__).resolve().parents[2] / "e2e" / "local" / "fake_engine.py")
@@ -47,7 +49,7 @@ def stack(tmp_path_factory):
     }, interval_s=1.0)
     prom = start_prometheus(p_prom, config, tmp / "prometheus")
     router = start_router(p_router, [f"http://127.0.0.1:{p_late}"], tmp / "router.log",
-                          ["--queue-timeout", "120", "--health-interval", "0.5"])
+                          ["--queue-timeout", "300", "--health-interval", "0.5"])
     yield {"tmp": tmp, "engine": f"http://127.0.0.1:{p_engine}", "late_port": p_late,
            "router": f"http://127.0.0.1:{p_router}", "prom": f"http://127.0.0.1:{p_prom}", "prom_proc": prom}
     for p in (router, prom, engine):
@@ -57,7 +59,7 @@ def stack(tmp_path_factory):
 def set_waiting(stack, value: int) -> None:
     """Make the engine report a queue, and wait until Prometheus has scraped it."""
     httpx.post(stack["engine"] + "/admin", json={"waiting": value})
-    until(lambda: query(stack["prom"], queries("queue", "default", "svc")["waiting"]) == value, 20,
+    until(lambda: query(stack["prom"], queries("queue", "default", "svc")["waiting"]) == value, 60,
           f"Prometheus to see waiting = {value}")
 
 
@@ -65,7 +67,7 @@ def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(s
     httpx.post(stack["engine"] + "/admin", json={"waiting": 5, "running": 3})
     client = PrometheusClient(stack["prom"])
     obs = until(lambda: (o := asyncio.run(client.observe("kvUtilization", "default", "svc", 1, 1))).waiting == 5 and o,
-                20, "Prometheus to scrape the queue")
+                60, "Prometheus to scrape the queue")
     assert obs.error is None and (obs.waiting, obs.running) == (5, 3)
     assert obs.kv_usage == pytest.approx(0.3)
     assert obs.router_held is None  # no router scraped for this service: absent, not zero
@@ -123,23 +125,63 @@ def test_queue_scales_up_at_once_then_down_one_step_per_delay(stack, tmp_path, m
         assert [w.changed for w in cluster.scale_writes()] == [True, True, True]
 
 
+def test_a_stale_body_after_a_scale_write_neither_rescales_nor_repeats_the_event(stack, tmp_path, monkeypatch):
+    """kopf hands the timer the body its watch last delivered: right after a scale write (late
+    on a loaded machine) that still holds the old spec.replicas. The timer decides from the
+    replicas it set until the write shows up, so it neither writes them again nor posts a
+    second ScaledUp Event with the wrong "before"."""
+    events = []
+    monkeypatch.setattr(kopf, "event", lambda body, **kw: events.append(kw))
+    with emulated_cluster(tmp_path) as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        cluster.create(inference_service("svc", replicas=2, autoscaling={
+            "minReplicas": 2, "maxReplicas": 5, "policy": "queue", "target": 2, "scaleDownDelay": "600s",
+            "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
+        cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
+        memo: dict = {}
+
+        def tick(body: dict) -> dict:
+            patch = kopf.Patch()
+            asyncio.run(handlers.autoscale(body=body, spec=body["spec"], memo=memo, patch=patch))
+            memo["pagoda_autoscaler"]["last"] = 0.0  # the next tick decides at once
+            return patch.status["autoscaling"]["lastDecision"]
+
+        set_waiting(stack, 8)
+        try:
+            stale = cluster.get("svc")
+            first = tick(stale)
+            assert (first["inputs"]["currentReplicas"], first["result"]) == (2, 4)
+            assert cluster.get("svc")["spec"]["replicas"] == 4
+            second = tick(stale)  # the watch has not delivered the scale write yet
+            assert (second["inputs"]["currentReplicas"], second["result"]) == (4, 4)
+            fresh = cluster.get("svc")
+            assert fresh["metadata"]["generation"] > stale["metadata"]["generation"]
+            third = tick(fresh)
+            assert (third["inputs"]["currentReplicas"], third["result"]) == (4, 4)
+        finally:
+            set_waiting(stack, 0)
+        assert [w.changed for w in cluster.scale_writes()] == [True]
+        scaling = [e for e in events if e["reason"].startswith("Scaled")]  # not ScalingReady's first report
+        assert [e["reason"] for e in scaling] == ["ScaledUp"] and scaling[0]["message"].startswith("2 -> 4 replicas")
+
+
 def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path, monkeypatch):
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
         monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("zero", replicas=0, autoscaling={
             "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "60s",
             "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
-        until(lambda: cluster.decided("zero", 0), 30, "a first decision")  # idle at zero stays at zero
+        until(lambda: cluster.decided("zero", 0), 60, "a first decision")  # idle at zero stays at zero
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             held = pool.submit(httpx.post, stack["router"] + "/v1/completions",
-                               json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=120)
+                               json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=300)
             until(lambda: cluster.decided("zero", 1), 60, "scale from zero")
             decision = cluster.get("zero")["status"]["autoscaling"]["lastDecision"]
             assert decision["inputs"]["routerHeld"] >= 1 and "scale from zero" in decision["reason"]
             assert not held.done()
             engine = start_fake(stack["tmp"], stack["late_port"], "late")  # what Kubernetes would now start
             try:
-                response = held.result(60)
+                response = held.result(300)
                 assert response.status_code == 200 and response.json()["choices"][0]["text"] == "t0 t1 "
             finally:
                 engine.stop()
@@ -152,7 +194,7 @@ def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
             "prometheusURL": stack["prom"]}))
         cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
-        until(lambda: cluster.scaling_ready("svc")["status"] == "True", 30, "ScalingReady=True")
+        until(lambda: cluster.scaling_ready("svc")["status"] == "True", 60, "ScalingReady=True")
         stack["prom_proc"].stop()
         until(lambda: cluster.scaling_ready("svc")["status"] == "False", 60, "ScalingReady=False")
         cond = cluster.scaling_ready("svc")
