@@ -238,7 +238,7 @@ def run_throughput(args) -> dict:
     result = {
         "bench": "throughput", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
         "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens, "output_tokens": wl.num_output_tokens,
-        "elapsed_s": round(r["elapsed_s"], 3), "requests_per_s": round(wl.num_requests / r["elapsed_s"], 3),
+        "elapsed_s": round(r["elapsed_s"], 6), "requests_per_s": round(wl.num_requests / r["elapsed_s"], 3),
         "output_tokens_per_s": round(out_tps, 1), "total_tokens_per_s": round(total_tps, 1),
         "mean_time_per_output_token_ms": round(r["mean_tpot_s"] * 1e3, 3) if r["mean_tpot_s"] else None,
         "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
