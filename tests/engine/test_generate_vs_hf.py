@@ -43,16 +43,21 @@ def model_dir(request, tmp_path_factory):
                             config_overrides=ARCHS[name])
 
 
-@pytest.fixture(scope="module")
-def hf_tokens(model_dir):
+def hf_greedy(model_dir, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """Hugging Face `generate`, greedy, exactly `new_tokens` per prompt (EOS masked): the reference."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     out = []
-    for prompt in PROMPTS:
+    for prompt in prompts:
         ids = torch.tensor([prompt])
         gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
+                             max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
         out.append(gen[0, len(prompt):].tolist())
     return out
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(model_dir):
+    return hf_greedy(model_dir, PROMPTS)
 
 
 def _greedy():

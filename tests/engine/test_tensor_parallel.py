@@ -11,13 +11,13 @@ import sys
 import time
 
 import pytest
-import torch
 import transformers
 
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
 from pagoda_engine.executor import check_tensor_parallel
 from pagoda_engine.tiny import build_tiny_model
+from test_generate_vs_hf import hf_greedy
 
 NEW_TOKENS = 10
 SHARED = [(7 * i + 11) % 500 + 5 for i in range(40)]
@@ -34,17 +34,6 @@ TP_BUDGET = 24
 def _greedy(**kwargs) -> SamplingParams:
     # min_tokens = max_tokens masks EOS exactly as HF's min_new_tokens does.
     return SamplingParams(temperature=0, max_tokens=NEW_TOKENS, min_tokens=NEW_TOKENS, **kwargs)
-
-
-def _hf_greedy(model_dir, prompts) -> list[list[int]]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                             max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0)
-        out.append(gen[0, len(prompt):].tolist())
-    return out
 
 
 def _tp1_greedy(model_dir, prompts) -> list[list[int]]:
@@ -97,7 +86,7 @@ def test_tp2_greedy_equals_tp1_and_hf_generate_with_chunked_prefill(tp_llm, tp1_
     tp2 = [o.outputs[0].token_ids for o in tp_llm.generate(PROMPTS, _greedy())]
     tp1 = [o.outputs[0].token_ids for o in tp1_llm.generate(PROMPTS, _greedy())]
     assert tp2 == tp1
-    assert tp2 == _hf_greedy(gqa_dir, PROMPTS)
+    assert tp2 == hf_greedy(gqa_dir, PROMPTS, NEW_TOKENS)
     assert tp_llm.core.kv.num_free_pages == tp_llm.core.kv.pool.num_pages - 1
 
 
@@ -132,7 +121,7 @@ def test_close_ends_workers_and_a_four_kv_head_model_matches(tmp_path):
     model_dir = build_tiny_model(tmp_path / "model", arch="qwen3", seed=5,
                                  config_overrides={"num_key_value_heads": 4, "tie_word_embeddings": True})
     prompts = PROMPTS[:2]
-    expected = _hf_greedy(model_dir, prompts)
+    expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
     assert _tp1_greedy(model_dir, prompts) == expected
     with LLM(str(model_dir), num_kv_pages=64, tensor_parallel_size=2) as llm:
         assert llm.core.model.model.layers[0].self_attn.num_kv_heads == 2
@@ -175,7 +164,7 @@ def test_workers_die_with_the_engine_process_and_replicated_kv_heads_match(tmp_p
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(n=NEW_TOKENS), str(model_dir), json.dumps(prompts)],
                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
-        expected = _hf_greedy(model_dir, prompts)
+        expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
         assert _tp1_greedy(model_dir, prompts) == expected
         line = child.stdout.readline()
         assert line, f"the engine process exited with {child.wait()}"
