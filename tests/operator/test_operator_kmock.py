@@ -112,6 +112,13 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
         time.sleep(0.05)
 
 
+def _quiet_for(apiserver: BackgroundApiServer, path_part: str, seconds: float) -> bool:
+    """True once no write touching `path_part` has arrived for `seconds` (blocks that long)."""
+    count = sum(1 for w in apiserver.api.writes if path_part in w.path)
+    time.sleep(seconds)
+    return sum(1 for w in apiserver.api.writes if path_part in w.path) == count
+
+
 def get(apiserver: BackgroundApiServer, kind: tuple, name: str) -> dict | None:
     return apiserver.call(_read(apiserver, kind, name))
 
@@ -261,6 +268,9 @@ def test_an_unchanged_spec_makes_no_changing_writes(cluster):
     apiserver, operator = cluster
     ready_service(apiserver, "steady")
     wait_for("the Ready event", lambda: any(e.get("reason") == "Ready" for e in events_for(apiserver, "steady")))
+    # The first reconcile may still be finishing its own writes (kopf's annotations, the status)
+    # after the Event: take the snapshot once nothing has touched the service for a second.
+    wait_for("the first reconcile to settle", lambda: _quiet_for(apiserver, "/steady", 1.0))
     before = {key: obj["metadata"]["resourceVersion"] for key, obj in children_of(apiserver, "steady").items()}
     is_version = get(apiserver, IS, "steady")["metadata"]["resourceVersion"]
     events_before = len(events_for(apiserver, "steady"))
