@@ -4,10 +4,13 @@ import it by a name no other test directory uses."""
 
 from __future__ import annotations
 
+import gc
 import importlib.util
 
 import pytest
 import torch
+
+from pagoda_engine import LLM
 
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and flashinfer")
@@ -20,3 +23,13 @@ MODEL_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2
                                       original_max_position_embeddings=256))
 
 
+
+# What most GPU tests run: bf16, a fixed small KV pool, a batch that covers several graph sizes.
+LLM_DEFAULTS = dict(dtype="bfloat16", num_kv_pages=512, max_num_seqs=32, seed=0)
+
+
+def make_llm(model_dir, **overrides) -> LLM:
+    """An engine on the GPU with LLM_DEFAULTS (overridable), after freeing what earlier tests left."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    return LLM(str(model_dir), **{**LLM_DEFAULTS, **overrides})

@@ -10,21 +10,13 @@ import random
 import pytest
 import torch
 
-from gpu_support import requires_gpu
+from gpu_support import make_llm, requires_gpu
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.attention import AttentionBatch, get_attention_backend
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 CUDA = torch.device("cuda")
-
-
-def make_llm(model_dir, **kwargs) -> LLM:
-    gc.collect()
-    torch.cuda.empty_cache()
-    args = dict(dtype="bfloat16", num_kv_pages=512, max_num_seqs=32, seed=0)
-    args.update(kwargs)
-    return LLM(str(model_dir), **args)
 
 
 def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -4,13 +4,14 @@ both ranks at once, and the worker process ends with the engine. Skipped with fe
 
 from __future__ import annotations
 
-import gc
+import functools
 import os
 import time
 
 import pytest
 import torch
 
+import gpu_support
 from gpu_support import requires_gpu
 from pagoda_engine import LLM, SamplingParams
 
@@ -20,12 +21,8 @@ pytestmark = [pytest.mark.gpu, requires_gpu,
 PROMPTS = [[(13 * i + 7 * j) % 495 + 5 for i in range(n)] for j, n in enumerate([3, 40, 130, 17])]
 
 
-def make_llm(model_dir, **kwargs) -> LLM:
-    gc.collect()
-    torch.cuda.empty_cache()
-    args = dict(dtype="bfloat16", num_kv_pages=256, max_num_seqs=16, seed=0)
-    args.update(kwargs)
-    return LLM(str(model_dir), **args)
+# Two ranks share the GPUs with nothing else: a smaller pool and batch than the other GPU tests.
+make_llm = functools.partial(gpu_support.make_llm, num_kv_pages=256, max_num_seqs=16)
 
 
 def greedy(llm: LLM, **kwargs) -> list:
