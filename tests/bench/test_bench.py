@@ -70,3 +70,16 @@ def test_latency_run_reports_time_per_token(tiny_model, tmp_path):
 def test_invalid_sizes_are_refused(tiny_model, capsys):
     assert main(["bench", "throughput", "--model", tiny_model, "--num-prompts", "0"]) == 2
     assert "--num-prompts must be >= 1" in capsys.readouterr().err
+
+
+def test_profile_records_the_chosen_steps(tiny_model, tmp_path, capsys):
+    assert main(["bench", "throughput", "--model", tiny_model, "--dtype", "float32", "--num-prompts", "2",
+                 "--input-len", "8", "--output-len", "6", "--profile", str(tmp_path / "prof"),
+                 "--profile-steps", "1:3"]) == 0
+    printed = capsys.readouterr().out
+    assert "--- profiled steps 1..3: wall" in printed and "top ops by self CPU time" in printed
+    assert (tmp_path / "prof" / "trace.json").is_file()
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "latency", "--model", tiny_model, "--profile", "x", "--profile-steps", "3"])
+    assert exc.value.code == 2
+    assert "expected FIRST:COUNT" in capsys.readouterr().err

@@ -101,3 +101,31 @@ def test_factory_picks_backends_by_name_and_device():
         get_attention_backend("flashinfer", spec, 4, CPU)
     with pytest.raises(ValueError, match="attention backend must be one of"):
         get_attention_backend("triton", spec, 4, CPU)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["kv-slices-of-qkv", "separate-k-v"])
+def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused):
+    """One scatter writes K and V: as a view when they are adjacent slices of one qkv output (no
+    copy made), as a stack otherwise; every other slot stays untouched."""
+    from pagoda_engine.attention.base import stacked_kv
+
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=8, page_size=4, dtype=torch.float32)
+    backend = TorchRefBackend(spec, 6, CPU)
+    t, kv = 5, 2 * 8
+    if fused:
+        qkv = torch.randn(t, 4 * 8 + 2 * kv)
+        _, k, v = qkv.split([4 * 8, kv, kv], dim=-1)
+    else:
+        k, v = torch.randn(t, kv), torch.randn(t, kv)
+    k, v = k.view(t, 2, 8), v.view(t, 2, 8)
+    stacked = stacked_kv(k, v)
+    assert torch.equal(stacked[:, 0], k) and torch.equal(stacked[:, 1], v)
+    assert (stacked.data_ptr() == k.data_ptr()) == fused
+    slots = torch.tensor([5, 6, 22, 3, 12])  # pages 1, 1, 5, 0, 3
+    backend.write_kv(0, k, v, slots)
+    cache = backend.kv_caches[0]
+    for i, slot in enumerate(slots.tolist()):
+        assert torch.equal(cache[slot // 4, 0, slot % 4], k[i]) and torch.equal(cache[slot // 4, 1, slot % 4], v[i])
+    written = torch.zeros(6, 4, dtype=torch.bool)
+    written[slots // 4, slots % 4] = True
+    assert cache.permute(0, 2, 1, 3, 4)[~written].abs().sum() == 0

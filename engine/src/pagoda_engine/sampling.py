@@ -63,8 +63,9 @@ class SamplingBatch:
     # Greedy vs random. `random_rows` indexes the non-greedy rows; the per-row sampling tensors
     # below are for those rows only, in that order.
     all_greedy: bool
+    all_random: bool  # no greedy row: the random rows are all rows, in order
     random_rows: torch.Tensor | None  # int64 [R]
-    temperature: torch.Tensor | None  # float32 [R]
+    temperature: torch.Tensor | None  # float32 [R], None when every random row's temperature is 1
     min_p: torch.Tensor | None  # float32 [R], None when no random row uses min_p
     top_k: torch.Tensor | None  # int64 [R] in 1..V (V = off), None when no random row uses top_k
     max_top_k: int  # the largest top_k in use (0 = none), known on the host without a device sync
@@ -102,7 +103,8 @@ class SamplingBatch:
         if not all_greedy:
             rparams = [params[i] for i in random_idx]
             random_rows = _to_device(random_idx, torch.int64, device)
-            temperature = _to_device([p.temperature for p in rparams], torch.float32, device)
+            if any(p.temperature != 1.0 for p in rparams):  # dividing by 1 changes nothing: skip it
+                temperature = _to_device([p.temperature for p in rparams], torch.float32, device)
             if any(p.min_p > 0 for p in rparams):
                 min_p = _to_device([p.min_p for p in rparams], torch.float32, device)
             row_top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in rparams]
@@ -144,6 +146,7 @@ class SamplingBatch:
             min_tokens_ids = _to_device(mask_ids, torch.int64, device)
 
         return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=all_greedy,
+                   all_random=len(random_idx) == num_rows,
                    random_rows=random_rows, temperature=temperature, min_p=min_p, top_k=top_k,
                    max_top_k=max_top_k, top_p=top_p,
                    seeded=seeded, repetition_penalty=repetition, frequency_penalty=frequency,
@@ -254,15 +257,19 @@ class Sampler:
 
         logits = apply_penalties_and_masks(logits, batch)
         # Greedy is the argmax after penalties and masks, before temperature (as in vLLM).
-        token_ids = logits.argmax(dim=-1)
-        if not batch.all_greedy:
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        elif batch.all_random:  # no argmax, no gather of the random rows: one pass less over the logits
+            token_ids = self._sample_random(logits, batch)
+        else:
             sampled = self._sample_random(logits[batch.random_rows], batch)
-            token_ids = token_ids.index_copy(0, batch.random_rows, sampled)
+            token_ids = logits.argmax(dim=-1).index_copy(0, batch.random_rows, sampled)
         return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample one token per random row from logits `[R, V]` after penalties and masks."""
-        logits = logits / batch.temperature[:, None]
+        if batch.temperature is not None:
+            logits = logits / batch.temperature[:, None]
         if batch.min_p is not None:
             # Keep tokens whose probability is at least min_p times the most likely token's.
             probs = torch.softmax(logits, dim=-1)
@@ -304,7 +311,9 @@ class FlashInferSampler(Sampler):
         from flashinfer import sampling as fs
 
         gen = self._engine_generator(logits.device)
-        logits = (logits / batch.temperature[:, None]).contiguous()
+        if batch.temperature is not None:
+            logits = logits / batch.temperature[:, None]
+        logits = logits.contiguous()
         if batch.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
             tokens = fs.min_p_sampling_from_probs(probs, batch.min_p, generator=gen)

@@ -76,9 +76,19 @@ class AttentionBackend(ABC):
         causally over each request's cached and new tokens."""
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        """Scatter the new tokens' K and V into their pages (an index_put; capturable in a CUDA graph)."""
+        """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""
         cache = self.kv_caches[layer_id]
         pages = torch.div(slot_mapping, self.spec.page_size, rounding_mode="floor")
         offsets = slot_mapping % self.spec.page_size
-        cache[pages, 0, offsets] = k.to(cache.dtype)
-        cache[pages, 1, offsets] = v.to(cache.dtype)
+        cache[pages, :, offsets] = stacked_kv(k, v).to(cache.dtype)
+
+
+def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[T, 2, Hkv, D] of each token's K and V. When V directly follows K in memory (both slices of
+    one fused qkv projection, as in every Llama-family layer) this is a view; otherwise a stack."""
+    t, h, d = k.shape
+    adjacent = (v.shape == k.shape and v.stride() == k.stride() and k.stride(2) == 1 and k.stride(1) == d
+                and v.data_ptr() == k.data_ptr() + h * d * k.element_size())
+    if adjacent:
+        return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
+    return torch.stack((k, v), dim=1)

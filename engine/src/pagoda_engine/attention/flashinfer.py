@@ -23,7 +23,7 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
+from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, stacked_kv
 
 # FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
 WORKSPACE_BYTES = 256 << 20
@@ -56,8 +56,8 @@ class _Step:
     num_decodes: int  # rows [0, num_decodes) of q are decodes
     num_prefill_tokens: int  # rows after them are prefill chunks
     decode: object | None  # the decode wrapper planned for this step
-    k_rows: torch.Tensor  # int64 [T]: row of each new token's K in the layer cache viewed as [-1, Hkv, D]
-    v_rows: torch.Tensor
+    pages: torch.Tensor  # int64 [T]: the page of each new token's K/V
+    offsets: torch.Tensor  # int64 [T]: its slot within that page
 
 
 class FlashInferBackend(AttentionBackend):
@@ -106,14 +106,13 @@ class FlashInferBackend(AttentionBackend):
         s = self.spec
         return dict(q_data_type=s.dtype, kv_data_type=s.dtype)
 
-    def _slot_rows(self, slot_mapping: torch.Tensor, k_out: torch.Tensor | None = None,
-                   v_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        # A layer cache [pages, 2, page_size, H, D] viewed as [-1, H, D]: the K of slot
-        # page * page_size + offset is row page * 2 * page_size + offset, its V page_size rows later.
+    def _split_slots(self, slot_mapping: torch.Tensor, pages_out: torch.Tensor | None = None,
+                     offsets_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """slot = page * page_size + offset → (page, offset), once per step for every layer."""
         ps = self.spec.page_size
-        k_rows = torch.add(slot_mapping, torch.div(slot_mapping, ps, rounding_mode="floor") * ps, out=k_out)
-        v_rows = torch.add(k_rows, ps, out=v_out)
-        return k_rows, v_rows
+        pages = torch.div(slot_mapping, ps, rounding_mode="floor", out=pages_out)
+        offsets = torch.remainder(slot_mapping, ps, out=offsets_out)
+        return pages, offsets
 
     # --- eager plan ------------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> None:
@@ -140,8 +139,8 @@ class FlashInferBackend(AttentionBackend):
                                       torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
-        k_rows, v_rows = self._slot_rows(batch.slot_mapping.to(self.device, torch.int64))
-        self._step = _Step(nd, num_prefill_tokens, decode, k_rows, v_rows)
+        pages, offsets = self._split_slots(batch.slot_mapping.to(self.device, torch.int64))
+        self._step = _Step(nd, num_prefill_tokens, decode, pages, offsets)
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
     def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
@@ -153,8 +152,8 @@ class FlashInferBackend(AttentionBackend):
             indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
             slots=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            k_rows=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            v_rows=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            pages=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            offsets=torch.zeros(max_bs, dtype=torch.int64, device=dev),
         )
         b = self._graph_bufs
         for bs in batch_sizes:
@@ -177,17 +176,22 @@ class FlashInferBackend(AttentionBackend):
         indptr, indices, last = page_table_csr(tables, batch.seq_lens + [1] * pad, s.page_size)
         if len(indices) > self._graph_bufs["indices"].numel():
             raise ValueError(f"{len(indices)} pages exceed the graph page buffer")
+        b = self._graph_bufs
+        # The page ids go to the graph's buffer from pinned memory, without waiting; the wrapper is
+        # then handed that buffer itself, which it recognises and does not copy. Handed host ids, its
+        # cuda-graph plan copies them with a blocking copy: a wait for the whole step in flight.
+        device_indices = b["indices"][:len(indices)]
+        device_indices.copy_(torch.from_numpy(indices).pin_memory(), non_blocking=True)
         self._wait_for_last_plan()
         self._graph_wrappers[padded_size].plan(
-            torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
+            torch.from_numpy(indptr), device_indices, torch.from_numpy(last),
             s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size, **self._kv_args())
         self._mark_plan_copied()
-        b = self._graph_bufs
         slots = b["slots"][:padded_size]
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        k_rows, v_rows = self._slot_rows(slots, b["k_rows"][:padded_size], b["v_rows"][:padded_size])
-        self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], k_rows, v_rows)
+        pages, offsets = self._split_slots(slots, b["pages"][:padded_size], b["offsets"][:padded_size])
+        self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], pages, offsets)
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -195,10 +199,12 @@ class FlashInferBackend(AttentionBackend):
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
         cache = self.kv_caches[layer_id]
-        rows = cache.view(-1, self.spec.num_kv_heads, self.spec.head_dim)
-        rows.index_copy_(0, st.k_rows, k.to(cache.dtype))
-        rows.index_copy_(0, st.v_rows, v.to(cache.dtype))
-        q = q.contiguous()
+        # One scatter for K and V: cache[page, :, offset] is the token's [2, Hkv, D] (K then V).
+        cache[st.pages, :, st.offsets] = stacked_kv(k, v).to(cache.dtype)
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        # Otherwise q stays a strided view of the qkv projection's output: FlashInfer's kernels take
+        # row and head strides, so no copy is made.
         nd = st.num_decodes
         if not st.num_prefill_tokens:
             return st.decode.run(q, cache)
@@ -208,3 +214,4 @@ class FlashInferBackend(AttentionBackend):
         st.decode.run(q[:nd], cache, out=out[:nd])
         self.prefill_wrapper.run(q[nd:], cache, out=out[nd:])
         return out
+

@@ -42,6 +42,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a torch.profiler trace of a few steps into DIR and print the top kernels")
+    p.add_argument("--profile-steps", default=None, metavar="FIRST:COUNT", type=_step_range,
+                   help="which steps --profile records (default 300:10 for throughput, 100:20 for latency)")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,3 +69,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    first, sep, count = text.partition(":")
+    if not (sep and first.isdigit() and count.isdigit() and int(count) > 0):
+        raise argparse.ArgumentTypeError(f"expected FIRST:COUNT with COUNT > 0, got {text!r}")
+    return int(first), int(count)

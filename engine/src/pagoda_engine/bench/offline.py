@@ -147,6 +147,8 @@ class _StepProfiler:
         sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
         print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by {sort}) ---")
         print(events.table(sort_by=sort, row_limit=30))
+        print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by self CPU time: the host's work) ---")
+        print(events.table(sort_by="self_cpu_time_total", row_limit=25))
         self.prof = None
 
 
@@ -231,7 +233,7 @@ def _prepare(args, title: str) -> tuple[EngineCore, Workload, dict, dict, dict]:
 
 def run_throughput(args) -> dict:
     core, wl, info, env, roof = _prepare(args, "throughput")
-    profiler = _StepProfiler(args.profile, first=300, count=10) if args.profile else None
+    profiler = _StepProfiler(args.profile, *(args.profile_steps or (300, 10))) if args.profile else None
     r = _drive(core, wl, "bench", profiler)
     out_tps = wl.num_output_tokens / r["elapsed_s"]
     total_tps = (wl.num_output_tokens + wl.num_input_tokens) / r["elapsed_s"]
@@ -260,7 +262,8 @@ def run_latency(args) -> dict:
     _drive(core, wl, "warmup-run")
     runs = []
     for it in range(args.num_iters):
-        profiler = _StepProfiler(args.profile, first=100, count=20) if args.profile and it == 0 else None
+        profiler = (_StepProfiler(args.profile, *(args.profile_steps or (100, 20)))
+                    if args.profile and it == 0 else None)
         r = _drive(core, wl, f"iter{it}", profiler)
         ttft = statistics.fmean(r["first_token"][k] - r["start"] for k in r["first_token"])
         runs.append({"e2e_s": r["elapsed_s"], "ttft_s": ttft, "tpot_s": r["mean_tpot_s"]})
