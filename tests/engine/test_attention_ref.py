@@ -103,20 +103,22 @@ def test_factory_picks_backends_by_name_and_device():
         get_attention_backend("triton", spec, 4, CPU)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("fused", [True, False], ids=["kv-slices-of-qkv", "separate-k-v"])
-def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused):
-    """One scatter writes K and V: as a view when they are adjacent slices of one qkv output (no
-    copy made), as a stack otherwise; every other slot stays untouched."""
+def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused, dtype):
+    """One scatter writes K and V (as 8-byte words where the layout allows, bit-exact): from a view
+    when they are adjacent slices of one qkv output (no copy made), from a stack otherwise; every
+    other slot stays untouched."""
     from pagoda_engine.attention.base import stacked_kv
 
-    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=8, page_size=4, dtype=torch.float32)
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=8, page_size=4, dtype=dtype)
     backend = TorchRefBackend(spec, 6, CPU)
     t, kv = 5, 2 * 8
     if fused:
-        qkv = torch.randn(t, 4 * 8 + 2 * kv)
+        qkv = torch.randn(t, 4 * 8 + 2 * kv, dtype=dtype)
         _, k, v = qkv.split([4 * 8, kv, kv], dim=-1)
     else:
-        k, v = torch.randn(t, kv), torch.randn(t, kv)
+        k, v = torch.randn(t, kv, dtype=dtype), torch.randn(t, kv, dtype=dtype)
     k, v = k.view(t, 2, 8), v.view(t, 2, 8)
     stacked = stacked_kv(k, v)
     assert torch.equal(stacked[:, 0], k) and torch.equal(stacked[:, 1], v)
@@ -129,3 +131,14 @@ def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused):
     written = torch.zeros(6, 4, dtype=torch.bool)
     written[slots // 4, slots % 4] = True
     assert cache.permute(0, 2, 1, 3, 4)[~written].abs().sum() == 0
+
+
+def test_word_view_only_where_the_layout_allows():
+    from pagoda_engine.attention.base import _as_words
+
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    assert _as_words(x).shape == (3, 2) and torch.equal(_as_words(x).view(torch.bfloat16), x)
+    assert _as_words(x[:, 1:5]) is None  # starts mid-word
+    assert _as_words(x[:, :6]) is None  # row stride 8, width 6: not whole words
+    assert _as_words(x.t()) is None  # last dimension not contiguous
+    assert _as_words(torch.randn(3, 5)) is None  # 5 float32 values are not whole words

@@ -77,10 +77,8 @@ class AttentionBackend(ABC):
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""
-        cache = self.kv_caches[layer_id]
         pages = torch.div(slot_mapping, self.spec.page_size, rounding_mode="floor")
-        offsets = slot_mapping % self.spec.page_size
-        cache[pages, :, offsets] = stacked_kv(k, v).to(cache.dtype)
+        scatter_kv(self.kv_caches[layer_id], pages, slot_mapping % self.spec.page_size, k, v)
 
 
 def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -92,3 +90,26 @@ def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     if adjacent:
         return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
     return torch.stack((k, v), dim=1)
+
+
+def scatter_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """cache[pages[i], :, offsets[i]] = (k[i], v[i]) for every new token i: one index_put.
+
+    The copy moves 8-byte words where the layouts allow (a bit-exact reinterpretation): the index
+    kernel's cost is per element, and 2-byte elements made it several times slower than the memory
+    traffic (a 16k-token prefill chunk: 250 us per layer)."""
+    src = stacked_kv(k, v).to(cache.dtype)
+    words_dst, words_src = _as_words(cache), _as_words(src)
+    if words_dst is not None and words_src is not None:
+        cache, src = words_dst, words_src
+    cache[pages, :, offsets] = src
+
+
+def _as_words(t: torch.Tensor) -> torch.Tensor | None:
+    """`t` viewed as int64 along its last dimension, or None when its layout does not allow it."""
+    per_word = 8 // t.element_size()
+    if t.element_size() > 8 or t.stride(-1) != 1 or t.shape[-1] % per_word or t.storage_offset() % per_word:
+        return None
+    if any(s % per_word for s in t.stride()[:-1]):
+        return None
+    return t.view(torch.int64)

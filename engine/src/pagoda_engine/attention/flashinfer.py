@@ -23,7 +23,7 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, stacked_kv
+from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, scatter_kv
 
 # FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
 WORKSPACE_BYTES = 256 << 20
@@ -199,8 +199,7 @@ class FlashInferBackend(AttentionBackend):
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
         cache = self.kv_caches[layer_id]
-        # One scatter for K and V: cache[page, :, offset] is the token's [2, Hkv, D] (K then V).
-        cache[st.pages, :, st.offsets] = stacked_kv(k, v).to(cache.dtype)
+        scatter_kv(cache, st.pages, st.offsets, k, v)  # K and V of every new token, one kernel
         if q.stride(-1) != 1:
             q = q.contiguous()
         # Otherwise q stays a strided view of the qkv projection's output: FlashInfer's kernels take
