@@ -1,5 +1,5 @@
 """Tensor parallelism on two GPUs (NCCL; rank r on cuda:r): TP=2 gives TP=1's greedy tokens in
-float32 and logprobs within bf16 rounding in bf16, the KV pool is sized by a profile step run on
+float32 and logprobs within bf16 rounding in bf16 (with decode CUDA graphs on every rank), the KV pool is sized by a profile step run on
 both ranks at once, and the worker process ends with the engine. Skipped with fewer than 2 GPUs."""
 
 from __future__ import annotations
@@ -45,6 +45,8 @@ def test_tp2_bf16_flashinfer_logprobs_match_tp1_and_kv_is_measured(gpu_model_dir
     with make_llm(gpu_model_dir, tensor_parallel_size=2, num_kv_pages=None, gpu_memory_utilization=0.5) as tp2:
         core = tp2.core
         assert core.attn.name == "flashinfer" and core.device == torch.device("cuda", 0)
+        # Decode CUDA graphs on both ranks (NCCL all-reduces captured inside); the small steps replay them.
+        assert core.cuda_graphs and core.runner.graphs is not None and 16 in core.runner.graphs.batch_sizes
         # 2 KV heads over 2 ranks: one per rank, in every page of both pools.
         assert core.attn.kv_caches[0].shape[3] == 1
         assert core.num_kv_pages > 256  # measured, not the test default

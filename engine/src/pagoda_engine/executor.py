@@ -2,8 +2,9 @@
 ranks (`create_executor` picks).
 
 The core talks to an `Executor` only: `init_kv_cache` (the attention backend and its pages),
-`profile_run` (the largest step, for memory sizing), `execute_model` (one forward over the step's
-tokens) and `compute_logits`, then `close`.
+`profile_run` (the largest step, for memory sizing), `capture_graphs` (the decode CUDA graphs),
+`execute_model` (one forward over the step's tokens: a graph replay for all-decode steps that fit
+one) and `compute_logits`, then `close`.
 
 Under tensor parallelism every rank holds one shard of the weights (`model/layers.py`: heads, MLP
 columns, vocabulary slices) and its own KV pool with the same page count (heads/N per page). One
@@ -51,6 +52,7 @@ from transformers import PretrainedConfig
 from pagoda_engine.attention import get_attention_backend
 from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.config import EngineConfig
+from pagoda_engine.cuda_graphs import DecodeGraphs
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
 from pagoda_engine.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.model.loader import load_hf_config, load_model
@@ -73,14 +75,21 @@ class Executor:
         self.model = model
         self.device = torch.device(device)
         self.attn = attn
+        self.graphs: DecodeGraphs | None = None
 
     def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> AttentionBackend:
         """Create the attention backend that owns the KV pages (`spec` is per rank)."""
         self.attn = get_attention_backend(backend, spec, num_pages, self.device)
         return self.attn
 
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
+        """Capture the decode forward at these batch sizes (after `init_kv_cache`)."""
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq)
+
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(input_ids, positions, batch)
         self.attn.plan(batch)
         return self.model(input_ids, positions, self.attn)
 
@@ -304,6 +313,15 @@ class TPExecutor(Executor):
             self._send(("profile", backend, spec, num_tokens, num_rows))
             return super().profile_run(backend, spec, num_tokens, num_rows)
 
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
+        # Every rank captures the same sizes in the same order: the all-reduces inside each
+        # forward (warm-up and capture) pair up across ranks.
+        with self._on_all_ranks():
+            self._send(("graphs", batch_sizes, max_pages_per_seq))
+            super().capture_graphs(batch_sizes, max_pages_per_seq)
+        for w in self.workers:
+            w.wait_reply("capture the decode CUDA graphs", _START_TIMEOUT_S)
+
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         with self._on_all_ranks():
             self._send(("step", batch.query_lens, batch.seq_lens, batch.page_tables, batch.num_decodes))
@@ -488,6 +506,14 @@ def _serve(local: Executor, group: TPGroup, conn: Connection, device: torch.devi
         elif kind == "profile":
             _, backend, spec, num_tokens, num_rows = command
             local.profile_run(backend, spec, num_tokens, num_rows)
+        elif kind == "graphs":
+            _, batch_sizes, max_pages_per_seq = command
+            try:
+                local.capture_graphs(batch_sizes, max_pages_per_seq)
+            except Exception as e:
+                _reply_error(conn, e)
+                raise
+            _reply(conn)
         elif kind == "close":
             return
         else:

@@ -10,7 +10,8 @@ input token is still in flight (an output placeholder) reads it from the previou
 tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
-next larger batch size (`DecodeGraphs`); prefill chunks and `--enforce-eager` run eagerly.
+next larger batch size (`cuda_graphs.DecodeGraphs`, owned by the executor so that every
+tensor-parallel rank replays its own); prefill chunks and `--enforce-eager` run eagerly.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from pagoda_engine.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagoda_engine.executor import Executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import TokenLogprobs
@@ -88,12 +90,15 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         # Runs the forward and LM head: here, or on every tensor-parallel rank.
         self.executor = executor if executor is not None else Executor(model, device, attn)
-        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.executor.graphs
 
     def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_num_seqs)`."""
-        self.graphs = DecodeGraphs(self.model, self.attn, self.device, graph_batch_sizes(max_num_seqs),
-                                   -(-max_model_len // self.page_size))
+        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_num_seqs)`, on
+        every rank."""
+        self.executor.capture_graphs(graph_batch_sizes(max_num_seqs), -(-max_model_len // self.page_size))
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
@@ -151,10 +156,7 @@ class ModelRunner:
                           sample_rows=dev[3 * t:3 * t + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        batch = inputs.attn_batch
-        if self.graphs is not None and batch.num_decodes == batch.num_reqs <= self.graphs.max_batch_size:
-            return self.graphs.run(inputs.input_ids, inputs.positions, batch)
-        return self.executor.execute_model(inputs.input_ids, inputs.positions, batch)
+        return self.executor.execute_model(inputs.input_ids, inputs.positions, inputs.attn_batch)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.launch(sched).resolve()
@@ -189,62 +191,3 @@ def _new_token_ids(req: Request, start: int, n: int) -> list[int]:
     if start + n <= num_prompt:
         return req.prompt_token_ids[start:start + n]
     return req.all_token_ids[start:start + n]
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, then every multiple of 16 up to max_num_seqs (which is always included): a
-    decode batch pads to the next size, wasting at most 15 rows once batches are large."""
-    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
-    return sizes + [max_num_seqs]
-
-
-class DecodeGraphs:
-    """The model's forward for all-decode batches, captured as one CUDA graph per batch size.
-
-    Inputs live in fixed buffers; the attention backend plans each step into its own fixed
-    buffers (`plan_graph_decode`) before the replay. Padding rows decode token 0 at position 0
-    into the null page; their outputs are dropped.
-    """
-
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
-                 batch_sizes: list[int], max_pages_per_seq: int):
-        if not hasattr(attn, "plan_graph_decode"):
-            raise ValueError(f"attention backend {attn.name!r} cannot run in CUDA graphs")
-        self.model, self.attn = model, attn
-        self.batch_sizes = sorted(batch_sizes)
-        self.max_batch_size = self.batch_sizes[-1]
-        self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
-        attn.init_graph_buffers(self.batch_sizes, max_pages_per_seq)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
-        pool = torch.cuda.graph_pool_handle()
-        with torch.inference_mode():
-            # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
-            for bs in reversed(self.batch_sizes):
-                dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
-                                       slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
-                                       num_decodes=bs)
-                attn.plan_graph_decode(dummy, bs)
-                model(self.input_ids[:bs], self.positions[:bs], attn)  # warm-up: lazy inits stay out of the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], attn)
-                self.graphs[bs] = graph
-        torch.cuda.synchronize()
-
-    def padded_size(self, num_reqs: int) -> int:
-        return next(s for s in self.batch_sizes if s >= num_reqs)
-
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        n = batch.num_reqs
-        bs = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
-        self.attn.plan_graph_decode(batch, bs)
-        self.graphs[bs].replay()
-        return self.outputs[bs][:n]
