@@ -1,8 +1,9 @@
-"""`pagoda bench throughput | latency`: the offline benchmarks of ARCHITECTURE §6.
+"""`pagoda bench throughput | latency | serve`: the benchmarks of ARCHITECTURE §6.
 
     pagoda bench throughput --workload T1     # 1000 x 1024 in x 512 out: output and total tok/s
     pagoda bench throughput --workload N1     # 256 requests, lengths uniform in [100, 1024]
     pagoda bench latency                      # L1: one stream, 128 in, 512 out: ms per output token
+    pagoda bench serve                        # S1: the OpenAI server under Poisson load: TTFT, ITL
 
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
 `bench/configs/llama-3.1-8b`) with `--load-format dummy` random bf16 weights; every engine flag of
@@ -18,6 +19,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from pagoda_engine.bench.serve import add_serve_arguments
 from pagoda_engine.bench.workloads import WORKLOADS
 from pagoda_engine.config import add_engine_args
 
@@ -28,7 +30,7 @@ def default_model_dir() -> str:
     return str(resources.files("pagoda_engine").joinpath(f"bench/configs/{DEFAULT_MODEL}"))
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_engine_and_sizes(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     # vLLM's offline defaults on 80+ GB GPUs are 1,024 sequences and 16,384 tokens per step; 512
     # sequences is what the KV pool of an H200 holds for T1 (1,536 tokens each) without preemption.
@@ -40,6 +42,10 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--input-len", type=int, default=None, help="override the workload's input length (smoke runs)")
     p.add_argument("--output-len", type=int, default=None, help="override the workload's output length (smoke runs)")
     p.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    _add_engine_and_sizes(p)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a torch.profiler trace of a few steps into DIR and print the top kernels")
     p.add_argument("--profile-steps", default=None, metavar="FIRST:COUNT", type=_step_range,
@@ -55,19 +61,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(lat)
     lat.add_argument("--workload", default="L1", choices=["L1"])
     lat.add_argument("--num-iters", type=int, default=3, help="timed repetitions (after one warm-up)")
+    srv = sub.add_parser("serve", help="S1: the OpenAI server under a Poisson load (TTFT, ITL, throughput)")
+    _add_engine_and_sizes(srv)
+    add_serve_arguments(srv)
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagoda_engine.bench.offline import run_latency, run_throughput
-
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
             return 2
-    result = run_throughput(args) if args.bench == "throughput" else run_latency(args)
+    if args.bench == "serve":
+        from pagoda_engine.bench.serve import run_serve
+
+        result = run_serve(args)
+    else:
+        from pagoda_engine.bench.offline import run_latency, run_throughput
+
+        result = run_throughput(args) if args.bench == "throughput" else run_latency(args)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    if result.get("bench") == "serve" and not result["completed"]:
+        print("error: no request completed", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,0 +1,282 @@
+"""`pagoda bench serve`: workload S1 of ARCHITECTURE §6 — the OpenAI server under a Poisson load.
+
+Requests (1024-token token-id prompts, 128 output tokens, temperature 1.0, `ignore_eos`,
+streamed) arrive with exponential gaps at `--request-rate` per second (`inf`: all at once), each
+on its own connection; the client records when every streamed chunk arrives. Reported: time to
+first token (TTFT), inter-token latency (ITL: the gaps between chunks), time per output token
+after the first (TPOT), end-to-end latency — mean, p50 and p99 — and request and token throughput.
+
+The server is either one already running (`--base-url`, e.g. a Pagoda router or any
+OpenAI-compatible server) or, by default, `pagoda serve` started here with the engine flags given
+(the same defaults as the offline benchmarks: Llama-3.1-8B's architecture, dummy weights) in a
+process of its own, and stopped (SIGTERM: drain, then exit) when the run ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import multiprocessing
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+from pagoda_engine.bench.workloads import fixed_lengths
+
+S1_INPUT_LEN, S1_OUTPUT_LEN = 1024, 128
+_READY_TIMEOUT_S = float(os.environ.get("PAGODA_BENCH_SERVER_TIMEOUT_S", "900"))
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default=None,
+                   help="benchmark this running server (http://host:port) instead of starting `pagoda serve`")
+    p.add_argument("--request-rate", type=float, default=10.0,
+                   help="mean requests per second of the Poisson arrivals; inf sends every request at once")
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="token ids of the prompts are drawn below this (default: config.json of --model)")
+    p.add_argument("--served-model", default=None,
+                   help="the `model` field of the requests (default: the server's first /v1/models entry)")
+
+
+def arrival_offsets(num_requests: int, rate: float, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: a Poisson process of `rate`
+    requests per second (exponential gaps, the first request at 0); all 0 for an infinite rate."""
+    if math.isinf(rate):
+        return [0.0] * num_requests
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=num_requests)
+    gaps[0] = 0.0
+    return np.cumsum(gaps).tolist()
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    error: str | None = None
+    sent: float = 0.0
+    chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk that carried text
+    done: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.chunk_times[0] - self.sent
+
+    @property
+    def e2e(self) -> float:
+        return self.done - self.sent
+
+
+async def _one_request(client: httpx.AsyncClient, url: str, body: dict, delay: float, t0: float) -> RequestResult:
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    r = RequestResult(sent=time.perf_counter())
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                r.error = f"HTTP {resp.status_code}: {text[:300]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    r.error = f"stream error: {chunk['error']}"
+                    return r
+                if any(c.get("text") for c in chunk.get("choices") or []):
+                    r.chunk_times.append(now)
+                usage = chunk.get("usage")
+                if usage:
+                    r.prompt_tokens = usage.get("prompt_tokens", 0)
+                    r.output_tokens = usage.get("completion_tokens", 0)
+        r.done = time.perf_counter()
+        if not r.chunk_times:
+            r.error = "the stream carried no tokens"
+            return r
+        r.ok = True
+    except (httpx.HTTPError, ValueError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+def _percentiles(values: list[float], scale: float = 1e3) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p99": None}
+    arr = np.asarray(values) * scale
+    return {"mean": round(float(arr.mean()), 3), "p50": round(float(np.percentile(arr, 50)), 3),
+            "p99": round(float(np.percentile(arr, 99)), 3)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    itls = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    tpots = [(r.done - r.chunk_times[0]) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    out_tokens = sum(r.output_tokens for r in ok)
+    in_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+        "duration_s": round(duration, 3),
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "requests_per_s": round(len(ok) / duration, 3),
+        "output_tokens_per_s": round(out_tokens / duration, 1),
+        "total_tokens_per_s": round((in_tokens + out_tokens) / duration, 1),
+        "ttft_ms": _percentiles([r.ttft for r in ok]),
+        "tpot_ms": _percentiles(tpots),
+        "itl_ms": _percentiles(itls),
+        "e2e_ms": _percentiles([r.e2e for r in ok]),
+    }
+
+
+async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len: int, rate: float) -> dict:
+    offsets = arrival_offsets(len(prompts), rate)
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        t0 = time.perf_counter()
+        tasks = [_one_request(client, f"{base_url}/v1/completions",
+                              {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0,
+                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}},
+                              offset, t0)
+                 for prompt, offset in zip(prompts, offsets)]
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+    return summarize(results, duration)
+
+
+# --- the server this benchmark starts ----------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _server_main(args: argparse.Namespace) -> None:
+    from pagoda_engine.server import api_server
+
+    raise SystemExit(api_server.run(args))
+
+
+def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespace:
+    """`pagoda serve`'s arguments: its defaults, the engine flags of this run, 127.0.0.1:port."""
+    from pagoda_engine.server import api_server
+
+    parser = argparse.ArgumentParser()
+    api_server.add_arguments(parser)
+    args = parser.parse_args([])
+    for name in vars(args):
+        if hasattr(bench_args, name):
+            setattr(args, name, getattr(bench_args, name))
+    args.host, args.port, args.log_level = "127.0.0.1", port, "warning"
+    return args
+
+
+class LaunchedServer:
+    """`pagoda serve` in a process of its own (spawned: the engine starts CUDA in it)."""
+
+    def __init__(self, bench_args: argparse.Namespace):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=_server_main, args=(_server_args(bench_args, self.port),), name="pagoda-bench-server")
+
+    def start(self) -> float:
+        """Start and wait for /health; returns the seconds it took."""
+        t0 = time.monotonic()
+        self.process.start()
+        while time.monotonic() - t0 < _READY_TIMEOUT_S:
+            if not self.process.is_alive():
+                raise RuntimeError(f"pagoda serve exited with code {self.process.exitcode} before it was ready")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"pagoda serve was not ready within {_READY_TIMEOUT_S:.0f} s")
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGTERM)  # drains, stops its engine core, exits 0
+            self.process.join(60)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(10)
+
+
+def _served_model(base_url: str) -> str:
+    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    if not models:
+        raise RuntimeError(f"{base_url}/v1/models lists no model")
+    return models[0]["id"]
+
+
+def _vocab_size(args: argparse.Namespace) -> int:
+    if args.vocab_size:
+        return args.vocab_size
+    from pagoda_engine.core import resolve_model_dir
+    from pagoda_engine.model.loader import load_hf_config
+
+    return int(load_hf_config(resolve_model_dir(args.model)).vocab_size)
+
+
+def run_serve(args: argparse.Namespace) -> dict:
+    if args.request_rate <= 0:
+        raise SystemExit("error: --request-rate must be > 0 (or inf)")
+    input_len, output_len = args.input_len or S1_INPUT_LEN, args.output_len or S1_OUTPUT_LEN
+    num_prompts = args.num_prompts or 500
+    if args.async_scheduling is None:  # as offline: on when the engine runs on CUDA
+        from pagoda_engine.core import resolve_device
+
+        args.async_scheduling = resolve_device(args.device).type == "cuda"
+    wl = fixed_lengths("S1", _vocab_size(args), num_prompts, input_len, output_len)
+    server = None
+    startup_s = None
+    base_url = (args.base_url or "").rstrip("/")
+    if not base_url:
+        server = LaunchedServer(args)
+        startup_s = round(server.start(), 2)
+        base_url = server.url
+    try:
+        model = args.served_model or _served_model(base_url)
+        print(f"=== pagoda bench serve: workload S1 ({num_prompts} requests x {input_len} input x {output_len} "
+              f"output tokens, Poisson arrivals at {args.request_rate} req/s) against {base_url} "
+              f"(model {model!r}) ===")
+        if startup_s is not None:
+            print(f"started `pagoda serve` ({args.model}): ready in {startup_s} s")
+        summary = asyncio.run(_drive(base_url, model, wl.prompts, output_len, args.request_rate))
+    finally:
+        if server is not None:
+            server.stop()
+    result = {"bench": "serve", "workload": "S1",
+              "standard_workload": args.num_prompts is None and args.input_len is None and args.output_len is None,
+              "base_url": args.base_url, "model": model, "request_rate": args.request_rate,
+              "num_requests": num_prompts, "server_startup_s": startup_s, **summary}
+    _print(result)
+    return result
+
+
+def _print(r: dict) -> None:
+    print(f"completed {r['completed']} of {r['num_requests']} requests in {r['duration_s']:.2f} s "
+          f"({r['failed']} failed)")
+    for error in r["errors"]:
+        print(f"  error: {error}")
+    print(f"requests/s: {r['requests_per_s']}   output tokens/s: {r['output_tokens_per_s']:,.1f}   "
+          f"total tokens/s: {r['total_tokens_per_s']:,.1f}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = r[f"{name}_ms"]
+        if s["mean"] is not None:
+            print(f"{name.upper():5s} ms: mean {s['mean']:.2f}   p50 {s['p50']:.2f}   p99 {s['p99']:.2f}")

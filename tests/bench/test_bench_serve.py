@@ -1,0 +1,92 @@
+"""`pagoda bench serve` (S1): Poisson arrivals, streamed requests against a real `pagoda serve`,
+latency figures consistent with what came back; failures are counted, not hidden; a server it
+starts itself is stopped when the run ends."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import sys
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from pagoda_engine.bench.serve import arrival_offsets
+from pagoda_engine.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
+
+from pagoda_e2e import free_port, start_engine  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    from pagoda_engine.tiny import default_model_dir
+
+    return str(default_model_dir())
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory):
+    port = free_port()
+    proc = start_engine(port, tmp_path_factory.mktemp("serve") / "serve.log",
+                        extra=["--num-kv-pages", "512", "--max-model-len", "256", "--max-num-seqs", "32"])
+    yield f"http://127.0.0.1:{port}"
+    proc.stop()
+
+
+def test_arrivals_are_a_seeded_poisson_process():
+    offsets = arrival_offsets(4000, rate=20.0)
+    gaps = np.diff(offsets)
+    assert offsets[0] == 0.0 and (gaps >= 0).all()
+    assert gaps.mean() == pytest.approx(1 / 20.0, rel=0.05)  # exponential gaps of mean 1/rate
+    assert gaps.std() == pytest.approx(1 / 20.0, rel=0.1)  # and standard deviation 1/rate
+    assert arrival_offsets(50, rate=20.0) == arrival_offsets(50, rate=20.0)
+    assert arrival_offsets(3, rate=float("inf")) == [0.0, 0.0, 0.0]
+
+
+def test_s1_against_a_running_server(server_url, tiny_model, tmp_path, capsys):
+    out = tmp_path / "s1.json"
+    rc = main(["bench", "serve", "--base-url", server_url, "--model", tiny_model, "--num-prompts", "12",
+               "--input-len", "24", "--output-len", "6", "--request-rate", "40", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["errors"]) == (12, 0, [])
+    assert (r["input_tokens"], r["output_tokens"]) == (12 * 24, 12 * 6)  # the server's own usage counts
+    assert r["standard_workload"] is False and r["server_startup_s"] is None
+    for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
+        s = r[name]
+        assert 0 < s["p50"] <= s["p99"], (name, s)
+    assert r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"]
+    assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"], rel=0.01)
+    assert "TTFT  ms:" in capsys.readouterr().out
+
+
+def test_failed_requests_are_counted_and_fail_the_run(server_url, tiny_model, tmp_path):
+    out = tmp_path / "s1.json"
+    # 300-token prompts exceed the server's max_model_len of 256: every request gets a 400.
+    rc = main(["bench", "serve", "--base-url", server_url, "--model", tiny_model, "--num-prompts", "3",
+               "--input-len", "300", "--output-len", "4", "--request-rate", "inf", "--output-json", str(out)])
+    assert rc == 1
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"]) == (0, 3)
+    assert r["errors"] and r["errors"][0].startswith("HTTP 400")
+    assert httpx.get(f"{server_url}/health", timeout=10).status_code == 200  # the server is unharmed
+
+
+def test_starts_and_stops_its_own_server(tiny_model, tmp_path):
+    out = tmp_path / "s1.json"
+    rc = main(["bench", "serve", "--model", tiny_model, "--dtype", "float32", "--device", "cpu",
+               "--num-kv-pages", "128", "--max-model-len", "128", "--num-prompts", "4", "--input-len", "8",
+               "--output-len", "3", "--request-rate", "inf", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["completed"] == 4 and r["output_tokens"] == 12 and r["server_startup_s"] > 0
+    assert not multiprocessing.active_children()  # the server process is gone
+
+
+def test_invalid_rate_is_refused(tiny_model):
+    with pytest.raises(SystemExit, match="--request-rate must be > 0"):
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", tiny_model, "--request-rate", "0"])
