@@ -76,14 +76,41 @@ def test_failed_requests_are_counted_and_fail_the_run(server_url, tiny_model, tm
     assert httpx.get(f"{server_url}/health", timeout=10).status_code == 200  # the server is unharmed
 
 
-def test_starts_and_stops_its_own_server(tiny_model, tmp_path):
+def test_synthetic_tokenizer_maps_every_id_to_one_word(tmp_path, monkeypatch):
+    from transformers import AutoTokenizer
+
+    from pagoda_engine.bench import default_model_dir
+    from pagoda_engine.bench.serve import with_token_tokenizer
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    made = with_token_tokenizer(default_model_dir())  # the shipped Llama-3.1-8B config: no tokenizer
+    assert made != default_model_dir() and with_token_tokenizer(made) == made
+    assert with_token_tokenizer(default_model_dir()) == made  # cached, not rebuilt
+    tok = AutoTokenizer.from_pretrained(made)
+    assert len(tok) == 128256
+    ids = [0, 5, 128000, 128255]
+    assert tok.decode(ids) == "<0> <5> <128000> <128255>"
+    assert tok(tok.decode(ids), add_special_tokens=False)["input_ids"] == ids
+
+
+def test_starts_and_stops_its_own_server(tiny_model, tmp_path, monkeypatch):
+    """A model directory without a tokenizer (weights and config only) gets the synthetic one."""
+    import shutil
+
+    model = tmp_path / "no-tokenizer"
+    model.mkdir()
+    for f in Path(tiny_model).iterdir():
+        if f.name in ("config.json", "generation_config.json") or f.suffix == ".safetensors":
+            shutil.copy(f, model / f.name)
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
     out = tmp_path / "s1.json"
-    rc = main(["bench", "serve", "--model", tiny_model, "--dtype", "float32", "--device", "cpu",
+    rc = main(["bench", "serve", "--model", str(model), "--dtype", "float32", "--device", "cpu",
                "--num-kv-pages", "128", "--max-model-len", "128", "--num-prompts", "4", "--input-len", "8",
                "--output-len", "3", "--request-rate", "inf", "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["output_tokens"] == 12 and r["server_startup_s"] > 0
+    assert r["model"] == "no-tokenizer"  # served under the directory's name, not the cache path
     assert not multiprocessing.active_children()  # the server process is gone
 
 

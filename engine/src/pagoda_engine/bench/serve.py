@@ -16,14 +16,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import socket
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -183,6 +187,46 @@ def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespac
     return args
 
 
+def with_token_tokenizer(model_dir: str) -> str:
+    """`model_dir` if it has a tokenizer; else a cached copy of its config with a synthetic one.
+
+    The prompts are token ids, but the server streams text, so it needs a tokenizer: the shipped
+    benchmark configs have none (no downloads). The stand-in maps every id to one word `<id>` and
+    back (a WordLevel model over the whole vocabulary), like dummy weights stand in for weights."""
+    from pagoda_engine.tiny import cache_dir
+    from pagoda_engine.tokenizer import _TOKENIZER_FILES
+
+    src = Path(model_dir).expanduser()
+    if any((src / name).is_file() for name in _TOKENIZER_FILES):
+        return model_dir
+    config = json.loads((src / "config.json").read_text())
+    vocab_size = int(config["vocab_size"])
+    digest = hashlib.blake2b((src / "config.json").read_bytes(), digest_size=8).hexdigest()
+    dst = cache_dir() / "bench" / f"{src.name}-{digest}"
+    if (dst / "tokenizer.json").is_file():
+        return str(dst)
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+    for name in ("config.json", "generation_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, tmp / name)
+    words = Tokenizer(models.WordLevel({f"<{i}>": i for i in range(vocab_size)}, unk_token="<0>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="<0>",
+                            eos_token=f"<{eos}>" if isinstance(eos, int) else None).save_pretrained(str(tmp))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it owner-only; the cache may be shared
+    try:
+        tmp.rename(dst)  # atomic: a concurrent run either finds it complete or makes its own
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(dst)
+
+
 class LaunchedServer:
     """`pagoda serve` in a process of its own (spawned: the engine starts CUDA in it)."""
 
@@ -247,6 +291,9 @@ def run_serve(args: argparse.Namespace) -> dict:
     startup_s = None
     base_url = (args.base_url or "").rstrip("/")
     if not base_url:
+        if args.served_model_name is None:
+            args.served_model_name = Path(args.model).name
+        args.model = with_token_tokenizer(args.model)
         server = LaunchedServer(args)
         startup_s = round(server.start(), 2)
         base_url = server.url

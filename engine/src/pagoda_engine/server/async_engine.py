@@ -162,6 +162,8 @@ class AsyncEngine:
 
     # --- callbacks from the core client (event loop) ------------------------------------------
     def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if self.metrics is None:
+            return  # the core is up but this side is still starting (tokenizer): nothing is in flight yet
         if outputs.stats is not None:
             self.metrics.update_stats(outputs.stats)
         if not outputs.outputs:
