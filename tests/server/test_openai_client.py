@@ -114,6 +114,12 @@ def test_logprobs(client, model):
     assert len(lp.tokens) == num_prompt + 3
     assert lp.token_logprobs[0] is None and all(x <= 0 for x in lp.token_logprobs[1:])  # prompt logprobs too
     assert lp.text_offset[num_prompt] == len(PROMPT)  # generated text starts right after the echoed prompt
+    # Prompt offsets point into the echoed prompt: <s> is not in the text, so it takes no room.
+    assert lp.tokens[0] == "<s>" and lp.text_offset[:2] == [0, 0]
+    assert lp.text_offset[:num_prompt] == sorted(lp.text_offset[:num_prompt])
+    for token, offset in zip(lp.tokens[1:num_prompt], lp.text_offset[1:num_prompt]):
+        assert PROMPT[offset:offset + len(token)] == token
+    assert lp.text_offset[num_prompt - 1] + len(lp.tokens[num_prompt - 1]) == len(PROMPT)
 
     chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                           temperature=0, logprobs=True, top_logprobs=2)

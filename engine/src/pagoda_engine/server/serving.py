@@ -225,7 +225,8 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
                     if req.echo:
-                        self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0)
+                        self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
+                                                      self._prompt_offsets(text, ids))
                     self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, len(prefix))
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason))
@@ -237,15 +238,32 @@ class OpenAIServing:
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
 
+    def _prompt_offsets(self, text: str | None, ids: list[int]) -> list[int] | None:
+        """Where each prompt token starts in the echoed prompt text, from the tokenizer's offset
+        mapping: special tokens such as <s> are not in the text (they start at 0 and take no room).
+        None when the prompt came as token ids (its echo is their decoding) or the tokenizer has no
+        offsets; the token texts are then laid end to end."""
+        if text is None:
+            return None
+        try:
+            enc = self.tokenizer(text, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # slow (Python) tokenizers have no offsets
+            return None
+        if list(enc["input_ids"]) != list(ids):
+            return None
+        return [start for start, _ in enc["offset_mapping"]]
+
     def _add_completion_logprobs(self, into: CompletionLogprobs, token_ids: list[int],
-                                 logprobs: list[PositionLogprobs | None] | None, offset: int) -> None:
-        """Append tokens to `into`; `offset` is where the first of them starts in the choice's text."""
+                                 logprobs: list[PositionLogprobs | None] | None, offset: int,
+                                 offsets: list[int] | None = None) -> None:
+        """Append tokens to `into`; `offset` is where the first of them starts in the choice's text
+        (or `offsets`, one per token, where each starts)."""
         if logprobs is None:
             logprobs = [None] * len(token_ids)
-        for token_id, position in zip(token_ids, logprobs):
+        for i, (token_id, position) in enumerate(zip(token_ids, logprobs)):
             token = self._token_text(token_id)
             into.tokens.append(token)
-            into.text_offset.append(offset)
+            into.text_offset.append(offsets[i] if offsets is not None else offset)
             offset += len(token)
             if position is None:
                 into.token_logprobs.append(None)
@@ -284,7 +302,8 @@ class OpenAIServing:
                         echoed.add(choice_index)
                         prefix = self._echo_text(text, ids)
                         if logprobs is not None:
-                            self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0)
+                            self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
+                                                          self._prompt_offsets(text, ids))
                     start = text_len.get(choice_index, 0) + len(prefix)
                     if logprobs is not None:
                         self._add_completion_logprobs(logprobs, c.delta_token_ids, c.delta_logprobs, start)
