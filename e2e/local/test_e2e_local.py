@@ -59,6 +59,25 @@ def test_streams_through_the_router_carry_the_same_tokens_as_direct(stack):
             assert texts[0] == texts[1] and len(texts[0]) >= 20, client_kind
 
 
+def test_bench_serve_s1_through_the_router(stack, tmp_path):
+    """`pagoda bench serve` against the router: every streamed request completes, and the
+    engines behind it generated exactly the tokens the benchmark counted."""
+    from pagoda_engine.cli import main
+    from pagoda_engine.tiny import default_model_dir
+
+    u = stack["url"]
+    generated = lambda: sum(engine_counter(u[k], "pagoda:generation_tokens_total") for k in ("a", "b"))  # noqa: E731
+    before = generated()
+    out = tmp_path / "s1.json"
+    assert main(["bench", "serve", "--base-url", u["router"], "--model", str(default_model_dir()),
+                 "--num-prompts", "12", "--input-len", "32", "--output-len", "8", "--request-rate", "40",
+                 "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert (r["completed"], r["failed"], r["input_tokens"], r["output_tokens"]) == (12, 0, 12 * 32, 12 * 8)
+    assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and r["itl_ms"]["p50"] > 0
+    assert generated() - before == 12 * 8
+
+
 def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica_with_bounded_load(stack):
     u = stack["url"]
     before = {k: engine_counter(u[k], "pagoda:prefix_cache_hits_total") for k in ("a", "b")}
