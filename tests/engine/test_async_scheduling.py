@@ -53,8 +53,10 @@ def test_greedy_tokens_equal_sync_and_hf_with_chunked_prefill(model_dir, hf_toke
 
 
 def test_preemption_by_tiny_pool_keeps_tokens(model_dir, hf_tokens):
-    # 9 usable pages of 4 tokens = 36 tokens: the requests cannot all stay resident.
-    sync, overlapped, llm = _both(model_dir, _greedy(), num_kv_pages=16, block_size=4, max_model_len=64)
+    # 9 usable pages of 4 tokens = 36 tokens: the requests cannot all stay resident (admitted
+    # without the growth reservation, so preemption has to make room).
+    sync, overlapped, llm = _both(model_dir, _greedy(), num_kv_pages=16, block_size=4, max_model_len=64,
+                                  kv_growth_reservation=False)
     assert llm.core.scheduler.num_preemptions > 0
     assert overlapped == sync
     assert [o[0] for o in overlapped] == hf_tokens

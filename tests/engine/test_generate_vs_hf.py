@@ -106,8 +106,9 @@ def test_prefix_cache_hit_on_second_run_gives_same_tokens(model_dir, hf_tokens):
 
 
 def test_preemption_by_tiny_pool_keeps_greedy_tokens(model_dir, hf_tokens):
-    # 9 usable pages of 4 tokens = 36 tokens: the 5 requests cannot all stay resident.
-    tokens, llm = _generate(model_dir, num_kv_pages=16, block_size=4, max_model_len=64)
+    # 9 usable pages of 4 tokens = 36 tokens: the 5 requests cannot all stay resident. Without
+    # the growth reservation they are all admitted, and preemption has to make room.
+    tokens, llm = _generate(model_dir, num_kv_pages=16, block_size=4, max_model_len=64, kv_growth_reservation=False)
     assert tokens == hf_tokens
     assert llm.core.scheduler.num_preemptions > 0
     _assert_pool_free(llm)

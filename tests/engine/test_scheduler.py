@@ -8,9 +8,10 @@ from pagoda_engine.request import Request, RequestStatus, SamplingParams
 from pagoda_engine.scheduler import Scheduler
 
 
-def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256):
+def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256, reserve=True):
     kv = KVCacheManager(num_pages, page_size)
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy), kv, max_len)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
+                                     kv_growth_reservation=reserve), kv, max_len)
 
 
 def _req(rid, n, max_tokens=8, priority=0):
@@ -57,7 +58,8 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes():
 
 
 def test_preemption_recomputes_newest_request_when_pages_run_out():
-    s = _sched(num_pages=7, page_size=4, budget=64)  # 6 usable pages = 24 tokens
+    # 6 usable pages = 24 tokens; without the growth reservation both requests are admitted at once.
+    s = _sched(num_pages=7, page_size=4, budget=64, reserve=False)
     s.add_request(_req("old", 8, max_tokens=12))
     s.add_request(_req("new", 8, max_tokens=12))
     _run_step(s)
@@ -68,6 +70,54 @@ def test_preemption_recomputes_newest_request_when_pages_run_out():
     assert preempted and preempted[0] == "new"
     assert s.num_preemptions == len(preempted)
     assert s.kv.num_free_pages == 6
+
+
+def test_growth_reservation_defers_admission_instead_of_preempting():
+    """The same two requests with the reservation on: "new" waits while "old"'s 12 output tokens
+    would not fit beside it, and starts when "old" is done. Nothing is recomputed."""
+    s = _sched(num_pages=7, page_size=4, budget=64)
+    s.add_request(_req("old", 8, max_tokens=12))
+    s.add_request(_req("new", 8, max_tokens=12))
+    started = {}
+    step = 0
+    while s.has_unfinished_requests():
+        out = _run_step(s)
+        for x in out.scheduled:
+            started.setdefault(x.request.request_id, step)
+        assert not out.preempted
+        step += 1
+    assert s.num_preemptions == 0
+    assert started["old"] == 0 and started["new"] == 12  # old: prefill + 11 more decodes, then new
+    assert s.kv.num_free_pages == 6
+
+
+def test_growth_reservation_learns_how_long_outputs_are():
+    """Before any request has finished, each is expected to fill what max_tokens allows (here the
+    context); once early stops show outputs are short, more requests run at once."""
+    s = _sched(num_pages=61, page_size=4, budget=256, max_seqs=32, max_len=64)  # 240 tokens
+    for i in range(40):
+        s.add_request(Request(request_id=f"r{i}", prompt_token_ids=[(i + j) % 50 + 3 for j in range(8)],
+                              sampling_params=SamplingParams(max_tokens=None), eos_token_ids=(2,)))
+    running = []
+    while s.has_unfinished_requests():
+        out = s.schedule()
+        assert not out.preempted
+        running.append(len(s.running))
+        # Every request stops (EOS) after its third token.
+        s.update_from_output(out, {x.request.request_id: 2 if x.request.num_output_tokens == 2 else 7
+                                   for x in out.scheduled if x.completes_sequence})
+    # At first: 8 prompt + 56 expected output tokens = 16 pages each, so 3 fit; later, after the
+    # mean output length has fallen toward 3 tokens, far more.
+    assert running[0] == 3
+    assert max(running[-10:]) > 3 * running[0]
+    assert s.num_preemptions == 0 and s.kv.num_free_pages == 60
+
+
+def test_a_request_alone_is_admitted_whatever_its_expected_output():
+    s = _sched(num_pages=5, page_size=4, budget=64, max_len=256)  # 16 tokens: far below 256
+    s.add_request(_req("big", 4, max_tokens=200))
+    out = _run_step(s)
+    assert [x.request.request_id for x in out.scheduled] == ["big"]
 
 
 def test_priority_policy_runs_lower_value_first():

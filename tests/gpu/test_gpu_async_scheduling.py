@@ -14,7 +14,8 @@ pytestmark = [pytest.mark.gpu, requires_gpu]
 
 @pytest.mark.parametrize("engine_kwargs", [
     dict(max_num_batched_tokens=64),  # chunked prefill beside graph-replayed decodes
-    dict(num_kv_pages=10, block_size=16, max_model_len=256),  # preemption (9 pages, 144 tokens)
+    # preemption (9 pages, 144 tokens; admitted without the growth reservation)
+    dict(num_kv_pages=10, block_size=16, max_model_len=256, kv_growth_reservation=False),
 ])
 def test_async_scheduling_gives_the_synchronous_tokens(gpu_model_dir, engine_kwargs):
     prompts = random_prompts(5, [3, 70, 17, 130, 1, 45, 33, 90])

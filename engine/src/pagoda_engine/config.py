@@ -43,6 +43,9 @@ class SchedulerConfig:
     # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
     # hides the host's per-step work behind the GPU's; one extra token per finished request.
     async_scheduling: bool = False
+    # Admit a waiting request only while the KV pool also holds the expected growth of every
+    # running one (SGLang-style), so preemption by recompute is the exception, not the plan.
+    kv_growth_reservation: bool = True
 
 
 @dataclass
@@ -123,6 +126,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
                    help="overlap scheduling of the next step with the current one on the device")
+    p.add_argument("--kv-growth-reservation", action=argparse.BooleanOptionalAction, default=True,
+                   help="admit new requests only while the KV pool can also hold the expected output of every "
+                        "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
+                        "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)

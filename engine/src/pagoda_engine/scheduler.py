@@ -5,6 +5,13 @@ for the rest of its prompt (chunked to fit the budget). When pages run out, the 
 running request (the newest, under FCFS) is preempted: its pages are freed (they stay in the prefix
 cache) and it goes back to the front of the waiting queue to be recomputed.
 
+Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
+its prompt's pages, the free pages still hold the expected remaining output of every running
+request and of itself. The expected output of a request is its mean over the requests finished
+so far (a running mean; 1,024 tokens before the first finishes), capped by what its max_tokens
+and max_model_len still allow. With nothing running, a request is admitted whenever it fits, so a
+long request can never wait forever.
+
 Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
 scheduled step is then advanced at once (`num_computed_tokens` moves on, and each request that
 samples counts one output placeholder), so the next `schedule` gives every such request one more
@@ -20,6 +27,12 @@ from dataclasses import dataclass, field
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.request import Request, RequestStatus
+
+
+# Admission control: the running mean of finished requests' output lengths weighs each new one by
+# this much; before any request has finished, a request is expected to write this many tokens.
+_OUTPUT_LEN_EMA = 0.05
+_FIRST_OUTPUT_LEN_GUESS = 1024
 
 
 @dataclass
@@ -60,6 +73,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrival = itertools.count()
+        # Mean output length of finished (not aborted) requests: the admission estimate.
+        self._mean_output_len: float | None = None
 
     # --- queue management ---------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -89,6 +104,10 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
+        if status != RequestStatus.FINISHED_ABORTED:
+            n = req.num_output_tokens
+            m = self._mean_output_len
+            self._mean_output_len = n if m is None else m + _OUTPUT_LEN_EMA * (n - m)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
@@ -134,12 +153,20 @@ class Scheduler:
                 i += 1
 
         # 2. Waiting requests, only while nothing had to be preempted this step.
+        reserved = None  # pages the running requests' expected output will take
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
             # Only a request preempted in this very call can still wait for a token, and then
             # nothing is admitted: the core resolves the step in flight before the next call.
             assert not req.num_output_placeholders, req.request_id
             computed_pages, num_cached = self.kv.get_computed_pages(req)
+            if self.config.kv_growth_reservation and self.running:
+                if reserved is None:
+                    reserved = sum(self._growth_pages(r) for r in self.running)
+                page = self.kv.page_size
+                need = -(-req.num_tokens // page) - len(computed_pages) + self._growth_pages(req)
+                if self.kv.num_free_pages - need < reserved:
+                    break
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, computed_pages):
                 break
@@ -151,7 +178,20 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+            if reserved is not None:
+                reserved += self._growth_pages(req)
         return out
+
+    def _growth_pages(self, req: Request) -> int:
+        """Pages `req`'s expected remaining output will take (admission control)."""
+        generated = req.num_output_tokens + req.num_output_placeholders
+        max_tokens = req.sampling_params.max_tokens
+        allowed = self.max_model_len - req.num_prompt_tokens
+        if max_tokens is not None:
+            allowed = min(allowed, max_tokens)
+        expected = _FIRST_OUTPUT_LEN_GUESS if self._mean_output_len is None else self._mean_output_len
+        remaining = min(allowed - generated, max(expected - generated, 0))
+        return -(-max(int(remaining), 0) // self.kv.page_size)
 
     def _pick_victim(self, current: int) -> Request:
         """The running request to preempt: the newest (FCFS) or lowest-priority one not yet
