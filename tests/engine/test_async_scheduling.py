@@ -165,8 +165,20 @@ def test_async_scheduling_flag_and_config():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert config_from_args(parser.parse_args(["--async-scheduling"])).scheduler.async_scheduling is True
-    assert config_from_args(parser.parse_args([])).scheduler.async_scheduling is False
+    assert config_from_args(parser.parse_args(["--no-async-scheduling"])).scheduler.async_scheduling is False
+    auto = config_from_args(parser.parse_args([]))
+    assert auto.scheduler.async_scheduling is None  # decided by the device: on with CUDA
     assert EngineConfig.from_kwargs(async_scheduling=True).scheduler.async_scheduling
+    assert EngineConfig().scheduler.async_scheduling is False  # the offline LLM's default
+
+
+def test_async_scheduling_auto_is_off_on_cpu(model_dir):
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core import EngineCore
+
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", device="cpu",
+                                               async_scheduling=None, num_kv_pages=32))
+    assert core.config.scheduler.async_scheduling is False
 
 
 def test_tensor_parallel_async_equals_single_rank_sync(model_dir, hf_tokens):

@@ -42,7 +42,8 @@ class SchedulerConfig:
     policy: str = "fcfs"  # fcfs | priority
     # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
     # hides the host's per-step work behind the GPU's; one extra token per finished request.
-    async_scheduling: bool = False
+    # None (the command line's default): on when the engine runs on CUDA.
+    async_scheduling: bool | None = False
     # Admit a waiting request only while the KV pool also holds the expected growth of every
     # running one (SGLang-style), so preemption by recompute is the exception, not the plan.
     kv_growth_reservation: bool = True
@@ -124,8 +125,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
-                   help="overlap scheduling of the next step with the current one on the device")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling of the next step with the current one on the device "
+                        "(default: on with CUDA, off on CPU)")
     p.add_argument("--kv-growth-reservation", action=argparse.BooleanOptionalAction, default=True,
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "

@@ -116,6 +116,8 @@ class EngineCore:
         self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
+        if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
+            config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         tp = config.parallel.tensor_parallel_size
         if self.device.type == "cuda" and tp > torch.cuda.device_count():

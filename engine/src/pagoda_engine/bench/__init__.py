@@ -34,9 +34,8 @@ def _add_engine_and_sizes(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     # vLLM's offline defaults on 80+ GB GPUs are 1,024 sequences and 16,384 tokens per step; 512
     # sequences is what the KV pool of an H200 holds for T1 (1,536 tokens each) without preemption.
-    # async_scheduling None: on when the engine runs on CUDA (`offline._build`).
     p.set_defaults(model=default_model_dir(), load_format="dummy", dtype="bfloat16", max_num_seqs=512,
-                   max_num_batched_tokens=16384, async_scheduling=None)
+                   max_num_batched_tokens=16384)
     p.add_argument("--num-prompts", type=int, default=None,
                    help="override the workload's request count (smoke runs; the result is then not T1/N1/L1)")
     p.add_argument("--input-len", type=int, default=None, help="override the workload's input length (smoke runs)")

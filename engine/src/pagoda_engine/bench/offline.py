@@ -18,7 +18,7 @@ import torch
 
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
-from pagoda_engine.core import EngineCore, resolve_device
+from pagoda_engine.core import EngineCore
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.request import SamplingParams
 
@@ -80,8 +80,6 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def _build(args) -> tuple[EngineCore, dict]:
     t0 = time.monotonic()
-    if args.async_scheduling is None:
-        args.async_scheduling = resolve_device(args.device).type == "cuda"
     core = EngineCore(config_from_args(args))
     init_s = time.monotonic() - t0
     age = process_age_s()

@@ -282,10 +282,6 @@ def run_serve(args: argparse.Namespace) -> dict:
         raise SystemExit("error: --request-rate must be > 0 (or inf)")
     input_len, output_len = args.input_len or S1_INPUT_LEN, args.output_len or S1_OUTPUT_LEN
     num_prompts = args.num_prompts or 500
-    if args.async_scheduling is None:  # as offline: on when the engine runs on CUDA
-        from pagoda_engine.core import resolve_device
-
-        args.async_scheduling = resolve_device(args.device).type == "cuda"
     wl = fixed_lengths("S1", _vocab_size(args), num_prompts, input_len, output_len)
     server = None
     startup_s = None
