@@ -16,12 +16,18 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
+def has_tokenizer(model_dir) -> bool:
+    """Whether the directory holds one of the files a tokenizer loads from."""
+    path = Path(model_dir).expanduser()
+    return any((path / name).is_file() for name in _TOKENIZER_FILES)
+
+
 def load_tokenizer(model_dir):
     """Load the tokenizer of a local model directory (transformers' AutoTokenizer)."""
     path = Path(model_dir).expanduser()
     if not path.is_dir():
         raise ModelLoadError(f"model directory {str(path)!r} does not exist or is not a directory")
-    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+    if not has_tokenizer(path):
         raise ModelLoadError(
             f"model directory {str(path)!r} has no tokenizer (expected one of {', '.join(_TOKENIZER_FILES)})"
         )

@@ -194,10 +194,10 @@ def with_token_tokenizer(model_dir: str) -> str:
     benchmark configs have none (no downloads). The stand-in maps every id to one word `<id>` and
     back (a WordLevel model over the whole vocabulary), like dummy weights stand in for weights."""
     from pagoda_engine.tiny import cache_dir
-    from pagoda_engine.tokenizer import _TOKENIZER_FILES
+    from pagoda_engine.tokenizer import has_tokenizer
 
     src = Path(model_dir).expanduser()
-    if any((src / name).is_file() for name in _TOKENIZER_FILES):
+    if has_tokenizer(src):
         return model_dir
     config = json.loads((src / "config.json").read_text())
     vocab_size = int(config["vocab_size"])
