@@ -7,10 +7,10 @@ cache) and it goes back to the front of the waiting queue to be recomputed.
 
 Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
 its prompt's pages, the free pages still hold the expected remaining output of every running
-request and of itself. The expected output of a request is its mean over the requests finished
-so far (a running mean; 1,024 tokens before the first finishes), capped by what its max_tokens
-and max_model_len still allow. With nothing running, a request is admitted whenever it fits, so a
-long request can never wait forever.
+request and of itself. The expected output of a request is the mean output length of the
+requests finished so far (exponentially weighted; 1,024 tokens before the first finishes),
+capped by what its max_tokens and max_model_len still allow. With nothing running, a request is
+admitted whenever it fits, so a long request can never wait forever.
 
 Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
 scheduled step is then advanced at once (`num_computed_tokens` moves on, and each request that
@@ -160,11 +160,12 @@ class Scheduler:
             # nothing is admitted: the core resolves the step in flight before the next call.
             assert not req.num_output_placeholders, req.request_id
             computed_pages, num_cached = self.kv.get_computed_pages(req)
+            growth = None  # pages of req's expected output, when the reservation applies
             if self.config.kv_growth_reservation and self.running:
                 if reserved is None:
                     reserved = sum(self._growth_pages(r) for r in self.running)
-                page = self.kv.page_size
-                need = -(-req.num_tokens // page) - len(computed_pages) + self._growth_pages(req)
+                growth = self._growth_pages(req)
+                need = -(-req.num_tokens // self.kv.page_size) - len(computed_pages) + growth
                 if self.kv.num_free_pages - need < reserved:
                     break
             num_new = min(req.num_tokens - num_cached, budget)
@@ -178,8 +179,8 @@ class Scheduler:
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
-            if reserved is not None:
-                reserved += self._growth_pages(req)
+            if growth is not None:
+                reserved += growth
         return out
 
     def _growth_pages(self, req: Request) -> int:
