@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -415,3 +416,15 @@ def test_mixed_batch_on_cuda():
                         torch.log_softmax(logits[1], -1)[out.token_ids[1]].item(), abs_tol=1e-4)
     tokens = sample([req(top_k=3) for _ in range(DRAWS)], SMALL_LOGITS.expand(DRAWS, -1).clone(), device=cuda)
     assert set(tokens.token_ids) == {0, 1, 2}
+
+
+def test_unseeded_draw_keys_are_distinct_and_follow_the_stream():
+    """The GPU kernel's per-row Philox keys: the same stream and draw numbers give the same keys,
+    consecutive steps never reuse one, and every key fits a non-negative int64."""
+    from pagoda_engine.sampling import row_seeds
+
+    first, second = row_seeds(7, 0, 512), row_seeds(7, 512, 512)
+    assert np.array_equal(first, row_seeds(7, 0, 512))
+    keys = np.concatenate([first, second])
+    assert len(np.unique(keys)) == 1024 and (keys >= 0).all()
+    assert not np.array_equal(row_seeds(8, 0, 512), first)  # another engine seed, another stream

@@ -139,6 +139,11 @@ def test_cuda_graphs_on_and_off_give_identical_greedy_tokens(gpu_model_dir):
     assert graphs.core.runner.graphs is not None and 8 in graphs.core.runner.graphs.batch_sizes
     assert greedy_tokens(graphs, prompts, 32) == want
     assert greedy_tokens(graphs, prompts[:1], 32) == want[:1]  # batch of one: the graph of 1
+    del graphs
+    # Decode batches above --max-cudagraph-capture-size run eagerly (5 > 4), smaller ones replay.
+    capped = make_llm(gpu_model_dir, max_cudagraph_capture_size=4)
+    assert capped.core.runner.graphs.batch_sizes == [1, 2, 4]
+    assert greedy_tokens(capped, prompts, 32) == want
 
 
 def test_kv_pool_is_sized_by_measurement(gpu_model_dir):

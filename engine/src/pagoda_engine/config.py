@@ -18,6 +18,10 @@ class ModelConfig:
     device: str = "auto"  # auto (cuda when available) | cpu | cuda
     attention_backend: str = "auto"  # auto | flashinfer | torch
     enforce_eager: bool = False  # no CUDA graphs
+    # Decode batches up to this many sequences replay CUDA graphs; larger ones run eagerly, where
+    # launch costs hide behind long kernels and FlashInfer's plan can skip split-KV (a graph plan
+    # always splits, and pays a merge kernel per layer). None = max_num_seqs. vLLM's name.
+    max_cudagraph_capture_size: int | None = None
 
 
 @dataclass
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.scheduler.policy!r}")
         if self.model.load_format not in ("auto", "dummy", "safetensors"):
             raise ValueError(f"load_format must be auto or dummy, got {self.model.load_format!r}")
+        if self.model.max_cudagraph_capture_size is not None and self.model.max_cudagraph_capture_size < 1:
+            raise ValueError("max_cudagraph_capture_size must be >= 1")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 
@@ -118,6 +124,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
+                   help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

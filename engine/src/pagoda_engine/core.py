@@ -161,7 +161,9 @@ class EngineCore:
                             and hasattr(self.attn, "plan_graph_decode"))
         if self.cuda_graphs:
             t1 = time.monotonic()
-            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+            self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
+                                                mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
+                                            self.max_model_len)
             logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
                         self.runner.graphs.batch_sizes, time.monotonic() - t1)
         self.startup_seconds = time.monotonic() - t0

@@ -95,10 +95,10 @@ class ModelRunner:
     def graphs(self) -> DecodeGraphs | None:
         return self.executor.graphs
 
-    def capture_cuda_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_num_seqs)`, on
-        every rank."""
-        self.executor.capture_graphs(graph_batch_sizes(max_num_seqs), -(-max_model_len // self.page_size))
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
+        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_batch_size)`, on
+        every rank; larger decode batches run eagerly."""
+        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size))
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""

@@ -37,17 +37,32 @@ from pagoda_engine.request import Request
 _MASK64 = (1 << 64) - 1
 
 
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over uint64 values (wrapping arithmetic, as in the reference)."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
 def step_seed(seed: int, step: int) -> int:
     """The generator seed of a seeded request at its `step`-th output token. A fixed mixing function
     (not Python's `hash`), so the same request samples the same tokens in every process and release."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ step)
+    mixed = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64)) ^ np.uint64(step & _MASK64)
+    return int(_splitmix64(mixed)[0])
+
+
+SEED_MASK = (1 << 63) - 1  # seeds are int64 on the device: 63 random bits
+
+
+def row_seeds(stream_seed: int, first_draw: int, num_rows: int) -> np.ndarray:
+    """int64 `[num_rows]`: the Philox seeds of draws `first_draw, first_draw + 1, …` of an unseeded
+    stream (splitmix64 of the stream seed plus the draw number: distinct, well-mixed keys)."""
+    draws = np.arange(first_draw, first_draw + num_rows, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        draws += np.uint64(stream_seed & _MASK64)
+    return (_splitmix64(draws) & np.uint64(SEED_MASK)).astype(np.int64)
 
 
 @dataclass
@@ -70,6 +85,7 @@ class SamplingBatch:
     top_k: torch.Tensor | None  # int64 [R] in 1..V (V = off), None when no random row uses top_k
     max_top_k: int  # the largest top_k in use (0 = none), known on the host without a device sync
     top_p: torch.Tensor | None  # float32 [R], None when no random row uses top_p
+    filtered: list[bool]  # per random row: it uses top_k, top_p or min_p
     # Seeded random rows: (index into the random rows, seed for this step). Empty = all unseeded.
     seeded: list[tuple[int, int]]
     # Penalties over all rows, None when no row has any.
@@ -100,8 +116,10 @@ class SamplingBatch:
         random_rows = temperature = min_p = top_k = top_p = None
         max_top_k = 0
         seeded: list[tuple[int, int]] = []
+        filtered: list[bool] = []
         if not all_greedy:
             rparams = [params[i] for i in random_idx]
+            filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0 for p in rparams]
             random_rows = _to_device(random_idx, torch.int64, device)
             if any(p.temperature != 1.0 for p in rparams):  # dividing by 1 changes nothing: skip it
                 temperature = _to_device([p.temperature for p in rparams], torch.float32, device)
@@ -148,7 +166,7 @@ class SamplingBatch:
         return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=all_greedy,
                    all_random=len(random_idx) == num_rows,
                    random_rows=random_rows, temperature=temperature, min_p=min_p, top_k=top_k,
-                   max_top_k=max_top_k, top_p=top_p,
+                   max_top_k=max_top_k, top_p=top_p, filtered=filtered,
                    seeded=seeded, repetition_penalty=repetition, frequency_penalty=frequency,
                    presence_penalty=presence, output_counts=output_counts, seen_mask=seen_mask,
                    min_tokens_rows=min_tokens_rows, min_tokens_ids=min_tokens_ids, num_logprobs=num_logprobs)
@@ -248,7 +266,8 @@ class Sampler:
         """Queue the whole draw on the logits' device; nothing is read back to the host."""
         assert logits.dim() == 2 and logits.shape[0] == batch.num_rows, (logits.shape, batch.num_rows)
         assert logits.shape[1] == batch.vocab_size, (logits.shape, batch.vocab_size)
-        logits = logits.float()
+        if not self._draws_from_raw_logits(batch):
+            logits = logits.float()
 
         raw_logprobs = None
         if batch.needs_logprobs:
@@ -265,6 +284,12 @@ class Sampler:
             sampled = self._sample_random(logits[batch.random_rows], batch)
             token_ids = logits.argmax(dim=-1).index_copy(0, batch.random_rows, sampled)
         return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
+
+    def _draws_from_raw_logits(self, batch: SamplingBatch) -> bool:
+        """Whether this batch samples straight from the LM head's logits (bf16 on GPU), with no
+        float32 copy: nothing reads probabilities, and argmax picks the same token either way."""
+        return (batch.all_greedy and not batch.needs_logprobs and batch.repetition_penalty is None
+                and batch.min_tokens_rows is None)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample one token per random row from logits `[R, V]` after penalties and masks."""
@@ -295,18 +320,63 @@ class Sampler:
 
 
 class FlashInferSampler(Sampler):
-    """The sampler on CUDA: unseeded random rows draw from FlashInfer's fused sampling kernels
-    (one pass over the vocabulary instead of softmax, noise and argmax). Everything before the
-    draw (penalties, masks, greedy, logprobs) is the shared code above.
+    """The sampler on CUDA. Everything before the draw (penalties, masks, greedy, logprobs) is the
+    shared code above; the draw of the random rows is:
 
-    Seeded rows, and min_p combined with top-k/top-p, keep the torch path: FlashInfer draws
-    row i's randomness from Philox subsequence i, so a seeded row's token would depend on its
-    position in the batch, which Pagoda's seeds promise it does not.
+    - rows without top-k, top-p or min-p (plain temperature sampling): the Gumbel-max kernel
+      (`gumbel.py`), one pass over the bf16 logits, seeded per row. When the whole batch is such
+      rows (and wants no logprobs, penalties or masks), the logits are never copied to float32.
+    - rows with top-k, top-p or min-p: FlashInfer's fused sampling kernels, except seeded rows and
+      min_p combined with top-k/top-p, which keep the torch path (FlashInfer draws row i's
+      randomness from Philox subsequence i, so a seeded row's token would depend on its position
+      in the batch, which Pagoda's seeds promise it does not).
+
+    A plain row takes the kernel whatever else shares its batch, so its seeded tokens never
+    depend on its neighbours.
     """
 
+    def __init__(self, seed: int = 0):
+        super().__init__(seed)
+        self._num_draws = 0  # draws taken so far by unseeded plain rows: each gets a fresh key
+
+    def _draws_from_raw_logits(self, batch: SamplingBatch) -> bool:
+        if super()._draws_from_raw_logits(batch):
+            return True
+        return (not any(batch.filtered) and not batch.needs_logprobs and batch.repetition_penalty is None
+                and batch.min_tokens_rows is None)
+
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        if not logits.is_cuda:
+            return super()._sample_random(logits, batch)
+        from pagoda_engine.gumbel import gumbel_max_sample
+
+        plain = [j for j, f in enumerate(batch.filtered) if not f]
+        seeds = self._plain_row_seeds(batch, plain, logits.device)
+        if len(plain) == len(batch.filtered):
+            return gumbel_max_sample(logits, seeds, batch.temperature)
+        tokens = self._sample_filtered(logits, batch)
+        if plain:
+            rows = _to_device(plain, torch.int64, logits.device)
+            temperature = batch.temperature[rows] if batch.temperature is not None else None
+            tokens[rows] = gumbel_max_sample(logits[rows], seeds, temperature)
+        return tokens
+
+    def _plain_row_seeds(self, batch: SamplingBatch, plain: list[int], device: torch.device) -> torch.Tensor:
+        """int64 [len(plain)] on `device`: a seeded row's step seed, else a fresh key of the
+        engine-wide stream."""
+        seeds = row_seeds(self.seed, self._num_draws, len(plain))
+        self._num_draws += len(plain)
+        at = {j: i for i, j in enumerate(plain)}
+        for j, seed in batch.seeded:
+            if j in at:
+                seeds[at[j]] = seed & SEED_MASK
+        return torch.from_numpy(seeds).pin_memory().to(device, non_blocking=True)
+
+    def _sample_filtered(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """Every random row through top-k / top-p / min-p (rows without them pass unfiltered)."""
         has_top = batch.top_k is not None or batch.top_p is not None
-        if batch.seeded or not logits.is_cuda or (batch.min_p is not None and has_top):
+        seeded_filtered = any(batch.filtered[j] for j, _ in batch.seeded)
+        if seeded_filtered or (batch.min_p is not None and has_top):
             return super()._sample_random(logits, batch)
         from flashinfer import sampling as fs
 
@@ -317,12 +387,10 @@ class FlashInferSampler(Sampler):
         if batch.min_p is not None:
             probs = torch.softmax(logits, dim=-1)
             tokens = fs.min_p_sampling_from_probs(probs, batch.min_p, generator=gen)
-        elif has_top:
+        else:
             top_k = batch.top_k.int() if batch.top_k is not None else batch.vocab_size
             top_p = batch.top_p if batch.top_p is not None else 1.0
             tokens = fs.top_k_top_p_sampling_from_logits(logits, top_k, top_p, generator=gen)
-        else:
-            tokens = fs.sampling_from_logits(logits, generator=gen)
         return tokens.long()
 
 
