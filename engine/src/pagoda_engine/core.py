@@ -157,6 +157,7 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
+        self.runner.warm_up_sampler()
         self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager
                             and hasattr(self.attn, "plan_graph_decode"))
         if self.cuda_graphs:

@@ -26,7 +26,7 @@ from pagoda_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from pagoda_engine.executor import Executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import TokenLogprobs
-from pagoda_engine.request import Request
+from pagoda_engine.request import Request, SamplingParams
 from pagoda_engine.sampling import PendingSample, Sampler, SamplingBatch, compute_prompt_logprobs
 from pagoda_engine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -99,6 +99,18 @@ class ModelRunner:
         """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_batch_size)`, on
         every rank; larger decode batches run eagerly."""
         self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size))
+
+    def warm_up_sampler(self) -> None:
+        """Draw once along each of the sampler's paths (greedy, plain temperature, top-p) before
+        the engine reports ready: the first requests must not wait for a kernel's JIT compile
+        (Triton's Gumbel-max kernel takes seconds on a cold cache)."""
+        paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
+        reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
+        dtype = next(self.model.parameters()).dtype
+        logits = torch.zeros(len(reqs), self.vocab_size, dtype=dtype, device=self.device)
+        for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
+            batch = SamplingBatch.from_requests(rows, self.vocab_size, self.device)
+            self.sampler.sample(logits[:len(rows)], batch)
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
