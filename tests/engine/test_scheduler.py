@@ -113,6 +113,24 @@ def test_growth_reservation_learns_how_long_outputs_are():
     assert s.num_preemptions == 0 and s.kv.num_free_pages == 60
 
 
+def test_requests_cut_at_max_tokens_do_not_make_outputs_look_short():
+    """A warm-up of short capped requests (or max_tokens=1 probes) says nothing about how long an
+    uncapped generation runs: afterwards, requests that may fill the context are still admitted
+    only as far as their expected output fits, and nothing is preempted."""
+    s = _sched(num_pages=61, page_size=4, budget=256, max_seqs=32, max_len=64)  # 240 tokens
+    for i in range(8):
+        s.add_request(_req(f"probe{i}", 4, max_tokens=2))
+    while s.has_unfinished_requests():
+        _run_step(s)
+    for i in range(8):
+        s.add_request(_req(f"long{i}", 8, max_tokens=None))
+    out = _run_step(s)
+    assert len(out.scheduled) == 3  # 8 prompt + 56 expected output tokens = 16 pages each
+    while s.has_unfinished_requests():
+        _run_step(s)
+    assert s.num_preemptions == 0
+
+
 def test_a_request_alone_is_admitted_whatever_its_expected_output():
     s = _sched(num_pages=5, page_size=4, budget=64, max_len=256)  # 16 tokens: far below 256
     s.add_request(_req("big", 4, max_tokens=200))

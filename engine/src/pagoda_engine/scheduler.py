@@ -8,8 +8,8 @@ cache) and it goes back to the front of the waiting queue to be recomputed.
 Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
 its prompt's pages, the free pages still hold the expected remaining output of every running
 request and of itself. The expected output of a request is the mean output length of the
-requests finished so far (exponentially weighted; 1,024 tokens before the first finishes),
-capped by what its max_tokens and max_model_len still allow. With nothing running, a request is
+requests that stopped on their own so far (EOS or a stop token; exponentially weighted; 1,024
+tokens before the first), capped by what its max_tokens and max_model_len still allow. With nothing running, a request is
 admitted whenever it fits, so a long request can never wait forever.
 
 Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
@@ -29,8 +29,11 @@ from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.request import Request, RequestStatus
 
 
-# Admission control: the running mean of finished requests' output lengths weighs each new one by
-# this much; before any request has finished, a request is expected to write this many tokens.
+# Admission control: the running mean of the output lengths of requests that stopped on their own
+# (EOS or a stop token) weighs each new one by this much; before any has, a request is expected to
+# write this many tokens. A request cut at max_tokens or the context says only "at least this
+# long" (and its cap already bounds its own expected growth), so it is not counted: a warm-up of
+# short capped requests, or max_tokens=1 probes, would otherwise make long generations look short.
 _OUTPUT_LEN_EMA = 0.05
 _FIRST_OUTPUT_LEN_GUESS = 1024
 
@@ -104,7 +107,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status
-        if status != RequestStatus.FINISHED_ABORTED:
+        if status == RequestStatus.FINISHED_STOPPED:
             n = req.num_output_tokens
             m = self._mean_output_len
             self._mean_output_len = n if m is None else m + _OUTPUT_LEN_EMA * (n - m)
