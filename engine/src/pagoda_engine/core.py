@@ -157,7 +157,9 @@ class EngineCore:
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
+        t1 = time.monotonic()
         self.runner.warm_up_sampler()
+        logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
         self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager
                             and hasattr(self.attn, "plan_graph_decode"))
         if self.cuda_graphs:

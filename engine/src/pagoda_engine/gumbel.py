@@ -22,15 +22,11 @@ _BLOCK = 1024
 
 @triton.jit
 def _gumbel_max_kernel(logits_ptr, row_stride, inv_temp_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
-                       vocab_size, num_chunks,
-                       HAS_TEMP: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                       vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     seed = tl.load(seed_ptr + row)
-    if HAS_TEMP:
-        inv_temp = tl.load(inv_temp_ptr + row)
-    else:
-        inv_temp = 1.0
+    inv_temp = tl.load(inv_temp_ptr + row)
     row_logits = logits_ptr + row.to(tl.int64) * row_stride
     first = chunk * CHUNK
     best = tl.full([BLOCK], float("-inf"), tl.float32)
@@ -62,9 +58,12 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor, temperature: to
     best_val = torch.empty((num_rows, num_chunks), dtype=torch.float32, device=logits.device)
     best_idx = torch.empty((num_rows, num_chunks), dtype=torch.int32, device=logits.device)
     if num_rows:
-        inv_temp = temperature.reciprocal() if temperature is not None else seeds  # unused without HAS_TEMP
+        # Temperature is a runtime input, not a compile-time switch: one compiled kernel per logits
+        # dtype, all of them compiled by the engine's warm-up (a cold Triton compile takes seconds).
+        inv_temp = (temperature.reciprocal() if temperature is not None
+                    else torch.ones(num_rows, dtype=torch.float32, device=logits.device))
         _gumbel_max_kernel[(num_rows, num_chunks)](
             logits, logits.stride(0), inv_temp, seeds, best_val, best_idx, vocab_size, num_chunks,
-            HAS_TEMP=temperature is not None, CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4)
+            CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4)
     # argmax returns the first maximum: among equal scores the lowest chunk, hence the lowest id.
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()
