@@ -9,7 +9,7 @@ import torch
 
 from gpu_support import requires_gpu
 from pagoda_engine.request import Request, SamplingParams
-from pagoda_engine.sampling import FlashInferSampler, SamplingBatch, make_sampler
+from pagoda_engine.sampling import CudaSampler, SamplingBatch, make_sampler
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -40,8 +40,8 @@ def logits():
 
 
 def test_cuda_gets_the_flashinfer_sampler():
-    assert isinstance(make_sampler(0, CUDA), FlashInferSampler)
-    assert not isinstance(make_sampler(0, torch.device("cpu")), FlashInferSampler)
+    assert isinstance(make_sampler(0, CUDA), CudaSampler)
+    assert not isinstance(make_sampler(0, torch.device("cpu")), CudaSampler)
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=1.0, top_k=5),
@@ -49,7 +49,7 @@ def test_cuda_gets_the_flashinfer_sampler():
                                     dict(temperature=0.9, top_k=10, top_p=0.8)],
                          ids=["temperature", "top_k", "top_p", "min_p", "top_k_top_p"])
 def test_flashinfer_draws_follow_the_torch_sampler_distribution(logits, params):
-    fi = draw(FlashInferSampler(1), logits, **params).cpu()
+    fi = draw(CudaSampler(1), logits, **params).cpu()
     ref = draw(make_sampler(1, torch.device("cpu")), logits.cpu(), **params)
     allowed = set(ref.tolist())
     # Filtered-out tokens never appear (the torch sampler's support, up to a rare boundary token).
@@ -61,7 +61,7 @@ def test_flashinfer_draws_follow_the_torch_sampler_distribution(logits, params):
 
 def test_bf16_logits_are_sampled_without_a_float_copy_and_follow_the_distribution(logits):
     bf16 = logits.bfloat16()
-    fi = draw(FlashInferSampler(2), bf16, temperature=0.8).cpu()
+    fi = draw(CudaSampler(2), bf16, temperature=0.8).cpu()
     ref = torch.softmax(bf16.float().cpu() / 0.8, dim=-1)
     total_variation = 0.5 * (empirical(fi) - ref).abs().sum().item()
     assert total_variation < 0.03, total_variation
@@ -92,7 +92,7 @@ def test_gumbel_kernel_across_vocabulary_chunks():
 
 
 def test_seeded_plain_row_keeps_its_token_whatever_shares_the_batch(logits):
-    sampler = FlashInferSampler(0)
+    sampler = CudaSampler(0)
     seeded = Request(request_id="s", prompt_token_ids=[1], sampling_params=SamplingParams(temperature=0.9, seed=7))
     neighbours = [[], requests(5, temperature=1.0), requests(5, temperature=0.0), requests(5, top_k=3),
                   requests(3, top_p=0.5, seed=11) + requests(2, temperature=0.0)]
@@ -108,7 +108,7 @@ def test_seeded_plain_row_keeps_its_token_whatever_shares_the_batch(logits):
 
 
 def test_seeded_rows_do_not_depend_on_their_position(logits):
-    sampler = FlashInferSampler(0)
+    sampler = CudaSampler(0)
     seeded = Request(request_id="s", prompt_token_ids=[1], sampling_params=SamplingParams(temperature=1.0, seed=42))
     others = requests(7, temperature=1.0)
     tokens = []

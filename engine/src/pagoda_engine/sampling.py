@@ -16,11 +16,12 @@ the sampler's engine-wide generator.
 (copied without waiting for the device, which may still run the step before);
 `Sampler.sample` is then a fixed sequence of whole-batch tensor ops (no loops over the vocabulary).
 `Sampler.sample_on_device` stops before the host reads anything, for async scheduling.
-Everything is plain torch on whatever device the logits live on. The GPU seam is
-`Sampler._sample_random` (temperature-scaled logits of the random rows in, one token per row out): a
-FlashInfer implementation replaces that one method, and everything around it (penalties, masks,
-greedy, logprobs) stays shared. FlashInfer's sampling kernels take per-row `seed` and `offset`
-tensors, which is where `SamplingBatch.seeded` (one seed per seeded row and step) goes.
+Everything is plain torch on whatever device the logits live on. The GPU seam is two methods:
+`Sampler._sample_random` (logits of the random rows in, one token per row out) and
+`Sampler._draws_from_raw_logits` (whether a batch may skip the float32 copy of the logits).
+`CudaSampler` replaces both (the Gumbel-max kernel of `gumbel.py` for plain temperature rows,
+FlashInfer for top-k/top-p/min-p); everything around them (penalties, masks, greedy, logprobs)
+stays shared.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ class Sampler:
         return uniform.log_().neg_()
 
 
-class FlashInferSampler(Sampler):
+class CudaSampler(Sampler):
     """The sampler on CUDA. Everything before the draw (penalties, masks, greedy, logprobs) is the
     shared code above; the draw of the random rows is:
 
@@ -395,13 +396,15 @@ class FlashInferSampler(Sampler):
 
 
 def make_sampler(seed: int, device: torch.device) -> Sampler:
-    """FlashInferSampler on CUDA when FlashInfer imports, else the torch Sampler."""
+    """CudaSampler on CUDA when FlashInfer and Triton (which torch's CUDA builds bring) import,
+    else the torch Sampler."""
     if torch.device(device).type == "cuda":
         import importlib.util
 
-        if importlib.util.find_spec("flashinfer") is not None:
-            return FlashInferSampler(seed)
+        if all(importlib.util.find_spec(m) is not None for m in ("flashinfer", "triton")):
+            return CudaSampler(seed)
     return Sampler(seed)
+
 
 def apply_penalties_and_masks(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Returns new logits (the input, which raw logprobs were taken from, is left alone)."""
