@@ -105,6 +105,11 @@ class SamplingBatch:
     def needs_logprobs(self) -> bool:
         return any(n is not None for n in self.num_logprobs)
 
+    @property
+    def only_draw_reads_logits(self) -> bool:
+        """No logprobs, penalties or min_tokens masks: nothing but the draw itself reads the logits."""
+        return not self.needs_logprobs and self.repetition_penalty is None and self.min_tokens_rows is None
+
     @classmethod
     def from_requests(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
         device = torch.device(device)
@@ -289,8 +294,7 @@ class Sampler:
     def _draws_from_raw_logits(self, batch: SamplingBatch) -> bool:
         """Whether this batch samples straight from the LM head's logits (bf16 on GPU), with no
         float32 copy: nothing reads probabilities, and argmax picks the same token either way."""
-        return (batch.all_greedy and not batch.needs_logprobs and batch.repetition_penalty is None
-                and batch.min_tokens_rows is None)
+        return batch.only_draw_reads_logits and batch.all_greedy
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         """Sample one token per random row from logits `[R, V]` after penalties and masks."""
@@ -341,10 +345,8 @@ class CudaSampler(Sampler):
         self._num_draws = 0  # draws taken so far by unseeded plain rows: each gets a fresh key
 
     def _draws_from_raw_logits(self, batch: SamplingBatch) -> bool:
-        if super()._draws_from_raw_logits(batch):
-            return True
-        return (not any(batch.filtered) and not batch.needs_logprobs and batch.repetition_penalty is None
-                and batch.min_tokens_rows is None)
+        # Greedy rows take the argmax, plain random rows the Gumbel-max kernel: both read any dtype.
+        return batch.only_draw_reads_logits and not any(batch.filtered)
 
     def _sample_random(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if not logits.is_cuda:
