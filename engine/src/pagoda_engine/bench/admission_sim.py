@@ -13,6 +13,7 @@ import argparse
 
 import numpy as np
 
+from pagoda_engine.bench.workloads import build_workload
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.request import Request, SamplingParams
@@ -22,14 +23,13 @@ EOS, OTHER = 2, 5
 
 
 def workload(name: str) -> list[tuple[list[int], int | None, int | None]]:
-    """(prompt, max_tokens, stop after this many tokens or None) per request."""
-    rng = np.random.default_rng(0)
-    if name == "T1":
-        return [(rng.integers(3, 128000, size=1024).tolist(), 512, None) for _ in range(1000)]
-    if name == "N1":
-        return [(rng.integers(3, 128000, size=int(rng.integers(100, 1025))).tolist(), int(rng.integers(100, 1025)),
-                 None) for _ in range(256)]
+    """(prompt, max_tokens, stop after this many tokens or None) per request: T1 and N1 are the
+    benchmark's own workloads (`workloads.py`); `chat` stops at an EOS."""
+    if name in ("T1", "N1"):
+        wl = build_workload(name, vocab_size=128_256)
+        return [(prompt, n, None) for prompt, n in zip(wl.prompts, wl.output_lens)]
     if name == "chat":  # default max_tokens (the rest of the context), answers of 400 tokens on average
+        rng = np.random.default_rng(0)
         return [(rng.integers(3, 128000, size=int(rng.integers(50, 2000))).tolist(), None,
                  max(1, int(rng.exponential(400)))) for _ in range(2000)]
     raise ValueError(f"unknown workload {name!r}")
