@@ -9,8 +9,8 @@ Admission (`kv_growth_reservation`, on by default): a waiting request is admitte
 its prompt's pages, the free pages still hold the expected remaining output of every running
 request and of itself. The expected output of a request is the mean output length of the
 requests that stopped on their own so far (EOS or a stop token; exponentially weighted; 1,024
-tokens before the first), capped by what its max_tokens and max_model_len still allow. With nothing running, a request is
-admitted whenever it fits, so a long request can never wait forever.
+tokens before the first), capped by what its max_tokens and max_model_len still allow. With
+nothing running, a request is admitted whenever it fits, so a long request can never wait forever.
 
 Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
 scheduled step is then advanced at once (`num_computed_tokens` moves on, and each request that
@@ -76,7 +76,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._arrival = itertools.count()
-        # Mean output length of finished (not aborted) requests: the admission estimate.
+        # Mean output length of requests that stopped on their own: the admission estimate.
         self._mean_output_len: float | None = None
 
     # --- queue management ---------------------------------------------------------------------

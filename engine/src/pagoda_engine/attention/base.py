@@ -77,8 +77,16 @@ class AttentionBackend(ABC):
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""
-        pages = torch.div(slot_mapping, self.spec.page_size, rounding_mode="floor")
-        scatter_kv(self.kv_caches[layer_id], pages, slot_mapping % self.spec.page_size, k, v)
+        pages, offsets = split_slots(slot_mapping, self.spec.page_size)
+        scatter_kv(self.kv_caches[layer_id], pages, offsets, k, v)
+
+
+def split_slots(slot_mapping: torch.Tensor, page_size: int, pages_out: torch.Tensor | None = None,
+                offsets_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """slot = page * page_size + offset → (page, offset); into `*_out` when given (graph buffers)."""
+    pages = torch.div(slot_mapping, page_size, rounding_mode="floor", out=pages_out)
+    offsets = torch.remainder(slot_mapping, page_size, out=offsets_out)
+    return pages, offsets
 
 
 def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,7 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, scatter_kv
+from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, scatter_kv, split_slots
 
 # FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
 WORKSPACE_BYTES = 256 << 20
@@ -106,14 +106,6 @@ class FlashInferBackend(AttentionBackend):
         s = self.spec
         return dict(q_data_type=s.dtype, kv_data_type=s.dtype)
 
-    def _split_slots(self, slot_mapping: torch.Tensor, pages_out: torch.Tensor | None = None,
-                     offsets_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """slot = page * page_size + offset → (page, offset), once per step for every layer."""
-        ps = self.spec.page_size
-        pages = torch.div(slot_mapping, ps, rounding_mode="floor", out=pages_out)
-        offsets = torch.remainder(slot_mapping, ps, out=offsets_out)
-        return pages, offsets
-
     # --- eager plan ------------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> None:
         self._wait_for_last_plan()
@@ -139,7 +131,8 @@ class FlashInferBackend(AttentionBackend):
                                       torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
-        pages, offsets = self._split_slots(batch.slot_mapping.to(self.device, torch.int64))
+        # Once per step for every layer.
+        pages, offsets = split_slots(batch.slot_mapping.to(self.device, torch.int64), s.page_size)
         self._step = _Step(nd, num_prefill_tokens, decode, pages, offsets)
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
@@ -190,7 +183,7 @@ class FlashInferBackend(AttentionBackend):
         slots = b["slots"][:padded_size]
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        pages, offsets = self._split_slots(slots, b["pages"][:padded_size], b["offsets"][:padded_size])
+        pages, offsets = split_slots(slots, s.page_size, b["pages"][:padded_size], b["offsets"][:padded_size])
         self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], pages, offsets)
 
     # --- per layer -------------------------------------------------------------------------------
@@ -213,4 +206,3 @@ class FlashInferBackend(AttentionBackend):
         st.decode.run(q[:nd], cache, out=out[:nd])
         self.prefill_wrapper.run(q[nd:], cache, out=out[nd:])
         return out
-
