@@ -19,8 +19,21 @@ def test_cuda_graph_capture_size_flag_defaults_to_every_batch():
     assert parse("--enforce-eager").model.enforce_eager is True
 
 
+def test_cudagraph_mode_flag_takes_vllms_names_in_either_case():
+    assert parse().model.cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert parse("--cudagraph-mode", "full_decode_only").model.cudagraph_mode == "FULL_DECODE_ONLY"
+    assert parse("--cudagraph-mode", "NONE").model.cudagraph_mode == "NONE"
+
+
+def test_bad_cudagraph_mode_flag_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse("--cudagraph-mode", "piecewise_only")
+    assert "invalid choice" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("option, value, message", [
     ("max_cudagraph_capture_size", 0, "max_cudagraph_capture_size"),
+    ("cudagraph_mode", "FULL", "cudagraph_mode must be one of FULL_AND_PIECEWISE"),
     ("block_size", 12, "block_size"),
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
     ("max_num_seqs", 0, "max_num_seqs"),

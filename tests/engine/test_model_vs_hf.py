@@ -16,6 +16,7 @@ import transformers
 
 from pagoda_engine.attention import AttentionBatch
 from pagoda_engine.attention.torch_ref import TorchRefBackend
+from pagoda_engine.cuda_graphs import SegmentBuffers
 from pagoda_engine.model.loader import load_hf_config, load_model
 
 CPU = torch.device("cpu")
@@ -169,6 +170,31 @@ def test_chunked_prefill_then_decodes_match_transformers(models):
     assert len(recorded) == 14
     for rid, position, got in recorded:
         assert_logits_close(got, full[rid][position])
+
+
+def test_segments_over_fixed_buffers_give_the_forward(models):
+    """The piecewise CUDA graphs' way through the model, run eagerly on CPU: the forward cut at
+    every attention call, over fixed buffers padded past the step's tokens, with attention over
+    the real rows in between. A mixed step (a decode and a 21-token chunk, padded to 32) gives
+    the logits of the ordinary forward."""
+    _, ours, _ = models
+    rng = random.Random(5)
+    runner = PagedRunner(ours, page_size=4, seed=6)
+    runner.step([("a", [rng.randrange(VOCAB) for _ in range(11)])])
+    chunks = [("a", [rng.randrange(VOCAB)]), ("b", [rng.randrange(VOCAB) for _ in range(21)])]
+    expected = torch.cat(runner.step(chunks))  # the forward; also writes the step's K/V
+
+    buffers = SegmentBuffers(ours, runner.attn, CPU, max_tokens=32)
+    ids = torch.tensor([t for _, tokens in chunks for t in tokens])
+    positions = torch.tensor([11] + list(range(21)))
+    buffers.load(ids, positions, size=32)
+    with torch.no_grad():
+        for i in range(buffers.num_segments - 1):
+            buffers.segment(i, 32)
+            buffers.attend(i, num_tokens=22)  # the plan of runner.step's mixed batch still holds
+        hidden = buffers.segment(buffers.num_segments - 1, 32)
+        got = ours.compute_logits(hidden[:22])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.gpu

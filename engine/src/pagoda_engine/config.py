@@ -7,6 +7,9 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 
+CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+
+
 @dataclass
 class ModelConfig:
     model: str | None = None  # model directory; None = the built-in tiny model
@@ -22,6 +25,10 @@ class ModelConfig:
     # launch costs hide behind long kernels and FlashInfer's plan can skip split-KV (a graph plan
     # always splits, and pays a merge kernel per layer). None = max_num_seqs. vLLM's name.
     max_cudagraph_capture_size: int | None = None
+    # vLLM's modes: FULL_AND_PIECEWISE (whole-forward graphs for decode steps, piecewise graphs
+    # around eager attention for other steps of up to 256 tokens), FULL_DECODE_ONLY (other steps
+    # eager), NONE (all eager, as --enforce-eager).
+    cudagraph_mode: str = "FULL_AND_PIECEWISE"
 
 
 @dataclass
@@ -108,6 +115,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.model.load_format!r}")
         if self.model.max_cudagraph_capture_size is not None and self.model.max_cudagraph_capture_size < 1:
             raise ValueError("max_cudagraph_capture_size must be >= 1")
+        if self.model.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
 
@@ -126,6 +135,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs)")
+    p.add_argument("--cudagraph-mode", type=str.upper, default="FULL_AND_PIECEWISE", choices=CUDAGRAPH_MODES,
+                   help="FULL_AND_PIECEWISE: decode steps replay whole-forward graphs, other steps of up to 256 "
+                        "tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: only decode steps "
+                        "use graphs; NONE: no graphs (as --enforce-eager)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -20,6 +20,7 @@ import torch
 
 from pagoda_engine.attention.base import KVCacheSpec
 from pagoda_engine.config import EngineConfig
+from pagoda_engine.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.executor import create_executor
 from pagoda_engine.kv.manager import KVCacheManager
@@ -160,15 +161,22 @@ class EngineCore:
         t1 = time.monotonic()
         self.runner.warm_up_sampler()
         logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
-        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager
+        self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
+        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
                             and hasattr(self.attn, "plan_graph_decode"))
         if self.cuda_graphs:
             t1 = time.monotonic()
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
+                         if mc.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
             self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
                                                 mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
-                                            self.max_model_len)
-            logger.info("captured decode CUDA graphs for batch sizes %s in %.1fs",
-                        self.runner.graphs.batch_sizes, time.monotonic() - t1)
+                                            self.max_model_len, piecewise)
+            self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            pw = self.runner.piecewise_graphs
+            logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "
+                        "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
+                        self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
         self.startup_seconds = time.monotonic() - t0
 
     def close(self) -> None:

@@ -52,7 +52,7 @@ from transformers import PretrainedConfig
 from pagoda_engine.attention import get_attention_backend
 from pagoda_engine.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.cuda_graphs import DecodeGraphs
+from pagoda_engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
 from pagoda_engine.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.model.loader import load_hf_config, load_model
@@ -76,20 +76,27 @@ class Executor:
         self.device = torch.device(device)
         self.attn = attn
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
 
     def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> AttentionBackend:
         """Create the attention backend that owns the KV pages (`spec` is per rank)."""
         self.attn = get_attention_backend(backend, spec, num_pages, self.device)
         return self.attn
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
-        """Capture the decode forward at these batch sizes (after `init_kv_cache`)."""
-        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq)
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
+        """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
+        empty, the piecewise forward at those token counts (after `init_kv_cache`)."""
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool)
+        if piecewise_sizes:
+            self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]."""
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs.run(input_ids, positions, batch)
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            return self.piecewise.run(input_ids, positions, batch)
         self.attn.plan(batch)
         return self.model(input_ids, positions, self.attn)
 
@@ -313,14 +320,14 @@ class TPExecutor(Executor):
             self._send(("profile", backend, spec, num_tokens, num_rows))
             return super().profile_run(backend, spec, num_tokens, num_rows)
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         # Every rank captures the same sizes in the same order: the all-reduces inside each
         # forward (warm-up and capture) pair up across ranks.
         with self._on_all_ranks():
-            self._send(("graphs", batch_sizes, max_pages_per_seq))
-            super().capture_graphs(batch_sizes, max_pages_per_seq)
+            self._send(("graphs", batch_sizes, max_pages_per_seq, piecewise_sizes))
+            super().capture_graphs(batch_sizes, max_pages_per_seq, piecewise_sizes)
         for w in self.workers:
-            w.wait_reply("capture the decode CUDA graphs", _START_TIMEOUT_S)
+            w.wait_reply("capture the CUDA graphs", _START_TIMEOUT_S)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         with self._on_all_ranks():
@@ -507,9 +514,9 @@ def _serve(local: Executor, group: TPGroup, conn: Connection, device: torch.devi
             _, backend, spec, num_tokens, num_rows = command
             local.profile_run(backend, spec, num_tokens, num_rows)
         elif kind == "graphs":
-            _, batch_sizes, max_pages_per_seq = command
+            _, batch_sizes, max_pages_per_seq, piecewise_sizes = command
             try:
-                local.capture_graphs(batch_sizes, max_pages_per_seq)
+                local.capture_graphs(batch_sizes, max_pages_per_seq, piecewise_sizes)
             except Exception as e:
                 _reply_error(conn, e)
                 raise

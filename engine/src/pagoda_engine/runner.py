@@ -11,7 +11,9 @@ tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
 next larger batch size (`cuda_graphs.DecodeGraphs`, owned by the executor so that every
-tensor-parallel rank replays its own); prefill chunks and `--enforce-eager` run eagerly.
+tensor-parallel rank replays its own); other steps of up to 256 tokens replay piecewise graphs
+with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
+`--enforce-eager` run eagerly.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 import torch
 
 from pagoda_engine.attention.base import AttentionBackend, AttentionBatch
-from pagoda_engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from pagoda_engine.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
 from pagoda_engine.executor import Executor
 from pagoda_engine.kv.manager import KVCacheManager
 from pagoda_engine.messages import TokenLogprobs
@@ -95,10 +97,17 @@ class ModelRunner:
     def graphs(self) -> DecodeGraphs | None:
         return self.executor.graphs
 
-    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int) -> None:
-        """Capture the decode forward at the batch sizes of `graph_batch_sizes(max_batch_size)`, on
-        every rank; larger decode batches run eagerly."""
-        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size))
+    @property
+    def piecewise_graphs(self) -> PiecewiseGraphs | None:
+        return self.executor.piecewise
+
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, max_piecewise_tokens: int) -> None:
+        """Capture, on every rank, the decode forward at the batch sizes of
+        `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
+        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`. Other steps
+        run eagerly."""
+        piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
+        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise)
 
     def warm_up_sampler(self) -> None:
         """Draw once along each of the sampler's paths (greedy, plain temperature, top-p) before

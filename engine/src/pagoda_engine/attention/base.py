@@ -69,8 +69,10 @@ class AttentionBackend(ABC):
         """Prepare this step's metadata (CPU work, once per step)."""
 
     @abstractmethod
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → o [T, Hq, D].
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → o [T, Hq, D] (into `out` when
+        given: piecewise CUDA graphs read it from a fixed buffer).
 
         Writes k/v into the layer's pages at the planned slot mapping first, then attends
         causally over each request's cached and new tokens."""

@@ -187,7 +187,8 @@ class FlashInferBackend(AttentionBackend):
         self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], pages, offsets)
 
     # --- per layer -------------------------------------------------------------------------------
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         st = self._step
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
@@ -199,10 +200,11 @@ class FlashInferBackend(AttentionBackend):
         # row and head strides, so no copy is made.
         nd = st.num_decodes
         if not st.num_prefill_tokens:
-            return st.decode.run(q, cache)
+            return st.decode.run(q, cache, out=out)
         if not nd:
-            return self.prefill_wrapper.run(q, cache)
-        out = torch.empty_like(q)
+            return self.prefill_wrapper.run(q, cache, out=out)
+        if out is None:
+            out = torch.empty_like(q)
         st.decode.run(q[:nd], cache, out=out[:nd])
         self.prefill_wrapper.run(q[nd:], cache, out=out[nd:])
         return out

@@ -56,13 +56,15 @@ class TorchRefBackend(AttentionBackend):
         self._batch = batch
         self._plans = plans
 
-    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must run before forward")
         self.write_kv(layer_id, k, v, self._batch.slot_mapping)
         cache = self.kv_caches[layer_id]
         group = q.shape[1] // self.spec.num_kv_heads
-        out = torch.empty_like(q)
+        if out is None:
+            out = torch.empty_like(q)
         for p in self._plans:
             # [seq_len, Hkv, D] → [Hq, seq_len, D]; each KV head serves `group` consecutive q heads.
             keys = cache[p.pages, 0, p.offsets].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)

@@ -77,9 +77,8 @@ def sliding_window(cfg: PretrainedConfig) -> int | None:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, layer_id: int, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.layer_id = layer_id
         hidden = cfg.hidden_size
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
@@ -94,7 +93,10 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding, attn: AttentionBackend) -> torch.Tensor:
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D] and k
+        [T, Hkv, D] rotated to their positions, v [T, Hkv, D]."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -104,8 +106,11 @@ class DecoderAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
-        o = attn.forward(self.layer_id, q, k, v)
-        return self.o_proj(o.reshape(t, q_size))
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result o [T, Hq, D]."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
 class DecoderMLP(nn.Module):
@@ -123,21 +128,37 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, layer_id: int, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, flags, layer_id, tp_size, tp_rank)
+        self.self_attn = DecoderAttention(cfg, flags, tp_size, tp_rank)
         self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, x, residual, rotary, attn):
+    def attention_inputs(self, positions, x, residual, rotary):
+        """Input norm (adding x to the residual stream first, except in the first layer, whose
+        residual is None) and the attention inputs: (q, k, v, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, rotary, attn)
+        q, k, v = self.self_attn.qkv(positions, x, rotary)
+        return q, k, v, residual
+
+    def mlp_block(self, x, residual):
+        """After the output projection: post-attention norm and MLP → (x, residual)."""
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def forward(self, layer_id, positions, x, residual, rotary, attn):
+        x, residual = self._attention(layer_id, positions, x, residual, rotary, attn)
+        return self.mlp_block(x, residual)
+
+    def _attention(self, layer_id, positions, x, residual, rotary, attn):
+        # A frame of its own: q, k, v and the attention output are freed before the MLP runs, which
+        # keeps the peak of a long prefill (and so the profile step that sizes the KV pool) down.
+        q, k, v, residual = self.attention_inputs(positions, x, residual, rotary)
+        return self.self_attn.out(attn.forward(layer_id, q, k, v)), residual
 
 
 class DecoderModel(nn.Module):
@@ -146,18 +167,38 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, i, tp_size, tp_rank) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, tp_size, tp_rank) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
         theta, rope_params = rope_settings(cfg)
         # One cos/sin cache shared by all layers.
         self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, rope_params)
 
+    @property
+    def num_segments(self) -> int:
+        return len(self.layers) + 1
+
+    def segment(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, o: torch.Tensor | None,
+                residual: torch.Tensor | None):
+        """The forward between two attention calls. Segment 0 embeds `input_ids` and ends with layer
+        0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's attention output `o`
+        and the residual stream and ends with layer i's (q, k, v, residual); the last segment ends
+        with the final norm and returns the hidden states. Piecewise CUDA graphs capture each one."""
+        if i == 0:
+            x = self.embed_tokens(input_ids)
+        else:
+            previous = self.layers[i - 1]
+            x, residual = previous.mlp_block(previous.self_attn.out(o), residual)
+        if i == len(self.layers):
+            x, _ = self.norm(x, residual)
+            return x
+        return self.layers[i].attention_inputs(positions, x, residual, self.rotary_emb)
+
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         residual = None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, self.rotary_emb, attn)
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(i, positions, x, residual, self.rotary_emb, attn)
         x, _ = self.norm(x, residual)
         return x
 
@@ -186,6 +227,14 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
+
+    @property
+    def num_segments(self) -> int:
+        return self.model.num_segments
+
+    def segment(self, i, input_ids, positions, o, residual):
+        """`DecoderModel.segment`: the forward between attention calls i-1 and i."""
+        return self.model.segment(i, input_ids, positions, o, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
