@@ -1,6 +1,7 @@
 """Tensor parallelism on two GPUs (NCCL; rank r on cuda:r): TP=2 gives TP=1's greedy tokens in
-float32 and logprobs within bf16 rounding in bf16 (with decode CUDA graphs on every rank), the KV pool is sized by a profile step run on
-both ranks at once, and the worker process ends with the engine. Skipped with fewer than 2 GPUs."""
+float32 and logprobs within bf16 rounding in bf16 (with decode and piecewise CUDA graphs on every
+rank), the KV pool is sized by a profile step run on both ranks at once, and the worker process
+ends with the engine. Skipped with fewer than 2 GPUs."""
 
 from __future__ import annotations
 
@@ -47,6 +48,8 @@ def test_tp2_bf16_flashinfer_logprobs_match_tp1_and_kv_is_measured(gpu_model_dir
         assert core.attn.name == "flashinfer" and core.device == torch.device("cuda", 0)
         # Decode CUDA graphs on both ranks (NCCL all-reduces captured inside); the small steps replay them.
         assert core.cuda_graphs and core.runner.graphs is not None and 16 in core.runner.graphs.batch_sizes
+        # The first step, all four prompts (190 tokens), replays the piecewise graphs of 192 tokens on both ranks.
+        assert 192 in core.runner.piecewise_graphs.token_sizes
         # 2 KV heads over 2 ranks: one per rank, in every page of both pools.
         assert core.attn.kv_caches[0].shape[3] == 1
         assert core.num_kv_pages > 256  # measured, not the test default
