@@ -24,6 +24,14 @@ MODEL_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_hidden_layers=2
 
 
 
+# Llama-3.1-8B's shapes (32 query heads over 8 KV heads of 128, MLP 14,336, vocabulary 128,256, its
+# rotary scaling) with two layers instead of 32: the kernels run at the sizes the benchmarks use.
+LLAMA_SIZED_CONFIG = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=2,
+                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=8192,
+                          rms_norm_eps=1e-5, rope_theta=500000.0,
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                            original_max_position_embeddings=8192))
+
 # What most GPU tests run: bf16, a fixed small KV pool, a batch that covers several graph sizes.
 LLM_DEFAULTS = dict(dtype="bfloat16", num_kv_pages=512, max_num_seqs=32, seed=0)
 

@@ -47,12 +47,21 @@ def test_flashinfer_is_the_automatic_choice(gpu_model_dir):
     assert llm.core.runner.graphs is not None
 
 
-def test_bf16_logits_match_transformers(gpu_model_dir, hf_reference):
+@pytest.fixture(params=["small", "llama-sized"])
+def model_and_reference(request):
+    """(model directory, transformers float32 reference): the small model, and Llama-3.1-8B's shapes."""
+    if request.param == "small":
+        return request.getfixturevalue("gpu_model_dir"), request.getfixturevalue("hf_reference")
+    return request.getfixturevalue("llama_sized")
+
+
+def test_bf16_logits_match_transformers(model_and_reference):
     """A prefill step of three prompts, then steps that mix decodes with a chunked prefill: each
     step's last-token logits stay within bf16 rounding of transformers' (float32) logits."""
     from pagoda_engine.model.loader import load_hf_config, load_model
 
-    model = load_model(str(gpu_model_dir), load_hf_config(str(gpu_model_dir)), torch.bfloat16, CUDA)
+    model_dir, hf_reference = model_and_reference
+    model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.bfloat16, CUDA)
     attn = get_attention_backend("auto", model.kv_cache_spec(16, torch.bfloat16), 64, CUDA)
     assert attn.name == "flashinfer"
     free = list(range(1, 64))
@@ -173,11 +182,17 @@ def test_piecewise_graphs_give_the_eager_greedy_tokens(gpu_model_dir):
     assert any(tokens not in piecewise.token_sizes for tokens, _ in steps), steps  # padded ones
 
 
-def test_piecewise_forward_matches_the_eager_forward(gpu_model_dir):
+def test_piecewise_forward_matches_the_eager_forward(model_and_reference):
     """One mixed step (a decode over 100 cached tokens and a fresh 37-token prompt, padded to 48)
     through the piecewise graphs and through the eager forward: the same hidden states."""
-    llm = make_llm(gpu_model_dir)
-    executor, page_size = llm.core.runner.executor, 16
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core import EngineCore
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_and_reference[0]), dtype="bfloat16", num_kv_pages=64,
+                                               max_num_seqs=8))
+    executor, page_size = core.runner.executor, 16
     model, attn = executor.model, executor.attn
     tokens = torch.tensor(random_prompts(9, [138])[0], device=CUDA)
     first_pages, second_pages = list(range(1, 8)), list(range(8, 11))
