@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from gpu_support import LLAMA_SIZED_CONFIG, MODEL_CONFIG
+from gpu_support import MODEL_CONFIG, randomise
+
 
 @pytest.fixture(scope="session")
 def gpu_model_dir(tmp_path_factory):
@@ -31,36 +32,6 @@ def gpu_model_dir(tmp_path_factory):
                                       **MODEL_CONFIG)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config)
-    _randomise(model, std=0.06)
+    randomise(model, std=0.06)
     model.to(torch.bfloat16).save_pretrained(out)
     return out
-
-
-@pytest.fixture(scope="session")
-def llama_sized(tmp_path_factory):
-    """(directory, transformers reference): Llama-3.1-8B's layer shapes, vocabulary and rotary
-    with two layers. bf16 weights on disk; the reference holds the same values in float32."""
-    import transformers
-
-    config = transformers.LlamaConfig(bos_token_id=128000, eos_token_id=128001, **LLAMA_SIZED_CONFIG)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config)
-    _randomise(model, std=0.02)  # about unit gain per projection at hidden size 4096
-    model.to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("llama-sized")
-    model.save_pretrained(out)
-    return out, model.float().eval()
-
-
-def _randomise(model, std: float) -> None:
-    """Weights larger than transformers' default init, norms away from 1 and a unit-variance
-    embedding, so greedy choices are clear rather than ties and a misplaced weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 1.0)
-            else:
-                p.normal_(0, std)

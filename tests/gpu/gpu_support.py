@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import gc
 import importlib.util
+import random
 
 import pytest
 import torch
 
 from pagoda_engine import LLM
+from pagoda_engine.attention import AttentionBatch, get_attention_backend
 
+CUDA = torch.device("cuda")
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
 requires_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs a CUDA GPU and flashinfer")
 
@@ -41,3 +44,111 @@ def make_llm(model_dir, **overrides) -> LLM:
     gc.collect()
     torch.cuda.empty_cache()
     return LLM(str(model_dir), **{**LLM_DEFAULTS, **overrides})
+
+
+def randomise(model, std: float) -> None:
+    """Weights larger than transformers' default init, norms away from 1 and a unit-variance
+    embedding, so greedy choices are clear rather than ties and a misplaced weight shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.2 * torch.randn_like(p))
+            elif name.endswith("embed_tokens.weight"):
+                p.normal_(0, 1.0)
+            else:
+                p.normal_(0, std)
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+def hf_logits(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens], device=CUDA)).logits[0].float()
+
+
+def check_bf16_logits_against(model_dir, hf_reference) -> None:
+    """A prefill step of three prompts, then steps that mix decodes with a chunked prefill, through
+    the bf16 model and FlashInfer: each step's last-token logits stay within bf16 rounding of the
+    float32 transformers reference's."""
+    from pagoda_engine.model.loader import load_hf_config, load_model
+
+    model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.bfloat16, CUDA)
+    attn = get_attention_backend("auto", model.kv_cache_spec(16, torch.bfloat16), 64, CUDA)
+    assert attn.name == "flashinfer"
+    free = list(range(1, 64))
+    random.Random(0).shuffle(free)
+    seqs = dict(zip("abc", random_prompts(1, [3, 40, 90])))
+    tables: dict[str, list[int]] = {}
+    done: dict[str, int] = {}
+    checked = 0
+
+    def step(chunks):  # (request, number of new tokens); decodes first
+        nonlocal checked
+        ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
+        for rid, n in chunks:
+            start = done.get(rid, 0)
+            table = tables.setdefault(rid, [])
+            while len(table) * 16 < start + n:
+                table.append(free.pop())
+            ids += seqs[rid][start:start + n]
+            pos += range(start, start + n)
+            slots += [table[p // 16] * 16 + p % 16 for p in range(start, start + n)]
+            qlens.append(n)
+            slens.append(start + n)
+            tabs.append(list(table))
+            done[rid] = start + n
+        nd = sum(1 for (rid, n), s in zip(chunks, slens) if n == 1 and s > 1)
+        attn.plan(AttentionBatch(qlens, slens, tabs, torch.tensor(slots, device=CUDA), nd))
+        with torch.no_grad():
+            hidden = model(torch.tensor(ids, device=CUDA), torch.tensor(pos, device=CUDA), attn)
+            last = torch.tensor(qlens, device=CUDA).cumsum(0) - 1
+            logits = model.compute_logits(hidden[last])
+        for (rid, _), got in zip(chunks, logits):
+            ref = hf_logits(hf_reference, seqs[rid][:done[rid]])[-1]
+            scale = ref.abs().max().item()
+            assert (got - ref).abs().max().item() <= 0.05 * scale, rid
+            assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, rid
+            checked += 1
+            if done[rid] == len(seqs[rid]):
+                seqs[rid].append(int(got.argmax()))
+
+    step([("a", 3), ("b", 40), ("c", 50)])
+    step([("a", 1), ("b", 1), ("c", 40)])
+    for _ in range(3):
+        step([("a", 1), ("b", 1), ("c", 1)])
+    assert checked == 15
+
+
+def check_piecewise_forward(model_dir) -> None:
+    """One mixed step (a decode over 100 cached tokens and a fresh 37-token prompt, padded to 48)
+    through the piecewise CUDA graphs and through the eager forward: the same hidden states."""
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core import EngineCore
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), dtype="bfloat16", num_kv_pages=64,
+                                               max_num_seqs=8))
+    executor, page_size = core.runner.executor, 16
+    model, attn = executor.model, executor.attn
+    tokens = torch.tensor(random_prompts(9, [138])[0], device=CUDA)
+    first_pages, second_pages = list(range(1, 8)), list(range(8, 11))
+    with torch.inference_mode():
+        fill = AttentionBatch(query_lens=[100], seq_lens=[100], page_tables=[first_pages],
+                              slot_mapping=torch.arange(16, 116, device=CUDA))
+        attn.plan(fill)
+        model(tokens[:100], torch.arange(100, device=CUDA), attn)
+        slots = [first_pages[100 // page_size] * page_size + 100 % page_size] + [8 * page_size + i for i in range(37)]
+        mixed = AttentionBatch(query_lens=[1, 37], seq_lens=[101, 37], page_tables=[first_pages, second_pages],
+                               slot_mapping=torch.tensor(slots, device=CUDA), num_decodes=1)
+        ids = tokens[100:]
+        positions = torch.tensor([100] + list(range(37)), device=CUDA)
+        attn.plan(mixed)
+        eager = model(ids, positions, attn).float()
+        assert executor.piecewise.fits(mixed) and executor.piecewise.padded_size(38) == 48
+        graphed = executor.execute_model(ids, positions, mixed).float()
+    assert graphed.shape == eager.shape == (38, model.config.hidden_size)
+    torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)

@@ -10,23 +10,16 @@ import random
 import pytest
 import torch
 
-from gpu_support import make_llm, requires_gpu
+from gpu_support import (CUDA, check_bf16_logits_against, check_piecewise_forward, hf_logits, make_llm,
+                         random_prompts, requires_gpu)
 from pagoda_engine import LLM, SamplingParams
-from pagoda_engine.attention import AttentionBatch, get_attention_backend
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-CUDA = torch.device("cuda")
 
 
 def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-
-
-def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -36,76 +29,16 @@ def hf_reference(gpu_model_dir):
     return transformers.LlamaForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32).to(CUDA).eval()
 
 
-def hf_logits(model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([tokens], device=CUDA)).logits[0].float()
-
-
 def test_flashinfer_is_the_automatic_choice(gpu_model_dir):
     llm = make_llm(gpu_model_dir)
     assert llm.core.attn.name == "flashinfer"
     assert llm.core.runner.graphs is not None
 
 
-@pytest.fixture(params=["small", "llama-sized"])
-def model_and_reference(request):
-    """(model directory, transformers float32 reference): the small model, and Llama-3.1-8B's shapes."""
-    if request.param == "small":
-        return request.getfixturevalue("gpu_model_dir"), request.getfixturevalue("hf_reference")
-    return request.getfixturevalue("llama_sized")
-
-
-def test_bf16_logits_match_transformers(model_and_reference):
+def test_bf16_logits_match_transformers(gpu_model_dir, hf_reference):
     """A prefill step of three prompts, then steps that mix decodes with a chunked prefill: each
     step's last-token logits stay within bf16 rounding of transformers' (float32) logits."""
-    from pagoda_engine.model.loader import load_hf_config, load_model
-
-    model_dir, hf_reference = model_and_reference
-    model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.bfloat16, CUDA)
-    attn = get_attention_backend("auto", model.kv_cache_spec(16, torch.bfloat16), 64, CUDA)
-    assert attn.name == "flashinfer"
-    free = list(range(1, 64))
-    random.Random(0).shuffle(free)
-    seqs = dict(zip("abc", random_prompts(1, [3, 40, 90])))
-    tables: dict[str, list[int]] = {}
-    done: dict[str, int] = {}
-    checked = 0
-
-    def step(chunks):  # (request, number of new tokens); decodes first
-        nonlocal checked
-        ids, pos, slots, qlens, slens, tabs = [], [], [], [], [], []
-        for rid, n in chunks:
-            start = done.get(rid, 0)
-            table = tables.setdefault(rid, [])
-            while len(table) * 16 < start + n:
-                table.append(free.pop())
-            ids += seqs[rid][start:start + n]
-            pos += range(start, start + n)
-            slots += [table[p // 16] * 16 + p % 16 for p in range(start, start + n)]
-            qlens.append(n)
-            slens.append(start + n)
-            tabs.append(list(table))
-            done[rid] = start + n
-        nd = sum(1 for (rid, n), s in zip(chunks, slens) if n == 1 and s > 1)
-        attn.plan(AttentionBatch(qlens, slens, tabs, torch.tensor(slots, device=CUDA), nd))
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids, device=CUDA), torch.tensor(pos, device=CUDA), attn)
-            last = torch.tensor(qlens, device=CUDA).cumsum(0) - 1
-            logits = model.compute_logits(hidden[last])
-        for (rid, _), got in zip(chunks, logits):
-            ref = hf_logits(hf_reference, seqs[rid][:done[rid]])[-1]
-            scale = ref.abs().max().item()
-            assert (got - ref).abs().max().item() <= 0.05 * scale, rid
-            assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, rid
-            checked += 1
-            if done[rid] == len(seqs[rid]):
-                seqs[rid].append(int(got.argmax()))
-
-    step([("a", 3), ("b", 40), ("c", 50)])
-    step([("a", 1), ("b", 1), ("c", 40)])
-    for _ in range(3):
-        step([("a", 1), ("b", 1), ("c", 1)])
-    assert checked == 15
+    check_bf16_logits_against(gpu_model_dir, hf_reference)
 
 
 def test_greedy_tokens_match_transformers(gpu_model_dir, hf_reference):
@@ -182,36 +115,10 @@ def test_piecewise_graphs_give_the_eager_greedy_tokens(gpu_model_dir):
     assert any(tokens not in piecewise.token_sizes for tokens, _ in steps), steps  # padded ones
 
 
-def test_piecewise_forward_matches_the_eager_forward(model_and_reference):
+def test_piecewise_forward_matches_the_eager_forward(gpu_model_dir):
     """One mixed step (a decode over 100 cached tokens and a fresh 37-token prompt, padded to 48)
     through the piecewise graphs and through the eager forward: the same hidden states."""
-    from pagoda_engine.config import EngineConfig
-    from pagoda_engine.core import EngineCore
-
-    gc.collect()
-    torch.cuda.empty_cache()
-    core = EngineCore(EngineConfig.from_kwargs(model=str(model_and_reference[0]), dtype="bfloat16", num_kv_pages=64,
-                                               max_num_seqs=8))
-    executor, page_size = core.runner.executor, 16
-    model, attn = executor.model, executor.attn
-    tokens = torch.tensor(random_prompts(9, [138])[0], device=CUDA)
-    first_pages, second_pages = list(range(1, 8)), list(range(8, 11))
-    with torch.inference_mode():
-        fill = AttentionBatch(query_lens=[100], seq_lens=[100], page_tables=[first_pages],
-                              slot_mapping=torch.arange(16, 116, device=CUDA))
-        attn.plan(fill)
-        model(tokens[:100], torch.arange(100, device=CUDA), attn)
-        slots = [first_pages[100 // page_size] * page_size + 100 % page_size] + [8 * page_size + i for i in range(37)]
-        mixed = AttentionBatch(query_lens=[1, 37], seq_lens=[101, 37], page_tables=[first_pages, second_pages],
-                               slot_mapping=torch.tensor(slots, device=CUDA), num_decodes=1)
-        ids = tokens[100:]
-        positions = torch.tensor([100] + list(range(37)), device=CUDA)
-        attn.plan(mixed)
-        eager = model(ids, positions, attn).float()
-        assert executor.piecewise.fits(mixed) and executor.piecewise.padded_size(38) == 48
-        graphed = executor.execute_model(ids, positions, mixed).float()
-    assert graphed.shape == eager.shape == (38, model.config.hidden_size)
-    torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)
+    check_piecewise_forward(gpu_model_dir)
 
 
 def test_kv_pool_is_sized_by_measurement(gpu_model_dir):
