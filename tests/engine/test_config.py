@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args
+from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args, resolve_cudagraph_mode
 
 
 def parse(*argv: str) -> EngineConfig:
@@ -20,9 +20,16 @@ def test_cuda_graph_capture_size_flag_defaults_to_every_batch():
 
 
 def test_cudagraph_mode_flag_takes_vllms_names_in_either_case():
-    assert parse().model.cudagraph_mode == "FULL_AND_PIECEWISE"
+    assert parse().model.cudagraph_mode is None  # the default: resolve_cudagraph_mode decides
     assert parse("--cudagraph-mode", "full_decode_only").model.cudagraph_mode == "FULL_DECODE_ONLY"
     assert parse("--cudagraph-mode", "NONE").model.cudagraph_mode == "NONE"
+
+
+def test_piecewise_graphs_are_the_default_on_one_gpu_and_asked_for_under_tensor_parallelism():
+    assert resolve_cudagraph_mode(None, tensor_parallel_size=1) == "FULL_AND_PIECEWISE"
+    assert resolve_cudagraph_mode(None, tensor_parallel_size=2) == "FULL_DECODE_ONLY"
+    assert resolve_cudagraph_mode("FULL_AND_PIECEWISE", tensor_parallel_size=2) == "FULL_AND_PIECEWISE"
+    assert resolve_cudagraph_mode("NONE", tensor_parallel_size=1) == "NONE"
 
 
 def test_bad_cudagraph_mode_flag_is_refused_by_the_parser(capsys):

@@ -43,7 +43,9 @@ def test_tp2_float32_greedy_equals_tp1(gpu_model_dir):
 def test_tp2_bf16_flashinfer_logprobs_match_tp1_and_kv_is_measured(gpu_model_dir):
     with make_llm(gpu_model_dir) as tp1:
         ref = greedy(tp1, logprobs=3)
-    with make_llm(gpu_model_dir, tensor_parallel_size=2, num_kv_pages=None, gpu_memory_utilization=0.5) as tp2:
+    # Piecewise graphs are asked for: under TP they are off by default until this test has passed.
+    with make_llm(gpu_model_dir, tensor_parallel_size=2, num_kv_pages=None, gpu_memory_utilization=0.5,
+                  cudagraph_mode="FULL_AND_PIECEWISE") as tp2:
         core = tp2.core
         assert core.attn.name == "flashinfer" and core.device == torch.device("cuda", 0)
         # Decode CUDA graphs on both ranks (NCCL all-reduces captured inside); the small steps replay them.

@@ -10,6 +10,15 @@ from dataclasses import dataclass, field, fields
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
 
 
+def resolve_cudagraph_mode(mode: str | None, tensor_parallel_size: int) -> str:
+    """The CUDA-graph mode asked for, or the default: FULL_AND_PIECEWISE on one GPU. Under tensor
+    parallelism the default stays FULL_DECODE_ONLY until the piecewise graphs (NCCL all-reduces
+    captured in every segment) have run on two GPUs; asking for FULL_AND_PIECEWISE turns them on."""
+    if mode is not None:
+        return mode
+    return "FULL_AND_PIECEWISE" if tensor_parallel_size == 1 else "FULL_DECODE_ONLY"
+
+
 @dataclass
 class ModelConfig:
     model: str | None = None  # model directory; None = the built-in tiny model
@@ -27,8 +36,8 @@ class ModelConfig:
     max_cudagraph_capture_size: int | None = None
     # vLLM's modes: FULL_AND_PIECEWISE (whole-forward graphs for decode steps, piecewise graphs
     # around eager attention for other steps of up to 256 tokens), FULL_DECODE_ONLY (other steps
-    # eager), NONE (all eager, as --enforce-eager).
-    cudagraph_mode: str = "FULL_AND_PIECEWISE"
+    # eager), NONE (all eager, as --enforce-eager). None: `resolve_cudagraph_mode` decides.
+    cudagraph_mode: str | None = None
 
 
 @dataclass
@@ -115,7 +124,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.model.load_format!r}")
         if self.model.max_cudagraph_capture_size is not None and self.model.max_cudagraph_capture_size < 1:
             raise ValueError("max_cudagraph_capture_size must be >= 1")
-        if self.model.cudagraph_mode not in CUDAGRAPH_MODES:
+        if self.model.cudagraph_mode is not None and self.model.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
@@ -135,10 +144,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
                    help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs)")
-    p.add_argument("--cudagraph-mode", type=str.upper, default="FULL_AND_PIECEWISE", choices=CUDAGRAPH_MODES,
-                   help="FULL_AND_PIECEWISE: decode steps replay whole-forward graphs, other steps of up to 256 "
-                        "tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: only decode steps "
-                        "use graphs; NONE: no graphs (as --enforce-eager)")
+    p.add_argument("--cudagraph-mode", type=str.upper, default=None, choices=CUDAGRAPH_MODES,
+                   help="FULL_AND_PIECEWISE (default on one GPU): decode steps replay whole-forward graphs, other "
+                        "steps of up to 256 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY "
+                        "(default under tensor parallelism): only decode steps use graphs; NONE: no graphs "
+                        "(as --enforce-eager)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

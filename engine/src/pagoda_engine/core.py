@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from pagoda_engine.attention.base import KVCacheSpec
-from pagoda_engine.config import EngineConfig
+from pagoda_engine.config import EngineConfig, resolve_cudagraph_mode
 from pagoda_engine.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.executor import create_executor
@@ -162,13 +162,15 @@ class EngineCore:
         self.runner.warm_up_sampler()
         logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
-        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
+        mode = resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
+        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and mode != "NONE"
                             and hasattr(self.attn, "plan_graph_decode"))
+        self.cudagraph_mode = mode if self.cuda_graphs else "NONE"
         if self.cuda_graphs:
             t1 = time.monotonic()
             free_before, _ = torch.cuda.mem_get_info(self.device)
             piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
-                         if mc.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
+                         if mode == "FULL_AND_PIECEWISE" else 0)
             self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
                                                 mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
                                             self.max_model_len, piecewise)

@@ -87,7 +87,7 @@ def _build(args) -> tuple[EngineCore, dict]:
     settings = {
         "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
         "device": str(core.device), "attention_backend": core.attn.name, "cuda_graphs": core.cuda_graphs,
-        "cudagraph_mode": mc.cudagraph_mode if core.cuda_graphs else "NONE",
+        "cudagraph_mode": core.cudagraph_mode,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "async_scheduling": sc.async_scheduling,
         "max_model_len": core.max_model_len, "block_size": cc.block_size,
