@@ -18,6 +18,7 @@ from pagoda_engine.attention import AttentionBatch
 from pagoda_engine.attention.torch_ref import TorchRefBackend
 from pagoda_engine.cuda_graphs import SegmentBuffers
 from pagoda_engine.model.loader import load_hf_config, load_model
+from random_weights import randomise
 
 CPU = torch.device("cpu")
 VOCAB = 256
@@ -59,15 +60,7 @@ def models(request, tmp_path_factory):
     config = getattr(transformers, config_cls)(**{**BASE, **overrides})
     torch.manual_seed(sum(map(ord, request.param)))
     hf = getattr(transformers, model_cls)(config)
-    # Weights larger than the default init, and norms away from 1, so a misplaced weight shows.
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 1.0)
-            else:
-                p.normal_(0, 0.15)
+    randomise(hf, std=0.15, norm_spread=0.3)
     hf.eval()
     model_dir = tmp_path_factory.mktemp(request.param)
     hf.save_pretrained(model_dir)

@@ -12,7 +12,8 @@ import shutil
 import pytest
 import torch
 
-from gpu_support import MODEL_CONFIG, randomise
+from gpu_support import MODEL_CONFIG
+from random_weights import randomise
 
 
 @pytest.fixture(scope="session")

@@ -46,19 +46,6 @@ def make_llm(model_dir, **overrides) -> LLM:
     return LLM(str(model_dir), **{**LLM_DEFAULTS, **overrides})
 
 
-def randomise(model, std: float) -> None:
-    """Weights larger than transformers' default init, norms away from 1 and a unit-variance
-    embedding, so greedy choices are clear rather than ties and a misplaced weight shows."""
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.2 * torch.randn_like(p))
-            elif name.endswith("embed_tokens.weight"):
-                p.normal_(0, 1.0)
-            else:
-                p.normal_(0, std)
-
-
 def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_support import LLAMA_SIZED_CONFIG, check_bf16_logits_against, check_piecewise_forward, randomise, requires_gpu
+from gpu_support import LLAMA_SIZED_CONFIG, check_bf16_logits_against, check_piecewise_forward, requires_gpu
+from random_weights import randomise
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
