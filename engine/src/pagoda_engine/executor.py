@@ -2,9 +2,10 @@
 ranks (`create_executor` picks).
 
 The core talks to an `Executor` only: `init_kv_cache` (the attention backend and its pages),
-`profile_run` (the largest step, for memory sizing), `capture_graphs` (the decode CUDA graphs),
-`execute_model` (one forward over the step's tokens: a graph replay for all-decode steps that fit
-one) and `compute_logits`, then `close`.
+`profile_run` (the largest step, for memory sizing), `capture_graphs` (the decode and piecewise
+CUDA graphs), `execute_model` (one forward over the step's tokens: a whole-forward graph replay for
+all-decode steps that fit one, piecewise replays for other short steps) and `compute_logits`, then
+`close`.
 
 Under tensor parallelism every rank holds one shard of the weights (`model/layers.py`: heads, MLP
 columns, vocabulary slices) and its own KV pool with the same page count (heads/N per page). One
