@@ -162,15 +162,15 @@ class EngineCore:
         self.runner.warm_up_sampler()
         logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
-        mode = resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
-        self.cuda_graphs = (self.device.type == "cuda" and not mc.enforce_eager and mode != "NONE"
-                            and hasattr(self.attn, "plan_graph_decode"))
-        self.cudagraph_mode = mode if self.cuda_graphs else "NONE"
+        graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
+                           and hasattr(self.attn, "plan_graph_decode"))
+        self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
+                               if graphs_possible else "NONE")
         if self.cuda_graphs:
             t1 = time.monotonic()
             free_before, _ = torch.cuda.mem_get_info(self.device)
             piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
-                         if mode == "FULL_AND_PIECEWISE" else 0)
+                         if self.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
             self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
                                                 mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
                                             self.max_model_len, piecewise)
@@ -180,6 +180,11 @@ class EngineCore:
                         "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
                         self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
         self.startup_seconds = time.monotonic() - t0
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether this engine replays CUDA graphs (decode ones at least; see `cudagraph_mode`)."""
+        return self.cudagraph_mode != "NONE"
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""

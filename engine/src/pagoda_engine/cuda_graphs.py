@@ -43,6 +43,18 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sizes + [max_num_seqs]
 
 
+def load_padded(id_buffer: torch.Tensor, position_buffer: torch.Tensor, input_ids: torch.Tensor,
+                positions: torch.Tensor, size: int) -> None:
+    """A step's token ids and positions into the first rows of a graph's fixed buffers; rows up
+    to `size` become padding: token 0 at position 0."""
+    n = input_ids.shape[0]
+    id_buffer[:n].copy_(input_ids)
+    position_buffer[:n].copy_(positions)
+    if size > n:
+        id_buffer[n:size].zero_()
+        position_buffer[n:size].zero_()
+
+
 class DecodeGraphs:
     """The model's forward for all-decode batches, captured as one CUDA graph per batch size.
 
@@ -88,11 +100,7 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         n = batch.num_reqs
         bs = self.padded_size(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if bs > n:
-            self.input_ids[n:bs].zero_()
-            self.positions[n:bs].zero_()
+        load_padded(self.input_ids, self.positions, input_ids, positions, bs)
         self.attn.plan_graph_decode(batch, bs)
         self.graphs[bs].replay()
         return self.outputs[bs][:n]
@@ -124,12 +132,7 @@ class SegmentBuffers:
 
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, size: int) -> None:
         """A step's tokens into the first rows, padding rows up to `size`."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        if size > n:
-            self.input_ids[n:size].zero_()
-            self.positions[n:size].zero_()
+        load_padded(self.input_ids, self.positions, input_ids, positions, size)
 
     def segment(self, i: int, size: int) -> torch.Tensor | None:
         """Segment i over the first `size` rows. The last returns the hidden states; the others
