@@ -174,7 +174,7 @@ def test_async_scheduling_flag_and_config():
 
 def test_async_scheduling_auto_is_off_on_cpu(model_dir):
     from pagoda_engine.config import EngineConfig
-    from pagoda_engine.core import EngineCore
+    from pagoda_engine.core.engine_core import EngineCore
 
     core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), dtype="float32", device="cpu",
                                                async_scheduling=None, num_kv_pages=32))

@@ -12,8 +12,8 @@ import random
 import pytest
 import torch
 
-from pagoda_engine.attention import AttentionBatch, KVCacheSpec, get_attention_backend
-from pagoda_engine.attention.torch_ref import TorchRefBackend
+from pagoda_engine.worker.attention import AttentionBatch, KVCacheSpec, get_attention_backend
+from pagoda_engine.worker.attention.torch_ref import TorchRefBackend
 
 CPU = torch.device("cpu")
 NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM = 6, 2, 8
@@ -109,7 +109,7 @@ def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused, dtype):
     """One scatter writes K and V (as 8-byte words where the layout allows, bit-exact): from a view
     when they are adjacent slices of one qkv output (no copy made), from a stack otherwise; every
     other slot stays untouched."""
-    from pagoda_engine.attention.base import stacked_kv
+    from pagoda_engine.worker.attention.base import stacked_kv
 
     spec = KVCacheSpec(num_layers=1, num_kv_heads=2, num_qo_heads=4, head_dim=8, page_size=4, dtype=dtype)
     backend = TorchRefBackend(spec, 6, CPU)
@@ -134,7 +134,7 @@ def test_write_kv_puts_each_token_k_and_v_in_its_slot(fused, dtype):
 
 
 def test_word_view_only_where_the_layout_allows():
-    from pagoda_engine.attention.base import _as_words
+    from pagoda_engine.worker.attention.base import _as_words
 
     x = torch.randn(3, 8, dtype=torch.bfloat16)
     assert _as_words(x).shape == (3, 2) and torch.equal(_as_words(x).view(torch.bfloat16), x)

@@ -2,9 +2,10 @@
 
 import pytest
 
-from pagoda_engine.kv.block_pool import NULL_PAGE_ID, BlockPool, hash_page
-from pagoda_engine.kv.manager import KVCacheManager
-from pagoda_engine.request import Request, SamplingParams
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.kv.block_pool import NULL_PAGE_ID, BlockPool, hash_page
+from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.sampling_params import SamplingParams
 
 
 def _req(rid: str, tokens: list[int], **params) -> Request:

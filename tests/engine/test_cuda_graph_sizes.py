@@ -3,7 +3,7 @@ captured at, and when a segment's q, k and v can be copied out as the projection
 
 import torch
 
-from pagoda_engine.cuda_graphs import MAX_PIECEWISE_TOKENS, _fused_projection, graph_batch_sizes, piecewise_token_sizes
+from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS, _fused_projection, graph_batch_sizes, piecewise_token_sizes
 
 
 def test_piecewise_sizes_end_at_the_step_budget():

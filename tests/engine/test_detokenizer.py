@@ -4,10 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagoda_engine.detokenizer import IncrementalDetokenizer
-from pagoda_engine.request import SamplingParams
+from pagoda_engine.api.detokenizer import IncrementalDetokenizer
+from pagoda_engine.api.tokenizer import load_tokenizer
+from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
-from pagoda_engine.tokenizer import load_tokenizer
 
 MULTILINGUAL = (
     "Héllo wörld! Café crème brûlée. 日本語の文章です。東京は日本の首都です。 中文：你好，世界！ "

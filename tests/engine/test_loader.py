@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig
 
 from pagoda_engine.errors import ModelLoadError, UnsupportedArchitectureError
-from pagoda_engine.model.loader import load_hf_config, load_model, resolve_dtype
+from pagoda_engine.worker.model.loader import load_hf_config, load_model, resolve_dtype
 
 CPU = torch.device("cpu")
 
@@ -206,7 +206,7 @@ def test_unsupported_rope_type_is_a_clear_error(tmp_path):
 
 def test_weight_loaders_give_each_tensor_parallel_rank_its_slice():
     """Only TP=1 runs today, but the loaders already shard: check the slices each rank would keep."""
-    from pagoda_engine.model.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+    from pagoda_engine.worker.model.layers import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     hidden, d = 8, 4
     gen = torch.Generator().manual_seed(0)

@@ -14,10 +14,10 @@ import pytest
 import torch
 import transformers
 
-from pagoda_engine.attention import AttentionBatch
-from pagoda_engine.attention.torch_ref import TorchRefBackend
-from pagoda_engine.cuda_graphs import SegmentBuffers
-from pagoda_engine.model.loader import load_hf_config, load_model
+from pagoda_engine.worker.attention import AttentionBatch
+from pagoda_engine.worker.attention.torch_ref import TorchRefBackend
+from pagoda_engine.worker.cuda_graphs import SegmentBuffers
+from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from random_weights import randomise
 
 CPU = torch.device("cpu")

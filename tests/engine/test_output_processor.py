@@ -5,13 +5,13 @@ import dataclasses
 import msgspec
 import pytest
 
+from pagoda_engine.api.output_processor import OutputProcessor
+from pagoda_engine.api.outputs import Logprob
+from pagoda_engine.api.tokenizer import load_tokenizer
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.messages import EngineCoreOutput, EngineCoreRequest, Logprob as CoreLogprob, TokenLogprobs
-from pagoda_engine.output_processor import OutputProcessor
-from pagoda_engine.outputs import Logprob
-from pagoda_engine.request import SamplingParams
+from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
-from pagoda_engine.tokenizer import load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from pagoda_engine.request import Request, SamplingParams
-from pagoda_engine.sampling import (
+from pagoda_engine.core.request import Request
+
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.worker.sampling import (
     Sampler,
     SamplingBatch,
     apply_penalties_and_masks,
@@ -421,7 +423,7 @@ def test_mixed_batch_on_cuda():
 def test_unseeded_draw_keys_are_distinct_and_follow_the_stream():
     """The GPU kernel's per-row Philox keys: the same stream and draw numbers give the same keys,
     consecutive steps never reuse one, and every key fits a non-negative int64."""
-    from pagoda_engine.sampling import row_seeds
+    from pagoda_engine.worker.sampling import row_seeds
 
     first, second = row_seeds(7, 0, 512), row_seeds(7, 512, 512)
     assert np.array_equal(first, row_seeds(7, 0, 512))

@@ -3,9 +3,10 @@
 import random
 
 from pagoda_engine.config import SchedulerConfig
-from pagoda_engine.kv.manager import KVCacheManager
-from pagoda_engine.request import Request, RequestStatus, SamplingParams
-from pagoda_engine.scheduler import Scheduler
+from pagoda_engine.core.request import Request, RequestStatus
+from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.scheduler import Scheduler
+from pagoda_engine.sampling_params import SamplingParams
 
 
 def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256, reserve=True):

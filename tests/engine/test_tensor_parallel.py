@@ -15,8 +15,8 @@ import transformers
 
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
-from pagoda_engine.executor import check_tensor_parallel
 from pagoda_engine.tiny import build_tiny_model
+from pagoda_engine.worker.executor import check_tensor_parallel
 from test_generate_vs_hf import hf_greedy
 
 NEW_TOKENS = 10

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from pagoda_engine.core import read_eos_token_ids
+from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from pagoda_engine.core.engine_core import read_eos_token_ids
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.tiny import build_tiny_model
-from pagoda_engine.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 
 MULTILINGUAL = "Héllo wörld! 日本語の文章です。 I love pizza 🍕 and rockets 🚀 — π ≈ 3.14159"
 

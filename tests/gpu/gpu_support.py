@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagoda_engine import LLM
-from pagoda_engine.attention import AttentionBatch, get_attention_backend
+from pagoda_engine.worker.attention import AttentionBatch, get_attention_backend
 
 CUDA = torch.device("cuda")
 HAS_GPU = torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
@@ -60,7 +60,7 @@ def check_bf16_logits_against(model_dir, hf_reference) -> None:
     """A prefill step of three prompts, then steps that mix decodes with a chunked prefill, through
     the bf16 model and FlashInfer: each step's last-token logits stay within bf16 rounding of the
     float32 transformers reference's."""
-    from pagoda_engine.model.loader import load_hf_config, load_model
+    from pagoda_engine.worker.model.loader import load_hf_config, load_model
 
     model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.bfloat16, CUDA)
     attn = get_attention_backend("auto", model.kv_cache_spec(16, torch.bfloat16), 64, CUDA)
@@ -113,7 +113,7 @@ def check_piecewise_forward(model_dir) -> None:
     """One mixed step (a decode over 100 cached tokens and a fresh 37-token prompt, padded to 48)
     through the piecewise CUDA graphs and through the eager forward: the same hidden states."""
     from pagoda_engine.config import EngineConfig
-    from pagoda_engine.core import EngineCore
+    from pagoda_engine.core.engine_core import EngineCore
 
     gc.collect()
     torch.cuda.empty_cache()

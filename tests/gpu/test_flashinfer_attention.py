@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_support import requires_gpu
-from pagoda_engine.attention import AttentionBatch, KVCacheSpec
+from pagoda_engine.worker.attention import AttentionBatch, KVCacheSpec
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -33,8 +33,8 @@ def make_batch(rng: random.Random, decode_lens: list[int], prefills: list[tuple[
 
 
 def backends(num_qo_heads, num_kv_heads, head_dim):
-    from pagoda_engine.attention.flashinfer import FlashInferBackend
-    from pagoda_engine.attention.torch_ref import TorchRefBackend
+    from pagoda_engine.worker.attention.flashinfer import FlashInferBackend
+    from pagoda_engine.worker.attention.torch_ref import TorchRefBackend
 
     cuda = torch.device("cuda")
     spec = KVCacheSpec(num_layers=2, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from gpu_support import requires_gpu
-from pagoda_engine.request import Request, SamplingParams
-from pagoda_engine.sampling import CudaSampler, SamplingBatch, make_sampler
+from pagoda_engine.core.request import Request
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.worker.sampling import CudaSampler, SamplingBatch, make_sampler
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -70,7 +71,7 @@ def test_bf16_logits_are_sampled_without_a_float_copy_and_follow_the_distributio
 def test_gumbel_kernel_across_vocabulary_chunks():
     """A Llama-3 vocabulary spans 16 chunks: the winner may sit in any of them, masked tokens never
     win, and a dominant token always does."""
-    from pagoda_engine.gumbel import gumbel_max_sample
+    from pagoda_engine.worker.gumbel import gumbel_max_sample
 
     vocab, rows = 128_256, 4_000
     logits = torch.full((rows, vocab), float("-inf"), device=CUDA, dtype=torch.bfloat16)

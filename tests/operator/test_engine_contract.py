@@ -11,7 +11,7 @@ from pagoda_operator import render as r
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, load_example
 
-api_server = pytest.importorskip("pagoda_engine.server.api_server")
+api_server = pytest.importorskip("pagoda_engine.api.server.api_server")
 router_app = pytest.importorskip("pagoda_engine.router.app")
 from pagoda_engine.config import config_from_args  # noqa: E402
 

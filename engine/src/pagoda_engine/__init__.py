@@ -3,10 +3,10 @@
 __version__ = "0.1.0"
 
 _LAZY = {
-    "LLM": "pagoda_engine.llm",
-    "SamplingParams": "pagoda_engine.request",
-    "RequestOutput": "pagoda_engine.outputs",
-    "CompletionOutput": "pagoda_engine.outputs",
+    "LLM": "pagoda_engine.api.llm",
+    "SamplingParams": "pagoda_engine.sampling_params",
+    "RequestOutput": "pagoda_engine.api.outputs",
+    "CompletionOutput": "pagoda_engine.api.outputs",
 }
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagoda_engine.request import SamplingParams
+from pagoda_engine.sampling_params import SamplingParams
 
 
 class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):

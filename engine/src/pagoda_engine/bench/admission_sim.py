@@ -15,9 +15,10 @@ import numpy as np
 
 from pagoda_engine.bench.workloads import build_workload
 from pagoda_engine.config import SchedulerConfig
-from pagoda_engine.kv.manager import KVCacheManager
-from pagoda_engine.request import Request, SamplingParams
-from pagoda_engine.scheduler import Scheduler
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.scheduler import Scheduler
+from pagoda_engine.sampling_params import SamplingParams
 
 EOS, OTHER = 2, 5
 

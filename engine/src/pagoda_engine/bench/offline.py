@@ -18,9 +18,9 @@ import torch
 
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
-from pagoda_engine.core import EngineCore
+from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.messages import EngineCoreRequest
-from pagoda_engine.request import SamplingParams
+from pagoda_engine.sampling_params import SamplingParams
 
 
 def process_age_s() -> float | None:

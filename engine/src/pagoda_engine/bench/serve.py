@@ -168,14 +168,14 @@ def _free_port() -> int:
 
 
 def _server_main(args: argparse.Namespace) -> None:
-    from pagoda_engine.server import api_server
+    from pagoda_engine.api.server import api_server
 
     raise SystemExit(api_server.run(args))
 
 
 def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespace:
     """`pagoda serve`'s arguments: its defaults, the engine flags of this run, 127.0.0.1:port."""
-    from pagoda_engine.server import api_server
+    from pagoda_engine.api.server import api_server
 
     parser = argparse.ArgumentParser()
     api_server.add_arguments(parser)
@@ -193,8 +193,8 @@ def with_token_tokenizer(model_dir: str) -> str:
     The prompts are token ids, but the server streams text, so it needs a tokenizer: the shipped
     benchmark configs have none (no downloads). The stand-in maps every id to one word `<id>` and
     back (a WordLevel model over the whole vocabulary), like dummy weights stand in for weights."""
+    from pagoda_engine.api.tokenizer import has_tokenizer
     from pagoda_engine.tiny import cache_dir
-    from pagoda_engine.tokenizer import has_tokenizer
 
     src = Path(model_dir).expanduser()
     if has_tokenizer(src):
@@ -271,8 +271,8 @@ def _served_model(base_url: str) -> str:
 def _vocab_size(args: argparse.Namespace) -> int:
     if args.vocab_size:
         return args.vocab_size
-    from pagoda_engine.core import resolve_model_dir
-    from pagoda_engine.model.loader import load_hf_config
+    from pagoda_engine.core.engine_core import resolve_model_dir
+    from pagoda_engine.worker.model.loader import load_hf_config
 
     return int(load_hf_config(resolve_model_dir(args.model)).vocab_size)
 

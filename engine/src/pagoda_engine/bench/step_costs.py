@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from pagoda_engine.attention.base import AttentionBatch
 from pagoda_engine.bench import add_arguments
 from pagoda_engine.bench.offline import _build
+from pagoda_engine.worker.attention.base import AttentionBatch
 
 # name -> (context lengths of the decodes, lengths of the prefill chunks)
 SHAPES = {

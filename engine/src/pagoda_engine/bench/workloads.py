@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagoda_engine.request import SamplingParams
+from pagoda_engine.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)

@@ -26,15 +26,15 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagoda_engine import __version__
+from pagoda_engine.api.server.errors import (ModelNotFoundError, install_exception_handlers,
+                                             validation_error_body)
+from pagoda_engine.api.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                               TokenizeRequest)
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
 from pagoda_engine.router.proxy import QueueConfig, Router
-from pagoda_engine.server.errors import (ModelNotFoundError, install_exception_handlers,
-                                         validation_error_body)
-from pagoda_engine.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                           TokenizeRequest)
 
 log = logging.getLogger("pagoda.router")
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 import httpx
 from starlette.responses import Response
 
+from pagoda_engine.api.server.errors import error_response, sse_error_frame
 from pagoda_engine.router.backends import Backend, BackendPool
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.policy import PrefixAware, PrefixKey
-from pagoda_engine.server.errors import error_response, sse_error_frame
 
 log = logging.getLogger("pagoda.router")
 

@@ -1,0 +1,131 @@
+"""The offline API, shaped like vLLM's so scripts can switch:
+
+    from pagoda_engine import LLM, SamplingParams
+    llm = LLM(model="path/to/model")
+    outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
+
+It runs the same `EngineCore` and `OutputProcessor` as the server, in-process (no ZMQ).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Sequence, Union
+
+from pagoda_engine.api.output_processor import OutputProcessor
+from pagoda_engine.api.outputs import RequestOutput
+from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.core.engine_core import EngineCore
+from pagoda_engine.errors import InvalidRequestError
+from pagoda_engine.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
+                 max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, num_kv_pages: int | None = None,
+                 seed: int = 0, load_format: str = "auto", **engine_kwargs):
+        config = EngineConfig.from_kwargs(
+            model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages, seed=seed,
+            load_format=load_format, **engine_kwargs)
+        self.core = EngineCore(config)
+        self.tokenizer = load_tokenizer(tokenizer or self.core.model_dir)
+        self.processor = OutputProcessor(self.tokenizer)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def close(self) -> None:
+        """Stop the engine's tensor-parallel worker processes, if any. Idempotent."""
+        self.core.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for each prompt (a string or a list of token ids); results in input order.
+
+        An invalid prompt raises InvalidRequestError before anything is queued."""
+        prompt_list = _normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params))
+        if len(params_list) != len(prompt_list):
+            raise InvalidRequestError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params",
+                                      param="sampling_params")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+
+        batch = []
+        for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            if isinstance(prompt, str):
+                text, ids = prompt, encode_prompt(self.tokenizer, prompt)
+            else:
+                text, ids = None, list(prompt)
+            request_id = str(next(self._ids))
+            core_reqs = self.processor.add_request(request_id, text, ids, params, priority=prio)
+            batch.append((request_id, core_reqs))
+        try:
+            for _, core_reqs in batch:
+                for core_req in core_reqs:
+                    self.core.validate(core_req)
+        except InvalidRequestError:
+            for request_id, _ in batch:
+                self.processor.abort_request(request_id)
+            raise
+        for _, core_reqs in batch:
+            for core_req in core_reqs:
+                self.core.add_request(core_req)
+        return self._run([request_id for request_id, _ in batch])
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
+             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation (or a list of them) and generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
+                                       chat_template=chat_template) for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, request_ids: list[str]) -> list[RequestOutput]:
+        pending = set(request_ids)
+        finished: dict[str, RequestOutput] = {}
+        while pending:
+            step = self.core.step()
+            processed = self.processor.process_outputs(step.outputs)
+            if processed.abort_child_ids:
+                self.core.abort_requests(processed.abort_child_ids)
+            for out in processed.request_outputs:
+                if out.finished and out.request_id in pending:
+                    finished[out.request_id] = out
+                    pending.discard(out.request_id)
+            if pending and not self.core.has_unfinished_requests():
+                raise RuntimeError(f"engine went idle with requests unfinished: {sorted(pending)}")
+        return [finished[rid] for rid in request_ids]
+
+
+def _normalize_prompts(prompts) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise InvalidRequestError("prompts must be a string, a list of token ids, or a non-empty list of either",
+                                  param="prompt")
+    if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        return [list(prompts)]
+    for p in prompts:
+        ok = isinstance(p, str) or (isinstance(p, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in p))
+        if not ok:
+            raise InvalidRequestError(f"invalid prompt {p!r}: expected a string or a list of token ids",
+                                      param="prompt")
+    return [p if isinstance(p, str) else list(p) for p in prompts]

@@ -1,0 +1,109 @@
+"""`pagoda serve`: start the engine core, then the HTTP server; drain and stop on SIGTERM.
+
+Order matters for Kubernetes probes and for clients: the port opens only after the core has
+loaded the model and reported its KV capacity, and on SIGTERM the server stops accepting,
+lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
+stops the core process, and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import uvicorn
+
+from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args
+from pagoda_engine.errors import ModelLoadError
+
+logger = logging.getLogger("pagoda_engine.api.server")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_args(parser)
+    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
+    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
+                        help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, plus: on the first SIGTERM/SIGINT refuse new work and bound the drain."""
+
+    def __init__(self, config: uvicorn.Config, on_exit):
+        super().__init__(config)
+        self._on_exit = on_exit
+        self._draining = False
+
+    def handle_exit(self, sig, frame) -> None:
+        if not self._draining:
+            self._draining = True
+            # Signal handlers run between bytecodes of the main thread: hop onto the loop.
+            asyncio.get_event_loop().call_soon_threadsafe(self._on_exit)
+        super().handle_exit(sig, frame)
+
+
+async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+    from pagoda_engine.api.server.app import create_app
+    from pagoda_engine.api.server.async_engine import AsyncEngine
+    from pagoda_engine.api.server.errors import ServiceUnavailableError
+
+    engine = AsyncEngine(config)
+    try:
+        ready = await engine.start()
+    except ModelLoadError as e:
+        print(f"pagoda serve: the engine could not start: {e}", file=sys.stderr, flush=True)
+        return 1
+    print(f"KV cache capacity: {ready.kv_capacity_tokens} tokens "
+          f"({ready.num_kv_pages - 1} pages of {ready.block_size}); max_model_len {ready.max_model_len}; "
+          f"serving model {engine.served_model_name!r}", flush=True)
+
+    drain_timeout = config.server.drain_timeout_s
+
+    async def drain() -> None:
+        engine.accepting = False
+        if engine.num_in_flight:
+            logger.info("draining %d in-flight request(s), up to %.0fs", engine.num_in_flight, drain_timeout)
+        if not await engine.wait_idle(drain_timeout):
+            logger.warning("drain timeout: ending %d request(s)", engine.num_in_flight)
+            engine.abort_all(ServiceUnavailableError(
+                "The server is shutting down and could not finish this request in time.", code="shutting_down"))
+
+    drain_tasks: list[asyncio.Task] = []
+    app = create_app(engine, api_key=config.server.api_key)
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=args.log_level,
+                               lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False)
+    server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())))
+    # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
+    # place that is a no-op, and the process stops the core and exits 0. (Before this point the
+    # default handlers apply: SIGTERM during model loading simply ends the process, and the
+    # core follows its parent.)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    try:
+        await server.serve()  # exits the process with 1 if the port cannot be bound
+    finally:
+        for task in drain_tasks:
+            task.cancel()
+        await engine.shutdown()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = config_from_args(args)
+    except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate)
+        print(f"pagoda serve: {e}", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, config))
+    except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
+        print("pagoda serve: interrupted", file=sys.stderr)
+        return 130

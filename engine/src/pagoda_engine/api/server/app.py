@@ -1,0 +1,98 @@
+"""The FastAPI application of one engine server: routes, API-key check, error shape.
+
+Routes stay thin: parse with the protocol models, delegate to `OpenAIServing`, return. The app
+is built around an `AsyncEngine` that is already running, so it never serves a request before
+the core is ready.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from pagoda_engine import __version__
+from pagoda_engine.api.server.async_engine import AsyncEngine
+from pagoda_engine.api.server.errors import ErrorResponse, error_response, install_exception_handlers
+from pagoda_engine.api.server.metrics import CONTENT_TYPE
+from pagoda_engine.api.server.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
+
+# Paths a client needs the API key for; /health, /metrics and /version stay open for probes
+# and Prometheus (vLLM does the same).
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
+           503: {"model": ErrorResponse}}
+
+
+def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Pagoda engine server", version=__version__, responses=_ERRORS)
+    app.state.engine = engine
+    serving = OpenAIServing(engine)
+    install_exception_handlers(app)
+
+    if api_key:
+        expected = f"Bearer {api_key}".encode()
+
+        @app.middleware("http")
+        async def check_api_key(request: Request, call_next):
+            if request.url.path.startswith(_PROTECTED_PREFIXES) and request.method != "OPTIONS":
+                given = request.headers.get("authorization", "").encode()
+                if not secrets.compare_digest(given, expected):
+                    return error_response(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.",
+                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+            return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if engine.dead_reason is not None:
+            return error_response(503, f"The engine is dead: {engine.dead_reason}", code="engine_dead")
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return serving.models()
+
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
+        return serving.tokenize(req)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
+        return serving.detokenize(req)
+
+    @app.post("/v1/completions", response_model=CompletionResponse)
+    async def completions(req: CompletionRequest, raw: Request):
+        try:
+            return await serving.create_completion(req, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)  # nobody is listening; the request was aborted
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(req: ChatCompletionRequest, raw: Request):
+        try:
+            return await serving.create_chat_completion(req, raw)
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    return app
+

@@ -1,0 +1,267 @@
+"""The engine as the API process sees it: `await`able generation over the core process.
+
+`AsyncEngine` owns the core client (ZMQ, process), the tokenizer, the shared `OutputProcessor`
+(n > 1 fan-out, detokenization, stop strings, logprobs) and the server metrics. Each user request
+is an async generator of `RequestOutput`s fed from the core's output stream; closing the
+generator early (client went away, stream failed, server draining) aborts the request's
+sequences in the core so their KV pages are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from pagoda_engine.api.output_processor import OutputProcessor
+from pagoda_engine.api.outputs import RequestOutput
+from pagoda_engine.api.server.core_client import EngineCoreClient
+from pagoda_engine.api.server.errors import ServiceUnavailableError
+from pagoda_engine.api.server.metrics import ServerMetrics
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.core.process import CoreReady
+from pagoda_engine.errors import EngineDeadError, InvalidRequestError
+from pagoda_engine.messages import EngineCoreError, EngineCoreOutputs
+from pagoda_engine.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class _Stream:
+    """A user request in flight: its queue of outputs and the timings /metrics needs."""
+
+    request_id: str
+    child_ids: list[str]
+    num_prompt_tokens: int
+    arrival: float
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    first_token: list[float | None] = field(default_factory=list)
+    last_token: list[float] = field(default_factory=list)
+    done: list[bool] = field(default_factory=list)
+    finished: bool = False
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.client = EngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
+                                       on_dead=self._on_dead, on_queue_times=self._on_queue_times)
+        self.ready: CoreReady | None = None
+        self.tokenizer = None
+        self.processor: OutputProcessor | None = None
+        self.metrics: ServerMetrics | None = None
+        self.served_model_name = ""
+        self.accepting = True
+        self._streams: dict[str, _Stream] = {}
+        self._parent_of: dict[str, str] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def start(self) -> CoreReady:
+        """Start the core process and load the tokenizer (in parallel: both take seconds).
+        Raises ModelLoadError when either fails."""
+        loop = asyncio.get_running_loop()
+        tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model.model)
+        try:
+            self.ready = await self.client.start()
+        except BaseException:
+            await asyncio.wait([tokenizer_future])  # a thread cannot be cancelled; let it end quietly
+            raise
+        try:
+            self.tokenizer = await tokenizer_future
+        except BaseException:
+            await self.client.shutdown()
+            raise
+        self.processor = OutputProcessor(self.tokenizer)
+        self.served_model_name = self.config.model.served_model_name or self.ready.served_model_name
+        self.metrics = ServerMetrics(self.served_model_name)
+        return self.ready
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await self.client.shutdown(timeout)
+
+    # --- state --------------------------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.ready.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.ready.vocab_size
+
+    @property
+    def dead_reason(self) -> str | None:
+        return self.client.dead_reason
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    def check_accepting(self) -> None:
+        if self.client.dead_reason is not None:
+            raise EngineDeadError(f"The engine is dead: {self.client.dead_reason}")
+        if not self.accepting:
+            raise ServiceUnavailableError("The server is shutting down and accepts no new requests.",
+                                          code="shutting_down")
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait until no request is in flight; False when the timeout passed first."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    def abort_all(self, error: BaseException) -> None:
+        """End every in-flight request with `error` (their generators abort them in the core)."""
+        for stream in list(self._streams.values()):
+            stream.queue.put_nowait(error)
+
+    # --- generation ---------------------------------------------------------------------------
+    def group(self) -> "RequestGroup":
+        """A set of requests (one HTTP request's prompts) whose outputs share one queue."""
+        return RequestGroup(self)
+
+    def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+             priority: int, queue: asyncio.Queue) -> _Stream:
+        self.check_accepting()
+        arrival = time.monotonic()
+        core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority)
+        n = len(core_requests)
+        stream = _Stream(request_id, [r.request_id for r in core_requests], len(prompt_token_ids), arrival,
+                         queue=queue, first_token=[None] * n, last_token=[arrival] * n, done=[False] * n)
+        self._streams[request_id] = stream
+        self._idle.clear()
+        for child_id in stream.child_ids:
+            self._parent_of[child_id] = request_id
+        try:
+            for core_request in core_requests:
+                self.client.add_request(core_request)
+        except BaseException:
+            self._release(stream)
+            raise
+        return stream
+
+    def _release(self, stream: _Stream) -> None:
+        if self._streams.get(stream.request_id) is not stream:
+            return  # released already
+        self._streams.pop(stream.request_id, None)
+        for child_id in stream.child_ids:
+            self._parent_of.pop(child_id, None)
+        if not stream.finished:
+            still_running = self.processor.abort_request(stream.request_id)
+            self.client.abort_requests(still_running)
+            for done in stream.done:
+                if not done:
+                    self.metrics.request_finished("abort")
+        if not self._streams:
+            self._idle.set()
+
+    # --- callbacks from the core client (event loop) ------------------------------------------
+    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        if self.metrics is None:
+            return  # the core is up but this side is still starting (tokenizer): nothing is in flight yet
+        if outputs.stats is not None:
+            self.metrics.update_stats(outputs.stats)
+        if not outputs.outputs:
+            return
+        processed = self.processor.process_outputs(outputs.outputs)
+        if processed.abort_child_ids:
+            self.client.abort_requests(processed.abort_child_ids)
+        now = time.monotonic()
+        for out in processed.request_outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            self._observe(stream, out, now)
+            if out.finished:
+                stream.finished = True
+            stream.queue.put_nowait(out)
+
+    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
+        m = self.metrics
+        for c in out.outputs:
+            i = c.index
+            if c.delta_token_ids:
+                num = len(c.delta_token_ids)
+                if stream.first_token[i] is None:
+                    stream.first_token[i] = now
+                    m.ttft.observe(now - stream.arrival)
+                    m.prompt_tokens.inc(stream.num_prompt_tokens)
+                    num_gaps = num - 1
+                else:
+                    num_gaps = num
+                for _ in range(num_gaps):
+                    m.itl.observe((now - stream.last_token[i]) / num)
+                stream.last_token[i] = now
+                m.generation_tokens.inc(num)
+            if c.finish_reason is not None and not stream.done[i]:
+                stream.done[i] = True
+                m.e2e.observe(now - stream.arrival)
+                m.request_finished(c.finish_reason)
+
+    def _on_refused(self, err: EngineCoreError) -> None:
+        parent = self._parent_of.get(err.request_id)
+        stream = self._streams.get(parent) if parent is not None else None
+        if stream is not None:
+            stream.queue.put_nowait(InvalidRequestError(err.message, param=err.param))
+
+    def _on_dead(self, reason: str) -> None:
+        self.abort_all(EngineDeadError(f"The engine core died: {reason}"))
+
+    def _on_queue_times(self, seconds: list[float]) -> None:
+        for s in seconds:
+            self.metrics.queue_time.observe(s)
+
+
+def _load_tokenizer(model: str | None):
+    # The same directory the core resolves: the given one, or the built-in tiny model (built
+    # once under a file lock, so the two processes never build it twice).
+    from pagoda_engine.api.tokenizer import load_tokenizer
+
+    if model is None:
+        from pagoda_engine.tiny import default_model_dir
+
+        return load_tokenizer(default_model_dir())
+    return load_tokenizer(model)
+
+
+class RequestGroup:
+    """The requests of one HTTP request (one per prompt; each may fan out to n sequences).
+
+    Iterate it for their RequestOutputs in arrival order; it ends when all have finished and
+    raises the first error any of them got (engine died, core refused, server draining).
+    `close()` (always call it: `with engine.group() as group:`) aborts whatever is unfinished.
+    """
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.streams: list[_Stream] = []
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+            priority: int = 0) -> None:
+        self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue))
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        unfinished = {s.request_id for s in self.streams}
+        while unfinished:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item.finished:
+                unfinished.discard(item.request_id)
+            yield item
+
+    def close(self) -> None:
+        for stream in self.streams:
+            self.engine._release(stream)
+
+    def __enter__(self) -> "RequestGroup":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -1,0 +1,288 @@
+"""The OpenAI-compatible wire format: pydantic models of every request body Pagoda accepts and
+every response body it returns (completions, chat, streaming chunks, models, tokenize).
+
+Request models are strict (no string-to-number coercion, no NaN/inf, bools are not ints) and
+bounded, so a malformed body is a 400 here and never reaches the engine. Field names and defaults
+follow OpenAI's API plus vLLM's extra sampling fields. Range checks that belong to sampling
+itself live in `pagoda_engine.sampling_params.SamplingParams` (one owner); the bounds here are the ones
+that keep the numbers finite and the work per request bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagoda_engine.sampling_params import SamplingParams
+
+# A request's fan-out and sampling magnitudes are bounded so that no body can make the core's
+# numbers non-finite (a tiny repetition penalty or temperature overflows fp32 logits) or its
+# work unbounded.
+MAX_N = 128
+MAX_LOGPROBS = 20
+_INT64 = 2**63 - 1
+
+# Token ids: non-negative and within int32 (the vocabulary check against the model happens in the
+# server, which knows the vocabulary size).
+TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+class _StrictModel(BaseModel):
+    # Unknown fields are ignored, as vLLM does, so clients that send newer OpenAI fields still work.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_StrictModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingRequest(_StrictModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None  # None = the served model
+    n: int = Field(1, ge=1, le=MAX_N)
+    temperature: float | None = Field(None, ge=0, le=1e4)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=1 << 31)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, ge=1e-2, le=100)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=1 << 31)
+    skip_special_tokens: bool = True
+    seed: int | None = Field(None, ge=-_INT64, le=_INT64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    priority: int = Field(0, ge=-_INT64, le=_INT64)
+    request_id: str | None = Field(None, min_length=1, max_length=256)
+
+    def _sampling_kwargs(self) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(
+            n=self.n,
+            stop=self.stop,
+            stop_token_ids=self.stop_token_ids,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            min_tokens=self.min_tokens,
+            skip_special_tokens=self.skip_special_tokens,
+            seed=self.seed,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
+            value = getattr(self, name)
+            if value is not None:
+                kw[name] = value
+        return kw
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(16, ge=1, le=1 << 31)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None  # accepted for compatibility; a non-empty suffix is refused
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        """`max_tokens` is the value after the server fitted it to the context window."""
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self._sampling_kwargs())
+
+
+class ChatContentPartText(_StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_StrictModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ChatContentPartText] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1, le=1 << 31)
+    max_completion_tokens: int | None = Field(None, ge=1, le=1 << 31)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens is OpenAI's current name; max_tokens the deprecated one.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0
+
+    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.num_logprobs(), **self._sampling_kwargs())
+
+    def chat_messages(self) -> list[dict[str, str]]:
+        return chat_message_dicts(self.messages)
+
+
+def chat_message_dicts(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Messages as the tokenizer's chat template expects them. `developer` is OpenAI's newer name
+    for `system`; templates know only the latter."""
+    out = []
+    for m in messages:
+        msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+class TokenizeRequest(_StrictModel):
+    """Either `prompt` (completion style) or `messages` (chat style, through the chat template)."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_StrictModel):
+    model: str | None = None
+    tokens: list[TokenId]
+
+
+# ---------------------------------------------------------------------------------------- responses
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+class UsageInfo(_Response):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(_Response):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[CompletionChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+# A streamed chunk has the response's shape: the choices that changed, usage only at the end.
+CompletionStreamResponse = CompletionResponse
+
+
+class ChatTopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatLogprobToken(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(_Response):
+    content: list[ChatLogprobToken] | None = None
+
+
+class ChatResponseMessage(_Response):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class _ChatChoiceBase(_Response):
+    index: int
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionChoice(_ChatChoiceBase):
+    message: ChatResponseMessage
+
+
+class DeltaMessage(_Response):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatStreamChoice(_ChatChoiceBase):
+    delta: DeltaMessage
+
+
+class ChatCompletionResponse(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=_now)
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo
+
+
+class ChatCompletionStreamResponse(ChatCompletionResponse):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatStreamChoice] = Field(default_factory=list)
+    usage: UsageInfo | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = Field(default_factory=_now)
+    owned_by: str = "pagoda"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard] = Field(default_factory=list)
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

@@ -1,0 +1,458 @@
+"""The OpenAI endpoints' logic, between the protocol models and the `AsyncEngine`.
+
+For each request: check the model name, turn prompts or chat messages into token ids, check them
+against the model (vocabulary, context window) and fit `max_tokens`, build `SamplingParams`,
+run the prompts as one `RequestGroup`, and shape the `RequestOutput`s into OpenAI responses or
+SSE chunks. Everything a client can get wrong is refused here, before the core sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import AsyncIterator, Awaitable, TypeVar
+
+import anyio
+from fastapi import Request
+from starlette.responses import StreamingResponse
+
+from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput
+from pagoda_engine.api.server.async_engine import AsyncEngine
+from pagoda_engine.api.server.errors import BadRequestError, ModelNotFoundError, exception_to_body, sse_error_frame
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.api.server.protocol import (
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    ChatLogprobs,
+    ChatLogprobToken,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTopLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionStreamResponse,
+    DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    UsageInfo,
+    chat_message_dicts,
+)
+from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt
+
+T = TypeVar("T")
+_DONE = "data: [DONE]\n\n"
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+async def until_disconnected(raw: Request, work: Awaitable[T]) -> T:
+    """Run `work` unless the client disconnects first; then cancel it (which aborts its requests
+    in the core) and raise ClientDisconnected."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled() or not task.done():
+        raise ClientDisconnected()
+    return task.result()
+
+
+def _sse(obj) -> str:
+    return f"data: {obj.model_dump_json()}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+
+    @property
+    def model_name(self) -> str:
+        return self.engine.served_model_name
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # --- checks -------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ModelNotFoundError(model, [self.model_name])
+
+    def _check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
+        if not ids:
+            raise BadRequestError("The prompt is empty (it has no tokens).", param=param)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if t >= vocab), None)
+        if bad is not None:
+            raise BadRequestError(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param=param)
+        limit = self.engine.max_model_len
+        if len(ids) >= limit:
+            raise BadRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has {len(ids)} "
+                "tokens, which leaves no room for output. Please shorten the prompt.", param=param)
+
+    def _fit_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
+        room = self.engine.max_model_len - num_prompt_tokens
+        if requested is None:
+            return room
+        if requested > room:
+            raise BadRequestError(
+                f"This model's maximum context length is {self.engine.max_model_len} tokens. However, you "
+                f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
+                f"{requested} for the completion). Please reduce the prompt or {param}.", param=param)
+        return requested
+
+    def _finish_params(self, params: SamplingParams) -> SamplingParams:
+        if params.top_k >= self.engine.vocab_size:
+            params.top_k = 0  # top-k over the whole vocabulary is no top-k
+        bad = next((t for t in params.stop_token_ids if t >= self.engine.vocab_size), None)
+        if bad is not None:
+            raise BadRequestError(f"stop_token_ids: token id {bad} is outside the vocabulary.", param="stop_token_ids")
+        return params
+
+    def _request_id(self, prefix: str, user_id: str | None) -> str:
+        return f"{prefix}-{user_id}" if user_id else f"{prefix}-{uuid.uuid4().hex}"
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    # --- /v1/models, /tokenize, /detokenize ---------------------------------------------------
+    def models(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.ready.model_dir,
+                                         max_model_len=self.engine.max_model_len)])
+
+    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise BadRequestError("Give exactly one of `prompt` and `messages`.", param="prompt")
+        if req.prompt is not None:
+            ids = (encode_prompt(self.tokenizer, req.prompt) if req.add_special_tokens
+                   else list(self.tokenizer.encode(req.prompt, add_special_tokens=False)))
+        else:
+            ids = apply_chat_template(self.tokenizer, chat_message_dicts(req.messages),
+                                      add_generation_prompt=req.add_generation_prompt)
+        return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
+
+    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.check_model(req.model)
+        vocab = self.engine.vocab_size
+        bad = next((t for t in req.tokens if t >= vocab), None)
+        if bad is not None:
+            raise BadRequestError(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens")
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    # --- /v1/completions ----------------------------------------------------------------------
+    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompt, str):
+            prompts = [prompt]
+        elif not prompt:
+            raise BadRequestError("prompt must not be an empty list.", param="prompt")
+        elif isinstance(prompt[0], int):
+            prompts = [prompt]
+        else:
+            prompts = prompt
+        out = []
+        for p in prompts:
+            if isinstance(p, str):
+                out.append((p, encode_prompt(self.tokenizer, p)))
+            else:
+                out.append((None, list(p)))
+        return out
+
+    async def create_completion(self, req: CompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.engine.check_accepting()
+        if req.suffix:
+            raise BadRequestError("suffix is not supported.", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise BadRequestError("best_of must equal n (Pagoda returns every sequence it generates).",
+                                  param="best_of")
+        prompts = self._completion_prompts(req.prompt)
+        request_id = self._request_id("cmpl", req.request_id)
+        plan = []
+        for text, ids in prompts:
+            self._check_prompt_ids(ids)
+            params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"))
+            if req.echo and req.logprobs is not None:
+                params.prompt_logprobs = req.logprobs
+            plan.append((text, ids, self._finish_params(params)))
+
+        group = self.engine.group()
+        try:
+            for i, (text, ids, params) in enumerate(plan):
+                group.add(request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority)
+        except BaseException:
+            group.close()
+            raise
+        index_of = {s.request_id: i for i, s in enumerate(group.streams)}
+        if req.stream:
+            return _sse_response(self._completion_stream(req, request_id, plan, group, index_of))
+        try:
+            finals = await until_disconnected(raw, _collect(group))
+        finally:
+            group.close()
+        return self._completion_response(req, request_id, plan, finals, index_of)
+
+    def _completion_response(self, req, request_id, plan, finals: dict[str, RequestOutput], index_of):
+        choices, num_generated = [], 0
+        for rid, out in sorted(finals.items(), key=lambda kv: index_of[kv[0]]):
+            i = index_of[rid]
+            text, ids, _ = plan[i]
+            for c in out.outputs:
+                num_generated += len(c.token_ids)
+                prefix = self._echo_text(text, ids) if req.echo else ""
+                logprobs = None
+                if req.logprobs is not None:
+                    logprobs = CompletionLogprobs()
+                    if req.echo:
+                        self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
+                                                      self._prompt_offsets(text, ids))
+                    self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, len(prefix))
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        num_prompt = sum(len(ids) for _, ids, _ in plan)
+        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                  usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                                  total_tokens=num_prompt + num_generated))
+
+    def _echo_text(self, text: str | None, ids: list[int]) -> str:
+        return text if text is not None else self.tokenizer.decode(ids)
+
+    def _prompt_offsets(self, text: str | None, ids: list[int]) -> list[int] | None:
+        """Where each prompt token starts in the echoed prompt text, from the tokenizer's offset
+        mapping: special tokens such as <s> are not in the text (they start at 0 and take no room).
+        None when the prompt came as token ids (its echo is their decoding) or the tokenizer has no
+        offsets; the token texts are then laid end to end."""
+        if text is None:
+            return None
+        try:
+            enc = self.tokenizer(text, return_offsets_mapping=True)
+        except (NotImplementedError, ValueError, TypeError):  # slow (Python) tokenizers have no offsets
+            return None
+        if list(enc["input_ids"]) != list(ids):
+            return None
+        return [start for start, _ in enc["offset_mapping"]]
+
+    def _add_completion_logprobs(self, into: CompletionLogprobs, token_ids: list[int],
+                                 logprobs: list[PositionLogprobs | None] | None, offset: int,
+                                 offsets: list[int] | None = None) -> None:
+        """Append tokens to `into`; `offset` is where the first of them starts in the choice's text
+        (or `offsets`, one per token, where each starts)."""
+        if logprobs is None:
+            logprobs = [None] * len(token_ids)
+        for i, (token_id, position) in enumerate(zip(token_ids, logprobs)):
+            token = self._token_text(token_id)
+            into.tokens.append(token)
+            into.text_offset.append(offsets[i] if offsets is not None else offset)
+            offset += len(token)
+            if position is None:
+                into.token_logprobs.append(None)
+                into.top_logprobs.append(None)
+                continue
+            chosen = position.get(token_id)
+            into.token_logprobs.append(chosen.logprob if chosen is not None else None)
+            into.top_logprobs.append({
+                (lp.decoded_token if lp.decoded_token is not None else self._token_text(tid)): lp.logprob
+                for tid, lp in position.items()})
+
+    async def _completion_stream(self, req: CompletionRequest, request_id: str, plan, group,
+                                 index_of) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_generated = 0
+        echoed: set[int] = set()
+        text_len: dict[int, int] = {}  # choice index -> characters sent so far (logprob text offsets)
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        num_prompt = sum(len(ids) for _, ids, _ in plan)
+        try:
+            async for out in group:
+                i = index_of[out.request_id]
+                text, ids, _ = plan[i]
+                for c in out.outputs:
+                    if not c.updated:
+                        continue
+                    num_generated += len(c.delta_token_ids)
+                    choice_index = i * req.n + c.index
+                    delta = c.delta_text
+                    logprobs = None
+                    if req.logprobs is not None:
+                        logprobs = CompletionLogprobs()
+                    prefix = ""
+                    if req.echo and choice_index not in echoed:
+                        echoed.add(choice_index)
+                        prefix = self._echo_text(text, ids)
+                        if logprobs is not None:
+                            self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
+                                                          self._prompt_offsets(text, ids))
+                    start = text_len.get(choice_index, 0) + len(prefix)
+                    if logprobs is not None:
+                        self._add_completion_logprobs(logprobs, c.delta_token_ids, c.delta_logprobs, start)
+                    text_len[choice_index] = start + len(delta)
+                    chunk = CompletionStreamResponse(
+                        id=request_id, created=created, model=self.model_name,
+                        choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
+                                                  finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    if continuous:
+                        chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                                total_tokens=num_prompt + num_generated)
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(CompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                                    total_tokens=num_prompt + num_generated)))
+        except Exception as e:  # the status line went out already: report in-band
+            yield _sse_error(e)
+        finally:
+            group.close()
+        yield _DONE
+
+    # --- /v1/chat/completions -----------------------------------------------------------------
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.engine.check_accepting()
+        ids = apply_chat_template(self.tokenizer, req.chat_messages(), add_generation_prompt=req.add_generation_prompt)
+        self._check_prompt_ids(ids, param="messages")
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        params = self._finish_params(req.to_sampling_params(
+            self._fit_max_tokens(req.requested_max_tokens(), len(ids), param)))
+        request_id = self._request_id("chatcmpl", req.request_id)
+        group = self.engine.group()
+        try:
+            group.add(request_id, None, ids, params, req.priority)
+        except BaseException:
+            group.close()
+            raise
+        if req.stream:
+            return _sse_response(self._chat_stream(req, request_id, ids, group))
+        try:
+            finals = await until_disconnected(raw, _collect(group))
+        finally:
+            group.close()
+        out = finals[request_id]
+        choices = [ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text),
+                                        logprobs=self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                                        if req.logprobs else None,
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                   for c in out.outputs]
+        num_generated = sum(len(c.token_ids) for c in out.outputs)
+        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+                                      usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
+                                                      total_tokens=len(ids) + num_generated))
+
+    def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
+                       top_n: int) -> ChatLogprobs:
+        content = []
+        for token_id, position in zip(token_ids, logprobs or []):
+            chosen = position.get(token_id)
+            token = self._token_text(token_id)
+            top = sorted(position.items(), key=lambda kv: kv[1].rank if kv[1].rank is not None else 1 << 30)
+            content.append(ChatLogprobToken(
+                token=token, logprob=chosen.logprob if chosen is not None else float("-inf"),
+                bytes=list(token.encode()),
+                top_logprobs=[ChatTopLogprob(token=self._token_text(tid), logprob=lp.logprob,
+                                             bytes=list(self._token_text(tid).encode()))
+                              for tid, lp in top[:top_n]]))
+        return ChatLogprobs(content=content)
+
+    async def _chat_stream(self, req: ChatCompletionRequest, request_id: str, ids: list[int],
+                           group) -> AsyncIterator[str]:
+        created = int(time.time())
+        num_generated = 0
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        continuous = include_usage and req.stream_options.continuous_usage_stats
+        try:
+            # The first chunk of each choice carries the role, as OpenAI's do.
+            for i in range(req.n):
+                yield _sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name,
+                    choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+            async for out in group:
+                for c in out.outputs:
+                    if not c.updated:
+                        continue
+                    num_generated += len(c.delta_token_ids)
+                    logprobs = (self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, req.top_logprobs or 0)
+                                if req.logprobs else None)
+                    chunk = ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=self.model_name,
+                        choices=[ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                                                  logprobs=logprobs, finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason)])
+                    if continuous:
+                        chunk.usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
+                                                total_tokens=len(ids) + num_generated)
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(ChatCompletionStreamResponse(
+                    id=request_id, created=created, model=self.model_name, choices=[],
+                    usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
+                                    total_tokens=len(ids) + num_generated)))
+        except Exception as e:
+            yield _sse_error(e)
+        finally:
+            group.close()
+        yield _DONE
+
+
+async def _collect(group) -> dict[str, RequestOutput]:
+    finals: dict[str, RequestOutput] = {}
+    async for out in group:
+        if out.finished:
+            finals[out.request_id] = out
+    return finals
+
+
+def _sse_error(exc: BaseException) -> str:
+    _, body = exception_to_body(exc)
+    err = body["error"]
+    return sse_error_frame(err["message"], err["type"], err["param"], err["code"])
+
+
+class SSEResponse(StreamingResponse):
+    """A `text/event-stream` response that notices a client going away while the stream waits
+    for tokens (not only on the next write) and always closes its body iterator, whose `finally`
+    aborts the request in the core."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        async def watch_disconnect() -> None:
+            await self.listen_for_disconnect(receive)
+            task_group.cancel_scope.cancel()
+
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(watch_disconnect)
+                try:
+                    await self.stream_response(send)
+                except OSError:
+                    pass  # the client closed the connection mid-write
+                task_group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+
+
+def _sse_response(stream: AsyncIterator[str]) -> SSEResponse:
+    return SSEResponse(stream, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

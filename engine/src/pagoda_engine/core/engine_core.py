@@ -1,0 +1,342 @@
+"""The engine core: owns the model, the KV pool, the scheduler and the runner; one `step()` is
+schedule → execute → update. The same class runs inside the server's core process and
+in-process under the offline `LLM`.
+
+With `async_scheduling` the core owns the one step in flight (`_in_flight`): `step()` schedules
+and launches the next step first, then resolves the one in flight and returns its outputs, so the
+host's scheduling and input building overlap the device's work (vLLM's async scheduling, SGLang's
+overlap scheduler). Outputs thus come one call late; a request that finished in the resolved step
+has one surplus token in the launched one, which is dropped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from pagoda_engine.config import EngineConfig, resolve_cudagraph_mode
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
+from pagoda_engine.errors import InvalidRequestError, ModelLoadError
+from pagoda_engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats, TokenLogprobs
+from pagoda_engine.worker.attention.base import KVCacheSpec
+from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
+from pagoda_engine.worker.executor import create_executor
+from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
+from pagoda_engine.worker.runner import LaunchedStep, ModelRunner, RunnerOutput
+from pagoda_engine.worker.sampling import make_sampler
+
+logger = logging.getLogger(__name__)
+
+_GiB = 1 << 30
+
+
+def resolve_model_dir(model: str | None) -> str:
+    """The model directory to load; None means Pagoda's built-in tiny model (built on first use)."""
+    if model is None:
+        from pagoda_engine.tiny import default_model_dir
+
+        return str(default_model_dir())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise ModelLoadError(f"model directory {model!r} does not exist (Pagoda loads local directories; "
+                             "download the model first, e.g. with `huggingface-cli download`)")
+    return str(path)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    ids: list[int] = []
+
+    def add(value) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in ids:
+                ids.append(v)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_path = Path(model_dir) / "generation_config.json"
+    if gen_path.is_file():
+        try:
+            add(json.loads(gen_path.read_text()).get("eos_token_id"))
+        except (OSError, ValueError) as e:
+            logger.warning("ignoring unreadable %s: %s", gen_path, e)
+    return tuple(ids)
+
+
+def _set_cpu_threads(model: torch.nn.Module) -> None:
+    """Small models on CPU run faster on one thread: OpenMP synchronisation costs more than the
+    tiny matmuls gain, and collapses when several engines share a machine. PAGODA_CPU_THREADS
+    overrides."""
+    wanted = os.environ.get("PAGODA_CPU_THREADS")
+    if wanted:
+        torch.set_num_threads(int(wanted))
+    elif sum(p.numel() for p in model.parameters()) < 50_000_000:
+        torch.set_num_threads(1)
+
+
+def _refuse_unimplemented(config: EngineConfig) -> None:
+    """Options the command line accepts (the operator renders them) but this engine cannot honour
+    yet: refuse to start with a clear message rather than run without them."""
+    pc, cc = config.parallel, config.cache
+    missing = []
+    if pc.pipeline_parallel_size > 1:
+        missing.append("pipeline parallelism (--pipeline-parallel-size > 1; tensor parallelism works)")
+    if pc.data_parallel_size > 1:
+        missing.append("data parallelism inside one engine (--data-parallel-size > 1; "
+                       "scale out with replicas behind the router instead)")
+    if pc.enable_expert_parallel:
+        missing.append("expert parallelism (--enable-expert-parallel; MoE models are not served yet)")
+    if cc.kv_offload_cpu_gb or cc.kv_offload_disk_path or cc.kv_offload_disk_gb or cc.kv_offload_remote_url:
+        missing.append("KV offload tiers (--kv-offload-*)")
+    group_size = os.environ.get("LWS_GROUP_SIZE", "1")  # set by the operator on LeaderWorkerSet pods
+    if group_size.isdigit() and int(group_size) > 1:
+        missing.append(f"multi-node serving (a LeaderWorkerSet group of {group_size} pods)")
+    if missing:
+        raise ModelLoadError("not implemented in this engine yet: " + "; ".join(missing))
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        mc = config.model
+        _refuse_unimplemented(config)
+        self.model_dir = resolve_model_dir(mc.model)
+        self.served_model_name = mc.served_model_name or (mc.model or "pagoda-tiny")
+        self.hf_config = load_hf_config(self.model_dir)
+        self.device = resolve_device(mc.device)
+        if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
+            config.scheduler.async_scheduling = self.device.type == "cuda"
+        self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
+        tp = config.parallel.tensor_parallel_size
+        if self.device.type == "cuda" and tp > torch.cuda.device_count():
+            raise ModelLoadError(f"--tensor-parallel-size {tp} needs {tp} GPUs, but this machine shows "
+                                 f"{torch.cuda.device_count()}")
+        torch.manual_seed(mc.seed)
+        t0 = time.monotonic()
+        # Under TP this starts the worker ranks; self.model is rank 0's shard.
+        self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device)
+        try:
+            self._init_with_model(t0)
+        except BaseException:
+            self.executor.close()  # TP workers must not outlive a failed start
+            raise
+
+    def _init_with_model(self, t0: float) -> None:
+        """Everything that needs the loaded model: limits, the KV pool, scheduler, runner, CUDA graphs."""
+        config = self.config
+        mc, cc = config.model, config.cache
+        self.model = self.executor.model
+        self.device = self.executor.device
+        logger.info("loaded %s in %.1fs (%s, %s)", self.model_dir, time.monotonic() - t0, self.dtype, self.device)
+        self.vocab_size = self.model.vocab_size
+        self.max_model_len = self._resolve_max_model_len()
+        if self.device.type == "cpu":
+            _set_cpu_threads(self.model)
+        self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
+
+        spec: KVCacheSpec = self.model.kv_cache_spec(cc.block_size, self.dtype)
+        self.num_kv_pages = cc.num_kv_pages or self._measure_num_pages(spec)
+        self.attn = self.executor.init_kv_cache(mc.attention_backend, spec, self.num_kv_pages)
+        self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        self.runner = ModelRunner(self.model, self.attn, self.kv, make_sampler(mc.seed, self.device), self.device, self.executor)
+        self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
+        self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
+        self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
+        logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
+                    cc.block_size, self.kv_capacity_tokens, self.attn.name)
+        t1 = time.monotonic()
+        self.runner.warm_up_sampler()
+        logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
+        self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
+        graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
+                           and hasattr(self.attn, "plan_graph_decode"))
+        self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
+                               if graphs_possible else "NONE")
+        if self.cuda_graphs:
+            t1 = time.monotonic()
+            free_before, _ = torch.cuda.mem_get_info(self.device)
+            piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
+                         if self.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
+            self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
+                                                mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
+                                            self.max_model_len, piecewise)
+            self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+            pw = self.runner.piecewise_graphs
+            logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "
+                        "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
+                        self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
+        self.startup_seconds = time.monotonic() - t0
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether this engine replays CUDA graphs (decode ones at least; see `cudagraph_mode`)."""
+        return self.cudagraph_mode != "NONE"
+
+    def close(self) -> None:
+        """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
+        self.executor.close()
+
+    def _resolve_max_model_len(self) -> int:
+        # The model's own limit: it already accounts for a sliding window shorter than the context.
+        limit = self.model.max_position_embeddings
+        wanted = self.config.model.max_model_len
+        if wanted is None:
+            return limit
+        if wanted < 2:
+            raise ModelLoadError(f"max_model_len must be >= 2, got {wanted}")
+        if wanted > limit:
+            raise ModelLoadError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
+        return wanted
+
+    def _measure_num_pages(self, spec: KVCacheSpec) -> int:
+        cc, sc = self.config.cache, self.config.scheduler
+        page_bytes = spec.bytes_per_page()
+        pages_per_seq = -(-self.max_model_len // cc.block_size)
+        useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
+        if self.device.type == "cuda":
+            budget = self._profile_free_gpu_bytes()
+        else:
+            budget = int(cc.cpu_kv_cache_gb * _GiB)
+        num_pages = min(budget // page_bytes, useful)
+        if num_pages < pages_per_seq + 1:
+            raise ModelLoadError(
+                f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "
+                f"fewer than one sequence of max_model_len {self.max_model_len} needs ({pages_per_seq} pages); "
+                "lower --max-model-len or raise --gpu-memory-utilization")
+        return int(num_pages)
+
+    def _profile_free_gpu_bytes(self) -> int:
+        """Bytes the KV pages may take: gpu_memory_utilization × total − the peak of one profile step.
+
+        The profile step is the largest the scheduler can form: max_num_batched_tokens new tokens
+        through the configured attention backend (over a scratch pool of just enough pages),
+        then logits and sampling scratch for max_num_seqs rows. Its peak covers weights,
+        activations, attention workspace and sampler temporaries; CUDA graphs, captured later, reuse
+        one pool sized by the largest decode batch (far smaller than this step)."""
+        cc, sc = self.config.cache, self.config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, self.max_model_len)
+        spec = self.model.kv_cache_spec(cc.block_size, self.dtype)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            rows = min(sc.max_num_seqs, num_tokens)
+            # On every TP rank at once (its collectives need them all); rank 0's peak stands for all.
+            logits = self.executor.profile_run(self.config.model.attention_backend, spec, num_tokens, rows)
+            # The sampler holds about three logits-sized float32 tensors at once (logits, probs, noise).
+            probs = torch.softmax(logits, dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            del probs, noise, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        # Memory that is not torch's (CUDA context, cuBLAS and NCCL workspaces, other processes).
+        free, total = torch.cuda.mem_get_info()
+        non_torch = max(0, total - free - torch.cuda.memory_reserved())
+        budget = int(cc.gpu_memory_utilization * total) - peak - non_torch
+        logger.info("KV sizing: %.2f GiB total × %.2f − %.2f GiB peak (profile step of %d tokens) − %.2f GiB "
+                    "outside torch = %.2f GiB for pages", total / _GiB, cc.gpu_memory_utilization, peak / _GiB,
+                    num_tokens, non_torch / _GiB, budget / _GiB)
+        return max(0, budget)
+
+    # --- requests -----------------------------------------------------------------------------
+    def validate(self, req: EngineCoreRequest) -> None:
+        """Everything about a request that only the core knows. Raises InvalidRequestError."""
+        ids = req.prompt_token_ids
+        if not ids:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        if len(ids) >= self.max_model_len:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"has {len(ids)} tokens, which leaves no room for output.", param="prompt")
+        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
+                                      param="prompt")
+        if req.request_id in self.scheduler.requests:
+            raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
+
+    def add_request(self, req: EngineCoreRequest) -> None:
+        self.validate(req)
+        self.scheduler.add_request(Request(
+            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+            sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
+            arrival_time=req.arrival_time or time.monotonic(), priority=req.priority))
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        for req in self.scheduler.abort(request_ids):
+            self._prompt_logprobs.pop(req.request_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # --- the step -----------------------------------------------------------------------------
+    def step(self) -> EngineCoreOutputs:
+        if self.config.scheduler.async_scheduling:
+            return self._step_overlapped()
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+        result = self.runner.execute(sched)
+        return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats())
+
+    def _step_overlapped(self) -> EngineCoreOutputs:
+        """Launch the next step, then resolve the one in flight (async scheduling)."""
+        prev, self._in_flight = self._in_flight, None
+        outputs: list[EngineCoreOutput] = []
+        if prev is not None and _must_resolve_first(prev):
+            outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+            prev = None
+        sched = self.scheduler.schedule()
+        if not sched.is_empty:
+            self._in_flight = self.runner.launch(sched, prev)
+            self.scheduler.advance(sched)
+        if prev is not None:
+            outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def _update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineCoreOutput]:
+        """Apply a resolved step to its requests; one output per request that got a token."""
+        for s in sched.scheduled:
+            chunk = result.prompt_logprobs.get(s.request.request_id)
+            if chunk is not None and not s.request.is_finished:  # not aborted while in flight
+                self._prompt_logprobs.setdefault(s.request.request_id, []).extend(chunk)
+        outputs = []
+        for req in self.scheduler.update_from_output(sched, result.sampled, advanced):
+            prompt_lps = None
+            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 1:
+                prompt_lps = [None] + self._prompt_logprobs.pop(req.request_id, [])
+            lp = result.logprobs.get(req.request_id)
+            outputs.append(EngineCoreOutput(
+                request_id=req.request_id, new_token_ids=[req.output_token_ids[-1]],
+                new_logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt_lps,
+                finish_reason=req.finish_reason.value if req.finish_reason else None,
+                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
+        return outputs
+
+    def get_stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
+            prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
+            num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size)
+
+
+def _must_resolve_first(step: LaunchedStep) -> bool:
+    """Penalties count a request's output tokens on the host: a step after one that sampled for
+    such a request must wait for its tokens (it runs synchronously)."""
+    return any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+               for p in (r.sampling_params for r in step.sample_reqs))

@@ -1,0 +1,118 @@
+"""Per-request page tables on top of the block pool: prefix lookup, `allocate_slots`, free."""
+
+from __future__ import annotations
+
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_page
+
+
+class KVCacheManager:
+    def __init__(self, num_pages: int, page_size: int, enable_caching: bool = True):
+        self.page_size = page_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_pages, enable_caching)
+        self.req_pages: dict[str, list[Page]] = {}
+        self.req_page_ids: dict[str, list[int]] = {}  # the same pages as ids, for the runner, every step
+        self.req_hashes: dict[str, list[bytes]] = {}  # chained hashes of the request's full pages so far
+        self.num_registered: dict[str, int] = {}  # how many of its pages are registered in the cache
+        # Prometheus-style counters, in tokens.
+        self.prefix_queries = 0
+        self.prefix_hits = 0
+
+    # --- lookup -------------------------------------------------------------------------------
+    def _page_hashes(self, req: Request) -> list[bytes]:
+        """Hashes of every full page of the request's known tokens, extended incrementally."""
+        hashes = self.req_hashes.setdefault(req.request_id, [])
+        num_full = req.num_tokens // self.page_size
+        if len(hashes) == num_full:
+            return hashes  # the common decode step: no new full page, no token list to build
+        tokens = req.all_token_ids
+        for i in range(len(hashes), num_full):
+            parent = hashes[i - 1] if i else None
+            hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size]))
+        return hashes
+
+    def get_computed_pages(self, req: Request) -> tuple[list[Page], int]:
+        """Longest cached prefix of the request, in whole pages. The last token is always left to
+        compute: the step needs its logits."""
+        if not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
+            # Prompt logprobs need the logits of every prompt position: compute them all.
+            return [], 0
+        hashes = self._page_hashes(req)
+        max_pages = (req.num_tokens - 1) // self.page_size
+        hits: list[Page] = []
+        for page_hash in hashes[:max_pages]:
+            page = self.pool.get_cached_page(page_hash)
+            if page is None:
+                break
+            hits.append(page)
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += len(hits) * self.page_size
+        return hits, len(hits) * self.page_size
+
+    # --- allocation ---------------------------------------------------------------------------
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_pages: list[Page] | None = None) -> bool:
+        """Make room for `num_new_tokens` more tokens after the request's computed ones.
+
+        `computed_pages` are prefix-cache hits found for a request being scheduled from the
+        waiting queue. Returns False (and changes nothing) when the pool is too small."""
+        if not computed_pages:
+            # The common decode step: the token fits in the last page and fills no page to cache.
+            pages = self.req_pages.get(req.request_id)
+            total = req.num_computed_tokens + num_new_tokens
+            if (pages is not None and total <= len(pages) * self.page_size
+                    and (not self.enable_caching or total // self.page_size <= self.num_registered.get(req.request_id, 0))):
+                return True
+        computed_pages = computed_pages or []
+        pages = self.req_pages.get(req.request_id, [])
+        num_computed = req.num_computed_tokens + len(computed_pages) * self.page_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.page_size)
+        num_to_allocate = num_needed - len(pages) - len(computed_pages)
+        # Hits sitting in the free queue stop being free when we take them.
+        num_free_hits = sum(1 for p in computed_pages if p.ref_cnt == 0)
+        if num_to_allocate > self.pool.num_free_pages - num_free_hits:
+            return False
+        self.pool.touch(computed_pages)
+        pages = self.req_pages.setdefault(req.request_id, [])
+        page_ids = self.req_page_ids.setdefault(req.request_id, [])
+        pages.extend(computed_pages)
+        if computed_pages:
+            self.num_registered[req.request_id] = len(pages)
+        if num_to_allocate > 0:
+            pages.extend(self.pool.get_new_pages(num_to_allocate))
+        page_ids.extend(p.page_id for p in pages[len(page_ids):])
+        self._register_full_pages(req, num_computed + num_new_tokens)
+        return True
+
+    def _register_full_pages(self, req: Request, num_tokens_after_step: int) -> None:
+        if not self.enable_caching:
+            return
+        pages = self.req_pages[req.request_id]
+        hashes = self._page_hashes(req)
+        start = self.num_registered.get(req.request_id, 0)
+        end = min(num_tokens_after_step // self.page_size, len(hashes))
+        for i in range(start, end):
+            self.pool.cache_page(pages[i], hashes[i])
+        self.num_registered[req.request_id] = max(start, end)
+
+    def free(self, req: Request) -> None:
+        pages = self.req_pages.pop(req.request_id, [])
+        self.req_page_ids.pop(req.request_id, None)
+        self.pool.free_pages(reversed(pages))
+        self.num_registered.pop(req.request_id, None)
+
+    def forget(self, req: Request) -> None:
+        """Drop a finished request's bookkeeping (its hashes) after `free`."""
+        self.req_hashes.pop(req.request_id, None)
+
+    # --- views --------------------------------------------------------------------------------
+    def page_ids(self, request_id: str) -> list[int]:
+        """The request's page ids in order (the manager's own list: read it, do not change it)."""
+        return self.req_page_ids.get(request_id, [])
+
+    def usage(self) -> float:
+        return self.pool.usage()
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages

@@ -1,0 +1,266 @@
+"""One token-budget loop: running requests first, then waiting ones, no prefill/decode phases.
+
+Every request has `num_computed_tokens` and simply advances: a decode asks for 1 token, a prompt
+for the rest of its prompt (chunked to fit the budget). When pages run out, the lowest-priority
+running request (the newest, under FCFS) is preempted: its pages are freed (they stay in the prefix
+cache) and it goes back to the front of the waiting queue to be recomputed.
+
+Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
+its prompt's pages, the free pages still hold the expected remaining output of every running
+request and of itself. The expected output of a request is the mean output length of the
+requests that stopped on their own so far (EOS or a stop token; exponentially weighted; 1,024
+tokens before the first), capped by what its max_tokens and max_model_len still allow. With
+nothing running, a request is admitted whenever it fits, so a long request can never wait forever.
+
+Async scheduling (`advance`): the core schedules step N+1 before step N's tokens are known. A
+scheduled step is then advanced at once (`num_computed_tokens` moves on, and each request that
+samples counts one output placeholder), so the next `schedule` gives every such request one more
+decode, fed on the device from step N's sampled token. `update_from_output(..., advanced=True)`
+later fills the placeholder in, and drops the tokens of requests that finished meanwhile.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pagoda_engine.config import SchedulerConfig
+from pagoda_engine.core.request import Request, RequestStatus
+from pagoda_engine.core.kv.manager import KVCacheManager
+
+
+# Admission control: the running mean of the output lengths of requests that stopped on their own
+# (EOS or a stop token) weighs each new one by this much; before any has, a request is expected to
+# write this many tokens. A request cut at max_tokens or the context says only "at least this
+# long" (and its cap already bounds its own expected growth), so it is not counted: a warm-up of
+# short capped requests, or max_tokens=1 probes, would otherwise make long generations look short.
+_OUTPUT_LEN_EMA = 0.05
+_FIRST_OUTPUT_LEN_GUESS = 1024
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    # After this step every known token is computed, so the step samples a new one. Fixed when
+    # scheduled: under async scheduling the request moves on before the step's update.
+    completes_sequence: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        req = self.request
+        self.completes_sequence = (req.num_computed_tokens + self.num_new_tokens
+                                   == req.num_tokens + req.num_output_placeholders)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._arrival = itertools.count()
+        # Mean output length of requests that stopped on their own: the admission estimate.
+        self._mean_output_len: float | None = None
+
+    # --- queue management ---------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.arrival_seq = next(self._arrival)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _queue_key(self, req: Request) -> tuple:
+        if self.config.policy == "priority":
+            return (req.priority, req.arrival_seq)
+        return (req.arrival_seq,)
+
+    def _next_waiting(self) -> Request:
+        # Preempted requests go back in front of everything that arrived after them.
+        return min(self.waiting, key=self._queue_key)
+
+    def abort(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.is_finished:
+                continue
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            aborted.append(req)
+        return aborted
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        if status == RequestStatus.FINISHED_STOPPED:
+            n = req.num_output_tokens
+            m = self._mean_output_len
+            self._mean_output_len = n if m is None else m + _OUTPUT_LEN_EMA * (n - m)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        self.kv.forget(req)
+        del self.requests[req.request_id]
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # --- the loop -----------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+
+        # 1. Running requests: decodes and unfinished prompt chunks. Never starved by new arrivals.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
+                          self.max_model_len - req.num_computed_tokens)
+            if num_new <= 0 or (req.num_output_placeholders and self._placeholder_is_last(req)):
+                i += 1
+                continue
+            while not self.kv.allocate_slots(req, num_new):
+                victim = self._pick_victim(i)
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+
+        # 2. Waiting requests, only while nothing had to be preempted this step.
+        reserved = None  # pages the running requests' expected output will take
+        while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self._next_waiting()
+            # Only a request preempted in this very call can still wait for a token, and then
+            # nothing is admitted: the core resolves the step in flight before the next call.
+            assert not req.num_output_placeholders, req.request_id
+            computed_pages, num_cached = self.kv.get_computed_pages(req)
+            growth = None  # pages of req's expected output, when the reservation applies
+            if self.config.kv_growth_reservation and self.running:
+                if reserved is None:
+                    reserved = sum(self._growth_pages(r) for r in self.running)
+                growth = self._growth_pages(req)
+                need = -(-req.num_tokens // self.kv.page_size) - len(computed_pages) + growth
+                if self.kv.num_free_pages - need < reserved:
+                    break
+            num_new = min(req.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(req, num_new, computed_pages):
+                break
+            self.waiting.remove(req)
+            req.num_computed_tokens = num_cached
+            if req.num_cached_tokens < 0:
+                req.num_cached_tokens = num_cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            if growth is not None:
+                reserved += growth
+        return out
+
+    def _growth_pages(self, req: Request) -> int:
+        """Pages `req`'s expected remaining output will take (admission control)."""
+        generated = req.num_output_tokens + req.num_output_placeholders
+        max_tokens = req.sampling_params.max_tokens
+        allowed = self.max_model_len - req.num_prompt_tokens
+        if max_tokens is not None:
+            allowed = min(allowed, max_tokens)
+        expected = _FIRST_OUTPUT_LEN_GUESS if self._mean_output_len is None else self._mean_output_len
+        remaining = min(allowed - generated, max(expected - generated, 0))
+        return -(-max(int(remaining), 0) // self.kv.page_size)
+
+    def _pick_victim(self, current: int) -> Request:
+        """The running request to preempt: the newest (FCFS) or lowest-priority one not yet
+        scheduled this step (indices >= current)."""
+        candidates = self.running[current:]
+        return max(candidates, key=self._queue_key)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.append(req)
+
+    def _placeholder_is_last(self, req: Request) -> bool:
+        """The token in flight reaches max_tokens or max_model_len: the request ends with it,
+        so it needs no further step."""
+        max_tokens = req.sampling_params.max_tokens
+        return ((max_tokens is not None and req.num_output_tokens + req.num_output_placeholders >= max_tokens)
+                or req.num_tokens + req.num_output_placeholders >= self.max_model_len)
+
+    def advance(self, out: SchedulerOutput) -> None:
+        """Async scheduling: count a scheduled step as done before its tokens are known."""
+        for sched in out.scheduled:
+            sched.request.num_computed_tokens += sched.num_new_tokens
+            if sched.completes_sequence:
+                sched.request.num_output_placeholders += 1
+
+    # --- after the forward pass ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           advanced: bool = False) -> list[Request]:
+        """Advance every scheduled request (unless `advance` already did); append sampled tokens;
+        finish what must finish. Returns the requests that produced a token (or finished) this step."""
+        updated = []
+        for sched in out.scheduled:
+            req = sched.request
+            if advanced:
+                if req.is_finished:
+                    continue  # aborted, or finished by the step before: this token is surplus
+            else:
+                req.num_computed_tokens += sched.num_new_tokens
+            if not sched.completes_sequence:
+                continue  # a prompt chunk: nothing sampled yet
+            if advanced:
+                req.num_output_placeholders -= 1
+            token = sampled[req.request_id]
+            req.output_token_ids.append(token)
+            status = self._check_stop(req, token)
+            updated.append(req)
+            if status is not None:
+                self._finish(req, status)
+        return updated
+
+    def _check_stop(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and req.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if req.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None

@@ -1,0 +1,437 @@
+"""The building blocks of Pagoda's decoder models: RMSNorm, rotary embedding, SiluAndMul, and the
+linear, embedding and LM-head layers whose weights the loader fills.
+
+Every layer that holds weights creates them uninitialised (`torch.empty`): the loader overwrites
+them from a checkpoint or, for `--load-format dummy`, with seeded random values. Layers whose
+weights a checkpoint stores in pieces (q/k/v, gate/up) give their parameter a `weight_loader`
+that places one piece; tensor parallelism slots in there (each rank keeps its slice of heads).
+
+Tensor parallelism (Megatron-style): column-parallel layers split output features and need no
+communication; row-parallel layers split input features and all-reduce their partial sums (one
+all-reduce per row-parallel layer); the embedding splits the vocabulary and all-reduces; the LM
+head splits the vocabulary and all-gathers the logits. Collectives run on the model's own
+`TPGroup` (attached after construction with `attach_tp_group`; `pagoda_engine.worker.executor` makes
+it), never on torch.distributed's global default group, so one process may hold several engines.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagoda_engine.errors import ModelLoadError
+
+
+def _set_weight_loader(param: nn.Parameter, loader, shard_ids: Sequence = (None,)) -> None:
+    """Attach how the loader fills `param` and which checkpoint pieces it expects."""
+    param.weight_loader = loader
+    param.shard_ids = tuple(shard_ids)
+
+
+def _check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
+    """A checkpoint tensor must have exactly the (unsharded) shape the config implies."""
+    if tuple(loaded.shape) != tuple(expected):
+        raise ModelLoadError(f"weight of shape {tuple(loaded.shape)} does not fit parameter of shape {tuple(expected)}")
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+    _check_shape(loaded, param.shape)
+    param.data.copy_(loaded)
+
+
+# --- normalisation and activation -------------------------------------------------------------
+
+
+_FLASHINFER = None  # the flashinfer module once imported; False when it is not installed
+# FlashInfer's rotary kernel takes these head sizes (others fault with a misaligned address).
+_FUSED_ROPE_HEAD_DIMS = (64, 128, 256)
+
+
+def _fused_kernels(x: torch.Tensor):
+    """FlashInfer's module when `x` is a half-precision CUDA tensor and FlashInfer imports, else
+    None (the torch code runs, unchanged: CPU results stay bit-identical)."""
+    global _FLASHINFER
+    if not x.is_cuda or x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if _FLASHINFER is None:
+        try:
+            import flashinfer
+
+            _FLASHINFER = flashinfer
+        except ImportError:
+            _FLASHINFER = False
+    return _FLASHINFER or None
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, computed in float32 as the reference models do.
+
+    `norm(x)` returns the normalised x; `norm(x, residual)` first adds x to the residual stream and
+    returns `(normalised sum, sum)`, the fused form every decoder layer uses.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(hidden_size))
+        _set_weight_loader(self.weight, default_weight_loader)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # 16-byte vectors: the hidden size must be a multiple of 8 half-precision values.
+        fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() and x.shape[-1] % 8 == 0 else None
+        if fi is not None:
+            if residual is None:
+                return fi.rmsnorm(x, self.weight, self.eps)
+            # One kernel, in place: residual += x, then x = norm(residual).
+            fi.fused_add_rmsnorm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        x = x + residual
+        return self._norm(x), x
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fi = _fused_kernels(x)
+        if fi is not None and x.is_contiguous() and x.shape[-1] % 16 == 0:
+            return fi.silu_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+# --- rotary embedding -------------------------------------------------------------------------
+
+
+def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by `factor`, short kept,
+    the band between them interpolated smoothly."""
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, base: float, params: dict, max_position: int) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): interpolate low frequencies, extrapolate high ones, ramp between,
+    and scale cos/sin by the attention factor."""
+    factor = params["factor"]
+    original_max = params.get("original_max_position_embeddings") or max_position
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = mscale(factor, params["mscale"]) / mscale(factor, params["mscale_all_dim"])
+        else:
+            attention_factor = mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations: float) -> float:
+        return (head_dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = torch.clamp((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation_weight) + (1.0 / pos_freqs) * extrapolation_weight
+    return inv_freq, float(attention_factor)
+
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves) from a precomputed float32 cos/sin cache.
+
+    `rope_params` is the Hugging Face `rope_parameters` / `rope_scaling` dict (None = default);
+    supported types are in ROPE_TYPES. `forward(positions, q, k)` rotates q [T, Hq, D] and
+    k [T, Hkv, D] at their absolute positions.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_params: dict | None = None):
+        super().__init__()
+        params = dict(rope_params or {})
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        if params.get("partial_rotary_factor", 1.0) != 1.0:
+            raise ModelLoadError("partial rotary embeddings (partial_rotary_factor < 1) are not supported")
+        attention_factor = 1.0
+        if rope_type == "default":
+            inv_freq = _default_inv_freq(head_dim, base)
+        elif rope_type == "linear":
+            inv_freq = _default_inv_freq(head_dim, base) / params["factor"]
+        elif rope_type == "llama3":
+            inv_freq = _llama3_inv_freq(_default_inv_freq(head_dim, base), params)
+        elif rope_type == "yarn":
+            inv_freq, attention_factor = _yarn_inv_freq(head_dim, base, params, max_position)
+            # YaRN stretches the original context by `factor`; cover that even if config.json
+            # still states the original length.
+            original = params.get("original_max_position_embeddings") or max_position
+            max_position = max(max_position, int(original * params["factor"]))
+        else:
+            raise ModelLoadError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        self.head_dim = head_dim
+        self.max_position = max_position
+        t = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)
+        # Buffers, not parameters: the loader skips them and `model.to(device)` moves them.
+        self.register_buffer("cos_cache", freqs.cos() * attention_factor, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * attention_factor, persistent=False)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        fi = _fused_kernels(q) if self.head_dim in _FUSED_ROPE_HEAD_DIMS else None
+        if fi is not None:
+            # FlashInfer rotates q and k in place from one float32 [max_position, D] cache (cos | sin),
+            # made on first use from the same cos/sin as below (so every rope variant applies).
+            if getattr(self, "_cos_sin_cache", None) is None:
+                self._cos_sin_cache = torch.cat((self.cos_cache, self.sin_cache), dim=-1).contiguous()
+            fi.apply_rope_with_cos_sin_cache_inplace(positions, q, k, self.head_dim, self._cos_sin_cache, is_neox=True)
+            return q, k
+        # [T, 1, D/2]: broadcast over heads; cast like the reference (cos/sin in the activations' dtype).
+        cos = self.cos_cache[positions].unsqueeze(1).to(q.dtype)
+        sin = self.sin_cache[positions].unsqueeze(1).to(q.dtype)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+# --- linear layers (tensor-parallel aware) ------------------------------------------------------
+
+
+class TPGroup:
+    """The collectives of one tensor-parallel model, on a torch.distributed backend object
+    (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) that belongs to this model alone."""
+
+    def __init__(self, backend, rank: int, size: int):
+        self.backend = backend
+        self.rank = rank
+        self.size = size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum `x` over the ranks, in place."""
+        self.backend.allreduce([x]).wait()
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x`, in rank order."""
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        self.backend.allgather([parts], [x.contiguous()]).wait()
+        return parts
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Rank `src`'s `x` into every rank's `x`, in place."""
+        self.backend.broadcast(x, src).wait()
+        return x
+
+
+def attach_tp_group(model: nn.Module, group: TPGroup) -> None:
+    """Give every tensor-parallel layer of `model` the group its collectives run on."""
+    for module in model.modules():
+        if getattr(module, "tp_size", 1) > 1:
+            if module.tp_size != group.size or module.tp_rank != group.rank:
+                raise ValueError(f"layer built for rank {module.tp_rank} of {module.tp_size}, "
+                                 f"group is rank {group.rank} of {group.size}")
+            module.tp_group = group
+
+
+def _group(layer: nn.Module) -> TPGroup:
+    if layer.tp_group is None:
+        raise RuntimeError(f"{type(layer).__name__} is sharded {layer.tp_size} ways but has no TPGroup "
+                           "(attach one with attach_tp_group)")
+    return layer.tp_group
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ModelLoadError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts})")
+    return total // parts
+
+
+class LinearBase(nn.Module):
+    """y = x W^T (+ b) with an uninitialised weight of shape [out_features, in_features]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across TP ranks; each rank keeps rows [rank*n, (rank+1)*n)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
+        super().__init__(in_features, _divide(out_features, tp_size, "output features"), bias)
+        for p in self.parameters():
+            _set_weight_loader(p, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[0]
+        _check_shape(loaded, (n * self.tp_size, *param.shape[1:]))
+        default_weight_loader(param, loaded.narrow(0, self.tp_rank * n, n))
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input in one matmul (gate and up).
+
+    The checkpoint stores each piece separately; `shard_id` is its index in `output_sizes`.
+    """
+
+    def __init__(self, in_features: int, output_sizes: Sequence[int], bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        self.output_sizes = [_divide(s, tp_size, "output features") for s in output_sizes]
+        super().__init__(in_features, sum(output_sizes), bias, tp_size, tp_rank)
+        for p in self.parameters():
+            _set_weight_loader(p, self._load_piece, range(len(output_sizes)))
+
+    def _load_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: int) -> None:
+        n = self.output_sizes[shard_id]
+        start = sum(self.output_sizes[:shard_id])
+        _check_shape(loaded, (n * self.tp_size, *param.shape[1:]))
+        default_weight_loader(param.narrow(0, start, n), loaded.narrow(0, self.tp_rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """The q, k and v projections in one matmul; output layout [q heads | k heads | v heads].
+
+    Under TP each rank keeps its query heads and its KV heads (KV heads are replicated when there
+    are fewer of them than ranks).
+    """
+
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
+                 tp_size: int = 1, tp_rank: int = 0):
+        self.head_dim = head_dim
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = _divide(num_heads, tp_size, "num_attention_heads")
+        if num_kv_heads >= tp_size:
+            self.num_kv_heads = _divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.kv_head_offset = tp_rank * self.num_kv_heads
+        else:
+            # Each rank keeps one KV head, the one its query heads attend with: that needs every
+            # KV head's query group to fall on whole ranks.
+            if tp_size % num_kv_heads:
+                raise ModelLoadError(f"tensor_parallel_size ({tp_size}) must be a multiple of num_key_value_heads "
+                                     f"({num_kv_heads}) when it exceeds it, so KV heads replicate evenly")
+            self.num_kv_heads = 1
+            self.kv_head_offset = tp_rank * num_kv_heads // tp_size
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim * tp_size
+        super().__init__(hidden_size, out, bias, tp_size, tp_rank)
+        for p in self.parameters():
+            _set_weight_loader(p, self._load_piece, ("q", "k", "v"))
+
+    def _load_piece(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
+        d = self.head_dim
+        q_size, kv_size = self.num_heads * d, self.num_kv_heads * d
+        rows = q_size * self.tp_size if shard_id == "q" else self.total_num_kv_heads * d
+        _check_shape(loaded, (rows, *param.shape[1:]))
+        if shard_id == "q":
+            dst, src = param.narrow(0, 0, q_size), loaded.narrow(0, self.tp_rank * q_size, q_size)
+        else:
+            start = q_size if shard_id == "k" else q_size + kv_size
+            dst = param.narrow(0, start, kv_size)
+            src = loaded.narrow(0, self.kv_head_offset * d, kv_size)
+        default_weight_loader(dst, src)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across TP ranks; partial sums are all-reduced (bias added once)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
+        super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias)
+        _set_weight_loader(self.weight, self._load_weight)
+        if self.bias is not None:
+            _set_weight_loader(self.bias, default_weight_loader)
+
+    def _load_weight(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        n = param.shape[1]
+        _check_shape(loaded, (param.shape[0], n * self.tp_size))
+        default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            _group(self).all_reduce(y)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across TP ranks (ids outside a rank's slice give
+    zeros there; the all-reduce sums the one rank that holds each id)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.tp_group: TPGroup | None = None
+        self.vocab_size = vocab_size
+        self.shard_size = -(-vocab_size // tp_size)  # ceil: the last rank's slice may be short
+        self.vocab_start = tp_rank * self.shard_size
+        self.weight = nn.Parameter(torch.empty(self.shard_size, hidden_size))
+        _set_weight_loader(self.weight, self._load)
+
+    def _load(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        if loaded.shape[0] != self.vocab_size:
+            raise ModelLoadError(f"embedding has {loaded.shape[0]} rows, config.json says vocab_size {self.vocab_size}")
+        piece = loaded[self.vocab_start:self.vocab_start + self.shard_size]
+        param.data.zero_()
+        default_weight_loader(param[: piece.shape[0]], piece)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.shard_size)
+        y = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside.unsqueeze(-1), 0)
+        return _group(self).all_reduce(y)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden → float32 logits over the full vocabulary (each rank computes its slice, then they
+    are gathered). With tied embeddings the model points `weight` at the embedding's."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.tp_size > 1:
+            logits = torch.cat(_group(self).all_gather(logits), dim=-1)
+        return logits[..., : self.vocab_size].float()

@@ -1,0 +1,210 @@
+"""From a Hugging Face model directory to a ready model on its device.
+
+Owns: reading and checking config.json (`load_hf_config`), choosing the compute dtype
+(`resolve_dtype`), and building the model and filling its weights (`load_model`) from
+safetensors (one file or an index of shards) or, for `load_format="dummy"`, from a seeded random
+generator. Tensors go straight from the files to the device and are converted to the compute
+dtype on the way; merged parameters (q/k/v, gate/up) are filled piece by piece through each
+parameter's `weight_loader`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, PretrainedConfig
+
+from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.worker.model.models import resolve_architecture
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+}
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def load_hf_config(model_dir: str) -> PretrainedConfig:
+    """config.json of `model_dir`, checked to name an architecture Pagoda serves."""
+    path = Path(model_dir)
+    if not path.exists():
+        raise ModelLoadError(f"model directory {model_dir!r} does not exist")
+    if not path.is_dir():
+        raise ModelLoadError(f"model path {model_dir!r} is not a directory")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model directory {model_dir!r} has no config.json (expected a Hugging Face model directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read {config_file}: {e}") from e
+    if not isinstance(raw, dict):
+        raise ModelLoadError(f"{config_file} does not hold a JSON object")
+    architectures = raw.get("architectures")
+    if architectures is not None and not isinstance(architectures, list):
+        raise ModelLoadError(f"{config_file}: 'architectures' must be a list of names, got {architectures!r}")
+    resolve_architecture(architectures, raw.get("model_type"))  # raises UnsupportedArchitectureError, listing what we serve
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except Exception as e:  # transformers raises ValueError, KeyError, OSError... for a bad config
+        raise ModelLoadError(f"cannot parse {config_file}: {e}") from e
+
+
+def _config_dtype(hf_config: PretrainedConfig) -> torch.dtype | None:
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        return _DTYPES.get(value)
+    return None
+
+
+def resolve_dtype(dtype: str, hf_config: PretrainedConfig, device: torch.device) -> torch.dtype:
+    """The compute dtype for `--dtype`.
+
+    "auto" on CUDA is config.json's dtype when it is bfloat16 or float16, else bfloat16 (a float32
+    checkpoint is served in half precision, as vLLM does: GPU attention kernels are half-only);
+    "auto" on CPU is float32 (CPU half-precision matmuls are slow and inexact). Explicit names are
+    honoured everywhere.
+    """
+    if dtype == "auto":
+        if device.type == "cpu":
+            return torch.float32
+        config_dtype = _config_dtype(hf_config)
+        return config_dtype if config_dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+    if dtype not in _DTYPES:
+        raise ModelLoadError(f"dtype must be auto, bfloat16, float16 or float32, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype):
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0) -> nn.Module:
+    """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
+
+    With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
+    slice of heads, MLP columns and vocabulary, and each weight loader copies just that slice
+    out of the checkpoint tensor.
+
+    `load_format`: "auto" / "safetensors" read `model_dir`'s safetensors files; "dummy" draws
+    weights from N(0, 0.02) (norm weights 1) with a generator seeded by `seed`, so the same seed
+    on the same device gives the same model, and needs nothing but config.json (dummy shards are
+    drawn per rank, so dummy weights differ between TP sizes: fine for benchmarks, which is their use).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+    architecture, model_cls = resolve_architecture(getattr(hf_config, "architectures", None),
+                                                   getattr(hf_config, "model_type", None))
+    device = torch.device(device)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_cls(hf_config, architecture, tp_size, tp_rank)
+    if load_format == "dummy":
+        _init_dummy(model, seed, device)
+    else:
+        _load_safetensors(model, Path(model_dir), device)
+    model.requires_grad_(False)
+    return model.eval()
+
+
+def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():  # a fixed order, so the seed fixes every value
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def _weight_files(model_dir: Path) -> list[Path]:
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"cannot read {index}: {e}") from e
+        files = [model_dir / name for name in sorted(set(weight_map.values()))]
+        for f in files:
+            if not f.is_file():
+                raise ModelLoadError(f"{INDEX_FILE} lists {f.name}, which is missing from {model_dir}")
+        return files
+    single = model_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir} holds no *.safetensors weights (other formats are not supported; "
+                             "load_format='dummy' needs none)")
+    return files
+
+
+def _safetensors_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else torch.cuda.current_device()}"
+    return str(device)
+
+
+def _checkpoint_name(model: nn.Module, param_name: str, shard_id) -> str:
+    """The checkpoint name of one piece of a (possibly merged) parameter, for error messages."""
+    for merged, original, piece in model.stacked_params:
+        if shard_id == piece and f".{merged}." in param_name:
+            return param_name.replace(f".{merged}.", f".{original}.")
+    return param_name
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once, under the embedding's name
+    expected = {(name, shard) for name, p in params.items() for shard in p.shard_ids}
+    loaded: set = set()
+    unexpected: list[str] = []
+    tied = getattr(model, "tie_word_embeddings", False)
+    for file in _weight_files(model_dir):
+        try:
+            handle = safe_open(str(file), framework="pt", device=_safetensors_device(device))
+        except Exception as e:  # safetensors raises its own error types for a corrupt header
+            raise ModelLoadError(f"cannot open {file.name}: {e}") from e
+        with handle:
+            for name in handle.keys():
+                if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
+                    continue
+                param_name, shard_id = name, None
+                for merged, original, piece in model.stacked_params:
+                    if f".{original}." in name:
+                        param_name, shard_id = name.replace(f".{original}.", f".{merged}."), piece
+                        break
+                param = params.get(param_name)
+                if param is None:
+                    unexpected.append(name)
+                    continue
+                try:
+                    with torch.no_grad():
+                        param.weight_loader(param, handle.get_tensor(name), shard_id)
+                except ModelLoadError as e:
+                    raise ModelLoadError(f"{file.name}: {name}: {e}") from e
+                loaded.add((param_name, shard_id))
+    if unexpected:
+        shown = ", ".join(sorted(unexpected)[:10]) + (" ..." if len(unexpected) > 10 else "")
+        raise ModelLoadError(f"checkpoint in {model_dir} has {len(unexpected)} weights the model does not use: {shown}")
+    missing = sorted(_checkpoint_name(model, name, shard) for name, shard in expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else "")
+        raise ModelLoadError(f"checkpoint in {model_dir} lacks {len(missing)} weights: {shown}")

@@ -1,0 +1,262 @@
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 in one implementation.
+
+The architectures differ only in flags read from config.json (`DecoderFlags`): biases on the
+q/k/v and output projections (Qwen2 has q/k/v bias only), per-head RMSNorm on q and k before
+rotary (Qwen3), an explicit `head_dim`, tied embeddings, and the rotary variant.
+
+Input is ragged: the new tokens of every request in a step, concatenated, with their absolute
+positions; the attention backend knows which request each token belongs to (`attn.plan`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.worker.attention.base import AttentionBackend, KVCacheSpec
+from pagoda_engine.worker.model.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SiluAndMul,
+    VocabParallelEmbedding,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DecoderFlags:
+    """What sets one Llama-family architecture apart from another."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+
+
+def decoder_flags(architecture: str, cfg: PretrainedConfig) -> DecoderFlags:
+    attention_bias = bool(getattr(cfg, "attention_bias", False))
+    if architecture == "Qwen2ForCausalLM":
+        return DecoderFlags(qkv_bias=True)
+    if architecture == "Qwen3ForCausalLM":
+        return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
+    # Llama and Mistral: `attention_bias` covers all four projections, `mlp_bias` the MLP.
+    return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+def rope_settings(cfg: PretrainedConfig) -> tuple[float, dict | None]:
+    """(theta, scaling dict) from either transformers 5's `rope_parameters` or 4's
+    `rope_theta` + `rope_scaling`."""
+    params = getattr(cfg, "rope_parameters", None)
+    if params is None:
+        params = dict(getattr(cfg, "rope_scaling", None) or {})
+        params.setdefault("rope_theta", getattr(cfg, "rope_theta", 10000.0))
+    return float(params.get("rope_theta", 10000.0)), params
+
+
+def sliding_window(cfg: PretrainedConfig) -> int | None:
+    """The attention window config.json asks for, or None when attention is full."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is not None:
+        return window if "sliding_attention" in layer_types else None
+    if hasattr(cfg, "use_sliding_window"):  # Qwen2/Qwen3 in transformers 4
+        return window if cfg.use_sliding_window else None
+    return window
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        hidden = cfg.hidden_size
+        total_heads = cfg.num_attention_heads
+        total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
+        if total_heads % total_kv_heads:
+            raise ModelLoadError(f"num_attention_heads ({total_heads}) is not a multiple of num_key_value_heads ({total_kv_heads})")
+        self.head_dim = getattr(cfg, "head_dim", None) or hidden // total_heads
+        # Tensor parallelism splits heads here: each rank's qkv_proj holds its share.
+        self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, flags.qkv_bias, tp_size, tp_rank)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, flags.o_bias, tp_size, tp_rank)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
+
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D] and k
+        [T, Hkv, D] rotated to their positions, v [T, Hkv, D]."""
+        t = x.shape[0]
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        return q, k, v
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        """The output projection of the attention result o [T, Hq, D]."""
+        return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+        inter = cfg.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], flags.mlp_bias, tp_size, tp_rank)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, flags.mlp_bias, tp_size, tp_rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, flags, tp_size, tp_rank)
+        self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def attention_inputs(self, positions, x, residual, rotary):
+        """Input norm (adding x to the residual stream first, except in the first layer, whose
+        residual is None) and the attention inputs: (q, k, v, residual)."""
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        q, k, v = self.self_attn.qkv(positions, x, rotary)
+        return q, k, v, residual
+
+    def mlp_block(self, x, residual):
+        """After the output projection: post-attention norm and MLP → (x, residual)."""
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def forward(self, layer_id, positions, x, residual, rotary, attn):
+        x, residual = self._attention(layer_id, positions, x, residual, rotary, attn)
+        return self.mlp_block(x, residual)
+
+    def _attention(self, layer_id, positions, x, residual, rotary, attn):
+        # A frame of its own: q, k, v and the attention output are freed before the MLP runs, which
+        # keeps the peak of a long prefill (and so the profile step that sizes the KV pool) down.
+        q, k, v, residual = self.attention_inputs(positions, x, residual, rotary)
+        return self.self_attn.out(attn.forward(layer_id, q, k, v)), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers, final norm: the checkpoint's `model.*` weights."""
+
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, tp_size, tp_rank) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        head_dim = self.layers[0].self_attn.head_dim
+        theta, rope_params = rope_settings(cfg)
+        # One cos/sin cache shared by all layers.
+        self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, rope_params)
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.layers) + 1
+
+    def segment(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, o: torch.Tensor | None,
+                residual: torch.Tensor | None):
+        """The forward between two attention calls. Segment 0 embeds `input_ids` and ends with layer
+        0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's attention output `o`
+        and the residual stream and ends with layer i's (q, k, v, residual); the last segment ends
+        with the final norm and returns the hidden states. Piecewise CUDA graphs capture each one."""
+        if i == 0:
+            x = self.embed_tokens(input_ids)
+        else:
+            previous = self.layers[i - 1]
+            x, residual = previous.mlp_block(previous.self_attn.out(o), residual)
+        if i == len(self.layers):
+            x, _ = self.norm(x, residual)
+            return x
+        return self.layers[i].attention_inputs(positions, x, residual, self.rotary_emb)
+
+    def forward(self, input_ids, positions, attn):
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(i, positions, x, residual, self.rotary_emb, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(nn.Module):
+    """`model(input_ids [T], positions [T], attn) -> hidden [T, H]`; `compute_logits(hidden [N, H])
+    -> float32 [N, vocab]`. Serves every architecture listed in `pagoda_engine.worker.model.models`."""
+
+    def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0):
+        super().__init__()
+        self.config = cfg
+        self.flags = decoder_flags(architecture, cfg)
+        self.vocab_size = cfg.vocab_size
+        self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank)
+        self.max_position_embeddings = self.model.rotary_emb.max_position
+        window = sliding_window(cfg)
+        if window is not None and window < self.max_position_embeddings:
+            # Within the window, sliding-window attention is full attention: serve that far, exactly.
+            logger.warning("config.json sets sliding_window=%d; serving at most %d tokens per sequence "
+                           "(longer sequences would need windowed attention)", window, window)
+            self.max_position_embeddings = window
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        return self.model(input_ids, positions, attn)
+
+    @property
+    def num_segments(self) -> int:
+        return self.model.num_segments
+
+    def segment(self, i, input_ids, positions, o, residual):
+        """`DecoderModel.segment`: the forward between attention calls i-1 and i."""
+        return self.model.segment(i, input_ids, positions, o, residual)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        attn = self.model.layers[0].self_attn
+        return KVCacheSpec(
+            num_layers=len(self.model.layers),
+            num_kv_heads=attn.num_kv_heads,
+            num_qo_heads=attn.num_heads,
+            head_dim=attn.head_dim,
+            page_size=page_size,
+            dtype=dtype,
+        )
+
+    # Checkpoint names that land in one merged parameter: (merged name, checkpoint name, piece).
+    stacked_params = (
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    )
+    # Checkpoint entries that are not weights (old exports saved rotary buffers).
+    ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

@@ -1,0 +1,215 @@
+"""Batch → tensors → model → sampled tokens, for one step.
+
+The runner turns the scheduler's decision into flat, ragged tensors (input ids, positions, slot
+mapping) plus the attention backend's CPU-side plan, runs the model once, and samples one token
+for every request whose known tokens are now all computed. Decodes go first in the batch.
+
+`launch` queues a step and returns it unresolved (`LaunchedStep`); `execute` is launch + resolve.
+Under async scheduling the next step is launched before the last one is resolved: a decode whose
+input token is still in flight (an output placeholder) reads it from the previous step's sampled
+tensor on the device, so nothing waits for the host.
+
+On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
+next larger batch size (`cuda_graphs.DecodeGraphs`, owned by the executor so that every
+tensor-parallel rank replays its own); other steps of up to 256 tokens replay piecewise graphs
+with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
+`--enforce-eager` run eagerly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda_engine.messages import TokenLogprobs
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
+from pagoda_engine.worker.executor import Executor
+from pagoda_engine.worker.sampling import PendingSample, Sampler, SamplingBatch, compute_prompt_logprobs
+
+
+@dataclass
+class StepInputs:
+    order: list[ScheduledRequest]  # batch order: decodes first
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_batch: AttentionBatch
+    sample_rows: torch.Tensor  # token index of each sampling request's last token
+    sample_reqs: list[Request]
+    # request id -> (first token index in the batch, number of positions) for prompt logprobs
+    prompt_logprob_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+
+
+@dataclass
+class LaunchedStep:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    sched: SchedulerOutput
+    sample_reqs: list[Request]
+    sample: PendingSample | None
+    prompt_logprobs: dict[str, list[TokenLogprobs]]
+    _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
+
+    def sample_row(self, req: Request) -> int:
+        """The row of `req`'s token in `sample.token_ids`."""
+        if self._rows is None:
+            self._rows = {r: i for i, r in enumerate(self.sample_reqs)}
+        return self._rows[req]
+
+    def resolve(self) -> RunnerOutput:
+        """Wait for the step and read its tokens (and logprobs) back."""
+        out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sample is not None:
+            result = self.sample.resolve()
+            for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
+                out.sampled[req.request_id] = token
+                if lp is not None:
+                    out.logprobs[req.request_id] = lp
+        return out
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
+                 sampler: Sampler, device: torch.device, executor: Executor | None = None):
+        self.model = model
+        self.attn = attn
+        self.kv = kv
+        self.sampler = sampler
+        self.device = device
+        self.page_size = kv.page_size
+        self.vocab_size = model.vocab_size
+        # Runs the forward and LM head: here, or on every tensor-parallel rank.
+        self.executor = executor if executor is not None else Executor(model, device, attn)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        return self.executor.graphs
+
+    @property
+    def piecewise_graphs(self) -> PiecewiseGraphs | None:
+        return self.executor.piecewise
+
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, max_piecewise_tokens: int) -> None:
+        """Capture, on every rank, the decode forward at the batch sizes of
+        `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
+        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`. Other steps
+        run eagerly."""
+        piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
+        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise)
+
+    def warm_up_sampler(self) -> None:
+        """Draw once along each of the sampler's paths (greedy, plain temperature, top-p) before
+        the engine reports ready: the first requests must not wait for a kernel's JIT compile
+        (Triton's Gumbel-max kernel takes seconds on a cold cache)."""
+        paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
+        reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
+        dtype = next(self.model.parameters()).dtype
+        logits = torch.zeros(len(reqs), self.vocab_size, dtype=dtype, device=self.device)
+        for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
+            batch = SamplingBatch.from_requests(rows, self.vocab_size, self.device)
+            self.sampler.sample(logits[:len(rows)], batch)
+
+    def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
+        """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
+        def is_decode(s: ScheduledRequest) -> bool:
+            return s.num_new_tokens == 1 and s.request.num_computed_tokens > 0
+
+        order = [s for s in sched.scheduled if is_decode(s)] + [s for s in sched.scheduled if not is_decode(s)]
+        num_decodes = sum(1 for s in order if is_decode(s))
+        # Plain Python lists for the per-token arrays: a step is mostly single-token decodes, for
+        # which small numpy arrays cost more than they save. One host-to-device copy at the end.
+        ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
+        sample_rows, sample_reqs, spans = [], [], {}
+        fed_at, fed_from = [], []
+        page_size = self.page_size
+        offset = 0
+        for s in order:
+            req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+            table = self.kv.page_ids(req.request_id)
+            if req.num_output_placeholders:
+                # A decode of the token the step in flight samples: filled in on the device below.
+                assert n == 1 and start == req.num_tokens and prev is not None, req.request_id
+                fed_at.append(offset)
+                fed_from.append(prev.sample_row(req))
+                ids.append(0)
+            else:
+                ids += _new_token_ids(req, start, n)
+            if n == 1:
+                pos.append(start)
+                slots.append(table[start // page_size] * page_size + start % page_size)
+            else:
+                positions = np.arange(start, start + n, dtype=np.int64)
+                pos += positions.tolist()
+                slots += (np.asarray(table, dtype=np.int64)[positions // page_size] * page_size
+                          + positions % page_size).tolist()
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(table)
+            if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
+                spans[req.request_id] = (offset, min(n, req.num_prompt_tokens - 1 - start))
+            if s.completes_sequence:
+                sample_rows.append(offset + n - 1)
+                sample_reqs.append(req)
+            offset += n
+        host = torch.tensor(ids + pos + slots + sample_rows + fed_at + fed_from, dtype=torch.int64)
+        if self.device.type == "cuda":
+            host = host.pin_memory()
+        dev = host.to(self.device, non_blocking=True)
+        t, r, f = offset, len(sample_rows), len(fed_at)
+        input_ids = dev[:t]
+        if f:
+            input_ids.index_copy_(0, dev[3 * t + r:3 * t + r + f], prev.sample.token_ids[dev[3 * t + r + f:]])
+        attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
+                                    slot_mapping=dev[2 * t:3 * t], num_decodes=num_decodes)
+        return StepInputs(order=order, input_ids=input_ids, positions=dev[t:2 * t], attn_batch=attn_batch,
+                          sample_rows=dev[3 * t:3 * t + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+
+    def run_model(self, inputs: StepInputs) -> torch.Tensor:
+        return self.executor.execute_model(inputs.input_ids, inputs.positions, inputs.attn_batch)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.launch(sched).resolve()
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
+        """Queue the step on the device; `prev` is the step in flight (async scheduling)."""
+        inputs = self.prepare(sched, prev)
+        hidden = self.run_model(inputs)
+        prompt_logprobs = {}
+        # Prompt logprobs are read back here (a sync): such steps are not overlapped.
+        for rid, (first, count) in inputs.prompt_logprob_spans.items():
+            req = next(s.request for s in inputs.order if s.request.request_id == rid)
+            start = req.num_computed_tokens
+            targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
+            logits = self.executor.compute_logits(hidden[first:first + count])
+            prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
+        sample = None
+        if inputs.sample_reqs:
+            logits = self.executor.compute_logits(hidden[inputs.sample_rows])
+            batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
+            sample = self.sampler.sample_on_device(logits, batch)
+        return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
+                            prompt_logprobs=prompt_logprobs)
+
+
+def _new_token_ids(req: Request, start: int, n: int) -> list[int]:
+    """The request's tokens [start, start + n) without building prompt + output in full."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt:start - num_prompt + n]
+    if start + n <= num_prompt:
+        return req.prompt_token_ids[start:start + n]
+    return req.all_token_ids[start:start + n]
