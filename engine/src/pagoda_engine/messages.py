@@ -1,22 +1,115 @@
-"""The typed boundary between the API process and the engine core (msgspec structs, msgpack
-over ZMQ). No torch here: the API process imports this without the model stack."""
+"""The typed boundary between the API process and the engine core: every message that crosses ZMQ,
+as msgspec structs encoded with msgpack. No torch here: the API process imports this without the
+model stack.
+
+Messages are one tagged family (`_Message`, tagged with the class name), in two unions by
+direction, `ToCore` and `FromCore`; each end decodes its union and dispatches on the type:
+
+  API -> core   EngineCoreRequest   one sequence to generate
+                AbortRequest        stop sequences and free their pages
+                ShutdownRequest     finish the loop and exit 0
+  core -> API   CoreReady           once, after the model and KV pool are up
+                CoreFailed          start-up failed (instead of CoreReady), or a step raised: the core exits 1
+                EngineCoreOutputs   after every step, and once more when it goes idle (fresh stats)
+                EngineCoreError     a request the core would not take (the core keeps serving)
+
+Token ids travel packed (`array('i')`, int32, raw bytes on the wire), never as lists of ints.
+
+Clocks: `EngineCoreRequest.arrival_time` and every `EngineCoreEvent.timestamp` are wall-clock
+seconds (`time.time()`), the one clock both processes can compare; intervals measured inside one
+process use `time.monotonic()`.
+"""
 
 from __future__ import annotations
+
+import enum
+from array import array
+from typing import Iterable, Union
 
 import msgspec
 
 from pagoda_engine.sampling_params import SamplingParams
 
+TOKEN_ID_TYPECODE = "i"  # int32 on every platform Pagoda runs on (checked below)
+assert array(TOKEN_ID_TYPECODE).itemsize == 4
 
-class EngineCoreRequest(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
+
+def token_id_array(ids: Iterable[int] = ()) -> array:
+    """Token ids packed as int32, the form they cross the wire in."""
+    if isinstance(ids, array) and ids.typecode == TOKEN_ID_TYPECODE:
+        return ids
+    return array(TOKEN_ID_TYPECODE, ids)
+
+
+def _enc_hook(obj):
+    if isinstance(obj, array):
+        return memoryview(token_id_array(obj)).cast("B")  # raw bytes, no per-element work
+    raise NotImplementedError(f"cannot encode {type(obj).__name__}")
+
+
+def _dec_hook(type_, obj):
+    if type_ is array and isinstance(obj, (bytes, memoryview)):
+        ids = array(TOKEN_ID_TYPECODE)
+        ids.frombytes(obj)
+        return ids
+    raise NotImplementedError(f"cannot decode {type_!r}")
+
+
+def make_encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+
+
+def make_decoder(type_) -> msgspec.msgpack.Decoder:
+    """A decoder for `ToCore` (the core's end) or `FromCore` (the API's end)."""
+    return msgspec.msgpack.Decoder(type_, dec_hook=_dec_hook)
+
+
+class _Message(msgspec.Struct, tag=True, kw_only=True, array_like=True, omit_defaults=True):
+    """Base of everything that crosses ZMQ: tagged with its class name."""
+
+
+# --- API -> core ------------------------------------------------------------------------------
+
+class EngineCoreRequest(_Message):
     """One sequence to generate. The API process fans `n > 1` out into n requests
-    (ids `<id>-<index>`), each with its own seed derived from the user's."""
+    (ids `<id>-<index>`), each with its own seed derived from the user's. Its prompt was
+    checked where it entered (`api.inputs.check_prompt`)."""
 
     request_id: str
-    prompt_token_ids: list[int]
+    prompt_token_ids: array  # int32
     sampling_params: SamplingParams
-    arrival_time: float = 0.0
+    arrival_time: float = 0.0  # time.time() when the API process got it
     priority: int = 0
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = token_id_array(self.prompt_token_ids)
+
+
+class AbortRequest(_Message):
+    request_ids: list[str]
+
+
+class ShutdownRequest(_Message):
+    """Finish the loop and exit 0."""
+
+
+# --- core -> API ------------------------------------------------------------------------------
+
+class CoreReady(_Message):
+    kv_capacity_tokens: int
+    max_model_len: int
+    vocab_size: int
+    model_dir: str
+    served_model_name: str
+    num_kv_pages: int
+    block_size: int
+
+
+class CoreFailed(_Message):
+    """The core could not start (sent instead of CoreReady) or a step raised; it exits 1."""
+
+    error_type: str  # the exception's class name, e.g. ModelLoadError
+    message: str
 
 
 class Logprob(msgspec.Struct, array_like=True):
@@ -32,22 +125,36 @@ class TokenLogprobs(msgspec.Struct, array_like=True):
     top: list[Logprob]
 
 
+class EngineCoreEventType(enum.IntEnum):
+    """A request's lifecycle events, stamped by the scheduler (vLLM V1's `EngineCoreEventType`)."""
+
+    QUEUED = 1  # entered the waiting queue
+    SCHEDULED = 2  # admitted from the waiting queue (again after each preemption)
+    PREEMPTED = 3  # pages taken back; waits to be recomputed
+    FIRST_TOKEN = 4  # its first output token was sampled
+
+
+class EngineCoreEvent(msgspec.Struct, array_like=True, frozen=True):
+    type: EngineCoreEventType
+    timestamp: float  # time.time() in the core process
+
+
 class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
     """What one step produced for one request."""
 
     request_id: str
-    new_token_ids: list[int]
+    new_token_ids: array  # int32
     new_logprobs: list[TokenLogprobs] | None = None
     # Filled once, on the step that finishes the prompt: one entry per prompt token (None for the first).
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    # Lifecycle events since this request's previous output, oldest first.
+    events: list[EngineCoreEvent] | None = None
 
-
-class EngineCoreOutputs(msgspec.Struct, kw_only=True, array_like=True, omit_defaults=True):
-    outputs: list[EngineCoreOutput] = []
-    stats: "SchedulerStats | None" = None
+    def __post_init__(self) -> None:
+        self.new_token_ids = token_id_array(self.new_token_ids)
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
@@ -61,13 +168,18 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     block_size: int = 16
 
 
-class AbortRequest(msgspec.Struct, array_like=True):
-    request_ids: list[str]
+class EngineCoreOutputs(_Message):
+    outputs: list[EngineCoreOutput] = []
+    stats: SchedulerStats | None = None
 
 
-class EngineCoreError(msgspec.Struct, kw_only=True, array_like=True):
-    """A request the core refused (validation failed inside the core)."""
+class EngineCoreError(_Message):
+    """A request the core refused."""
 
     request_id: str
     message: str
     param: str | None = None
+
+
+ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest]
+FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError]

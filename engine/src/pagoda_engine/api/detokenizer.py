@@ -8,6 +8,9 @@ Turns the token ids the engine core streams back into text deltas a client can s
   neighbours) and emits what lies past the "read offset" (vLLM's and TGI's technique);
 - stop strings may span tokens: text that could be the start of a stop string is held back
   until it either completes (the text is cut there) or cannot match any more.
+Each update costs O(its new tokens), however long the sequence: the detokenizer keeps only the
+decode window and the text not yet returned (plus enough returned text to find a stop string
+that ends in new text), never the whole output.
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ class IncrementalDetokenizer:
 
     `update` returns the newly stable text; `flush` returns what was held back once the
     sequence has ended. `finished` and `stop_reason` report a stop-string match; tokens passed
-    after that are ignored (the caller should abort the sequence in the engine core).
+    after that are ignored (the caller should abort the sequence in the engine core), and
+    `num_tokens` counts the tokens taken before it.
     """
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
@@ -42,24 +46,18 @@ class IncrementalDetokenizer:
         self.finished = False
         self.stop_reason: str | None = None
 
-        self._token_ids: list[int] = []  # every output token consumed
-        self._ids = self._prompt_context(list(prompt_token_ids))  # context + decoded output ids
+        self.num_tokens = 0  # output tokens consumed
+        self._ids = self._prompt_context(list(prompt_token_ids[-_CONTEXT_TOKENS:]))  # the decode window
         self._read_offset = len(self._ids)
         self._prefix_offset = max(len(self._ids) - _CONTEXT_TOKENS, 0)
         self._prefix_text: str | None = None  # decode(ids[prefix:read]), cached
-        self._text = ""  # stable text (cut at the stop string once one matched)
+        # Stable text not yet returned, after the last `_lookback` returned chars (a stop string
+        # ending in new text may start in them); cut at the stop string once one matched.
+        self._lookback = max((len(stop) for stop in self.stop), default=1) - 1
+        self._text = ""
         self._emitted = 0  # chars of _text already returned
 
     # -- public ------------------------------------------------------------------------------
-
-    @property
-    def output_text(self) -> str:
-        """The text returned so far (all of it once flushed or stopped)."""
-        return self._text[: self._emitted]
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self._token_ids
 
     def update(self, new_token_ids: list[int], num_output_tokens: int, stop_terminated: bool = False) -> str:
         """Consume the newest tokens and return the text that became stable.
@@ -74,7 +72,7 @@ class IncrementalDetokenizer:
         for j, token_id in enumerate(new_token_ids):
             if self.finished:
                 break
-            self._token_ids.append(int(token_id))
+            self.num_tokens += 1
             if stop_terminated and j == last and not self.include_stop_str_in_output:
                 continue
             delta = self._decode_next(int(token_id))
@@ -90,7 +88,7 @@ class IncrementalDetokenizer:
             self._prefix_offset = self._read_offset = len(self._ids)
             self._prefix_text = None
             if pending:
-                self._append(pending, check_stop=len(self._token_ids) >= self.min_tokens)
+                self._append(pending, check_stop=self.num_tokens >= self.min_tokens)
         return self._take(final=True)
 
     # -- decoding ------------------------------------------------------------------------------
@@ -118,6 +116,10 @@ class IncrementalDetokenizer:
     def _advance(self, read_offset: int) -> None:
         self._prefix_offset, self._read_offset = self._read_offset, read_offset
         self._prefix_text = None
+        if self._prefix_offset:  # ids before the window are never decoded again
+            del self._ids[: self._prefix_offset]
+            self._read_offset -= self._prefix_offset
+            self._prefix_offset = 0
 
     def _decode_next(self, token_id: int) -> str:
         self._ids.append(token_id)
@@ -178,4 +180,8 @@ class IncrementalDetokenizer:
             return ""
         delta = self._text[self._emitted : end]
         self._emitted = end
+        drop = self._emitted - self._lookback
+        if drop > 0:
+            self._text = self._text[drop:]
+            self._emitted -= drop
         return delta

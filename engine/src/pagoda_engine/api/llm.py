@@ -4,7 +4,8 @@
     llm = LLM(model="path/to/model")
     outputs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=16))
 
-It runs the same `EngineCore` and `OutputProcessor` as the server, in-process (no ZMQ).
+It runs the same `EngineCore` and `OutputProcessor` as the server, in-process (no ZMQ). Results
+are whole (cumulative) outputs, built once when each request finishes (`RequestOutputKind.FINAL_ONLY`).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import itertools
 from typing import Sequence, Union
 
+from pagoda_engine.api.inputs import check_prompt
 from pagoda_engine.api.output_processor import OutputProcessor
-from pagoda_engine.api.outputs import RequestOutput
+from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
@@ -67,27 +69,19 @@ class LLM:
                                       param="sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
 
-        batch = []
-        for prompt, params, prio in zip(prompt_list, params_list, priorities):
-            if isinstance(prompt, str):
-                text, ids = prompt, encode_prompt(self.tokenizer, prompt)
-            else:
-                text, ids = None, list(prompt)
+        encoded = []
+        for prompt in prompt_list:  # every prompt is checked before any is queued
+            text, ids = (prompt, encode_prompt(self.tokenizer, prompt)) if isinstance(prompt, str) else (None, prompt)
+            check_prompt(ids, vocab_size=self.core.vocab_size, max_model_len=self.core.max_model_len)
+            encoded.append((text, ids))
+        request_ids = []
+        for (text, ids), params, prio in zip(encoded, params_list, priorities):
             request_id = str(next(self._ids))
-            core_reqs = self.processor.add_request(request_id, text, ids, params, priority=prio)
-            batch.append((request_id, core_reqs))
-        try:
-            for _, core_reqs in batch:
-                for core_req in core_reqs:
-                    self.core.validate(core_req)
-        except InvalidRequestError:
-            for request_id, _ in batch:
-                self.processor.abort_request(request_id)
-            raise
-        for _, core_reqs in batch:
-            for core_req in core_reqs:
+            for core_req in self.processor.add_request(request_id, text, ids, params, priority=prio,
+                                                       output_kind=RequestOutputKind.FINAL_ONLY):
                 self.core.add_request(core_req)
-        return self._run([request_id for request_id, _ in batch])
+            request_ids.append(request_id)
+        return self._run(request_ids)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:

@@ -5,6 +5,10 @@ out into n independent core requests; `process_outputs` turns the core's token i
 `RequestOutput`s (detokenized text deltas, stop strings, logprobs, finish reasons) and tells
 the caller which sequences a stop string ended, because the core knows nothing of strings.
 
+Each request names its `RequestOutputKind`: DELTA (streaming) and FINAL_ONLY (the offline `LLM`,
+non-streaming HTTP) cost O(new tokens) per step, however long the output; CUMULATIVE copies
+everything so far at every step.
+
 Child request ids: with n == 1 the core request keeps the user's id; with n > 1 child i is
 `f"{request_id}-{i}"`. Child i's seed is `seed + i` when the user gave a seed, so a seeded
 request with n > 1 is reproducible yet its n samples differ.
@@ -17,16 +21,17 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda_engine.api.detokenizer import IncrementalDetokenizer
-from pagoda_engine.errors import InvalidRequestError
-from pagoda_engine.messages import EngineCoreOutput, EngineCoreRequest, TokenLogprobs
 from pagoda_engine.api.outputs import (
     CompletionOutput,
     Logprob,
     PositionLogprobs,
     PromptLogprobs,
     RequestOutput,
+    RequestOutputKind,
     SampleLogprobs,
 )
+from pagoda_engine.errors import InvalidRequestError
+from pagoda_engine.messages import EngineCoreEvent, EngineCoreOutput, EngineCoreRequest, TokenLogprobs, token_id_array
 from pagoda_engine.sampling_params import SamplingParams
 
 
@@ -35,29 +40,44 @@ def child_request_id(request_id: str, index: int, n: int) -> str:
 
 
 @dataclass
+class SequenceUpdate:
+    """What one step did to one sequence, whatever its request's output kind: the facts the
+    server's metrics are computed from."""
+
+    request_id: str  # the user request's
+    index: int
+    num_new_tokens: int  # accepted (a stop string may cut the step's tokens short)
+    finish_reason: str | None
+    events: list[EngineCoreEvent] | None
+
+
+@dataclass
 class ProcessedOutputs:
     request_outputs: list[RequestOutput] = field(default_factory=list)
     # Sequences a stop string finished while the core still runs them: abort them there.
     abort_child_ids: list[str] = field(default_factory=list)
+    sequence_updates: list[SequenceUpdate] = field(default_factory=list)
 
 
 @dataclass(eq=False)
 class _Sequence:
-    """One child: a sequence the core generates."""
+    """One child: a sequence the core generates.
+
+    `text_parts`, `token_ids` and `logprobs` hold what the next RequestOutput reports: under
+    DELTA what arrived since the last one (then they are handed over and started afresh),
+    otherwise everything so far."""
 
     request_id: str
     index: int
     parent: "_UserRequest"
     detokenizer: IncrementalDetokenizer
-    logprobs: SampleLogprobs | None
     cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    text_parts: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # This step's changes, reset after each process_outputs call.
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: SampleLogprobs | None = None
-    updated: bool = False
+    updated: bool = False  # changed since the last RequestOutput
 
 
 @dataclass(eq=False)
@@ -66,6 +86,7 @@ class _UserRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    output_kind: RequestOutputKind
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
@@ -96,21 +117,22 @@ class OutputProcessor:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
     ) -> list[EngineCoreRequest]:
-        """Register a user request; return the core requests (one per sequence) to send."""
+        """Register a user request (its prompt already passed `api.inputs.check_prompt`); return
+        the core requests (one per sequence) to send."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
-        if not prompt_token_ids:
-            raise InvalidRequestError("the prompt must contain at least one token", param="prompt")
         n = params.n
         child_ids = [child_request_id(request_id, i, n) for i in range(n)]
         if request_id in self._requests or any(c in self._sequences for c in child_ids):
             raise InvalidRequestError(f"request id {request_id!r} is already in use", param="request_id")
         if arrival_time is None:
-            arrival_time = time.monotonic()  # the clock `Request.arrival_time` uses
+            arrival_time = time.time()  # the wire's clock (messages.py)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
+        packed_prompt = token_id_array(prompt_token_ids)
 
-        user_request = _UserRequest(request_id, prompt, prompt_token_ids, params)
+        user_request = _UserRequest(request_id, prompt, prompt_token_ids, params, output_kind)
         core_requests = []
         for i, child_id in enumerate(child_ids):
             child_seed = params.seed + i if params.seed is not None else None
@@ -121,15 +143,14 @@ class OutputProcessor:
                 index=i,
                 parent=user_request,
                 detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params),
-                logprobs=[] if wants_logprobs else None,
                 cumulative_logprob=0.0 if wants_logprobs else None,
-                delta_logprobs=[] if wants_logprobs else None,
+                logprobs=[] if wants_logprobs else None,
             )
             user_request.sequences.append(seq)
             core_requests.append(
                 EngineCoreRequest(
                     request_id=child_id,
-                    prompt_token_ids=list(prompt_token_ids),
+                    prompt_token_ids=packed_prompt,
                     sampling_params=child_params,
                     arrival_time=arrival_time,
                     priority=priority,
@@ -150,7 +171,8 @@ class OutputProcessor:
         return [seq.request_id for seq in user_request.sequences if seq.finish_reason is None]
 
     def process_outputs(self, outputs: list[EngineCoreOutput]) -> ProcessedOutputs:
-        """Apply one step of core outputs; return one RequestOutput per user request that changed."""
+        """Apply one step of core outputs. Returns one RequestOutput per user request that changed
+        (under FINAL_ONLY, only once it finished) and one SequenceUpdate per sequence that did."""
         result = ProcessedOutputs()
         changed: dict[str, _UserRequest] = {}
         for out in outputs:
@@ -161,8 +183,10 @@ class OutputProcessor:
             changed[seq.parent.request_id] = seq.parent
 
         for user_request in changed.values():
-            result.request_outputs.append(self._make_output(user_request))
-            if user_request.finished:
+            finished = user_request.finished
+            if finished or user_request.output_kind is not RequestOutputKind.FINAL_ONLY:
+                result.request_outputs.append(self._make_output(user_request))
+            if finished:
                 self._requests.pop(user_request.request_id, None)
                 for seq in user_request.sequences:
                     self._sequences.pop(seq.request_id, None)
@@ -172,19 +196,18 @@ class OutputProcessor:
 
     def _apply(self, seq: _Sequence, out: EngineCoreOutput, result: ProcessedOutputs) -> None:
         detok = seq.detokenizer
-        num_before = len(detok.token_ids)
-        new_ids = list(out.new_token_ids)
+        num_before = detok.num_tokens
+        new_ids = out.new_token_ids
         text = detok.update(new_ids, num_before + len(new_ids), stop_terminated=out.finish_reason == "stop")
         # A stop string can end the sequence before the last of the new tokens.
-        accepted = detok.token_ids[num_before:]
+        num_accepted = detok.num_tokens - num_before
         seq.updated = True
-        seq.delta_token_ids.extend(accepted)
+        seq.token_ids.extend(new_ids[:num_accepted])
 
         if seq.logprobs is not None and out.new_logprobs:
-            position_logprobs = [self._position_logprobs(lp) for lp in out.new_logprobs[: len(accepted)]]
-            seq.logprobs.extend(position_logprobs)
-            seq.delta_logprobs.extend(position_logprobs)
-            seq.cumulative_logprob += sum(lp.chosen.logprob for lp in out.new_logprobs[: len(accepted)])
+            accepted_logprobs = out.new_logprobs[:num_accepted]
+            seq.logprobs.extend(self._position_logprobs(lp) for lp in accepted_logprobs)
+            seq.cumulative_logprob += sum(lp.chosen.logprob for lp in accepted_logprobs)
 
         parent = seq.parent
         if out.prompt_logprobs is not None and parent.prompt_logprobs is None:
@@ -201,7 +224,10 @@ class OutputProcessor:
                 result.abort_child_ids.append(seq.request_id)
         elif out.finish_reason is not None:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-        seq.delta_text += text
+        if text:
+            seq.text_parts.append(text)
+        result.sequence_updates.append(
+            SequenceUpdate(parent.request_id, seq.index, num_accepted, seq.finish_reason, out.events))
 
     def _decoded_token(self, token_id: int) -> str:
         text = self._decoded_tokens.get(token_id)
@@ -218,26 +244,12 @@ class OutputProcessor:
         return position
 
     def _make_output(self, user_request: _UserRequest) -> RequestOutput:
-        completions = []
-        for seq in user_request.sequences:
-            detok = seq.detokenizer
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=detok.output_text,
-                    token_ids=list(detok.token_ids),
-                    cumulative_logprob=seq.cumulative_logprob,
-                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    delta_text=seq.delta_text,
-                    delta_token_ids=seq.delta_token_ids,
-                    delta_logprobs=seq.delta_logprobs,
-                    updated=seq.updated,
-                )
-            )
-            seq.delta_text, seq.delta_token_ids, seq.updated = "", [], False
-            seq.delta_logprobs = [] if seq.logprobs is not None else None
+        if user_request.output_kind is RequestOutputKind.DELTA:
+            completions = [self._take_delta(seq) for seq in user_request.sequences if seq.updated]
+        else:
+            # CUMULATIVE copies what it keeps growing; FINAL_ONLY hands its lists over (last output).
+            copy = user_request.output_kind is RequestOutputKind.CUMULATIVE
+            completions = [self._snapshot(seq, copy) for seq in user_request.sequences]
         return RequestOutput(
             request_id=user_request.request_id,
             prompt=user_request.prompt,
@@ -247,3 +259,25 @@ class OutputProcessor:
             finished=user_request.finished,
             num_cached_tokens=user_request.num_cached_tokens,
         )
+
+    @staticmethod
+    def _take_delta(seq: _Sequence) -> CompletionOutput:
+        completion = CompletionOutput(
+            index=seq.index, text="".join(seq.text_parts), token_ids=seq.token_ids,
+            cumulative_logprob=seq.cumulative_logprob, logprobs=seq.logprobs,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+        seq.text_parts, seq.token_ids, seq.updated = [], [], False
+        seq.logprobs = [] if seq.logprobs is not None else None
+        return completion
+
+    @staticmethod
+    def _snapshot(seq: _Sequence, copy: bool) -> CompletionOutput:
+        if len(seq.text_parts) > 1:
+            seq.text_parts = ["".join(seq.text_parts)]
+        seq.updated = False
+        return CompletionOutput(
+            index=seq.index, text=seq.text_parts[0] if seq.text_parts else "",
+            token_ids=list(seq.token_ids) if copy else seq.token_ids,
+            cumulative_logprob=seq.cumulative_logprob,
+            logprobs=list(seq.logprobs) if copy and seq.logprobs is not None else seq.logprobs,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)

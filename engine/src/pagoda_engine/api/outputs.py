@@ -2,11 +2,21 @@
 
 Built by `output_processor.OutputProcessor` from the engine core's outputs; read by the
 offline `LLM` (final outputs) and the OpenAI server (streaming deltas, usage, logprobs).
+What an output holds depends on the request's `RequestOutputKind`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request holds (vLLM's `RequestOutputKind`)."""
+
+    CUMULATIVE = 0  # after every step, everything so far (costs O(length) per step)
+    DELTA = 1  # after every step, only what that step added: what streaming sends
+    FINAL_ONLY = 2  # one output, when the request finishes, with everything
 
 
 @dataclass
@@ -26,11 +36,11 @@ PromptLogprobs = list[PositionLogprobs | None]  # None for the first prompt toke
 
 @dataclass
 class CompletionOutput:
-    """One of the n sequences of a request, as of the latest update.
+    """One of the n sequences of a request.
 
-    `text`, `token_ids`, `logprobs` and `cumulative_logprob` are cumulative. The `delta_*`
-    fields hold what this update added, and `updated` says whether this sequence changed in
-    it at all (new tokens or finished): a streaming client sends a chunk only for those.
+    Under CUMULATIVE and FINAL_ONLY, `text`, `token_ids` and `logprobs` hold everything so far;
+    under DELTA only what the latest step added (and a RequestOutput lists only the sequences that
+    changed in it). `cumulative_logprob` is always the running total.
     """
 
     index: int
@@ -40,10 +50,6 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop string or stop token id; None for EOS
-    delta_text: str = ""
-    delta_token_ids: list[int] = field(default_factory=list)
-    delta_logprobs: SampleLogprobs | None = None
-    updated: bool = False
 
     @property
     def finished(self) -> bool:
@@ -52,7 +58,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A user request's state after one engine step: all n sequences, in index order."""
+    """A user request after one engine step: its sequences in index order (under DELTA, only
+    those that changed). `prompt_logprobs` is the same list in every output of a request."""
 
     request_id: str
     prompt: str | None

@@ -23,7 +23,14 @@ from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
-from pagoda_engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats, TokenLogprobs
+from pagoda_engine.messages import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    SchedulerStats,
+    TokenLogprobs,
+    token_id_array,
+)
 from pagoda_engine.worker.attention.base import KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
@@ -254,27 +261,17 @@ class EngineCore:
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:
-        """Everything about a request that only the core knows. Raises InvalidRequestError."""
-        ids = req.prompt_token_ids
-        if not ids:
-            raise InvalidRequestError("the prompt is empty", param="prompt")
-        if len(ids) >= self.max_model_len:
-            raise InvalidRequestError(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"has {len(ids)} tokens, which leaves no room for output.", param="prompt")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidRequestError(f"token id {bad!r} is outside the vocabulary [0, {self.vocab_size})",
-                                      param="prompt")
+        """What only the core knows about a request (its prompt was checked where it entered,
+        `api.inputs.check_prompt`). Raises InvalidRequestError."""
         if req.request_id in self.scheduler.requests:
             raise InvalidRequestError(f"request id {req.request_id!r} is already in use", param="request_id")
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
         self.scheduler.add_request(Request(
-            request_id=req.request_id, prompt_token_ids=list(req.prompt_token_ids),
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids.tolist(),
             sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
-            arrival_time=req.arrival_time or time.monotonic(), priority=req.priority))
+            arrival_time=req.arrival_time or time.time(), priority=req.priority))
 
     def abort_requests(self, request_ids: list[str]) -> None:
         for req in self.scheduler.abort(request_ids):
@@ -321,10 +318,11 @@ class EngineCore:
                 prompt_lps = [None] + self._prompt_logprobs.pop(req.request_id, [])
             lp = result.logprobs.get(req.request_id)
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=[req.output_token_ids[-1]],
+                request_id=req.request_id, new_token_ids=token_id_array((req.output_token_ids[-1],)),
                 new_logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt_lps,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
-                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0)))
+                stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
+                events=req.take_events()))
         return outputs
 
     def get_stats(self) -> SchedulerStats:

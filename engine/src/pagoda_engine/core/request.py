@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagoda_engine.messages import EngineCoreEvent, EngineCoreEventType
 from pagoda_engine.sampling_params import SamplingParams
 
 
@@ -43,7 +44,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...] = ()
-    arrival_time: float = field(default_factory=time.monotonic)
+    arrival_time: float = field(default_factory=time.time)  # wall clock: stamped by the API process
     priority: int = 0  # lower runs first (vLLM's convention)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -56,6 +57,15 @@ class Request:
     num_preemptions: int = 0
     # Position in the waiting/arrival order; ties in priority go to the earlier one.
     arrival_seq: int = 0
+    # Lifecycle events not yet sent to the API process (they ride on the request's next output).
+    events: list[EngineCoreEvent] = field(default_factory=list)
+
+    def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
+        self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))
+
+    def take_events(self) -> list[EngineCoreEvent] | None:
+        events, self.events = self.events, []
+        return events or None
 
     @property
     def all_token_ids(self) -> list[int]:

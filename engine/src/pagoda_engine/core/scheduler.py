@@ -17,16 +17,22 @@ scheduled step is then advanced at once (`num_computed_tokens` moves on, and eac
 samples counts one output placeholder), so the next `schedule` gives every such request one more
 decode, fed on the device from step N's sampled token. `update_from_output(..., advanced=True)`
 later fills the placeholder in, and drops the tokens of requests that finished meanwhile.
+
+Lifecycle events: the scheduler stamps each request's QUEUED, SCHEDULED (each admission from the
+waiting queue), PREEMPTED and FIRST_TOKEN events (`time.time()`) on the request; they ride on its
+next output to the API process, which derives queue time, TTFT and the rest from them.
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.request import Request, RequestStatus
 from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.messages import EngineCoreEventType
 
 
 # Admission control: the running mean of the output lengths of requests that stopped on their own
@@ -83,6 +89,7 @@ class Scheduler:
     def add_request(self, req: Request) -> None:
         req.arrival_seq = next(self._arrival)
         req.status = RequestStatus.WAITING
+        req.record_event(EngineCoreEventType.QUEUED)
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -157,6 +164,7 @@ class Scheduler:
 
         # 2. Waiting requests, only while nothing had to be preempted this step.
         reserved = None  # pages the running requests' expected output will take
+        now = time.time()
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
             # Only a request preempted in this very call can still wait for a token, and then
@@ -179,6 +187,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached
             req.status = RequestStatus.RUNNING
+            req.record_event(EngineCoreEventType.SCHEDULED, now)
             self.running.append(req)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
@@ -209,6 +218,7 @@ class Scheduler:
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions += 1
         self.waiting.append(req)
 
@@ -232,6 +242,7 @@ class Scheduler:
         """Advance every scheduled request (unless `advance` already did); append sampled tokens;
         finish what must finish. Returns the requests that produced a token (or finished) this step."""
         updated = []
+        now = time.time()
         for sched in out.scheduled:
             req = sched.request
             if advanced:
@@ -245,6 +256,8 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
+            if req.num_output_tokens == 1:
+                req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
             status = self._check_stop(req, token)
             updated.append(req)
             if status is not None:

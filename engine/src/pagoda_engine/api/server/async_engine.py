@@ -16,14 +16,13 @@ from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 from pagoda_engine.api.output_processor import OutputProcessor
-from pagoda_engine.api.outputs import RequestOutput
+from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.core_client import EngineCoreClient
 from pagoda_engine.api.server.errors import ServiceUnavailableError
-from pagoda_engine.api.server.metrics import ServerMetrics
+from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.core.process import CoreReady
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError
-from pagoda_engine.messages import EngineCoreError, EngineCoreOutputs
+from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs
 from pagoda_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -31,16 +30,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class _Stream:
-    """A user request in flight: its queue of outputs and the timings /metrics needs."""
+    """A user request in flight: its queue of outputs and, per sequence, the timings /metrics needs."""
 
     request_id: str
     child_ids: list[str]
-    num_prompt_tokens: int
-    arrival: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    first_token: list[float | None] = field(default_factory=list)
-    last_token: list[float] = field(default_factory=list)
-    done: list[bool] = field(default_factory=list)
+    queue: asyncio.Queue
+    times: list[SequenceTimes] = field(default_factory=list)
     finished: bool = False
 
 
@@ -48,7 +43,7 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.client = EngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
-                                       on_dead=self._on_dead, on_queue_times=self._on_queue_times)
+                                       on_dead=self._on_dead)
         self.ready: CoreReady | None = None
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
@@ -121,18 +116,19 @@ class AsyncEngine:
             stream.queue.put_nowait(error)
 
     # --- generation ---------------------------------------------------------------------------
-    def group(self) -> "RequestGroup":
-        """A set of requests (one HTTP request's prompts) whose outputs share one queue."""
-        return RequestGroup(self)
+    def group(self, output_kind: RequestOutputKind) -> "RequestGroup":
+        """A set of requests (one HTTP request's prompts) whose outputs share one queue: DELTA
+        for a stream, FINAL_ONLY for one response."""
+        return RequestGroup(self, output_kind)
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-             priority: int, queue: asyncio.Queue) -> _Stream:
+             priority: int, queue: asyncio.Queue, output_kind: RequestOutputKind) -> _Stream:
         self.check_accepting()
-        arrival = time.monotonic()
-        core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority)
-        n = len(core_requests)
-        stream = _Stream(request_id, [r.request_id for r in core_requests], len(prompt_token_ids), arrival,
-                         queue=queue, first_token=[None] * n, last_token=[arrival] * n, done=[False] * n)
+        arrival = time.time()  # the wire's clock: the core's event stamps are compared with it
+        core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
+                                                   output_kind)
+        stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
+                         [SequenceTimes(arrival, len(prompt_token_ids)) for _ in core_requests])
         self._streams[request_id] = stream
         self._idle.clear()
         for child_id in stream.child_ids:
@@ -154,8 +150,8 @@ class AsyncEngine:
         if not stream.finished:
             still_running = self.processor.abort_request(stream.request_id)
             self.client.abort_requests(still_running)
-            for done in stream.done:
-                if not done:
+            for times in stream.times:
+                if not times.done:
                     self.metrics.request_finished("abort")
         if not self._streams:
             self._idle.set()
@@ -171,37 +167,17 @@ class AsyncEngine:
         processed = self.processor.process_outputs(outputs.outputs)
         if processed.abort_child_ids:
             self.client.abort_requests(processed.abort_child_ids)
-        now = time.monotonic()
+        for update in processed.sequence_updates:
+            stream = self._streams.get(update.request_id)
+            if stream is not None:
+                self.metrics.observe(stream.times[update.index], update)
         for out in processed.request_outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue
-            self._observe(stream, out, now)
             if out.finished:
                 stream.finished = True
             stream.queue.put_nowait(out)
-
-    def _observe(self, stream: _Stream, out: RequestOutput, now: float) -> None:
-        m = self.metrics
-        for c in out.outputs:
-            i = c.index
-            if c.delta_token_ids:
-                num = len(c.delta_token_ids)
-                if stream.first_token[i] is None:
-                    stream.first_token[i] = now
-                    m.ttft.observe(now - stream.arrival)
-                    m.prompt_tokens.inc(stream.num_prompt_tokens)
-                    num_gaps = num - 1
-                else:
-                    num_gaps = num
-                for _ in range(num_gaps):
-                    m.itl.observe((now - stream.last_token[i]) / num)
-                stream.last_token[i] = now
-                m.generation_tokens.inc(num)
-            if c.finish_reason is not None and not stream.done[i]:
-                stream.done[i] = True
-                m.e2e.observe(now - stream.arrival)
-                m.request_finished(c.finish_reason)
 
     def _on_refused(self, err: EngineCoreError) -> None:
         parent = self._parent_of.get(err.request_id)
@@ -211,10 +187,6 @@ class AsyncEngine:
 
     def _on_dead(self, reason: str) -> None:
         self.abort_all(EngineDeadError(f"The engine core died: {reason}"))
-
-    def _on_queue_times(self, seconds: list[float]) -> None:
-        for s in seconds:
-            self.metrics.queue_time.observe(s)
 
 
 def _load_tokenizer(model: str | None):
@@ -237,14 +209,16 @@ class RequestGroup:
     `close()` (always call it: `with engine.group() as group:`) aborts whatever is unfinished.
     """
 
-    def __init__(self, engine: AsyncEngine):
+    def __init__(self, engine: AsyncEngine, output_kind: RequestOutputKind):
         self.engine = engine
+        self.output_kind = output_kind
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams: list[_Stream] = []
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             priority: int = 0) -> None:
-        self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue))
+        self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue,
+                                             self.output_kind))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         unfinished = {s.request_id for s in self.streams}

@@ -19,15 +19,24 @@ import tempfile
 import uuid
 from typing import Callable
 
-import msgspec
 import zmq
 import zmq.asyncio
 
-from pagoda_engine.core import process as core_proc
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.core.process import CoreFailed, CoreReady, QueueTimes
+from pagoda_engine.core import process as core_proc
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
-from pagoda_engine.messages import AbortRequest, EngineCoreError, EngineCoreOutputs, EngineCoreRequest
+from pagoda_engine.messages import (
+    AbortRequest,
+    CoreFailed,
+    CoreReady,
+    EngineCoreError,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FromCore,
+    ShutdownRequest,
+    make_decoder,
+    make_encoder,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,26 +45,20 @@ class EngineCoreClient:
     """One engine core process and the two sockets to it.
 
     Callbacks (all called on the event loop): `on_outputs(EngineCoreOutputs)`,
-    `on_refused(EngineCoreError)`, `on_dead(message)`, `on_queue_times(list of seconds)`.
+    `on_refused(EngineCoreError)`, `on_dead(message)`.
     """
 
     def __init__(self, config: EngineConfig, *, on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None],
-                 on_queue_times: Callable[[list[float]], None] = lambda seconds: None):
+                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None]):
         self.config = config
         self.on_outputs = on_outputs
         self.on_refused = on_refused
         self.on_dead = on_dead
-        self.on_queue_times = on_queue_times
         self.ready: CoreReady | None = None
         self.dead_reason: str | None = None
         self._stopping = False
-        self._encoder = msgspec.msgpack.Encoder()
-        self._outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
-        self._error_decoder = msgspec.msgpack.Decoder(EngineCoreError)
-        self._failed_decoder = msgspec.msgpack.Decoder(CoreFailed)
-        self._ready_decoder = msgspec.msgpack.Decoder(CoreReady)
-        self._queue_times_decoder = msgspec.msgpack.Decoder(QueueTimes)
+        self._encoder = make_encoder()
+        self._decoder = make_decoder(FromCore)
         self._ctx: zmq.asyncio.Context | None = None
         self._in: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
@@ -88,7 +91,7 @@ class EngineCoreClient:
         self._exited = loop.create_future()
         loop.add_reader(self._proc.sentinel, self._on_process_exit)
 
-        first = asyncio.ensure_future(self._out.recv_multipart())
+        first = asyncio.ensure_future(self._out.recv())
         try:
             await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (Ctrl-C while the model loads): leave nothing behind
@@ -99,16 +102,15 @@ class EngineCoreClient:
             first.cancel()
             await self._cleanup()
             raise ModelLoadError(f"the engine core exited during start-up (exit code {self._proc.exitcode})")
-        kind, body = first.result()
-        if kind == core_proc.FAILED:
-            failed = self._failed_decoder.decode(body)
+        message = self._decoder.decode(first.result())
+        if isinstance(message, CoreFailed):
             await self._join(timeout=10)
             await self._cleanup()
-            raise ModelLoadError(f"{failed.error_type}: {failed.message}")
-        if kind != core_proc.READY:
+            raise ModelLoadError(f"{message.error_type}: {message.message}")
+        if not isinstance(message, CoreReady):
             await self.shutdown()
-            raise ModelLoadError(f"the engine core sent {kind!r} before its ready message")
-        self.ready = self._ready_decoder.decode(body)
+            raise ModelLoadError(f"the engine core sent {type(message).__name__} before its ready message")
+        self.ready = message
         self._reader = asyncio.create_task(self._read_loop(), name="pagoda-core-reader")
         return self.ready
 
@@ -138,20 +140,19 @@ class EngineCoreClient:
     async def _read_loop(self) -> None:
         while True:
             try:
-                kind, body = await self._out.recv_multipart()
+                frame = await self._out.recv()
             except (asyncio.CancelledError, zmq.ZMQError):
                 return
             try:
-                if kind == core_proc.OUTPUTS:
-                    self.on_outputs(self._outputs_decoder.decode(body))
-                elif kind == core_proc.REFUSED:
-                    self.on_refused(self._error_decoder.decode(body))
-                elif kind == core_proc.QUEUED:
-                    self.on_queue_times(self._queue_times_decoder.decode(body).seconds)
-                elif kind == core_proc.FATAL:
-                    self._mark_dead(self._failed_decoder.decode(body).message)
-                else:
-                    logger.error("unknown message kind %r from the engine core", kind)
+                match self._decoder.decode(frame):
+                    case EngineCoreOutputs() as outputs:
+                        self.on_outputs(outputs)
+                    case EngineCoreError() as refused:
+                        self.on_refused(refused)
+                    case CoreFailed() as failed:
+                        self._mark_dead(failed.message)
+                    case other:
+                        logger.error("unexpected %s from the engine core", type(other).__name__)
             except Exception:
                 # A bug in output handling must not stop the reader (every request would hang).
                 logger.exception("failed to handle a message from the engine core")
@@ -161,7 +162,7 @@ class EngineCoreClient:
         self._stopping = True
         if self._proc is not None and self._proc.is_alive():
             try:
-                self._in.send_multipart([core_proc.SHUTDOWN, b""])
+                self._send(ShutdownRequest())
             except zmq.ZMQError:
                 pass
             await self._join(timeout)
@@ -216,17 +217,17 @@ class EngineCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_alive()
-        self._send(core_proc.ADD, request)
+        self._send(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         # Aborts are best effort: after the core died there is nothing left to free.
         if request_ids and self.dead_reason is None and self._in is not None:
-            self._send(core_proc.ABORT, AbortRequest(request_ids=list(request_ids)))
+            self._send(AbortRequest(request_ids=list(request_ids)))
 
-    def _send(self, kind: bytes, body) -> None:
+    def _send(self, message) -> None:
         # Synchronous on purpose (callers include `finally` blocks of cancelled tasks): with an
         # unlimited high-water mark the send completes immediately.
-        fut = self._in.send_multipart([kind, self._encoder.encode(body)], copy=False)
+        fut = self._in.send(self._encoder.encode(message), copy=False)
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(_log_send_failure)
 

@@ -15,7 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from pagoda_engine.messages import SchedulerStats
+from pagoda_engine.api.output_processor import SequenceUpdate
+from pagoda_engine.messages import EngineCoreEventType, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -56,6 +57,17 @@ class _SchedulerStatsCollector(Collector):
         yield counter("pagoda:num_preemptions", "Cumulative number of preemptions.", s.num_preemptions)
 
 
+@dataclass(eq=False)
+class SequenceTimes:
+    """What the metrics remember about one sequence between its steps."""
+
+    arrival_time: float  # time.time() when the API process got the request
+    num_prompt_tokens: int
+    queued_at: float | None = None  # the core's QUEUED stamp, until the first SCHEDULED one
+    last_token: float | None = None  # time.monotonic() when its latest tokens arrived here
+    done: bool = False
+
+
 class ServerMetrics:
     def __init__(self, model_name: str):
         self.model_name = model_name
@@ -80,6 +92,33 @@ class ServerMetrics:
         self.queue_time = Histogram("pagoda:request_queue_time_seconds",
                                     "Time a request spent waiting in the engine before it was first scheduled.",
                                     label, buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+
+    def observe(self, times: SequenceTimes, update: SequenceUpdate) -> None:
+        """Record one step of one sequence."""
+        for event in update.events or ():
+            if event.type == EngineCoreEventType.QUEUED:
+                times.queued_at = event.timestamp
+            elif event.type == EngineCoreEventType.SCHEDULED and times.queued_at is not None:
+                self.queue_time.observe(max(0.0, event.timestamp - times.queued_at))
+                times.queued_at = None  # a preempted request's second admission is not queue time
+            elif event.type == EngineCoreEventType.FIRST_TOKEN:
+                self.ttft.observe(max(0.0, event.timestamp - times.arrival_time))
+                self.prompt_tokens.inc(times.num_prompt_tokens)
+        num = update.num_new_tokens
+        if num:
+            now = time.monotonic()
+            if times.last_token is not None:
+                for _ in range(num):
+                    self.itl.observe((now - times.last_token) / num)
+            elif num > 1:  # the first of several tokens opens no gap
+                for _ in range(num - 1):
+                    self.itl.observe(0.0)
+            times.last_token = now
+            self.generation_tokens.inc(num)
+        if update.finish_reason is not None and not times.done:
+            times.done = True
+            self.e2e.observe(max(0.0, time.time() - times.arrival_time))
+            self.request_finished(update.finish_reason)
 
     def update_stats(self, stats: SchedulerStats) -> None:
         self._stats.stats = stats

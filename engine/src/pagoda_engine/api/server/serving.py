@@ -17,7 +17,8 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
-from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput
+from pagoda_engine.api.inputs import check_prompt
+from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.async_engine import AsyncEngine
 from pagoda_engine.api.server.errors import BadRequestError, ModelNotFoundError, exception_to_body, sse_error_frame
 from pagoda_engine.sampling_params import SamplingParams
@@ -99,17 +100,7 @@ class OpenAIServing:
             raise ModelNotFoundError(model, [self.model_name])
 
     def _check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
-        if not ids:
-            raise BadRequestError("The prompt is empty (it has no tokens).", param=param)
-        vocab = self.engine.vocab_size
-        bad = next((t for t in ids if t >= vocab), None)
-        if bad is not None:
-            raise BadRequestError(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param=param)
-        limit = self.engine.max_model_len
-        if len(ids) >= limit:
-            raise BadRequestError(
-                f"This model's maximum context length is {limit} tokens. However, your prompt has {len(ids)} "
-                "tokens, which leaves no room for output. Please shorten the prompt.", param=param)
+        check_prompt(ids, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len, param=param)
 
     def _fit_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
         room = self.engine.max_model_len - num_prompt_tokens
@@ -197,7 +188,7 @@ class OpenAIServing:
                 params.prompt_logprobs = req.logprobs
             plan.append((text, ids, self._finish_params(params)))
 
-        group = self.engine.group()
+        group = self.engine.group(_output_kind(req.stream))
         try:
             for i, (text, ids, params) in enumerate(plan):
                 group.add(request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority)
@@ -288,12 +279,10 @@ class OpenAIServing:
             async for out in group:
                 i = index_of[out.request_id]
                 text, ids, _ = plan[i]
-                for c in out.outputs:
-                    if not c.updated:
-                        continue
-                    num_generated += len(c.delta_token_ids)
+                for c in out.outputs:  # DELTA: only the choices this step changed, with what it added
+                    num_generated += len(c.token_ids)
                     choice_index = i * req.n + c.index
-                    delta = c.delta_text
+                    delta = c.text
                     logprobs = None
                     if req.logprobs is not None:
                         logprobs = CompletionLogprobs()
@@ -306,7 +295,7 @@ class OpenAIServing:
                                                           self._prompt_offsets(text, ids))
                     start = text_len.get(choice_index, 0) + len(prefix)
                     if logprobs is not None:
-                        self._add_completion_logprobs(logprobs, c.delta_token_ids, c.delta_logprobs, start)
+                        self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, start)
                     text_len[choice_index] = start + len(delta)
                     chunk = CompletionStreamResponse(
                         id=request_id, created=created, model=self.model_name,
@@ -337,7 +326,7 @@ class OpenAIServing:
         params = self._finish_params(req.to_sampling_params(
             self._fit_max_tokens(req.requested_max_tokens(), len(ids), param)))
         request_id = self._request_id("chatcmpl", req.request_id)
-        group = self.engine.group()
+        group = self.engine.group(_output_kind(req.stream))
         try:
             group.add(request_id, None, ids, params, req.priority)
         except BaseException:
@@ -388,15 +377,13 @@ class OpenAIServing:
                     id=request_id, created=created, model=self.model_name,
                     choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
             async for out in group:
-                for c in out.outputs:
-                    if not c.updated:
-                        continue
-                    num_generated += len(c.delta_token_ids)
-                    logprobs = (self._chat_logprobs(c.delta_token_ids, c.delta_logprobs, req.top_logprobs or 0)
+                for c in out.outputs:  # DELTA: only the choices this step changed, with what it added
+                    num_generated += len(c.token_ids)
+                    logprobs = (self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                                 if req.logprobs else None)
                     chunk = ChatCompletionStreamResponse(
                         id=request_id, created=created, model=self.model_name,
-                        choices=[ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.delta_text),
+                        choices=[ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                   logprobs=logprobs, finish_reason=c.finish_reason,
                                                   stop_reason=c.stop_reason)])
                     if continuous:
@@ -413,6 +400,11 @@ class OpenAIServing:
         finally:
             group.close()
         yield _DONE
+
+
+def _output_kind(stream: bool) -> RequestOutputKind:
+    # A stream sends each step's new text; a whole response needs only the finished outputs.
+    return RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
 
 
 async def _collect(group) -> dict[str, RequestOutput]:
