@@ -38,7 +38,7 @@ def test_deltas_are_whole_characters_and_add_up_to_the_full_decode(tokenizer, ch
     deltas, last, detok = stream(tokenizer, ids, chunk=chunk)
     assert "".join(deltas) + last == tokenizer.decode(ids) == MULTILINGUAL
     assert not any(REPLACEMENT in d for d in deltas + [last])
-    assert detok.output_text == MULTILINGUAL and detok.token_ids == ids
+    assert detok.num_tokens == len(ids)
     if chunk == 1:
         # The text really has characters split across tokens, held back until complete.
         assert sum(1 for d in deltas if d == "") >= 10
@@ -128,7 +128,7 @@ def test_stop_string_across_tokens_is_cut_and_never_partly_emitted(tokenizer, st
     assert detok.finished and detok.stop_reason == stop
     # Tokens stop being consumed at the one that completed the stop string.
     completing = next(k for k in range(1, len(ids) + 1) if stop in tokenizer.decode(ids[:k]))
-    assert detok.token_ids == ids[:completing]
+    assert detok.num_tokens == completing
     assert detok.update(encode(tokenizer, " more"), completing + 2) == ""
 
 
@@ -137,6 +137,18 @@ def test_include_stop_str_in_output_keeps_the_stop_string(tokenizer):
     deltas, last, detok = stream(tokenizer, encode(tokenizer, text), stop=["fox"], include_stop_str_in_output=True)
     assert "".join(deltas) + last == "The quick brown fox"
     assert detok.stop_reason == "fox"
+
+
+def test_state_kept_between_updates_does_not_grow_with_the_output(tokenizer):
+    # Only the decode window and the text not yet returned (plus a stop string's length of returned
+    # text) are kept, so each update costs the same however long the output already is.
+    ids = encode(tokenizer, MULTILINGUAL) * 20
+    detok = IncrementalDetokenizer(tokenizer, tokenizer.encode("Hello"), SamplingParams(stop=["never seen"]))
+    text = ""
+    for k, token in enumerate(ids):
+        text += detok.update([token], k + 1)
+        assert len(detok._ids) <= 16 and len(detok._text) <= 2 * len("never seen") + 8
+    assert text + detok.flush() == tokenizer.decode(ids)
 
 
 def test_the_earliest_of_several_stop_strings_wins(tokenizer):
@@ -186,4 +198,4 @@ def test_a_final_stop_token_is_kept_in_ids_but_not_in_text(tokenizer):
         )
         text = detok.update(ids, len(ids), stop_terminated=True) + detok.flush()
         assert text == expected
-        assert detok.token_ids == ids
+        assert detok.num_tokens == len(ids)

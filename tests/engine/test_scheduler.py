@@ -1,11 +1,14 @@
-"""The token-budget scheduler on its own: budget, decode priority, chunking, preemption, policies."""
+"""The token-budget scheduler on its own: budget, decode priority, chunking, preemption, policies,
+lifecycle events."""
 
 import random
+import time
 
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.request import Request, RequestStatus
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.scheduler import Scheduler
+from pagoda_engine.messages import EngineCoreEventType as Ev
 from pagoda_engine.sampling_params import SamplingParams
 
 
@@ -71,6 +74,30 @@ def test_preemption_recomputes_newest_request_when_pages_run_out():
     assert preempted and preempted[0] == "new"
     assert s.num_preemptions == len(preempted)
     assert s.kv.num_free_pages == 6
+
+
+def test_lifecycle_events_are_stamped_in_order_on_the_wall_clock():
+    # The preemption scene above: "new" is queued, scheduled, preempted, scheduled again.
+    s = _sched(num_pages=7, page_size=4, budget=64, reserve=False)
+    old, new = _req("old", 8, max_tokens=12), _req("new", 8, max_tokens=12)
+    before = time.time()
+    s.add_request(old)
+    s.add_request(new)
+    events = {"old": [], "new": []}
+    while s.has_unfinished_requests():
+        _run_step(s)
+        for req in (old, new):
+            events[req.request_id] += req.take_events() or []
+    assert [e.type for e in events["old"]] == [Ev.QUEUED, Ev.SCHEDULED, Ev.FIRST_TOKEN]
+    new_types = [e.type for e in events["new"]]
+    assert new_types[:3] == [Ev.QUEUED, Ev.SCHEDULED, Ev.FIRST_TOKEN]
+    assert Ev.PREEMPTED in new_types and new_types.count(Ev.FIRST_TOKEN) == 1
+    after_preemption = new_types[new_types.index(Ev.PREEMPTED) + 1:]
+    assert after_preemption[0] == Ev.SCHEDULED  # readmitted
+    for evs in events.values():
+        stamps = [e.timestamp for e in evs]
+        assert stamps == sorted(stamps) and before <= stamps[0] and stamps[-1] <= time.time()
+    assert old.take_events() is None  # taken once
 
 
 def test_growth_reservation_defers_admission_instead_of_preempting():

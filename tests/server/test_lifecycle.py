@@ -17,9 +17,9 @@ from conftest import DEFAULT_ARGS, core_pid, launch, pid_alive
 from pagoda_e2e import free_port
 
 
-def _stream(url: str, max_tokens: int, started: list) -> dict:
+def _stream(url: str, max_tokens: int, started: list, n: int = 1) -> dict:
     body = {"prompt": "Tell a story", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True}
+            "stream": True, "n": n}
     text, finish, error, done = "", None, None, False
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
         status = resp.status_code
@@ -52,14 +52,19 @@ def _wait_gone(pid: int, timeout: float = 10.0) -> bool:
 
 
 def test_sigterm_drains_then_exits_zero_without_orphans(tmp_path):
-    srv = launch(tmp_path, "--num-kv-pages", "512", "--max-model-len", "2048", "--drain-timeout", "2")
+    # Without the growth reservation every sequence is admitted at once (so all start streaming).
+    srv = launch(tmp_path, "--num-kv-pages", "512", "--max-model-len", "2048", "--drain-timeout", "2",
+                 "--no-kv-growth-reservation")
     try:
         core = core_pid(srv.proc.pid)
         with ThreadPoolExecutor(6) as pool:
             started = [[] for _ in range(6)]
-            # Four short requests finish within the drain window; two long ones cannot.
-            lengths = [12, 12, 12, 12, 2000, 2000]
-            futures = [pool.submit(_stream, srv.url, n, s) for n, s in zip(lengths, started)]
+            # Four short requests finish within the drain window; two long ones cannot: 16 sequences
+            # of 2,000 tokens each, and the 511 pages (8,176 tokens) hold four such at a time, so they
+            # need at least 8 rounds of 2,000 decode steps, far beyond the 2 s window however fast the
+            # model is (2,000 steps alone took under 2 s here).
+            lengths = [(12, 1)] * 4 + [(2000, 16)] * 2
+            futures = [pool.submit(_stream, srv.url, max_tokens, s, n) for (max_tokens, n), s in zip(lengths, started)]
             deadline = time.monotonic() + 60
             while not all(started) and time.monotonic() < deadline:
                 time.sleep(0.02)

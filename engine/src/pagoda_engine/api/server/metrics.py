@@ -4,12 +4,18 @@ Names are vLLM's with the prefix `pagoda:` (ARCHITECTURE §2), so dashboards, KE
 routers written for vLLM map one-to-one. Two sources feed them:
   - the core's `SchedulerStats` (running/waiting gauges, KV usage, cumulative prefix-cache and
     preemption counters), exported as they are by a collector at scrape time;
-  - per-request timings observed in the API process (TTFT, inter-token latency, end-to-end
-    latency, queue time) and token / finished-request counters.
+  - each sequence's steps (`SequenceUpdate`s from the output processor): queue time and TTFT from
+    the lifecycle events the core's scheduler stamped, end-to-end latency from the arrival time,
+    all wall clock (`time.time()`, comparable across the two processes); inter-token latency from
+    when each step's tokens reached this process (`time.monotonic()`); token and finished-request
+    counters.
 Each server owns its registry, so several servers (or tests) in one process never collide.
 """
 
 from __future__ import annotations
+
+import time
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily

@@ -1,0 +1,145 @@
+"""The API ↔ core wire: every message is one tagged msgspec struct that survives the round trip
+(token ids packed as int32 bytes), and the core loop dispatches on the message's type."""
+
+import threading
+
+import pytest
+import zmq
+
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.core.engine_core import EngineCore
+from pagoda_engine.core.process import CoreLoop
+from pagoda_engine.messages import (
+    AbortRequest,
+    CoreFailed,
+    CoreReady,
+    EngineCoreError,
+    EngineCoreEvent,
+    EngineCoreEventType,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FromCore,
+    Logprob,
+    SchedulerStats,
+    ShutdownRequest,
+    ToCore,
+    TokenLogprobs,
+    make_decoder,
+    make_encoder,
+)
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.tiny import build_tiny_model
+
+TO_CORE = [
+    EngineCoreRequest(request_id="r-1", prompt_token_ids=[1, 2, 3, 2**31 - 1],
+                      sampling_params=SamplingParams(temperature=0.5, seed=9, stop=["x"], max_tokens=4),
+                      arrival_time=1700000000.25, priority=-2),
+    AbortRequest(request_ids=["r-1", "r-2"]),
+    ShutdownRequest(),
+]
+FROM_CORE = [
+    CoreReady(kv_capacity_tokens=4096, max_model_len=2048, vocab_size=512, model_dir="m", served_model_name="tiny",
+              num_kv_pages=257, block_size=16),
+    CoreFailed(error_type="ModelLoadError", message="no such model"),
+    EngineCoreOutputs(outputs=[
+        EngineCoreOutput(request_id="r-1", new_token_ids=[7],
+                         new_logprobs=[TokenLogprobs(chosen=Logprob(7, -0.5, 1), top=[Logprob(7, -0.5, 1)])],
+                         prompt_logprobs=[None, TokenLogprobs(chosen=Logprob(2, -3.0, 9), top=[])],
+                         finish_reason="stop", stop_reason=7, num_cached_tokens=16,
+                         events=[EngineCoreEvent(EngineCoreEventType.QUEUED, 1700000000.5),
+                                 EngineCoreEvent(EngineCoreEventType.SCHEDULED, 1700000000.75)]),
+        EngineCoreOutput(request_id="r-2", new_token_ids=[])],
+        stats=SchedulerStats(num_running=1, kv_cache_usage=0.5, num_preemptions=3)),
+    EngineCoreError(request_id="r-3", message="request id 'r-3' is already in use", param="request_id"),
+]
+
+
+@pytest.mark.parametrize("message, union", [(m, ToCore) for m in TO_CORE] + [(m, FromCore) for m in FROM_CORE],
+                         ids=lambda v: type(v).__name__ if not isinstance(v, type(ToCore)) else "")
+def test_every_message_round_trips_as_its_own_type(message, union):
+    decoded = make_decoder(union).decode(make_encoder().encode(message))
+    assert type(decoded) is type(message) and decoded == message
+
+
+def test_token_ids_travel_as_packed_int32_bytes():
+    ids = list(range(1000, 1512))
+    request = EngineCoreRequest(request_id="r", prompt_token_ids=ids, sampling_params=SamplingParams())
+    frame = make_encoder().encode(request)
+    # One raw buffer of exactly 4 bytes per id, not a msgpack array of integers.
+    assert bytes(request.prompt_token_ids) in frame
+    one = make_encoder().encode(EngineCoreRequest(request_id="r", prompt_token_ids=ids[:1],
+                                                  sampling_params=SamplingParams()))
+    assert len(frame) - len(one) == 4 * (len(ids) - 1) + 1  # (+1: a 2-byte length header instead of 1)
+    assert make_decoder(ToCore).decode(frame).prompt_token_ids.tolist() == ids
+
+
+def test_a_message_sent_the_wrong_way_is_refused():
+    with pytest.raises(Exception):
+        make_decoder(ToCore).decode(make_encoder().encode(CoreReady(
+            kv_capacity_tokens=1, max_model_len=2, vocab_size=3, model_dir="", served_model_name="",
+            num_kv_pages=1, block_size=1)))
+
+
+@pytest.fixture(scope="module")
+def core(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64))
+    yield core
+    core.close()
+
+
+def test_the_core_loop_dispatches_on_the_message_type(core):
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_core.bind("inproc://to-core")
+    core_in.connect("inproc://to-core")
+    from_core.bind("inproc://from-core")
+    core_out.connect("inproc://from-core")
+    loop = CoreLoop(core, core_in, core_out, parent_pid=None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    encoder, decoder = make_encoder(), make_decoder(FromCore)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    try:
+        thread.start()
+        to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5, 6, 7],
+                                                      sampling_params=params, arrival_time=1.0)))
+        to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5],
+                                                      sampling_params=params)))  # a duplicate id: refused
+        to_core.send(encoder.encode(EngineCoreRequest(request_id="b", prompt_token_ids=[5, 6, 7, 8],
+                                                      sampling_params=SamplingParams(ignore_eos=True,
+                                                                                     max_tokens=1500))))
+        tokens, events, refused, finished, b_finish, aborted = [], [], [], None, [], False
+        idle = False
+        while not idle:
+            assert from_core.poll(30_000), "no message from the core loop"
+            match decoder.decode(from_core.recv()):
+                case EngineCoreOutputs(outputs=outputs, stats=stats):
+                    for out in outputs:
+                        if out.request_id == "b":
+                            b_finish.append(out.finish_reason)
+                            if not aborted:
+                                to_core.send(encoder.encode(AbortRequest(request_ids=["b"])))
+                                aborted = True
+                            continue
+                        tokens += out.new_token_ids.tolist()
+                        events += out.events or []
+                        finished = out.finish_reason
+                    idle = aborted and finished and stats.num_running == stats.num_waiting == 0
+                case EngineCoreError() as err:
+                    refused.append((err.request_id, err.param))
+        assert len(tokens) == 3 and finished == "length"
+        assert refused == [("a", "request_id")]
+        assert [e.type for e in events] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,
+                                            EngineCoreEventType.FIRST_TOKEN]
+        assert set(b_finish) == {None}  # aborted long before its 1,500 tokens
+        to_core.send(encoder.encode(ShutdownRequest()))
+        thread.join(10)
+        assert not thread.is_alive() and not core.has_unfinished_requests()
+    finally:
+        loop.running = False
+        thread.join(10)
+        for sock in (to_core, core_in, core_out, from_core):
+            sock.close(linger=0)
+        ctx.term()
