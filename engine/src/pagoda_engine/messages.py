@@ -48,10 +48,8 @@ def _enc_hook(obj):
 
 
 def _dec_hook(type_, obj):
-    if type_ is array and isinstance(obj, (bytes, memoryview)):
-        ids = array(TOKEN_ID_TYPECODE)
-        ids.frombytes(obj)
-        return ids
+    if type_ is array and type(obj) is bytes:
+        return array(TOKEN_ID_TYPECODE, obj)  # from the raw bytes, no per-element work
     raise NotImplementedError(f"cannot decode {type_!r}")
 
 
@@ -82,7 +80,8 @@ class EngineCoreRequest(_Message):
     priority: int = 0
 
     def __post_init__(self) -> None:
-        self.prompt_token_ids = token_id_array(self.prompt_token_ids)
+        if type(self.prompt_token_ids) is not array:
+            self.prompt_token_ids = token_id_array(self.prompt_token_ids)
 
 
 class AbortRequest(_Message):
@@ -154,7 +153,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     events: list[EngineCoreEvent] | None = None
 
     def __post_init__(self) -> None:
-        self.new_token_ids = token_id_array(self.new_token_ids)
+        if type(self.new_token_ids) is not array:  # (the core builds arrays; this is the hot path)
+            self.new_token_ids = token_id_array(self.new_token_ids)
 
 
 class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):

@@ -206,7 +206,7 @@ class RequestGroup:
 
     Iterate it for their RequestOutputs in arrival order; it ends when all have finished and
     raises the first error any of them got (engine died, core refused, server draining).
-    `close()` (always call it: `with engine.group() as group:`) aborts whatever is unfinished.
+    `close()` (always call it: `with engine.group(kind) as group:`) aborts whatever is unfinished.
     """
 
     def __init__(self, engine: AsyncEngine, output_kind: RequestOutputKind):
