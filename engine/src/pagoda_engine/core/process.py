@@ -24,18 +24,8 @@ import msgspec
 import zmq
 
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.messages import (
-    AbortRequest,
-    CoreFailed,
-    CoreReady,
-    EngineCoreError,
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    ShutdownRequest,
-    ToCore,
-    make_decoder,
-    make_encoder,
-)
+from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineCoreError, EngineCoreOutputs,
+                                    EngineCoreRequest, ShutdownRequest, ToCore, make_decoder, make_encoder)
 
 logger = logging.getLogger(__name__)
 
