@@ -1,0 +1,94 @@
+"""What the engine the operator deploys can run, and which spec fields ask for what.
+
+The engine's capability table (pagoda_engine.capabilities.FEATURES) is the truth; the operator
+cannot import the engine (its image has no torch), so it keeps this mirror, and
+tests/operator/test_engine_contract.py holds the two equal and proves on the examples and a
+generated matrix of specs that every spec the operator accepts renders a command line the engine
+runs, and that every one the engine would refuse is refused here first, with the same reason.
+When the engine implements a feature, flip `implemented` here as there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagoda_operator.spec import InferenceServiceSpec
+
+
+@dataclass(frozen=True)
+class EngineFeature:
+    key: str
+    title: str
+    implemented: bool
+    flags: tuple[str, ...] = ()  # `pagoda serve` flags that ask for it (in engine.extraArgs)
+    env: tuple[str, ...] = ()  # environment variables that ask for it when above 1 (in engine.env)
+    hint: str = ""
+
+
+ENGINE_FEATURES: tuple[EngineFeature, ...] = (
+    EngineFeature("tensor-parallel", "tensor parallelism", True, flags=("--tensor-parallel-size", "-tp")),
+    EngineFeature("pipeline-parallel", "pipeline parallelism", False, flags=("--pipeline-parallel-size", "-pp"),
+                  hint="tensor parallelism works"),
+    EngineFeature("data-parallel", "data parallelism inside one engine", False, flags=("--data-parallel-size", "-dp"),
+                  hint="scale out with replicas behind the router instead"),
+    EngineFeature("expert-parallel", "expert parallelism", False, flags=("--enable-expert-parallel",),
+                  hint="MoE models are not served yet"),
+    EngineFeature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
+                  hint="tensor parallelism works inside one pod"),
+    EngineFeature("kv-offload-cpu", "KV offload tiers in CPU memory", False, flags=("--kv-offload-cpu-gb",)),
+    EngineFeature("kv-offload-disk", "KV offload tiers on local disk", False, flags=("--kv-offload-disk-path", "--kv-offload-disk-gb")),
+    EngineFeature("kv-offload-remote", "KV offload tiers in a remote store", False, flags=("--kv-offload-remote-url",)),
+)
+
+_BY_KEY = {f.key: f for f in ENGINE_FEATURES}
+TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
+
+
+def _flag_feature(arg: str) -> EngineFeature | None:
+    """The feature a command-line word asks for: its flag, `--flag=value`, or a prefix of a long
+    flag (argparse takes unambiguous abbreviations)."""
+    name = arg.split("=", 1)[0]
+    for feature in ENGINE_FEATURES:
+        for flag in feature.flags:
+            if name == flag or (name.startswith("--") and len(name) > 2 and flag.startswith(name)):
+                return feature
+    return None
+
+
+def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
+    """(feature key, the spec field that asks for it) for every engine feature the spec asks for."""
+    t = spec.topology
+    asked = [
+        (key, f"topology.{field}: {value}")
+        for key, field, value, on in (
+            ("tensor-parallel", "tensor", t.tensor, t.tensor > 1),
+            ("pipeline-parallel", "pipeline", t.pipeline, t.pipeline > 1),
+            ("data-parallel", "data", t.data, t.data > 1),
+            ("expert-parallel", "expert", "true", t.expert),
+            ("multi-node", "nodes", t.nodes, t.nodes > 1),
+        )
+        if on
+    ]
+    asked += [(TIER_FEATURES[tier.type], f"kvCache.tiers[{i}] ({tier.type})") for i, tier in enumerate(spec.kv_cache.tiers)]
+    for arg in spec.engine.extra_args:
+        feature = _flag_feature(arg)
+        if feature is not None:
+            asked.append((feature.key, f"engine.extraArgs: {arg}"))
+    for var in spec.engine.env:
+        feature = next((f for f in ENGINE_FEATURES if var.get("name") in f.env), None)
+        value = var.get("value")
+        # A count of 1 asks for nothing; one read from elsewhere (valueFrom) may be anything.
+        if feature is not None and not (isinstance(value, str) and value.strip().isdigit() and int(value) <= 1):
+            asked.append((feature.key, f"engine.env: {var.get('name')}={value if value is not None else '(valueFrom)'}"))
+    return asked
+
+
+def unsupported(spec: InferenceServiceSpec) -> list[str]:
+    """One problem per spec field asking for a feature the engine does not implement yet."""
+    problems = []
+    for key, where in requested_features(spec):
+        feature = _BY_KEY[key]
+        if not feature.implemented:
+            hint = f" ({feature.hint})" if feature.hint else ""
+            problems.append(f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet{hint}")
+    return problems
