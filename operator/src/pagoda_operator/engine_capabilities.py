@@ -40,7 +40,7 @@ ENGINE_FEATURES: tuple[EngineFeature, ...] = (
     EngineFeature("kv-offload-remote", "KV offload tiers in a remote store", False, flags=("--kv-offload-remote-url",)),
 )
 
-_BY_KEY = {f.key: f for f in ENGINE_FEATURES}
+BY_KEY = {f.key: f for f in ENGINE_FEATURES}
 TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
 
 
@@ -76,10 +76,12 @@ def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
             asked.append((feature.key, f"engine.extraArgs: {arg}"))
     for var in spec.engine.env:
         feature = next((f for f in ENGINE_FEATURES if var.get("name") in f.env), None)
-        value = var.get("value")
-        # A count of 1 asks for nothing; one read from elsewhere (valueFrom) may be anything.
-        if feature is not None and not (isinstance(value, str) and value.strip().isdigit() and int(value) <= 1):
-            asked.append((feature.key, f"engine.env: {var.get('name')}={value if value is not None else '(valueFrom)'}"))
+        if feature is None:
+            continue
+        # The engine reads a count above 1 as asking; a value from elsewhere (valueFrom) may be one.
+        value = str(var.get("value") or "").strip()
+        if "valueFrom" in var or (value.isdigit() and int(value) > 1):
+            asked.append((feature.key, f"engine.env: {var['name']}={value or '(valueFrom)'}"))
     return asked
 
 
@@ -87,7 +89,7 @@ def unsupported(spec: InferenceServiceSpec) -> list[str]:
     """One problem per spec field asking for a feature the engine does not implement yet."""
     problems = []
     for key, where in requested_features(spec):
-        feature = _BY_KEY[key]
+        feature = BY_KEY[key]
         if not feature.implemented:
             hint = f" ({feature.hint})" if feature.hint else ""
             problems.append(f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet{hint}")
