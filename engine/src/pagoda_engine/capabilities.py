@@ -5,9 +5,9 @@ Three readers, one table: the engine core refuses at start-up a configuration th
 feature not implemented yet (`refusal`); `pagoda serve --help` hides the flags of those features
 (`shown_in_help`), though the parser still takes them so the refusal can name them; and the
 operator, which cannot import the engine, refuses the same features in its validation from its
-mirror of this table (pagoda_operator.engine_capabilities), which tests/operator/
-test_engine_contract.py holds equal to this one. When a feature lands, flip `implemented` here
-and in the mirror: the contract test then demands that the operator accepts it.
+mirror of this table (pagoda_operator.engine_capabilities), held equal to this one by
+tests/operator/test_engine_contract.py. When a feature lands, flip `implemented` here and in
+the mirror: the contract test then demands that the operator accepts it.
 
 Torch-free, and imports nothing of the engine's, so `config.py` and the CLI can use it.
 """

@@ -166,28 +166,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
-    # Flags of the capability table's features: those not implemented yet are parsed, so the
-    # engine refuses them by name, but not offered in --help.
-    feature_flag = _feature_flag_adder(p)
-    feature_flag("--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
-    feature_flag("--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
-    feature_flag("--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
-    feature_flag("--enable-expert-parallel", action="store_true", help="shard MoE experts over tensor × data ranks")
-    feature_flag("--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
-    feature_flag("--kv-offload-disk-path", default=None, help="disk KV tier directory")
-    feature_flag("--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")
-    feature_flag("--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
+    # The capability table's flags (capabilities.FEATURES).
+    _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
+    _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
+    _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="shard MoE experts over tensor × data ranks")
+    _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
+    _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
+    _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")
+    _add_feature_flag(p, "--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
 
 
-def _feature_flag_adder(parser: argparse.ArgumentParser):
-    """add_argument for a flag that asks for a feature of the capability table: its help shows
-    only once the engine implements the feature."""
-
-    def add(*names: str, help: str, **kwargs) -> None:
-        action = parser.add_argument(*names, **kwargs)
-        action.help = help if capabilities.shown_in_help(action.dest) else argparse.SUPPRESS
-
-    return add
+def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:
+    """A flag that asks for a feature of the capability table. Until the engine implements the
+    feature it is parsed, so that the engine refuses it by name, but left out of --help."""
+    action = parser.add_argument(*names, **kwargs)
+    action.help = help if capabilities.shown_in_help(action.dest) else argparse.SUPPRESS
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
