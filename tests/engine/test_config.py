@@ -86,16 +86,44 @@ def test_serve_help_shows_only_the_flags_of_features_the_engine_implements(capsy
     assert "--tensor-parallel-size" in help_text and "--max-num-seqs" in help_text
 
 
-def test_hidden_flags_still_parse_so_the_engine_can_refuse_them_by_name(monkeypatch):
-    monkeypatch.delenv("LWS_GROUP_SIZE", raising=False)
+def _asking(action: argparse.Action) -> list[str]:
+    """Words that set this flag to something other than its default."""
+    flag = action.option_strings[0]
+    return [flag] if action.nargs == 0 else [flag, {int: "2", float: "8.5"}.get(action.type, "/kv")]
+
+
+def test_every_flag_of_the_table_parses_and_the_engine_refuses_it_by_name_until_implemented():
+    actions = {action.dest: action for action in _engine_parser()._actions}
+    for feature in capabilities.FEATURES:
+        for option in feature.options:
+            words = _asking(actions[option])
+            config = parse(*words)  # hidden from --help or not, the flag parses
+            assert [f.key for f, how in capabilities.requested(config, {})] == [feature.key]
+            refusal = capabilities.refusal(config, {})
+            if feature.implemented:
+                assert refusal is None
+            else:
+                hint = f"; {feature.hint}" if feature.hint else ""
+                assert refusal == f"not implemented in this engine yet: {feature.title} ({' '.join(words)}{hint})"
+
+
+def test_a_leaderworkerset_group_above_one_pod_asks_for_multi_node_serving():
+    (feature,) = [f for f in capabilities.FEATURES if "LWS_GROUP_SIZE" in f.env]
+    assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "1"}) == []
+    assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "2"}) == [(feature, "LWS_GROUP_SIZE=2")]
+    if not feature.implemented:
+        assert "multi-node serving (LWS_GROUP_SIZE=2; tensor parallelism works inside one pod)" in capabilities.refusal(parse(), {"LWS_GROUP_SIZE": "2"})
+
+
+def test_refusal_names_every_missing_feature_in_table_order():
     config = parse("--pipeline-parallel-size", "2", "--enable-expert-parallel", "--kv-offload-disk-path", "/kv", "--kv-offload-disk-gb", "100")
-    assert config.parallel.pipeline_parallel_size == 2 and config.cache.kv_offload_disk_gb == 100.0
-    assert capabilities.refusal(config, {}) == (
-        "not implemented in this engine yet: pipeline parallelism (--pipeline-parallel-size 2; tensor parallelism works); "
-        "expert parallelism (--enable-expert-parallel; MoE models are not served yet); "
-        "KV offload tiers on local disk (--kv-offload-disk-path /kv, --kv-offload-disk-gb 100.0)")
-    assert "; multi-node serving (LWS_GROUP_SIZE=2; tensor parallelism works inside one pod); KV offload tiers on local disk" in (
-        capabilities.refusal(config, {"LWS_GROUP_SIZE": "2"}))
-    # What the engine implements, or the defaults, asks for nothing it lacks.
+    missing = [f for f, _ in capabilities.requested(config, {}) if not f.implemented]
+    refusal = capabilities.refusal(config, {})
+    assert (refusal is None) == (not missing)
+    if missing:
+        assert refusal.startswith("not implemented in this engine yet: ")
+        assert [refusal.index(f.title) for f in missing] == sorted(refusal.index(f.title) for f in missing)
+    if "kv-offload-disk" in {f.key for f in missing}:
+        assert "KV offload tiers on local disk (--kv-offload-disk-path /kv, --kv-offload-disk-gb 100.0)" in refusal
+    # Defaults, and what the engine implements, ask for nothing it lacks.
     assert capabilities.refusal(parse("--tensor-parallel-size", "2", "--pipeline-parallel-size", "1"), {"LWS_GROUP_SIZE": "1"}) is None
-    assert [f.key for f, how in capabilities.requested(parse("-tp", "2"), {})] == ["tensor-parallel"]

@@ -356,8 +356,6 @@ def test_render_command_refuses_an_example_the_engine_cannot_run_yet(filename):
     assert "which Pagoda's engine does not implement yet" in result.stderr
     for problem in check(load_example(filename)).unsupported:
         assert f"  - {problem}" in result.stderr
-    if filename == "mixtral-8x7b-ep.yaml":
-        assert "topology.expert: true asks for expert parallelism, which Pagoda's engine does not implement yet (MoE models are not served yet)" in result.stderr
 
 
 @pytest.mark.parametrize("driver,kind", [("hpa", "HorizontalPodAutoscaler"), ("keda", "ScaledObject"), ("builtin", None)])

@@ -4,16 +4,20 @@
 Three readers, one table: the engine core refuses at start-up a configuration that asks for a
 feature not implemented yet (`refusal`); `pagoda serve --help` hides the flags of those features
 (`shown_in_help`), though the parser still takes them so the refusal can name them; and the
-operator, which cannot import the engine, refuses the same features in its validation from its
-mirror of this table (pagoda_operator.engine_capabilities), held equal to this one by
-tests/operator/test_engine_contract.py. When a feature lands, flip `implemented` here and in
-the mirror: the contract test then demands that the operator accepts it.
+operator, which cannot import the engine (its image has no torch), refuses the same features in
+its validation from a generated copy of this table (`as_json`, written by `make capabilities` to
+operator/src/pagoda_operator/engine_capabilities.json; a test fails when it is stale). When a
+feature lands, flip `implemented` here and run `make capabilities`: the operator then accepts
+it, and tests/operator/test_engine_contract.py demands that it does.
 
-Torch-free, and imports nothing of the engine's, so `config.py` and the CLI can use it.
+Torch-free, and imports nothing of the engine's at import time, so `config.py` and the CLI can
+use it.
 """
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
@@ -102,3 +106,26 @@ def refusal(config: Any, environ: Mapping[str, str]) -> str | None:
         for feature, how in requested(config, environ) if not feature.implemented
     ]
     return "not implemented in this engine yet: " + "; ".join(missing) if missing else None
+
+
+def as_json() -> str:
+    """The table as the operator reads it: each feature with every flag (aliases included) that
+    asks for it, as `pagoda serve` spells them."""
+    import argparse
+
+    from pagoda_engine.config import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    option_strings = {action.dest: action.option_strings for action in parser._actions}
+    table = [
+        {"key": f.key, "title": f.title, "implemented": f.implemented,
+         "flags": [flag for option in f.options for flag in option_strings[option]], "env": list(f.env), "hint": f.hint}
+        for f in FEATURES
+    ]
+    return json.dumps(table, indent=2) + "\n"
+
+
+if __name__ == "__main__":  # python -m pagoda_engine.capabilities FILE: write the operator's copy
+    with open(sys.argv[1], "w") as out:
+        out.write(as_json())

@@ -1,18 +1,22 @@
 """What the engine the operator deploys can run, and which spec fields ask for what.
 
-The engine's capability table (pagoda_engine.capabilities.FEATURES) is the truth; the operator
-cannot import the engine (its image has no torch), so it keeps this mirror, and
-tests/operator/test_engine_contract.py holds the two equal and proves on the examples and a
-generated matrix of specs that every spec the operator accepts renders a command line the engine
-runs, and that every one the engine would refuse is refused here first, with the same reason.
-When the engine implements a feature, flip `implemented` here as there.
+The engine's capability table (pagoda_engine.capabilities) is the truth. The operator cannot
+import the engine (its image has no torch), so it reads a copy generated from that table,
+engine_capabilities.json (`make capabilities`; tests/operator/test_engine_contract.py fails when
+it is stale and proves, on the examples and a generated matrix of specs, that every spec the
+operator accepts renders a command line the engine runs, and that every spec the engine would
+refuse is refused here first, with the engine's reason).
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from importlib import resources
 
 from pagoda_operator.spec import InferenceServiceSpec
+
+TABLE_FILE = "engine_capabilities.json"
 
 
 @dataclass(frozen=True)
@@ -25,21 +29,12 @@ class EngineFeature:
     hint: str = ""
 
 
-ENGINE_FEATURES: tuple[EngineFeature, ...] = (
-    EngineFeature("tensor-parallel", "tensor parallelism", True, flags=("--tensor-parallel-size", "-tp")),
-    EngineFeature("pipeline-parallel", "pipeline parallelism", False, flags=("--pipeline-parallel-size", "-pp"),
-                  hint="tensor parallelism works"),
-    EngineFeature("data-parallel", "data parallelism inside one engine", False, flags=("--data-parallel-size", "-dp"),
-                  hint="scale out with replicas behind the router instead"),
-    EngineFeature("expert-parallel", "expert parallelism", False, flags=("--enable-expert-parallel",),
-                  hint="MoE models are not served yet"),
-    EngineFeature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
-                  hint="tensor parallelism works inside one pod"),
-    EngineFeature("kv-offload-cpu", "KV offload tiers in CPU memory", False, flags=("--kv-offload-cpu-gb",)),
-    EngineFeature("kv-offload-disk", "KV offload tiers on local disk", False, flags=("--kv-offload-disk-path", "--kv-offload-disk-gb")),
-    EngineFeature("kv-offload-remote", "KV offload tiers in a remote store", False, flags=("--kv-offload-remote-url",)),
-)
+def _load_table() -> tuple[EngineFeature, ...]:
+    rows = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
+    return tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])}) for row in rows)
 
+
+ENGINE_FEATURES = _load_table()
 BY_KEY = {f.key: f for f in ENGINE_FEATURES}
 TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
 
