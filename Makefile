@@ -7,7 +7,7 @@ STAMP   := $(VENV)/.pagoda-setup
 APT_PKGS := prometheus kubernetes-client
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup serve test test-gpu bench crds e2e-local e2e-cluster images deploy clean
+.PHONY: setup serve test test-gpu bench crds capabilities e2e-local e2e-cluster images deploy clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ bench: setup
 
 crds: setup
 	$(BIN)/pagoda-operator crds --out crds --chart charts/pagoda/crds
+
+# The operator's copy of the engine's capability table (it cannot import the engine).
+capabilities: setup
+	$(BIN)/python -m pagoda_engine.capabilities operator/src/pagoda_operator/engine_capabilities.json
 
 e2e-local: setup
 	$(BIN)/python -m pytest -q -m e2e e2e/local

@@ -1,9 +1,12 @@
-"""Engine flags map onto EngineConfig, and bad values fail at start with the option's name."""
+"""Engine flags map onto EngineConfig, bad values fail at start with the option's name, and the
+capability table names real flags, hides those of features not implemented yet and refuses them."""
 
 import argparse
+from dataclasses import fields
 
 import pytest
 
+from pagoda_engine import capabilities, cli
 from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args, resolve_cudagraph_mode
 
 
@@ -53,3 +56,74 @@ def test_bad_values_name_the_option(option, value, message):
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="max_cuda_graph_size"):
         EngineConfig.from_kwargs(max_cuda_graph_size=8)
+
+
+def _engine_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return parser
+
+
+def test_every_option_of_the_capability_table_is_an_engine_flag_named_as_the_table_says():
+    actions = {action.dest: action for action in _engine_parser()._actions}
+    options = [option for feature in capabilities.FEATURES for option in feature.options]
+    assert options, "the table names no flags"
+    config_fields = {f.name for section in vars(EngineConfig()).values() for f in fields(section)}
+    for option in options:
+        assert option in config_fields
+        assert capabilities.flag_of(option) in actions[option].option_strings
+
+
+def test_serve_help_shows_only_the_flags_of_features_the_engine_implements(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--help"])
+    assert exit_.value.code == 0
+    help_text = capsys.readouterr().out
+    for feature in capabilities.FEATURES:
+        for option in feature.options:
+            assert (capabilities.flag_of(option) in help_text) == feature.implemented, option
+    assert "not implemented" not in help_text
+    assert "--tensor-parallel-size" in help_text and "--max-num-seqs" in help_text
+
+
+def _asking(action: argparse.Action) -> list[str]:
+    """Words that set this flag to something other than its default."""
+    flag = action.option_strings[0]
+    return [flag] if action.nargs == 0 else [flag, {int: "2", float: "8.5"}.get(action.type, "/kv")]
+
+
+def test_every_flag_of_the_table_parses_and_the_engine_refuses_it_by_name_until_implemented():
+    actions = {action.dest: action for action in _engine_parser()._actions}
+    for feature in capabilities.FEATURES:
+        for option in feature.options:
+            words = _asking(actions[option])
+            config = parse(*words)  # hidden from --help or not, the flag parses
+            assert [f.key for f, how in capabilities.requested(config, {})] == [feature.key]
+            refusal = capabilities.refusal(config, {})
+            if feature.implemented:
+                assert refusal is None
+            else:
+                hint = f"; {feature.hint}" if feature.hint else ""
+                assert refusal == f"not implemented in this engine yet: {feature.title} ({' '.join(words)}{hint})"
+
+
+def test_a_leaderworkerset_group_above_one_pod_asks_for_multi_node_serving():
+    (feature,) = [f for f in capabilities.FEATURES if "LWS_GROUP_SIZE" in f.env]
+    assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "1"}) == []
+    assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "2"}) == [(feature, "LWS_GROUP_SIZE=2")]
+    if not feature.implemented:
+        assert "multi-node serving (LWS_GROUP_SIZE=2; tensor parallelism works inside one pod)" in capabilities.refusal(parse(), {"LWS_GROUP_SIZE": "2"})
+
+
+def test_refusal_names_every_missing_feature_in_table_order():
+    config = parse("--pipeline-parallel-size", "2", "--enable-expert-parallel", "--kv-offload-disk-path", "/kv", "--kv-offload-disk-gb", "100")
+    missing = [f for f, _ in capabilities.requested(config, {}) if not f.implemented]
+    refusal = capabilities.refusal(config, {})
+    assert (refusal is None) == (not missing)
+    if missing:
+        assert refusal.startswith("not implemented in this engine yet: ")
+        assert [refusal.index(f.title) for f in missing] == sorted(refusal.index(f.title) for f in missing)
+    if "kv-offload-disk" in {f.key for f in missing}:
+        assert "KV offload tiers on local disk (--kv-offload-disk-path /kv, --kv-offload-disk-gb 100.0)" in refusal
+    # Defaults, and what the engine implements, ask for nothing it lacks.
+    assert capabilities.refusal(parse("--tensor-parallel-size", "2", "--pipeline-parallel-size", "1"), {"LWS_GROUP_SIZE": "1"}) is None

@@ -1,19 +1,41 @@
-"""The operator's command lines against the real `pagoda serve` and `pagoda route` parsers: every
-flag the renderer writes is one the engine and router accept, with the meaning intended."""
+"""The operator against the engine it deploys, through the real `pagoda serve` parser, the
+engine's EngineConfig and its capability table (pagoda_engine.capabilities):
+
+- every spec the operator accepts renders engine pods (Deployment, or LeaderWorkerSet leader and
+  worker, with their environment) whose command line the engine parses, configures and does not
+  refuse to start with;
+- every spec the engine would refuse, the operator refuses first (Validated=False), naming the
+  engine's reason;
+- the two ask the same question: which features a spec asks for, and which are implemented.
+
+Expectations come from the engine's table, never from a list here: when a feature lands and its
+entry flips to implemented, these tests demand that the operator accept it.
+
+Specs: every file in examples/, and a generated matrix of each topology field (tensor, pipeline,
+data, expert, nodes), each KV tier type and autoscaling (off and each driver), on and off
+together, plus every flag and environment variable of the table given through engine.extraArgs
+and engine.env. (The schema has no quantization field yet; when it gains one, add it to MATRIX.)
+"""
 
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
+from pathlib import Path
 
 import pytest
 
+from pagoda_operator import engine_capabilities
 from pagoda_operator import render as r
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, load_example
 
 api_server = pytest.importorskip("pagoda_engine.api.server.api_server")
 router_app = pytest.importorskip("pagoda_engine.router.app")
+from pagoda_engine import capabilities  # noqa: E402
 from pagoda_engine.config import config_from_args  # noqa: E402
+
 
 def _parser(add_arguments) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False)
@@ -21,26 +43,166 @@ def _parser(add_arguments) -> argparse.ArgumentParser:
     return parser
 
 
+ENGINE_PARSER = _parser(api_server.add_arguments)
+ENGINE_ACTIONS = {action.dest: action for action in ENGINE_PARSER._actions}
+
+
 def _children(filename: str) -> list[dict]:
     body = load_example(filename)
     checked = check(body)
-    assert checked.ok, checked.problems
+    assert checked.renderable, checked.problems
     return r.render(body, checked.spec)
 
 
+def engine_containers(children: list[dict]) -> dict[str, dict]:
+    """The engine container of every pod template the operator renders, by role."""
+    (workload,) = [m for m in children if m["kind"] in ("Deployment", "LeaderWorkerSet") and m["metadata"]["name"].endswith("-engine")]
+    if workload["kind"] == "Deployment":
+        templates = {"engine": workload["spec"]["template"]}
+    else:
+        lwt = workload["spec"]["leaderWorkerTemplate"]
+        templates = {"leader": lwt["leaderTemplate"], "worker": lwt["workerTemplate"]}
+    out = {}
+    for role, template in templates.items():
+        (container,) = template["spec"]["containers"]
+        assert container["command"] == ["pagoda", "serve"]
+        out[role] = container
+    return out
+
+
 def _engine_args(children: list[dict]) -> list[str]:
-    workload = next(m for m in children if m["metadata"]["name"].endswith("-engine") and m["kind"] in ("Deployment", "LeaderWorkerSet"))
-    template = workload["spec"]["template"] if workload["kind"] == "Deployment" else workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
-    (container,) = template["spec"]["containers"]
-    assert container["command"] == ["pagoda", "serve"]
-    return container["args"]
+    return next(iter(engine_containers(children).values()))["args"]
+
+
+def engine_start(container: dict):
+    """What the engine does with this container: (its EngineConfig, the features it asks for,
+    the refusal at start-up or None). Parsing and configuring must succeed: a spec the operator
+    renders never fails on a flag or a value, only (until a feature lands) on the capability table."""
+    parsed = ENGINE_PARSER.parse_args(container["args"])  # SystemExit on an unknown flag or bad value
+    config = config_from_args(parsed)
+    environ = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    asked = {feature.key for feature, _ in capabilities.requested(config, environ)}
+    return config, asked, capabilities.refusal(config, environ)
+
+
+def assert_operator_and_engine_agree(body: dict) -> None:
+    checked = check(body)
+    assert checked.renderable, checked.problems  # only capability problems: the engine gets to decide
+    operator_asked = {key for key, _ in engine_capabilities.requested_features(checked.spec)}
+    refused = {key for key in operator_asked if not capabilities.BY_KEY[key].implemented}
+    for role, container in engine_containers(r.render(body, checked.spec)).items():
+        _, engine_asked, refusal = engine_start(container)
+        assert engine_asked == operator_asked, role
+        if checked.ok:
+            assert refusal is None, (role, refusal)
+            continue
+        assert refusal is not None, (role, checked.problems)  # the operator refuses only what the engine would
+        for key in refused:
+            feature = capabilities.BY_KEY[key]
+            assert feature.title in refusal
+            assert any(feature.title in p and feature.hint in p for p in checked.unsupported), (feature.title, checked.problems)
+    assert checked.ok == (not refused)
+    assert len(checked.unsupported) >= len(refused)
+
+
+def test_the_operators_copy_of_the_capability_table_is_current():
+    copy_ = (Path(engine_capabilities.__file__).parent / engine_capabilities.TABLE_FILE).read_text()
+    assert copy_ == capabilities.as_json(), f"{engine_capabilities.TABLE_FILE} is stale: run `make capabilities`"
+    assert [f.key for f in engine_capabilities.ENGINE_FEATURES] == [f.key for f in capabilities.FEATURES]
+    # Every kind of KV tier the schema offers is a feature of the table.
+    assert set(engine_capabilities.TIER_FEATURES.values()) <= set(capabilities.BY_KEY)
 
 
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)
-def test_pagoda_serve_accepts_the_rendered_arguments(filename):
+def test_examples_render_what_the_engine_runs_or_are_refused_with_its_reason(filename):
+    assert_operator_and_engine_agree(load_example(filename))
+
+
+# A Mixtral on CPU: every combination below is right as written (no GPU count or memory fit to
+# get wrong, an MoE model for expert parallelism), so each one reaches the capability contract.
+MATRIX_BASE = {
+    "apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
+    "metadata": {"name": "matrix", "namespace": "default", "uid": "0000-uid"},
+    "spec": {"model": {"uri": "hf://mistralai/Mixtral-8x7B-Instruct-v0.1"}, "resources": {"gpusPerPod": 0, "memory": "96Gi"}},
+}
+MATRIX = {
+    **{f"topology.{field}": value for field, value in
+       {"tensor": 2, "pipeline": 2, "data": 2, "expert": True, "nodes": 2}.items()},
+    "kvCache.tiers.cpu": {"type": "cpu", "size": "8Gi"},
+    "kvCache.tiers.disk": {"type": "disk", "size": "100Gi"},
+    "kvCache.tiers.remote": {"type": "remote", "url": "redis://kv-redis:6379", "secretRef": {"name": "kv", "key": "password"}},
+}
+AUTOSCALING = {
+    "off": None,
+    **{driver: {"driver": driver, "minReplicas": 1, "maxReplicas": 4, "prometheusURL": "http://prometheus:9090"}
+       for driver in ("builtin", "keda", "hpa")},
+}
+
+
+def matrix_spec(on: tuple[str, ...], autoscaling: str) -> dict:
+    body = copy.deepcopy(MATRIX_BASE)
+    spec = body["spec"]
+    for key in on:
+        section, field = key.split(".", 1)
+        if field.startswith("tiers."):
+            spec.setdefault(section, {}).setdefault("tiers", []).append(MATRIX[key])
+        else:
+            spec.setdefault(section, {})[field] = MATRIX[key]
+    if AUTOSCALING[autoscaling] is not None:
+        spec["autoscaling"] = AUTOSCALING[autoscaling]
+    return body
+
+
+MATRIX_CASES = [
+    (on, autoscaling)
+    for n in range(len(MATRIX) + 1)
+    for on in itertools.combinations(MATRIX, n)
+    for autoscaling in AUTOSCALING
+]
+
+
+@pytest.mark.parametrize("autoscaling", list(AUTOSCALING))
+def test_every_combination_of_topology_tiers_and_autoscaling_is_run_or_refused_alike(autoscaling):
+    cases = [on for on, a in MATRIX_CASES if a == autoscaling]
+    assert len(cases) == 2 ** len(MATRIX)
+    for on in cases:
+        try:
+            assert_operator_and_engine_agree(matrix_spec(on, autoscaling))
+        except AssertionError as e:
+            raise AssertionError(f"fields on: {on}, autoscaling {autoscaling}: {e}") from e
+
+
+def _asking_words(flag: str, joined: bool) -> list[str]:
+    """Command-line words that ask for the feature behind this flag (`--flag value` or `--flag=value`)."""
+    action = ENGINE_PARSER._option_string_actions[flag]
+    if action.nargs == 0:
+        return [flag]
+    value = {int: "2", float: "8"}.get(action.type, "/var/lib/kv")
+    return [f"{flag}={value}"] if joined else [flag, value]
+
+
+TABLE_ASKS = [
+    pytest.param({"extraArgs": _asking_words(flag, joined)}, id=f"{f.key}:{' '.join(_asking_words(flag, joined))}")
+    for f in capabilities.FEATURES for option in f.options for flag in ENGINE_ACTIONS[option].option_strings
+    for joined in ((False,) if ENGINE_ACTIONS[option].nargs == 0 else (False, True))
+] + [
+    pytest.param({"env": [{"name": var, "value": "2"}]}, id=f"{f.key}:{var}=2")
+    for f in capabilities.FEATURES for var in f.env
+]
+
+
+@pytest.mark.parametrize("engine", TABLE_ASKS)
+def test_every_flag_and_variable_of_the_table_is_run_or_refused_alike(engine):
+    body = copy.deepcopy(MATRIX_BASE)
+    body["spec"]["engine"] = engine
+    assert_operator_and_engine_agree(body)
+
+
+@pytest.mark.parametrize("filename", EXAMPLE_FILES)
+def test_pagoda_serve_reads_the_rendered_arguments_as_the_spec_means_them(filename):
     children = _children(filename)
     args = _engine_args(children)
-    parsed, unknown = _parser(api_server.add_arguments).parse_known_args(args)
+    parsed, unknown = ENGINE_PARSER.parse_known_args(args)
     assert unknown == []
     spec = check(load_example(filename)).spec
     assert parsed.port == 8000 and parsed.host == "0.0.0.0"

@@ -328,6 +328,7 @@ def test_a_valid_service_turned_invalid_keeps_its_children(cluster):
     wait_for("valid again", lambda: conditions(get(apiserver, IS, "typo")).get("Validated", {}).get("status") == "True")
 
 
+@pytest.mark.usefixtures("engine_with_multi_node")  # LeaderWorkerSets, ahead of the engine
 def test_missing_optional_crds_degrade_instead_of_failing(cluster):
     apiserver, _ = cluster
     body = tiny("watched")
@@ -348,6 +349,7 @@ def test_missing_optional_crds_degrade_instead_of_failing(cluster):
     assert ("Deployment", "spread-engine") not in children_of(apiserver, "spread")
 
 
+@pytest.mark.usefixtures("engine_with_multi_node")  # LeaderWorkerSets, ahead of the engine
 def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
     apiserver, _ = cluster
     create(apiserver, tiny("pruned"))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field, fields
 
+from pagoda_engine import capabilities
+
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
 
@@ -48,7 +50,8 @@ class CacheConfig:
     num_kv_pages: int | None = None  # override the measured pool size (tests)
     cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget
     # KV offload tiers below the device (ARCHITECTURE §4). Accepted so the operator's command
-    # line is stable; the engine refuses to start with any of them until the tiers exist.
+    # line is stable; the engine refuses to start with any of them until the tiers exist
+    # (capabilities.FEATURES says which).
     kv_offload_cpu_gb: float = 0.0
     kv_offload_disk_path: str | None = None
     kv_offload_disk_gb: float = 0.0
@@ -163,14 +166,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size (not implemented yet)")
-    p.add_argument("--kv-offload-disk-path", default=None, help="disk KV tier directory (not implemented yet)")
-    p.add_argument("--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size (not implemented yet)")
-    p.add_argument("--kv-offload-remote-url", default=None, help="remote KV tier, redis://… (not implemented yet)")
+    # The capability table's flags (capabilities.FEATURES).
+    _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
+    _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
+    _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="shard MoE experts over tensor × data ranks")
+    _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
+    _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
+    _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")
+    _add_feature_flag(p, "--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
+
+
+def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:
+    """A flag that asks for a feature of the capability table. Until the engine implements the
+    feature it is parsed, so that the engine refuses it by name, but left out of --help."""
+    action = parser.add_argument(*names, **kwargs)
+    action.help = help if capabilities.shown_in_help(action.dest) else argparse.SUPPRESS
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}

@@ -1,16 +1,18 @@
 """Is an InferenceService servable as written? A pure function from the resource to a list of
 problems, each a sentence that shows its arithmetic, so the user can fix the spec from the
-`Validated=False` condition (or `pagoda-operator render`) alone. Nothing here raises on user
-input; the handler creates nothing while the list is non-empty.
+`Validated=False` condition (or `pagoda-operator render`) alone. A spec that asks for what the
+engine cannot run yet is refused here too, with the engine's reason (engine_capabilities), so
+the user gets Validated=False, not a crash loop. Nothing here raises on user input; the
+handler creates nothing while the list is non-empty.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from pagoda_operator import sizing
+from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
 from pagoda_operator.quantity import gib
 from pagoda_operator.schema import SpecProblems
@@ -27,18 +29,29 @@ SCALER_MANAGER_PREFIX = "pagoda"
 
 @dataclass
 class Checked:
-    """The outcome of validation: the parsed spec when it parsed, and every problem found."""
+    """The outcome of validation: the parsed spec when it parsed, and every problem found.
+
+    `problems` holds them all (the Validated=False message); `unsupported` those of them that
+    only ask for engine features not implemented yet (engine_capabilities)."""
 
     spec: InferenceServiceSpec | None
     problems: list[str]
+    unsupported: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
         return not self.problems
 
+    @property
+    def renderable(self) -> bool:
+        """Right as written, apart from features the engine lacks: `render` can show what the
+        spec would become (for review and tests), though the operator applies none of it."""
+        return self.spec is not None and len(self.problems) == len(self.unsupported)
+
 
 def check(body: dict[str, Any]) -> Checked:
-    """Parse and validate a whole InferenceService object (metadata and spec)."""
+    """Parse and validate a whole InferenceService object (metadata and spec): its schema, its
+    arithmetic, and whether the engine it deploys can run it."""
     problems = _check_metadata(body.get("metadata") or {})
     try:
         spec = parse_spec(body.get("spec"))
@@ -46,7 +59,8 @@ def check(body: dict[str, Any]) -> Checked:
         return Checked(None, problems + e.problems)
     problems += validate_spec(spec)
     problems += _check_replicas_owner(spec, body.get("metadata") or {})
-    return Checked(spec, problems)
+    unsupported = engine_capabilities.unsupported(spec)
+    return Checked(spec, problems + unsupported, unsupported)
 
 
 def _check_metadata(meta: dict[str, Any]) -> list[str]:

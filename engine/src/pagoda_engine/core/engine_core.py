@@ -96,23 +96,13 @@ def _set_cpu_threads(model: torch.nn.Module) -> None:
 
 def _refuse_unimplemented(config: EngineConfig) -> None:
     """Options the command line accepts (the operator renders them) but this engine cannot honour
-    yet: refuse to start with a clear message rather than run without them."""
-    pc, cc = config.parallel, config.cache
-    missing = []
-    if pc.pipeline_parallel_size > 1:
-        missing.append("pipeline parallelism (--pipeline-parallel-size > 1; tensor parallelism works)")
-    if pc.data_parallel_size > 1:
-        missing.append("data parallelism inside one engine (--data-parallel-size > 1; "
-                       "scale out with replicas behind the router instead)")
-    if pc.enable_expert_parallel:
-        missing.append("expert parallelism (--enable-expert-parallel; MoE models are not served yet)")
-    if cc.kv_offload_cpu_gb or cc.kv_offload_disk_path or cc.kv_offload_disk_gb or cc.kv_offload_remote_url:
-        missing.append("KV offload tiers (--kv-offload-*)")
-    group_size = os.environ.get("LWS_GROUP_SIZE", "1")  # set by the operator on LeaderWorkerSet pods
-    if group_size.isdigit() and int(group_size) > 1:
-        missing.append(f"multi-node serving (a LeaderWorkerSet group of {group_size} pods)")
-    if missing:
-        raise ModelLoadError("not implemented in this engine yet: " + "; ".join(missing))
+    yet, as the capability table says: refuse to start with a clear message rather than run
+    without them. The operator refuses the same specs first (Validated=False)."""
+    from pagoda_engine.capabilities import refusal
+
+    reason = refusal(config, os.environ)
+    if reason is not None:
+        raise ModelLoadError(reason)
 
 
 class EngineCore:

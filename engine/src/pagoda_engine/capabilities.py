@@ -1,0 +1,131 @@
+"""What this engine can run: one table of the features a configuration can ask for, the flags
+(and environment) that ask for each, and whether this engine implements it.
+
+Three readers, one table: the engine core refuses at start-up a configuration that asks for a
+feature not implemented yet (`refusal`); `pagoda serve --help` hides the flags of those features
+(`shown_in_help`), though the parser still takes them so the refusal can name them; and the
+operator, which cannot import the engine (its image has no torch), refuses the same features in
+its validation from a generated copy of this table (`as_json`, written by `make capabilities` to
+operator/src/pagoda_operator/engine_capabilities.json; a test fails when it is stale). When a
+feature lands, flip `implemented` here and run `make capabilities`: the operator then accepts
+it, and tests/operator/test_engine_contract.py demands that it does.
+
+Torch-free, and imports nothing of the engine's at import time, so `config.py` and the CLI can
+use it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+
+@dataclass(frozen=True)
+class Feature:
+    key: str  # the name the operator's mirror uses
+    title: str  # what the feature is, as the refusal says it
+    implemented: bool
+    # EngineConfig fields (their flags' dests) that ask for the feature when set to anything
+    # other than their default.
+    options: tuple[str, ...] = ()
+    # Environment variables holding a count (the LeaderWorkerSet group size) that ask for the
+    # feature when above 1.
+    env: tuple[str, ...] = ()
+    hint: str = ""  # what works instead, while it is not implemented
+
+
+FEATURES: tuple[Feature, ...] = (
+    Feature("tensor-parallel", "tensor parallelism", True, options=("tensor_parallel_size",)),
+    Feature("pipeline-parallel", "pipeline parallelism", False, options=("pipeline_parallel_size",),
+            hint="tensor parallelism works"),
+    Feature("data-parallel", "data parallelism inside one engine", False, options=("data_parallel_size",),
+            hint="scale out with replicas behind the router instead"),
+    Feature("expert-parallel", "expert parallelism", False, options=("enable_expert_parallel",),
+            hint="MoE models are not served yet"),
+    Feature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
+            hint="tensor parallelism works inside one pod"),
+    Feature("kv-offload-cpu", "KV offload tiers in CPU memory", False, options=("kv_offload_cpu_gb",)),
+    Feature("kv-offload-disk", "KV offload tiers on local disk", False, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
+    Feature("kv-offload-remote", "KV offload tiers in a remote store", False, options=("kv_offload_remote_url",)),
+)
+
+BY_KEY = {f.key: f for f in FEATURES}
+_BY_OPTION = {option: f for f in FEATURES for option in f.options}
+
+
+def shown_in_help(option: str) -> bool:
+    """Whether the flag setting this EngineConfig field does something: flags of features not
+    implemented yet are parsed (to be refused by name) but not offered in --help."""
+    feature = _BY_OPTION.get(option)
+    return feature is None or feature.implemented
+
+
+def _non_default_options(config: Any) -> dict[str, Any]:
+    """EngineConfig's fields that differ from their defaults, by name (any section)."""
+    changed = {}
+    for section in (getattr(config, f.name) for f in fields(config)):
+        for f in fields(section):
+            value = getattr(section, f.name)
+            if f.name in _BY_OPTION and value != f.default:
+                changed[f.name] = value
+    return changed
+
+
+def _count(value: str | None) -> int:
+    return int(value) if value is not None and value.strip().isdigit() else 1
+
+
+def flag_of(option: str) -> str:
+    """The command-line flag that sets an EngineConfig field (vLLM's spelling)."""
+    return "--" + option.replace("_", "-")
+
+
+def _flag(option: str, value: Any) -> str:
+    return flag_of(option) if value is True else f"{flag_of(option)} {value}"
+
+
+def requested(config: Any, environ: Mapping[str, str]) -> list[tuple[Feature, str]]:
+    """The features this configuration (an EngineConfig) and environment ask for, each with what
+    asked for it (`--pipeline-parallel-size 2`, `LWS_GROUP_SIZE=2`), in table order."""
+    changed = _non_default_options(config)
+    out = []
+    for feature in FEATURES:
+        how = [_flag(option, changed[option]) for option in feature.options if option in changed]
+        how += [f"{name}={environ[name]}" for name in feature.env if _count(environ.get(name)) > 1]
+        if how:
+            out.append((feature, ", ".join(how)))
+    return out
+
+
+def refusal(config: Any, environ: Mapping[str, str]) -> str | None:
+    """Why this engine cannot run the configuration, or None when it can."""
+    missing = [
+        f"{feature.title} ({'; '.join(filter(None, [how, feature.hint]))})"
+        for feature, how in requested(config, environ) if not feature.implemented
+    ]
+    return "not implemented in this engine yet: " + "; ".join(missing) if missing else None
+
+
+def as_json() -> str:
+    """The table as the operator reads it: each feature with every flag (aliases included) that
+    asks for it, as `pagoda serve` spells them."""
+    import argparse
+
+    from pagoda_engine.config import add_engine_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    option_strings = {action.dest: action.option_strings for action in parser._actions}
+    table = [
+        {"key": f.key, "title": f.title, "implemented": f.implemented,
+         "flags": [flag for option in f.options for flag in option_strings[option]], "env": list(f.env), "hint": f.hint}
+        for f in FEATURES
+    ]
+    return json.dumps(table, indent=2) + "\n"
+
+
+if __name__ == "__main__":  # python -m pagoda_engine.capabilities FILE: write the operator's copy
+    with open(sys.argv[1], "w") as out:
+        out.write(as_json())

@@ -1,0 +1,91 @@
+"""What the engine the operator deploys can run, and which spec fields ask for what.
+
+The engine's capability table (pagoda_engine.capabilities) is the truth. The operator cannot
+import the engine (its image has no torch), so it reads a copy generated from that table,
+engine_capabilities.json (`make capabilities`; tests/operator/test_engine_contract.py fails when
+it is stale and proves, on the examples and a generated matrix of specs, that every spec the
+operator accepts renders a command line the engine runs, and that every spec the engine would
+refuse is refused here first, with the engine's reason).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+
+from pagoda_operator.spec import InferenceServiceSpec
+
+TABLE_FILE = "engine_capabilities.json"
+
+
+@dataclass(frozen=True)
+class EngineFeature:
+    key: str
+    title: str
+    implemented: bool
+    flags: tuple[str, ...] = ()  # `pagoda serve` flags that ask for it (in engine.extraArgs)
+    env: tuple[str, ...] = ()  # environment variables that ask for it when above 1 (in engine.env)
+    hint: str = ""
+
+
+def _load_table() -> tuple[EngineFeature, ...]:
+    rows = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
+    return tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])}) for row in rows)
+
+
+ENGINE_FEATURES = _load_table()
+BY_KEY = {f.key: f for f in ENGINE_FEATURES}
+TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
+
+
+def _flag_feature(arg: str) -> EngineFeature | None:
+    """The feature a command-line word asks for: its flag, `--flag=value`, or a prefix of a long
+    flag (argparse takes unambiguous abbreviations)."""
+    name = arg.split("=", 1)[0]
+    for feature in ENGINE_FEATURES:
+        for flag in feature.flags:
+            if name == flag or (name.startswith("--") and len(name) > 2 and flag.startswith(name)):
+                return feature
+    return None
+
+
+def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
+    """(feature key, the spec field that asks for it) for every engine feature the spec asks for."""
+    t = spec.topology
+    asked = [
+        (key, f"topology.{field}: {value}")
+        for key, field, value, on in (
+            ("tensor-parallel", "tensor", t.tensor, t.tensor > 1),
+            ("pipeline-parallel", "pipeline", t.pipeline, t.pipeline > 1),
+            ("data-parallel", "data", t.data, t.data > 1),
+            ("expert-parallel", "expert", "true", t.expert),
+            ("multi-node", "nodes", t.nodes, t.nodes > 1),
+        )
+        if on
+    ]
+    asked += [(TIER_FEATURES[tier.type], f"kvCache.tiers[{i}] ({tier.type})") for i, tier in enumerate(spec.kv_cache.tiers)]
+    for arg in spec.engine.extra_args:
+        feature = _flag_feature(arg)
+        if feature is not None:
+            asked.append((feature.key, f"engine.extraArgs: {arg}"))
+    for var in spec.engine.env:
+        feature = next((f for f in ENGINE_FEATURES if var.get("name") in f.env), None)
+        if feature is None:
+            continue
+        # The engine reads a count above 1 as asking; a value from elsewhere (valueFrom) may be one.
+        value = str(var.get("value") or "").strip()
+        if "valueFrom" in var or (value.isdigit() and int(value) > 1):
+            asked.append((feature.key, f"engine.env: {var['name']}={value or '(valueFrom)'}"))
+    return asked
+
+
+def unsupported(spec: InferenceServiceSpec) -> list[str]:
+    """One problem per spec field asking for a feature the engine does not implement yet."""
+    problems = []
+    for key, where in requested_features(spec):
+        feature = BY_KEY[key]
+        if not feature.implemented:
+            hint = f" ({feature.hint})" if feature.hint else ""
+            problems.append(f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet{hint}")
+    return problems
