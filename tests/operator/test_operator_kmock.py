@@ -9,12 +9,12 @@ import threading
 import time
 from typing import Any, Callable
 
+import httpx
 import kopf
 import pytest
 
-from pagoda_operator import handlers
+from pagoda_operator import handlers, kube
 from pagoda_operator import render as r
-from pagoda_operator.kube import KubeClient, resource_path
 from tests.operator.apiserver import BackgroundApiServer
 from tests.operator.support import load_example
 
@@ -57,7 +57,7 @@ class Operator:
         ready = threading.Event()
 
         def run() -> None:
-            memo = kopf.Memo(kube=KubeClient(server=url), images=r.Images())
+            memo = kopf.Memo(kube=kube.connect(url), images=r.Images())
             asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
                                       stop_flag=self._stop, ready_flag=ready, memo=memo))
 
@@ -81,24 +81,26 @@ def cluster():
     apiserver.close()
 
 
-def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None, content_type: str = "application/json") -> dict:
-    async def go() -> dict:
-        kube = KubeClient(server=apiserver.url)
-        try:
-            return await kube.request(method, path, body=body, content_type=content_type)
-        finally:
-            await kube.close()
+def path_of(kind: tuple, name: str | None = None, subresource: str | None = None) -> str:
+    group, version, plural = kind
+    base = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    return f"{base}/namespaces/{NS}/{plural}" + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
 
-    return apiserver.call(go())
+
+def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None,
+            content_type: str = "application/json", **params: str) -> dict:
+    """A write of another client (a user, a controller), straight to the emulated API server."""
+    response = httpx.request(method, apiserver.url + path, json=body, params=params, headers={"content-type": content_type})
+    response.raise_for_status()
+    return response.json()
 
 
 def create(apiserver: BackgroundApiServer, body: dict) -> dict:
-    return request(apiserver, "POST", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS), body)
+    return request(apiserver, "POST", path_of(IS), body)
 
 
 def patch_spec(apiserver: BackgroundApiServer, name: str, spec: dict) -> dict:
-    return request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, name), {"spec": spec},
-                   "application/merge-patch+json")
+    return request(apiserver, "PATCH", path_of(IS, name), {"spec": spec}, "application/merge-patch+json")
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
@@ -156,8 +158,7 @@ def mark_rolled_out(apiserver: BackgroundApiServer, name: str, replicas: int) ->
     obj = get(apiserver, DEPLOYMENTS, name)
     status = {"observedGeneration": obj["metadata"]["generation"], "replicas": replicas, "readyReplicas": replicas,
               "updatedReplicas": replicas, "availableReplicas": replicas}
-    request(apiserver, "PATCH", resource_path("apps/v1", "Deployment", NS, name) + "/status", {"status": status},
-            "application/merge-patch+json")
+    request(apiserver, "PATCH", path_of(DEPLOYMENTS, name, "status"), {"status": status}, "application/merge-patch+json")
 
 
 def tiny(name: str = "tiny") -> dict:
@@ -383,16 +384,16 @@ def test_replicas_set_through_the_scale_subresource_reach_the_engine(cluster):
     wait_for("engine at minReplicas", lambda: (get(apiserver, DEPLOYMENTS, "scaled-engine") or {}).get("spec", {}).get("replicas") == 1)
 
     # What HPA, KEDA or Pagoda's autoscaler do: write a Scale.
-    path = resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "/scale"
-    scale = request(apiserver, "PATCH", path + "?fieldManager=pagoda-autoscaler", {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    scale = request(apiserver, "PATCH", path_of(IS, "scaled", "scale"), {"spec": {"replicas": 3}}, "application/merge-patch+json",
+                    fieldManager="pagoda-autoscaler")
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
     wait_for("engine at 3", lambda: get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3)
     conds = wait_for("generation 2", lambda: status_of(apiserver, "scaled").get("observedGeneration") == 2 and conditions(get(apiserver, IS, "scaled")))
     assert conds["Validated"]["status"] == "True"
 
     # A user writing replicas next to autoscaling is told to choose.
-    request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "?fieldManager=kubectl-edit",
-            {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    request(apiserver, "PATCH", path_of(IS, "scaled"), {"spec": {"replicas": 2}}, "application/merge-patch+json",
+            fieldManager="kubectl-edit")
     conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "scaled")).get("Validated", {}).get("status") == "False"
                      and conditions(get(apiserver, IS, "scaled")))
     assert "replicas: set replicas or autoscaling, not both (set by kubectl-edit)" in conds["Validated"]["message"]
