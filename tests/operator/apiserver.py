@@ -122,6 +122,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.writes: list[Write] = []
+        self.stored: list[tuple[tuple, dict, str]] = []  # every version stored, in order: (key, object, its writer)
         self._versions = itertools.count(1)
         self._owners: dict[tuple, dict[ssa.Owner, set]] = {}  # object key → manager → the paths it owns
         definition = crd.crd()["spec"]
@@ -157,11 +158,12 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["resourceVersion"] = old_meta.get("resourceVersion", "0")
         return new
 
-    async def _store(self, key: tuple, new: dict, old: dict | None) -> bool:
+    async def _store(self, key: tuple, new: dict, old: dict | None, writer: str) -> bool:
         """Store new unless equal to old; True when something changed."""
         if old is not None and new == old:
             return False
         new["metadata"]["resourceVersion"] = str(next(self._versions))
+        self.stored.append((key, copy.deepcopy(new), writer))
         if key not in self._objects:
             self._objects[key] = new
         else:
@@ -190,7 +192,7 @@ class ApiServer(kmock.KubernetesEmulator):
             self._record_owner(key, request, content_type, data)
             new = copy.deepcopy(data)
             new["metadata"]["managedFields"] = ssa.managed_fields(self._owners.get(key, {}))
-            return await self._store(key, self._server_fields(new, None), None), key
+            return await self._store(key, self._server_fields(new, None), None, request.params.get("fieldManager")), key
 
         status_only = request.subresource == "status"
         if request.subresource == "scale":
@@ -236,7 +238,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if changed and content_type != "application/apply-patch+yaml":
             self._record_owner(key, request, content_type, data)
         new.setdefault("metadata", {})["managedFields"] = ssa.managed_fields(self._owners.get(key, {}))
-        return await self._store(key, self._server_fields(new, old), old), key
+        return await self._store(key, self._server_fields(new, old), old, request.params.get("fieldManager")), key
 
     def _schema(self, resource: Any) -> dict:
         return self._schemas.get((resource.group, resource.version, resource.plural), {})
@@ -287,6 +289,12 @@ class ApiServer(kmock.KubernetesEmulator):
             if (resource.group, resource.version, resource.plural, ns, obj_name) == (group, version, plural, namespace, name):
                 return None if obj.deleted else copy.deepcopy(obj.raw)
         return None
+
+    def versions(self, group: str, version: str, plural: str, namespace: str, name: str) -> list[tuple[dict, str | None]]:
+        """Every version of one object the server stored, oldest first, with the field manager
+        of the write that made it."""
+        return [(copy.deepcopy(obj), writer) for (resource, ns, obj_name), obj, writer in list(self.stored)
+                if (resource.group, resource.version, resource.plural, ns, obj_name) == (group, version, plural, namespace, name)]
 
     def names(self, group: str, version: str, plural: str, namespace: str) -> list[str]:
         return sorted(
