@@ -177,8 +177,12 @@ def autoscaler_operator(url: str):
         asyncio.set_event_loop(loop)
         holder["stop"] = asyncio.Event()
         ready.set()
-        loop.run_until_complete(kopf.operator(registry=registry, standalone=True, clusterwide=True,
-                                              stop_flag=holder["stop"], memo=kopf.Memo(kube=kube.connect(url))))
+        client = kube.connect(url)
+        try:
+            loop.run_until_complete(kopf.operator(registry=registry, standalone=True, clusterwide=True,
+                                                  stop_flag=holder["stop"], memo=kopf.Memo(kube=client)))
+        finally:
+            loop.run_until_complete(client.close())
 
     thread = threading.Thread(target=main, name="kopf-autoscaler", daemon=True)
     thread.start()

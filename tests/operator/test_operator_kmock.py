@@ -57,10 +57,16 @@ class Operator:
         self._stop = threading.Event()
         ready = threading.Event()
 
+        async def operator() -> None:
+            client = kube.connect(url)
+            try:
+                await kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=self._stop,
+                                    ready_flag=ready, memo=kopf.Memo(kube=client, images=r.Images()))
+            finally:
+                await client.close()
+
         def run() -> None:
-            memo = kopf.Memo(kube=kube.connect(url), images=r.Images())
-            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                      stop_flag=self._stop, ready_flag=ready, memo=memo))
+            asyncio.run(operator())
 
         self._thread = threading.Thread(target=run, name="operator", daemon=True)
         self._thread.start()

@@ -25,6 +25,7 @@ import logging
 from typing import Any
 
 import kopf
+from lightkube import AsyncClient
 
 from pagoda_operator import kube
 from pagoda_operator import render as r
@@ -66,14 +67,14 @@ def _images(memo: Any) -> r.Images:
     return getattr(memo, "images", None) or r.Images.from_env()
 
 
-async def _engine_and_router(client: Any, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
+async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
     engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
     engine = await kube.get(client, *engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
     router = await kube.get(client, "apps/v1", "Deployment", namespace, name)
     return engine, router
 
 
-async def observe(client: Any, current: dict[str, Any], checked: Checked, generation: int, **decided: Any) -> Observation:
+async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked, generation: int, **decided: Any) -> Observation:
     """What the children and the spec say now. `decided`: validated, problems, degraded, when a
     reconcile decided them (a refresh keeps the conditions it wrote)."""
     meta = current["metadata"]
@@ -88,7 +89,7 @@ async def observe(client: Any, current: dict[str, Any], checked: Checked, genera
     return obs
 
 
-async def write_status(client: Any, namespace: str, name: str, observe_now: Any) -> None:
+async def write_status(client: AsyncClient, namespace: str, name: str, observe_now: Any) -> None:
     """Compute the operator's part of the status from a fresh read and apply it when it differs;
     Events for transitions. observe_now(current) builds the Observation (None: write nothing).
 
@@ -149,7 +150,7 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         raise kopf.TemporaryError("applying children failed; see the Degraded condition", delay=30)
 
 
-async def prune(client: Any, body: dict[str, Any], rendered: list[dict[str, Any]], served: dict[tuple[str, str], bool]) -> None:
+async def prune(client: AsyncClient, body: dict[str, Any], rendered: list[dict[str, Any]], served: dict[tuple[str, str], bool]) -> None:
     """Delete children the spec no longer asks for (an Ingress switched off, the Deployment after
     a move to a LeaderWorkerSet): those of this InferenceService, by label and owner uid, that
     the renderer did not return."""
@@ -168,7 +169,7 @@ async def prune(client: Any, body: dict[str, Any], rendered: list[dict[str, Any]
                 await kube.delete(client, api_version, kind, namespace, child_meta["name"])
 
 
-async def refresh(client: Any, namespace: str, name: str) -> None:
+async def refresh(client: AsyncClient, namespace: str, name: str) -> None:
     """Recompute Ready/Progressing and the counts of a reconciled InferenceService from its
     children, keeping the conditions only a reconcile decides (Validated, Degraded)."""
 

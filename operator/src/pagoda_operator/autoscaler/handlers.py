@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from lightkube import AsyncClient
 
 from pagoda_operator import kube
 from pagoda_operator.autoscaler.decision import (DEFAULT_INTERVAL_S, Decision, History, Observation, decide,
@@ -108,7 +109,7 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
 
 # ---- Kubernetes side effects ----------------------------------------------------------------
 
-async def apply_outcome(client: Any, body: dict, outcome: Outcome, post_event=None) -> None:
+async def apply_outcome(client: AsyncClient, body: dict, outcome: Outcome, post_event=None) -> None:
     """Scale (when the replicas change), apply the autoscaler's status, post an Event."""
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
