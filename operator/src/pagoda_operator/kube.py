@@ -3,14 +3,14 @@ Events): server-side apply of children and of the status, reads, prunes, the sca
 whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
 reconciler and the autoscaler; `pagoda route` watches EndpointSlices with the same library.
 
-Why lightkube, of the maintained async clients (kr8s, kubernetes_asyncio, lightkube): it does
-server-side apply on any resource and on its `Status` and `Scale` subresources
-(`PatchType.APPLY`, field manager, force), has typed models of the built-in kinds and generic
-resources for CRDs, list and watch with resourceVersion, reads the service account or a
-kubeconfig, and runs on httpx against any URL, kmock's emulator included; it is small (two
-dependencies of its own). kubernetes_asyncio can do the same through a large generated API on
-aiohttp; kr8s's object-oriented API (objects that patch and scale themselves) suits scripts more
-than an operator that applies rendered dicts.
+Why lightkube, of the maintained async clients on PyPI (kr8s, kubernetes_asyncio, lightkube): it
+does server-side apply (`PatchType.APPLY`, field manager, force) on any resource and on its
+`Status` and `Scale` subresources, has typed models of the built-in kinds and generic resources
+for CRDs, lists and watches from a resourceVersion, reads the service account or a kubeconfig,
+and talks HTTP (httpx2) to any URL, kmock's emulator included; its own dependencies are few (its
+models, msgspec, pyyaml, httpx2). kubernetes_asyncio covers the same through a large generated
+API on aiohttp. kr8s's objects patch with merge or JSON patch only (no server-side apply) and
+scale by patching spec rather than through the scale subresource.
 
 Children stay plain dicts (`render` returns them, `conditions` reads them): this module turns a
 dict into the call for its kind and a typed answer back into a dict.

@@ -112,8 +112,6 @@ class EndpointSliceWatcher:
                         self._apply(event_type, obj.to_dict())
                         self._publish()
                         backoff = 0.5
-                except asyncio.CancelledError:
-                    raise
                 except Exception as e:  # noqa: BLE001 - any failure means: list again, after a pause
                     log.warning("EndpointSlice watch for %s/%s failed (%s); relisting in %.1fs",
                                 self.namespace, self.service, e, backoff)
