@@ -499,6 +499,8 @@ def test_the_reconciler_and_the_autoscaler_never_overwrite_each_others_condition
         others = every - own.get(writer, set())
         assert {t: c for t, c in conditions(after).items() if t in others} == \
             {t: c for t, c in conditions(before).items() if t in others}, writer
+    status_writes = [w for w in apiserver.api.writes if w.path == path_of(IS, "both", "status")]
+    assert {(w.method, w.content_type, w.params.get("force")) for w in status_writes} == {("PATCH", "application/apply-patch+yaml", "true")}
     writers = [writer for _, writer in versions[first + 1:]]
     assert writers.count("pagoda-operator") >= 2 and writers.count("pagoda-autoscaler") >= 2
     assert set(writers) <= {"pagoda-operator", "pagoda-autoscaler", None}  # None: kopf's annotations on the main resource
