@@ -153,23 +153,21 @@ def emulated_cluster(tmp_path: Path):
         apiserver.close()
 
 
-_server: dict = {"url": None}
-
-
 @contextlib.contextmanager
 def autoscaler_operator(url: str):
-    """kopf.operator() with the autoscaler's handlers (kopf's default registry) against `url`."""
+    """kopf.operator() with the autoscaler's handlers only (registered as the operator does,
+    `autoscaler.handlers.register`) against `url`, with the operator's API client in its memo."""
     import kopf
 
-    import pagoda_operator.autoscaler.handlers  # noqa: F401 - registers the timer
+    from pagoda_operator import kube
+    from pagoda_operator.autoscaler import handlers
 
-    _server["url"] = url
-    registry = kopf.get_default_registry()
-    if not any(h.id == "pagoda-emulator-login" for h in registry._activities.get_all_handlers()):
-        # Registered once per process (the default registry is global); reads the current server.
-        @kopf.on.login(id="pagoda-emulator-login")
-        def _login(**_):
-            return kopf.ConnectionInfo(server=_server["url"], insecure=True, token="test-token")
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry)
+
+    @kopf.on.login(registry=registry)
+    def _login(**_):
+        return kopf.ConnectionInfo(server=url, insecure=True, token="test-token")
 
     loop = asyncio.new_event_loop()
     ready = threading.Event()
@@ -179,7 +177,12 @@ def autoscaler_operator(url: str):
         asyncio.set_event_loop(loop)
         holder["stop"] = asyncio.Event()
         ready.set()
-        loop.run_until_complete(kopf.operator(standalone=True, clusterwide=True, stop_flag=holder["stop"]))
+        client = kube.connect(url)
+        try:
+            loop.run_until_complete(kopf.operator(registry=registry, standalone=True, clusterwide=True,
+                                                  stop_flag=holder["stop"], memo=kopf.Memo(kube=client)))
+        finally:
+            loop.run_until_complete(client.close())
 
     thread = threading.Thread(target=main, name="kopf-autoscaler", daemon=True)
     thread.start()

@@ -140,10 +140,9 @@ def test_malformed_requests_get_the_engines_answer_from_the_router(stack, body):
 DOWN_DELAY_S = 5
 
 
-def test_burst_scales_up_and_quiet_scales_down_after_the_delay(stack, tmp_path, monkeypatch):
+def test_burst_scales_up_and_quiet_scales_down_after_the_delay(stack, tmp_path):
     u = stack["url"]
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         # minReplicas 2: an idle start stays at 2, so the only scale-down is the one after the burst
         cluster.create(inference_service("tiny", replicas=2, autoscaling={
             "minReplicas": 2, "maxReplicas": 4, "policy": "queue", "target": 1, "scaleUpDelay": "0s",
@@ -187,10 +186,9 @@ def test_burst_scales_up_and_quiet_scales_down_after_the_delay(stack, tmp_path, 
               "the ScaledUp and ScaledDown Events")
 
 
-def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path, monkeypatch):
+def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path):
     u = stack["url"]
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("zero", replicas=0, autoscaling={
             "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": f"{DOWN_DELAY_S}s",
             "intervalSeconds": 1, "prometheusURL": u["prom"]}))
@@ -219,9 +217,8 @@ def test_held_request_scales_from_zero_then_idle_scales_to_zero(stack, tmp_path,
                     engine.stop()
 
 
-def test_prometheus_stopped_sets_scaling_ready_false_and_changes_nothing(stack, tmp_path, monkeypatch):
+def test_prometheus_stopped_sets_scaling_ready_false_and_changes_nothing(stack, tmp_path):
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("tiny", replicas=2, autoscaling={
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
             "prometheusURL": stack["url"]["prom"]}))

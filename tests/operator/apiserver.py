@@ -9,10 +9,9 @@ every write into the stored dict and keeps no server-side metadata):
      event. The tests count the writes that did change something.
   3. Optimistic concurrency: a patch carrying metadata.resourceVersion that is not the current
      one fails with 409 Conflict.
-  4. Server-side apply (application/apply-patch+yaml): creates a missing object; otherwise the
-     applied configuration replaces what the same field manager applied before (fields it no
-     longer applies are removed, fields of other writers are kept). Lists are replaced as a
-     whole (atomic); the real server merges some lists by key (e.g. containers by name).
+  4. Server-side apply (application/apply-patch+yaml), with field ownership, map lists merged by
+     key where the CRD's schema says so (the InferenceService's conditions, by type), conflicts
+     and force: see server_side_apply.py, the shim that implements it.
   5. The status subresource: for kinds that declare it, writes to the main resource leave
      status alone and writes to /status change only status.
   6. JSON merge patch (RFC 7386) for application/merge-patch+json: null removes a key, lists
@@ -20,9 +19,8 @@ every write into the stored dict and keeps no server-side metadata):
      application/json-patch+json, a failed test answering 422 (kopf adds finalizers so).
   7. metadata.generateName: the server picks a unique name on create (kopf's Events use it).
   8. The scale subresource: a Scale written to .../scale sets spec.replicas and nothing else.
-  9. metadata.managedFields: each write that changes the object records its manager, operation
-     and subresource as owner of the fields it wrote, taking them from earlier owners (no
-     timestamps; lists are owned whole).
+  9. metadata.managedFields: each apply, and each other write that changes the object, records
+     its manager, operation and subresource as owner of its fields (server_side_apply.py).
 Not emulated: garbage collection through owner references, admission, defaulting, strategic
 merge patch (the operator does not use it).
 """
@@ -40,6 +38,9 @@ from typing import Any
 
 import aiohttp.web
 import kmock
+
+from pagoda_operator import crd
+from tests.operator import server_side_apply as ssa
 
 RESOURCES = {
     # (group, version, plural): (kind, subresources); kopf needs the first two discoverable
@@ -115,32 +116,18 @@ def _json_patch(doc: Any, operations: list[dict]) -> Any:
     return doc
 
 
-def _leaf_paths(obj: Any, prefix: tuple = ()) -> list[tuple]:
-    if isinstance(obj, dict) and obj:
-        return [path for key, value in obj.items() for path in _leaf_paths(value, prefix + (key,))]
-    return [prefix] if prefix else []
-
-
-def _drop_unapplied(target: dict, previous: dict, applied: dict) -> None:
-    """Remove from target the fields the manager applied before but applies no longer."""
-    for key, old_value in previous.items():
-        if key not in target:
-            continue
-        if key not in applied:
-            del target[key]
-        elif isinstance(old_value, dict) and isinstance(applied[key], dict) and isinstance(target[key], dict):
-            _drop_unapplied(target[key], old_value, applied[key])
-
-
 class ApiServer(kmock.KubernetesEmulator):
     """The emulator with the extensions listed in the module docstring."""
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         self.writes: list[Write] = []
+        self.stored: list[tuple[tuple, dict, str]] = []  # every version stored, in order: (key, object, its writer)
         self._versions = itertools.count(1)
-        self._applied: dict[tuple, dict[str, dict]] = {}  # object key → manager → last applied
-        self._owners: dict[tuple, dict[tuple, set]] = {}  # object key → (manager, operation, subresource) → paths
+        self._owners: dict[tuple, dict[ssa.Owner, set]] = {}  # object key → manager → the paths it owns
+        definition = crd.crd()["spec"]
+        self._schemas = {(definition["group"], v["name"], definition["names"]["plural"]): v["schema"]["openAPIV3Schema"]
+                         for v in definition["versions"]}
         for (group, version, plural), (kind, subresources) in RESOURCES.items():
             self.resources[f"{group}/{version}/{plural}" if group else f"{version}/{plural}"] = kmock.ResourceInfo(
                 kind=kind, namespaced=kind not in CLUSTER_SCOPED, verbs={"get", "list", "watch", "create", "patch", "delete"},
@@ -171,11 +158,12 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["resourceVersion"] = old_meta.get("resourceVersion", "0")
         return new
 
-    async def _store(self, key: tuple, new: dict, old: dict | None) -> bool:
+    async def _store(self, key: tuple, new: dict, old: dict | None, writer: str) -> bool:
         """Store new unless equal to old; True when something changed."""
         if old is not None and new == old:
             return False
         new["metadata"]["resourceVersion"] = str(next(self._versions))
+        self.stored.append((key, copy.deepcopy(new), writer))
         if key not in self._objects:
             self._objects[key] = new
         else:
@@ -203,8 +191,8 @@ class ApiServer(kmock.KubernetesEmulator):
                 raise kmock.KubernetesError(status=409, reason="AlreadyExists", message=f"{key[2]} already exists")
             self._record_owner(key, request, content_type, data)
             new = copy.deepcopy(data)
-            new["metadata"]["managedFields"] = self._managed_fields(key)
-            return await self._store(key, self._server_fields(new, None), None), key
+            new["metadata"]["managedFields"] = ssa.managed_fields(self._owners.get(key, {}))
+            return await self._store(key, self._server_fields(new, None), None, request.params.get("fieldManager")), key
 
         status_only = request.subresource == "status"
         if request.subresource == "scale":
@@ -214,11 +202,11 @@ class ApiServer(kmock.KubernetesEmulator):
             manager = request.params.get("fieldManager")
             if not manager:
                 raise kmock.KubernetesError(status=400, reason="BadRequest", message="fieldManager is required for apply")
-            previous = self._applied.setdefault(key, {}).get(manager, {})
-            base = copy.deepcopy(old) if old is not None else {}
-            _drop_unapplied(base, previous, data)
-            new = _merge_patch(base, copy.deepcopy(data))
-            self._applied[key][manager] = copy.deepcopy(data)
+            try:
+                new = ssa.apply(old or {}, data, self._owners.setdefault(key, {}), (manager, "Apply", self._subresource(request)),
+                                self._schema(key[0]), force=request.params.get("force") == "true", keep=self._scope(request))
+            except ssa.ApplyConflict as e:
+                raise kmock.KubernetesError(status=409, reason="Conflict", message=f"Apply failed with conflicts: {e}") from None
         else:
             if old is None:
                 raise kmock.KubernetesObjectNotFoundError()
@@ -245,42 +233,38 @@ class ApiServer(kmock.KubernetesEmulator):
                 new.pop("status", None)
                 if "status" in old:
                     new["status"] = old["status"]
-        if old is not None and {**new, "metadata": {**new.get("metadata", {}), "managedFields": None}} != \
-                {**old, "metadata": {**old["metadata"], "managedFields": None}}:
+        changed = old is None or {**new, "metadata": {**new.get("metadata", {}), "managedFields": None}} != \
+            {**old, "metadata": {**old["metadata"], "managedFields": None}}
+        if changed and content_type != "application/apply-patch+yaml":
             self._record_owner(key, request, content_type, data)
-        elif old is None:
-            self._record_owner(key, request, content_type, data)
-        new.setdefault("metadata", {})["managedFields"] = self._managed_fields(key)
-        return await self._store(key, self._server_fields(new, old), old), key
+        new.setdefault("metadata", {})["managedFields"] = ssa.managed_fields(self._owners.get(key, {}))
+        return await self._store(key, self._server_fields(new, old), old, request.params.get("fieldManager")), key
+
+    def _schema(self, resource: Any) -> dict:
+        return self._schemas.get((resource.group, resource.version, resource.plural), {})
+
+    @staticmethod
+    def _subresource(request: Any) -> str | None:
+        return request.subresource if request.subresource in ("status", "scale") else None
+
+    def _scope(self, request: Any) -> Any:
+        """Which paths a write to this endpoint can own: status only through /status (where the
+        kind has it), never the server's metadata, nor apiVersion, kind, name, namespace."""
+        status_only = request.subresource == "status"
+        separate_status = status_only or self._has_status_subresource(request.resource)
+
+        def keep(path: tuple) -> bool:
+            if path[0] in ("apiVersion", "kind") or path[:2] in {("metadata", f) for f in SERVER_METADATA + ("name", "namespace", "managedFields")}:
+                return False
+            return path[0] == "status" if status_only else not (separate_status and path[0] == "status")
+
+        return keep
 
     def _record_owner(self, key: tuple, request: Any, content_type: str, data: dict) -> None:
-        """Field ownership (managedFields): the writer takes the fields its write names."""
+        """Field ownership of a write that is not an apply: the writer takes the fields it wrote."""
         manager = request.params.get("fieldManager") or "unknown"
-        operation = "Apply" if content_type == "application/apply-patch+yaml" else "Update"
-        subresource = request.subresource if request.subresource in ("status", "scale") else None
-        body = {k: v for k, v in data.items() if k not in ("apiVersion", "kind")}
-        body["metadata"] = {k: v for k, v in (body.get("metadata") or {}).items() if k not in SERVER_METADATA + ("managedFields",)}
-        paths = set(_leaf_paths(body))
-        owners = self._owners.setdefault(key, {})
-        for owned in owners.values():
-            owned -= paths
-        owners.setdefault((manager, operation, subresource), set()).update(paths)
-
-    def _managed_fields(self, key: tuple) -> list[dict]:
-        entries = []
-        for (manager, operation, subresource), owned in sorted(self._owners.get(key, {}).items(), key=str):
-            if not owned:
-                continue
-            fields: dict = {}
-            for path in sorted(owned):
-                node = fields
-                for part in path:
-                    node = node.setdefault(f"f:{part}", {})
-            entry = {"manager": manager, "operation": operation, "fieldsType": "FieldsV1", "fieldsV1": fields}
-            if subresource:
-                entry["subresource"] = subresource
-            entries.append(entry)
-        return entries
+        ssa.update(self._owners.setdefault(key, {}), (manager, "Update", self._subresource(request)), data,
+                   self._schema(key[0]), keep=self._scope(request))
 
     async def _handle(self, request: Any) -> Any:
         if request.resource is not None and request.action in (kmock.action.CREATE, kmock.action.UPDATE):
@@ -305,6 +289,12 @@ class ApiServer(kmock.KubernetesEmulator):
             if (resource.group, resource.version, resource.plural, ns, obj_name) == (group, version, plural, namespace, name):
                 return None if obj.deleted else copy.deepcopy(obj.raw)
         return None
+
+    def versions(self, group: str, version: str, plural: str, namespace: str, name: str) -> list[tuple[dict, str | None]]:
+        """Every version of one object the server stored, oldest first, with the field manager
+        of the write that made it."""
+        return [(copy.deepcopy(obj), writer) for (resource, ns, obj_name), obj, writer in list(self.stored)
+                if (resource.group, resource.version, resource.plural, ns, obj_name) == (group, version, plural, namespace, name)]
 
     def names(self, group: str, version: str, plural: str, namespace: str) -> list[str]:
         return sorted(

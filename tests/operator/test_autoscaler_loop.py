@@ -19,6 +19,7 @@ from k8s_emulator import autoscaler_operator, emulated_cluster, inference_servic
 from pagoda_e2e import (PROMETHEUS, PYTHON, Proc, free_port, prometheus_config, start_prometheus,  # noqa: E402
                         start_router, until)
 
+from pagoda_operator import kube  # noqa: E402
 from pagoda_operator.autoscaler import handlers  # noqa: E402
 from pagoda_operator.autoscaler.prometheus import PrometheusClient, queries  # noqa: E402
 
@@ -83,10 +84,9 @@ def test_prometheus_client_reads_the_policy_metrics_and_tells_absent_from_zero(s
 DOWN_DELAY_S = 5
 
 
-def test_queue_scales_up_at_once_then_down_one_step_per_delay(stack, tmp_path, monkeypatch):
+def test_queue_scales_up_at_once_then_down_one_step_per_delay(stack, tmp_path):
     set_waiting(stack, 0)
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("svc", replicas=2, autoscaling={
             "minReplicas": 2, "maxReplicas": 5, "policy": "queue", "target": 2, "scaleUpDelay": "0s",
             "scaleDownDelay": f"{DOWN_DELAY_S}s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
@@ -133,18 +133,23 @@ def test_a_stale_body_after_a_scale_write_neither_rescales_nor_repeats_the_event
     events = []
     monkeypatch.setattr(kopf, "event", lambda body, **kw: events.append(kw))
     with emulated_cluster(tmp_path) as cluster:
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("svc", replicas=2, autoscaling={
             "minReplicas": 2, "maxReplicas": 5, "policy": "queue", "target": 2, "scaleDownDelay": "600s",
             "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
         cluster.set_status("svc", {"replicas": 2, "readyReplicas": 2})
-        memo: dict = {}
+        memo = kopf.Memo()
+
+        async def tick_in_a_loop(body: dict) -> None:
+            memo.kube = kube.connect(cluster.url)  # a client per event loop (asyncio.run makes one each)
+            try:
+                await handlers.autoscale(body=body, spec=body["spec"], memo=memo)
+            finally:
+                await memo.kube.close()
 
         def tick(body: dict) -> dict:
-            patch = kopf.Patch()
-            asyncio.run(handlers.autoscale(body=body, spec=body["spec"], memo=memo, patch=patch))
+            asyncio.run(tick_in_a_loop(body))
             memo["pagoda_autoscaler"]["last"] = 0.0  # the next tick decides at once
-            return patch.status["autoscaling"]["lastDecision"]
+            return cluster.get("svc")["status"]["autoscaling"]["lastDecision"]
 
         set_waiting(stack, 8)
         try:
@@ -165,9 +170,8 @@ def test_a_stale_body_after_a_scale_write_neither_rescales_nor_repeats_the_event
         assert [e["reason"] for e in scaling] == ["ScaledUp"] and scaling[0]["message"].startswith("2 -> 4 replicas")
 
 
-def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path, monkeypatch):
+def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(stack, tmp_path):
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("zero", replicas=0, autoscaling={
             "minReplicas": 0, "maxReplicas": 2, "policy": "queue", "scaleDownDelay": "60s",
             "intervalSeconds": 1, "prometheusURL": stack["prom"]}))
@@ -187,9 +191,8 @@ def test_held_request_scales_from_zero_and_is_served_when_the_replica_comes_up(s
                 engine.stop()
 
 
-def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_path, monkeypatch):
+def test_prometheus_down_sets_scaling_ready_false_and_keeps_replicas(stack, tmp_path):
     with emulated_cluster(tmp_path) as cluster, autoscaler_operator(cluster.url):
-        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
         cluster.create(inference_service("svc", replicas=2, autoscaling={
             "minReplicas": 1, "maxReplicas": 4, "scaleDownDelay": "600s", "intervalSeconds": 1,
             "prometheusURL": stack["prom"]}))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagoda_operator.conditions import Observation, compute_status, transitions
+from pagoda_operator.conditions import Observation, compute_status, is_current, transitions
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -41,13 +41,18 @@ def test_transition_time_moves_only_when_the_status_flips():
     assert times == {"Ready": T1, "Progressing": T1, "Degraded": T0, "Validated": T0}
 
 
-def test_other_conditions_and_autoscaling_fields_are_left_alone():
+def test_the_autoscalers_conditions_and_fields_are_not_the_reconcilers():
     scaling = {"type": "ScalingReady", "status": "False", "reason": "PrometheusUnreachable", "message": "x",
                "lastTransitionTime": T0, "observedGeneration": 1}
     current = {"conditions": [scaling], "autoscaling": {"desiredReplicas": 4}}
     status = compute_status(current, Observation(generation=1, validated=True, desired_replicas=1), T1)
-    assert status["conditions"][-1] == scaling
-    assert "autoscaling" not in status  # merge-patching this status leaves the autoscaler's field as is
+    # What the reconciler applies is what it owns: ScalingReady and autoscaling stay the autoscaler's.
+    assert [c["type"] for c in status["conditions"]] == ["Ready", "Progressing", "Degraded", "Validated"]
+    assert "autoscaling" not in status
+    # Applied, the status holds both writers' conditions (in any order): nothing left to write.
+    applied = {**current, **status, "conditions": [scaling] + status["conditions"]}
+    assert is_current(applied, compute_status(applied, Observation(generation=1, validated=True, desired_replicas=1), T1))
+    assert not is_current(current, status)
 
 
 def test_invalid_spec_and_missing_crds():

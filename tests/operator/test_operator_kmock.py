@@ -5,16 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import threading
 import time
 from typing import Any, Callable
 
+import httpx
 import kopf
 import pytest
 
-from pagoda_operator import handlers
+from pagoda_operator import handlers, kube
 from pagoda_operator import render as r
-from pagoda_operator.kube import KubeClient, resource_path
 from tests.operator.apiserver import BackgroundApiServer
 from tests.operator.support import load_example
 
@@ -56,10 +57,16 @@ class Operator:
         self._stop = threading.Event()
         ready = threading.Event()
 
+        async def operator() -> None:
+            client = kube.connect(url)
+            try:
+                await kopf.operator(registry=registry, clusterwide=True, standalone=True, stop_flag=self._stop,
+                                    ready_flag=ready, memo=kopf.Memo(kube=client, images=r.Images()))
+            finally:
+                await client.close()
+
         def run() -> None:
-            memo = kopf.Memo(kube=KubeClient(server=url), images=r.Images())
-            asyncio.run(kopf.operator(registry=registry, clusterwide=True, standalone=True,
-                                      stop_flag=self._stop, ready_flag=ready, memo=memo))
+            asyncio.run(operator())
 
         self._thread = threading.Thread(target=run, name="operator", daemon=True)
         self._thread.start()
@@ -81,24 +88,26 @@ def cluster():
     apiserver.close()
 
 
-def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None, content_type: str = "application/json") -> dict:
-    async def go() -> dict:
-        kube = KubeClient(server=apiserver.url)
-        try:
-            return await kube.request(method, path, body=body, content_type=content_type)
-        finally:
-            await kube.close()
+def path_of(kind: tuple, name: str | None = None, subresource: str | None = None) -> str:
+    group, version, plural = kind
+    base = f"/apis/{group}/{version}" if group else f"/api/{version}"
+    return f"{base}/namespaces/{NS}/{plural}" + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
 
-    return apiserver.call(go())
+
+def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None,
+            content_type: str = "application/json", **params: str) -> dict:
+    """A write of another client (a user, a controller), straight to the emulated API server."""
+    response = httpx.request(method, apiserver.url + path, json=body, params=params, headers={"content-type": content_type})
+    response.raise_for_status()
+    return response.json()
 
 
 def create(apiserver: BackgroundApiServer, body: dict) -> dict:
-    return request(apiserver, "POST", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS), body)
+    return request(apiserver, "POST", path_of(IS), body)
 
 
 def patch_spec(apiserver: BackgroundApiServer, name: str, spec: dict) -> dict:
-    return request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, name), {"spec": spec},
-                   "application/merge-patch+json")
+    return request(apiserver, "PATCH", path_of(IS, name), {"spec": spec}, "application/merge-patch+json")
 
 
 def wait_for(what: str, fn: Callable[[], Any], timeout: float = TIMEOUT) -> Any:
@@ -156,8 +165,7 @@ def mark_rolled_out(apiserver: BackgroundApiServer, name: str, replicas: int) ->
     obj = get(apiserver, DEPLOYMENTS, name)
     status = {"observedGeneration": obj["metadata"]["generation"], "replicas": replicas, "readyReplicas": replicas,
               "updatedReplicas": replicas, "availableReplicas": replicas}
-    request(apiserver, "PATCH", resource_path("apps/v1", "Deployment", NS, name) + "/status", {"status": status},
-            "application/merge-patch+json")
+    request(apiserver, "PATCH", path_of(DEPLOYMENTS, name, "status"), {"status": status}, "application/merge-patch+json")
 
 
 def tiny(name: str = "tiny") -> dict:
@@ -385,36 +393,122 @@ def test_replicas_set_through_the_scale_subresource_reach_the_engine(cluster):
     wait_for("engine at minReplicas", lambda: (get(apiserver, DEPLOYMENTS, "scaled-engine") or {}).get("spec", {}).get("replicas") == 1)
 
     # What HPA, KEDA or Pagoda's autoscaler do: write a Scale.
-    path = resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "/scale"
-    scale = request(apiserver, "PATCH", path + "?fieldManager=pagoda-autoscaler", {"spec": {"replicas": 3}}, "application/merge-patch+json")
+    scale = request(apiserver, "PATCH", path_of(IS, "scaled", "scale"), {"spec": {"replicas": 3}}, "application/merge-patch+json",
+                    fieldManager="pagoda-autoscaler")
     assert scale["kind"] == "Scale" and scale["spec"]["replicas"] == 3
     wait_for("engine at 3", lambda: get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3)
     conds = wait_for("generation 2", lambda: status_of(apiserver, "scaled").get("observedGeneration") == 2 and conditions(get(apiserver, IS, "scaled")))
     assert conds["Validated"]["status"] == "True"
 
     # A user writing replicas next to autoscaling is told to choose.
-    request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "scaled") + "?fieldManager=kubectl-edit",
-            {"spec": {"replicas": 2}}, "application/merge-patch+json")
+    request(apiserver, "PATCH", path_of(IS, "scaled"), {"spec": {"replicas": 2}}, "application/merge-patch+json",
+            fieldManager="kubectl-edit")
     conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "scaled")).get("Validated", {}).get("status") == "False"
                      and conditions(get(apiserver, IS, "scaled")))
     assert "replicas: set replicas or autoscaling, not both (set by kubectl-edit)" in conds["Validated"]["message"]
     assert get(apiserver, DEPLOYMENTS, "scaled-engine")["spec"]["replicas"] == 3  # nothing applied
 
 
-def test_a_stale_status_written_by_another_writer_is_corrected(cluster):
+RECONCILER_CONDITIONS = {"Ready", "Progressing", "Degraded", "Validated"}
+
+
+def status_apply(apiserver: BackgroundApiServer, name: str, status: dict, manager: str) -> dict:
+    """Server-side apply of `status` on /status as `manager`, not forced: a conflict would fail."""
+    body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": name, "namespace": NS},
+            "status": status}
+    return request(apiserver, "PATCH", path_of(IS, name, "status"), body, "application/apply-patch+yaml", fieldManager=manager)
+
+
+def condition_owners(obj: dict) -> dict[str, list[str]]:
+    """condition type → the managers owning its entry in metadata.managedFields."""
+    out: dict[str, list[str]] = {}
+    for entry in obj["metadata"].get("managedFields") or []:
+        for key in ((entry["fieldsV1"].get("f:status") or {}).get("f:conditions") or {}):
+            out.setdefault(json.loads(key[2:])["type"], []).append(entry["manager"])
+    return out
+
+
+def test_two_field_managers_apply_status_without_conflicts_or_lost_conditions():
+    apiserver = BackgroundApiServer()  # no operator: the two writers are this test
+    try:
+        create(apiserver, tiny("pair"))
+
+        def cond(type_: str, status: str, reason: str) -> dict:
+            return {"type": type_, "status": status, "reason": reason, "message": reason, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+        status_apply(apiserver, "pair", {"observedGeneration": 1, "conditions": [cond("Ready", "False", "RouterNotReady")]}, "pagoda-operator")
+        status_apply(apiserver, "pair", {"conditions": [cond("ScalingReady", "True", "Steady")],
+                                         "autoscaling": {"desiredReplicas": 1, "lastDecision": {"result": 1, "inputs": {"waiting": 0}}}},
+                     "pagoda-autoscaler")
+        # Each writer changes its own condition: the other's stays as it was.
+        status_apply(apiserver, "pair", {"observedGeneration": 1, "conditions": [cond("Ready", "True", "AllReplicasReady"),
+                                                                                  cond("Progressing", "False", "RolloutComplete")]},
+                     "pagoda-operator")
+        status_apply(apiserver, "pair", {"conditions": [cond("ScalingReady", "False", "PrometheusUnavailable")],
+                                         "autoscaling": {"desiredReplicas": 1, "lastDecision": {"result": 1, "inputs": {}}}},
+                     "pagoda-autoscaler")
+        obj = get(apiserver, IS, "pair")
+        assert {t: (c["status"], c["reason"]) for t, c in conditions(obj).items()} == {
+            "Ready": ("True", "AllReplicasReady"), "Progressing": ("False", "RolloutComplete"),
+            "ScalingReady": ("False", "PrometheusUnavailable")}
+        assert obj["status"]["observedGeneration"] == 1
+        # What a writer applies no more is gone (its field set is its whole intent).
+        assert obj["status"]["autoscaling"]["lastDecision"] == {"result": 1}
+        assert condition_owners(obj) == {"Ready": ["pagoda-operator"], "Progressing": ["pagoda-operator"],
+                                         "ScalingReady": ["pagoda-autoscaler"]}
+        # The emulator does detect conflicts: a third writer taking Ready without force is refused.
+        with pytest.raises(httpx.HTTPStatusError) as refused:
+            status_apply(apiserver, "pair", {"conditions": [cond("Ready", "False", "Mine")]}, "someone-else")
+        assert refused.value.response.status_code == 409
+        assert conditions(get(apiserver, IS, "pair"))["Ready"]["reason"] == "AllReplicasReady"
+    finally:
+        apiserver.close()
+
+
+def test_the_reconciler_and_the_autoscaler_never_overwrite_each_others_conditions(cluster):
     apiserver, _ = cluster
-    ready_service(apiserver, "shared")
-    fresh = conditions(get(apiserver, IS, "shared"))
-    stale = [{**c, "status": "False", "reason": "ReplicasNotReady"} if c["type"] == "Ready" else c for c in fresh.values()]
-    stale.append({"type": "ScalingReady", "status": "True", "reason": "MetricsFresh", "message": "ok"})
-    # What the autoscaler does: merge its condition into the list it read earlier.
-    request(apiserver, "PATCH", resource_path("pagoda.dev/v1alpha1", "InferenceService", NS, "shared") + "/status",
-            {"status": {"conditions": stale}}, "application/merge-patch+json")
-    conds = wait_for("Ready restored", lambda: conditions(get(apiserver, IS, "shared")).get("Ready", {}).get("status") == "True"
-                     and conditions(get(apiserver, IS, "shared")))
-    # The same condition again; it flipped twice, so its transition time is new.
-    assert {**conds["Ready"], "lastTransitionTime": None} == {**fresh["Ready"], "lastTransitionTime": None}
-    assert conds["ScalingReady"]["reason"] == "MetricsFresh"  # the other writer's condition is kept
+    body = tiny("both")
+    del body["spec"]["replicas"]
+    # No Prometheus: every second the autoscaler decides "unchanged" and applies ScalingReady=False.
+    body["spec"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 2, "intervalSeconds": 1}
+    create(apiserver, body)
+    every = RECONCILER_CONDITIONS | {"ScalingReady"}
+    wait_for("both writers' conditions", lambda: set(conditions(get(apiserver, IS, "both") or {})) == every)
+
+    def decisions_after(time: str) -> bool:
+        return status_of(apiserver, "both")["autoscaling"]["lastDecision"]["time"] > time
+
+    # The reconciler's conditions change (the pods come up, then a spec change rolls them) while
+    # the autoscaler keeps applying its own.
+    mark_rolled_out(apiserver, "both", 1)
+    mark_rolled_out(apiserver, "both-engine", 1)
+    wait_for("Ready", lambda: conditions(get(apiserver, IS, "both"))["Ready"]["status"] == "True")
+    wait_for("a decision after Ready", lambda: decisions_after(conditions(get(apiserver, IS, "both"))["Ready"]["lastTransitionTime"]))
+    patch_spec(apiserver, "both", {"engine": {"maxNumSeqs": 8}})
+    wait_for("generation 2 rolling out", lambda: status_of(apiserver, "both").get("observedGeneration") == 2
+             and conditions(get(apiserver, IS, "both"))["Progressing"]["status"] == "True")
+    for _ in range(2):
+        since = status_of(apiserver, "both")["autoscaling"]["lastDecision"]["time"]
+        wait_for("a later decision", lambda: decisions_after(since))
+
+    # Every version the API server stored since both had written holds both writers' conditions,
+    # and each write left the other writer's conditions exactly as they were.
+    versions = [(obj, writer) for obj, writer in apiserver.api.versions(*IS, NS, "both") if obj.get("status")]
+    first = next(i for i, (obj, _) in enumerate(versions) if set(conditions(obj)) == every)
+    assert [set(conditions(obj)) for obj, _ in versions[first:]] == [every] * (len(versions) - first)
+    own = {"pagoda-operator": RECONCILER_CONDITIONS, "pagoda-autoscaler": {"ScalingReady"}}
+    for (before, _), (after, writer) in zip(versions[first:], versions[first + 1:]):
+        others = every - own.get(writer, set())
+        assert {t: c for t, c in conditions(after).items() if t in others} == \
+            {t: c for t, c in conditions(before).items() if t in others}, writer
+    status_writes = [w for w in apiserver.api.writes if w.path == path_of(IS, "both", "status")]
+    assert {(w.method, w.content_type, w.params.get("force")) for w in status_writes} == {("PATCH", "application/apply-patch+yaml", "true")}
+    writers = [writer for _, writer in versions[first + 1:]]
+    assert writers.count("pagoda-operator") >= 2 and writers.count("pagoda-autoscaler") >= 2
+    assert set(writers) <= {"pagoda-operator", "pagoda-autoscaler", None}  # None: kopf's annotations on the main resource
+    final = get(apiserver, IS, "both")
+    assert condition_owners(final) == {**{t: ["pagoda-operator"] for t in RECONCILER_CONDITIONS}, "ScalingReady": ["pagoda-autoscaler"]}
+    assert (conditions(final)["Progressing"]["status"], conditions(final)["ScalingReady"]["reason"]) == ("True", "PrometheusUnavailable")
 
 
 def test_a_crd_installed_later_is_noticed_without_a_spec_change():

@@ -21,7 +21,7 @@ FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # What the operator needs beyond its children, with the reason it needs it.
 EXTRA_GRANTS = {
     ("pagoda.dev", "inferenceservices"): {"get", "list", "watch", "patch"},  # kopf; read before status
-    ("pagoda.dev", "inferenceservices/status"): {"patch"},  # conditions (kube.patch_status, kopf)
+    ("pagoda.dev", "inferenceservices/status"): {"patch"},  # server-side apply of the status (kube.apply_status)
     ("pagoda.dev", "inferenceservices/scale"): {"patch"},  # the built-in autoscaler's decisions
     ("pagoda.dev", "inferenceservices/finalizers"): {"update"},  # ownerReferences with blockOwnerDeletion
     ("", "events"): {"create"},  # kopf.event

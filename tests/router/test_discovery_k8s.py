@@ -1,5 +1,5 @@
 """`pagoda route --k8s-service`: replicas come and go with the engine Service's EndpointSlices,
-watched through the kubernetes client, against the operator tests' emulated API server."""
+listed and watched with lightkube, against the operator tests' emulated API server."""
 
 from pathlib import Path
 

@@ -1,5 +1,7 @@
-"""InferenceService status, computed from what the operator observed: pure, so the handler can
-compare the result with the current status and write only when something changed.
+"""The reconciler's part of the InferenceService status, computed from what the operator observed:
+pure, so the handler can compare the result with the current status and write only when
+something changed. What `compute_status` returns is exactly what the reconciler owns (it applies
+it whole, by server-side apply: a field it leaves out is removed).
 
 Conditions (Kubernetes conventions; each with its own observedGeneration, reason, message, and a
 lastTransitionTime that moves only when its status changes):
@@ -7,7 +9,7 @@ lastTransitionTime that moves only when its status changes):
   Ready        the router and every desired engine replica are ready
   Progressing  a rollout is under way (spec changed, pods being replaced or started)
   Degraded     something the spec asks for cannot be provided (a missing CRD, a failed apply)
-Other condition types (ScalingReady, the autoscaler's) are carried over untouched.
+Other condition types (ScalingReady, the autoscaler's) belong to their writers and are left out.
 """
 
 from __future__ import annotations
@@ -68,9 +70,11 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, re
 
 
 def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -> dict[str, Any]:
-    """The status the InferenceService should have (only the fields the operator owns)."""
+    """The status the InferenceService should have: the fields the reconciler owns, all of them.
+    What obs does not say (a refresh decides no validity; an invalid spec has no url) is
+    carried over from `current`."""
     current = current or {}
-    conditions = [dict(c) for c in current.get("conditions") or []]
+    conditions = [dict(c) for c in current.get("conditions") or [] if c.get("type") in OWN_CONDITIONS]
     gen = obs.generation
     if obs.validated is not None:
         if obs.validated:
@@ -115,21 +119,29 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
                                    f"{engine['updated']}/{want} engine replicas updated, {engine['ready']} ready.", gen, now)
 
     order = {t: i for i, t in enumerate(OWN_CONDITIONS)}
-    conditions.sort(key=lambda c: order.get(c.get("type"), len(order)))
+    conditions.sort(key=lambda c: order[c["type"]])
     status: dict[str, Any] = {
         "observedGeneration": gen,
         "conditions": conditions,
         "replicas": engine["replicas"],
         "readyReplicas": engine["ready"],
     }
-    for key, value in (("selector", obs.selector), ("url", obs.url)):
+    kv_cache = {"tiers": obs.kv_tiers} if obs.kv_tiers is not None else None
+    for key, value in (("selector", obs.selector), ("url", obs.url), ("kvCache", kv_cache)):
         if value is not None:
             status[key] = value
         elif key in current:
             status[key] = current[key]
-    if obs.kv_tiers is not None:
-        status["kvCache"] = {**(current.get("kvCache") or {}), "tiers": obs.kv_tiers}
     return status
+
+
+def is_current(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:
+    """Does `current` already hold every field of `new` (conditions compared by type, whatever
+    their order and whatever other writers' conditions sit beside them)?"""
+    current = current or {}
+    by_type = {c.get("type"): c for c in current.get("conditions") or []}
+    return all(by_type.get(c["type"]) == c for c in new.get("conditions") or []) and \
+        all(current.get(key) == value for key, value in new.items() if key != "conditions")
 
 
 def transitions(old: dict[str, Any] | None, new: dict[str, Any]) -> list[tuple[str, str, str]]:

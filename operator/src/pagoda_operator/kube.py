@@ -1,177 +1,148 @@
-"""The few Kubernetes API calls the operator makes itself (kopf does the watching): server-side
-apply of children, reads, the status write, and discovery of optional CRDs.
+"""The operator's calls to the Kubernetes API that kopf does not make (kopf watches and posts
+Events): server-side apply of children and of the status, reads, prunes, the scale write, and
+whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
+reconciler and the autoscaler; `pagoda route` watches EndpointSlices with the same library.
 
-A small async client over aiohttp rather than the generated `kubernetes` client: the operator
-needs five verbs on a handful of kinds, in kopf's event loop. Credentials come from the same
-place as kopf's (in-cluster service account or kubeconfig, via `kubernetes.config`).
+Why lightkube, of the maintained async clients on PyPI (kr8s, kubernetes_asyncio, lightkube): it
+does server-side apply (`PatchType.APPLY`, field manager, force) on any resource and on its
+`Status` and `Scale` subresources, has typed models of the built-in kinds and generic resources
+for CRDs, lists and watches from a resourceVersion, reads the service account or a kubeconfig,
+and talks HTTP (httpx2) to any URL, kmock's emulator included; its own dependencies are few (its
+models, msgspec, pyyaml, httpx2). kubernetes_asyncio covers the same through a large generated
+API on aiohttp. kr8s's objects patch with merge or JSON patch only (no server-side apply) and
+scale by patching spec rather than through the scale subresource.
+
+Children stay plain dicts (`render` returns them, `conditions` reads them): this module turns a
+dict into the call for its kind and a typed answer back into a dict.
 """
 
 from __future__ import annotations
 
-import json
-import ssl
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-import aiohttp
+import httpx2
+from lightkube import AsyncClient, KubeConfig
+from lightkube.config.models import Cluster, User
+from lightkube.core.resource_registry import resource_registry
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.types import CascadeType, PatchType
 
-from pagoda_operator.render import FIELD_MANAGER
-from pagoda_operator.spec import API_VERSION, KIND, PLURAL
+from pagoda_operator.spec import GROUP, KIND, PLURAL, VERSION
 
-# kind → plural, for every kind the operator reads or writes (all namespaced).
-PLURALS = {
-    "ConfigMap": "configmaps",
-    "Service": "services",
-    "ServiceAccount": "serviceaccounts",
-    "Role": "roles",
-    "RoleBinding": "rolebindings",
-    "Deployment": "deployments",
-    "LeaderWorkerSet": "leaderworkersets",
-    "PodDisruptionBudget": "poddisruptionbudgets",
-    "Ingress": "ingresses",
-    "ServiceMonitor": "servicemonitors",
-    "ScaledObject": "scaledobjects",
-    "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-    KIND: PLURAL,
-}
+# The CRDs the operator reads or writes, which no client can know: (group, version, kind, plural).
+# Built-in kinds come with lightkube's models.
+CUSTOM_RESOURCES = [
+    (GROUP, VERSION, KIND, PLURAL),
+    ("leaderworkerset.x-k8s.io", "v1", "LeaderWorkerSet", "leaderworkersets"),
+    ("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"),
+    ("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
+]
+for _group, _version, _kind, _plural in CUSTOM_RESOURCES:
+    create_namespaced_resource(_group, _version, _kind, _plural)
+InferenceService = resource_registry.load(f"{GROUP}/{VERSION}", KIND)
 
 
-class ApiError(Exception):
-    """A non-2xx answer from the API server, with its Status reason and message."""
+class KubeError(Exception):
+    """The API server refused a call: its HTTP status and message."""
 
-    def __init__(self, status: int, reason: str, message: str):
-        super().__init__(f"{status} {reason}: {message}")
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}")
         self.status = status
-        self.reason = reason
-        self.message = message
 
 
-def resource_path(api_version: str, kind: str, namespace: str | None = None, name: str | None = None) -> str:
-    base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-    ns = f"/namespaces/{namespace}" if namespace else ""
-    return f"{base}{ns}/{PLURALS[kind]}" + (f"/{name}" if name else "")
+def _refused(e: httpx2.HTTPStatusError) -> KubeError:
+    status = getattr(e, "status", None)  # lightkube's ApiError carries the API's Status
+    if status is not None and status.code:
+        return KubeError(status.code, f"{status.reason or ''} {status.message or ''}".strip()[:500])
+    return KubeError(e.response.status_code, e.response.text[:500])
 
 
-@dataclass
-class Credentials:
-    """Where the API server is and how to authenticate to it."""
-
-    server: str
-    authorization: Callable[[], str | None] = lambda: None  # re-evaluated per request (token rotation)
-    ssl_context: ssl.SSLContext | bool = True
+def kind_of(api_version: str, kind: str) -> Any:
+    return resource_registry.load(api_version, kind)
 
 
-def credentials_from_kubernetes_config() -> Credentials:
-    """In a pod: its service account; elsewhere: the current kubeconfig context."""
-    from kubernetes import client, config
+def as_dict(obj: Any) -> dict[str, Any]:
+    return obj.to_dict() if hasattr(obj, "to_dict") else dict(obj)
 
-    cfg = client.Configuration()
+
+def connect(server: str | None = None) -> AsyncClient:
+    """A client for `server` (no credentials: tests), else in a pod its service account, else
+    KUBECONFIG or ~/.kube/config."""
+    config = KubeConfig.from_one(cluster=Cluster(server=server), user=User()) if server else KubeConfig.from_env()
+    return AsyncClient(config, timeout=httpx2.Timeout(30.0))
+
+
+async def apply(client: AsyncClient, manifest: dict[str, Any], field_manager: str) -> None:
+    """Server-side apply. Forced: a controller takes the fields it applies from other managers
+    (https://kubernetes.io/docs/reference/using-api/server-side-apply/#using-server-side-apply-in-a-controller)."""
+    meta = manifest["metadata"]
     try:
-        config.load_incluster_config(client_configuration=cfg)
-    except config.ConfigException:
-        config.load_kube_config(client_configuration=cfg)
-    context: ssl.SSLContext | bool
-    if cfg.verify_ssl:
-        context = ssl.create_default_context(cafile=cfg.ssl_ca_cert)
-    else:
-        context = ssl.create_default_context()
-        context.check_hostname = False
-        context.verify_mode = ssl.CERT_NONE
-    if cfg.cert_file:
-        context.load_cert_chain(cfg.cert_file, cfg.key_file)
-    return Credentials(
-        server=cfg.host,
-        # Calls the loader's refresh hook, so projected service-account tokens and exec plugins
-        # stay current.
-        authorization=lambda: cfg.get_api_key_with_prefix("BearerToken"),
-        ssl_context=context,
-    )
+        await client.patch(kind_of(manifest["apiVersion"], manifest["kind"]), meta["name"], manifest,
+                           namespace=meta.get("namespace"), patch_type=PatchType.APPLY,
+                           field_manager=field_manager, force=True)
+    except httpx2.HTTPStatusError as e:
+        raise _refused(e) from None
 
 
-class KubeClient:
-    def __init__(self, credentials: Credentials | None = None, *, server: str | None = None):
-        if credentials is None:
-            credentials = Credentials(server=server) if server else credentials_from_kubernetes_config()
-        self.credentials = credentials
-        self._session: aiohttp.ClientSession | None = None
+async def apply_status(client: AsyncClient, namespace: str, name: str, status: dict[str, Any],
+                       field_manager: str) -> None:
+    """Server-side apply of the fields `status` names on the InferenceService's status
+    subresource, as `field_manager`: it owns exactly these afterwards, and the ones it applied
+    before but leaves out now are removed. Conditions are a map list keyed on `type`, so each
+    writer owns its own."""
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+            "status": status}
+    try:
+        await client.patch(InferenceService.Status, name, body, namespace=namespace, patch_type=PatchType.APPLY,
+                           field_manager=field_manager, force=True)
+    except httpx2.HTTPStatusError as e:
+        raise _refused(e) from None
 
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
 
-    async def request(self, method: str, path: str, *, body: Any = None, params: dict[str, str] | None = None,
-                      content_type: str = "application/json") -> dict[str, Any]:
-        if self._session is None:  # created in the loop that uses it (kopf's)
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30))
-        headers = {"Accept": "application/json"}
-        auth = self.credentials.authorization()
-        if auth:
-            headers["Authorization"] = auth
-        data = None
-        if body is not None:
-            headers["Content-Type"] = content_type
-            data = json.dumps(body)  # JSON is valid YAML: the apply-patch+yaml body too
-        url = self.credentials.server.rstrip("/") + path
-        async with self._session.request(method, url, data=data, params=params, headers=headers,
-                                         ssl=self.credentials.ssl_context) as response:
-            text = await response.text()
-            try:
-                payload = json.loads(text) if text else {}
-            except ValueError:
-                payload = {"message": text}
-            if response.status >= 400:
-                raise ApiError(response.status, str(payload.get("reason") or response.reason),
-                               str(payload.get("message") or text)[:500])
-            return payload
+async def scale(client: AsyncClient, namespace: str, name: str, replicas: int, field_manager: str) -> None:
+    """spec.replicas of the InferenceService through its scale subresource, as HPA and KEDA write it."""
+    try:
+        await client.patch(InferenceService.Scale, name, {"spec": {"replicas": replicas}}, namespace=namespace,
+                           patch_type=PatchType.MERGE, field_manager=field_manager)
+    except httpx2.HTTPStatusError as e:
+        raise _refused(e) from None
 
-    async def apply(self, manifest: dict[str, Any]) -> dict[str, Any]:
-        """Server-side apply as the operator's field manager; force takes fields from other managers
-        (the operator is the only intended writer of its children)."""
-        meta = manifest["metadata"]
-        path = resource_path(manifest["apiVersion"], manifest["kind"], meta.get("namespace"), meta["name"])
-        return await self.request("PATCH", path, body=manifest, params={"fieldManager": FIELD_MANAGER, "force": "true"},
-                                  content_type="application/apply-patch+yaml")
 
-    async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
-        try:
-            return await self.request("GET", resource_path(api_version, kind, namespace, name))
-        except ApiError as e:
-            if e.status == 404:
-                return None
-            raise
+async def get(client: AsyncClient, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+    """The object as a dict; None when it (or its kind) does not exist."""
+    try:
+        return as_dict(await client.get(kind_of(api_version, kind), name, namespace=namespace))
+    except httpx2.HTTPStatusError as e:
+        if e.response.status_code == 404:
+            return None
+        raise _refused(e) from None
 
-    async def list(self, api_version: str, kind: str, namespace: str, label_selector: str) -> list[dict[str, Any]]:
-        listing = await self.request("GET", resource_path(api_version, kind, namespace), params={"labelSelector": label_selector})
-        return listing.get("items") or []
 
-    async def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
-        """Delete in the background: the garbage collector removes what the object owns."""
-        try:
-            await self.request("DELETE", resource_path(api_version, kind, namespace, name),
-                               params={"propagationPolicy": "Background"})
-        except ApiError as e:
-            if e.status != 404:
-                raise
+async def list_labelled(client: AsyncClient, api_version: str, kind: str, namespace: str,
+                        labels: dict[str, str]) -> list[dict[str, Any]]:
+    try:
+        return [as_dict(obj) async for obj in client.list(kind_of(api_version, kind), namespace=namespace, labels=labels)]
+    except httpx2.HTTPStatusError as e:
+        raise _refused(e) from None
 
-    async def patch_status(self, namespace: str, name: str, status: dict[str, Any], resource_version: str | None) -> dict[str, Any]:
-        """Merge-patch the InferenceService's status. With resource_version, a concurrent write in
-        between fails with 409 instead of being overwritten."""
-        body: dict[str, Any] = {"status": status}
-        if resource_version:
-            body["metadata"] = {"resourceVersion": resource_version}
-        path = resource_path(API_VERSION, KIND, namespace, name) + "/status"
-        return await self.request("PATCH", path, body=body, params={"fieldManager": FIELD_MANAGER},
-                                  content_type="application/merge-patch+json")
 
-    async def has_kind(self, api_version: str, kind: str) -> bool:
-        """Is this kind served (its CRD installed)? Asked at each reconcile, so a CRD installed
-        later is noticed without a restart."""
-        base = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
-        try:
-            listing = await self.request("GET", base)
-        except ApiError as e:
-            if e.status == 404:
-                return False
-            raise
-        return any(r.get("kind") == kind and "/" not in r.get("name", "") for r in listing.get("resources", []))
+async def delete(client: AsyncClient, api_version: str, kind: str, namespace: str, name: str) -> None:
+    """Delete in the background: the garbage collector removes what the object owns."""
+    try:
+        await client.delete(kind_of(api_version, kind), name, namespace=namespace, cascade=CascadeType.BACKGROUND)
+    except httpx2.HTTPStatusError as e:
+        if e.response.status_code != 404:
+            raise _refused(e) from None
+
+
+async def served(client: AsyncClient, api_version: str, kind: str, namespace: str) -> bool:
+    """Is this kind served (its CRD installed)? Asked at each reconcile, so a CRD installed later
+    is noticed without a restart: a list of at most one object, 404 when the kind is unknown."""
+    try:
+        async for _ in client.list(kind_of(api_version, kind), namespace=namespace, chunk_size=1):
+            break
+    except httpx2.HTTPStatusError as e:
+        if e.response.status_code == 404:
+            return False
+        raise _refused(e) from None
+    return True

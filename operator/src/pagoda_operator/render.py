@@ -38,10 +38,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import sizing
+from pagoda_operator.autoscaler.scaledobjects import render_scaler
+from pagoda_operator.children import child_metadata, labels, selector_labels
 from pagoda_operator.quantity import gib
-from pagoda_operator.spec import API_VERSION, KIND, InferenceServiceSpec, desired_replicas
+from pagoda_operator.spec import InferenceServiceSpec, desired_replicas
 
-FIELD_MANAGER = "pagoda-operator"
 ENGINE_PORT = 8000
 ROUTER_PORT = 8000
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
@@ -93,7 +94,7 @@ class Images:
         )
 
 
-# --- names, labels, references ---------------------------------------------------------------
+# --- names (labels and owner references: children.py) ---------------------------------------
 
 
 def engine_name(name: str) -> str:
@@ -105,35 +106,9 @@ def router_account_name(name: str) -> str:
     return f"{name}-router"
 
 
-def selector_labels(name: str, component: str) -> dict[str, str]:
-    return {
-        "app.kubernetes.io/name": "pagoda",
-        "app.kubernetes.io/instance": name,
-        "app.kubernetes.io/component": component,
-    }
-
-
-def labels(name: str, component: str) -> dict[str, str]:
-    return {**selector_labels(name, component), "app.kubernetes.io/managed-by": FIELD_MANAGER}
-
-
 def engine_selector(name: str) -> str:
     """status.selector: the engine pods, as a label selector string (scale subresource)."""
     return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "engine").items()))
-
-
-def owner_references(body: dict[str, Any]) -> list[dict[str, Any]]:
-    meta = body.get("metadata") or {}
-    if not meta.get("uid"):
-        return []  # a file rendered before the object exists has no uid to point at
-    return [{
-        "apiVersion": API_VERSION,
-        "kind": KIND,
-        "name": meta["name"],
-        "uid": meta["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }]
 
 
 def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
@@ -141,19 +116,6 @@ def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
     if ingress is not None and ingress.host:
         return f"{'https' if ingress.tls else 'http'}://{ingress.host}"
     return f"http://{name}.{namespace}.svc:{ROUTER_PORT}"
-
-
-def child_metadata(body: dict[str, Any], name: str, component: str) -> dict[str, Any]:
-    meta = body["metadata"]
-    out = {
-        "name": name,
-        "namespace": meta.get("namespace") or "default",
-        "labels": labels(meta["name"], component),
-    }
-    refs = owner_references(body)
-    if refs:
-        out["ownerReferences"] = refs
-    return out
 
 
 # --- engine -----------------------------------------------------------------------------------
@@ -628,7 +590,4 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
         out.append(render_ingress(body, spec))
     if spec.monitoring.service_monitor:
         out.append(render_service_monitor(body, spec))
-    # Imported here: the autoscaler's renderer builds on this module's labels and references.
-    from pagoda_operator.autoscaler.scaledobjects import render_scaler
-
     return out + render_scaler(body, spec)

@@ -1,18 +1,15 @@
 """Where the backend list comes from: a static `--backends` list, or the EndpointSlices of the
-engine Service (`--k8s-service NAMESPACE/NAME`) watched through the kubernetes client.
+engine Service (`--k8s-service NAMESPACE/NAME`), listed and watched with lightkube's async client
+(the operator's Kubernetes client too) in the router's event loop.
 
-The kubernetes client is synchronous, so the watch runs in a thread and hands each new URL set to
-the event loop. A slice's endpoint counts when its `ready` condition is not false; the port is the
-slice port named `--backend-port-name` (default `http`), else the slice's first port.
+A slice's endpoint counts when its `ready` condition is not false; the port is the slice port
+named `--backend-port-name` (default `http`), else the slice's first port.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import threading
-import time
 from typing import Callable
 
 from pagoda_engine.router.backends import BackendConfigError
@@ -48,8 +45,9 @@ def slice_urls(endpoint_slice: dict, port_name: str = "http", scheme: str = "htt
 
 
 class EndpointSliceWatcher:
-    """Keeps `on_change(urls)` up to date with the Service's ready endpoints. list + watch, and
-    a fresh list after any watch error (410 Gone, dropped connection) with a capped backoff."""
+    """Keeps `on_change(urls)` up to date with the Service's ready endpoints: a task in `loop`
+    that lists, then watches from the list's resourceVersion, and lists afresh after any watch
+    error (410 Gone, a dropped connection) with a capped backoff."""
 
     def __init__(self, namespace: str, service: str, on_change: Callable[[list[str]], None],
                  loop: asyncio.AbstractEventLoop, port_name: str = "http", kubeconfig: str | None = None):
@@ -60,34 +58,24 @@ class EndpointSliceWatcher:
         self.port_name = port_name
         self.kubeconfig = kubeconfig
         self._slices: dict[str, list[str]] = {}
-        self._stop = threading.Event()
-        self._watch = None
-        self._thread = threading.Thread(target=self._run, name="endpointslice-watch", daemon=True)
+        self._task: asyncio.Task | None = None
 
-    def _api(self):
-        from kubernetes import client, config
+    def _client(self):
+        from lightkube import AsyncClient, KubeConfig
 
-        if self.kubeconfig:
-            api_client = config.new_client_from_config(config_file=self.kubeconfig)
-        else:
-            try:
-                config.load_incluster_config()
-            except config.ConfigException:
-                config.load_kube_config()
-            api_client = client.ApiClient()
-        return client.DiscoveryV1Api(api_client)
+        # In a pod its service account, else KUBECONFIG or ~/.kube/config; --kubeconfig wins.
+        config = KubeConfig.from_file(self.kubeconfig) if self.kubeconfig else KubeConfig.from_env()
+        return AsyncClient(config)
 
     def start(self) -> None:
-        self._thread.start()
+        self._task = self.loop.create_task(self._run(), name="endpointslice-watch")
 
     def stop(self) -> None:
-        self._stop.set()
-        if self._watch is not None:
-            self._watch.stop()
+        if self._task is not None:
+            self._task.cancel()
 
     def _publish(self) -> None:
-        urls = sorted({u for urls in self._slices.values() for u in urls})
-        self.loop.call_soon_threadsafe(self.on_change, urls)
+        self.on_change(sorted({u for urls in self._slices.values() for u in urls}))
 
     def _apply(self, event_type: str, obj: dict) -> None:
         labels = (obj.get("metadata") or {}).get("labels") or {}
@@ -99,40 +87,36 @@ class EndpointSliceWatcher:
         else:
             self._slices[name] = slice_urls(obj, self.port_name)
 
-    def _run(self) -> None:
-        from kubernetes import watch
+    async def _run(self) -> None:
+        from lightkube.core.exceptions import NotReadyError
+        from lightkube.resources.discovery_v1 import EndpointSlice
 
         backoff = 0.5
-        selector = f"{SERVICE_NAME_LABEL}={self.service}"
-        while not self._stop.is_set():
-            try:
-                api = self._api()
-                listing = api.list_namespaced_endpoint_slice(self.namespace, label_selector=selector,
-                                                             _preload_content=False)
-                body = json.loads(listing.data)
-                self._slices = {}
-                for item in body.get("items") or []:
-                    self._apply("ADDED", item)
-                self._publish()
-                version = (body.get("metadata") or {}).get("resourceVersion")
-                self._watch = watch.Watch()
-                kwargs = {"label_selector": selector, "timeout_seconds": 300}
-                if version and version.isdigit():
-                    kwargs["resource_version"] = version
-                for event in self._watch.stream(api.list_namespaced_endpoint_slice, self.namespace,
-                                                _preload_content=False, **kwargs):
-                    if self._stop.is_set():
-                        return
-                    obj = event.get("raw_object") or {}
-                    if event.get("type") == "ERROR":
-                        raise RuntimeError(f"watch error: {obj.get('message', obj)}")
-                    self._apply(event["type"], obj)
+        selector = {SERVICE_NAME_LABEL: self.service}
+        client = None
+        try:
+            while True:
+                try:
+                    client = client or self._client()
+                    listing = client.list(EndpointSlice, namespace=self.namespace, labels=selector)
+                    self._slices = {}
+                    async for item in listing:
+                        self._apply("ADDED", item.to_dict())
                     self._publish()
-                    backoff = 0.5
-            except Exception as e:  # noqa: BLE001 - any failure means: list again, after a pause
-                if self._stop.is_set():
-                    return
-                log.warning("EndpointSlice watch for %s/%s failed (%s); relisting in %.1fs",
-                            self.namespace, self.service, e, backoff)
-                time.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+                    try:
+                        version = listing.resourceVersion
+                    except NotReadyError:  # the server gave the list no version: watch from now
+                        version = None
+                    async for event_type, obj in client.watch(EndpointSlice, namespace=self.namespace, labels=selector,
+                                                              server_timeout=300, resource_version=version):
+                        self._apply(event_type, obj.to_dict())
+                        self._publish()
+                        backoff = 0.5
+                except Exception as e:  # noqa: BLE001 - any failure means: list again, after a pause
+                    log.warning("EndpointSlice watch for %s/%s failed (%s); relisting in %.1fs",
+                                self.namespace, self.service, e, backoff)
+                    await asyncio.sleep(backoff)
+                    backoff = min(backoff * 2, 10.0)
+        finally:
+            if client is not None:
+                await client.close()

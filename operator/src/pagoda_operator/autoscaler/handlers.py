@@ -2,12 +2,12 @@
 `spec.autoscaling` (driver builtin) every `intervalSeconds`.
 
 Each decision: read the status (replicas, ready replicas), ask Prometheus (`prometheus.py`),
-decide (`decision.py`), then
-  - set spec.replicas through the scale subresource (field manager `pagoda-autoscaler`), as HPA
-    would; the operator's reconcile turns spec.replicas into the engine workload's replicas,
-  - write `status.autoscaling` {desiredReplicas, lastDecision {time, inputs, result,
-    recommendation, reason}} and the `ScalingReady` condition (this module owns that condition;
-    the operator keeps it),
+decide (`decision.py`), then, as the field manager `pagoda-autoscaler`,
+  - set spec.replicas through the scale subresource, as HPA would; the operator's reconcile
+    turns spec.replicas into the engine workload's replicas,
+  - server-side apply its part of the status: `autoscaling` {desiredReplicas, lastDecision
+    {time, inputs, result, recommendation, reason}} and the `ScalingReady` condition, which this
+    module alone owns (the reconciler owns the other conditions: see `handlers.py`),
   - post an Event when the replicas change or ScalingReady flips.
 Prometheus unreachable or metrics missing: ScalingReady=False with the reason, replicas unchanged.
 
@@ -17,7 +17,6 @@ to run the autoscaler outside the operator.
 
 from __future__ import annotations
 
-import asyncio
 import datetime
 import logging
 import os
@@ -26,7 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
+from lightkube import AsyncClient
 
+from pagoda_operator import kube
 from pagoda_operator.autoscaler.decision import (DEFAULT_INTERVAL_S, Decision, History, Observation, decide,
                                                 interval_of, settings_of)
 from pagoda_operator.autoscaler.prometheus import PrometheusClient
@@ -60,7 +61,7 @@ def _now_rfc3339(now: float, micro: bool = False) -> str:
 class Outcome:
     decision: Decision
     replicas_before: int
-    status_patch: dict  # merge into .status
+    status: dict  # the autoscaler's part of .status, applied whole
     flipped: bool  # ScalingReady changed
 
 
@@ -93,52 +94,31 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
     decision = decide(settings, obs, history, now)
     old = next((c for c in status.get("conditions") or [] if c.get("type") == CONDITION), None)
     flipped = old is None or old.get("status") != ("True" if decision.scaling_ready else "False")
-    patch = {
-        "autoscaling": {
-            "desiredReplicas": decision.replicas,
-            "lastDecision": {"time": _now_rfc3339(now, micro=True), "inputs": decision.inputs,
-                             "result": decision.replicas, "recommendation": decision.recommendation,
-                             "reason": decision.reason},
-        },
-        "conditions": set_condition([dict(c) for c in status.get("conditions") or []], CONDITION,
-                                    decision.scaling_ready, decision.condition_reason, decision.reason,
-                                    int(meta.get("generation") or 0), _now_rfc3339(now)),
+    last = {"time": _now_rfc3339(now, micro=True), "inputs": decision.inputs, "result": decision.replicas,
+            "recommendation": decision.recommendation, "reason": decision.reason}
+    conditions = set_condition([dict(c) for c in status.get("conditions") or []], CONDITION, decision.scaling_ready,
+                               decision.condition_reason, decision.reason, int(meta.get("generation") or 0),
+                               _now_rfc3339(now))
+    own = {
+        "autoscaling": {"desiredReplicas": decision.replicas,
+                        "lastDecision": {k: v for k, v in last.items() if v is not None}},
+        "conditions": [c for c in conditions if c["type"] == CONDITION],
     }
-    return Outcome(decision, current, patch, flipped)
+    return Outcome(decision, current, own, flipped)
 
 
 # ---- Kubernetes side effects ----------------------------------------------------------------
 
-def _custom_objects_api():
-    """The kubernetes client, configured in-cluster or from the kubeconfig (KUBECONFIG). Built per
-    call: scaling is rare, and a cached client would outlive a changed kubeconfig."""
-    from kubernetes import client, config
-
-    try:
-        config.load_incluster_config()
-    except config.ConfigException:
-        # KUBECONFIG is read now: the client's default path is fixed when it is imported.
-        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
-    return client.CustomObjectsApi()
-
-
-def set_replicas(namespace: str, name: str, replicas: int) -> None:
-    """spec.replicas through the scale subresource, the way HPA and KEDA write it."""
-    _custom_objects_api().patch_namespaced_custom_object_scale(
-        GROUP, VERSION, namespace, PLURAL, name, {"spec": {"replicas": replicas}},
-        field_manager=FIELD_MANAGER, _content_type="application/merge-patch+json")
-
-
-async def apply_outcome(body: dict, outcome: Outcome, patch: Any, post_event=None) -> None:
-    """Scale (when the replicas change), write status into kopf's `patch`, post an Event."""
+async def apply_outcome(client: AsyncClient, body: dict, outcome: Outcome, post_event=None) -> None:
+    """Scale (when the replicas change), apply the autoscaler's status, post an Event."""
     meta = body["metadata"]
+    namespace, name = meta.get("namespace") or "default", meta["name"]
     decision = outcome.decision
     if decision.changed(outcome.replicas_before):
-        await asyncio.to_thread(set_replicas, meta.get("namespace") or "default", meta["name"], decision.replicas)
-        log.info("%s/%s: %d -> %d replicas: %s", meta.get("namespace"), meta["name"], outcome.replicas_before,
-                 decision.replicas, decision.reason)
-    for key, value in outcome.status_patch.items():
-        patch.status[key] = value
+        await kube.scale(client, namespace, name, decision.replicas, FIELD_MANAGER)
+        log.info("%s/%s: %d -> %d replicas: %s", namespace, name, outcome.replicas_before, decision.replicas,
+                 decision.reason)
+    await kube.apply_status(client, namespace, name, outcome.status, FIELD_MANAGER)
     if post_event and (decision.changed(outcome.replicas_before) or outcome.flipped):
         kind = "Normal" if decision.scaling_ready else "Warning"
         message = (f"{outcome.replicas_before} -> {decision.replicas} replicas: {decision.reason}"
@@ -151,9 +131,9 @@ def _builtin_autoscaled(spec, **_) -> bool:
     return bool(a) and a.get("driver", "builtin") == "builtin"
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TICK_S, when=_builtin_autoscaled)
-async def autoscale(body, spec, memo, patch, **_):
-    """Every tick: if this service's interval has passed, make one decision and apply it."""
+async def autoscale(body, spec, memo, **_):
+    """Every tick: if this service's interval has passed, make one decision and apply it with
+    the operator's API client (memo.kube)."""
     state = memo.get("pagoda_autoscaler")
     if state is None:
         state = memo["pagoda_autoscaler"] = {"history": History(), "last": 0.0}
@@ -175,6 +155,12 @@ async def autoscale(body, spec, memo, patch, **_):
         body["spec"] = {**(body.get("spec") or {}), "replicas": scaled[1]}
     outcome = await autoscale_once(body, state["history"], now)
     if outcome is not None:
-        await apply_outcome(body, outcome, patch, post_event=kopf.event)
+        await apply_outcome(memo.kube, body, outcome, post_event=kopf.event)
         if outcome.decision.changed(outcome.replicas_before):
             state["scaled"] = (generation, outcome.decision.replicas)
+
+
+def register(registry: kopf.OperatorRegistry) -> None:
+    """Attach the autoscaler's timer to a kopf registry (`handlers.register` does, for the operator)."""
+    kopf.timer(GROUP, VERSION, PLURAL, registry=registry, id="autoscale", interval=TICK_S,
+               when=_builtin_autoscaled)(autoscale)

@@ -1,6 +1,7 @@
 """Manifests for clusters that scale with KEDA or a HorizontalPodAutoscaler instead of the
 built-in autoscaler (`spec.autoscaling.driver: keda | hpa`). Pure: spec in, dicts out; the
-operator's renderer appends `render_scaler(body, spec)` to the children it applies.
+operator's renderer appends `render_scaler(body, spec)` to the children it applies; both take
+the children's metadata from `children.py`.
 
 Both target the InferenceService's scale subresource (spec.replicas), like the built-in one, and
 read the same PromQL (`prometheus.queries`), so switching driver does not change the arithmetic:
@@ -18,7 +19,7 @@ from typing import Any
 
 from pagoda_operator.autoscaler.decision import autoscaling_problems, interval_of, settings_of
 from pagoda_operator.autoscaler.prometheus import queries
-from pagoda_operator.render import labels, owner_references
+from pagoda_operator.children import child_metadata
 from pagoda_operator.spec import API_VERSION, KIND, InferenceServiceSpec
 
 # policy -> (the PromQL field in prometheus.queries, how the target compares)
@@ -31,15 +32,6 @@ HPA_MIN_NOTE = "pagoda.dev/min-replicas-note"
 def _delays(spec: InferenceServiceSpec) -> tuple[int, int]:
     s = settings_of(spec.autoscaling)
     return int(s.scale_up_delay_s), int(s.scale_down_delay_s)
-
-
-def _meta(body: dict[str, Any], component: str) -> dict[str, Any]:
-    meta = body["metadata"]
-    out = {"name": meta["name"], "namespace": meta.get("namespace") or "default", "labels": labels(meta["name"], component)}
-    refs = owner_references(body)
-    if refs:
-        out["ownerReferences"] = refs
-    return out
 
 
 def _behavior(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -69,7 +61,7 @@ def render_keda_scaledobject(body: dict[str, Any], spec: InferenceServiceSpec) -
     return {
         "apiVersion": "keda.sh/v1alpha1",
         "kind": "ScaledObject",
-        "metadata": _meta(body, "autoscaler"),
+        "metadata": child_metadata(body, name, "autoscaler"),
         "spec": {
             "scaleTargetRef": {"apiVersion": API_VERSION, "kind": KIND, "name": name},
             "minReplicaCount": a.min_replicas,
@@ -89,7 +81,7 @@ def render_hpa(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, An
     _, metric_type = _POLICY_METRIC[a.policy]
     target = settings_of(a).effective_target
     target_key = "averageValue" if metric_type == "AverageValue" else "value"
-    hpa_meta = _meta(body, "autoscaler")
+    hpa_meta = child_metadata(body, name, "autoscaler")
     if a.min_replicas == 0:
         hpa_meta["annotations"] = {HPA_MIN_NOTE: "minReplicas 0 rendered as 1: HPA cannot scale to zero; use driver keda or builtin"}
     return {
