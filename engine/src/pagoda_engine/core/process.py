@@ -22,7 +22,6 @@ refused on its own; only a failure inside `step()` ends the process.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -35,6 +34,7 @@ import zmq
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import AbortRequest, EngineCoreError, EngineCoreOutputs, EngineCoreRequest
+from pagoda_engine.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
@@ -62,18 +62,6 @@ class QueueTimes(msgspec.Struct, array_like=True):
 class CoreFailed(msgspec.Struct, kw_only=True, array_like=True):
     error_type: str  # the exception's class name, e.g. ModelLoadError
     message: str
-
-
-def _die_with_parent() -> None:
-    # Linux: have the kernel SIGKILL us when the parent goes, even if it was SIGKILLed itself.
-    # The getppid() check in the loop covers other platforms and the race before this call.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 class CoreLoop:
@@ -192,7 +180,7 @@ class CoreLoop:
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing target). Exits 0 after SHUTDOWN, 1 on failure."""
-    _die_with_parent()
+    die_with_parent(parent_pid)
     # The API process owns shutdown: Ctrl-C in a terminal reaches the whole process group, and
     # the core must keep serving while the API process drains. The parent stops us explicitly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -83,7 +83,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device, executor: Executor | None = None):
+                 sampler: Sampler, device: torch.device, executor: Executor):
         self.model = model
         self.attn = attn
         self.kv = kv
@@ -91,8 +91,8 @@ class ModelRunner:
         self.device = device
         self.page_size = kv.page_size
         self.vocab_size = model.vocab_size
-        # Runs the forward and LM head: here, or on every tensor-parallel rank.
-        self.executor = executor if executor is not None else Executor(model, device, attn)
+        # Runs the forward and LM head on every rank (rank 0 in this process).
+        self.executor = executor
 
     @property
     def graphs(self) -> DecodeGraphs | None:
