@@ -40,7 +40,7 @@ from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.parallel_state import ParallelLayout
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
-from pagoda_engine.worker.worker import START_TIMEOUT_S, Worker, load_worker_class
+from pagoda_engine.worker.worker import START_TIMEOUT_S, Worker, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 
@@ -113,22 +113,24 @@ class Executor:
     def collective_rpc(self, method: str, *args, **kwargs) -> list:
         """Run `method(*args, **kwargs)` on every rank's Worker; every rank's result, in rank order.
         Rank 0's error is raised as is; a worker's as WorkerError, a dead worker's as EngineDeadError."""
+        local_method = worker_method(self.worker, method)
         if self.layout.world_size == 1:
-            return [getattr(self.worker, method)(*args, **kwargs)]
+            return [local_method(*args, **kwargs)]
         with self._on_all_ranks(method):
             seq = self._send(method, args, kwargs, reply=True)
-            local = getattr(self.worker, method)(*args, **kwargs)
+            local = local_method(*args, **kwargs)
         return [local] + self._gather(seq, method)
 
     def call(self, method: str, *args, **kwargs):
         """Run `method` on every rank in lockstep (the collectives inside keep them together);
         rank 0's result. Workers do not reply: one that fails reports it and exits, and this call
         or the next raises."""
+        local_method = worker_method(self.worker, method)
         if self.layout.world_size == 1:
-            return getattr(self.worker, method)(*args, **kwargs)
+            return local_method(*args, **kwargs)
         with self._on_all_ranks(method):
             self._send(method, args, kwargs, reply=False)
-            return getattr(self.worker, method)(*args, **kwargs)
+            return local_method(*args, **kwargs)
 
     def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> int:
         if self.closed:

@@ -162,7 +162,7 @@ def serve(worker: Worker, sock: zmq.Socket) -> None:
         try:
             tensors = receive_tensors(worker.rpc_group, call.tensors, worker.device) if call.tensors else []
             args, kwargs = restore_tensors(call.args, call.kwargs, tensors)
-            result = _method(worker, call.method)(*args, **kwargs)
+            result = worker_method(worker, call.method)(*args, **kwargs)
         except Exception as e:
             logger.error("rank %d failed in %s:\n%s", worker.rank, call.method, traceback.format_exc())
             sock.send(pickle.dumps(Reply(call.seq, worker.rank, error=(type(e).__name__, str(e),
@@ -174,7 +174,8 @@ def serve(worker: Worker, sock: zmq.Socket) -> None:
             sock.send(pickle.dumps(Reply(call.seq, worker.rank, value=result), protocol=pickle.HIGHEST_PROTOCOL))
 
 
-def _method(worker: Worker, name: str):
+def worker_method(worker: Worker, name: str):
+    """The public method `name` of `worker`; AttributeError for anything else."""
     method = getattr(worker, name, None) if not name.startswith("_") else None
     if not callable(method):
         raise AttributeError(f"{type(worker).__name__} has no method {name!r}")
