@@ -101,7 +101,7 @@ def test_a_worker_that_fails_a_lockstep_call_is_reported_by_the_next_call():
         (pid,) = executor.worker_pids
         assert executor.call("fail_on", 1) == "fine"  # rank 0 is fine; rank 1 reports and exits
         assert _wait_gone([pid])
-        with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 failed in a step: ValueError: "
+        with pytest.raises(EngineDeadError, match=r"tensor-parallel worker 1 failed in fail_on: ValueError: "
                                                   r"rank 1 was told to fail"):
             executor.collective_rpc("whoami")
     finally:

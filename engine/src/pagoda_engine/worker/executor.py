@@ -157,7 +157,7 @@ class Executor:
             if self._sock.poll(200):
                 reply = self._recv_reply()
                 if reply.error is not None:
-                    raise WorkerError(reply.rank, method, reply.error)
+                    raise WorkerError(reply.rank, reply.method, reply.error)
                 if reply.seq == seq:
                     results[reply.rank] = reply.value
                 continue  # an older call's late reply (that call raised early): dropped
@@ -180,7 +180,7 @@ class Executor:
         while self._sock.poll(int(wait_s * 1000)):
             reply = self._recv_reply()
             if reply.error is not None:
-                raise EngineDeadError(str(WorkerError(reply.rank, "a step", reply.error)))
+                raise EngineDeadError(str(WorkerError(reply.rank, reply.method, reply.error)))
 
     @contextlib.contextmanager
     def _on_all_ranks(self, method: str):
@@ -312,7 +312,7 @@ def _stop_ranks(sock: zmq.Socket, ctx: zmq.Context, processes: dict[int, subproc
                 break
             except subprocess.TimeoutExpired:
                 continue
-    sock.close(linger=0)
+    sock.close(linger=1000)  # the shutdown still reaches a rank started elsewhere
     ctx.term()
 
 

@@ -56,6 +56,7 @@ class Call:
 class Reply:
     seq: int
     rank: int
+    method: str
     value: Any = None
     error: tuple[str, str, str] | None = None  # (type name, message, traceback)
 

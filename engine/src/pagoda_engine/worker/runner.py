@@ -10,7 +10,7 @@ input token is still in flight (an output placeholder) reads it from the previou
 tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
-next larger batch size (`cuda_graphs.DecodeGraphs`, owned by the executor so that every
+next larger batch size (`cuda_graphs.DecodeGraphs`, owned by each rank's `Worker`, so that every
 tensor-parallel rank replays its own); other steps of up to 256 tokens replay piecewise graphs
 with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
 `--enforce-eager` run eagerly.

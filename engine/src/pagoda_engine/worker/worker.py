@@ -165,13 +165,13 @@ def serve(worker: Worker, sock: zmq.Socket) -> None:
             result = worker_method(worker, call.method)(*args, **kwargs)
         except Exception as e:
             logger.error("rank %d failed in %s:\n%s", worker.rank, call.method, traceback.format_exc())
-            sock.send(pickle.dumps(Reply(call.seq, worker.rank, error=(type(e).__name__, str(e),
+            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, error=(type(e).__name__, str(e),
                                                                         traceback.format_exc()))))
             if not call.reply:
                 raise
             continue
         if call.reply:
-            sock.send(pickle.dumps(Reply(call.seq, worker.rank, value=result), protocol=pickle.HIGHEST_PROTOCOL))
+            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, value=result), protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def worker_method(worker: Worker, name: str):
