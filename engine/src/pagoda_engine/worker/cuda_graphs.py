@@ -12,10 +12,10 @@ device time whenever the batch is small. Two kinds, as vLLM's FULL_AND_PIECEWISE
 The split lives here, not in the model: a model offers its embedding, its layers' halves around
 attention and its final norm (`PiecewiseModel`), the same code its eager forward runs, so a new
 architecture gets piecewise graphs by writing its layers in two halves.
-Each rank's `Worker` owns both: under tensor parallelism every rank captures the same sizes in the same
-order (the all-reduces inside are captured too) and replays the same graphs for every step. All
-graphs share one memory pool: one step replays one kind at a time, on one stream, so what a
-graph frees is free for any other (only each graph's output stays reserved).
+Each rank's `Worker` owns both: under tensor parallelism every rank captures the same sizes in
+the same order (the all-reduces inside are captured too) and replays the same graphs for every
+step. All graphs share one memory pool: one step replays one kind at a time, on one stream, so
+what a graph frees is free for any other (only each graph's output stays reserved).
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.parallel_state import ParallelLayout
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
-from pagoda_engine.worker.worker import START_TIMEOUT_S, Worker, load_worker_class, worker_method
+from pagoda_engine.worker.worker import START_TIMEOUT_S, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 

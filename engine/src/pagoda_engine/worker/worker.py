@@ -74,6 +74,7 @@ class Worker:
         if self.layout.tp > 1:
             self.tp_group = make_group(self.store, self.layout, "tp", self.rank, self.device)
 
+    @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
     def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int) -> None:
         """This rank's shard of the weights (after `init_distributed`)."""
         torch.manual_seed(seed)
@@ -171,7 +172,8 @@ def serve(worker: Worker, sock: zmq.Socket) -> None:
                 raise
             continue
         if call.reply:
-            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, value=result), protocol=pickle.HIGHEST_PROTOCOL))
+            reply = Reply(call.seq, worker.rank, call.method, value=result)
+            sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def worker_method(worker: Worker, name: str):
