@@ -1,7 +1,8 @@
 """The executor's RPC over real worker processes (gloo on CPU): a method's result from every rank,
 tensors in the arguments reaching every rank, a worker's exception becoming a clear error in the
 core, a killed worker reported instead of waited for, a start-up wait that names the rank that
-never joined, and a rank started by hand (as on another host) joining over TCP."""
+never joined, and a rank started by hand (as on another host) joining over TCP and leaving when
+rank 0 dies."""
 
 import os
 import signal
@@ -145,6 +146,36 @@ def test_a_rank_started_by_hand_joins_over_tcp():
     finally:
         worker.kill()
         worker.wait()
+
+
+_RANK_0 = """
+import sys, torch
+from pagoda_engine.worker.executor import Executor
+from pagoda_engine.worker.parallel_state import ParallelLayout
+executor = Executor(ParallelLayout(tp=2), torch.device("cpu"), worker_cls="probe_worker:ProbeWorker",
+                    master_addr=sys.argv[1], master_port=int(sys.argv[2]), spawn_ranks=[], join_timeout_s=60)
+print("joined", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_rank_started_elsewhere_exits_when_rank_0_dies():
+    """Such a rank is nobody's child: it notices rank 0's store is gone rather than wait forever."""
+    host = "127.0.0.1"
+    port = _free_port(host)
+    rank_0 = subprocess.Popen([sys.executable, "-c", _RANK_0, host, str(port)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    worker = subprocess.Popen([sys.executable, "-m", "pagoda_engine.worker.worker", "--master-addr", host,
+                               "--master-port", str(port), "--rank", "1"], stdin=subprocess.DEVNULL)
+    try:
+        assert rank_0.stdout.readline() == "joined\n"
+        rank_0.kill()
+        rank_0.wait()
+        assert worker.wait(30) == 1
+    finally:
+        for process in (rank_0, worker):
+            process.kill()
+            process.wait()
 
 
 def test_one_rank_runs_the_same_worker_in_process():

@@ -12,8 +12,9 @@ Start-up waits a bounded time for every rank and names the ones that did not joi
 
 One scheduler, on rank 0, decides for all, so a page id means the same page on every rank.
 Logits are gathered on every rank; only rank 0 samples. A worker process exits when told
-(`close`), or when the core's process dies (`processes.die_with_parent`); a worker that dies or
-fails makes the next call raise EngineDeadError (or WorkerError, with its error) naming its rank.
+(`close`), or when the core's process dies (`processes.die_with_parent`; a rank started on
+another host sees rank 0's store go); a worker that dies or fails makes the next call raise
+EngineDeadError (or WorkerError, with its error) naming its rank.
 """
 
 from __future__ import annotations
@@ -262,7 +263,8 @@ class Executor:
 
     def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> AttentionBackend:
         """Create every rank's attention backend (`spec` is per rank); rank 0's."""
-        self.collective_rpc("init_kv_cache", backend, spec, num_pages)
+        with _starting():
+            self.collective_rpc("init_kv_cache", backend, spec, num_pages)
         return self.worker.attn
 
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
@@ -270,13 +272,23 @@ class Executor:
         return self.call("profile_run", backend, spec, num_tokens, num_rows)
 
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
-        self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes)
+        with _starting():
+            self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
         return self.call("execute_model", input_ids, positions, batch)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.call("compute_logits", hidden)
+
+
+@contextlib.contextmanager
+def _starting():
+    """A worker that fails or dies while the engine starts fails the start: ModelLoadError."""
+    try:
+        yield
+    except (WorkerError, EngineDeadError) as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def _spawn(rank: int, master_addr: str, master_port: int) -> subprocess.Popen:
@@ -351,11 +363,9 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     check_tensor_parallel(hf_config, tp_size)
     executor = Executor(ParallelLayout(tp=tp_size), device)
     try:
-        executor.collective_rpc("init_distributed")
-        executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed)
-    except (WorkerError, EngineDeadError) as e:
-        executor.close()
-        raise ModelLoadError(str(e)) from e
+        with _starting():
+            executor.collective_rpc("init_distributed")
+            executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed)
     except BaseException:
         executor.close()
         raise

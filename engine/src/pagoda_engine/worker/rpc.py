@@ -73,6 +73,15 @@ def read_run(store) -> dict:
     return json.loads(store.get(_RUN_KEY))
 
 
+def store_alive(store) -> bool:
+    """Whether rank 0's store still answers (a rank on another host has no parent to die with)."""
+    try:
+        store.check([_RUN_KEY])
+        return True
+    except Exception:  # the connection is gone: torch raises DistNetworkError or another RuntimeError
+        return False
+
+
 def bind_address(master_addr: str) -> str:
     """ZMQ binds to an interface's address, not a host name."""
     return socket.gethostbyname(master_addr)

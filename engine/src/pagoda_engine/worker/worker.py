@@ -35,7 +35,7 @@ from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.parallel_state import ParallelLayout
-from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors
+from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 START_TIMEOUT_S = float(os.environ.get("PAGODA_TP_START_TIMEOUT_S", "900"))
 # A collective that waits longer than this means a rank is gone.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "600"))
+# An idle worker checks this often that rank 0 is still there.
+_MASTER_CHECK_S = 2
 
 
 class Worker:
@@ -154,26 +156,33 @@ def make_group(store, layout: ParallelLayout, axis: str, rank: int, device: torc
 # --- a worker process ------------------------------------------------------------------------------
 
 
-def serve(worker: Worker, sock: zmq.Socket) -> None:
-    """Run rank 0's calls until `shutdown`. A failed call is reported; after one whose caller
-    does not wait for replies (a step, run in lockstep with the other ranks) this rank is out of
-    step with them, so it exits after reporting."""
+def serve(worker: Worker, sock: zmq.Socket) -> int:
+    """Run rank 0's calls until `shutdown` (0) or rank 0 is gone (1). A failed call is reported;
+    after one whose caller does not wait for replies (a step, run in lockstep with the other
+    ranks) this rank is out of step with them, so it stops (1)."""
     while worker.serving:
+        if not sock.poll(_MASTER_CHECK_S * 1000):
+            if not store_alive(worker.store):
+                logger.error("rank 0 is gone; worker rank %d exiting", worker.rank)
+                return 1
+            continue
         call: Call = pickle.loads(sock.recv())
         try:
             tensors = receive_tensors(worker.rpc_group, call.tensors, worker.device) if call.tensors else []
             args, kwargs = restore_tensors(call.args, call.kwargs, tensors)
             result = worker_method(worker, call.method)(*args, **kwargs)
         except Exception as e:
-            logger.error("rank %d failed in %s:\n%s", worker.rank, call.method, traceback.format_exc())
-            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, error=(type(e).__name__, str(e),
-                                                                        traceback.format_exc()))))
+            trace = traceback.format_exc()
+            logger.error("rank %d failed in %s:\n%s", worker.rank, call.method, trace)
+            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, error=(type(e).__name__, str(e), trace))))
             if not call.reply:
-                raise
+                return 1
             continue
         if call.reply:
             reply = Reply(call.seq, worker.rank, call.method, value=result)
             sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    return 0
+
 
 
 def worker_method(worker: Worker, name: str):
@@ -226,7 +235,7 @@ def main(argv: list[str] | None = None) -> None:
         sock.connect(run["endpoint"])
         sock.send(pickle.dumps(Hello(rank=args.rank, pid=os.getpid(), host=socket.gethostname())))
         with torch.inference_mode():
-            serve(worker, sock)
+            code = serve(worker, sock)
     except Exception:
         logger.error("worker rank %d failed:\n%s", args.rank, traceback.format_exc())
         code = 1
