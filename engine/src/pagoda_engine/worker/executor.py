@@ -70,10 +70,12 @@ class Executor:
                  master_port: int = 0, spawn_ranks: list[int] | None = None,
                  worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = JOIN_TIMEOUT_S):
         self.layout = layout
+        spawn_ranks = list(range(1, layout.world_size)) if spawn_ranks is None else spawn_ranks
         device = torch.device(device)
         if layout.world_size > 1 and device.type == "cuda":
-            if torch.cuda.device_count() < layout.world_size:
-                raise ModelLoadError(f"tensor_parallel_size {layout.world_size} needs {layout.world_size} GPUs, "
+            needed = max(spawn_ranks, default=0) + 1
+            if torch.cuda.device_count() < needed:
+                raise ModelLoadError(f"tensor_parallel_size {layout.world_size} needs {needed} GPUs here, "
                                      f"{torch.cuda.device_count()} are visible")
             device = torch.device("cuda", 0)  # rank r runs on cuda:r
             torch.cuda.set_device(device)
@@ -102,7 +104,7 @@ class Executor:
         publish_run(store, {"layout": asdict(layout), "device_type": device.type, "worker_cls": worker_cls,
                             "endpoint": f"tcp://{master_addr}:{port}"})
         try:
-            for rank in range(1, layout.world_size) if spawn_ranks is None else spawn_ranks:
+            for rank in spawn_ranks:
                 self._processes[rank] = _spawn(rank, master_addr, store.port)
             self._join(join_timeout_s, f"{master_addr}:{store.port}")
         except BaseException:
