@@ -211,7 +211,7 @@ class Executor:
         """Wait until every worker rank has said Hello; a rank that exits or stays away fails the start."""
         deadline = time.monotonic() + timeout_s
         expected = set(range(1, self.layout.world_size))
-        while set(self.hellos) != expected:
+        while expected - set(self.hellos):
             if self._sock.poll(200):
                 _, payload = self._sock.recv_multipart()
                 hello: Hello = pickle.loads(payload)

@@ -101,7 +101,7 @@ def split_tensors(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
             return TensorRef(len(tensors) - 1)
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             changed = {f.name: ref(getattr(value, f.name)) for f in dataclasses.fields(value)
-                       if isinstance(getattr(value, f.name), torch.Tensor)}
+                       if f.init and isinstance(getattr(value, f.name), torch.Tensor)}
             return dataclasses.replace(value, **changed) if changed else value
         return value
 
@@ -116,7 +116,7 @@ def restore_tensors(args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> t
             return tensors[value.index]
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             changed = {f.name: tensors[getattr(value, f.name).index] for f in dataclasses.fields(value)
-                       if isinstance(getattr(value, f.name), TensorRef)}
+                       if f.init and isinstance(getattr(value, f.name), TensorRef)}
             return dataclasses.replace(value, **changed) if changed else value
         return value
 
