@@ -188,7 +188,7 @@ def test_a_worker_that_cannot_start_is_a_model_load_error(gqa_dir, monkeypatch):
     # The worker's interpreter exits at once, as a broken install would.
     monkeypatch.setattr(sys, "executable", "/bin/false")
     children_before = _child_pids()
-    with pytest.raises(ModelLoadError, match=r"tensor-parallel worker 1 exited \(code 1\) while trying to load"):
+    with pytest.raises(ModelLoadError, match=r"tensor-parallel worker 1 exited \(code 1\) while trying to start"):
         LLM(str(gqa_dir), num_kv_pages=64, tensor_parallel_size=2)
     assert _wait_gone(list(_child_pids() - children_before), timeout_s=5)
 

@@ -12,7 +12,6 @@ refused on its own; only a failure inside `step()` ends the process.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
@@ -26,22 +25,11 @@ import zmq
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineCoreError, EngineCoreOutputs,
                                     EngineCoreRequest, ShutdownRequest, ToCore, make_decoder, make_encoder)
+from pagoda_engine.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
 
 _PARENT_CHECK_S = 1.0
-
-
-def _die_with_parent() -> None:
-    # Linux: have the kernel SIGKILL us when the parent goes, even if it was SIGKILLed itself.
-    # The getppid() check in the loop covers other platforms and the race before this call.
-    if sys.platform.startswith("linux"):
-        try:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            PR_SET_PDEATHSIG = 1
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        except OSError:
-            pass
 
 
 class CoreLoop:
@@ -139,7 +127,7 @@ class CoreLoop:
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
                     log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing target). Exits 0 after a ShutdownRequest, 1 on failure."""
-    _die_with_parent()
+    die_with_parent(parent_pid)
     # The API process owns shutdown: Ctrl-C in a terminal reaches the whole process group, and
     # the core must keep serving while the API process drains. The parent stops us explicitly.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

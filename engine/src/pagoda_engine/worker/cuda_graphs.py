@@ -5,17 +5,23 @@ device time whenever the batch is small. Two kinds, as vLLM's FULL_AND_PIECEWISE
 - `DecodeGraphs` captures the whole forward of all-decode batches, attention included, once per
   batch size; a step pads to the next captured size and replays.
 - `PiecewiseGraphs` serves every other step of up to `MAX_PIECEWISE_TOKENS` tokens (prefill
-  chunks, decodes mixed with them): each stretch of the forward between two attention calls
-  (`model.segment`) is a graph, captured once per token count; attention runs eagerly between
-  them, planned for the real batch, because its work depends on every request's lengths. Longer
-  steps run eagerly: their kernels outlast the launches.
-The executor owns both: under tensor parallelism every rank captures the same sizes in the same
-order (the all-reduces inside are captured too) and replays the same graphs for every step. All
-graphs share one memory pool: one step replays one kind at a time, on one stream, so what a
-graph frees is free for any other (only each graph's output stays reserved).
+  chunks, decodes mixed with them): each stretch of the forward between two attention calls (a
+  segment, `run_segment`) is a graph, captured once per token count; attention runs eagerly
+  between them, planned for the real batch, because its work depends on every request's
+  lengths. Longer steps run eagerly: their kernels outlast the launches.
+The split lives here, not in the model: a model offers its embedding, its layers' halves around
+attention and its final norm (`PiecewiseModel`), the same code its eager forward runs, so a new
+architecture gets piecewise graphs by writing its layers in two halves.
+Each rank's `Worker` owns both: under tensor parallelism every rank captures the same sizes in
+the same order (the all-reduces inside are captured too) and replays the same graphs for every
+step. All graphs share one memory pool: one step replays one kind at a time, on one stream, so
+what a graph frees is free for any other (only each graph's output stays reserved).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
@@ -41,6 +47,44 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     decode batch pads to the next size, wasting at most 15 rows once batches are large."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
+
+
+class PiecewiseLayer(Protocol):
+    """A decoder layer in two halves around its attention call."""
+
+    def pre_attention(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Everything before attention: (q [T, Hq, D], k, v [T, Hkv, D], residual stream [T, H]);
+        the first layer gets residual None and the embeddings as x."""
+
+    def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything after attention, from its output o [T, Hq, D]: (x, residual) for the next layer."""
+
+
+class PiecewiseModel(Protocol):
+    """A model (an nn.Module with `config.hidden_size`) the piecewise graphs can split: its
+    embedding, its layers and its final norm, which its own eager forward runs too."""
+
+    layers: Sequence[PiecewiseLayer]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor: ...
+
+
+def run_segment(model: PiecewiseModel, i: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                o: torch.Tensor | None, residual: torch.Tensor | None):
+    """The forward between attention calls i-1 and i. Segment 0 embeds `input_ids` and ends with
+    layer 0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's attention output
+    `o` and the residual stream and ends with layer i's (q, k, v, residual); the last segment
+    ends with the final norm and returns the hidden states."""
+    if i == 0:
+        x = model.embed(input_ids)
+    else:
+        x, residual = model.layers[i - 1].post_attention(o, residual)
+    if i == len(model.layers):
+        return model.final_norm(x, residual)
+    return model.layers[i].pre_attention(positions, x, residual)
 
 
 def load_padded(id_buffer: torch.Tensor, position_buffer: torch.Tensor, input_ids: torch.Tensor,
@@ -107,7 +151,7 @@ class DecodeGraphs:
 
 
 class SegmentBuffers:
-    """Fixed buffers for running the forward one segment (`model.segment`) at a time over the
+    """Fixed buffers for running the forward one segment (`run_segment`) at a time over the
     first `size` rows, as the piecewise graphs do: token ids and positions in; each segment's q,
     k, v (copied here, so a graph pool can reuse the segment's other memory for the next one) and
     the residual stream (updated in place by the fused add+norm); the attention output the next
@@ -115,9 +159,9 @@ class SegmentBuffers:
     attended to: their attention rows keep what an earlier step left, which no real row reads.
     """
 
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, max_tokens: int):
+    def __init__(self, model: PiecewiseModel, attn: AttentionBackend, device: torch.device, max_tokens: int):
         self.model, self.attn = model, attn
-        self.num_segments = model.num_segments
+        self.num_segments = len(model.layers) + 1
         spec = attn.spec
         dtype = next(model.parameters()).dtype
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -137,8 +181,8 @@ class SegmentBuffers:
     def segment(self, i: int, size: int) -> torch.Tensor | None:
         """Segment i over the first `size` rows. The last returns the hidden states; the others
         leave q, k, v and the residual in the buffers."""
-        out = self.model.segment(i, self.input_ids[:size], self.positions[:size],
-                                 self.attn_out[:size] if i else None, self.residual[:size] if i else None)
+        out = run_segment(self.model, i, self.input_ids[:size], self.positions[:size],
+                          self.attn_out[:size] if i else None, self.residual[:size] if i else None)
         if i == self.num_segments - 1:
             return out
         q, k, v, residual = out
@@ -164,7 +208,7 @@ class PiecewiseGraphs:
     segment and captured token count, over one set of `SegmentBuffers`; attention runs eagerly
     between the replays, planned for the real batch."""
 
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device, token_sizes: list[int],
+    def __init__(self, model: PiecewiseModel, attn: AttentionBackend, device: torch.device, token_sizes: list[int],
                  pool: tuple):
         self.attn = attn
         self.token_sizes = sorted(token_sizes)

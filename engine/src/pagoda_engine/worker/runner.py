@@ -10,7 +10,7 @@ input token is still in flight (an output placeholder) reads it from the previou
 tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
-next larger batch size (`cuda_graphs.DecodeGraphs`, owned by the executor so that every
+next larger batch size (`cuda_graphs.DecodeGraphs`, owned by each rank's `Worker`, so that every
 tensor-parallel rank replays its own); other steps of up to 256 tokens replay piecewise graphs
 with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
 `--enforce-eager` run eagerly.
@@ -83,7 +83,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device, executor: Executor | None = None):
+                 sampler: Sampler, device: torch.device, executor: Executor):
         self.model = model
         self.attn = attn
         self.kv = kv
@@ -91,8 +91,8 @@ class ModelRunner:
         self.device = device
         self.page_size = kv.page_size
         self.vocab_size = model.vocab_size
-        # Runs the forward and LM head: here, or on every tensor-parallel rank.
-        self.executor = executor if executor is not None else Executor(model, device, attn)
+        # Runs the forward and LM head on every rank (rank 0 in this process).
+        self.executor = executor
 
     @property
     def graphs(self) -> DecodeGraphs | None:

@@ -10,8 +10,9 @@ Tensor parallelism (Megatron-style): column-parallel layers split output feature
 communication; row-parallel layers split input features and all-reduce their partial sums (one
 all-reduce per row-parallel layer); the embedding splits the vocabulary and all-reduces; the LM
 head splits the vocabulary and all-gathers the logits. Collectives run on the model's own
-`TPGroup` (attached after construction with `attach_tp_group`; `pagoda_engine.worker.executor` makes
-it), never on torch.distributed's global default group, so one process may hold several engines.
+`TPGroup` (attached after construction with `attach_tp_group`; `pagoda_engine.worker.worker` makes
+it from the process-group layout), never on torch.distributed's global default group, so one
+process may hold several engines.
 """
 
 from __future__ import annotations
@@ -235,12 +236,15 @@ class RotaryEmbedding(nn.Module):
 
 class TPGroup:
     """The collectives of one tensor-parallel model, on a torch.distributed backend object
-    (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) that belongs to this model alone."""
+    (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) that belongs to this model alone.
+    `rank` is this member's index in the group, `ranks` the members' global ranks
+    (`worker.parallel_state.ParallelLayout.group`)."""
 
-    def __init__(self, backend, rank: int, size: int):
+    def __init__(self, backend, rank: int, size: int, ranks: tuple[int, ...] | None = None):
         self.backend = backend
         self.rank = rank
         self.size = size
+        self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""

@@ -63,6 +63,11 @@ def rope_settings(cfg: PretrainedConfig) -> tuple[float, dict | None]:
     return float(params.get("rope_theta", 10000.0)), params
 
 
+def head_dim(cfg: PretrainedConfig) -> int:
+    """config.json's `head_dim`, else hidden_size / num_attention_heads."""
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
 def sliding_window(cfg: PretrainedConfig) -> int | None:
     """The attention window config.json asks for, or None when attention is full."""
     window = getattr(cfg, "sliding_window", None)
@@ -77,14 +82,15 @@ def sliding_window(cfg: PretrainedConfig) -> int | None:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, rotary: RotaryEmbedding, tp_size: int = 1,
+                 tp_rank: int = 0):
         super().__init__()
         hidden = cfg.hidden_size
         total_heads = cfg.num_attention_heads
         total_kv_heads = getattr(cfg, "num_key_value_heads", None) or total_heads
         if total_heads % total_kv_heads:
             raise ModelLoadError(f"num_attention_heads ({total_heads}) is not a multiple of num_key_value_heads ({total_kv_heads})")
-        self.head_dim = getattr(cfg, "head_dim", None) or hidden // total_heads
+        self.head_dim = head_dim(cfg)
         # Tensor parallelism splits heads here: each rank's qkv_proj holds its share.
         self.qkv_proj = QKVParallelLinear(hidden, self.head_dim, total_heads, total_kv_heads, flags.qkv_bias, tp_size, tp_rank)
         self.num_heads = self.qkv_proj.num_heads
@@ -92,9 +98,9 @@ class DecoderAttention(nn.Module):
         self.o_proj = RowParallelLinear(total_heads * self.head_dim, hidden, flags.o_bias, tp_size, tp_rank)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
+        self.rotary_emb = rotary  # one cos/sin cache, shared by every layer
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor, rotary: RotaryEmbedding
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D] and k
         [T, Hkv, D] rotated to their positions, v [T, Hkv, D]."""
         t = x.shape[0]
@@ -105,7 +111,7 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k)
         return q, k, v
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
@@ -128,36 +134,44 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
+    """One decoder layer, in two halves around attention: `pre_attention` (input norm, q/k/v)
+    and `post_attention` (output projection, norm, MLP). The eager forward runs them with
+    attention between; the piecewise CUDA graphs (`cuda_graphs.py`) capture them."""
+
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, rotary: RotaryEmbedding, tp_size: int = 1,
+                 tp_rank: int = 0):
         super().__init__()
-        self.self_attn = DecoderAttention(cfg, flags, tp_size, tp_rank)
+        self.self_attn = DecoderAttention(cfg, flags, rotary, tp_size, tp_rank)
         self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def attention_inputs(self, positions, x, residual, rotary):
+    def pre_attention(self, positions, x, residual):
         """Input norm (adding x to the residual stream first, except in the first layer, whose
         residual is None) and the attention inputs: (q, k, v, residual)."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.qkv(positions, x, rotary)
+        q, k, v = self.self_attn.qkv(positions, x)
         return q, k, v, residual
 
-    def mlp_block(self, x, residual):
-        """After the output projection: post-attention norm and MLP → (x, residual)."""
+    def post_attention(self, o, residual):
+        """From the attention output o: output projection, post-attention norm, MLP → (x, residual)."""
+        return self._mlp(self.self_attn.out(o), residual)
+
+    def _mlp(self, x, residual):
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
-    def forward(self, layer_id, positions, x, residual, rotary, attn):
-        x, residual = self._attention(layer_id, positions, x, residual, rotary, attn)
-        return self.mlp_block(x, residual)
+    def forward(self, layer_id, positions, x, residual, attn):
+        x, residual = self._attention(layer_id, positions, x, residual, attn)
+        return self._mlp(x, residual)
 
-    def _attention(self, layer_id, positions, x, residual, rotary, attn):
+    def _attention(self, layer_id, positions, x, residual, attn):
         # A frame of its own: q, k, v and the attention output are freed before the MLP runs, which
         # keeps the peak of a long prefill (and so the profile step that sizes the KV pool) down.
-        q, k, v, residual = self.attention_inputs(positions, x, residual, rotary)
+        q, k, v, residual = self.pre_attention(positions, x, residual)
         return self.self_attn.out(attn.forward(layer_id, q, k, v)), residual
 
 
@@ -167,40 +181,24 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, tp_size, tp_rank) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        head_dim = self.layers[0].self_attn.head_dim
         theta, rope_params = rope_settings(cfg)
         # One cos/sin cache shared by all layers.
-        self.rotary_emb = RotaryEmbedding(head_dim, max_position, theta, rope_params)
+        self.rotary_emb = RotaryEmbedding(head_dim(cfg), max_position, theta, rope_params)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank)
+                                    for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.layers) + 1
-
-    def segment(self, i: int, input_ids: torch.Tensor, positions: torch.Tensor, o: torch.Tensor | None,
-                residual: torch.Tensor | None):
-        """The forward between two attention calls. Segment 0 embeds `input_ids` and ends with layer
-        0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's attention output `o`
-        and the residual stream and ends with layer i's (q, k, v, residual); the last segment ends
-        with the final norm and returns the hidden states. Piecewise CUDA graphs capture each one."""
-        if i == 0:
-            x = self.embed_tokens(input_ids)
-        else:
-            previous = self.layers[i - 1]
-            x, residual = previous.mlp_block(previous.self_attn.out(o), residual)
-        if i == len(self.layers):
-            x, _ = self.norm(x, residual)
-            return x
-        return self.layers[i].attention_inputs(positions, x, residual, self.rotary_emb)
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """The last layer's output added to the residual stream, normalised: the hidden states."""
+        x, _ = self.norm(x, residual)
+        return x
 
     def forward(self, input_ids, positions, attn):
         x = self.embed_tokens(input_ids)
         residual = None
         for i, layer in enumerate(self.layers):
-            x, residual = layer(i, positions, x, residual, self.rotary_emb, attn)
-        x, _ = self.norm(x, residual)
-        return x
+            x, residual = layer(i, positions, x, residual, attn)
+        return self.final_norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -228,13 +226,17 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         return self.model(input_ids, positions, attn)
 
+    # What the piecewise CUDA graphs run (`cuda_graphs.PiecewiseModel`): the embedding, the
+    # layers' halves around attention, the final norm.
     @property
-    def num_segments(self) -> int:
-        return self.model.num_segments
+    def layers(self) -> nn.ModuleList:
+        return self.model.layers
 
-    def segment(self, i, input_ids, positions, o, residual):
-        """`DecoderModel.segment`: the forward between attention calls i-1 and i."""
-        return self.model.segment(i, input_ids, positions, o, residual)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.model.final_norm(x, residual)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

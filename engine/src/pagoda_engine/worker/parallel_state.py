@@ -1,0 +1,95 @@
+"""Which ranks work together: the process-group layout of tensor, pipeline, data and expert
+parallelism, computed from the sizes alone (no processes, no torch).
+
+Global ranks are laid out as vLLM lays them out (`arange(world).reshape(DP, PP, TP)`), TP
+innermost so that a TP group is a run of consecutive ranks (on one host, its GPUs side by side):
+
+    rank = (dp_rank * pp + pp_rank) * tp + tp_rank
+
+- a TP group: the `tp` ranks of one pipeline stage of one DP replica (same dp_rank, pp_rank);
+- a PP group: the `pp` stages one token passes through (same dp_rank, tp_rank);
+- a DP group: the `dp` replicas of one (pp_rank, tp_rank) position;
+- the EP group (MoE layers only, `enable_expert_parallel`): every TP rank of every DP replica of
+  one pipeline stage (same pp_rank), so experts are spread over TP × DP.
+
+The executor creates the groups its ranks need at run time; today that is only TP (the engine
+refuses pp or dp > 1 and expert parallelism), and pipeline, data and expert parallelism plug in
+here without a new numbering.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AXES = ("tp", "pp", "dp", "ep")
+
+
+@dataclass(frozen=True)
+class RankCoordinates:
+    """One global rank's place on every axis; `ep_rank` is None without expert parallelism."""
+
+    rank: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    ep_rank: int | None
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    enable_expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        for axis in ("tp", "pp", "dp"):
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"{axis} size must be an integer >= 1, got {size!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def rank_of(self, dp_rank: int, pp_rank: int, tp_rank: int) -> int:
+        return (dp_rank * self.pp + pp_rank) * self.tp + tp_rank
+
+    def coordinates(self, rank: int) -> RankCoordinates:
+        self._check_rank(rank)
+        tp_rank = rank % self.tp
+        pp_rank = rank // self.tp % self.pp
+        dp_rank = rank // (self.tp * self.pp)
+        ep_rank = dp_rank * self.tp + tp_rank if self.enable_expert_parallel else None
+        return RankCoordinates(rank=rank, tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=dp_rank, ep_rank=ep_rank)
+
+    def group(self, axis: str, rank: int) -> tuple[int, ...]:
+        """The global ranks of `rank`'s group on `axis`, in group-rank order (a member's index is
+        its rank within the group: its tp_rank, pp_rank, dp_rank or ep_rank)."""
+        c = self.coordinates(rank)
+        if axis == "tp":
+            return tuple(self.rank_of(c.dp_rank, c.pp_rank, t) for t in range(self.tp))
+        if axis == "pp":
+            return tuple(self.rank_of(c.dp_rank, p, c.tp_rank) for p in range(self.pp))
+        if axis == "dp":
+            return tuple(self.rank_of(d, c.pp_rank, c.tp_rank) for d in range(self.dp))
+        if axis == "ep":
+            if not self.enable_expert_parallel:
+                raise ValueError("no EP group: expert parallelism is not enabled")
+            return tuple(self.rank_of(d, c.pp_rank, t) for d in range(self.dp) for t in range(self.tp))
+        raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
+
+    def groups(self, axis: str) -> list[tuple[int, ...]]:
+        """Every group on `axis`, ordered by their lowest rank: a partition of all ranks."""
+        seen: dict[tuple[int, ...], None] = {}
+        for rank in range(self.world_size):
+            seen.setdefault(self.group(axis, rank))
+        return sorted(seen, key=lambda g: g[0])
+
+    def group_index(self, axis: str, rank: int) -> int:
+        """Which of `groups(axis)` holds `rank`: names a group's own rendezvous keys."""
+        return self.groups(axis).index(self.group(axis, rank))
+
+    def _check_rank(self, rank: int) -> None:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")

@@ -1,0 +1,251 @@
+"""One rank of the model: its device, its shard of the weights, its KV pages and CUDA graphs.
+
+The executor calls a `Worker`'s methods by name on every rank at once (`Executor.collective_rpc`):
+rank 0's Worker lives in the engine core's process and is called directly; every other rank's
+lives in a process of its own (`main`, started by the executor or, on another host, by hand),
+which serves calls until `shutdown`. Under tensor parallelism each rank holds one shard of the
+weights (`model/layers.py`) and its own KV pool with the same page count, and every rank runs
+the same forward: the all-reduces inside the model keep them in step.
+
+A method's result travels back pickled: methods called on every rank return small values (or
+None); the big ones (hidden states, logits) are only ever read on rank 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+import zmq
+
+from pagoda_engine.processes import die_with_parent
+from pagoda_engine.worker.attention import get_attention_backend
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
+from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
+from pagoda_engine.worker.model.loader import load_hf_config, load_model
+from pagoda_engine.worker.parallel_state import ParallelLayout
+from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
+
+logger = logging.getLogger(__name__)
+
+# Start-up covers spawning, importing torch and loading a shard of a large checkpoint.
+START_TIMEOUT_S = float(os.environ.get("PAGODA_TP_START_TIMEOUT_S", "900"))
+# A collective that waits longer than this means a rank is gone.
+COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "600"))
+# An idle worker checks this often that rank 0 is still there.
+_MASTER_CHECK_S = 2
+
+
+class Worker:
+    """Rank `rank` of `layout`, on `device`; `store` is the run's TCPStore (process groups meet there)."""
+
+    def __init__(self, layout: ParallelLayout, rank: int, device: torch.device, store=None):
+        self.layout = layout
+        self.rank = rank
+        self.coordinates = layout.coordinates(rank)
+        self.device = torch.device(device)
+        self.store = store
+        self.model: torch.nn.Module | None = None
+        self.tp_group: TPGroup | None = None
+        self.attn: AttentionBackend | None = None
+        self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        self.serving = True
+
+    @property
+    def rpc_group(self) -> TPGroup | None:
+        """The group a call's tensors are broadcast over: all ranks, which is the TP group while
+        TP is the only axis run."""
+        return self.tp_group
+
+    def init_distributed(self) -> None:
+        """Join this rank's groups; returns once every member has joined."""
+        if self.layout.world_size != self.layout.tp:
+            raise NotImplementedError("only tensor parallelism runs today (pipeline and data parallel sizes are 1)")
+        if self.layout.tp > 1:
+            self.tp_group = make_group(self.store, self.layout, "tp", self.rank, self.device)
+
+    @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
+    def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int) -> None:
+        """This rank's shard of the weights (after `init_distributed`)."""
+        torch.manual_seed(seed)
+        self.model = load_model(model_dir, load_hf_config(model_dir), dtype, self.device, load_format, seed,
+                                self.layout.tp, self.coordinates.tp_rank)
+        if self.tp_group is not None:
+            attach_tp_group(self.model, self.tp_group)
+
+    def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> None:
+        """Create the attention backend that owns this rank's KV pages (`spec` is per rank)."""
+        self.attn = get_attention_backend(backend, spec, num_pages, self.device)
+
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
+        """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
+        empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
+        captures the same sizes in the same order: the all-reduces inside pair up across ranks."""
+        pool = torch.cuda.graph_pool_handle()
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool)
+        if piecewise_sizes:
+            self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool)
+
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]:
+        a whole-forward graph replay for all-decode steps that fit one, piecewise replays for
+        other short steps, else eagerly."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs.run(input_ids, positions, batch)
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            return self.piecewise.run(input_ids, positions, batch)
+        self.attn.plan(batch)
+        return self.model(input_ids, positions, self.attn)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits over the whole vocabulary for the given hidden rows."""
+        return self.model.compute_logits(hidden)
+
+    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
+        """The largest step the scheduler can form, for measuring peak memory: `num_tokens` new
+        tokens of one sequence through the attention backend (over a scratch pool of just enough
+        pages), then the logits of the last `num_rows` of them, which it returns."""
+        page_size = spec.page_size
+        scratch_pages = -(-num_tokens // page_size) + 1  # + the null page
+        scratch = get_attention_backend(backend, spec, scratch_pages, self.device)
+        batch = AttentionBatch(query_lens=[num_tokens], seq_lens=[num_tokens],
+                               page_tables=[list(range(1, scratch_pages))],
+                               slot_mapping=torch.arange(page_size, page_size + num_tokens, device=self.device))
+        scratch.plan(batch)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch)
+        return self.model.compute_logits(hidden[-num_rows:])
+
+    def shutdown(self) -> None:
+        """Stop serving calls (a worker process then exits)."""
+        self.serving = False
+
+
+def make_group(store, layout: ParallelLayout, axis: str, rank: int, device: torch.device) -> TPGroup:
+    """This rank's member of its group on `axis` (gloo on CPU, NCCL on CUDA), meeting in `store`
+    under the group's own prefix; returns once every member has joined."""
+    members = layout.group(axis, rank)
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    store = dist.PrefixStore(f"pagoda/{axis}/{layout.group_index(axis, rank)}", store)
+    group_rank = members.index(rank)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        backend = dist.ProcessGroupNCCL(store, group_rank, len(members), options)
+    else:
+        backend = dist.ProcessGroupGloo(store, group_rank, len(members), timeout)
+    group = TPGroup(backend, group_rank, len(members), members)
+    # A first collective: every rank is connected (NCCL makes its communicator lazily) before
+    # anyone reports ready.
+    group.all_reduce(torch.zeros(1, device=device))
+    return group
+
+
+# --- a worker process ------------------------------------------------------------------------------
+
+
+def serve(worker: Worker, sock: zmq.Socket) -> int:
+    """Run rank 0's calls until `shutdown` (0) or rank 0 is gone (1). A failed call is reported;
+    after one whose caller does not wait for replies (a step, run in lockstep with the other
+    ranks) this rank is out of step with them, so it stops (1)."""
+    while worker.serving:
+        if not sock.poll(_MASTER_CHECK_S * 1000):
+            if not store_alive(worker.store):
+                logger.error("rank 0 is gone; worker rank %d exiting", worker.rank)
+                return 1
+            continue
+        call: Call = pickle.loads(sock.recv())
+        try:
+            tensors = receive_tensors(worker.rpc_group, call.tensors, worker.device) if call.tensors else []
+            args, kwargs = restore_tensors(call.args, call.kwargs, tensors)
+            result = worker_method(worker, call.method)(*args, **kwargs)
+        except Exception as e:
+            trace = traceback.format_exc()
+            logger.error("rank %d failed in %s:\n%s", worker.rank, call.method, trace)
+            sock.send(pickle.dumps(Reply(call.seq, worker.rank, call.method, error=(type(e).__name__, str(e), trace))))
+            if not call.reply:
+                return 1
+            continue
+        if call.reply:
+            reply = Reply(call.seq, worker.rank, call.method, value=result)
+            sock.send(pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL))
+    return 0
+
+
+
+def worker_method(worker: Worker, name: str):
+    """The public method `name` of `worker`; AttributeError for anything else."""
+    method = getattr(worker, name, None) if not name.startswith("_") else None
+    if not callable(method):
+        raise AttributeError(f"{type(worker).__name__} has no method {name!r}")
+    return method
+
+
+def load_worker_class(path: str) -> type[Worker]:
+    """"package.module:Class" → the class (the executor may run a Worker subclass)."""
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A worker process: `python -m pagoda_engine.worker.worker --master-addr A --master-port P
+    --rank R`. Joins the run rank 0 published in its store, then serves calls."""
+    parser = argparse.ArgumentParser(description="One worker rank of a Pagoda engine.")
+    parser.add_argument("--master-addr", required=True)
+    parser.add_argument("--master-port", type=int, required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--local-rank", type=int, default=None, help="CUDA device index (default: the rank)")
+    parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
+    parser.add_argument("--log-level", type=int, default=logging.INFO)
+    args = parser.parse_args(argv)
+    if args.parent_pid is not None:
+        die_with_parent(args.parent_pid)
+    # The core owns shutdown; a Ctrl-C reaching the whole process group must not kill us mid-step.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=args.log_level,
+                        format=f"%(asctime)s %(levelname)s worker-{args.rank} %(name)s: %(message)s")
+    code = 0
+    ctx = zmq.Context()
+    try:
+        store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
+                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+        run = read_run(store)
+        layout = ParallelLayout(**run["layout"])
+        if run["device_type"] == "cuda":
+            device = torch.device("cuda", args.rank if args.local_rank is None else args.local_rank)
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(1)  # ranks share the machine's cores; one thread each
+        worker = load_worker_class(run["worker_cls"])(layout, args.rank, device, store)
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, str(args.rank).encode())
+        sock.connect(run["endpoint"])
+        sock.send(pickle.dumps(Hello(rank=args.rank, pid=os.getpid(), host=socket.gethostname())))
+        with torch.inference_mode():
+            code = serve(worker, sock)
+    except Exception:
+        logger.error("worker rank %d failed:\n%s", args.rank, traceback.format_exc())
+        code = 1
+    finally:
+        ctx.destroy(linger=2000)  # the last reply (or error) still goes out
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # Skip interpreter teardown (process groups, CUDA context): nothing waits on it.
+        os._exit(code)
+
+
+if __name__ == "__main__":
+    main()
