@@ -374,10 +374,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across TP ranks; partial sums are all-reduced (bias added once)."""
+    """Input features split across TP ranks; partial sums are all-reduced (bias added once).
+    `reduce_results=False` leaves the sum to the caller (an MoE layer reduces once for all its parts)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 reduce_results: bool = True):
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.reduce_results = reduce_results
         self.tp_group: TPGroup | None = None
         super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias)
         _set_weight_loader(self.weight, self._load_weight)
@@ -391,7 +394,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             _group(self).all_reduce(y)
         return y
 
