@@ -80,6 +80,15 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return out
 
 
+def _experts_kernel(x: torch.Tensor):
+    """The Triton grouped GEMMs for half-precision CUDA tensors, the exact loop otherwise."""
+    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+
+        return fused_experts
+    return fused_experts_reference
+
+
 class _StackedExperts(nn.Module):
     """The experts' weights, stacked: `w13` [E, 2 × I/tp, H] and `w2` [E, H, I/tp]."""
 
@@ -144,7 +153,7 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-        out = fused_experts_reference(x, self.experts.w13, self.experts.w2, weights, ids)
+        out = _experts_kernel(x)(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tp_size > 1:

@@ -1,0 +1,62 @@
+"""The Triton fused-MoE experts against the exact CPU loop, at Qwen3-30B-A3B's layer shapes
+(hidden 2048, 128 experts of intermediate 768, 8 per token) and Mixtral-like ones, bf16; and its
+alignment step under a CUDA graph (routing changes between replays, shapes do not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_support import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+SHAPES = {  # (hidden, intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-like": (1024, 3584, 8, 2),
+}
+
+
+def _weights(hidden, inter, experts, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g).mul_(hidden ** -0.5).bfloat16()
+    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=g).mul_(inter ** -0.5).bfloat16()
+    return w13, w2
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300, 2048])
+def test_triton_experts_match_the_reference_loop(shape, num_tokens):
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES[shape]
+    w13, w2 = _weights(hidden, inter, experts)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(num_tokens, experts, device="cuda").bfloat16(), top_k, True)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = fused_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_experts_replay_in_a_cuda_graph_with_new_routing():
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES["qwen3-30b-a3b"]
+    w13, w2 = _weights(hidden, inter, experts)
+    x = torch.randn(16, hidden, device="cuda").bfloat16()
+    logits = torch.randn(16, experts, device="cuda").bfloat16()
+    fused_experts(x, w13, w2, *select_experts(logits, top_k, True))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, *select_experts(logits, top_k, True))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        logits.copy_(torch.randn_like(logits))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        weights, ids = select_experts(logits, top_k, True)
+        expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
