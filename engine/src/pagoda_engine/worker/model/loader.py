@@ -22,6 +22,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.worker.model.models import resolve_architecture
+from pagoda_engine.worker.model.moe import expert_checkpoint_piece
 
 logger = logging.getLogger(__name__)
 
@@ -165,10 +166,27 @@ def _safetensors_device(device: torch.device) -> str:
 
 def _checkpoint_name(model: nn.Module, param_name: str, shard_id) -> str:
     """The checkpoint name of one piece of a (possibly merged) parameter, for error messages."""
+    if isinstance(shard_id, tuple):  # one expert of a stacked MoE parameter
+        expert, half = shard_id
+        return f"{param_name} (expert {expert}{'' if half is None else ', gate' if half == 0 else ', up'})"
     for merged, original, piece in model.stacked_params:
         if shard_id == piece and f".{merged}." in param_name:
             return param_name.replace(f".{merged}.", f".{original}.")
     return param_name
+
+
+def _param_of(model: nn.Module, name: str) -> tuple[str, object]:
+    """(parameter name, piece) that checkpoint tensor `name` fills: one expert of a stacked MoE
+    parameter, one piece of a merged projection, or a whole parameter (piece None)."""
+    for original, ours in getattr(model, "renamed_modules", ()):
+        name = name.replace(f".{original}.", f".{ours}.")
+    expert_piece = expert_checkpoint_piece(name)
+    if expert_piece is not None:
+        return expert_piece
+    for merged, original, piece in model.stacked_params:
+        if f".{original}." in name:
+            return name.replace(f".{original}.", f".{merged}."), piece
+    return name, None
 
 
 def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
@@ -186,11 +204,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -
             for name in handle.keys():
                 if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = name, None
-                for merged, original, piece in model.stacked_params:
-                    if f".{original}." in name:
-                        param_name, shard_id = name.replace(f".{original}.", f".{merged}."), piece
-                        break
+                param_name, shard_id = _param_of(model, name)
                 param = params.get(param_name)
                 if param is None:
                     unexpected.append(name)
