@@ -63,6 +63,7 @@ def _load(moe: FusedMoE, ckpt: dict[str, torch.Tensor]) -> None:
     weight_loader, per-expert tensors onto the stacked parameters."""
     params = {f"mlp.{name}": p for name, p in moe.named_parameters()}
     filled = set()
+    local = range(moe.experts.first, moe.experts.first + moe.experts.num_local)
     with torch.no_grad():
         for name, tensor in ckpt.items():
             piece = expert_checkpoint_piece(name)
@@ -78,7 +79,8 @@ def _load(moe: FusedMoE, ckpt: dict[str, torch.Tensor]) -> None:
             else:
                 param_name, shard = name, None
             params[param_name].weight_loader(params[param_name], tensor, shard)
-            filled.add((param_name, shard))
+            if piece is None or shard[0] in local:  # the loader hands every rank every expert
+                filled.add((param_name, shard))
     expected = {(name, s) for name, p in params.items() for s in p.shard_ids}
     assert filled == expected
 
@@ -122,6 +124,26 @@ def test_tensor_parallel_shards_sum_to_the_whole(arch):
     x = torch.randn(9, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_ranks_sum_to_the_whole(arch):
+    """Each of two ranks holds half the experts, whole; their outputs sum to the unsharded layer."""
+    block, names, kwargs = BLOCKS[arch]()
+    ckpt = _hub_checkpoint(block, names)
+    whole = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, **kwargs)
+    _load(whole, ckpt)
+    ranks = []
+    for rank in (0, 1):
+        moe = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, tp_size=2, tp_rank=rank, expert_parallel=True, **kwargs)
+        _load(moe, ckpt)
+        moe.tp_group = _SumAcrossShards()
+        ranks.append(moe)
+    assert ranks[1].experts.w13.shape == (EXPERTS // 2, 2 * INTER, HIDDEN)
+    torch.testing.assert_close(ranks[1].experts.w2[0], whole.experts.w2[EXPERTS // 2])
+    x = torch.randn(9, HIDDEN)
+    with torch.no_grad():
+        torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole(x), rtol=1e-5, atol=1e-5)
 
 
 def test_select_experts_renormalises_only_when_asked():

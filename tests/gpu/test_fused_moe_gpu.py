@@ -60,3 +60,20 @@ def test_fused_experts_replay_in_a_cuda_graph_with_new_routing():
         weights, ids = select_experts(logits, top_k, True)
         expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_triton_experts_skip_the_experts_another_rank_holds():
+    """Expert parallelism: ids in this rank's numbering, E_local for pairs routed elsewhere; the
+    pairs this rank holds match the reference loop over the same local experts."""
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES["qwen3-30b-a3b"]
+    w13, w2 = _weights(hidden, inter, experts // 4)  # this rank: experts 32..63 of 128
+    x = torch.randn(200, hidden, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(200, experts, device="cuda").bfloat16(), top_k, True)
+    local = ids - 32
+    local = local.masked_fill((local < 0) | (local >= 32), 32)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), local)
+    got = fused_experts(x, w13, w2, weights, local)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)

@@ -23,7 +23,7 @@ import triton.language as tl
 @triton.jit
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-    N, K, num_pairs, rows_per_a, max_padded,
+    N, K, num_pairs, rows_per_a, max_padded, num_local,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
@@ -47,6 +47,12 @@ def _grouped_gemm_kernel(
     pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
     pair_mask = pairs < num_pairs
     expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :] * stride_cn
+    c_mask = pair_mask[:, None] & (cols[None, :] < N)
+    if expert >= num_local:  # pairs whose expert another rank holds contribute nothing here
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (pairs[:, None] // rows_per_a) * stride_am + offs_k[None, :] * stride_ak
@@ -63,9 +69,7 @@ def _grouped_gemm_kernel(
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * w[:, None]
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :] * stride_cn
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=pair_mask[:, None] & (cols[None, :] < N))
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 def _config(num_tokens: int) -> dict:
@@ -110,7 +114,7 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
     grid = (triton.cdiv(sorted_pairs.numel(), cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
-        N, K, num_pairs, rows_per_a, sorted_pairs.numel(),
+        N, K, num_pairs, rows_per_a, sorted_pairs.numel(), b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
         MUL_WEIGHT=weights is not None, **cfg,
     )
@@ -118,11 +122,13 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
-    """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs."""
+    """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
+    rank's numbering (`w13.shape[0]` for an expert held elsewhere)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     cfg = _config(num_tokens)
-    aligned = align_by_expert(topk_ids, w13.shape[0], cfg["BLOCK_M"])
+    # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
+    aligned = align_by_expert(topk_ids, w13.shape[0] + 1, cfg["BLOCK_M"])
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, cfg)
     inter = gate_up.shape[1] // 2

@@ -99,7 +99,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0,
+               enable_expert_parallel: bool = False) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
     With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
@@ -110,6 +111,9 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
     weights from N(0, 0.02) (norm weights 1) with a generator seeded by `seed`, so the same seed
     on the same device gives the same model, and needs nothing but config.json (dummy shards are
     drawn per rank, so dummy weights differ between TP sizes: fine for benchmarks, which is their use).
+
+    `enable_expert_parallel`: the MoE layers' experts are split whole across the `tp_size` ranks
+    instead of each expert's columns (refused for a dense model).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -117,7 +121,7 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
                                                    getattr(hf_config, "model_type", None))
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, architecture, tp_size, tp_rank)
+        model = model_cls(hf_config, architecture, tp_size, tp_rank, enable_expert_parallel=enable_expert_parallel)
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:

@@ -9,7 +9,13 @@ Expert weights are stacked at load time, whatever the checkpoint's layout: `expe
 Qwen-MoE); `expert_checkpoint_piece` maps those names onto the stacked parameters.
 
 Tensor parallelism splits each expert's intermediate dimension (like the dense MLP: gate/up
-column-parallel, down row-parallel) and all-reduces the combined output once per layer.
+column-parallel, down row-parallel) and all-reduces the combined output once per layer. Expert
+parallelism (`enable_expert_parallel`) instead gives each rank whole experts, E / ranks of them;
+every rank routes every token (the tokens are the same on all ranks of a tensor-parallel group),
+computes the pairs whose expert it holds, and the same one all-reduce combines them.
+
+Expert ids reaching the expert kernels are local: `0 .. E_local - 1` for the experts this rank
+holds, `E_local` for a pair whose expert lives elsewhere (it contributes nothing here).
 
 `fused_experts_reference` is a plain loop over the experts that were hit, in the same order of
 operations as transformers: exact on CPU, and the reference the GPU kernels are tested against.
@@ -71,7 +77,7 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     experts that were hit."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
-    hit = torch.bincount(topk_ids.flatten(), minlength=num_experts).nonzero().flatten().tolist()
+    hit = torch.bincount(topk_ids.flatten(), minlength=num_experts + 1)[:num_experts].nonzero().flatten().tolist()
     for expert in hit:
         token_idx, slot = torch.where(topk_ids == expert)
         gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
@@ -90,28 +96,48 @@ def _experts_kernel(x: torch.Tensor):
 
 
 class _StackedExperts(nn.Module):
-    """The experts' weights, stacked: `w13` [E, 2 × I/tp, H] and `w2` [E, H, I/tp]."""
+    """This rank's experts, stacked: `w13` [E_local, 2 × I_shard, H] and `w2` [E_local, H, I_shard].
+    Tensor parallelism shards I (every expert local); expert parallelism keeps I whole and holds
+    experts [first, first + E_local)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_size: int, tp_rank: int):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, tp_size: int, tp_rank: int,
+                 expert_parallel: bool):
         super().__init__()
-        self.tp_size, self.tp_rank = tp_size, tp_rank
-        self.shard = _divide(intermediate_size, tp_size, "moe intermediate size")
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * self.shard, hidden_size))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, self.shard))
-        experts = range(num_experts)
+        if expert_parallel:
+            self.num_local = _divide(num_experts, tp_size, "number of experts")
+            self.first = tp_rank * self.num_local
+            self.shards, self.shard_rank = 1, 0
+        else:
+            self.num_local, self.first = num_experts, 0
+            self.shards, self.shard_rank = tp_size, tp_rank
+        self.shard = _divide(intermediate_size, self.shards, "moe intermediate size")
+        self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.shard, hidden_size))
+        self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.shard))
+        experts = range(self.first, self.first + self.num_local)
         _set_weight_loader(self.w13, self._load_w13, [(e, half) for e in experts for half in (0, 1)])
         _set_weight_loader(self.w2, self._load_w2, [(e, None) for e in experts])
 
+    def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Global expert ids → this rank's numbering, `num_local` for experts held elsewhere."""
+        local = topk_ids - self.first
+        return local.masked_fill((local < 0) | (local >= self.num_local), self.num_local)
+
     def _load_w13(self, param: nn.Parameter, loaded: torch.Tensor, piece: tuple[int, int]) -> None:
         expert, half = piece
+        if not self.first <= expert < self.first + self.num_local:
+            return  # another rank's expert
         n = self.shard
-        _check_shape(loaded, (n * self.tp_size, param.shape[2]))
-        default_weight_loader(param[expert].narrow(0, half * n, n), loaded.narrow(0, self.tp_rank * n, n))
+        _check_shape(loaded, (n * self.shards, param.shape[2]))
+        default_weight_loader(param[expert - self.first].narrow(0, half * n, n),
+                              loaded.narrow(0, self.shard_rank * n, n))
 
     def _load_w2(self, param: nn.Parameter, loaded: torch.Tensor, piece: tuple[int, None]) -> None:
+        expert = piece[0]
+        if not self.first <= expert < self.first + self.num_local:
+            return
         n = self.shard
-        _check_shape(loaded, (param.shape[1], n * self.tp_size))
-        default_weight_loader(param[piece[0]], loaded.narrow(1, self.tp_rank * n, n))
+        _check_shape(loaded, (param.shape[1], n * self.shards))
+        default_weight_loader(param[expert - self.first], loaded.narrow(1, self.shard_rank * n, n))
 
 
 class _SharedExpert(nn.Module):
@@ -135,7 +161,8 @@ class FusedMoE(nn.Module):
     `shared_expert.*` and `shared_expert_gate`."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, renormalize: bool,
-                 shared_expert_intermediate_size: int = 0, tp_size: int = 1, tp_rank: int = 0):
+                 shared_expert_intermediate_size: int = 0, tp_size: int = 1, tp_rank: int = 0,
+                 expert_parallel: bool = False):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"num_experts_per_tok ({top_k}) must be in [1, num_experts ({num_experts})]")
@@ -144,7 +171,7 @@ class FusedMoE(nn.Module):
         self.tp_group: TPGroup | None = None
         self.gate = LinearBase(hidden_size, num_experts)
         _set_weight_loader(self.gate.weight, default_weight_loader)
-        self.experts = _StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank)
+        self.experts = _StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             self.shared_expert = _SharedExpert(hidden_size, shared_expert_intermediate_size, tp_size, tp_rank)
@@ -153,6 +180,8 @@ class FusedMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        if self.experts.num_local < self.num_experts:
+            ids = self.experts.local_ids(ids)
         out = _experts_kernel(x)(x, self.experts.w13, self.experts.w2, weights, ids)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

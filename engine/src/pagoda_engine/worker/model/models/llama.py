@@ -161,14 +161,14 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0,
-                 moe: MoESettings | None = None, layer_idx: int = 0):
+                 moe: MoESettings | None = None, layer_idx: int = 0, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, flags, tp_size, tp_rank)
         if moe is not None and moe.is_moe_layer(layer_idx):
             if getattr(cfg, "hidden_act", "silu") != "silu":
                 raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
             self.mlp = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, moe.renormalize,
-                                moe.shared_expert_intermediate_size, tp_size, tp_rank)
+                                moe.shared_expert_intermediate_size, tp_size, tp_rank, expert_parallel)
         else:
             self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -204,10 +204,10 @@ class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm: the checkpoint's `model.*` weights."""
 
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0,
-                 moe: MoESettings | None = None):
+                 moe: MoESettings | None = None, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, tp_size, tp_rank, moe, i)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, tp_size, tp_rank, moe, i, expert_parallel)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         head_dim = self.layers[0].self_attn.head_dim
@@ -248,13 +248,17 @@ class LlamaForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T], attn) -> hidden [T, H]`; `compute_logits(hidden [N, H])
     -> float32 [N, vocab]`. Serves every architecture listed in `pagoda_engine.worker.model.models`."""
 
-    def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0,
+                 enable_expert_parallel: bool = False):
         super().__init__()
         self.config = cfg
         self.flags = decoder_flags(architecture, cfg)
         self.vocab_size = cfg.vocab_size
         self.moe = moe_settings(architecture, cfg)
-        self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank, self.moe)
+        if enable_expert_parallel and self.moe is None:
+            raise ModelLoadError(f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} is dense")
+        self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank, self.moe,
+                                  enable_expert_parallel)
         self.max_position_embeddings = self.model.rotary_emb.max_position
         window = sliding_window(cfg)
         if window is not None and window < self.max_position_embeddings:
