@@ -77,3 +77,18 @@ def test_triton_experts_skip_the_experts_another_rank_holds():
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), local)
     got = fused_experts(x, w13, w2, weights, local)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens,experts,block_m", [(1, 129, 16), (64, 129, 16), (3000, 33, 64)])
+def test_one_launch_alignment_matches_the_torch_one(num_tokens, experts, block_m):
+    """Same padded length, same expert per block, same pairs in each block (their order inside a
+    block is free: each pair's row is computed on its own)."""
+    from pagoda_engine.worker.model.fused_moe_triton import align_by_expert, align_by_expert_reference
+
+    ids = torch.randint(0, experts, (num_tokens, 8), device="cuda")
+    pairs, block_experts, padded = align_by_expert(ids, experts, block_m)
+    ref_pairs, ref_block_experts, ref_padded = align_by_expert_reference(ids, experts, block_m)
+    n = int(ref_padded)
+    assert int(padded) == n
+    assert torch.equal(block_experts[: n // block_m], ref_block_experts[: n // block_m])
+    assert torch.equal(pairs[:n].view(-1, block_m).sort(dim=1).values, ref_pairs[:n].view(-1, block_m).sort(dim=1).values)

@@ -2,8 +2,8 @@
 (vLLM's fused-MoE design).
 
 1. `align_by_expert`: the (token, slot) pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M, with the expert of every block; static shapes only, so it runs inside a
-   CUDA graph.
+   multiple of BLOCK_M, with the expert of every block; one kernel launch, static shapes, so it
+   runs inside a CUDA graph (`align_by_expert_reference` is the same in torch operations).
 2. One grouped GEMM for gate+up: each program takes one block of one expert's pairs and a slice
    of the 2 × I columns, reading only the rows of its tokens.
 3. SiLU-and-mul.
@@ -81,8 +81,64 @@ def _config(num_tokens: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
 
 
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, cursor_ptr,
+                  num_pairs, max_padded, num_buckets,
+                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """`align_by_expert` in one launch (one program): count pairs per bucket, pad each bucket to
+    BLOCK_M, prefix-sum the starts, name each block's expert, then place every pair at its
+    bucket's cursor (atomically: the order inside a bucket is free, each pair's row is computed
+    on its own)."""
+    counts = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        # Masked lanes land in the last bucket of the power-of-two range, which no expert uses.
+        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=BUCKETS_POW2 - 1)
+        counts += tl.histogram(ids, BUCKETS_POW2)
+    buckets = tl.arange(0, BUCKETS_POW2)
+    counts = tl.where(buckets < num_buckets, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + buckets, ends - padded)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for start in range(0, max_padded // BLOCK_M, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(expert, num_buckets - 1), mask=blocks < max_padded // BLOCK_M)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        dest = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
+    `block_m` entries, the padded length as a one-element tensor), by `_align_kernel` on CUDA;
+    `align_by_expert_reference` elsewhere. Shapes depend only on the number of pairs and experts."""
+    if not topk_ids.is_cuda:
+        return align_by_expert_reference(topk_ids, num_experts, block_m)
+    flat = topk_ids.flatten().to(torch.int32)
+    num_pairs = flat.numel()
+    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    buckets_pow2 = triton.next_power_of_2(num_experts + 1)
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    cursor = torch.empty(buckets_pow2, dtype=torch.int32, device=flat.device)
+    _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, cursor, num_pairs, max_padded, num_experts,
+                        BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2, CHUNK=1024, num_warps=8)
+    return sorted_pairs, block_experts, num_padded
+
+
+def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
     `block_m` entries, the padded length as a one-element tensor). Shapes depend only on the
     number of pairs and experts, never on the routing, so this can be captured in a CUDA graph."""
