@@ -82,29 +82,40 @@ def _config(num_tokens: int) -> dict:
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, cursor_ptr,
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, counts_ptr, ends_ptr, cursor_ptr,
                   num_pairs, max_padded, num_buckets,
-                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """`align_by_expert` in one launch (one program): count pairs per bucket, pad each bucket to
-    BLOCK_M, prefix-sum the starts, name each block's expert, then place every pair at its
-    bucket's cursor (atomically: the order inside a bucket is free, each pair's row is computed
-    on its own)."""
-    counts = tl.zeros((BUCKETS_POW2,), dtype=tl.int32)
+                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """`align_by_expert` in one launch (one program, only 1-D vectors so nothing spills): count
+    the pairs per bucket, pad each bucket to BLOCK_M, prefix-sum, find each block's bucket by
+    binary search over the bucket ends, then place every pair at its bucket's cursor (atomically:
+    the order inside a bucket is free, each pair's row is computed on its own)."""
+    buckets = tl.arange(0, BUCKETS_POW2)
+    tl.store(counts_ptr + buckets, tl.zeros((BUCKETS_POW2,), dtype=tl.int32))
+    tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        # Masked lanes land in the last bucket of the power-of-two range, which no expert uses.
-        ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=BUCKETS_POW2 - 1)
-        counts += tl.histogram(ids, BUCKETS_POW2)
-    buckets = tl.arange(0, BUCKETS_POW2)
-    counts = tl.where(buckets < num_buckets, counts, 0)
-    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + buckets)
+    padded = tl.where(buckets < num_buckets, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
+    tl.store(ends_ptr + buckets, ends)
     tl.store(cursor_ptr + buckets, ends - padded)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
     for start in range(0, max_padded // BLOCK_M, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
-        expert = tl.sum((ends[None, :] <= blocks[:, None] * BLOCK_M).to(tl.int32), axis=1)
-        tl.store(block_experts_ptr + blocks, tl.minimum(expert, num_buckets - 1), mask=blocks < max_padded // BLOCK_M)
+        first = blocks * BLOCK_M
+        # The bucket of a block: the first whose end lies past the block's first entry.
+        lo = tl.zeros((CHUNK,), dtype=tl.int32)
+        hi = tl.zeros((CHUNK,), dtype=tl.int32) + BUCKETS_POW2
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            past = tl.load(ends_ptr + mid, mask=mid < BUCKETS_POW2, other=0) > first
+            hi = tl.where(past, mid, hi)
+            lo = tl.where(past, lo, mid + 1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(lo, num_buckets - 1), mask=blocks < max_padded // BLOCK_M)
     for start in range(0, max_padded, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < max_padded)
@@ -113,7 +124,7 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, 
         offs = start + tl.arange(0, CHUNK)
         mask = offs < num_pairs
         ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-        dest = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
+        dest = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
         tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
 
 
@@ -131,9 +142,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
     sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
-    cursor = torch.empty(buckets_pow2, dtype=torch.int32, device=flat.device)
-    _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, cursor, num_pairs, max_padded, num_experts,
-                        BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2, CHUNK=1024, num_warps=8)
+    scratch = torch.empty(3, buckets_pow2, dtype=torch.int32, device=flat.device)  # counts, ends, cursors
+    _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, scratch[0], scratch[1], scratch[2],
+                        num_pairs, max_padded, num_experts, BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2,
+                        CHUNK=256, SEARCH_STEPS=buckets_pow2.bit_length(), num_warps=4)
     return sorted_pairs, block_experts, num_padded
 
 
