@@ -95,3 +95,14 @@ def test_one_launch_alignment_matches_the_torch_one(num_tokens, experts, block_m
     for expert in experts_of_blocks.unique().tolist():
         run = experts_of_blocks == expert
         assert torch.equal(pairs[:n][run].sort().values, ref_pairs[:n][run].sort().values)
+
+
+@pytest.mark.parametrize("experts,top_k,renormalize", [(128, 8, True), (60, 4, False), (8, 2, True)])
+def test_one_launch_routing_matches_the_torch_one(experts, top_k, renormalize):
+    from pagoda_engine.worker.model.moe import select_experts, select_experts_reference
+
+    logits = torch.randn(333, experts, device="cuda").bfloat16()
+    weights, ids = select_experts(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts_reference(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)

@@ -1,5 +1,7 @@
 """The experts of an MoE layer on the GPU: Triton grouped GEMMs over tokens sorted by expert
-(vLLM's fused-MoE design).
+(vLLM's fused-MoE design), and the routing that picks them.
+
+0. `route`: softmax, top-k and renormalisation of one token in one program.
 
 1. `align_by_expert`: the (token, slot) pairs sorted by expert, each expert's run padded to a
    multiple of BLOCK_M, with the expert of every block; one kernel launch, static shapes, so it
@@ -72,6 +74,45 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
+                  TOP_K: tl.constexpr, EXPERTS_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's routing in one program: softmax over its experts in float32, the top k in
+    descending order, optionally renormalised (`moe.select_experts` in torch is the reference)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, EXPERTS_POW2)
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=offs < num_experts, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    total = 1.0
+    if RENORMALIZE:
+        remaining = p
+        total = 0.0
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(remaining, 0)
+            total += best
+            first = tl.min(tl.where(remaining == best, offs, EXPERTS_POW2), 0)
+            remaining = tl.where(offs == first, -1.0, remaining)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        first = tl.min(tl.where(p == best, offs, EXPERTS_POW2), 0)
+        tl.store(weights_ptr + row * TOP_K + k, (best / total).to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row * TOP_K + k, first)
+        p = tl.where(offs == first, -1.0, p)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.select_experts` in one launch: (weights in the logits' dtype, int64 expert ids)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                     EXPERTS_POW2=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                                     num_warps=1 if num_experts <= 128 else 4)
+    return weights, ids
+
+
 def _config(num_tokens: int) -> dict:
     """Tile sizes by batch: small blocks for decode (few pairs per expert), larger for prefill."""
     if num_tokens <= 32:
@@ -128,12 +169,17 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, 
         tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
 
 
+_ONE_LAUNCH_MAX_PAIRS = 4096
+
+
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
     `block_m` entries, the padded length as a one-element tensor), by `_align_kernel` on CUDA;
     `align_by_expert_reference` elsewhere. Shapes depend only on the number of pairs and experts."""
-    if not topk_ids.is_cuda:
+    # One program walks every pair: quick for decode batches, slower than the torch kernels' grid
+    # once there are thousands of pairs (a prefill; measured on an H200, see benchmarks.md).
+    if not topk_ids.is_cuda or topk_ids.numel() > _ONE_LAUNCH_MAX_PAIRS:
         return align_by_expert_reference(topk_ids, num_experts, block_m)
     flat = topk_ids.flatten().to(torch.int32)
     num_pairs = flat.numel()

@@ -63,7 +63,17 @@ def expert_checkpoint_piece(name: str) -> tuple[str, tuple[int, int | None]] | N
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, expert ids), each [tokens, top_k]: softmax over all experts in float32, the top k,
-    optionally renormalised to sum to one, weights cast back to the logits' dtype (as transformers)."""
+    optionally renormalised to sum to one, weights cast back to the logits' dtype (as transformers).
+    One Triton launch for half-precision CUDA logits, torch operations otherwise."""
+    if router_logits.is_cuda and router_logits.dtype in (torch.float16, torch.bfloat16):
+        from pagoda_engine.worker.model.fused_moe_triton import route
+
+        return route(router_logits, top_k, renormalize)
+    return select_experts_reference(router_logits, top_k, renormalize)
+
+
+def select_experts_reference(router_logits: torch.Tensor, top_k: int, renormalize: bool
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
