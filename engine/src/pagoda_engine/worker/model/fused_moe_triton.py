@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker.model.layers import SiluAndMul
+
 
 @triton.jit
 def _grouped_gemm_kernel(
@@ -234,6 +236,9 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
     )
 
 
+_SILU_AND_MUL = SiluAndMul()  # FlashInfer's kernel where it applies
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor) -> torch.Tensor:
     """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
@@ -245,8 +250,7 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     aligned = align_by_expert(topk_ids, w13.shape[0] + 1, cfg["BLOCK_M"])
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, cfg)
-    inter = gate_up.shape[1] // 2
-    act = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+    act = _SILU_AND_MUL(gate_up)
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     _grouped_gemm(act, w2, down, topk_weights.flatten().to(torch.float32), aligned, 1, num_pairs, cfg)
     return down.view(num_tokens, top_k, -1).sum(dim=1)
