@@ -3,6 +3,7 @@ reports figures consistent with what it generated."""
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -35,6 +36,39 @@ def test_shipped_llama_config_is_llama_31_8b():
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert (config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]) == (4096, 32, 8)
     assert config["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_shipped_moe_config_is_qwen3_30b_a3b_and_named_by_model():
+    from pagoda_engine.bench import _resolve_model, shipped_config_dir
+
+    with open(f"{shipped_config_dir('qwen3-30b-a3b')}/config.json") as f:
+        config = json.load(f)
+    assert (config["model_type"], config["hidden_size"], config["num_hidden_layers"]) == ("qwen3_moe", 2048, 48)
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (32, 4, 128)
+    assert (config["num_experts"], config["num_experts_per_tok"], config["moe_intermediate_size"]) == (128, 8, 768)
+    assert config["vocab_size"] == 151936
+    args = argparse.Namespace(model="qwen3-30b-a3b")
+    _resolve_model(args)
+    assert args.model == shipped_config_dir("qwen3-30b-a3b")
+
+
+def test_moe_roofline_counts_the_bytes_one_token_reads(tmp_path):
+    """An MoE model's single-stream bytes: every weight but the unrouted experts and all embedding
+    rows but one, checked term by term on the tiny Qwen3-MoE."""
+    import torch
+
+    from pagoda_engine.bench.offline import bytes_read_per_token, weight_bytes
+    from pagoda_engine.worker.model.loader import load_hf_config, load_model
+    from pagoda_engine.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "m", arch="qwen3_moe")
+    model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.float32, torch.device("cpu"),
+                       load_format="dummy")
+    moe = [layer.mlp for layer in model.model.layers]
+    experts = sum(m.experts.w13.nbytes + m.experts.w2.nbytes for m in moe)
+    embed = model.model.embed_tokens.weight
+    expected = weight_bytes(model) - experts * (1 - moe[0].top_k / moe[0].num_experts) - embed.nbytes + embed.nbytes // embed.shape[0]
+    assert bytes_read_per_token(model) == expected < weight_bytes(model)
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,10 @@ ARCHS = {
     "qwen2": {},
     # grouped-query attention with an uneven layout: 6 query heads over 2 KV heads.
     "qwen3": {"num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 16},
+    # Mixture of experts (expert counts: the tiny builder's MoE defaults).
+    "mixtral": {},
+    "qwen2_moe": {},
+    "qwen3_moe": {},
 }
 
 

@@ -50,6 +50,17 @@ CASES = {
     "qwen3_yarn_tied": ("Qwen3Config", "Qwen3ForCausalLM",
                         dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
                              rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
+    # Mixture of experts: Mixtral (renormalised top-2 of 4), Qwen2-MoE (gated shared expert, top-2
+    # weights not renormalised, layer 1 dense), Qwen3-MoE (q/k norm, renormalised top-2 of 8).
+    "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_shared_expert": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                                dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=48, shared_expert_intermediate_size=80,
+                                     norm_topk_prob=False, mlp_only_layers=[1])),
+    "qwen3_moe_normalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 

@@ -170,7 +170,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
     _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
     _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
-    _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="shard MoE experts over tensor × data ranks")
+    _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
     _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
     _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
     _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")

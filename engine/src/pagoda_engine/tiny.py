@@ -55,6 +55,15 @@ _BASE_CONFIG = dict(
     tie_word_embeddings=False,
 )
 
+# The MoE architectures' expert settings at the tiny model's scale (transformers' defaults are
+# full-size: Qwen2-MoE would have 60 experts of 1,408).
+_MOE_CONFIG = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                      shared_expert_intermediate_size=96, norm_topk_prob=False),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True),
+}
+
 _DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -66,6 +75,9 @@ def _config_class(arch: str):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
     }
     if arch not in classes:
         raise ValueError(f"arch must be one of {sorted(classes)}, got {arch!r}")
@@ -141,6 +153,7 @@ def _build_into(out: Path, arch: str, seed: int, dtype: str, config_overrides: d
         eos_token_id=ids[EOS],
         pad_token_id=ids[PAD],
     )
+    fields.update(_MOE_CONFIG.get(arch, {}))
     fields.update(config_overrides)
     config = config_cls(**fields)
 

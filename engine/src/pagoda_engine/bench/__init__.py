@@ -6,7 +6,8 @@
     pagoda bench serve                        # S1: the OpenAI server under Poisson load: TTFT, ITL
 
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
-`bench/configs/llama-3.1-8b`) with `--load-format dummy` random bf16 weights; every engine flag of
+`bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it) with
+`--load-format dummy` random bf16 weights; every engine flag of
 `pagoda serve` applies; `--async-scheduling` is on by default on CUDA. Each run prints its figures with the roofline (weight bytes ÷ a measured
 device copy bandwidth), the settings, the GPU and the versions, and can write them as JSON.
 """
@@ -26,8 +27,20 @@ from pagoda_engine.config import add_engine_args
 DEFAULT_MODEL = "llama-3.1-8b"
 
 
+def shipped_config_dir(name: str = DEFAULT_MODEL) -> str:
+    """The directory of a config.json shipped with the benchmarks (llama-3.1-8b, qwen3-30b-a3b)."""
+    return str(resources.files("pagoda_engine").joinpath(f"bench/configs/{name}"))
+
+
 def default_model_dir() -> str:
-    return str(resources.files("pagoda_engine").joinpath(f"bench/configs/{DEFAULT_MODEL}"))
+    return shipped_config_dir(DEFAULT_MODEL)
+
+
+def _resolve_model(args: argparse.Namespace) -> None:
+    """`--model qwen3-30b-a3b` names a shipped config; anything else is a directory."""
+    shipped = Path(shipped_config_dir(args.model)) if "/" not in args.model else None
+    if shipped is not None and (shipped / "config.json").is_file() and not Path(args.model).exists():
+        args.model = str(shipped)
 
 
 def _add_engine_and_sizes(p: argparse.ArgumentParser) -> None:
@@ -71,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    _resolve_model(args)
     if args.bench == "serve":
         from pagoda_engine.bench.serve import run_serve
 

@@ -363,7 +363,7 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     mc = config.model
     tp_size = config.parallel.tensor_parallel_size
     check_tensor_parallel(hf_config, tp_size)
-    executor = Executor(ParallelLayout(tp=tp_size), device)
+    executor = Executor(ParallelLayout(tp=tp_size, enable_expert_parallel=config.parallel.enable_expert_parallel), device)
     try:
         with _starting():
             executor.collective_rpc("init_distributed")

@@ -81,7 +81,8 @@ class Worker:
         """This rank's shard of the weights (after `init_distributed`)."""
         torch.manual_seed(seed)
         self.model = load_model(model_dir, load_hf_config(model_dir), dtype, self.device, load_format, seed,
-                                self.layout.tp, self.coordinates.tp_rank)
+                                self.layout.tp, self.coordinates.tp_rank,
+                                enable_expert_parallel=self.layout.enable_expert_parallel)
         if self.tp_group is not None:
             attach_tp_group(self.model, self.tp_group)
 

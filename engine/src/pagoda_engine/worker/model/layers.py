@@ -88,6 +88,10 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None and x.dim() > 2 and _fused_kernels(x) is not None and x.shape[-1] % 8 == 0:
+            # Per-head norms (Qwen3's q/k norm) on [tokens, heads, head_dim]: one kernel over the
+            # rows (after one copy when the heads are a strided view) instead of torch's seven.
+            return self.forward(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
         # 16-byte vectors: the hidden size must be a multiple of 8 half-precision values.
         fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() and x.shape[-1] % 8 == 0 else None
         if fi is not None:
@@ -378,10 +382,13 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across TP ranks; partial sums are all-reduced (bias added once)."""
+    """Input features split across TP ranks; partial sums are all-reduced (bias added once).
+    `reduce_results=False` leaves the sum to the caller (an MoE layer reduces once for all its parts)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_size: int = 1, tp_rank: int = 0,
+                 reduce_results: bool = True):
         self.tp_size, self.tp_rank = tp_size, tp_rank
+        self.reduce_results = reduce_results
         self.tp_group: TPGroup | None = None
         super().__init__(_divide(in_features, tp_size, "input features"), out_features, bias)
         _set_weight_loader(self.weight, self._load_weight)
@@ -395,7 +402,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
-        if self.tp_size > 1:
+        if self.tp_size > 1 and self.reduce_results:
             _group(self).all_reduce(y)
         return y
 

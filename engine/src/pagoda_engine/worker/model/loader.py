@@ -22,6 +22,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.worker.model.models import resolve_architecture
+from pagoda_engine.worker.model.moe import expert_checkpoint_piece
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,8 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0) -> nn.Module:
+               load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0,
+               enable_expert_parallel: bool = False) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
     With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
@@ -109,6 +111,9 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
     weights from N(0, 0.02) (norm weights 1) with a generator seeded by `seed`, so the same seed
     on the same device gives the same model, and needs nothing but config.json (dummy shards are
     drawn per rank, so dummy weights differ between TP sizes: fine for benchmarks, which is their use).
+
+    `enable_expert_parallel`: the MoE layers' experts are split whole across the `tp_size` ranks
+    instead of each expert's columns (refused for a dense model).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -116,7 +121,7 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
                                                    getattr(hf_config, "model_type", None))
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, architecture, tp_size, tp_rank)
+        model = model_cls(hf_config, architecture, tp_size, tp_rank, enable_expert_parallel=enable_expert_parallel)
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
@@ -165,10 +170,27 @@ def _safetensors_device(device: torch.device) -> str:
 
 def _checkpoint_name(model: nn.Module, param_name: str, shard_id) -> str:
     """The checkpoint name of one piece of a (possibly merged) parameter, for error messages."""
+    if isinstance(shard_id, tuple):  # one expert of a stacked MoE parameter
+        expert, half = shard_id
+        return f"{param_name} (expert {expert}{'' if half is None else ', gate' if half == 0 else ', up'})"
     for merged, original, piece in model.stacked_params:
         if shard_id == piece and f".{merged}." in param_name:
             return param_name.replace(f".{merged}.", f".{original}.")
     return param_name
+
+
+def _param_of(model: nn.Module, name: str) -> tuple[str, object]:
+    """(parameter name, piece) that checkpoint tensor `name` fills: one expert of a stacked MoE
+    parameter, one piece of a merged projection, or a whole parameter (piece None)."""
+    for original, ours in getattr(model, "renamed_modules", ()):
+        name = name.replace(f".{original}.", f".{ours}.")
+    expert_piece = expert_checkpoint_piece(name)
+    if expert_piece is not None:
+        return expert_piece
+    for merged, original, piece in model.stacked_params:
+        if f".{original}." in name:
+            return name.replace(f".{original}.", f".{merged}."), piece
+    return name, None
 
 
 def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -> None:
@@ -186,11 +208,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -
             for name in handle.keys():
                 if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = name, None
-                for merged, original, piece in model.stacked_params:
-                    if f".{original}." in name:
-                        param_name, shard_id = name.replace(f".{original}.", f".{merged}."), piece
-                        break
+                param_name, shard_id = _param_of(model, name)
                 param = params.get(param_name)
                 if param is None:
                     unexpected.append(name)

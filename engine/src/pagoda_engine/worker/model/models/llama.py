@@ -1,8 +1,10 @@
-"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3 in one implementation.
+"""The Llama-family decoder: Llama 2/3/3.1, Mistral, Qwen2 and Qwen3, and their mixture-of-experts
+siblings Mixtral, Qwen2-MoE and Qwen3-MoE, in one implementation.
 
 The architectures differ only in flags read from config.json (`DecoderFlags`): biases on the
 q/k/v and output projections (Qwen2 has q/k/v bias only), per-head RMSNorm on q and k before
-rotary (Qwen3), an explicit `head_dim`, tied embeddings, and the rotary variant.
+rotary (Qwen3), an explicit `head_dim`, tied embeddings, the rotary variant, and, in the MoE
+models, which layers' MLP is a `FusedMoE` block (`MoESettings`).
 
 Input is ragged: the new tokens of every request in a step, concatenated, with their absolute
 positions; the attention backend knows which request each token belongs to (`attn.plan`).
@@ -29,6 +31,7 @@ from pagoda_engine.worker.model.layers import (
     SiluAndMul,
     VocabParallelEmbedding,
 )
+from pagoda_engine.worker.model.moe import FusedMoE
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +48,41 @@ class DecoderFlags:
 
 def decoder_flags(architecture: str, cfg: PretrainedConfig) -> DecoderFlags:
     attention_bias = bool(getattr(cfg, "attention_bias", False))
-    if architecture == "Qwen2ForCausalLM":
+    if architecture in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM"):
         return DecoderFlags(qkv_bias=True)
-    if architecture == "Qwen3ForCausalLM":
+    if architecture in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
         return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, qk_norm=True)
     # Llama and Mistral: `attention_bias` covers all four projections, `mlp_bias` the MLP.
     return DecoderFlags(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(getattr(cfg, "mlp_bias", False)))
+
+
+@dataclass(frozen=True)
+class MoESettings:
+    """The expert blocks of an MoE architecture, from config.json."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    shared_expert_intermediate_size: int = 0
+    sparse_step: int = 1  # every sparse_step-th layer is MoE (Qwen2/3-MoE's decoder_sparse_step)
+    dense_layers: tuple[int, ...] = ()  # layers kept dense (Qwen2/3-MoE's mlp_only_layers)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx not in self.dense_layers and (layer_idx + 1) % self.sparse_step == 0
+
+
+def moe_settings(architecture: str, cfg: PretrainedConfig) -> MoESettings | None:
+    if architecture == "MixtralForCausalLM":
+        # Mixtral always renormalises the top-k weights.
+        return MoESettings(cfg.num_local_experts, cfg.num_experts_per_tok, cfg.intermediate_size, renormalize=True)
+    if architecture in ("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"):
+        return MoESettings(cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                           renormalize=bool(cfg.norm_topk_prob),
+                           shared_expert_intermediate_size=getattr(cfg, "shared_expert_intermediate_size", 0) or 0,
+                           sparse_step=getattr(cfg, "decoder_sparse_step", 1) or 1,
+                           dense_layers=tuple(getattr(cfg, "mlp_only_layers", None) or ()))
+    return None
 
 
 def rope_settings(cfg: PretrainedConfig) -> tuple[float, dict | None]:
@@ -135,14 +167,21 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     """One decoder layer, in two halves around attention: `pre_attention` (input norm, q/k/v)
-    and `post_attention` (output projection, norm, MLP). The eager forward runs them with
-    attention between; the piecewise CUDA graphs (`cuda_graphs.py`) capture them."""
+    and `post_attention` (output projection, norm, MLP: dense, or a FusedMoE block in the MoE
+    models' sparse layers). The eager forward runs them with attention between; the piecewise
+    CUDA graphs (`cuda_graphs.py`) capture them."""
 
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, rotary: RotaryEmbedding, tp_size: int = 1,
-                 tp_rank: int = 0):
+                 tp_rank: int = 0, moe: MoESettings | None = None, layer_idx: int = 0, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, flags, rotary, tp_size, tp_rank)
-        self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
+        if moe is not None and moe.is_moe_layer(layer_idx):
+            if getattr(cfg, "hidden_act", "silu") != "silu":
+                raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
+            self.mlp = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, moe.renormalize,
+                                moe.shared_expert_intermediate_size, tp_size, tp_rank, expert_parallel)
+        else:
+            self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -178,14 +217,15 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     """Embedding, decoder layers, final norm: the checkpoint's `model.*` weights."""
 
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0,
+                 moe: MoESettings | None = None, expert_parallel: bool = False):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
         theta, rope_params = rope_settings(cfg)
         # One cos/sin cache shared by all layers.
         self.rotary_emb = RotaryEmbedding(head_dim(cfg), max_position, theta, rope_params)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank, moe, i, expert_parallel)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -205,12 +245,17 @@ class LlamaForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T], attn) -> hidden [T, H]`; `compute_logits(hidden [N, H])
     -> float32 [N, vocab]`. Serves every architecture listed in `pagoda_engine.worker.model.models`."""
 
-    def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0):
+    def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0,
+                 enable_expert_parallel: bool = False):
         super().__init__()
         self.config = cfg
         self.flags = decoder_flags(architecture, cfg)
         self.vocab_size = cfg.vocab_size
-        self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank)
+        self.moe = moe_settings(architecture, cfg)
+        if enable_expert_parallel and self.moe is None:
+            raise ModelLoadError(f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} is dense")
+        self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank, self.moe,
+                                  enable_expert_parallel)
         self.max_position_embeddings = self.model.rotary_emb.max_position
         window = sliding_window(cfg)
         if window is not None and window < self.max_position_embeddings:
@@ -260,5 +305,7 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     )
+    # Checkpoint module names that stand elsewhere here: Mixtral's MoE block is its layers' `mlp`.
+    renamed_modules = (("block_sparse_moe", "mlp"),)
     # Checkpoint entries that are not weights (old exports saved rotary buffers).
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")

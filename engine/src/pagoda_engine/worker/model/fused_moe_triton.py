@@ -1,0 +1,256 @@
+"""The experts of an MoE layer on the GPU: Triton grouped GEMMs over tokens sorted by expert
+(vLLM's fused-MoE design), and the routing that picks them.
+
+0. `route`: softmax, top-k and renormalisation of one token in one program.
+
+1. `align_by_expert`: the (token, slot) pairs sorted by expert, each expert's run padded to a
+   multiple of BLOCK_M, with the expert of every block; one kernel launch, static shapes, so it
+   runs inside a CUDA graph (`align_by_expert_reference` is the same in torch operations).
+2. One grouped GEMM for gate+up: each program takes one block of one expert's pairs and a slice
+   of the 2 × I columns, reading only the rows of its tokens.
+3. SiLU-and-mul.
+4. One grouped GEMM for down, scaled by the routing weight of each pair.
+5. The combine: each token's top_k rows summed.
+
+`fused_experts_reference` in `moe.py` is the reference this is tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_engine.worker.model.layers import SiluAndMul
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+    N, K, num_pairs, rows_per_a, max_padded, num_local,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    MUL_WEIGHT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    """C[pair, :] = A[pair // rows_per_a, :] @ B[expert(pair)]^T (× weight[pair]) for the pairs of
+    one block; B is [experts, N, K]."""
+    pid = tl.program_id(0)
+    # Grouped ordering over the static grid (GROUP_M row blocks share each B tile while it is in
+    # L2); blocks past the padded length of this routing do nothing.
+    num_blocks_m = tl.cdiv(max_padded, BLOCK_M)
+    num_blocks_n = tl.cdiv(N, BLOCK_N)
+    in_group = GROUP_M * num_blocks_n
+    first_m = (pid // in_group) * GROUP_M
+    group_size = min(num_blocks_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % group_size
+    pid_n = (pid % in_group) // group_size
+    if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(sorted_pairs_ptr + offs_m).to(tl.int64)
+    pair_mask = pairs < num_pairs
+    expert = tl.load(block_experts_ptr + pid_m).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :] * stride_cn
+    c_mask = pair_mask[:, None] & (cols[None, :] < N)
+    if expert >= num_local:  # pairs whose expert another rank holds contribute nothing here
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        return
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (pairs[:, None] // rows_per_a) * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc += tl.dot(a, b)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+    if MUL_WEIGHT:
+        w = tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)
+        acc = acc * w[:, None]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+
+
+@triton.jit
+def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
+                  TOP_K: tl.constexpr, EXPERTS_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+    """One token's routing in one program: softmax over its experts in float32, the top k in
+    descending order, optionally renormalised (`moe.select_experts` in torch is the reference)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, EXPERTS_POW2)
+    x = tl.load(logits_ptr + row * stride_row + offs, mask=offs < num_experts, other=-float("inf")).to(tl.float32)
+    p = tl.exp(x - tl.max(x, 0))
+    p = p / tl.sum(p, 0)
+    total = 1.0
+    if RENORMALIZE:
+        remaining = p
+        total = 0.0
+        for _ in tl.static_range(TOP_K):
+            best = tl.max(remaining, 0)
+            total += best
+            first = tl.min(tl.where(remaining == best, offs, EXPERTS_POW2), 0)
+            remaining = tl.where(offs == first, -1.0, remaining)
+    for k in tl.static_range(TOP_K):
+        best = tl.max(p, 0)
+        first = tl.min(tl.where(p == best, offs, EXPERTS_POW2), 0)
+        tl.store(weights_ptr + row * TOP_K + k, (best / total).to(weights_ptr.dtype.element_ty))
+        tl.store(ids_ptr + row * TOP_K + k, first)
+        p = tl.where(offs == first, -1.0, p)
+
+
+def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """`moe.select_experts` in one launch: (weights in the logits' dtype, int64 expert ids)."""
+    num_tokens, num_experts = router_logits.shape
+    weights = torch.empty(num_tokens, top_k, dtype=router_logits.dtype, device=router_logits.device)
+    ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=router_logits.device)
+    if num_tokens:
+        _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
+                                     EXPERTS_POW2=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
+                                     num_warps=1 if num_experts <= 128 else 4)
+    return weights, ids
+
+
+def _config(num_tokens: int) -> dict:
+    """Tile sizes by batch: small blocks for decode (few pairs per expert), larger for prefill."""
+    if num_tokens <= 32:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+    if num_tokens <= 512:
+        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, counts_ptr, ends_ptr, cursor_ptr,
+                  num_pairs, max_padded, num_buckets,
+                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """`align_by_expert` in one launch (one program, only 1-D vectors so nothing spills): count
+    the pairs per bucket, pad each bucket to BLOCK_M, prefix-sum, find each block's bucket by
+    binary search over the bucket ends, then place every pair at its bucket's cursor (atomically:
+    the order inside a bucket is free, each pair's row is computed on its own)."""
+    buckets = tl.arange(0, BUCKETS_POW2)
+    tl.store(counts_ptr + buckets, tl.zeros((BUCKETS_POW2,), dtype=tl.int32))
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
+    tl.debug_barrier()
+    counts = tl.load(counts_ptr + buckets)
+    padded = tl.where(buckets < num_buckets, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
+    ends = tl.cumsum(padded, 0)
+    tl.store(ends_ptr + buckets, ends)
+    tl.store(cursor_ptr + buckets, ends - padded)
+    tl.store(num_padded_ptr, tl.sum(padded, 0))
+    for start in range(0, max_padded // BLOCK_M, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        first = blocks * BLOCK_M
+        # The bucket of a block: the first whose end lies past the block's first entry.
+        lo = tl.zeros((CHUNK,), dtype=tl.int32)
+        hi = tl.zeros((CHUNK,), dtype=tl.int32) + BUCKETS_POW2
+        for _ in range(SEARCH_STEPS):
+            mid = (lo + hi) // 2
+            past = tl.load(ends_ptr + mid, mask=mid < BUCKETS_POW2, other=0) > first
+            hi = tl.where(past, mid, hi)
+            lo = tl.where(past, lo, mid + 1)
+        tl.store(block_experts_ptr + blocks, tl.minimum(lo, num_buckets - 1), mask=blocks < max_padded // BLOCK_M)
+    for start in range(0, max_padded, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < max_padded)
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+        dest = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
+        tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
+
+
+_ONE_LAUNCH_MAX_PAIRS = 4096
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
+    `block_m` entries, the padded length as a one-element tensor), by `_align_kernel` on CUDA;
+    `align_by_expert_reference` elsewhere. Shapes depend only on the number of pairs and experts."""
+    # One program walks every pair: quick for decode batches, slower than the torch kernels' grid
+    # once there are thousands of pairs (a prefill; measured on an H200, see benchmarks.md).
+    if not topk_ids.is_cuda or topk_ids.numel() > _ONE_LAUNCH_MAX_PAIRS:
+        return align_by_expert_reference(topk_ids, num_experts, block_m)
+    flat = topk_ids.flatten().to(torch.int32)
+    num_pairs = flat.numel()
+    max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
+    buckets_pow2 = triton.next_power_of_2(num_experts + 1)
+    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+    block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
+    scratch = torch.empty(3, buckets_pow2, dtype=torch.int32, device=flat.device)  # counts, ends, cursors
+    _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, scratch[0], scratch[1], scratch[2],
+                        num_pairs, max_padded, num_experts, BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2,
+                        CHUNK=256, SEARCH_STEPS=buckets_pow2.bit_length(), num_warps=4)
+    return sorted_pairs, block_experts, num_padded
+
+
+def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
+    `block_m` entries, the padded length as a one-element tensor). Shapes depend only on the
+    number of pairs and experts, never on the routing, so this can be captured in a CUDA graph."""
+    flat = topk_ids.flatten().to(torch.int64)
+    num_pairs = flat.numel()
+    max_padded = num_pairs + num_experts * (block_m - 1)
+    max_padded = -(-max_padded // block_m) * block_m
+    device = flat.device
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    rank_in_expert = torch.arange(num_pairs, device=device) - start[flat[order]]
+    dest = padded_start[flat[order]] + rank_in_expert
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(0, max_padded, block_m, device=device)
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).clamp_(max=num_experts - 1)
+    return sorted_pairs, block_experts.to(torch.int32), padded_end[-1:].to(torch.int32)
+
+
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
+                  aligned: tuple, rows_per_a: int, num_pairs: int, cfg: dict) -> None:
+    sorted_pairs, block_experts, num_padded = aligned
+    N, K = b.shape[1], b.shape[2]
+    grid = (triton.cdiv(sorted_pairs.numel(), cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    _grouped_gemm_kernel[grid](
+        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
+        N, K, num_pairs, rows_per_a, sorted_pairs.numel(), b.shape[0],
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+        MUL_WEIGHT=weights is not None, **cfg,
+    )
+
+
+_SILU_AND_MUL = SiluAndMul()  # FlashInfer's kernel where it applies
+
+
+def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
+    rank's numbering (`w13.shape[0]` for an expert held elsewhere)."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    cfg = _config(num_tokens)
+    # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
+    aligned = align_by_expert(topk_ids, w13.shape[0] + 1, cfg["BLOCK_M"])
+    gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, cfg)
+    act = _SILU_AND_MUL(gate_up)
+    down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, down, topk_weights.flatten().to(torch.float32), aligned, 1, num_pairs, cfg)
+    return down.view(num_tokens, top_k, -1).sum(dim=1)

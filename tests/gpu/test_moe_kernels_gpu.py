@@ -1,0 +1,109 @@
+"""The Triton fused-MoE experts against the exact CPU loop, at Qwen3-30B-A3B's layer shapes
+(hidden 2048, 128 experts of intermediate 768, 8 per token) and Mixtral-like ones, bf16; and its
+alignment step under a CUDA graph (routing changes between replays, shapes do not)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_support import requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+SHAPES = {  # (hidden, intermediate, experts, top_k)
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-like": (1024, 3584, 8, 2),
+}
+
+
+def _weights(hidden, inter, experts, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w13 = torch.randn(experts, 2 * inter, hidden, device="cuda", generator=g).mul_(hidden ** -0.5).bfloat16()
+    w2 = torch.randn(experts, hidden, inter, device="cuda", generator=g).mul_(inter ** -0.5).bfloat16()
+    return w13, w2
+
+
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300, 2048])
+def test_triton_experts_match_the_reference_loop(shape, num_tokens):
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES[shape]
+    w13, w2 = _weights(hidden, inter, experts)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(num_tokens, experts, device="cuda").bfloat16(), top_k, True)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+    got = fused_experts(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_fused_experts_replay_in_a_cuda_graph_with_new_routing():
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES["qwen3-30b-a3b"]
+    w13, w2 = _weights(hidden, inter, experts)
+    x = torch.randn(16, hidden, device="cuda").bfloat16()
+    logits = torch.randn(16, experts, device="cuda").bfloat16()
+    fused_experts(x, w13, w2, *select_experts(logits, top_k, True))  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts(x, w13, w2, *select_experts(logits, top_k, True))
+    for seed in range(3):
+        torch.manual_seed(seed)
+        logits.copy_(torch.randn_like(logits))
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        weights, ids = select_experts(logits, top_k, True)
+        expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
+        torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_triton_experts_skip_the_experts_another_rank_holds():
+    """Expert parallelism: ids in this rank's numbering, E_local for pairs routed elsewhere; the
+    pairs this rank holds match the reference loop over the same local experts."""
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = SHAPES["qwen3-30b-a3b"]
+    w13, w2 = _weights(hidden, inter, experts // 4)  # this rank: experts 32..63 of 128
+    x = torch.randn(200, hidden, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(200, experts, device="cuda").bfloat16(), top_k, True)
+    local = ids - 32
+    local = local.masked_fill((local < 0) | (local >= 32), 32)
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), local)
+    got = fused_experts(x, w13, w2, weights, local)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens,experts,block_m", [(1, 129, 16), (64, 129, 16), (3000, 33, 64)])
+def test_one_launch_alignment_matches_the_torch_one(num_tokens, experts, block_m):
+    """Same padded length, same expert per block, same pairs in each expert's run (their order
+    inside a run is free: each pair's row is computed on its own)."""
+    from pagoda_engine.worker.model.fused_moe_triton import align_by_expert, align_by_expert_reference
+
+    ids = torch.randint(0, experts, (num_tokens, 8), device="cuda")
+    pairs, block_experts, padded = align_by_expert(ids, experts, block_m)
+    ref_pairs, ref_block_experts, ref_padded = align_by_expert_reference(ids, experts, block_m)
+    n = int(ref_padded)
+    assert int(padded) == n
+    assert torch.equal(block_experts[: n // block_m], ref_block_experts[: n // block_m])
+    experts_of_blocks = ref_block_experts[: n // block_m].repeat_interleave(block_m)
+    for expert in experts_of_blocks.unique().tolist():
+        run = experts_of_blocks == expert
+        assert torch.equal(pairs[:n][run].sort().values, ref_pairs[:n][run].sort().values)
+
+
+@pytest.mark.parametrize("experts,top_k,renormalize", [(128, 8, True), (60, 4, False), (8, 2, True)])
+def test_one_launch_routing_matches_the_torch_one(experts, top_k, renormalize):
+    from pagoda_engine.worker.model.moe import select_experts, select_experts_reference
+
+    # Distinct logits in every row (exact in bf16), so the top k has no ties to break either way.
+    logits = (torch.stack([torch.randperm(experts) for _ in range(333)]).float() / 8).cuda().bfloat16()
+    weights, ids = select_experts(logits, top_k, renormalize)
+    ref_weights, ref_ids = select_experts_reference(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights)
