@@ -6,6 +6,7 @@ import time
 import pytest
 
 from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.capabilities import FEATURES
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError, UnsupportedArchitectureError
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.tiny import build_tiny_model
@@ -179,16 +180,21 @@ def test_tiny_model_cpu_throughput_figure(llm, capsys):
         print(f"\ntiny model on CPU: {tokens / elapsed:.0f} output tokens/s (16 x 64 tokens)")
 
 
-@pytest.mark.parametrize("option, words", [
-    (dict(pipeline_parallel_size=2), "pipeline parallelism"),
-    (dict(data_parallel_size=2), "data parallelism"),
-    (dict(enable_expert_parallel=True), "expert parallelism"),
-    (dict(kv_offload_cpu_gb=8.0), "KV offload tiers"),
-    (dict(kv_offload_remote_url="redis://kv:6379"), "KV offload tiers"),
-])
-def test_options_not_implemented_refuse_to_start(model_dir, option, words):
-    with pytest.raises(ModelLoadError, match=f"not implemented in this engine yet: {words}"):
-        LLM(str(model_dir), **option)
+# One value per option that asks for its feature; the capability table decides which refuse.
+_ASKING = dict(pipeline_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, kv_offload_cpu_gb=8.0,
+               kv_offload_disk_path="/var/cache/kv", kv_offload_disk_gb=10.0, kv_offload_remote_url="redis://kv:6379")
+_NOT_IMPLEMENTED = [(option, feature.title) for feature in FEATURES if not feature.implemented
+                    for option in feature.options]
+
+
+def test_every_unimplemented_option_has_a_value_here():
+    assert {option for option, _ in _NOT_IMPLEMENTED} <= set(_ASKING)
+
+
+@pytest.mark.parametrize("option, title", _NOT_IMPLEMENTED)
+def test_options_not_implemented_refuse_to_start(model_dir, option, title):
+    with pytest.raises(ModelLoadError, match=f"not implemented in this engine yet: {title}"):
+        LLM(str(model_dir), **{option: _ASKING[option]})
 
 
 def test_multi_node_group_refuses_to_start(model_dir, monkeypatch):
