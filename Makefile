@@ -35,7 +35,7 @@ test: setup
 	$(MAKE) --no-print-directory e2e-local
 
 test-gpu:
-	python3 -m pytest -q -m gpu tests
+	python3 -m pytest -q -m gpu tests/gpu tests/engine
 
 bench: setup
 	$(BIN)/pagoda bench $(ARGS)
