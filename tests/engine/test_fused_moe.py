@@ -108,42 +108,41 @@ class _SumAcrossShards:
         return x
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_tensor_parallel_shards_sum_to_the_whole(arch):
-    block, names, kwargs = BLOCKS[arch]()
-    ckpt = _hub_checkpoint(block, names)
-    whole = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, **kwargs)
-    _load(whole, ckpt)
-    shards = []
-    for rank in (0, 1):
-        shard = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, tp_size=2, tp_rank=rank, **kwargs)
-        _load(shard, ckpt)
-        shard.tp_group = _SumAcrossShards()
-        shards.append(shard)
-    assert shards[0].experts.w13.shape == (EXPERTS, INTER, HIDDEN)  # half of each expert's 2 × INTER rows
-    x = torch.randn(9, HIDDEN)
-    with torch.no_grad():
-        torch.testing.assert_close(shards[0](x) + shards[1](x), whole(x), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
-def test_expert_parallel_ranks_sum_to_the_whole(arch):
-    """Each of two ranks holds half the experts, whole; their outputs sum to the unsharded layer."""
+def _whole_and_two_ranks(arch: str, expert_parallel: bool) -> tuple[FusedMoE, list[FusedMoE]]:
+    """The unsharded layer and its two ranks, all loaded from the same Hub-format checkpoint."""
     block, names, kwargs = BLOCKS[arch]()
     ckpt = _hub_checkpoint(block, names)
     whole = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, **kwargs)
     _load(whole, ckpt)
     ranks = []
     for rank in (0, 1):
-        moe = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, tp_size=2, tp_rank=rank, expert_parallel=True, **kwargs)
+        moe = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, tp_size=2, tp_rank=rank, expert_parallel=expert_parallel, **kwargs)
         _load(moe, ckpt)
         moe.tp_group = _SumAcrossShards()
         ranks.append(moe)
-    assert ranks[1].experts.w13.shape == (EXPERTS // 2, 2 * INTER, HIDDEN)
-    torch.testing.assert_close(ranks[1].experts.w2[0], whole.experts.w2[EXPERTS // 2])
+    return whole, ranks
+
+
+def _assert_ranks_sum_to_the_whole(whole: FusedMoE, ranks: list[FusedMoE]) -> None:
     x = torch.randn(9, HIDDEN)
     with torch.no_grad():
         torch.testing.assert_close(ranks[0](x) + ranks[1](x), whole(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_tensor_parallel_shards_sum_to_the_whole(arch):
+    whole, shards = _whole_and_two_ranks(arch, expert_parallel=False)
+    assert shards[0].experts.w13.shape == (EXPERTS, INTER, HIDDEN)  # half of each expert's 2 × INTER rows
+    _assert_ranks_sum_to_the_whole(whole, shards)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_expert_parallel_ranks_sum_to_the_whole(arch):
+    """Each of two ranks holds half the experts, whole; their outputs sum to the unsharded layer."""
+    whole, ranks = _whole_and_two_ranks(arch, expert_parallel=True)
+    assert ranks[1].experts.w13.shape == (EXPERTS // 2, 2 * INTER, HIDDEN)
+    torch.testing.assert_close(ranks[1].experts.w2[0], whole.experts.w2[EXPERTS // 2])
+    _assert_ranks_sum_to_the_whole(whole, ranks)
 
 
 def test_select_experts_renormalises_only_when_asked():

@@ -139,3 +139,17 @@ def check_piecewise_forward(model_dir) -> None:
         graphed = executor.execute_model(ids, positions, mixed).float()
     assert graphed.shape == eager.shape == (38, model.config.hidden_size)
     torch.testing.assert_close(graphed, eager, atol=3e-2, rtol=3e-2)
+
+
+def save_bf16_with_reference(model_cls, config, std: float, out) -> tuple:
+    """A random transformers model at `config` (weights N(0, std), see random_weights), saved in
+    bf16 to `out`; returns (out, the same values in float32 as the reference model)."""
+    from random_weights import randomise
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = model_cls(config)
+    randomise(model, std=std)
+    model.to(torch.bfloat16)
+    model.save_pretrained(out)
+    return out, model.float().eval()

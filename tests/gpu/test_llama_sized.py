@@ -7,10 +7,9 @@ small model's: its 6 GiB float32 reference is freed when the module ends."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from gpu_support import LLAMA_SIZED_CONFIG, check_bf16_logits_against, check_piecewise_forward, requires_gpu
-from random_weights import randomise
+from gpu_support import (LLAMA_SIZED_CONFIG, check_bf16_logits_against, check_piecewise_forward, requires_gpu,
+                         save_bf16_with_reference)
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -22,14 +21,8 @@ def llama_sized(tmp_path_factory):
     import transformers
 
     config = transformers.LlamaConfig(bos_token_id=128000, eos_token_id=128001, **LLAMA_SIZED_CONFIG)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.LlamaForCausalLM(config)
-    randomise(model, std=0.02)  # about unit gain per projection at hidden size 4096
-    model.to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("llama-sized")
-    model.save_pretrained(out)
-    return out, model.float().eval()
+    # std 0.02: about unit gain per projection at hidden size 4096.
+    return save_bf16_with_reference(transformers.LlamaForCausalLM, config, 0.02, tmp_path_factory.mktemp("llama-sized"))
 
 
 def test_bf16_logits_match_transformers_at_llama_size(llama_sized):

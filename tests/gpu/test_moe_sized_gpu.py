@@ -6,10 +6,8 @@ the piecewise CUDA graphs against the eager forward."""
 from __future__ import annotations
 
 import pytest
-import torch
 
-from gpu_support import check_bf16_logits_against, check_piecewise_forward, requires_gpu
-from random_weights import randomise
+from gpu_support import check_bf16_logits_against, check_piecewise_forward, requires_gpu, save_bf16_with_reference
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -25,14 +23,8 @@ def moe_sized(tmp_path_factory):
     import transformers
 
     config = transformers.Qwen3MoeConfig(bos_token_id=151643, eos_token_id=151645, **QWEN3_MOE_SIZED_CONFIG)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = transformers.Qwen3MoeForCausalLM(config)
-    randomise(model, std=0.03)
-    model.to(torch.bfloat16)
-    out = tmp_path_factory.mktemp("qwen3-moe-sized")
-    model.save_pretrained(out)
-    return out, model.float().eval()
+    return save_bf16_with_reference(transformers.Qwen3MoeForCausalLM, config, 0.03,
+                                    tmp_path_factory.mktemp("qwen3-moe-sized"))
 
 
 def test_bf16_logits_match_transformers_at_qwen3_30b_a3b_size(moe_sized):
