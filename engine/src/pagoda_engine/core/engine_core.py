@@ -117,10 +117,10 @@ class EngineCore:
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        tp = config.parallel.tensor_parallel_size
-        if self.device.type == "cuda" and tp > torch.cuda.device_count():
-            raise ModelLoadError(f"--tensor-parallel-size {tp} needs {tp} GPUs, but this machine shows "
-                                 f"{torch.cuda.device_count()}")
+        ranks = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        if self.device.type == "cuda" and ranks > torch.cuda.device_count():
+            raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size = {ranks} needs {ranks} GPUs, "
+                                 f"but this machine shows {torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; self.model is rank 0's shard.
@@ -161,6 +161,10 @@ class EngineCore:
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
         graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
                            and hasattr(self.attn, "plan_graph_decode"))
+        if graphs_possible and config.parallel.pipeline_parallel_size > 1:
+            # Each stage would need graphs of its own layers around the send/recv: not built yet.
+            logger.warning("pipeline parallelism runs eagerly: CUDA graphs are off")
+            graphs_possible = False
         self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
                                if graphs_possible else "NONE")
         if self.cuda_graphs:
@@ -201,7 +205,9 @@ class EngineCore:
 
     def _measure_num_pages(self, spec: KVCacheSpec) -> int:
         cc, sc = self.config.cache, self.config.scheduler
-        page_bytes = spec.bytes_per_page()
+        # Every rank holds the same number of pages; under pipeline parallelism the stage with the
+        # most layers has the largest pages and sets the count.
+        page_bytes = max(s.bytes_per_page() for s in self.executor.kv_cache_specs(spec.page_size, spec.dtype))
         pages_per_seq = -(-self.max_model_len // cc.block_size)
         useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
         if self.device.type == "cuda":

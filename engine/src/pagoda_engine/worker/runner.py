@@ -187,18 +187,18 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step on the device; `prev` is the step in flight (async scheduling)."""
         inputs = self.prepare(sched, prev)
-        hidden = self.run_model(inputs)
+        self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
         prompt_logprobs = {}
         # Prompt logprobs are read back here (a sync): such steps are not overlapped.
         for rid, (first, count) in inputs.prompt_logprob_spans.items():
             req = next(s.request for s in inputs.order if s.request.request_id == rid)
             start = req.num_computed_tokens
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
-            logits = self.executor.compute_logits(hidden[first:first + count])
+            logits = self.executor.compute_logits(torch.arange(first, first + count, device=self.device))
             prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
         sample = None
         if inputs.sample_reqs:
-            logits = self.executor.compute_logits(hidden[inputs.sample_rows])
+            logits = self.executor.compute_logits(inputs.sample_rows)
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
             sample = self.sampler.sample_on_device(logits, batch)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
