@@ -182,3 +182,39 @@ def test_a_dead_stage_fails_the_next_step_with_a_clear_error(three_layer_dir):
             llm.generate([[5, 6, 7, 8]], _greedy())
         assert time.monotonic() - started < 30  # a failure, not a wait for a collective's timeout
     assert _wait_gone([worker])
+
+
+def test_the_batch_queue_keeps_one_batch_per_stage_in_flight(pp_llm, expected):
+    core = pp_llm.core
+    assert core.max_concurrent_batches == 2
+    depths = []
+    launch = core.runner.launch
+
+    def recording_launch(sched, prev=None):
+        depths.append(len(core._batch_queue))  # batches already in flight when this one launches
+        return launch(sched, prev)
+
+    core.runner.launch = recording_launch
+    try:
+        assert _tokens(pp_llm, PROMPTS) == expected
+    finally:
+        del core.runner.launch
+    assert max(depths) == 1  # a second batch launched while the first was still in flight
+    assert not core._batch_queue and core.kv.num_free_pages == core.kv.pool.num_pages - 1
+
+
+def test_preemption_under_pp2_gives_same_tokens(three_layer_dir, expected):
+    # 9 pages of 16 tokens hold fewer than the four requests need at once.
+    with LLM(str(three_layer_dir), num_kv_pages=10, pipeline_parallel_size=2, max_num_batched_tokens=BUDGET,
+             kv_growth_reservation=False) as llm:
+        assert _tokens(llm, PROMPTS) == expected
+        assert llm.core.scheduler.num_preemptions > 0
+        assert llm.core.kv.num_free_pages == llm.core.kv.pool.num_pages - 1
+
+
+def test_the_world_group_is_every_rank():
+    from pagoda_engine.worker.parallel_state import ParallelLayout
+
+    layout = ParallelLayout(tp=2, pp=2)
+    assert layout.groups("world") == [(0, 1, 2, 3)]
+    assert layout.groups("pp") == [(0, 2), (1, 3)]

@@ -6,7 +6,13 @@ With `async_scheduling` the core owns the one step in flight (`_in_flight`): `st
 and launches the next step first, then resolves the one in flight and returns its outputs, so the
 host's scheduling and input building overlap the device's work (vLLM's async scheduling, SGLang's
 overlap scheduler). Outputs thus come one call late; a request that finished in the resolved step
-has one surplus token in the launched one, which is dropped."""
+has one surplus token in the launched one, which is dropped.
+
+Under pipeline parallelism the core keeps a batch queue instead (vLLM V1's `step_with_batch_queue`):
+up to `pipeline_parallel_size` batches in flight, so that the first stage works on one while the
+later stages work on the ones before; `step()` launches a batch while the queue has room (and
+returns nothing yet), and otherwise resolves the oldest. A request waits for its batch before it
+is scheduled again."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -153,6 +160,12 @@ class EngineCore:
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
+        # Pipeline parallelism: launched batches, oldest first, at most one per stage.
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        self._batch_queue: deque[LaunchedStep] = deque()
+        if self.max_concurrent_batches > 1 and config.scheduler.async_scheduling:
+            logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
+                        "scheduling", self.max_concurrent_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
         t1 = time.monotonic()
@@ -274,10 +287,12 @@ class EngineCore:
             self._prompt_logprobs.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         if self.config.scheduler.async_scheduling:
             return self._step_overlapped()
         sched = self.scheduler.schedule()
@@ -299,6 +314,21 @@ class EngineCore:
             self.scheduler.advance(sched)
         if prev is not None:
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Launch a batch while the queue has room; else (or with nothing to launch) resolve the oldest."""
+        if len(self._batch_queue) < self.max_concurrent_batches:
+            sched = self.scheduler.schedule(skip_in_flight=True)
+            if not sched.is_empty:
+                self._batch_queue.append(self.runner.launch(sched))
+                self.scheduler.advance(sched)
+                if len(self._batch_queue) < self.max_concurrent_batches:
+                    return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+        outputs: list[EngineCoreOutput] = []
+        if self._batch_queue:
+            oldest = self._batch_queue.popleft()
+            outputs = self._update(oldest.sched, oldest.resolve(), advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineCoreOutput]:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from pagoda_engine.errors import ModelLoadError
 
-AXES = ("tp", "pp", "dp", "ep", "world")
+AXES = ("tp", "pp", "dp", "ep")
 # An explicit split of the layers over the pipeline stages, as vLLM's VLLM_PP_LAYER_PARTITION: "a,b,...".
 PP_LAYER_PARTITION_ENV = "PAGODA_PP_LAYER_PARTITION"
 
@@ -86,7 +86,7 @@ class ParallelLayout:
             return tuple(self.rank_of(d, c.pp_rank, t) for d in range(self.dp) for t in range(self.tp))
         if axis == "world":
             return tuple(range(self.world_size))
-        raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
+        raise ValueError(f"axis must be one of {', '.join(AXES)} or world, got {axis!r}")
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group on `axis`, ordered by their lowest rank: a partition of all ranks."""

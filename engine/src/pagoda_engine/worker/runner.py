@@ -18,6 +18,7 @@ with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,12 +56,15 @@ class RunnerOutput:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device whose sampled tokens the host has not read yet."""
+    """A step queued on the device whose sampled tokens the host has not read yet. Under pipeline
+    parallelism its logits may still be on their way from the last stage: `sample_later` then
+    draws once they are here (at `resolve`)."""
 
     sched: SchedulerOutput
     sample_reqs: list[Request]
     sample: PendingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    sample_later: Callable[[], PendingSample] | None = None
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -72,6 +76,8 @@ class LaunchedStep:
     def resolve(self) -> RunnerOutput:
         """Wait for the step and read its tokens (and logprobs) back."""
         out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sample_later is not None:
+            self.sample, self.sample_later = self.sample_later(), None
         if self.sample is not None:
             result = self.sample.resolve()
             for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
@@ -196,13 +202,18 @@ class ModelRunner:
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
             logits = self.executor.compute_logits(torch.arange(first, first + count, device=self.device))
             prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
-        sample = None
+        sample = sample_later = None
         if inputs.sample_reqs:
-            logits = self.executor.compute_logits(inputs.sample_rows)
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
-            sample = self.sampler.sample_on_device(logits, batch)
+            if self.executor.layout.pp > 1:
+                # The logits come from the last stage: sample when they are here, so that the core
+                # can launch the next batch meanwhile (the batch queue).
+                pending = self.executor.compute_logits(inputs.sample_rows, wait=False)
+                sample_later = lambda: self.sampler.sample_on_device(self.executor.wait_logits(pending), batch)  # noqa: E731
+            else:
+                sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, sample_later=sample_later)
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

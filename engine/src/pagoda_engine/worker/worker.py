@@ -53,6 +53,20 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "6
 _MASTER_CHECK_S = 2
 
 
+class PendingLogits:
+    """Logits that may still be arriving from the last pipeline stage (`work`: the receive)."""
+
+    def __init__(self, logits: torch.Tensor, work=None):
+        self.logits = logits
+        self.work = work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self.logits
+
+
 class Worker:
     """Rank `rank` of `layout`, on `device`; `store` is the run's TCPStore (process groups meet there)."""
 
@@ -150,11 +164,16 @@ class Worker:
             self.hidden = self._forward(input_ids, positions, self.attn)
         return self.hidden
 
-    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
+    def compute_logits(self, rows: torch.Tensor, wait: bool = True) -> torch.Tensor | PendingLogits | None:
         """float32 logits over the whole vocabulary for these rows of the last forward's hidden
-        states; under pipeline parallelism computed on the last stage and returned on the first
-        (None on the others)."""
-        return self._logits(self.hidden, rows)
+        states; under pipeline parallelism computed on the last stage and returned on rank 0
+        (None on the other ranks). `wait=False`: a `PendingLogits` instead, so that rank 0 can
+        launch the next batch while the later stages still work on this one (the batch queue)."""
+        if self.layout.pp == 1:
+            pending = PendingLogits(self.model.compute_logits(self.hidden[rows]))
+        else:
+            pending = self._pipeline_logits(rows)
+        return pending.wait() if wait and pending is not None else pending
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor | None:
         """The eager forward of this rank's stage: (x, residual) in from the stage before, out to
@@ -173,15 +192,15 @@ class Worker:
         self.pp_group.send(torch.stack(out), self.coordinates.pp_rank + 1)
         return None
 
-    def _logits(self, hidden: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
-        if self.layout.pp == 1:
-            return self.model.compute_logits(hidden[rows])
-        last = self.layout.pp - 1
+    def _pipeline_logits(self, rows: torch.Tensor) -> PendingLogits | None:
+        """Only rank 0 samples: the last stage's first TP rank sends it the (TP-gathered) logits."""
         if self.is_last_stage:
-            self.pp_group.send(self.model.compute_logits(hidden[rows]), 0)
-        elif self.is_first_stage:
+            logits = self.model.compute_logits(self.hidden[rows])
+            if self.coordinates.tp_rank == 0:
+                self.pp_group.send(logits, 0)
+        elif self.rank == 0:
             logits = torch.empty(rows.shape[0], self.model.vocab_size, dtype=torch.float32, device=self.device)
-            return self.pp_group.recv(logits, last)
+            return PendingLogits(logits, self.pp_group.recv_async(logits, self.layout.pp - 1))
         return None
 
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
@@ -196,8 +215,8 @@ class Worker:
                                slot_mapping=torch.arange(page_size, page_size + num_tokens, device=self.device))
         scratch.plan(batch)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
-        return self._logits(hidden, torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
+        self.hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
+        return self.compute_logits(torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
 
     def shutdown(self) -> None:
         """Stop serving calls (a worker process then exits)."""

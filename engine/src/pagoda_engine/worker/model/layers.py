@@ -272,8 +272,12 @@ class TPGroup:
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Member `src`'s `send` into `x`, in place."""
-        self.backend.recv([x], src, 0).wait()
+        self.recv_async(x, src).wait()
         return x
+
+    def recv_async(self, x: torch.Tensor, src: int):
+        """`recv` without waiting: the returned work's `wait()` does (receives match sends in order)."""
+        return self.backend.recv([x], src, 0)
 
 
 def attach_tp_group(model: nn.Module, group: TPGroup) -> None:
