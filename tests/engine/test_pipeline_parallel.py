@@ -218,3 +218,18 @@ def test_the_world_group_is_every_rank():
     layout = ParallelLayout(tp=2, pp=2)
     assert layout.groups("world") == [(0, 1, 2, 3)]
     assert layout.groups("pp") == [(0, 2), (1, 3)]
+
+
+def test_seeded_sampling_with_penalties_on_the_last_stage_matches_one_process(pp_llm, three_layer_dir):
+    """The last stage samples: the step's sampling tensors (temperature, top-p, penalty counts)
+    reach it, and a seeded request draws the same tokens as in one process."""
+    params = [SamplingParams(temperature=0.8, top_p=0.9, seed=7 + i, repetition_penalty=1.3, max_tokens=NEW_TOKENS,
+                             min_tokens=NEW_TOKENS, logprobs=2 if i % 2 else None) for i in range(len(PROMPTS))]
+    got = pp_llm.generate(PROMPTS, params)
+    want = LLM(str(three_layer_dir), num_kv_pages=128).generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for a, b in zip(got, want):
+        for pos_a, pos_b in zip(a.outputs[0].logprobs or [], b.outputs[0].logprobs or []):
+            assert {t: round(lp.logprob, 4) for t, lp in pos_a.items()} == pytest.approx(
+                {t: round(lp.logprob, 4) for t, lp in pos_b.items()}, abs=1e-3)
+    assert got[1].outputs[0].logprobs and got[0].outputs[0].logprobs is None

@@ -44,7 +44,8 @@ from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.parallel_state import ParallelLayout, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
-from pagoda_engine.worker.worker import START_TIMEOUT_S, PendingLogits, load_worker_class, worker_method
+from pagoda_engine.worker.sampling import SamplingBatch
+from pagoda_engine.worker.worker import START_TIMEOUT_S, Arriving, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 
@@ -284,16 +285,19 @@ class Executor:
         """The step's forward on every rank; rank 0's hidden states (None under pipeline parallelism)."""
         return self.call("execute_model", input_ids, positions, batch)
 
-    def compute_logits(self, rows: torch.Tensor, wait: bool = True) -> torch.Tensor | PendingLogits:
-        """float32 logits for these rows (token indices) of the last step's hidden states, on
-        rank 0; `wait=False`: a `PendingLogits` to pass to `wait_logits` later (the batch queue)."""
-        return self.call("compute_logits", rows, wait=wait)
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits for these rows (token indices) of the last step's hidden states, on rank 0."""
+        return self.call("compute_logits", rows)
 
-    def wait_logits(self, pending: PendingLogits) -> torch.Tensor:
-        """The logits of a `compute_logits(..., wait=False)`; a stage that died meanwhile raises
-        EngineDeadError."""
-        with self._on_all_ranks("compute_logits"):
-            return pending.wait()
+    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> Arriving:
+        """Pipeline parallelism: the last stage samples these rows (`Worker.sample`); pass the
+        result to `wait` for (token ids, logprobs) on rank 0."""
+        return self.call("sample", rows, batch)
+
+    def wait(self, arriving: Arriving):
+        """What another stage is sending rank 0; a stage that died meanwhile raises EngineDeadError."""
+        with self._on_all_ranks("sample"):
+            return arriving.wait()
 
     def kv_cache_specs(self, page_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """Every rank's KV page layout (under pipeline parallelism the stages' layer counts differ)."""

@@ -57,8 +57,8 @@ class RunnerOutput:
 @dataclass
 class LaunchedStep:
     """A step queued on the device whose sampled tokens the host has not read yet. Under pipeline
-    parallelism its logits may still be on their way from the last stage: `sample_later` then
-    draws once they are here (at `resolve`)."""
+    parallelism the last stage samples, and its tokens may still be on their way: `sample_later` then
+    reads them once they are here (at `resolve`)."""
 
     sched: SchedulerOutput
     sample_reqs: list[Request]
@@ -206,14 +206,19 @@ class ModelRunner:
         if inputs.sample_reqs:
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
             if self.executor.layout.pp > 1:
-                # The logits come from the last stage: sample when they are here, so that the core
+                # The last stage samples; its tokens are read when they arrive, so that the core
                 # can launch the next batch meanwhile (the batch queue).
-                pending = self.executor.compute_logits(inputs.sample_rows, wait=False)
-                sample_later = lambda: self.sampler.sample_on_device(self.executor.wait_logits(pending), batch)  # noqa: E731
+                sample_later = self._sampled_by_last_stage(self.executor.sample(inputs.sample_rows, batch), batch)
             else:
                 sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
                             prompt_logprobs=prompt_logprobs, sample_later=sample_later)
+
+    def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
+        def resolve() -> PendingSample:
+            token_ids, raw_logprobs = self.executor.wait(arriving)
+            return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
+        return resolve
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

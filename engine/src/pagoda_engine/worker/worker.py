@@ -10,8 +10,9 @@ the same forward: the all-reduces inside the model keep them in step.
 Under pipeline parallelism a rank holds only its stage's layers (`parallel_state.pp_layer_partition`)
 and KV pages for those; every rank is called with the step's tensors (broadcast over the world
 group), a stage receives (x, residual) from the stage before over its PP group and sends its own
-to the next, and only the last stage has the LM head: `compute_logits` runs there and its logits
-go back to the first stage, whose rank 0 samples.
+to the next, and only the last stage has the LM head: it computes the logits and samples
+(`sample`), and its sampled tokens go back to rank 0 (with the log-probabilities of the rows that
+asked for logprobs; prompt logprobs take the logits themselves, `compute_logits`).
 
 A method's result travels back pickled: methods called on every rank return small values (or
 None); the big ones (hidden states, logits) are only ever read on rank 0.
@@ -20,6 +21,7 @@ None); the big ones (hidden states, logits) are only ever read on rank 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import logging
@@ -41,6 +43,7 @@ from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.parallel_state import ParallelLayout
+from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
 
 logger = logging.getLogger(__name__)
@@ -53,18 +56,18 @@ COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "6
 _MASTER_CHECK_S = 2
 
 
-class PendingLogits:
-    """Logits that may still be arriving from the last pipeline stage (`work`: the receive)."""
+class Arriving:
+    """A value other pipeline stages are still sending: `wait()` waits for its receives."""
 
-    def __init__(self, logits: torch.Tensor, work=None):
-        self.logits = logits
-        self.work = work
+    def __init__(self, value, works=()):
+        self.value = value
+        self.works = list(works)
 
-    def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        return self.logits
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.value
 
 
 class Worker:
@@ -82,6 +85,7 @@ class Worker:
         self.pp_group: TPGroup | None = None  # this rank's pipeline: the same TP rank of every stage
         self.world_group: TPGroup | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states (last stage only)
+        self.sampler: Sampler | None = None  # under pipeline parallelism: the last stage's first TP rank
         self.attn: AttentionBackend | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -121,6 +125,8 @@ class Worker:
                                 self.layout.tp, self.coordinates.tp_rank,
                                 enable_expert_parallel=self.layout.enable_expert_parallel, layers=layers)
         self.dtype = dtype
+        if self.layout.pp > 1 and self.is_last_stage and self.coordinates.tp_rank == 0:
+            self.sampler = make_sampler(seed, self.device)
         if self.tp_group is not None:
             attach_tp_group(self.model, self.tp_group)
 
@@ -164,16 +170,46 @@ class Worker:
             self.hidden = self._forward(input_ids, positions, self.attn)
         return self.hidden
 
-    def compute_logits(self, rows: torch.Tensor, wait: bool = True) -> torch.Tensor | PendingLogits | None:
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the whole vocabulary for these rows of the last forward's hidden
         states; under pipeline parallelism computed on the last stage and returned on rank 0
-        (None on the other ranks). `wait=False`: a `PendingLogits` instead, so that rank 0 can
-        launch the next batch while the later stages still work on this one (the batch queue)."""
+        (None on the other ranks)."""
         if self.layout.pp == 1:
-            pending = PendingLogits(self.model.compute_logits(self.hidden[rows]))
-        else:
-            pending = self._pipeline_logits(rows)
-        return pending.wait() if wait and pending is not None else pending
+            return self.model.compute_logits(self.hidden[rows])
+        if self.is_last_stage:
+            logits = self.model.compute_logits(self.hidden[rows])
+            if self.coordinates.tp_rank == 0:
+                self.pp_group.send(logits, 0)
+        elif self.rank == 0:
+            logits = torch.empty(rows.shape[0], self.model.vocab_size, dtype=torch.float32, device=self.device)
+            return self.pp_group.recv(logits, self.layout.pp - 1)
+        return None
+
+    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> Arriving | None:
+        """Pipeline parallelism: the last stage draws a token for each of these rows of its hidden
+        states and sends them to rank 0, with the log-probabilities [R, vocab] of the R rows that
+        want logprobs. On rank 0 (None elsewhere): those, still arriving, as (token ids, (rows,
+        log-probabilities) or None), so that the core can launch the next batch meanwhile."""
+        last = self.layout.pp - 1
+        if self.is_last_stage:
+            logits = self.model.compute_logits(self.hidden[rows])  # every TP rank: the LM head gathers
+            if self.sampler is not None:
+                drawn = self.sampler.sample_on_device(logits, dataclasses.replace(batch, device=self.device))
+                self.pp_group.send(drawn.token_ids, 0)
+                if drawn.raw_logprobs is not None:
+                    self.pp_group.send(drawn.raw_logprobs[1], 0)
+            return None
+        if self.rank != 0:
+            return None
+        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=self.device)
+        works = [self.pp_group.recv_async(token_ids, last)]
+        raw_logprobs = None
+        if batch.needs_logprobs:
+            lp_rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+            lp = torch.empty(len(lp_rows), self.model.vocab_size, dtype=torch.float32, device=self.device)
+            works.append(self.pp_group.recv_async(lp, last))
+            raw_logprobs = (lp_rows, lp)
+        return Arriving((token_ids, raw_logprobs), works)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor | None:
         """The eager forward of this rank's stage: (x, residual) in from the stage before, out to
@@ -190,17 +226,6 @@ class Worker:
         if self.is_last_stage:
             return out
         self.pp_group.send(torch.stack(out), self.coordinates.pp_rank + 1)
-        return None
-
-    def _pipeline_logits(self, rows: torch.Tensor) -> PendingLogits | None:
-        """Only rank 0 samples: the last stage's first TP rank sends it the (TP-gathered) logits."""
-        if self.is_last_stage:
-            logits = self.model.compute_logits(self.hidden[rows])
-            if self.coordinates.tp_rank == 0:
-                self.pp_group.send(logits, 0)
-        elif self.rank == 0:
-            logits = torch.empty(rows.shape[0], self.model.vocab_size, dtype=torch.float32, device=self.device)
-            return PendingLogits(logits, self.pp_group.recv_async(logits, self.layout.pp - 1))
         return None
 
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
