@@ -218,16 +218,19 @@ class EngineCore:
 
     def _measure_num_pages(self, spec: KVCacheSpec) -> int:
         cc, sc = self.config.cache, self.config.scheduler
-        # Every rank holds the same number of pages; under pipeline parallelism the stage with the
-        # most layers has the largest pages and sets the count.
-        page_bytes = max(s.bytes_per_page() for s in self.executor.kv_cache_specs(spec.page_size, spec.dtype))
         pages_per_seq = -(-self.max_model_len // cc.block_size)
         useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
+        # Every rank holds the same number of pages. Under pipeline parallelism the stages' pages
+        # differ (their layer counts do), and on CUDA so do their weights: rank 0's profile stands
+        # for every rank's activations, each rank's own weights are counted; the tightest rank sets the count.
+        specs = self.executor.kv_cache_specs(spec.page_size, spec.dtype)
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_bytes()
+            weights = self.executor.collective_rpc("weight_bytes")
+            budgets = [budget - (w - weights[0]) for w in weights]
         else:
-            budget = int(cc.cpu_kv_cache_gb * _GiB)
-        num_pages = min(budget // page_bytes, useful)
+            budgets = [int(cc.cpu_kv_cache_gb * _GiB)] * len(specs)
+        num_pages = min(min(max(b, 0) // s.bytes_per_page() for b, s in zip(budgets, specs)), useful)
         if num_pages < pages_per_seq + 1:
             raise ModelLoadError(
                 f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "

@@ -134,6 +134,10 @@ class Worker:
         """The names of this rank's weights (which layers its stage holds)."""
         return [name for name, _ in self.model.named_parameters()]
 
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (pipeline stages hold different layers)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
     def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
         """This rank's KV page layout: its stage's layers, its share of the heads."""
         return self.model.kv_cache_spec(page_size, dtype)
