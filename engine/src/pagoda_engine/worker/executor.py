@@ -14,7 +14,7 @@ One scheduler, on rank 0, decides for all, so a page id means the same page on e
 Logits are gathered on every rank; only rank 0 samples. Under pipeline parallelism
 (`--pipeline-parallel-size`) the ranks are tp × pp (stage-major: rank 0 is the first stage's first
 TP rank): a step's tensors go to every rank, the stages pass hidden states on among themselves,
-and the last stage's logits come back to the first stage for rank 0 to sample. A worker process exits when told
+and the last stage's first rank samples and sends rank 0 the tokens. A worker process exits when told
 (`close`), or when the core's process dies (`processes.die_with_parent`; a rank started on
 another host sees rank 0's store go); a worker that dies or fails makes the next call raise
 EngineDeadError (or WorkerError, with its error) naming its rank.
@@ -383,8 +383,6 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     mc = config.model
     tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     check_tensor_parallel(hf_config, tp_size)
-    if pp_size < 1:
-        raise ModelLoadError(f"pipeline_parallel_size must be >= 1, got {pp_size}")
     # Checked here, before any process starts: each stage's [start, end) layers.
     partition = pp_layer_partition(hf_config.num_hidden_layers, pp_size) if pp_size > 1 else None
     layout = ParallelLayout(tp=tp_size, pp=pp_size, enable_expert_parallel=config.parallel.enable_expert_parallel)
