@@ -28,11 +28,16 @@ from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda_engine.messages import TokenLogprobs
-from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
 from pagoda_engine.worker.executor import Executor
-from pagoda_engine.worker.sampling import PendingSample, Sampler, SamplingBatch, compute_prompt_logprobs
+from pagoda_engine.worker.sampling import (
+    PendingSample,
+    Sampler,
+    SamplingBatch,
+    compute_prompt_logprobs,
+    warm_up_sampler,
+)
 
 
 @dataclass
@@ -117,16 +122,12 @@ class ModelRunner:
         self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise)
 
     def warm_up_sampler(self) -> None:
-        """Draw once along each of the sampler's paths (greedy, plain temperature, top-p) before
-        the engine reports ready: the first requests must not wait for a kernel's JIT compile
-        (Triton's Gumbel-max kernel takes seconds on a cold cache)."""
-        paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
-        reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
-        dtype = next(self.model.parameters()).dtype
-        logits = torch.zeros(len(reqs), self.vocab_size, dtype=dtype, device=self.device)
-        for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
-            batch = SamplingBatch.from_requests(rows, self.vocab_size, self.device)
-            self.sampler.sample(logits[:len(rows)], batch)
+        """Draw once along each of the sampler's paths before the engine reports ready (on the
+        last pipeline stage too, which samples under pipeline parallelism): the first requests
+        must not wait for a kernel's JIT compile."""
+        warm_up_sampler(self.sampler, self.vocab_size, next(self.model.parameters()).dtype, self.device)
+        if self.executor.layout.pp > 1:
+            self.executor.collective_rpc("warm_up_sampler")
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""

@@ -43,8 +43,8 @@ from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.parallel_state import ParallelLayout
-from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
+from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -129,6 +129,12 @@ class Worker:
             self.sampler = make_sampler(seed, self.device)
         if self.tp_group is not None:
             attach_tp_group(self.model, self.tp_group)
+
+    def warm_up_sampler(self) -> None:
+        """The sampling rank of the last pipeline stage compiles its sampler's kernels (see
+        `sampling.warm_up_sampler`)."""
+        if self.sampler is not None:
+            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device)
 
     def parameter_names(self) -> list[str]:
         """The names of this rank's weights (which layers its stage holds)."""
