@@ -38,8 +38,7 @@ class Feature:
 
 FEATURES: tuple[Feature, ...] = (
     Feature("tensor-parallel", "tensor parallelism", True, options=("tensor_parallel_size",)),
-    Feature("pipeline-parallel", "pipeline parallelism", False, options=("pipeline_parallel_size",),
-            hint="tensor parallelism works"),
+    Feature("pipeline-parallel", "pipeline parallelism", True, options=("pipeline_parallel_size",)),
     Feature("data-parallel", "data parallelism inside one engine", False, options=("data_parallel_size",),
             hint="scale out with replicas behind the router instead"),
     Feature("expert-parallel", "expert parallelism", True, options=("enable_expert_parallel",)),

@@ -131,6 +131,8 @@ class EngineConfig:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        if self.parallel.pipeline_parallel_size < 1:
+            raise ValueError("pipeline_parallel_size must be >= 1")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -168,7 +170,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
     # The capability table's flags (capabilities.FEATURES).
     _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
-    _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages")
+    _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")
     _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
     _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
     _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")

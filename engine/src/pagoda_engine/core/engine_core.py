@@ -6,7 +6,13 @@ With `async_scheduling` the core owns the one step in flight (`_in_flight`): `st
 and launches the next step first, then resolves the one in flight and returns its outputs, so the
 host's scheduling and input building overlap the device's work (vLLM's async scheduling, SGLang's
 overlap scheduler). Outputs thus come one call late; a request that finished in the resolved step
-has one surplus token in the launched one, which is dropped."""
+has one surplus token in the launched one, which is dropped.
+
+Under pipeline parallelism the core keeps a batch queue instead (vLLM V1's `step_with_batch_queue`):
+up to `pipeline_parallel_size` batches in flight, so that the first stage works on one while the
+later stages work on the ones before; `step()` launches a batch while the queue has room (and
+returns nothing yet), and otherwise resolves the oldest. A request waits for its batch before it
+is scheduled again."""
 
 from __future__ import annotations
 
@@ -14,6 +20,7 @@ import json
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 
 import torch
@@ -117,10 +124,10 @@ class EngineCore:
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        tp = config.parallel.tensor_parallel_size
-        if self.device.type == "cuda" and tp > torch.cuda.device_count():
-            raise ModelLoadError(f"--tensor-parallel-size {tp} needs {tp} GPUs, but this machine shows "
-                                 f"{torch.cuda.device_count()}")
+        ranks = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        if self.device.type == "cuda" and ranks > torch.cuda.device_count():
+            raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size = {ranks} needs {ranks} GPUs, "
+                                 f"but this machine shows {torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; self.model is rank 0's shard.
@@ -153,6 +160,12 @@ class EngineCore:
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
+        # Pipeline parallelism: launched batches, oldest first, at most one per stage.
+        self.max_concurrent_batches = config.parallel.pipeline_parallel_size
+        self._batch_queue: deque[LaunchedStep] = deque()
+        if self.max_concurrent_batches > 1 and config.scheduler.async_scheduling:
+            logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
+                        "scheduling", self.max_concurrent_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
         t1 = time.monotonic()
@@ -161,6 +174,10 @@ class EngineCore:
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
         graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
                            and hasattr(self.attn, "plan_graph_decode"))
+        if graphs_possible and config.parallel.pipeline_parallel_size > 1:
+            # Each stage would need graphs of its own layers around the send/recv: not built yet.
+            logger.warning("pipeline parallelism runs eagerly: CUDA graphs are off")
+            graphs_possible = False
         self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode, config.parallel.tensor_parallel_size)
                                if graphs_possible else "NONE")
         if self.cuda_graphs:
@@ -201,14 +218,19 @@ class EngineCore:
 
     def _measure_num_pages(self, spec: KVCacheSpec) -> int:
         cc, sc = self.config.cache, self.config.scheduler
-        page_bytes = spec.bytes_per_page()
         pages_per_seq = -(-self.max_model_len // cc.block_size)
         useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
+        # Every rank holds the same number of pages. Under pipeline parallelism the stages' pages
+        # differ (their layer counts do), and on CUDA so do their weights: rank 0's profile stands
+        # for every rank's activations, each rank's own weights are counted; the tightest rank sets the count.
+        specs = self.executor.kv_cache_specs(spec.page_size, spec.dtype)
         if self.device.type == "cuda":
             budget = self._profile_free_gpu_bytes()
+            weights = self.executor.collective_rpc("weight_bytes")
+            budgets = [budget - (w - weights[0]) for w in weights]
         else:
-            budget = int(cc.cpu_kv_cache_gb * _GiB)
-        num_pages = min(budget // page_bytes, useful)
+            budgets = [int(cc.cpu_kv_cache_gb * _GiB)] * len(specs)
+        num_pages = min(min(max(b, 0) // s.bytes_per_page() for b, s in zip(budgets, specs)), useful)
         if num_pages < pages_per_seq + 1:
             raise ModelLoadError(
                 f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "
@@ -268,10 +290,12 @@ class EngineCore:
             self._prompt_logprobs.pop(req.request_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._batch_queue)
 
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self.max_concurrent_batches > 1:
+            return self._step_with_batch_queue()
         if self.config.scheduler.async_scheduling:
             return self._step_overlapped()
         sched = self.scheduler.schedule()
@@ -293,6 +317,21 @@ class EngineCore:
             self.scheduler.advance(sched)
         if prev is not None:
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+
+    def _step_with_batch_queue(self) -> EngineCoreOutputs:
+        """Launch a batch while the queue has room; else (or with nothing to launch) resolve the oldest."""
+        if len(self._batch_queue) < self.max_concurrent_batches:
+            sched = self.scheduler.schedule(skip_in_flight=True)
+            if not sched.is_empty:
+                self._batch_queue.append(self.runner.launch(sched))
+                self.scheduler.advance(sched)
+                if len(self._batch_queue) < self.max_concurrent_batches:
+                    return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+        outputs: list[EngineCoreOutput] = []
+        if self._batch_queue:
+            oldest = self._batch_queue.popleft()
+            outputs = self._update(oldest.sched, oldest.resolve(), advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineCoreOutput]:

@@ -18,6 +18,11 @@ samples counts one output placeholder), so the next `schedule` gives every such 
 decode, fed on the device from step N's sampled token. `update_from_output(..., advanced=True)`
 later fills the placeholder in, and drops the tokens of requests that finished meanwhile.
 
+The batch queue (pipeline parallelism, vLLM V1's): up to one batch per stage in flight, each
+advanced when launched; `schedule(skip_in_flight=True)` leaves out a request whose token is still
+in flight (it waits for its batch), so the next batch holds other requests' decodes and the next
+chunks of prompts, whose earlier chunks every stage runs first.
+
 Lifecycle events: the scheduler stamps each request's QUEUED, SCHEDULED (each admission from the
 waiting queue), PREEMPTED and FIRST_TOKEN events (`time.time()`) on the request; they ride on its
 next output to the API process, which derives queue time, TTFT and the rest from them.
@@ -138,7 +143,7 @@ class Scheduler:
         return bool(self.running or self.waiting)
 
     # --- the loop -----------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, skip_in_flight: bool = False) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
 
@@ -148,7 +153,7 @@ class Scheduler:
             req = self.running[i]
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
                           self.max_model_len - req.num_computed_tokens)
-            if num_new <= 0 or (req.num_output_placeholders and self._placeholder_is_last(req)):
+            if num_new <= 0 or (req.num_output_placeholders and (skip_in_flight or self._placeholder_is_last(req))):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
@@ -167,6 +172,8 @@ class Scheduler:
         now = time.time()
         while self.waiting and not out.preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self._next_waiting()
+            if req.num_output_placeholders and skip_in_flight:
+                break  # preempted while its batch is in flight: readmitted once that batch is back
             # Only a request preempted in this very call can still wait for a token, and then
             # nothing is admitted: the core resolves the step in flight before the next call.
             assert not req.num_output_placeholders, req.request_id

@@ -11,7 +11,10 @@ tensors broadcast over the process group, which the ranks form through the same 
 Start-up waits a bounded time for every rank and names the ones that did not join.
 
 One scheduler, on rank 0, decides for all, so a page id means the same page on every rank.
-Logits are gathered on every rank; only rank 0 samples. A worker process exits when told
+Logits are gathered on every rank; only rank 0 samples. Under pipeline parallelism
+(`--pipeline-parallel-size`) the ranks are tp × pp (stage-major: rank 0 is the first stage's first
+TP rank): a step's tensors go to every rank, the stages pass hidden states on among themselves,
+and the last stage's first rank samples and sends rank 0 the tokens. A worker process exits when told
 (`close`), or when the core's process dies (`processes.die_with_parent`; a rank started on
 another host sees rank 0's store go); a worker that dies or fails makes the next call raise
 EngineDeadError (or WorkerError, with its error) naming its rank.
@@ -39,9 +42,10 @@ import pagoda_engine
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.parallel_state import ParallelLayout
+from pagoda_engine.worker.parallel_state import ParallelLayout, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
-from pagoda_engine.worker.worker import START_TIMEOUT_S, load_worker_class, worker_method
+from pagoda_engine.worker.sampling import SamplingBatch
+from pagoda_engine.worker.worker import START_TIMEOUT_S, Arriving, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +79,7 @@ class Executor:
         if layout.world_size > 1 and device.type == "cuda":
             needed = max(spawn_ranks, default=0) + 1
             if torch.cuda.device_count() < needed:
-                raise ModelLoadError(f"tensor_parallel_size {layout.world_size} needs {needed} GPUs here, "
+                raise ModelLoadError(f"{layout.world_size} ranks (tensor × pipeline parallel size) need {needed} GPUs here, "
                                      f"{torch.cuda.device_count()} are visible")
             device = torch.device("cuda", 0)  # rank r runs on cuda:r
             torch.cuda.set_device(device)
@@ -277,11 +281,27 @@ class Executor:
         with _starting():
             self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes)
 
-    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
+        """The step's forward on every rank; rank 0's hidden states (None under pipeline parallelism)."""
         return self.call("execute_model", input_ids, positions, batch)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.call("compute_logits", hidden)
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor:
+        """float32 logits for these rows (token indices) of the last step's hidden states, on rank 0."""
+        return self.call("compute_logits", rows)
+
+    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> Arriving:
+        """Pipeline parallelism: the last stage samples these rows (`Worker.sample`); pass the
+        result to `wait` for (token ids, logprobs) on rank 0."""
+        return self.call("sample", rows, batch)
+
+    def wait(self, arriving: Arriving):
+        """What another stage is sending rank 0; a stage that died meanwhile raises EngineDeadError."""
+        with self._on_all_ranks("sample"):
+            return arriving.wait()
+
+    def kv_cache_specs(self, page_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """Every rank's KV page layout (under pipeline parallelism the stages' layer counts differ)."""
+        return self.collective_rpc("kv_cache_spec", page_size, dtype)
 
 
 @contextlib.contextmanager
@@ -361,17 +381,21 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     """Start the engine's ranks, join their groups and load every rank's shard (rank 0's here,
     while the workers load theirs)."""
     mc = config.model
-    tp_size = config.parallel.tensor_parallel_size
+    tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     check_tensor_parallel(hf_config, tp_size)
-    executor = Executor(ParallelLayout(tp=tp_size, enable_expert_parallel=config.parallel.enable_expert_parallel), device)
+    # Checked here, before any process starts: each stage's [start, end) layers.
+    partition = pp_layer_partition(hf_config.num_hidden_layers, pp_size) if pp_size > 1 else None
+    layout = ParallelLayout(tp=tp_size, pp=pp_size, enable_expert_parallel=config.parallel.enable_expert_parallel)
+    executor = Executor(layout, device)
     try:
         with _starting():
             executor.collective_rpc("init_distributed")
-            executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed)
+            executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed, partition)
     except BaseException:
         executor.close()
         raise
-    if tp_size > 1:
-        logger.info("tensor parallelism: %d ranks (%s), workers %s", tp_size,
+    if layout.world_size > 1:
+        logger.info("%d ranks (tensor parallel %d × pipeline parallel %d%s; %s), workers %s", layout.world_size,
+                    tp_size, pp_size, f", layers per stage {[end - start for start, end in partition]}" if partition else "",
                     "nccl" if executor.device.type == "cuda" else "gloo", executor.worker_pids)
     return executor

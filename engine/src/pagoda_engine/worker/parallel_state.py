@@ -12,16 +12,23 @@ innermost so that a TP group is a run of consecutive ranks (on one host, its GPU
 - the EP group (MoE layers only, `enable_expert_parallel`): every TP rank of every DP replica of
   one pipeline stage (same pp_rank), so experts are spread over TP × DP.
 
-The executor creates the groups its ranks need at run time; today that is only TP (the engine
-refuses pp or dp > 1 and expert parallelism), and pipeline, data and expert parallelism plug in
-here without a new numbering.
+- the world group: every rank (under pipeline parallelism a call's tensors are broadcast over it).
+
+The executor creates the groups its ranks need at run time: TP, and under pipeline parallelism PP
+and the world group (the engine refuses dp > 1); data parallelism plugs in here without a new
+numbering. `pp_layer_partition` splits the decoder layers into pipeline stages.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+from pagoda_engine.errors import ModelLoadError
+
 AXES = ("tp", "pp", "dp", "ep")
+# An explicit split of the layers over the pipeline stages, as vLLM's VLLM_PP_LAYER_PARTITION: "a,b,...".
+PP_LAYER_PARTITION_ENV = "PAGODA_PP_LAYER_PARTITION"
 
 
 @dataclass(frozen=True)
@@ -77,7 +84,9 @@ class ParallelLayout:
             if not self.enable_expert_parallel:
                 raise ValueError("no EP group: expert parallelism is not enabled")
             return tuple(self.rank_of(d, c.pp_rank, t) for d in range(self.dp) for t in range(self.tp))
-        raise ValueError(f"axis must be one of {', '.join(AXES)}, got {axis!r}")
+        if axis == "world":
+            return tuple(range(self.world_size))
+        raise ValueError(f"axis must be one of {', '.join(AXES)} or world, got {axis!r}")
 
     def groups(self, axis: str) -> list[tuple[int, ...]]:
         """Every group on `axis`, ordered by their lowest rank: a partition of all ranks."""
@@ -93,3 +102,29 @@ class ParallelLayout:
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside the world of {self.world_size} ranks")
+
+
+def pp_layer_partition(num_layers: int, pp: int, explicit: str | None = None) -> list[tuple[int, int]]:
+    """Each pipeline stage's layers as [start, end): `explicit` ("a,b,..." layer counts, one per
+    stage, summing to `num_layers`; default: $PAGODA_PP_LAYER_PARTITION) or vLLM's split
+    (`get_pp_indices`): `num_layers // pp` each, the remainder one more per stage from the
+    second-to-last backwards. Every stage needs at least one layer (ModelLoadError otherwise)."""
+    explicit = os.environ.get(PP_LAYER_PARTITION_ENV) if explicit is None else explicit
+    if explicit:
+        try:
+            counts = [int(part) for part in explicit.split(",")]
+        except ValueError:
+            raise ModelLoadError(f"{PP_LAYER_PARTITION_ENV}={explicit!r} must be comma-separated layer counts, "
+                                 f"one per pipeline stage") from None
+        if len(counts) != pp or sum(counts) != num_layers or min(counts) < 1:
+            raise ModelLoadError(f"{PP_LAYER_PARTITION_ENV}={explicit!r} must give each of the {pp} pipeline stages "
+                                 f"at least one layer and sum to the model's {num_layers} layers")
+    else:
+        if num_layers < pp:
+            raise ModelLoadError(f"pipeline_parallel_size {pp} exceeds the model's {num_layers} layers "
+                                 "(every stage needs at least one)")
+        counts = [num_layers // pp] * pp
+        for i in range(2, num_layers % pp + 2):
+            counts[-i] += 1
+    starts = [sum(counts[:i]) for i in range(pp)]
+    return [(start, start + n) for start, n in zip(starts, counts)]

@@ -18,6 +18,7 @@ with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,11 +28,16 @@ from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda_engine.messages import TokenLogprobs
-from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
 from pagoda_engine.worker.executor import Executor
-from pagoda_engine.worker.sampling import PendingSample, Sampler, SamplingBatch, compute_prompt_logprobs
+from pagoda_engine.worker.sampling import (
+    PendingSample,
+    Sampler,
+    SamplingBatch,
+    compute_prompt_logprobs,
+    warm_up_sampler,
+)
 
 
 @dataclass
@@ -55,12 +61,15 @@ class RunnerOutput:
 
 @dataclass
 class LaunchedStep:
-    """A step queued on the device whose sampled tokens the host has not read yet."""
+    """A step queued on the device whose sampled tokens the host has not read yet. Under pipeline
+    parallelism the last stage samples, and its tokens may still be on their way: `sample_later` then
+    reads them once they are here (at `resolve`)."""
 
     sched: SchedulerOutput
     sample_reqs: list[Request]
     sample: PendingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    sample_later: Callable[[], PendingSample] | None = None
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -72,6 +81,8 @@ class LaunchedStep:
     def resolve(self) -> RunnerOutput:
         """Wait for the step and read its tokens (and logprobs) back."""
         out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
+        if self.sample_later is not None:
+            self.sample, self.sample_later = self.sample_later(), None
         if self.sample is not None:
             result = self.sample.resolve()
             for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
@@ -111,16 +122,12 @@ class ModelRunner:
         self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise)
 
     def warm_up_sampler(self) -> None:
-        """Draw once along each of the sampler's paths (greedy, plain temperature, top-p) before
-        the engine reports ready: the first requests must not wait for a kernel's JIT compile
-        (Triton's Gumbel-max kernel takes seconds on a cold cache)."""
-        paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
-        reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
-        dtype = next(self.model.parameters()).dtype
-        logits = torch.zeros(len(reqs), self.vocab_size, dtype=dtype, device=self.device)
-        for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
-            batch = SamplingBatch.from_requests(rows, self.vocab_size, self.device)
-            self.sampler.sample(logits[:len(rows)], batch)
+        """Draw once along each of the sampler's paths before the engine reports ready (on the
+        last pipeline stage too, which samples under pipeline parallelism): the first requests
+        must not wait for a kernel's JIT compile."""
+        warm_up_sampler(self.sampler, self.vocab_size, next(self.model.parameters()).dtype, self.device)
+        if self.executor.layout.pp > 1:
+            self.executor.collective_rpc("warm_up_sampler")
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
@@ -187,22 +194,32 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
         """Queue the step on the device; `prev` is the step in flight (async scheduling)."""
         inputs = self.prepare(sched, prev)
-        hidden = self.run_model(inputs)
+        self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
         prompt_logprobs = {}
         # Prompt logprobs are read back here (a sync): such steps are not overlapped.
         for rid, (first, count) in inputs.prompt_logprob_spans.items():
             req = next(s.request for s in inputs.order if s.request.request_id == rid)
             start = req.num_computed_tokens
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
-            logits = self.executor.compute_logits(hidden[first:first + count])
+            logits = self.executor.compute_logits(torch.arange(first, first + count, device=self.device))
             prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
-        sample = None
+        sample = sample_later = None
         if inputs.sample_reqs:
-            logits = self.executor.compute_logits(hidden[inputs.sample_rows])
             batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
-            sample = self.sampler.sample_on_device(logits, batch)
+            if self.executor.layout.pp > 1:
+                # The last stage samples; its tokens are read when they arrive, so that the core
+                # can launch the next batch meanwhile (the batch queue).
+                sample_later = self._sampled_by_last_stage(self.executor.sample(inputs.sample_rows, batch), batch)
+            else:
+                sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs)
+                            prompt_logprobs=prompt_logprobs, sample_later=sample_later)
+
+    def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
+        def resolve() -> PendingSample:
+            token_ids, raw_logprobs = self.executor.wait(arriving)
+            return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
+        return resolve
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

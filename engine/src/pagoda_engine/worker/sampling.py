@@ -34,6 +34,7 @@ import torch
 
 from pagoda_engine.core.request import Request
 from pagoda_engine.messages import Logprob, TokenLogprobs
+from pagoda_engine.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -395,6 +396,16 @@ class CudaSampler(Sampler):
             top_p = batch.top_p if batch.top_p is not None else 1.0
             tokens = fs.top_k_top_p_sampling_from_logits(logits, top_k, top_p, generator=gen)
         return tokens.long()
+
+
+def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Draw once along each of the sampler's paths (greedy, plain temperature, top-p): Triton's
+    Gumbel-max kernel takes seconds to compile on a cold cache, which no request should wait for."""
+    paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
+    reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
+    logits = torch.zeros(len(reqs), vocab_size, dtype=dtype, device=device)
+    for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
+        sampler.sample(logits[:len(rows)], SamplingBatch.from_requests(rows, vocab_size, device))
 
 
 def make_sampler(seed: int, device: torch.device) -> Sampler:

@@ -7,6 +7,13 @@ which serves calls until `shutdown`. Under tensor parallelism each rank holds on
 weights (`model/layers.py`) and its own KV pool with the same page count, and every rank runs
 the same forward: the all-reduces inside the model keep them in step.
 
+Under pipeline parallelism a rank holds only its stage's layers (`parallel_state.pp_layer_partition`)
+and KV pages for those; every rank is called with the step's tensors (broadcast over the world
+group), a stage receives (x, residual) from the stage before over its PP group and sends its own
+to the next, and only the last stage has the LM head: it computes the logits and samples
+(`sample`), and its sampled tokens go back to rank 0 (with the log-probabilities of the rows that
+asked for logprobs; prompt logprobs take the logits themselves, `compute_logits`).
+
 A method's result travels back pickled: methods called on every rank return small values (or
 None); the big ones (hidden states, logits) are only ever read on rank 0.
 """
@@ -14,6 +21,7 @@ None); the big ones (hidden states, logits) are only ever read on rank 0.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib
 import logging
@@ -36,6 +44,7 @@ from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.parallel_state import ParallelLayout
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
+from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, warm_up_sampler
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +54,20 @@ START_TIMEOUT_S = float(os.environ.get("PAGODA_TP_START_TIMEOUT_S", "900"))
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "600"))
 # An idle worker checks this often that rank 0 is still there.
 _MASTER_CHECK_S = 2
+
+
+class Arriving:
+    """A value other pipeline stages are still sending: `wait()` waits for its receives."""
+
+    def __init__(self, value, works=()):
+        self.value = value
+        self.works = list(works)
+
+    def wait(self):
+        for work in self.works:
+            work.wait()
+        self.works = []
+        return self.value
 
 
 class Worker:
@@ -57,7 +80,12 @@ class Worker:
         self.device = torch.device(device)
         self.store = store
         self.model: torch.nn.Module | None = None
+        self.dtype: torch.dtype | None = None
         self.tp_group: TPGroup | None = None
+        self.pp_group: TPGroup | None = None  # this rank's pipeline: the same TP rank of every stage
+        self.world_group: TPGroup | None = None
+        self.hidden: torch.Tensor | None = None  # the last forward's hidden states (last stage only)
+        self.sampler: Sampler | None = None  # under pipeline parallelism: the last stage's first TP rank
         self.attn: AttentionBackend | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
@@ -65,54 +93,150 @@ class Worker:
 
     @property
     def rpc_group(self) -> TPGroup | None:
-        """The group a call's tensors are broadcast over: all ranks, which is the TP group while
-        TP is the only axis run."""
-        return self.tp_group
+        """The group a call's tensors are broadcast over: all ranks (the TP group without PP)."""
+        return self.world_group if self.layout.pp > 1 else self.tp_group
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coordinates.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coordinates.pp_rank == self.layout.pp - 1
 
     def init_distributed(self) -> None:
         """Join this rank's groups; returns once every member has joined."""
-        if self.layout.world_size != self.layout.tp:
-            raise NotImplementedError("only tensor parallelism runs today (pipeline and data parallel sizes are 1)")
+        if self.layout.dp > 1:
+            raise NotImplementedError("data parallelism inside one engine does not run (data_parallel_size is 1)")
         if self.layout.tp > 1:
             self.tp_group = make_group(self.store, self.layout, "tp", self.rank, self.device)
+        if self.layout.pp > 1:
+            self.pp_group = make_group(self.store, self.layout, "pp", self.rank, self.device)
+            self.world_group = make_group(self.store, self.layout, "world", self.rank, self.device)
 
     @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
-    def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int) -> None:
-        """This rank's shard of the weights (after `init_distributed`)."""
+    def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int,
+                   pp_partition: list[tuple[int, int]] | None = None) -> None:
+        """This rank's shard of the weights (after `init_distributed`): with `pp_partition` (each
+        stage's [start, end) layers) only its stage's layers."""
         torch.manual_seed(seed)
+        layers = tuple(pp_partition[self.coordinates.pp_rank]) if pp_partition else None
         self.model = load_model(model_dir, load_hf_config(model_dir), dtype, self.device, load_format, seed,
                                 self.layout.tp, self.coordinates.tp_rank,
-                                enable_expert_parallel=self.layout.enable_expert_parallel)
+                                enable_expert_parallel=self.layout.enable_expert_parallel, layers=layers)
+        self.dtype = dtype
+        if self.layout.pp > 1 and self.is_last_stage and self.coordinates.tp_rank == 0:
+            self.sampler = make_sampler(seed, self.device)
         if self.tp_group is not None:
             attach_tp_group(self.model, self.tp_group)
 
+    def warm_up_sampler(self) -> None:
+        """The sampling rank of the last pipeline stage compiles its sampler's kernels (see
+        `sampling.warm_up_sampler`)."""
+        if self.sampler is not None:
+            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device)
+
+    def parameter_names(self) -> list[str]:
+        """The names of this rank's weights (which layers its stage holds)."""
+        return [name for name, _ in self.model.named_parameters()]
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (pipeline stages hold different layers)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """This rank's KV page layout: its stage's layers, its share of the heads."""
+        return self.model.kv_cache_spec(page_size, dtype)
+
     def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> None:
-        """Create the attention backend that owns this rank's KV pages (`spec` is per rank)."""
-        self.attn = get_attention_backend(backend, spec, num_pages, self.device)
+        """Create the attention backend that owns this rank's KV pages: `num_pages` (the same on
+        every rank) of `spec`'s page size and dtype, for this rank's own layers and heads."""
+        self.attn = get_attention_backend(backend, self.kv_cache_spec(spec.page_size, spec.dtype), num_pages,
+                                          self.device)
 
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
         empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
         captures the same sizes in the same order: the all-reduces inside pair up across ranks."""
+        if self.layout.pp > 1:
+            raise NotImplementedError("CUDA graphs do not run under pipeline parallelism (the engine runs it eagerly)")
         pool = torch.cuda.graph_pool_handle()
         self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool)
         if piecewise_sizes:
             self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool)
 
-    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
-        """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]:
-        a whole-forward graph replay for all-decode steps that fit one, piecewise replays for
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                      batch: AttentionBatch) -> torch.Tensor | None:
+        """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]
+        (kept for `compute_logits`; None on a pipeline stage other than the last): a
+        whole-forward graph replay for all-decode steps that fit one, piecewise replays for
         other short steps, else eagerly."""
         if self.graphs is not None and self.graphs.fits(batch):
-            return self.graphs.run(input_ids, positions, batch)
-        if self.piecewise is not None and self.piecewise.fits(batch):
-            return self.piecewise.run(input_ids, positions, batch)
-        self.attn.plan(batch)
-        return self.model(input_ids, positions, self.attn)
+            self.hidden = self.graphs.run(input_ids, positions, batch)
+        elif self.piecewise is not None and self.piecewise.fits(batch):
+            self.hidden = self.piecewise.run(input_ids, positions, batch)
+        else:
+            self.attn.plan(batch)
+            self.hidden = self._forward(input_ids, positions, self.attn)
+        return self.hidden
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """float32 logits over the whole vocabulary for the given hidden rows."""
-        return self.model.compute_logits(hidden)
+    def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """float32 logits over the whole vocabulary for these rows of the last forward's hidden
+        states; under pipeline parallelism computed on the last stage and returned on rank 0
+        (None on the other ranks)."""
+        if self.layout.pp == 1:
+            return self.model.compute_logits(self.hidden[rows])
+        if self.is_last_stage:
+            logits = self.model.compute_logits(self.hidden[rows])
+            if self.coordinates.tp_rank == 0:
+                self.pp_group.send(logits, 0)
+        elif self.rank == 0:
+            logits = torch.empty(rows.shape[0], self.model.vocab_size, dtype=torch.float32, device=self.device)
+            return self.pp_group.recv(logits, self.layout.pp - 1)
+        return None
+
+    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> Arriving | None:
+        """Pipeline parallelism: the last stage draws a token for each of these rows of its hidden
+        states and sends them to rank 0, with the log-probabilities [R, vocab] of the R rows that
+        want logprobs. On rank 0 (None elsewhere): those, still arriving, as (token ids, (rows,
+        log-probabilities) or None), so that the core can launch the next batch meanwhile."""
+        last = self.layout.pp - 1
+        if self.is_last_stage:
+            logits = self.model.compute_logits(self.hidden[rows])  # every TP rank: the LM head gathers
+            if self.sampler is not None:
+                drawn = self.sampler.sample_on_device(logits, dataclasses.replace(batch, device=self.device))
+                self.pp_group.send(drawn.token_ids, 0)
+                if drawn.raw_logprobs is not None:
+                    self.pp_group.send(drawn.raw_logprobs[1], 0)
+            return None
+        if self.rank != 0:
+            return None
+        token_ids = torch.empty(batch.num_rows, dtype=torch.int64, device=self.device)
+        works = [self.pp_group.recv_async(token_ids, last)]
+        raw_logprobs = None
+        if batch.needs_logprobs:
+            lp_rows = [i for i, n in enumerate(batch.num_logprobs) if n is not None]
+            lp = torch.empty(len(lp_rows), self.model.vocab_size, dtype=torch.float32, device=self.device)
+            works.append(self.pp_group.recv_async(lp, last))
+            raw_logprobs = (lp_rows, lp)
+        return Arriving((token_ids, raw_logprobs), works)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor | None:
+        """The eager forward of this rank's stage: (x, residual) in from the stage before, out to
+        the one after; the hidden states on the last stage, None on the others."""
+        if self.layout.pp == 1:
+            return self.model(input_ids, positions, attn)
+        intermediate = None
+        if not self.is_first_stage:
+            shape = (2, input_ids.shape[0], self.model.config.hidden_size)
+            received = self.pp_group.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                          self.coordinates.pp_rank - 1)
+            intermediate = (received[0], received[1])
+        out = self.model(input_ids, positions, attn, intermediate)
+        if self.is_last_stage:
+            return out
+        self.pp_group.send(torch.stack(out), self.coordinates.pp_rank + 1)
+        return None
 
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
         """The largest step the scheduler can form, for measuring peak memory: `num_tokens` new
@@ -120,14 +244,14 @@ class Worker:
         pages), then the logits of the last `num_rows` of them, which it returns."""
         page_size = spec.page_size
         scratch_pages = -(-num_tokens // page_size) + 1  # + the null page
-        scratch = get_attention_backend(backend, spec, scratch_pages, self.device)
+        scratch = get_attention_backend(backend, self.kv_cache_spec(page_size, spec.dtype), scratch_pages, self.device)
         batch = AttentionBatch(query_lens=[num_tokens], seq_lens=[num_tokens],
                                page_tables=[list(range(1, scratch_pages))],
                                slot_mapping=torch.arange(page_size, page_size + num_tokens, device=self.device))
         scratch.plan(batch)
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), scratch)
-        return self.model.compute_logits(hidden[-num_rows:])
+        self.hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
+        return self.compute_logits(torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
 
     def shutdown(self) -> None:
         """Stop serving calls (a worker process then exits)."""

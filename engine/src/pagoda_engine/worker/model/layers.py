@@ -266,6 +266,19 @@ class TPGroup:
         self.backend.broadcast(x, src).wait()
         return x
 
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        """`x` to group member `dst` (pipeline stages pass hidden states and logits on)."""
+        self.backend.send([x.contiguous()], dst, 0).wait()
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Member `src`'s `send` into `x`, in place."""
+        self.recv_async(x, src).wait()
+        return x
+
+    def recv_async(self, x: torch.Tensor, src: int):
+        """`recv` without waiting: the returned work's `wait()` does (receives match sends in order)."""
+        return self.backend.recv([x], src, 0)
+
 
 def attach_tp_group(model: nn.Module, group: TPGroup) -> None:
     """Give every tensor-parallel layer of `model` the group its collectives run on."""

@@ -100,7 +100,7 @@ def _default_dtype(dtype: torch.dtype):
 
 def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0,
-               enable_expert_parallel: bool = False) -> nn.Module:
+               enable_expert_parallel: bool = False, layers: tuple[int, int] | None = None) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
     With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
@@ -114,6 +114,9 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
 
     `enable_expert_parallel`: the MoE layers' experts are split whole across the `tp_size` ranks
     instead of each expert's columns (refused for a dense model).
+
+    `layers`: [start, end), one pipeline stage's decoder layers (default: all); the stage builds
+    and loads only those (and the embedding on the first stage, final norm and LM head on the last).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
@@ -121,7 +124,8 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
                                                    getattr(hf_config, "model_type", None))
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
-        model = model_cls(hf_config, architecture, tp_size, tp_rank, enable_expert_parallel=enable_expert_parallel)
+        model = model_cls(hf_config, architecture, tp_size, tp_rank, enable_expert_parallel=enable_expert_parallel,
+                          layers=layers)
     if load_format == "dummy":
         _init_dummy(model, seed, device)
     else:
@@ -208,7 +212,10 @@ def _load_safetensors(model: nn.Module, model_dir: Path, device: torch.device) -
             for name in handle.keys():
                 if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
                     continue
-                param_name, shard_id = _param_of(model, name)
+                ours = model.checkpoint_weight_name(name)
+                if ours is None:
+                    continue  # another pipeline stage's weight
+                param_name, shard_id = _param_of(model, ours)
                 param = params.get(param_name)
                 if param is None:
                     unexpected.append(name)

@@ -214,39 +214,65 @@ class DecoderLayer(nn.Module):
         return self.self_attn.out(attn.forward(layer_id, q, k, v)), residual
 
 
+class MissingLayer(nn.Module):
+    """Stands for a decoder layer another pipeline stage holds: no weights, never run."""
+
+
 class DecoderModel(nn.Module):
-    """Embedding, decoder layers, final norm: the checkpoint's `model.*` weights."""
+    """Embedding, decoder layers, final norm: the checkpoint's `model.*` weights.
+
+    Under pipeline parallelism a stage holds the layers [start, end) of `layers` (each under its
+    checkpoint index; the others are `MissingLayer`s), the embedding only on the first stage and
+    the final norm only on the last."""
 
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, max_position: int, tp_size: int = 1, tp_rank: int = 0,
-                 moe: MoESettings | None = None, expert_parallel: bool = False):
+                 moe: MoESettings | None = None, expert_parallel: bool = False, layers: tuple[int, int] | None = None):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
+        self.start_layer, self.end_layer = layers or (0, cfg.num_hidden_layers)
+        self.is_first_stage = self.start_layer == 0
+        self.is_last_stage = self.end_layer == cfg.num_hidden_layers
+        if self.is_first_stage:
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
         theta, rope_params = rope_settings(cfg)
         # One cos/sin cache shared by all layers.
         self.rotary_emb = RotaryEmbedding(head_dim(cfg), max_position, theta, rope_params)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank, moe, i, expert_parallel)
-                                    for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank, moe, i, expert_parallel)
+            if self.start_layer <= i < self.end_layer else MissingLayer()
+            for i in range(cfg.num_hidden_layers))
+        if self.is_last_stage:
+            self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output added to the residual stream, normalised: the hidden states."""
         x, _ = self.norm(x, residual)
         return x
 
-    def forward(self, input_ids, positions, attn):
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for i, layer in enumerate(self.layers):
-            x, residual = layer(i, positions, x, residual, attn)
+    def forward(self, input_ids, positions, attn, intermediate=None):
+        """Hidden states on the last stage; (x, residual) for the next stage on any other.
+        `intermediate` is the previous stage's (x, residual) (None on the first stage)."""
+        if self.is_first_stage:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
+        for i in range(self.start_layer, self.end_layer):
+            # The stage's KV pool holds its own layers only: layer i is its (i - start)-th.
+            x, residual = self.layers[i](i - self.start_layer, positions, x, residual, attn)
+        if not self.is_last_stage:
+            return x, residual
         return self.final_norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):
     """`model(input_ids [T], positions [T], attn) -> hidden [T, H]`; `compute_logits(hidden [N, H])
-    -> float32 [N, vocab]`. Serves every architecture listed in `pagoda_engine.worker.model.models`."""
+    -> float32 [N, vocab]`. Serves every architecture listed in `pagoda_engine.worker.model.models`.
+
+    `layers` = [start, end): one pipeline stage's share (default: all); only the last stage has
+    the LM head (with tied embeddings it is loaded from the checkpoint's embedding), and a stage
+    other than the last returns (x, residual) for the next one (`forward`'s `intermediate`)."""
 
     def __init__(self, cfg: PretrainedConfig, architecture: str = "LlamaForCausalLM", tp_size: int = 1, tp_rank: int = 0,
-                 enable_expert_parallel: bool = False):
+                 enable_expert_parallel: bool = False, layers: tuple[int, int] | None = None):
         super().__init__()
         self.config = cfg
         self.flags = decoder_flags(architecture, cfg)
@@ -255,7 +281,7 @@ class LlamaForCausalLM(nn.Module):
         if enable_expert_parallel and self.moe is None:
             raise ModelLoadError(f"--enable-expert-parallel needs a mixture-of-experts model; {architecture} is dense")
         self.model = DecoderModel(cfg, self.flags, cfg.max_position_embeddings, tp_size, tp_rank, self.moe,
-                                  enable_expert_parallel)
+                                  enable_expert_parallel, layers)
         self.max_position_embeddings = self.model.rotary_emb.max_position
         window = sliding_window(cfg)
         if window is not None and window < self.max_position_embeddings:
@@ -263,13 +289,23 @@ class LlamaForCausalLM(nn.Module):
             logger.warning("config.json sets sliding_window=%d; serving at most %d tokens per sequence "
                            "(longer sequences would need windowed attention)", window, window)
             self.max_position_embeddings = window
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
+        if self.model.is_last_stage:
+            self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
+            if self.tie_word_embeddings and self.model.is_first_stage:
+                self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        return self.model(input_ids, positions, attn)
+    @property
+    def is_first_stage(self) -> bool:
+        return self.model.is_first_stage
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.model.is_last_stage
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                intermediate: tuple[torch.Tensor, torch.Tensor] | None = None):
+        return self.model(input_ids, positions, attn, intermediate)
 
     # What the piecewise CUDA graphs run (`cuda_graphs.PiecewiseModel`): the embedding, the
     # layers' halves around attention, the final norm.
@@ -287,9 +323,10 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden)
 
     def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        attn = self.model.layers[0].self_attn
+        """This stage's KV pages: its own layers', at this rank's heads."""
+        attn = self.model.layers[self.model.start_layer].self_attn
         return KVCacheSpec(
-            num_layers=len(self.model.layers),
+            num_layers=self.model.end_layer - self.model.start_layer,
             num_kv_heads=attn.num_kv_heads,
             num_qo_heads=attn.num_heads,
             head_dim=attn.head_dim,
@@ -307,5 +344,19 @@ class LlamaForCausalLM(nn.Module):
     )
     # Checkpoint module names that stand elsewhere here: Mixtral's MoE block is its layers' `mlp`.
     renamed_modules = (("block_sparse_moe", "mlp"),)
+    def checkpoint_weight_name(self, name: str) -> str | None:
+        """Where checkpoint tensor `name` goes in this stage: `name`, or None for another stage's
+        weight; with tied embeddings a last stage without the embedding loads its LM head from it."""
+        if name.startswith("model.layers."):
+            layer = int(name.split(".", 3)[2])
+            return name if self.model.start_layer <= layer < self.model.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if self.is_first_stage:
+                return name
+            return name.replace("model.embed_tokens.", "lm_head.") if self.is_last_stage and self.tie_word_embeddings else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.is_last_stage else None
+        return name
+
     # Checkpoint entries that are not weights (old exports saved rotary buffers).
     ignored_suffixes = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
