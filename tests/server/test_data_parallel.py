@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -16,7 +18,7 @@ import pytest
 from pagoda_engine import capabilities
 from pagoda_engine.api.llm import LLM
 from pagoda_engine.config import EngineConfig
-from tests.server.conftest import DEFAULT_ARGS, core_pids, launch, scrape
+from tests.server.conftest import DEFAULT_ARGS, core_pids, free_port, launch, scrape
 
 MODEL = "pagoda-tiny"
 
@@ -184,6 +186,15 @@ def test_expert_parallelism_across_data_parallel_cores_is_refused_by_name():
     assert "--data-parallel-size 2 with --enable-expert-parallel" in reason
     for alone in (dict(data_parallel_size=2), dict(tensor_parallel_size=2, enable_expert_parallel=True)):
         assert capabilities.refusal(EngineConfig.from_kwargs(**alone), {}) is None
+
+
+def test_pagoda_serve_with_expert_parallelism_across_cores_exits_with_the_reason():
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--host", "127.0.0.1",
+                          "--port", str(free_port()), "--data-parallel-size", "2", "--enable-expert-parallel"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "the engine could not start" in out.stderr
+    assert "expert parallelism across data-parallel engine cores" in out.stderr
 
 
 def test_the_offline_llm_points_data_parallelism_to_pagoda_serve():

@@ -52,13 +52,21 @@ class DPEngineCoreClient:
     # --- life cycle ---------------------------------------------------------------------------
     async def start(self) -> CoreReady:
         """Start every core at once; the first core's ready message (they load the same model).
-        When any fails, the others are stopped and its error raised."""
-        results = await asyncio.gather(*(core.start() for core in self.cores), return_exceptions=True)
-        failed = [r for r in results if isinstance(r, BaseException)]
-        if failed:
-            await self.shutdown()
-            raise failed[0]
-        return results[0]
+        When one fails, the others are stopped at once (not after their model load) and its
+        error raised."""
+        starts = [asyncio.ensure_future(core.start()) for core in self.cores]
+        try:
+            done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in done if t.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:  # a core failed, or Ctrl-C while the models load: leave nothing behind
+            for start in starts:
+                start.cancel()
+            await asyncio.shield(asyncio.gather(*starts, return_exceptions=True))
+            await asyncio.shield(self.shutdown())
+            raise
+        return starts[0].result()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(core.shutdown(timeout) for core in self.cores))
