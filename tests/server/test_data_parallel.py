@@ -17,7 +17,9 @@ import pytest
 
 from pagoda_engine import capabilities
 from pagoda_engine.api.llm import LLM
+from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.config import EngineConfig
+from pagoda_engine.messages import EngineCoreOutputs, SchedulerStats
 from tests.server.conftest import DEFAULT_ARGS, core_pids, free_port, launch, scrape
 
 MODEL = "pagoda-tiny"
@@ -176,6 +178,29 @@ def test_a_dead_core_makes_the_pod_unhealthy_at_once(tmp_path):
         assert refused.status_code == 503
     finally:
         srv.proc.stop()
+
+
+def test_requests_go_to_the_core_with_the_fewest_requests_then_the_emptiest_kv_pool():
+    seen = []
+    client = DPEngineCoreClient(EngineConfig.from_kwargs(data_parallel_size=3), on_outputs=lambda *a: seen.append(a),
+                                on_refused=None, on_dead=None)
+
+    def report(rank: int, running: int, waiting: int, kv: float) -> None:
+        client._on_outputs(rank, EngineCoreOutputs(stats=SchedulerStats(num_running=running, num_waiting=waiting,
+                                                                         kv_cache_usage=kv)))
+
+    report(0, running=4, waiting=1, kv=0.1)
+    report(1, running=2, waiting=0, kv=0.9)
+    report(2, running=1, waiting=0, kv=0.95)
+    assert len(seen) == 3  # every core's outputs still reach the engine
+    assert client.least_loaded() == 2  # the fewest requests, though its pool is the fullest
+    report(2, running=2, waiting=0, kv=0.5)
+    assert client.least_loaded() == 2  # as many requests as core 1, and the emptier pool
+    report(2, running=3, waiting=0, kv=0.1)
+    assert client.least_loaded() == 1
+    for rank in range(3):
+        report(rank, running=0, waiting=0, kv=0.0)
+    assert [client.least_loaded() for _ in range(4)] == [2, 0, 1, 2]  # idle cores take turns
 
 
 def test_expert_parallelism_across_data_parallel_cores_is_refused_by_name():
