@@ -71,10 +71,6 @@ class DPEngineCoreClient:
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(core.shutdown(timeout) for core in self.cores))
 
-    @property
-    def pids(self) -> list[int | None]:
-        return [core.pid for core in self.cores]
-
     # --- routing ------------------------------------------------------------------------------
     def load(self, rank: int) -> float:
         stats = self.stats[rank]
