@@ -40,6 +40,18 @@ _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 _LABELS = ["model_name", "engine"]
 
 
+# The families exported straight from each core's SchedulerStats: (type, name, help, field).
+_STATS_FAMILIES = (
+    (GaugeMetricFamily, "pagoda:num_requests_running", "Number of requests in the model execution batch.", "num_running"),
+    (GaugeMetricFamily, "pagoda:num_requests_waiting", "Number of requests waiting to be processed.", "num_waiting"),
+    (GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of pages in use.",
+     "kv_cache_usage"),
+    (CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix-cache queries, in tokens.", "prefix_cache_queries"),
+    (CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix-cache hits, in tokens.", "prefix_cache_hits"),
+    (CounterMetricFamily, "pagoda:num_preemptions", "Cumulative number of preemptions.", "num_preemptions"),
+)
+
+
 class _SchedulerStatsCollector(Collector):
     """Exports each core's latest SchedulerStats snapshot; the core's counters are already cumulative."""
 
@@ -48,22 +60,11 @@ class _SchedulerStatsCollector(Collector):
         self.stats = [SchedulerStats() for _ in range(num_engines)]
 
     def collect(self):
-        def family(kind, name: str, doc: str, field: str):
-            metric = kind(name, doc, labels=_LABELS)
+        for kind, name, doc, field in _STATS_FAMILIES:
+            family = kind(name, doc, labels=_LABELS)
             for engine, stats in enumerate(self.stats):
-                metric.add_metric([self.model_name, str(engine)], getattr(stats, field))
-            return metric
-
-        yield family(GaugeMetricFamily, "pagoda:num_requests_running", "Number of requests in the model execution batch.",
-                     "num_running")
-        yield family(GaugeMetricFamily, "pagoda:num_requests_waiting", "Number of requests waiting to be processed.",
-                     "num_waiting")
-        yield family(GaugeMetricFamily, "pagoda:kv_cache_usage_perc", "KV-cache usage: 1 means 100 percent of pages in use.",
-                     "kv_cache_usage")
-        yield family(CounterMetricFamily, "pagoda:prefix_cache_queries", "Prefix-cache queries, in tokens.",
-                     "prefix_cache_queries")
-        yield family(CounterMetricFamily, "pagoda:prefix_cache_hits", "Prefix-cache hits, in tokens.", "prefix_cache_hits")
-        yield family(CounterMetricFamily, "pagoda:num_preemptions", "Cumulative number of preemptions.", "num_preemptions")
+                family.add_metric([self.model_name, str(engine)], getattr(stats, field))
+            yield family
 
 
 @dataclass(eq=False)
