@@ -89,7 +89,8 @@ def assert_operator_and_engine_agree(body: dict) -> None:
     checked = check(body)
     assert checked.renderable, checked.problems  # only capability problems: the engine gets to decide
     operator_asked = {key for key, _ in engine_capabilities.requested_features(checked.spec)}
-    refused = {key for key in operator_asked if not capabilities.BY_KEY[key].implemented}
+    refused = [capabilities.BY_KEY[key] for key in operator_asked if not capabilities.BY_KEY[key].implemented]
+    refused += capabilities.refused_combinations(operator_asked)
     for role, container in engine_containers(r.render(body, checked.spec)).items():
         _, engine_asked, refusal = engine_start(container)
         assert engine_asked == operator_asked, role
@@ -97,10 +98,9 @@ def assert_operator_and_engine_agree(body: dict) -> None:
             assert refusal is None, (role, refusal)
             continue
         assert refusal is not None, (role, checked.problems)  # the operator refuses only what the engine would
-        for key in refused:
-            feature = capabilities.BY_KEY[key]
-            assert feature.title in refusal
-            assert any(feature.title in p and feature.hint in p for p in checked.unsupported), (feature.title, checked.problems)
+        for reason in refused:
+            assert reason.title in refusal
+            assert any(reason.title in p and reason.hint in p for p in checked.unsupported), (reason.title, checked.problems)
     assert checked.ok == (not refused)
     assert len(checked.unsupported) >= len(refused)
 
@@ -109,6 +109,7 @@ def test_the_operators_copy_of_the_capability_table_is_current():
     copy_ = (Path(engine_capabilities.__file__).parent / engine_capabilities.TABLE_FILE).read_text()
     assert copy_ == capabilities.as_json(), f"{engine_capabilities.TABLE_FILE} is stale: run `make capabilities`"
     assert [f.key for f in engine_capabilities.ENGINE_FEATURES] == [f.key for f in capabilities.FEATURES]
+    assert [c.keys for c in engine_capabilities.ENGINE_COMBINATIONS] == [c.keys for c in capabilities.COMBINATIONS]
     # Every kind of KV tier the schema offers is a feature of the table.
     assert set(engine_capabilities.TIER_FEATURES.values()) <= set(capabilities.BY_KEY)
 

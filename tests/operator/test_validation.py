@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda_operator.conditions import Observation, compute_status
-from pagoda_operator.engine_capabilities import ENGINE_FEATURES, requested_features
+from pagoda_operator.engine_capabilities import ENGINE_COMBINATIONS, ENGINE_FEATURES, requested_features
 from pagoda_operator.render import render
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, EXAMPLES_DIR, load_example, with_spec
@@ -33,7 +33,9 @@ def _header(filename: str) -> str:
 def test_examples_are_valid_or_say_which_engine_features_they_wait_for(filename):
     checked = check(load_example(filename))
     assert checked.renderable and checked.problems == checked.unsupported, checked.problems
-    waiting = {FEATURES[key].title for key, _ in requested_features(checked.spec) if not FEATURES[key].implemented}
+    asked = {key for key, _ in requested_features(checked.spec)}
+    waiting = {FEATURES[key].title for key in asked if not FEATURES[key].implemented}
+    waiting |= {c.title for c in ENGINE_COMBINATIONS if set(c.keys) <= asked}
     header = _header(filename)
     assert checked.ok == (not waiting)
     # An example that waits for a feature says so at its top, and which; one that runs does not.
@@ -53,6 +55,9 @@ def test_an_example_the_engine_cannot_run_yet_gets_validated_false_with_the_engi
         feature = FEATURES[key]
         if not feature.implemented:
             assert f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet" in validated["message"]
+    for combination in ENGINE_COMBINATIONS:
+        if set(combination.keys) <= {key for key, _ in requested_features(checked.spec)}:
+            assert f"asks for {combination.title}, which Pagoda's engine does not implement yet" in validated["message"]
 
 
 # (case, the feature asked for, spec changes, the problem while the engine lacks the feature)
@@ -85,6 +90,24 @@ def test_a_feature_the_engine_lacks_is_refused_with_the_field_that_asks_for_it(c
     else:
         assert checked.renderable and not checked.ok
         assert checked.problems == checked.unsupported == [p for p in checked.problems if expected in p], checked.problems
+
+
+def test_data_parallel_with_expert_parallel_is_refused_though_each_alone_runs():
+    body = load_example("mixtral-8x7b-ep.yaml")
+    assert check(body).unsupported == [
+        "topology.data: 2 with topology.expert: true asks for expert parallelism across data-parallel engine cores, "
+        "which Pagoda's engine does not implement yet (expert parallelism over the tensor-parallel ranks of one "
+        "engine core works, and so does data parallelism without expert parallelism)"]
+    for alone in ({"data": 2, "expert": False}, {"tensor": 4, "data": 1, "expert": True}):
+        assert problems_of(with_spec(body, topology={**body["spec"]["topology"], **alone})) == []
+
+
+def test_data_parallel_needs_tensor_times_data_gpus_per_pod():
+    body = with_spec(load_example(LLAMA_8B), topology={"tensor": 2, "data": 2}, resources__gpusPerPod=2)
+    assert problems_of(body) == [
+        "topology: tensor 2 × pipeline 1 × data 2 = 4 ranks need 4 GPUs per replica, but resources give "
+        "gpusPerPod 2 × nodes 1 = 2; make them equal"]
+    assert problems_of(with_spec(body, resources__gpusPerPod=4)) == []
 
 
 def test_what_the_engine_runs_is_not_refused():

@@ -102,15 +102,16 @@ def test_k8s_service_must_be_namespace_slash_name():
             parse_k8s_service(bad)
 
 
-def test_engine_gauges_are_parsed_and_summed_over_label_sets():
+def test_engine_gauges_are_parsed_and_summed_over_label_sets_kv_usage_averaged():
     text = ("# HELP pagoda:num_requests_running x\n# TYPE pagoda:num_requests_running gauge\n"
             'pagoda:num_requests_running{engine="0",model_name="m"} 3.0\n'
             'pagoda:num_requests_running{engine="1",model_name="m"} 2.0\n'
             "pagoda:num_requests_waiting 7\n"
-            'pagoda:kv_cache_usage_perc{model_name="m"} 0.25\n'
+            'pagoda:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+            'pagoda:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n'
             'pagoda:num_requests_waiting_total{x="y"} 100\n'
             'pagoda:time_to_first_token_seconds_bucket{le="0.1"} 4\n')
-    assert parse_engine_metrics(text) == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.25}
+    assert parse_engine_metrics(text) == {"running": 5.0, "waiting": 7.0, "kv_usage": 0.5}
 
 
 def test_slice_urls_take_ready_endpoints_on_the_named_port():

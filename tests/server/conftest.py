@@ -43,17 +43,21 @@ def server(tmp_path_factory):
     srv.proc.stop()
 
 
-def scrape(url: str) -> dict[str, float]:
-    """GET /metrics as {sample name with sorted labels except model_name: value}."""
+def scrape(url: str, per_engine: bool = False) -> dict[str, float]:
+    """GET /metrics as {sample name with sorted labels except model_name: value}: the pod's figure,
+    summed over the engine cores' `engine` label, or with `per_engine` one sample per core."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=10).text
-    samples = {}
+    samples: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k != "model_name")
-            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+            assert "engine" in s.labels, s  # every engine series names its core
+            dropped = {"model_name"} if per_engine else {"model_name", "engine"}
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in dropped)
+            key = f"{s.name}{{{labels}}}" if labels else s.name
+            samples[key] = samples.get(key, 0.0) + s.value
     return samples
 
 
@@ -82,14 +86,23 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
-def core_pid(server_pid: int) -> int:
-    """The engine core process of a `pagoda serve` (its spawned child, not multiprocessing's
-    resource tracker)."""
+def core_pids(server_pid: int) -> list[int]:
+    """The engine core processes of a `pagoda serve` (its spawned children, not multiprocessing's
+    resource tracker): one per data-parallel rank."""
+    pids = []
     for pid in child_pids(server_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
         if b"spawn_main" in cmdline:
-            return pid
-    raise LookupError(f"no engine core process under pid {server_pid}")
+            pids.append(pid)
+    return pids
+
+
+def core_pid(server_pid: int) -> int:
+    """The engine core process of a `pagoda serve` with one core."""
+    pids = core_pids(server_pid)
+    if len(pids) != 1:
+        raise LookupError(f"{len(pids)} engine core processes under pid {server_pid}, expected one")
+    return pids[0]

@@ -2,7 +2,8 @@
 (and environment) that ask for each, and whether this engine implements it.
 
 Three readers, one table: the engine core refuses at start-up a configuration that asks for a
-feature not implemented yet (`refusal`); `pagoda serve --help` hides the flags of those features
+feature not implemented yet, or for features that do not work together yet (`COMBINATIONS`)
+(`refusal`); `pagoda serve --help` hides the flags of those features
 (`shown_in_help`), though the parser still takes them so the refusal can name them; and the
 operator, which cannot import the engine (its image has no torch), refuses the same features in
 its validation from a generated copy of this table (`as_json`, written by `make capabilities` to
@@ -39,14 +40,32 @@ class Feature:
 FEATURES: tuple[Feature, ...] = (
     Feature("tensor-parallel", "tensor parallelism", True, options=("tensor_parallel_size",)),
     Feature("pipeline-parallel", "pipeline parallelism", True, options=("pipeline_parallel_size",)),
-    Feature("data-parallel", "data parallelism inside one engine", False, options=("data_parallel_size",),
-            hint="scale out with replicas behind the router instead"),
+    Feature("data-parallel", "data parallelism inside one engine", True, options=("data_parallel_size",)),
     Feature("expert-parallel", "expert parallelism", True, options=("enable_expert_parallel",)),
     Feature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
             hint="tensor parallelism works inside one pod"),
     Feature("kv-offload-cpu", "KV offload tiers in CPU memory", False, options=("kv_offload_cpu_gb",)),
     Feature("kv-offload-disk", "KV offload tiers on local disk", False, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
     Feature("kv-offload-remote", "KV offload tiers in a remote store", False, options=("kv_offload_remote_url",)),
+)
+
+
+
+@dataclass(frozen=True)
+class Combination:
+    """Features that each work alone but not yet together."""
+
+    keys: tuple[str, ...]  # Feature keys, all asked for at once
+    title: str
+    hint: str = ""
+
+
+COMBINATIONS: tuple[Combination, ...] = (
+    # The MoE layers would have to span every engine core, so all cores would have to step in
+    # lockstep (dummy steps on idle ones: vLLM's waves); the cores here step independently.
+    Combination(("data-parallel", "expert-parallel"), "expert parallelism across data-parallel engine cores",
+                hint="expert parallelism over the tensor-parallel ranks of one engine core works, and so does "
+                     "data parallelism without expert parallelism"),
 )
 
 BY_KEY = {f.key: f for f in FEATURES}
@@ -97,18 +116,29 @@ def requested(config: Any, environ: Mapping[str, str]) -> list[tuple[Feature, st
     return out
 
 
+def refused_combinations(keys: set[str] | list[str]) -> list[Combination]:
+    """The combinations of COMBINATIONS that these asked-for features (keys) make."""
+    return [c for c in COMBINATIONS if set(c.keys) <= set(keys)]
+
+
 def refusal(config: Any, environ: Mapping[str, str]) -> str | None:
     """Why this engine cannot run the configuration, or None when it can."""
+    asked = requested(config, environ)
     missing = [
         f"{feature.title} ({'; '.join(filter(None, [how, feature.hint]))})"
-        for feature, how in requested(config, environ) if not feature.implemented
+        for feature, how in asked if not feature.implemented
+    ]
+    how_asked = {feature.key: how for feature, how in asked}
+    missing += [
+        f"{c.title} ({'; '.join(filter(None, [' with '.join(how_asked[k] for k in c.keys), c.hint]))})"
+        for c in refused_combinations(how_asked)
     ]
     return "not implemented in this engine yet: " + "; ".join(missing) if missing else None
 
 
 def as_json() -> str:
     """The table as the operator reads it: each feature with every flag (aliases included) that
-    asks for it, as `pagoda serve` spells them."""
+    asks for it, as `pagoda serve` spells them, and the combinations refused."""
     import argparse
 
     from pagoda_engine.config import add_engine_args
@@ -121,7 +151,8 @@ def as_json() -> str:
          "flags": [flag for option in f.options for flag in option_strings[option]], "env": list(f.env), "hint": f.hint}
         for f in FEATURES
     ]
-    return json.dumps(table, indent=2) + "\n"
+    combinations = [{"keys": list(c.keys), "title": c.title, "hint": c.hint} for c in COMBINATIONS]
+    return json.dumps({"features": table, "combinations": combinations}, indent=2) + "\n"
 
 
 if __name__ == "__main__":  # python -m pagoda_engine.capabilities FILE: write the operator's copy

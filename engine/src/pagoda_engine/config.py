@@ -76,7 +76,10 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine cores in this pod, each with its own scheduler, KV pool and ranks
+    # Which of them this engine core is (the API server sets it per core; no flag): on CUDA its
+    # ranks use devices [rank × tensor_parallel_size, (rank + 1) × tensor_parallel_size).
+    data_parallel_rank: int = 0
     enable_expert_parallel: bool = False
 
 
@@ -133,6 +136,11 @@ class EngineConfig:
             raise ValueError("tensor_parallel_size must be >= 1")
         if self.parallel.pipeline_parallel_size < 1:
             raise ValueError("pipeline_parallel_size must be >= 1")
+        if self.parallel.data_parallel_size < 1:
+            raise ValueError("data_parallel_size must be >= 1")
+        if not 0 <= self.parallel.data_parallel_rank < self.parallel.data_parallel_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {self.parallel.data_parallel_size}), "
+                             f"got {self.parallel.data_parallel_rank}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -171,7 +179,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     # The capability table's flags (capabilities.FEATURES).
     _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
     _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")
-    _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="data-parallel engine cores")
+    _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="engine cores in this pod, each with its own scheduler, KV pool and tensor × pipeline parallel devices; the server sends each request to the least-loaded one")
     _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
     _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
     _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")

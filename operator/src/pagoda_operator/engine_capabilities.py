@@ -29,12 +29,24 @@ class EngineFeature:
     hint: str = ""
 
 
-def _load_table() -> tuple[EngineFeature, ...]:
-    rows = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
-    return tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])}) for row in rows)
+@dataclass(frozen=True)
+class EngineCombination:
+    """Features the engine runs alone but not yet together."""
+
+    keys: tuple[str, ...]
+    title: str
+    hint: str = ""
 
 
-ENGINE_FEATURES = _load_table()
+def _load_table() -> tuple[tuple[EngineFeature, ...], tuple[EngineCombination, ...]]:
+    table = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
+    features = tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])})
+                     for row in table["features"])
+    combinations = tuple(EngineCombination(**{**row, "keys": tuple(row["keys"])}) for row in table["combinations"])
+    return features, combinations
+
+
+ENGINE_FEATURES, ENGINE_COMBINATIONS = _load_table()
 BY_KEY = {f.key: f for f in ENGINE_FEATURES}
 TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
 
@@ -81,11 +93,21 @@ def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
 
 
 def unsupported(spec: InferenceServiceSpec) -> list[str]:
-    """One problem per spec field asking for a feature the engine does not implement yet."""
+    """One problem per spec field asking for a feature the engine does not implement yet, and one
+    per combination of asked-for features the engine does not run together yet."""
     problems = []
-    for key, where in requested_features(spec):
+    asked = requested_features(spec)
+    for key, where in asked:
         feature = BY_KEY[key]
         if not feature.implemented:
             hint = f" ({feature.hint})" if feature.hint else ""
             problems.append(f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet{hint}")
+    where_asked = {}
+    for key, where in asked:
+        where_asked.setdefault(key, where)
+    for combination in ENGINE_COMBINATIONS:
+        if set(combination.keys) <= set(where_asked):
+            fields = " with ".join(where_asked[k] for k in combination.keys)
+            hint = f" ({combination.hint})" if combination.hint else ""
+            problems.append(f"{fields} asks for {combination.title}, which Pagoda's engine does not implement yet{hint}")
     return problems

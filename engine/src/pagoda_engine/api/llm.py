@@ -35,6 +35,10 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, num_kv_pages=num_kv_pages, seed=seed,
             load_format=load_format, **engine_kwargs)
+        if config.parallel.data_parallel_size > 1:
+            raise ValueError(f"data_parallel_size {config.parallel.data_parallel_size}: the offline LLM runs one "
+                             f"engine core in this process; data-parallel engine cores are served by "
+                             f"`pagoda serve --data-parallel-size {config.parallel.data_parallel_size}`")
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(tokenizer or self.core.model_dir)
         self.processor = OutputProcessor(self.tokenizer)

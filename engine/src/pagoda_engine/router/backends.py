@@ -55,11 +55,17 @@ def parse_backend_list(value: str) -> list[str]:
     return list(dict.fromkeys(urls))
 
 
+# Gauges that are fractions of one core's pool: the pod's figure is their mean over the cores.
+_MEAN_GAUGES = ("kv_usage",)
+
+
 def parse_engine_metrics(text: str) -> dict[str, float]:
     """Sum each gauge in ENGINE_GAUGES over its label sets (an engine with several cores reports
-    one series per core). A hand parser: the text format's sample lines are `name{labels} value`,
-    and prometheus_client's full parser costs ~100x more per scrape."""
+    one series per core; KV usage, a fraction, is averaged). A hand parser: the text format's
+    sample lines are `name{labels} value`, and prometheus_client's full parser costs ~100x more
+    per scrape."""
     out: dict[str, float] = {}
+    series: dict[str, int] = {}
     for line in text.splitlines():
         if not line.startswith("pagoda:"):
             continue
@@ -77,6 +83,10 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
         except (ValueError, IndexError):
             continue
         out[field_name] = out.get(field_name, 0.0) + value
+        series[field_name] = series.get(field_name, 0) + 1
+    for field_name in _MEAN_GAUGES:
+        if series.get(field_name, 0) > 1:
+            out[field_name] /= series[field_name]
     return out
 
 

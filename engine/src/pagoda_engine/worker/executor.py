@@ -68,20 +68,24 @@ class Executor:
 
     `master_addr`/`master_port` is where the others find rank 0 (port 0: a free one);
     `spawn_ranks` are the worker ranks started here as child processes (default: all of them;
-    the rest join from elsewhere within `join_timeout_s`)."""
+    the rest join from elsewhere within `join_timeout_s`). On CUDA rank r runs on device
+    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size)."""
 
     def __init__(self, layout: ParallelLayout, device: torch.device, *, master_addr: str = "127.0.0.1",
                  master_port: int = 0, spawn_ranks: list[int] | None = None,
-                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = JOIN_TIMEOUT_S):
+                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = JOIN_TIMEOUT_S,
+                 device_offset: int = 0):
         self.layout = layout
+        self.device_offset = device_offset
         spawn_ranks = list(range(1, layout.world_size)) if spawn_ranks is None else spawn_ranks
         device = torch.device(device)
-        if layout.world_size > 1 and device.type == "cuda":
-            needed = max(spawn_ranks, default=0) + 1
+        if (layout.world_size > 1 or device_offset > 0) and device.type == "cuda":
+            needed = device_offset + max(spawn_ranks, default=0) + 1
             if torch.cuda.device_count() < needed:
-                raise ModelLoadError(f"{layout.world_size} ranks (tensor × pipeline parallel size) need {needed} GPUs here, "
-                                     f"{torch.cuda.device_count()} are visible")
-            device = torch.device("cuda", 0)  # rank r runs on cuda:r
+                raise ModelLoadError(f"{layout.world_size} ranks (tensor × pipeline parallel size) on devices from "
+                                     f"cuda:{device_offset} (data-parallel engine cores before it use the lower ones) "
+                                     f"need {needed} GPUs here, {torch.cuda.device_count()} are visible")
+            device = torch.device("cuda", device_offset)  # rank r runs on cuda:device_offset + r
             torch.cuda.set_device(device)
         elif layout.world_size > 1 and device.type != "cpu":
             raise ModelLoadError(f"tensor parallelism runs on cuda or cpu, not {device}")
@@ -109,7 +113,7 @@ class Executor:
                             "endpoint": f"tcp://{master_addr}:{port}"})
         try:
             for rank in spawn_ranks:
-                self._processes[rank] = _spawn(rank, master_addr, store.port)
+                self._processes[rank] = _spawn(rank, master_addr, store.port, device_offset + rank)
             self._join(join_timeout_s, f"{master_addr}:{store.port}")
         except BaseException:
             self.close()
@@ -313,8 +317,9 @@ def _starting():
         raise ModelLoadError(str(e)) from e
 
 
-def _spawn(rank: int, master_addr: str, master_port: int) -> subprocess.Popen:
-    """A fresh interpreter running `worker.main` for `rank`, dying with this process."""
+def _spawn(rank: int, master_addr: str, master_port: int, local_rank: int) -> subprocess.Popen:
+    """A fresh interpreter running `worker.main` for `rank` (on CUDA device `local_rank`), dying
+    with this process."""
     env = dict(os.environ)
     # The worker must import this very pagoda_engine (a source checkout, not only an installed one).
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(pagoda_engine.__file__)))
@@ -322,7 +327,8 @@ def _spawn(rank: int, master_addr: str, master_port: int) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-c", "from pagoda_engine.worker.worker import main; main()",
          "--master-addr", master_addr, "--master-port", str(master_port), "--rank", str(rank),
-         "--parent-pid", str(os.getpid()), "--log-level", str(logging.getLogger().getEffectiveLevel())],
+         "--local-rank", str(local_rank), "--parent-pid", str(os.getpid()),
+         "--log-level", str(logging.getLogger().getEffectiveLevel())],
         env=env, stdin=subprocess.DEVNULL)
 
 
@@ -386,7 +392,8 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     # Checked here, before any process starts: each stage's [start, end) layers.
     partition = pp_layer_partition(hf_config.num_hidden_layers, pp_size) if pp_size > 1 else None
     layout = ParallelLayout(tp=tp_size, pp=pp_size, enable_expert_parallel=config.parallel.enable_expert_parallel)
-    executor = Executor(layout, device)
+    # Data-parallel engine core k uses the k-th block of tensor × pipeline parallel devices.
+    executor = Executor(layout, device, device_offset=config.parallel.data_parallel_rank * layout.world_size)
     try:
         with _starting():
             executor.collective_rpc("init_distributed")

@@ -1,4 +1,4 @@
-"""`pagoda serve`: start the engine core, then the HTTP server; drain and stop on SIGTERM.
+"""`pagoda serve`: start the engine core(s), then the HTTP server; drain and stop on SIGTERM.
 
 Order matters for Kubernetes probes and for clients: the port opens only after the core has
 loaded the model and reported its KV capacity, and on SIGTERM the server stops accepting,
@@ -60,8 +60,10 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     except ModelLoadError as e:
         print(f"pagoda serve: the engine could not start: {e}", file=sys.stderr, flush=True)
         return 1
+    cores = config.parallel.data_parallel_size
+    per_core = f" per engine core × {cores} data-parallel cores" if cores > 1 else ""
     print(f"KV cache capacity: {ready.kv_capacity_tokens} tokens "
-          f"({ready.num_kv_pages - 1} pages of {ready.block_size}); max_model_len {ready.max_model_len}; "
+          f"({ready.num_kv_pages - 1} pages of {ready.block_size}){per_core}; max_model_len {ready.max_model_len}; "
           f"serving model {engine.served_model_name!r}", flush=True)
 
     drain_timeout = config.server.drain_timeout_s

@@ -1,6 +1,7 @@
-"""The engine as the API process sees it: `await`able generation over the core process.
+"""The engine as the API process sees it: `await`able generation over the core processes.
 
-`AsyncEngine` owns the core client (ZMQ, process), the tokenizer, the shared `OutputProcessor`
+`AsyncEngine` owns the client of the pod's engine cores (one per data-parallel rank: ZMQ,
+processes, which core gets a request), the tokenizer, the shared `OutputProcessor`
 (n > 1 fan-out, detokenization, stop strings, logprobs) and the server metrics. Each user request
 is an async generator of `RequestOutput`s fed from the core's output stream; closing the
 generator early (client went away, stream failed, server draining) aborts the request's
@@ -17,7 +18,7 @@ from typing import AsyncIterator
 
 from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
-from pagoda_engine.api.server.core_client import EngineCoreClient
+from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.api.server.errors import ServiceUnavailableError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics
 from pagoda_engine.config import EngineConfig
@@ -42,8 +43,8 @@ class _Stream:
 class AsyncEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.client = EngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
-                                       on_dead=self._on_dead)
+        self.client = DPEngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
+                                         on_dead=self._on_dead)
         self.ready: CoreReady | None = None
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
@@ -56,7 +57,7 @@ class AsyncEngine:
         self._idle.set()
 
     async def start(self) -> CoreReady:
-        """Start the core process and load the tokenizer (in parallel: both take seconds).
+        """Start the core processes and load the tokenizer (in parallel: both take seconds).
         Raises ModelLoadError when either fails."""
         loop = asyncio.get_running_loop()
         tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model.model)
@@ -72,7 +73,7 @@ class AsyncEngine:
             raise
         self.processor = OutputProcessor(self.tokenizer)
         self.served_model_name = self.config.model.served_model_name or self.ready.served_model_name
-        self.metrics = ServerMetrics(self.served_model_name)
+        self.metrics = ServerMetrics(self.served_model_name, num_engines=self.client.size)
         return self.ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -127,15 +128,15 @@ class AsyncEngine:
         arrival = time.time()  # the wire's clock: the core's event stamps are compared with it
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
                                                    output_kind)
+        engine = self.client.least_loaded()
         stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
-                         [SequenceTimes(arrival, len(prompt_token_ids)) for _ in core_requests])
+                         [SequenceTimes(arrival, len(prompt_token_ids), engine) for _ in core_requests])
         self._streams[request_id] = stream
         self._idle.clear()
         for child_id in stream.child_ids:
             self._parent_of[child_id] = request_id
         try:
-            for core_request in core_requests:
-                self.client.add_request(core_request)
+            self.client.add_requests(core_requests, engine)
         except BaseException:
             self._release(stream)
             raise
@@ -152,16 +153,16 @@ class AsyncEngine:
             self.client.abort_requests(still_running)
             for times in stream.times:
                 if not times.done:
-                    self.metrics.request_finished("abort")
+                    self.metrics.request_finished(times.engine, "abort")
         if not self._streams:
             self._idle.set()
 
     # --- callbacks from the core client (event loop) ------------------------------------------
-    def _on_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def _on_outputs(self, engine: int, outputs: EngineCoreOutputs) -> None:
         if self.metrics is None:
             return  # the core is up but this side is still starting (tokenizer): nothing is in flight yet
         if outputs.stats is not None:
-            self.metrics.update_stats(outputs.stats)
+            self.metrics.update_stats(engine, outputs.stats)
         if not outputs.outputs:
             return
         processed = self.processor.process_outputs(outputs.outputs)

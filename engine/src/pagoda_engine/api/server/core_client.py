@@ -84,7 +84,8 @@ class EngineCoreClient:
         self._out.bind(output_addr)
 
         mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=core_proc.run_engine_core, name="pagoda-engine-core",
+        self._proc = mp.Process(target=core_proc.run_engine_core,
+                                name=f"pagoda-engine-core-{self.config.parallel.data_parallel_rank}",
                                 args=(self.config, input_addr, output_addr, os.getpid(),
                                       logging.getLogger().getEffectiveLevel()))
         self._proc.start()

@@ -1,0 +1,131 @@
+"""The API process's side of the pod's data-parallel engine cores (`--data-parallel-size N`).
+
+N `EngineCoreClient`s, one per core process; core i is data-parallel rank i, with its own
+scheduler, KV pool and ranks (on CUDA, devices [i × TP, (i + 1) × TP)). Each user request goes
+to the least-loaded core, all of its sequences (n > 1) to the same one so they share the prompt's
+prefix pages; aborts go to the core that holds the request. With one core this is that core's
+client and nothing more, so the server has one path.
+
+Load is vLLM's picture of it (DPLBAsyncMPClient): waiting + running from each core's latest
+stats, but never fewer than the requests this process has sent it and not seen finish (the stats
+lag a burst of arrivals by a step), plus its KV usage, so that of two cores with as many requests
+the emptier pool wins. Ties go round-robin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import Callable
+
+from pagoda_engine.api.server.core_client import EngineCoreClient
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+
+
+class DPEngineCoreClient:
+    """The pod's engine cores behind one client.
+
+    Callbacks (all called on the event loop): `on_outputs(rank, EngineCoreOutputs)`,
+    `on_refused(EngineCoreError)`, `on_dead(message)` (once, for the first core that dies: the
+    pod is then dead, as vLLM's engine is).
+    """
+
+    def __init__(self, config: EngineConfig, *, on_outputs: Callable[[int, EngineCoreOutputs], None],
+                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None]):
+        self.size = config.parallel.data_parallel_size
+        self.on_outputs = on_outputs
+        self.on_refused = on_refused
+        self.on_dead = on_dead
+        self.cores = [
+            EngineCoreClient(_rank_config(config, rank), on_outputs=lambda out, rank=rank: self._on_outputs(rank, out),
+                             on_refused=lambda err, rank=rank: self._on_refused(rank, err),
+                             on_dead=lambda reason, rank=rank: self._on_dead(rank, reason))
+            for rank in range(self.size)
+        ]
+        self.stats = [SchedulerStats() for _ in range(self.size)]
+        self.dead_reason: str | None = None
+        self._core_of: dict[str, int] = {}  # core request id → the rank holding it
+        self._num_held = [0] * self.size  # requests sent to each core and not seen finish
+        self._next_start = 0
+
+    # --- life cycle ---------------------------------------------------------------------------
+    async def start(self) -> CoreReady:
+        """Start every core at once; the first core's ready message (they load the same model).
+        When one fails, the others are stopped at once (not after their model load) and its
+        error raised."""
+        starts = [asyncio.ensure_future(core.start()) for core in self.cores]
+        try:
+            done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
+            failed = next((t.exception() for t in done if t.exception() is not None), None)
+            if failed is not None:
+                raise failed
+        except BaseException:  # a core failed, or Ctrl-C while the models load: leave nothing behind
+            for start in starts:
+                start.cancel()
+            await asyncio.shield(asyncio.gather(*starts, return_exceptions=True))
+            await asyncio.shield(self.shutdown())
+            raise
+        return starts[0].result()
+
+    async def shutdown(self, timeout: float = 10.0) -> None:
+        await asyncio.gather(*(core.shutdown(timeout) for core in self.cores))
+
+    # --- routing ------------------------------------------------------------------------------
+    def load(self, rank: int) -> float:
+        stats = self.stats[rank]
+        return max(self._num_held[rank], stats.num_waiting + stats.num_running) + stats.kv_cache_usage
+
+    def least_loaded(self) -> int:
+        """The rank the next request goes to."""
+        order = [(self._next_start + i) % self.size for i in range(self.size)]
+        rank = min(order, key=self.load)
+        self._next_start = (rank + 1) % self.size
+        return rank
+
+    def add_requests(self, requests: list[EngineCoreRequest], rank: int) -> None:
+        """Send these requests (the sequences of one prompt) to core `rank`."""
+        core = self.cores[rank]
+        core.check_alive()
+        for request in requests:
+            core.add_request(request)
+            self._core_of[request.request_id] = rank
+            self._num_held[rank] += 1
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_rank: dict[int, list[str]] = {}
+        for request_id in request_ids:
+            rank = self._forget(request_id)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(request_id)
+        for rank, ids in by_rank.items():
+            self.cores[rank].abort_requests(ids)
+
+    def _forget(self, request_id: str) -> int | None:
+        rank = self._core_of.pop(request_id, None)
+        if rank is not None:
+            self._num_held[rank] -= 1
+        return rank
+
+    # --- callbacks from the cores -------------------------------------------------------------
+    def _on_outputs(self, rank: int, outputs: EngineCoreOutputs) -> None:
+        if outputs.stats is not None:
+            self.stats[rank] = outputs.stats
+        for output in outputs.outputs:
+            if output.finish_reason is not None:
+                self._forget(output.request_id)
+        self.on_outputs(rank, outputs)
+
+    def _on_refused(self, rank: int, err: EngineCoreError) -> None:
+        self._forget(err.request_id)
+        self.on_refused(err)
+
+    def _on_dead(self, rank: int, reason: str) -> None:
+        if self.dead_reason is None:
+            self.dead_reason = reason if self.size == 1 else f"data-parallel engine core {rank}: {reason}"
+            self.on_dead(self.dead_reason)
+
+
+def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+    """Core `rank`'s configuration: the pod's, with its data-parallel rank."""
+    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
