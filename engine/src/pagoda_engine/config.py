@@ -86,6 +86,15 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    # The work one request may ask for (each refusal is a 400 naming the flag). The defaults let
+    # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 16 MiB
+    # holds a 1M-token prompt as text) while bounding what one body can cost.
+    max_request_body_bytes: int = 16 * 1024 * 1024
+    max_sequences_per_request: int = 1024  # prompts x n
+    max_stop_strings: int = 2048
+    max_stop_string_length: int = 256  # characters
+    max_logit_bias_entries: int = 1024
+    max_chat_messages: int = 4096
 
 
 @dataclass
@@ -131,6 +140,10 @@ class EngineConfig:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
+        for name in ("max_request_body_bytes", "max_sequences_per_request", "max_stop_strings",
+                     "max_stop_string_length", "max_logit_bias_entries", "max_chat_messages"):
+            if getattr(self.server, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -175,6 +188,24 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
     _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")
     _add_feature_flag(p, "--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds on one request's work, shared by `pagoda serve` and `pagoda route` (a router
+    refuses an oversized body before any replica reads it)."""
+    d = ServerConfig()
+    parser.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                        help=f"largest request body accepted (default {d.max_request_body_bytes})")
+    parser.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
+                        help=f"prompts x n one request may ask for (default {d.max_sequences_per_request})")
+    parser.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                        help=f"stop strings per request (default {d.max_stop_strings})")
+    parser.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
+                        help=f"characters per stop string (default {d.max_stop_string_length})")
+    parser.add_argument("--max-logit-bias-entries", type=int, default=d.max_logit_bias_entries,
+                        help=f"logit_bias entries per request (default {d.max_logit_bias_entries})")
+    parser.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages,
+                        help=f"messages per chat request (default {d.max_chat_messages})")
 
 
 def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:

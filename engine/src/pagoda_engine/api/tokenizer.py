@@ -39,6 +39,24 @@ def load_tokenizer(model_dir):
         raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
 
 
+def encode_text(tokenizer, text: str, *, add_special_tokens: bool = True,
+                limit: int | None = None) -> tuple[list[int], int]:
+    """Token ids of `text` (only the first `limit` when given) and how many there are in all.
+
+    Meant for a worker thread: the Rust tokenizer's batch call releases the GIL while it works,
+    and only the first `limit` ids become Python ints (the step that holds the GIL), so a huge
+    prompt that will be refused anyway costs the event loop nothing."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return (ids if limit is None else ids[:limit]), len(ids)
+    encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    num_tokens = len(encoding)
+    if limit is not None and num_tokens > limit:
+        encoding.truncate(limit)
+    return encoding.ids, num_tokens
+
+
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a completion prompt, with the special tokens (bos) the tokenizer adds."""
     if not isinstance(prompt, str):
@@ -104,6 +122,13 @@ def apply_chat_template(
 
     The template itself writes any bos token, so the rendered text is encoded without
     adding special tokens again (vLLM does the same)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat(tokenizer, messages: Any, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """A conversation as the text the model's (or the given) chat template renders it to."""
     conversation = validate_messages(messages)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -123,4 +148,4 @@ def apply_chat_template(
     except TemplateError as e:
         # Templates reject conversations they cannot render (e.g. roles not alternating).
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text

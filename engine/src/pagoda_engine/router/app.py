@@ -29,7 +29,9 @@ from pagoda_engine import __version__
 from pagoda_engine.api.server.errors import (ModelNotFoundError, install_exception_handlers,
                                              validation_error_body)
 from pagoda_engine.api.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest)
+                                               TokenizeRequest, decode_json_body,
+                                               read_bounded_body)
+from pagoda_engine.config import ServerConfig
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.metrics import RouterMetrics
@@ -61,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefix-aware: characters per hashed prompt page (about 16 tokens)")
     parser.add_argument("--backend-api-key", default=None,
                         help="bearer token the router's own polls send to engines started with --api-key")
+    max_body = ServerConfig.max_request_body_bytes
+    parser.add_argument("--max-request-body-bytes", type=int, default=max_body,
+                        help=f"largest request body accepted, as `pagoda serve` (default {max_body})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -81,6 +86,8 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--prefix-load-factor must be >= 1")
     if args.prefix_page_chars < 1:
         raise BackendConfigError("--prefix-page-chars must be >= 1")
+    if args.max_request_body_bytes < 1:
+        raise BackendConfigError("--max-request-body-bytes must be >= 1")
 
 
 def _is_json(content_type: str) -> bool:
@@ -155,7 +162,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             if not body:
                 obj = None
             elif content_type is None or _is_json(content_type):
-                obj = json.loads(body)
+                obj = decode_json_body(body)
             else:
                 obj = body
         except json.JSONDecodeError as e:
@@ -176,7 +183,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             raise ModelNotFoundError(model, [m.get("id") for m in known])
 
     async def forward(request: Request, model_cls: type[BaseModel], routed: bool) -> Response:
-        body = await request.body()
+        body = await read_bounded_body(request, args.max_request_body_bytes)
         parsed = parse(model_cls, body, request.headers.get("content-type"))
         if isinstance(parsed, Response):
             return parsed

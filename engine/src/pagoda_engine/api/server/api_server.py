@@ -16,7 +16,7 @@ import sys
 
 import uvicorn
 
-from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args
+from pagoda_engine.config import EngineConfig, add_engine_args, add_request_limit_args, config_from_args
 from pagoda_engine.errors import ModelLoadError
 
 logger = logging.getLogger("pagoda_engine.api.server")
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    add_request_limit_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

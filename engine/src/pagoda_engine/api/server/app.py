@@ -11,6 +11,7 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from fastapi.routing import APIRoute
 
 from pagoda_engine import __version__
 from pagoda_engine.api.server.async_engine import AsyncEngine
@@ -26,6 +27,8 @@ from pagoda_engine.api.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    decode_json_body,
+    read_bounded_body,
 )
 from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
 
@@ -36,8 +39,38 @@ _ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"
            503: {"model": ErrorResponse}}
 
 
+def bounded_json_route(max_body_bytes: int) -> type[APIRoute]:
+    """A route class whose requests have a bounded body and parse it as strict JSON
+    (`decode_json_body`): what a client sends can give a 400, never a 500."""
+
+    class BoundedJSONRequest(Request):
+        async def body(self) -> bytes:
+            if not hasattr(self, "_body"):
+                self._body = await read_bounded_body(self, max_body_bytes)
+            return self._body
+
+        async def json(self):
+            if not hasattr(self, "_json"):
+                # O(body), bounded by max_body_bytes (about 2 ns a byte); a thread would not
+                # help: the decoder holds the GIL.
+                self._json = decode_json_body(await self.body())
+            return self._json
+
+    class BoundedJSONRoute(APIRoute):
+        def get_route_handler(self):
+            handler = super().get_route_handler()
+
+            async def bounded_handler(request: Request) -> Response:
+                return await handler(BoundedJSONRequest(request.scope, request.receive))
+
+            return bounded_handler
+
+    return BoundedJSONRoute
+
+
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Pagoda engine server", version=__version__, responses=_ERRORS)
+    app.router.route_class = bounded_json_route(engine.config.server.max_request_body_bytes)
     app.state.engine = engine
     serving = OpenAIServing(engine)
     install_exception_handlers(app)
@@ -74,11 +107,11 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(req)
+        return await serving.tokenize(req)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(req)
+        return await serving.detokenize(req)
 
     @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(req: CompletionRequest, raw: Request):

@@ -1,5 +1,6 @@
-"""The OpenAI-compatible wire format: pydantic models of every request body Pagoda accepts and
-every response body it returns (completions, chat, streaming chunks, models, tokenize).
+"""The OpenAI-compatible wire format: how a request body is read (bounded, strict JSON) and
+pydantic models of every request body Pagoda accepts and every response body it returns
+(completions, chat, streaming chunks, models, tokenize).
 
 Request models are strict (no string-to-number coercion, no NaN/inf, bools are not ints) and
 bounded, so a malformed body is a 400 here and never reaches the engine. Field names and defaults
@@ -10,10 +11,14 @@ that keep the numbers finite and the work per request bounded.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import msgspec
+from fastapi import Request
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from starlette.exceptions import HTTPException
 
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -27,6 +32,58 @@ _INT64 = 2**63 - 1
 # Token ids: non-negative and within int32 (the vocabulary check against the model happens in the
 # server, which knows the vocabulary size).
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def decode_json_body(body: bytes) -> Any:
+    """A request body as JSON, strictly: UTF-8, no NaN or Infinity, no lone surrogates (text
+    that no tokenizer, log or response could encode), nesting bounded by the interpreter's
+    recursion limit. Anything else raises json.JSONDecodeError, which FastAPI and the router
+    turn into a 400 `invalid_json`."""
+    try:
+        return msgspec.json.decode(body)
+    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
+        message = "nesting too deep" if isinstance(e, RecursionError) else str(e)
+        raise json.JSONDecodeError(message, "", 0) from None
+
+
+async def read_bounded_body(request: Request, max_body_bytes: int) -> bytes:
+    """The request's body, refused with a 400 naming --max-request-body-bytes as soon as it is
+    known to be larger (from Content-Length, or while it streams in), never buffered whole."""
+    too_large = HTTPException(400, f"The request body is larger than --max-request-body-bytes "
+                                   f"({max_body_bytes} bytes).")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_body_bytes:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_body_bytes:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _prompt_kind(value: Any) -> str | None:
+    # Which form of the prompt union a value is, from its first element: validating it against
+    # one form only keeps a long token-id list linear (a plain union tries every form in full).
+    if isinstance(value, str):
+        return "one-text"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "text-list"
+        if isinstance(first, list):
+            return "token-id-lists"
+    return "token-ids" if isinstance(value, list) else None
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("one-text")] | Annotated[list[str], Tag("text-list")] | Annotated[list[TokenId], Tag("token-ids")]
+    | Annotated[list[list[TokenId]], Tag("token-id-lists")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="prompt must be a string, a list of strings, a list of token ids "
+                                       "or a list of token-id lists"),
+]
 
 
 class _StrictModel(BaseModel):
@@ -52,6 +109,8 @@ class _SamplingRequest(_StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=1e-2, le=100)
     stop: str | list[str] | None = None
+    # Accepted for compatibility and bounded (--max-logit-bias-entries), not applied.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -84,7 +143,7 @@ class _SamplingRequest(_StrictModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=1 << 31)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
