@@ -87,9 +87,9 @@ class ServerConfig:
     api_key: str | None = None
     drain_timeout_s: float = 30.0
     # The work one request may ask for (each refusal is a 400 naming the flag). The defaults let
-    # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 16 MiB
-    # holds a 1M-token prompt as text) while bounding what one body can cost.
-    max_request_body_bytes: int = 16 * 1024 * 1024
+    # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 4 MiB
+    # holds a 512K-token prompt as text) while bounding what one body can cost.
+    max_request_body_bytes: int = 4 * 1024 * 1024
     max_sequences_per_request: int = 1024  # prompts x n
     max_stop_strings: int = 2048
     max_stop_string_length: int = 256  # characters
