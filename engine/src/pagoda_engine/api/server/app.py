@@ -11,11 +11,11 @@ import secrets
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
-from fastapi.routing import APIRoute
 
 from pagoda_engine import __version__
 from pagoda_engine.api.server.async_engine import AsyncEngine
-from pagoda_engine.api.server.errors import ErrorResponse, error_response, install_exception_handlers
+from pagoda_engine.api.server.bodies import bounded_json_route
+from pagoda_engine.api.server.errors import ERROR_RESPONSES, error_response, install_exception_handlers
 from pagoda_engine.api.server.metrics import CONTENT_TYPE
 from pagoda_engine.api.server.protocol import (
     ChatCompletionRequest,
@@ -27,49 +27,17 @@ from pagoda_engine.api.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
-    decode_json_body,
-    read_bounded_body,
+    streamed_or,
 )
 from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
 
 # Paths a client needs the API key for; /health, /metrics and /version stay open for probes
 # and Prometheus (vLLM does the same).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-           503: {"model": ErrorResponse}}
-
-
-def bounded_json_route(max_body_bytes: int) -> type[APIRoute]:
-    """A route class whose requests have a bounded body and parse it as strict JSON
-    (`decode_json_body`): what a client sends can give a 400, never a 500."""
-
-    class BoundedJSONRequest(Request):
-        async def body(self) -> bytes:
-            if not hasattr(self, "_body"):
-                self._body = await read_bounded_body(self, max_body_bytes)
-            return self._body
-
-        async def json(self):
-            if not hasattr(self, "_json"):
-                # O(body), bounded by max_body_bytes (about 2 ns a byte); a thread would not
-                # help: the decoder holds the GIL.
-                self._json = decode_json_body(await self.body())
-            return self._json
-
-    class BoundedJSONRoute(APIRoute):
-        def get_route_handler(self):
-            handler = super().get_route_handler()
-
-            async def bounded_handler(request: Request) -> Response:
-                return await handler(BoundedJSONRequest(request.scope, request.receive))
-
-            return bounded_handler
-
-    return BoundedJSONRoute
 
 
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="Pagoda engine server", version=__version__, responses=_ERRORS)
+    app = FastAPI(title="Pagoda engine server", version=__version__, responses=ERROR_RESPONSES)
     app.router.route_class = bounded_json_route(engine.config.server.max_request_body_bytes)
     app.state.engine = engine
     serving = OpenAIServing(engine)
@@ -113,14 +81,15 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
         return await serving.detokenize(req)
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={200: streamed_or(CompletionResponse)})
     async def completions(req: CompletionRequest, raw: Request):
         try:
             return await serving.create_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; the request was aborted
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: streamed_or(ChatCompletionResponse)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         try:
             return await serving.create_chat_completion(req, raw)

@@ -41,6 +41,10 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# The error statuses an OpenAI route documents in its OpenAPI schema (502-504: the router's).
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 502, 503, 504)}
+
+
 class APIError(Exception):
     """An error with its HTTP status, in OpenAI's vocabulary. Raise it (or a subclass) from a
     handler; the installed exception handler renders it."""

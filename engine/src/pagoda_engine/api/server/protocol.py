@@ -1,6 +1,5 @@
-"""The OpenAI-compatible wire format: how a request body is read (bounded, strict JSON) and
-pydantic models of every request body Pagoda accepts and every response body it returns
-(completions, chat, streaming chunks, models, tokenize).
+"""The OpenAI-compatible wire format: pydantic models of every request body Pagoda accepts and
+every response body it returns (completions, chat, streaming chunks, models, tokenize).
 
 Request models are strict (no string-to-number coercion, no NaN/inf, bools are not ints) and
 bounded, so a malformed body is a 400 here and never reaches the engine. Field names and defaults
@@ -11,14 +10,10 @@ that keep the numbers finite and the work per request bounded.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Annotated, Any, Literal
 
-import msgspec
-from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
-from starlette.exceptions import HTTPException
 
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -32,35 +27,6 @@ _INT64 = 2**63 - 1
 # Token ids: non-negative and within int32 (the vocabulary check against the model happens in the
 # server, which knows the vocabulary size).
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
-
-
-def decode_json_body(body: bytes) -> Any:
-    """A request body as JSON, strictly: UTF-8, no NaN or Infinity, no lone surrogates (text
-    that no tokenizer, log or response could encode), nesting bounded by the interpreter's
-    recursion limit. Anything else raises json.JSONDecodeError, which FastAPI and the router
-    turn into a 400 `invalid_json`."""
-    try:
-        return msgspec.json.decode(body)
-    except (msgspec.DecodeError, UnicodeDecodeError, RecursionError) as e:
-        message = "nesting too deep" if isinstance(e, RecursionError) else str(e)
-        raise json.JSONDecodeError(message, "", 0) from None
-
-
-async def read_bounded_body(request: Request, max_body_bytes: int) -> bytes:
-    """The request's body, refused with a 400 naming --max-request-body-bytes as soon as it is
-    known to be larger (from Content-Length, or while it streams in), never buffered whole."""
-    too_large = HTTPException(400, f"The request body is larger than --max-request-body-bytes "
-                                   f"({max_body_bytes} bytes).")
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > max_body_bytes:
-        raise too_large
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_body_bytes:
-            raise too_large
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def _prompt_kind(value: Any) -> str | None:
@@ -345,3 +311,9 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+def streamed_or(response_model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a 200 that is `response_model` as JSON, or with `stream: true`
+    a `text/event-stream` of its chunks."""
+    return {"model": response_model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
