@@ -315,5 +315,6 @@ class DetokenizeResponse(_Response):
 
 def streamed_or(response_model: type[BaseModel]) -> dict:
     """The OpenAPI description of a 200 that is `response_model` as JSON, or with `stream: true`
-    a `text/event-stream` of its chunks."""
-    return {"model": response_model, "content": {"text/event-stream": {"schema": {"type": "string"}}}}
+    a `text/event-stream` of its chunks (each event's `data`: a chunk as JSON, or `[DONE]`)."""
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    return {"model": response_model, "content": {"text/event-stream": {"schema": event}}}
