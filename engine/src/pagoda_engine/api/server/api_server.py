@@ -15,6 +15,7 @@ import logging
 import signal
 import sys
 
+import prometheus_client
 import uvicorn
 
 from pagoda_engine.config import EngineConfig, add_engine_args, add_request_limit_args, config_from_args
@@ -102,6 +103,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape (vLLM has none)
     try:
         config = config_from_args(args)
     except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate)
