@@ -140,10 +140,9 @@ class EngineConfig:
             raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
         if self.parallel.tensor_parallel_size < 1:
             raise ValueError("tensor_parallel_size must be >= 1")
-        for name in ("max_request_body_bytes", "max_sequences_per_request", "max_stop_strings",
-                     "max_stop_string_length", "max_logit_bias_entries", "max_chat_messages"):
-            if getattr(self.server, name) < 1:
-                raise ValueError(f"{name} must be >= 1")
+        for flag in REQUEST_LIMIT_FLAGS:
+            if getattr(self.server, _limit_field(flag)) < 1:
+                raise ValueError(f"{flag} must be >= 1")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -190,22 +189,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
 
 
+# The request limits' flags and what each bounds (ServerConfig holds the defaults).
+REQUEST_LIMIT_FLAGS = {
+    "--max-request-body-bytes": "largest request body accepted, in bytes",
+    "--max-sequences-per-request": "prompts x n one request may ask for",
+    "--max-stop-strings": "stop strings per request",
+    "--max-stop-string-length": "characters per stop string",
+    "--max-logit-bias-entries": "logit_bias entries per request",
+    "--max-chat-messages": "messages per chat request",
+}
+
+
+def _limit_field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
 def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The bounds on one request's work, shared by `pagoda serve` and `pagoda route` (a router
-    refuses an oversized body before any replica reads it)."""
-    d = ServerConfig()
-    parser.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
-                        help=f"largest request body accepted (default {d.max_request_body_bytes})")
-    parser.add_argument("--max-sequences-per-request", type=int, default=d.max_sequences_per_request,
-                        help=f"prompts x n one request may ask for (default {d.max_sequences_per_request})")
-    parser.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
-                        help=f"stop strings per request (default {d.max_stop_strings})")
-    parser.add_argument("--max-stop-string-length", type=int, default=d.max_stop_string_length,
-                        help=f"characters per stop string (default {d.max_stop_string_length})")
-    parser.add_argument("--max-logit-bias-entries", type=int, default=d.max_logit_bias_entries,
-                        help=f"logit_bias entries per request (default {d.max_logit_bias_entries})")
-    parser.add_argument("--max-chat-messages", type=int, default=d.max_chat_messages,
-                        help=f"messages per chat request (default {d.max_chat_messages})")
+    """The bounds on one request's work (`pagoda serve`; the router takes the body limit)."""
+    for flag, what in REQUEST_LIMIT_FLAGS.items():
+        default = getattr(ServerConfig, _limit_field(flag))
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
 
 def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:
