@@ -270,7 +270,9 @@ def test_a_gpu_service_without_a_model_is_refused_unless_the_tiny_model_is_asked
     assert _validated_condition(with_spec(without_model, model__builtinTiny=True))["status"] == "True"
 
 
-def test_the_tiny_model_on_cpu_needs_no_opt_in_and_a_uri_excludes_it():
-    assert check(load_example("tiny-cpu.yaml")).ok
+def test_the_tiny_model_needs_an_opt_in_on_cpu_too_and_a_uri_excludes_it():
+    tiny = load_example("tiny-cpu.yaml")
+    assert check(tiny).ok
+    assert any(p.startswith("model.uri: required (") for p in problems_of(with_spec(tiny, model__builtinTiny=None)))
     both = with_spec(load_example("llama-3.1-8b.yaml"), model__builtinTiny=True)
     assert "model: give model.uri or model.builtinTiny: true, not both" in problems_of(both)

@@ -90,13 +90,13 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
 
 
 def _check_model(spec: InferenceServiceSpec) -> list[str]:
-    """Without model.uri the engine serves its built-in tiny random-weight model: fine for a CPU
-    demo, but on GPUs almost surely a forgotten field, so there it must be asked for."""
+    """Without model.uri the engine serves its built-in tiny random-weight model: that has to be
+    asked for (model.builtinTiny), or a forgotten field would put a toy on the user's GPUs."""
     if spec.model.uri is not None and spec.model.builtin_tiny:
         return ["model: give model.uri or model.builtinTiny: true, not both"]
-    on_gpu = spec.resources.gpus_per_pod != 0
-    if spec.model.uri is None and on_gpu and not spec.model.builtin_tiny:
-        return ["model.uri: required on GPU (without it the engine would serve its built-in tiny model with random "
+    if spec.model.uri is None and not spec.model.builtin_tiny:
+        where = " on GPU" if spec.resources.gpus_per_pod != 0 else ""
+        return [f"model.uri: required{where} (without it the engine would serve its built-in tiny model with random "
                 "weights); set model.uri, or model.builtinTiny: true to serve the tiny model on purpose"]
     return []
 
