@@ -4,7 +4,7 @@ against a real `pagoda serve` and a real `pagoda route` in front of it, generate
 response has a documented status and content type and matches its documented schema.
 
 Bounded: EXAMPLES generated requests per operation and server (4 POST operations x 2 servers),
-under a minute on a 2-core machine."""
+about 20 s on a 2-core machine."""
 
 import pytest
 import schemathesis
