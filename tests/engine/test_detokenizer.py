@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagoda_engine.api.detokenizer import IncrementalDetokenizer
+from pagoda_engine.api.detokenizer import IncrementalDetokenizer, StopStrings
 from pagoda_engine.api.tokenizer import load_tokenizer
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
@@ -199,3 +199,48 @@ def test_a_final_stop_token_is_kept_in_ids_but_not_in_text(tokenizer):
         text = detok.update(ids, len(ids), stop_terminated=True) + detok.flush()
         assert text == expected
         assert detok.num_tokens == len(ids)
+
+
+def _first_match_by_search(stops, text, new_from):
+    """The reference: among stop strings ending at or after `new_from`, the one starting first
+    (ties: the one listed first), by plain string search."""
+    best = None
+    for index, stop in enumerate(stops):
+        start = text.find(stop, max(0, new_from - len(stop) + 1))
+        if start != -1 and (best is None or start < best[0]):
+            best = (start, index)
+    return best
+
+
+def _held_back_by_search(stops, text):
+    return max((k for stop in stops for k in range(1, len(stop)) if text.endswith(stop[:k])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.text("abc", min_size=1, max_size=5), min_size=1, max_size=6),
+       st.lists(st.text("abcd", max_size=6), max_size=6))
+def test_stop_automaton_finds_what_string_search_finds(stops, pieces):
+    matcher, state, text = StopStrings(stops), 0, ""
+    for piece in pieces:
+        state, match = matcher.feed(state, piece, len(text), find=True)
+        assert match == _first_match_by_search(stops, text + piece, len(text))
+        text += piece
+        if match is not None:
+            break
+        assert matcher.hold[state] == _held_back_by_search(stops, text)
+
+
+def test_thousands_of_stop_strings_cost_the_same_per_character_as_one():
+    import time
+
+    stops = [f"stop-{i:05d}-marker" for i in range(5000)]
+    text = "lorem ipsum dolor sit amet " * 2000
+    timings = []
+    for stop_list in (stops[:1], stops):
+        matcher, start = StopStrings(stop_list), time.perf_counter()
+        state = 0
+        for i in range(0, len(text), 4):  # a few characters per step, as tokens arrive
+            state, match = matcher.feed(state, text[i:i + 4], i, find=True)
+            assert match is None
+        timings.append(time.perf_counter() - start)
+    assert timings[1] < 5 * timings[0] + 0.05, timings  # string search would be ~5000x

@@ -48,7 +48,8 @@ def test_n_fans_out_into_children_with_derived_seeds(processor):
     assert [c.request_id for c in children] == ["req-0", "req-1", "req-2"]
     assert [c.sampling_params.seed for c in children] == [7, 8, 9]
     for child in children:
-        assert child.sampling_params == dataclasses.replace(params, n=1, seed=child.sampling_params.seed)
+        # Stop strings stay on this side (the core never sees text): the child goes without them.
+        assert child.sampling_params == dataclasses.replace(params, n=1, seed=child.sampling_params.seed, stop=[])
         assert child.prompt_token_ids.tolist() == prompt_ids  # packed int32 for the wire
         assert (child.arrival_time, child.priority) == (12.5, 3)
         # What crosses the ZMQ boundary comes back intact.

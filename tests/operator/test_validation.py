@@ -274,3 +274,28 @@ def test_any_field_of_an_example_set_to_anything_is_rejected_or_renders(filename
     assert checked.ok == (checked.problems == [])
     if checked.renderable:  # whatever passes validation (engine features aside) renders
         assert render(body, checked.spec)
+
+
+def _validated_condition(body: dict) -> dict:
+    checked = check(body)
+    status = compute_status(None, Observation(generation=1, validated=checked.ok, problems=checked.problems),
+                            "2026-01-01T00:00:00Z")
+    (validated,) = [c for c in status["conditions"] if c["type"] == "Validated"]
+    return validated
+
+
+def test_a_gpu_service_without_a_model_is_refused_unless_the_tiny_model_is_asked_for():
+    gpu = load_example("llama-3.1-8b.yaml")
+    without_model = with_spec(gpu, model__uri=None, model__download=None, model__architecture=None)
+    validated = _validated_condition(without_model)
+    assert validated["status"] == "False" and validated["reason"] == "InvalidSpec"
+    assert "model.uri: required on GPU" in validated["message"] and "builtinTiny" in validated["message"]
+    assert _validated_condition(with_spec(without_model, model__builtinTiny=True))["status"] == "True"
+
+
+def test_the_tiny_model_needs_an_opt_in_on_cpu_too_and_a_uri_excludes_it():
+    tiny = load_example("tiny-cpu.yaml")
+    assert check(tiny).ok
+    assert any(p.startswith("model.uri: required (") for p in problems_of(with_spec(tiny, model__builtinTiny=None)))
+    both = with_spec(load_example("llama-3.1-8b.yaml"), model__builtinTiny=True)
+    assert "model: give model.uri or model.builtinTiny: true, not both" in problems_of(both)

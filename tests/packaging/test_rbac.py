@@ -47,7 +47,7 @@ def emitted_kinds() -> set[tuple[str, str]]:
     scalers = set()
     for driver in ("keda", "hpa"):
         body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "metadata": {"name": "s", "namespace": "default"},
-                "spec": {"autoscaling": {"driver": driver, "minReplicas": 1, "maxReplicas": 4,
+                "spec": {"model": {"builtinTiny": True}, "autoscaling": {"driver": driver, "minReplicas": 1, "maxReplicas": 4,
                                           "prometheusURL": "http://prometheus.monitoring:9090"}}}
         checked = check(body)
         assert checked.ok, checked.problems
@@ -156,7 +156,8 @@ def _tiny(namespace: str = "default") -> tuple[dict, object]:
     from pagoda_operator.validation import check
 
     body = {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "t", "namespace": namespace, "uid": "u"}, "spec": {}}
+            "metadata": {"name": "t", "namespace": namespace, "uid": "u"},
+            "spec": {"model": {"builtinTiny": True}}}
     checked = check(body)
     assert checked.ok, checked.problems
     return body, checked.spec

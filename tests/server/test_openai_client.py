@@ -197,3 +197,10 @@ def test_metrics_exposed_and_counters_move(client, model, server):
     assert after["pagoda:inter_token_latency_seconds_count"] - before["pagoda:inter_token_latency_seconds_count"] == 12
     assert after["pagoda:prefix_cache_hits_total"] > before["pagoda:prefix_cache_hits_total"]  # same prompt twice
     assert after["pagoda:num_requests_running"] == after["pagoda:num_requests_waiting"] == 0
+
+
+def test_metrics_have_no_created_series(client, model, server):
+    client.completions.create(model=model, prompt="hi", max_tokens=2)
+    text = httpx.get(f"{server.url}/metrics", timeout=10).text
+    assert "pagoda:time_to_first_token_seconds_count" in text
+    assert "_created" not in text

@@ -89,6 +89,15 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    # The work one request may ask for (each refusal is a 400 naming the flag). The defaults let
+    # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 4 MiB
+    # holds a 512K-token prompt as text) while bounding what one body can cost.
+    max_request_body_bytes: int = 4 * 1024 * 1024
+    max_sequences_per_request: int = 1024  # prompts x n
+    max_stop_strings: int = 2048
+    max_stop_string_length: int = 256  # characters
+    max_logit_bias_entries: int = 1024
+    max_chat_messages: int = 4096
 
 
 @dataclass
@@ -141,6 +150,9 @@ class EngineConfig:
         if not 0 <= self.parallel.data_parallel_rank < self.parallel.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.parallel.data_parallel_size}), "
                              f"got {self.parallel.data_parallel_rank}")
+        for flag in REQUEST_LIMIT_FLAGS:
+            if getattr(self.server, _limit_field(flag)) < 1:
+                raise ValueError(f"{flag} must be >= 1")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -185,6 +197,28 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
     _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")
     _add_feature_flag(p, "--kv-offload-remote-url", default=None, help="remote KV tier, redis://…")
+
+
+# The request limits' flags and what each bounds (ServerConfig holds the defaults).
+REQUEST_LIMIT_FLAGS = {
+    "--max-request-body-bytes": "largest request body accepted, in bytes",
+    "--max-sequences-per-request": "prompts x n one request may ask for",
+    "--max-stop-strings": "stop strings per request",
+    "--max-stop-string-length": "characters per stop string",
+    "--max-logit-bias-entries": "logit_bias entries per request",
+    "--max-chat-messages": "messages per chat request",
+}
+
+
+def _limit_field(flag: str) -> str:
+    return flag[2:].replace("-", "_")
+
+
+def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
+    """The bounds on one request's work (`pagoda serve`; the router takes the body limit)."""
+    for flag, what in REQUEST_LIMIT_FLAGS.items():
+        default = getattr(ServerConfig, _limit_field(flag))
+        parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
 
 
 def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:

@@ -65,7 +65,8 @@ class ModelDownload:
 class Model:
     """The model to serve."""
 
-    uri: str | None = prop(None, doc="hf://org/name[@revision], pvc://claim/path or file:///path (a path in the image or on the node). Omitted: the engine's built-in tiny model.", pattern=MODEL_URI_PATTERN)
+    uri: str | None = prop(None, doc="hf://org/name[@revision], pvc://claim/path or file:///path (a path in the image or on the node). Omitted: only with builtinTiny: true.", pattern=MODEL_URI_PATTERN)
+    builtin_tiny: bool = prop(False, doc="Serve the engine's built-in tiny random-weight model (tests, demos) instead of a uri.")
     name: str | None = prop(None, doc="Name clients use in the OpenAI API (default: the InferenceService name).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = prop("auto", doc="Weight and activation dtype (auto: the model config's).")
     max_model_len: int | None = prop(None, doc="Longest sequence (prompt + output) in tokens; default: the model's.", minimum=16)

@@ -78,6 +78,7 @@ def _check_metadata(meta: dict[str, Any]) -> list[str]:
 def validate_spec(spec: InferenceServiceSpec) -> list[str]:
     """Semantic checks of a parsed spec (types and bounds were checked by parsing)."""
     return [
+        *_check_model(spec),
         *_check_topology(spec),
         *_check_heads(spec),
         *_check_experts(spec),
@@ -86,6 +87,18 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_kv_cache(spec),
         *_check_router(spec),
     ]
+
+
+def _check_model(spec: InferenceServiceSpec) -> list[str]:
+    """Without model.uri the engine serves its built-in tiny random-weight model: that has to be
+    asked for (model.builtinTiny), or a forgotten field would put a toy on the user's GPUs."""
+    if spec.model.uri is not None and spec.model.builtin_tiny:
+        return ["model: give model.uri or model.builtinTiny: true, not both"]
+    if spec.model.uri is None and not spec.model.builtin_tiny:
+        where = " on GPU" if spec.resources.gpus_per_pod != 0 else ""
+        return [f"model.uri: required{where} (without it the engine would serve its built-in tiny model with random "
+                "weights); set model.uri, or model.builtinTiny: true to serve the tiny model on purpose"]
+    return []
 
 
 def _check_topology(spec: InferenceServiceSpec) -> list[str]:

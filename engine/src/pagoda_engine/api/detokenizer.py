@@ -8,12 +8,16 @@ Turns the token ids the engine core streams back into text deltas a client can s
   neighbours) and emits what lies past the "read offset" (vLLM's and TGI's technique);
 - stop strings may span tokens: text that could be the start of a stop string is held back
   until it either completes (the text is cut there) or cannot match any more.
-Each update costs O(its new tokens), however long the sequence: the detokenizer keeps only the
-decode window and the text not yet returned (plus enough returned text to find a stop string
-that ends in new text), never the whole output.
+Each update costs O(its new tokens), however long the sequence and however many stop strings:
+the detokenizer keeps only the decode window and the text not yet returned (plus the longest
+stop string's length of returned text, where a match may start), never the whole output, and
+stop strings are matched by one Aho–Corasick automaton fed each new character once.
 """
 
 from __future__ import annotations
+
+import functools
+from typing import Sequence
 
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -26,6 +30,88 @@ _CONTEXT_TOKENS = 5
 # all but its last 3 tokens keeps decoding linear instead of re-decoding an ever-longer window.
 _MAX_PENDING_TOKENS = 8
 _INCOMPLETE_TAIL_TOKENS = 3
+
+
+class StopStrings:
+    """An Aho–Corasick automaton over one request's stop strings.
+
+    States are ints (0 is the root, the empty string); a state stands for the longest suffix of
+    the text fed so far that is a prefix of some stop string. Feeding a character costs O(1)
+    amortised, plus O(matches ending there), whatever the number of stop strings, so matching
+    is linear in the text. Building costs O(total characters of the stop strings); the server
+    builds it off the event loop (`stop_strings`, cached) before the request starts.
+    """
+
+    def __init__(self, stops: Sequence[str]):
+        self.stops = list(stops)
+        self.max_len = max((len(s) for s in self.stops), default=0)
+        goto: dict[int, int] = {}  # (state << 21 | ord(char)) -> state; 21 bits hold any code point
+        depth, first_stop, children = [0], [-1], [[]]
+        for index, stop in enumerate(self.stops):
+            state = 0
+            for char in stop:
+                key = state << 21 | ord(char)
+                nxt = goto.get(key)
+                if nxt is None:
+                    nxt = goto[key] = len(depth)
+                    depth.append(depth[state] + 1)
+                    first_stop.append(-1)
+                    children.append([])
+                    children[state].append((char, nxt))
+                state = nxt
+            if first_stop[state] == -1:
+                first_stop[state] = index  # a repeated stop string reports its first position
+        fail = [0] * len(depth)
+        # The nearest proper suffix state that completes a stop string (-1: none).
+        match_link = [-1] * len(depth)
+        # Length of the longest suffix that is a proper prefix of a stop string: the text that
+        # must be held back because a stop string may still complete there.
+        self.hold = [0] * len(depth)
+        order = [child for _, child in children[0]]
+        for state in order:  # breadth first: a state's fail link is shallower than the state
+            for char, child in children[state]:
+                order.append(child)
+                f = fail[state]
+                while f and (f << 21 | ord(char)) not in goto:
+                    f = fail[f]
+                fail[child] = goto.get(f << 21 | ord(char), 0) if state else 0
+            f = fail[state]
+            match_link[state] = f if first_stop[f] != -1 else match_link[f]
+            self.hold[state] = depth[state] if children[state] else self.hold[f]
+        self._goto, self._fail, self._depth = goto, fail, depth
+        self._first_stop, self._match_link = first_stop, match_link
+
+    def feed(self, state: int, text: str, base: int, find: bool) -> tuple[int, tuple[int, int] | None]:
+        """Advance from `state` over `text`, whose first character sits at position `base` of the
+        sequence's text. Returns the new state and, when `find`, the match that starts first
+        (ties: the stop listed first) among those ending in `text`, as (start, stop index)."""
+        goto, fail, depth, first_stop, match_link = (self._goto, self._fail, self._depth, self._first_stop,
+                                                     self._match_link)
+        best: tuple[int, int] | None = None
+        for offset, char in enumerate(text):
+            code = ord(char)
+            while state and (state << 21 | code) not in goto:
+                state = fail[state]
+            state = goto.get(state << 21 | code, 0)
+            if not find:
+                continue
+            end = base + offset + 1
+            if best is not None and end - self.max_len > best[0]:
+                break  # every later match starts after the best one
+            hit = state if first_stop[state] != -1 else match_link[state]
+            while hit > 0:
+                candidate = (end - depth[hit], first_stop[hit])
+                if best is None or candidate < best:
+                    best = candidate
+                hit = match_link[hit]
+        return state, best
+
+
+@functools.lru_cache(maxsize=16)
+def stop_strings(stops: tuple[str, ...]) -> StopStrings:
+    """The automaton of a stop-string list, shared by the n sequences of a request (and by
+    requests sending the same list)."""
+    return StopStrings(stops)
 
 
 class IncrementalDetokenizer:
@@ -41,6 +127,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = params.skip_special_tokens
         self.stop: list[str] = list(params.stop or [])
+        self._matcher = stop_strings(tuple(self.stop)) if self.stop else None
+        self._state = 0  # the matcher's state after all text so far
+        self._num_chars = 0  # characters of text so far (the matcher's positions)
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.min_tokens = params.min_tokens
         self.finished = False
@@ -140,20 +229,20 @@ class IncrementalDetokenizer:
     # -- stop strings --------------------------------------------------------------------------
 
     def _append(self, delta: str, check_stop: bool) -> None:
-        prev_len = len(self._text)
         self._text += delta
-        if not (check_stop and self.stop):
+        if self._matcher is None:
             return
-        match: tuple[int, str] | None = None
-        for stop in self.stop:
-            # Only matches that end in the new text: older text was checked already (or was
-            # produced before min_tokens, where stop strings do not apply).
-            index = self._text.find(stop, max(0, prev_len - len(stop) + 1))
-            if index != -1 and (match is None or index < match[0]):
-                match = (index, stop)
+        # Only matches that end in the new text: older text was checked already (or was produced
+        # before min_tokens, where stop strings do not apply); the automaton's state carries
+        # the part of a stop string that began earlier.
+        start_of_delta = self._num_chars
+        self._num_chars += len(delta)
+        self._state, match = self._matcher.feed(self._state, delta, start_of_delta, find=check_stop)
         if match is None:
             return
-        index, stop = match
+        start, stop_index = match
+        stop = self.stop[stop_index]
+        index = start - (self._num_chars - len(self._text))  # into _text
         cut = index + len(stop) if self.include_stop_str_in_output else index
         assert cut >= self._emitted, "part of a stop string was already emitted"
         self._text = self._text[:cut]
@@ -162,13 +251,7 @@ class IncrementalDetokenizer:
 
     def _partial_stop_len(self) -> int:
         """Length of the longest end of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self.stop:
-            for k in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:k]):
-                    longest = k
-                    break
-        return longest
+        return self._matcher.hold[self._state] if self._matcher is not None else 0
 
     def _take(self, final: bool) -> str:
         end = len(self._text)

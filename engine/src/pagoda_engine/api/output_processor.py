@@ -136,13 +136,15 @@ class OutputProcessor:
         core_requests = []
         for i, child_id in enumerate(child_ids):
             child_seed = params.seed + i if params.seed is not None else None
-            child_params = dataclasses.replace(params, n=1, seed=child_seed)
+            # Stop strings are matched here, never in the core: sending them would cost
+            # O(stop strings x n) on the wire for nothing.
+            child_params = dataclasses.replace(params, n=1, seed=child_seed, stop=[])
             wants_logprobs = params.logprobs is not None
             seq = _Sequence(
                 request_id=child_id,
                 index=i,
                 parent=user_request,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child_params),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
                 cumulative_logprob=0.0 if wants_logprobs else None,
                 logprobs=[] if wants_logprobs else None,
             )

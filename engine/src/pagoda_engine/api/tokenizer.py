@@ -39,6 +39,37 @@ def load_tokenizer(model_dir):
         raise ModelLoadError(f"cannot load the tokenizer from {str(path)!r}: {e}") from e
 
 
+# Text longer than this many characters is first counted in chunks of it, so that a prompt far
+# beyond the context window never becomes one huge encoding (freeing one holds the GIL).
+_COUNT_CHUNK_CHARS = 1 << 16
+# Tokens a chunk boundary can add or remove (a word split in two, a space marker).
+_BOUNDARY_SLACK = 4
+
+
+def encode_text(tokenizer, text: str, *, add_special_tokens: bool = True,
+                limit: int | None = None) -> tuple[list[int], int]:
+    """Token ids of `text` and how many there are. Past `limit` tokens the text is only counted
+    (the ids are [] then, and the count may be a lower bound): a prompt that long is refused.
+
+    Meant for a worker thread: the Rust tokenizer's batch call releases the GIL while it works,
+    while turning ids into Python ints and freeing an encoding hold it, so neither is ever done
+    for more than about `limit` tokens at once and a huge prompt costs the event loop nothing."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None or backend.truncation is not None or backend.padding is not None:
+        ids = list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        return (ids if limit is None or len(ids) <= limit else []), len(ids)
+    if limit is not None and len(text) > _COUNT_CHUNK_CHARS:
+        at_least = 0
+        for start in range(0, len(text), _COUNT_CHUNK_CHARS):
+            at_least += len(backend.encode_batch([text[start:start + _COUNT_CHUNK_CHARS]],
+                                                 add_special_tokens=False)[0]) - _BOUNDARY_SLACK
+            if at_least > limit:
+                return [], at_least
+    encoding = backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    num_tokens = len(encoding)
+    return (encoding.ids if limit is None or num_tokens <= limit else []), num_tokens
+
+
 def encode_prompt(tokenizer, prompt: str) -> list[int]:
     """Token ids of a completion prompt, with the special tokens (bos) the tokenizer adds."""
     if not isinstance(prompt, str):
@@ -104,6 +135,13 @@ def apply_chat_template(
 
     The template itself writes any bos token, so the rendered text is encoded without
     adding special tokens again (vLLM does the same)."""
+    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+def render_chat(tokenizer, messages: Any, add_generation_prompt: bool = True,
+                chat_template: str | None = None) -> str:
+    """A conversation as the text the model's (or the given) chat template renders it to."""
     conversation = validate_messages(messages)
     if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise InvalidRequestError(
@@ -123,4 +161,4 @@ def apply_chat_template(
     except TemplateError as e:
         # Templates reject conversations they cannot render (e.g. roles not alternating).
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
-    return list(tokenizer.encode(text, add_special_tokens=False))
+    return text

@@ -1,9 +1,9 @@
 """`pagoda route`: the OpenAI-compatible router in front of engine replicas.
 
 Owns the HTTP surface (the engine server's endpoints, /v1/models merged over replicas, the
-router's own /health and /metrics) and the command line. Requests are validated with the server's
-own protocol models, so a malformed body gets the same 400 here as from an engine and never
-costs a replica anything; forwarding lives in `proxy.py`, replica state in `backends.py`,
+router's own /health and /metrics) and the command line. Requests are read and validated as the
+engine server reads them (the same route class and protocol models), so a malformed body gets
+the same 400 here as from an engine and never costs a replica anything; forwarding lives in `proxy.py`, replica state in `backends.py`,
 discovery in `discovery.py`, the choice of replica in `policy.py`.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import sys
 import time
@@ -20,16 +19,16 @@ import time
 import httpx
 import prometheus_client
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi.responses import Response
+from pydantic import BaseModel
 
 from pagoda_engine import __version__
-from pagoda_engine.api.server.errors import (ModelNotFoundError, install_exception_handlers,
-                                             validation_error_body)
-from pagoda_engine.api.server.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                               TokenizeRequest)
+from pagoda_engine.api.server.bodies import bounded_json_route
+from pagoda_engine.api.server.errors import ERROR_RESPONSES, ModelNotFoundError, install_exception_handlers
+from pagoda_engine.api.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                               CompletionResponse, DetokenizeRequest, DetokenizeResponse,
+                                               TokenizeRequest, TokenizeResponse, streamed_or)
+from pagoda_engine.config import ServerConfig
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.metrics import RouterMetrics
@@ -61,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefix-aware: characters per hashed prompt page (about 16 tokens)")
     parser.add_argument("--backend-api-key", default=None,
                         help="bearer token the router's own polls send to engines started with --api-key")
+    max_body = ServerConfig.max_request_body_bytes
+    parser.add_argument("--max-request-body-bytes", type=int, default=max_body,
+                        help=f"largest request body accepted, as `pagoda serve` (default {max_body})")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -81,11 +83,8 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--prefix-load-factor must be >= 1")
     if args.prefix_page_chars < 1:
         raise BackendConfigError("--prefix-page-chars must be >= 1")
-
-
-def _is_json(content_type: str) -> bool:
-    media = content_type.split(";", 1)[0].strip().lower()
-    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+    if args.max_request_body_bytes < 1:
+        raise BackendConfigError("--max-request-body-bytes must be >= 1")
 
 
 def _prompt_text(req: BaseModel) -> str | None:
@@ -143,43 +142,20 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                 watcher.stop()
             await client.aclose()
 
-    app = FastAPI(title="Pagoda router", version=__version__, lifespan=lifespan)
+    app = FastAPI(title="Pagoda router", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
+    app.router.route_class = bounded_json_route(args.max_request_body_bytes)
     install_exception_handlers(app)
     page_chars = args.prefix_page_chars
-
-    def parse(model_cls: type[BaseModel], body: bytes, content_type: str | None):
-        """The body validated as the engine's FastAPI endpoint validates it (JSON only when the
-        content type says JSON or says nothing, then the same model in python mode), so that
-        every 400 is the engine's, word for word."""
-        try:
-            if not body:
-                obj = None
-            elif content_type is None or _is_json(content_type):
-                obj = json.loads(body)
-            else:
-                obj = body
-        except json.JSONDecodeError as e:
-            error = {"type": "json_invalid", "loc": ("body", e.pos), "msg": "JSON decode error", "input": {},
-                     "ctx": {"error": e.msg}}
-            return JSONResponse(validation_error_body(RequestValidationError([error])), status_code=400)
-        except Exception:  # undecodable bytes, nesting too deep: FastAPI's words for it
-            raise StarletteHTTPException(400, "There was an error parsing the body") from None
-        try:
-            return model_cls.model_validate(obj)
-        except ValidationError as e:
-            errors = [{**err, "loc": ("body", *err["loc"])} for err in e.errors()]
-            return JSONResponse(validation_error_body(RequestValidationError(errors)), status_code=400)
 
     def check_model(model: str | None) -> None:
         known = state["pool"].merged_models()
         if model is not None and known and not any(m.get("id") == model for m in known):
             raise ModelNotFoundError(model, [m.get("id") for m in known])
 
-    async def forward(request: Request, model_cls: type[BaseModel], routed: bool) -> Response:
+    async def forward(request: Request, parsed: BaseModel, routed: bool) -> Response:
+        # FastAPI validated the body with the engine's own models (same route class, same
+        # errors), so a malformed request never costs a replica anything; the bytes go on as sent.
         body = await request.body()
-        parsed = parse(model_cls, body, request.headers.get("content-type"))
-        if isinstance(parsed, Response):
-            return parsed
         model = getattr(parsed, "model", None)
         check_model(model)
         key: PrefixKey | None = None
@@ -188,21 +164,21 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             key = prefix_key(text, page_chars) if text else None
         return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await forward(request, CompletionRequest, routed=True)
+    @app.post("/v1/completions", response_model=None, responses={200: streamed_or(CompletionResponse)})
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await forward(request, req, routed=True)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await forward(request, ChatCompletionRequest, routed=True)
+    @app.post("/v1/chat/completions", response_model=None, responses={200: streamed_or(ChatCompletionResponse)})
+    async def chat_completions(req: ChatCompletionRequest, request: Request) -> Response:
+        return await forward(request, req, routed=True)
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forward(request, TokenizeRequest, routed=False)
+    @app.post("/tokenize", response_model=None, responses={200: {"model": TokenizeResponse}})
+    async def tokenize(req: TokenizeRequest, request: Request) -> Response:
+        return await forward(request, req, routed=False)
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forward(request, DetokenizeRequest, routed=False)
+    @app.post("/detokenize", response_model=None, responses={200: {"model": DetokenizeResponse}})
+    async def detokenize(req: DetokenizeRequest, request: Request) -> Response:
+        return await forward(request, req, routed=False)
 
     @app.get("/v1/models")
     async def models() -> dict:

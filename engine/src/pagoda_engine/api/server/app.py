@@ -14,7 +14,8 @@ from fastapi.responses import Response
 
 from pagoda_engine import __version__
 from pagoda_engine.api.server.async_engine import AsyncEngine
-from pagoda_engine.api.server.errors import ErrorResponse, error_response, install_exception_handlers
+from pagoda_engine.api.server.bodies import bounded_json_route
+from pagoda_engine.api.server.errors import ERROR_RESPONSES, error_response, install_exception_handlers
 from pagoda_engine.api.server.metrics import CONTENT_TYPE
 from pagoda_engine.api.server.protocol import (
     ChatCompletionRequest,
@@ -26,18 +27,18 @@ from pagoda_engine.api.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    streamed_or,
 )
 from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
 
 # Paths a client needs the API key for; /health, /metrics and /version stay open for probes
 # and Prometheus (vLLM does the same).
 _PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
-_ERRORS = {400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}, 404: {"model": ErrorResponse},
-           503: {"model": ErrorResponse}}
 
 
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
-    app = FastAPI(title="Pagoda engine server", version=__version__, responses=_ERRORS)
+    app = FastAPI(title="Pagoda engine server", version=__version__, responses=ERROR_RESPONSES)
+    app.router.route_class = bounded_json_route(engine.config.server.max_request_body_bytes)
     app.state.engine = engine
     serving = OpenAIServing(engine)
     install_exception_handlers(app)
@@ -74,20 +75,21 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return serving.tokenize(req)
+        return await serving.tokenize(req)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return serving.detokenize(req)
+        return await serving.detokenize(req)
 
-    @app.post("/v1/completions", response_model=CompletionResponse)
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={200: streamed_or(CompletionResponse)})
     async def completions(req: CompletionRequest, raw: Request):
         try:
             return await serving.create_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; the request was aborted
 
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
+              responses={200: streamed_or(ChatCompletionResponse)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         try:
             return await serving.create_chat_completion(req, raw)

@@ -41,6 +41,10 @@ class ErrorResponse(BaseModel):
     error: ErrorInfo
 
 
+# The error statuses an OpenAI route documents in its OpenAPI schema (502-504: the router's).
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 502, 503, 504)}
+
+
 class APIError(Exception):
     """An error with its HTTP status, in OpenAI's vocabulary. Raise it (or a subclass) from a
     handler; the installed exception handler renders it."""
@@ -157,7 +161,8 @@ def validation_error_body(exc: RequestValidationError) -> dict:
     if not errors:
         return error_body("Invalid request body.")
     if errors[0].get("type") == "json_invalid":
-        return error_body(f"Malformed JSON body: {errors[0].get('msg', 'cannot parse')}.", code="invalid_json")
+        reason = (errors[0].get("ctx") or {}).get("error") or errors[0].get("msg", "cannot parse")
+        return error_body(f"Malformed JSON body: {reason}.", code="invalid_json")
     err = _most_telling(errors)
     param = _param_from_loc(tuple(err.get("loc", ())))
     msg = err.get("msg", "invalid value")

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -27,6 +27,29 @@ _INT64 = 2**63 - 1
 # Token ids: non-negative and within int32 (the vocabulary check against the model happens in the
 # server, which knows the vocabulary size).
 TokenId = Annotated[int, Field(ge=0, le=2**31 - 1)]
+
+
+def _prompt_kind(value: Any) -> str | None:
+    # Which form of the prompt union a value is, from its first element: validating it against
+    # one form only keeps a long token-id list linear (a plain union tries every form in full).
+    if isinstance(value, str):
+        return "one-text"
+    if isinstance(value, list) and value:
+        first = value[0]
+        if isinstance(first, str):
+            return "text-list"
+        if isinstance(first, list):
+            return "token-id-lists"
+    return "token-ids" if isinstance(value, list) else None
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("one-text")] | Annotated[list[str], Tag("text-list")] | Annotated[list[TokenId], Tag("token-ids")]
+    | Annotated[list[list[TokenId]], Tag("token-id-lists")],
+    Discriminator(_prompt_kind, custom_error_type="prompt_type",
+                  custom_error_message="prompt must be a string, a list of strings, a list of token ids "
+                                       "or a list of token-id lists"),
+]
 
 
 class _StrictModel(BaseModel):
@@ -52,6 +75,8 @@ class _SamplingRequest(_StrictModel):
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, ge=1e-2, le=100)
     stop: str | list[str] | None = None
+    # Accepted for compatibility and bounded (--max-logit-bias-entries), not applied.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     stop_token_ids: list[TokenId] | None = None
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
@@ -84,7 +109,7 @@ class _SamplingRequest(_StrictModel):
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: Prompt
     max_tokens: int | None = Field(16, ge=1, le=1 << 31)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -286,3 +311,10 @@ class TokenizeResponse(_Response):
 
 class DetokenizeResponse(_Response):
     prompt: str
+
+
+def streamed_or(response_model: type[BaseModel]) -> dict:
+    """The OpenAPI description of a 200 that is `response_model` as JSON, or with `stream: true`
+    a `text/event-stream` of its chunks (each event's `data`: a chunk as JSON, or `[DONE]`)."""
+    event = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+    return {"model": response_model, "content": {"text/event-stream": {"schema": event}}}

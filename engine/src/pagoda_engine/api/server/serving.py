@@ -3,7 +3,12 @@
 For each request: check the model name, turn prompts or chat messages into token ids, check them
 against the model (vocabulary, context window) and fit `max_tokens`, build `SamplingParams`,
 run the prompts as one `RequestGroup`, and shape the `RequestOutput`s into OpenAI responses or
-SSE chunks. Everything a client can get wrong is refused here, before the core sees it.
+SSE chunks. Everything a client can get wrong is refused here, before the core sees it,
+including work beyond the request limits (`ServerConfig.max_*`, each refusal naming its flag).
+
+The event loop never does work that grows with the input: tokenization, chat templating, the
+prompt checks and building the stop-string automaton run in a worker thread (`asyncio.to_thread`),
+and a request fanning out into many sequences yields to the loop between its prompts.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import anyio
 from fastapi import Request
 from starlette.responses import StreamingResponse
 
+from pagoda_engine.api.detokenizer import stop_strings
 from pagoda_engine.api.inputs import check_prompt
 from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.async_engine import AsyncEngine
@@ -47,10 +53,12 @@ from pagoda_engine.api.server.protocol import (
     UsageInfo,
     chat_message_dicts,
 )
-from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt
+from pagoda_engine.api.tokenizer import encode_text, render_chat
 
 T = TypeVar("T")
 _DONE = "data: [DONE]\n\n"
+# Sequences added to the engine between two yields to the event loop.
+_ADD_SLICE = 64
 
 
 class ClientDisconnected(Exception):
@@ -85,6 +93,7 @@ def _sse(obj) -> str:
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine):
         self.engine = engine
+        self.limits = engine.config.server
 
     @property
     def model_name(self) -> str:
@@ -99,8 +108,59 @@ class OpenAIServing:
         if model is not None and model != self.model_name:
             raise ModelNotFoundError(model, [self.model_name])
 
-    def _check_prompt_ids(self, ids: list[int], param: str = "prompt") -> None:
-        check_prompt(ids, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len, param=param)
+    def _check_prompt_ids(self, ids: list[int], param: str = "prompt", num_tokens: int | None = None) -> None:
+        check_prompt(ids, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len, param=param,
+                     num_tokens=num_tokens)
+
+    def _encode(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], int]:
+        # A prompt of max_model_len tokens or more is refused, so more ids than that are never needed.
+        return encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens,
+                           limit=self.engine.max_model_len)
+
+    def _check_limits(self, req, num_prompts: int) -> None:
+        """Refuse a request that asks for more work than the server's limits allow."""
+        limits = self.limits
+        if num_prompts * req.n > limits.max_sequences_per_request:
+            raise BadRequestError(
+                f"The request asks for {num_prompts * req.n} sequences ({num_prompts} prompt(s) x n={req.n}); "
+                f"the limit is {limits.max_sequences_per_request} (--max-sequences-per-request).", param="n",
+                code="too_many_sequences")
+        stops = [req.stop] if isinstance(req.stop, str) else req.stop or []
+        if len(stops) > limits.max_stop_strings:
+            raise BadRequestError(f"The request has {len(stops)} stop strings; the limit is "
+                                  f"{limits.max_stop_strings} (--max-stop-strings).", param="stop",
+                                  code="too_many_stop_strings")
+        longest = max(map(len, stops), default=0)
+        if longest > limits.max_stop_string_length:
+            raise BadRequestError(f"A stop string has {longest} characters; the limit is "
+                                  f"{limits.max_stop_string_length} (--max-stop-string-length).", param="stop",
+                                  code="stop_string_too_long")
+        if req.logit_bias is not None and len(req.logit_bias) > limits.max_logit_bias_entries:
+            raise BadRequestError(f"logit_bias has {len(req.logit_bias)} entries; the limit is "
+                                  f"{limits.max_logit_bias_entries} (--max-logit-bias-entries).",
+                                  param="logit_bias", code="too_many_logit_bias_entries")
+
+    def _check_num_messages(self, messages) -> None:
+        if messages is not None and len(messages) > self.limits.max_chat_messages:
+            raise BadRequestError(f"The request has {len(messages)} messages; the limit is "
+                                  f"{self.limits.max_chat_messages} (--max-chat-messages).", param="messages",
+                                  code="too_many_messages")
+
+    async def _add_to_group(self, group, entries) -> None:
+        """Add (request_id, text, ids, params, priority) entries to `group`, yielding to the event
+        loop between slices so that a large fan-out never stalls other requests; on any error
+        the group is closed (its added requests aborted)."""
+        try:
+            added = 0
+            for entry in entries:
+                group.add(*entry)
+                added += entry[3].n
+                if added >= _ADD_SLICE:
+                    added = 0
+                    await asyncio.sleep(0)
+        except BaseException:
+            group.close()
+            raise
 
     def _fit_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
         room = self.engine.max_model_len - num_prompt_tokens
@@ -132,43 +192,61 @@ class OpenAIServing:
         return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.ready.model_dir,
                                          max_model_len=self.engine.max_model_len)])
 
-    def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+    async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise BadRequestError("Give exactly one of `prompt` and `messages`.", param="prompt")
-        if req.prompt is not None:
-            ids = (encode_prompt(self.tokenizer, req.prompt) if req.add_special_tokens
-                   else list(self.tokenizer.encode(req.prompt, add_special_tokens=False)))
-        else:
-            ids = apply_chat_template(self.tokenizer, chat_message_dicts(req.messages),
-                                      add_generation_prompt=req.add_generation_prompt)
+        self._check_num_messages(req.messages)
+
+        def run() -> list[int]:
+            if req.prompt is not None:
+                return encode_text(self.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)[0]
+            text = render_chat(self.tokenizer, chat_message_dicts(req.messages), req.add_generation_prompt)
+            return encode_text(self.tokenizer, text, add_special_tokens=False)[0]
+
+        ids = await asyncio.to_thread(run)
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids)
 
-    def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+    async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
         self.check_model(req.model)
         vocab = self.engine.vocab_size
-        bad = next((t for t in req.tokens if t >= vocab), None)
-        if bad is not None:
-            raise BadRequestError(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens")
-        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+        def run() -> str:
+            bad = next((t for t in req.tokens if t >= vocab), None)
+            if bad is not None:
+                raise BadRequestError(f"Token id {bad} is outside the vocabulary [0, {vocab}).", param="tokens")
+            return self.tokenizer.decode(req.tokens)
+
+        return DetokenizeResponse(prompt=await asyncio.to_thread(run))
 
     # --- /v1/completions ----------------------------------------------------------------------
-    def _completion_prompts(self, prompt) -> list[tuple[str | None, list[int]]]:
+    @staticmethod
+    def _completion_prompts(prompt) -> list:
         if isinstance(prompt, str):
-            prompts = [prompt]
-        elif not prompt:
+            return [prompt]
+        if not prompt:
             raise BadRequestError("prompt must not be an empty list.", param="prompt")
-        elif isinstance(prompt[0], int):
-            prompts = [prompt]
-        else:
-            prompts = prompt
-        out = []
+        if isinstance(prompt[0], int):
+            return [prompt]
+        return prompt
+
+    def _completion_plan(self, req: CompletionRequest, prompts: list) -> list:
+        """(text, ids, params) for each prompt: tokenized, checked, max_tokens fitted. Runs in a
+        worker thread (O(prompt length))."""
+        plan = []
         for p in prompts:
             if isinstance(p, str):
-                out.append((p, encode_prompt(self.tokenizer, p)))
+                text, (ids, num_tokens) = p, self._encode(p)
             else:
-                out.append((None, list(p)))
-        return out
+                text, ids, num_tokens = None, list(p), len(p)
+            self._check_prompt_ids(ids, num_tokens=num_tokens)
+            params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"))
+            if req.echo and req.logprobs is not None:
+                params.prompt_logprobs = req.logprobs
+            plan.append((text, ids, self._finish_params(params)))
+        if plan and plan[0][2].stop:
+            stop_strings(tuple(plan[0][2].stop))  # built here, off the loop; the detokenizers share it
+        return plan
 
     async def create_completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -179,22 +257,14 @@ class OpenAIServing:
             raise BadRequestError("best_of must equal n (Pagoda returns every sequence it generates).",
                                   param="best_of")
         prompts = self._completion_prompts(req.prompt)
+        self._check_limits(req, len(prompts))
+        plan = await asyncio.to_thread(self._completion_plan, req, prompts)
         request_id = self._request_id("cmpl", req.request_id)
-        plan = []
-        for text, ids in prompts:
-            self._check_prompt_ids(ids)
-            params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"))
-            if req.echo and req.logprobs is not None:
-                params.prompt_logprobs = req.logprobs
-            plan.append((text, ids, self._finish_params(params)))
 
         group = self.engine.group(_output_kind(req.stream))
-        try:
-            for i, (text, ids, params) in enumerate(plan):
-                group.add(request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority)
-        except BaseException:
-            group.close()
-            raise
+        await self._add_to_group(group, [
+            (request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority)
+            for i, (text, ids, params) in enumerate(plan)])
         index_of = {s.request_id: i for i, s in enumerate(group.streams)}
         if req.stream:
             return _sse_response(self._completion_stream(req, request_id, plan, group, index_of))
@@ -317,21 +387,27 @@ class OpenAIServing:
         yield _DONE
 
     # --- /v1/chat/completions -----------------------------------------------------------------
-    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
-        self.engine.check_accepting()
-        ids = apply_chat_template(self.tokenizer, req.chat_messages(), add_generation_prompt=req.add_generation_prompt)
-        self._check_prompt_ids(ids, param="messages")
+    def _chat_plan(self, req: ChatCompletionRequest) -> tuple[list[int], SamplingParams]:
+        """The prompt ids and sampling parameters of a chat request. Runs in a worker thread."""
+        text = render_chat(self.tokenizer, req.chat_messages(), req.add_generation_prompt)
+        ids, num_tokens = self._encode(text, add_special_tokens=False)
+        self._check_prompt_ids(ids, param="messages", num_tokens=num_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = self._finish_params(req.to_sampling_params(
             self._fit_max_tokens(req.requested_max_tokens(), len(ids), param)))
+        if params.stop:
+            stop_strings(tuple(params.stop))
+        return ids, params
+
+    async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
+        self.check_model(req.model)
+        self.engine.check_accepting()
+        self._check_num_messages(req.messages)
+        self._check_limits(req, 1)
+        ids, params = await asyncio.to_thread(self._chat_plan, req)
         request_id = self._request_id("chatcmpl", req.request_id)
         group = self.engine.group(_output_kind(req.stream))
-        try:
-            group.add(request_id, None, ids, params, req.priority)
-        except BaseException:
-            group.close()
-            raise
+        await self._add_to_group(group, [(request_id, None, ids, params, req.priority)])
         if req.stream:
             return _sse_response(self._chat_stream(req, request_id, ids, group))
         try:
