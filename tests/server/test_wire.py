@@ -103,7 +103,8 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     try:
-        thread.start()
+        # All three wait in the socket before the loop starts, so "a" is still running when its
+        # duplicate is read (a loaded machine could otherwise finish "a" in between).
         to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5, 6, 7],
                                                       sampling_params=params, arrival_time=1.0)))
         to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5],
@@ -111,6 +112,7 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
         to_core.send(encoder.encode(EngineCoreRequest(request_id="b", prompt_token_ids=[5, 6, 7, 8],
                                                       sampling_params=SamplingParams(ignore_eos=True,
                                                                                      max_tokens=1500))))
+        thread.start()
         tokens, events, refused, finished, b_finish, aborted = [], [], [], None, [], False
         idle = False
         while not idle:
