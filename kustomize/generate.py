@@ -63,8 +63,16 @@ def _relabel(obj: dict) -> None:
                 labels["app.kubernetes.io/managed-by"] = "kustomize"
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the dashboard's JSON) as literal blocks, readable in review."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
 def _dump(objects: list[dict], source: str) -> str:
-    body = yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+    body = yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
     return HEADER.format(source=source) + body
 
 
