@@ -135,53 +135,49 @@ class ServerMetrics:
         self._stats = _SchedulerStatsCollector(model_name, num_engines)
         self.registry.register(self._stats)
         self.registry.register(_CacheConfigInfo(cache_info or {}, num_engines))
-        r = self.registry
         lengths = buckets_1_2_5(max_model_len)
-        self._prompt_tokens = Counter("pagoda:prompt_tokens", "Number of prefill tokens processed.", _LABELS,
-                                      registry=r)
-        self._generation_tokens = Counter("pagoda:generation_tokens", "Number of generation tokens processed.",
-                                          _LABELS, registry=r)
+        per_engine = []  # the families every engine exports at 0 from the start
+
+        def counter(name: str, doc: str) -> Counter:
+            per_engine.append(Counter(name, doc, _LABELS, registry=self.registry))
+            return per_engine[-1]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            per_engine.append(Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry))
+            return per_engine[-1]
+
+        self._prompt_tokens = counter("pagoda:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("pagoda:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter("pagoda:request_success", "Count of finished requests by finish reason.",
-                                        [*_LABELS, "finished_reason"], registry=r)
-        self._ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token in seconds.", _LABELS,
-                               buckets=_TTFT_BUCKETS, registry=r)
-        self._itl = Histogram("pagoda:inter_token_latency_seconds", "Inter-token latency in seconds.", _LABELS,
-                              buckets=_ITL_BUCKETS, registry=r)
-        self._e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                              _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        self._queue_time = Histogram("pagoda:request_queue_time_seconds",
+                                        [*_LABELS, "finished_reason"], registry=self.registry)
+        self._ttft = histogram("pagoda:time_to_first_token_seconds", "Time to first token in seconds.",
+                               _TTFT_BUCKETS)
+        self._itl = histogram("pagoda:inter_token_latency_seconds", "Inter-token latency in seconds.", _ITL_BUCKETS)
+        self._e2e = histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                              _LATENCY_BUCKETS)
+        self._queue_time = histogram("pagoda:request_queue_time_seconds",
                                      "Time a request spent waiting in the engine before it was first scheduled.",
-                                     _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        self._prefill_time = Histogram("pagoda:request_prefill_time_seconds",
-                                       "Histogram of time spent in PREFILL phase for request.", _LABELS,
-                                       buckets=_LATENCY_BUCKETS, registry=r)
-        self._decode_time = Histogram("pagoda:request_decode_time_seconds",
-                                      "Histogram of time spent in DECODE phase for request.", _LABELS,
-                                      buckets=_LATENCY_BUCKETS, registry=r)
-        self._inference_time = Histogram("pagoda:request_inference_time_seconds",
-                                         "Histogram of time spent in RUNNING phase for request.", _LABELS,
-                                         buckets=_LATENCY_BUCKETS, registry=r)
-        self._tpot = Histogram("pagoda:request_time_per_output_token_seconds",
-                               "Histogram of time_per_output_token_seconds per request.", _LABELS,
-                               buckets=_TPOT_BUCKETS, registry=r)
-        self._request_prompt_tokens = Histogram("pagoda:request_prompt_tokens",
-                                                "Number of prefill tokens processed.", _LABELS, buckets=lengths,
-                                                registry=r)
-        self._request_generation_tokens = Histogram("pagoda:request_generation_tokens",
-                                                    "Number of generation tokens processed.", _LABELS,
-                                                    buckets=lengths, registry=r)
-        self._max_tokens = Histogram("pagoda:request_params_max_tokens", "Histogram of the max_tokens request "
-                                     "parameter.", _LABELS, buckets=lengths, registry=r)
-        self._n = Histogram("pagoda:request_params_n", "Histogram of the n request parameter.", _LABELS,
-                            buckets=_N_BUCKETS, registry=r)
-        self._iteration_tokens = Histogram("pagoda:iteration_tokens_total", "Histogram of number of tokens per "
-                                           "engine_step.", _LABELS, buckets=_ITERATION_TOKENS_BUCKETS, registry=r)
-        for engine in range(num_engines):  # every engine's series exported at 0 from the start
+                                     _LATENCY_BUCKETS)
+        self._prefill_time = histogram("pagoda:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS)
+        self._decode_time = histogram("pagoda:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS)
+        self._inference_time = histogram("pagoda:request_inference_time_seconds",
+                                         "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS)
+        self._tpot = histogram("pagoda:request_time_per_output_token_seconds",
+                               "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
+        self._request_prompt_tokens = histogram("pagoda:request_prompt_tokens",
+                                                "Number of prefill tokens processed.", lengths)
+        self._request_generation_tokens = histogram("pagoda:request_generation_tokens",
+                                                    "Number of generation tokens processed.", lengths)
+        self._max_tokens = histogram("pagoda:request_params_max_tokens",
+                                     "Histogram of the max_tokens request parameter.", lengths)
+        self._n = histogram("pagoda:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self._iteration_tokens = histogram("pagoda:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.", _ITERATION_TOKENS_BUCKETS)
+        for engine in range(num_engines):
             labels = (model_name, str(engine))
-            for family in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl, self._e2e,
-                           self._queue_time, self._prefill_time, self._decode_time, self._inference_time,
-                           self._tpot, self._request_prompt_tokens, self._request_generation_tokens,
-                           self._max_tokens, self._n, self._iteration_tokens):
+            for family in per_engine:
                 family.labels(*labels)
             for reason in ("stop", "length", "abort"):
                 self._request_success.labels(*labels, reason)
