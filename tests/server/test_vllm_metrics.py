@@ -1,6 +1,7 @@
 """vLLM's metric families on a real `pagoda serve`: each with vLLM's name under `pagoda:`, its
 type, labels and buckets, and moving after a request; vLLM's interval definitions from the core's
-stamps; and the Grafana dashboard shipped in the chart queries only series that exist."""
+stamps; and the Grafana dashboard shipped in the chart queries only series that exist, with PromQL
+that a real Prometheus scraping a real engine answers."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import DEFAULT_ARGS, launch
-from pagoda_e2e import free_port, start_router
+from pagoda_e2e import PROMETHEUS, free_port, prom_query, prometheus_config, start_prometheus, start_router, until
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagoda_engine.api.output_processor import SequenceUpdate
@@ -183,3 +184,40 @@ def test_every_metric_the_dashboard_queries_exists_on_a_real_engine_or_router(se
                       "End-to-end latency", "Running / waiting", "KV-cache usage", "Prefix-cache hit rate",
                       "Preemptions", "Replicas: desired vs ready"}
     assert all(p["targets"] for p in dashboard["panels"])
+
+
+def _as_prometheus_sees_it(query: str) -> str:
+    """A panel's query with Grafana's variables as the dashboard's defaults (All) leave them."""
+    for variable in ("$namespace", "$service", "$model_name"):
+        query = query.replace(variable, ".*")
+    return query.replace("$__rate_interval", "1m")
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install prometheus)")
+def test_every_dashboard_query_answers_from_a_real_prometheus_scraping_a_real_engine(server, families, tmp_path):
+    """Each panel's PromQL parses, and its labels (namespace, service and pod, as a ServiceMonitor
+    attaches them) select series: only the kube-state-metrics panel may come back empty here."""
+    port = free_port()
+    labels = {"namespace": "default", "service": "svc-engine", "pod": "svc-engine-0"}
+    prom = start_prometheus(port, prometheus_config({"engines": [(server.url.removeprefix("http://"), labels)]}),
+                            tmp_path / "prometheus")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        # Two scrapes after the request: enough for every rate() over the window.
+        def scrapes() -> float:
+            return sum(float(r["value"][1]) for r in prom_query(base, "count_over_time(up[1m])"))
+
+        until(lambda: scrapes() >= 2, timeout=30, what="two scrapes of the engine")
+        dashboard = json.loads(DASHBOARD.read_text())
+        for panel in dashboard["panels"]:
+            for target in panel["targets"]:
+                result = prom_query(base, _as_prometheus_sees_it(target["expr"]))
+                if not _metric_names(target["expr"]) <= KUBE_STATE_METRICS:
+                    assert result, (panel["title"], target["expr"])
+                    assert {"pod"} <= result[0]["metric"].keys() or "deployment" in target["expr"], panel["title"]
+        for variable in (v for v in dashboard["templating"]["list"] if v["type"] == "query"):
+            selector, label = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"]).groups()
+            values = {r["metric"].get(label) for r in prom_query(base, _as_prometheus_sees_it(selector))}
+            assert values == {labels.get(label, families["pagoda:num_requests_running"].samples[0].labels.get(label))}
+    finally:
+        prom.stop()
