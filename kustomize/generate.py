@@ -4,6 +4,8 @@ The Helm chart `charts/pagoda` is the one place the operator's Deployment and RB
 kustomize gets them rendered from it (Helm's own engine, through the helm-python-sdk package):
 
   base/operator.yaml            the chart with its default values, release `pagoda`, pagoda-system
+  monitoring/grafana-dashboard.yaml  the chart's Grafana dashboard ConfigMap
+                                     (monitoring.grafanaDashboard.enabled)
   overlays/*/inferenceservice.yaml  copies of examples/tiny-cpu.yaml and examples/llama-3.1-8b.yaml
                                     (kustomize may not load files outside its root, so it cannot
                                     reference them)
@@ -61,8 +63,16 @@ def _relabel(obj: dict) -> None:
                 labels["app.kubernetes.io/managed-by"] = "kustomize"
 
 
+class _Dumper(yaml.SafeDumper):
+    """Multi-line strings (the dashboard's JSON) as literal blocks, readable in review."""
+
+
+_Dumper.add_representer(str, lambda dumper, text: dumper.represent_scalar(
+    "tag:yaml.org,2002:str", text, style="|" if "\n" in text else None))
+
+
 def _dump(objects: list[dict], source: str) -> str:
-    body = yaml.safe_dump_all(objects, sort_keys=False, default_flow_style=False)
+    body = yaml.dump_all(objects, Dumper=_Dumper, sort_keys=False, default_flow_style=False)
     return HEADER.format(source=source) + body
 
 
@@ -73,6 +83,8 @@ def expected_files() -> dict[str, str]:
     files["kustomize/base/operator.yaml"] = _dump(
         [obj for template in sorted(base) for obj in base[template]], "charts/pagoda"
     )
+    dashboard = _render_chart({"monitoring": {"grafanaDashboard": {"enabled": True}}})["templates/grafana-dashboard.yaml"]
+    files["kustomize/monitoring/grafana-dashboard.yaml"] = _dump(dashboard, "charts/pagoda")
     for target, example in OVERLAY_EXAMPLES.items():
         source = ROOT / example
         if not source.exists():

@@ -74,6 +74,7 @@ BAD_VALUES = [
     ({"router": {"namespaces": ["default"]}}, "router"),
     ({"monitoring": {"podMonitor": {"enabled": "yes"}}}, "/monitoring/podMonitor/enabled"),
     ({"monitoring": {"podMonitor": {"interval": "soon"}}}, "/monitoring/podMonitor/interval"),
+    ({"monitoring": {"grafanaDashboard": {"enabled": "yes"}}}, "/monitoring/grafanaDashboard/enabled"),
     ({"typo": True}, "typo"),
 ]
 
@@ -114,7 +115,9 @@ VARIANTS = {
             "healthPort": 9090,
         },
         "serviceAccount": {"name": "custom-sa", "annotations": {"x": "y"}},
-        "monitoring": {"podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prom"}}},
+        "monitoring": {"podMonitor": {"enabled": True, "interval": "30s", "labels": {"release": "prom"}},
+                       "grafanaDashboard": {"enabled": True, "namespace": "monitoring", "labels": {"team": "ml"},
+                                            "annotations": {"grafana_folder": "Pagoda"}}},
     },
 }
 
@@ -219,6 +222,21 @@ def test_pod_monitor_only_when_enabled(helm):
     (monitor,) = by_kind(render(helm, {"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor")
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
     assert monitor["spec"]["selector"]["matchLabels"] == {"app.kubernetes.io/managed-by": "pagoda-operator"}
+
+
+def test_grafana_dashboard_only_when_enabled_and_labelled_for_the_sidecar(helm):
+    assert not by_kind(render(helm), "ConfigMap")
+    (dashboard,) = by_kind(render(helm, {"monitoring": {"grafanaDashboard": {"enabled": True}}}), "ConfigMap")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["namespace"] == NAMESPACE
+    shipped = json.loads((CHART_DIR / "dashboards" / "pagoda.json").read_text())
+    assert json.loads(dashboard["data"]["pagoda.json"]) == shipped
+    (elsewhere,) = by_kind(render(helm, {"monitoring": {"grafanaDashboard": {
+        "enabled": True, "namespace": "monitoring", "labels": {"team": "ml"},
+        "annotations": {"grafana_folder": "Pagoda"}}}}), "ConfigMap")
+    assert elsewhere["metadata"]["namespace"] == "monitoring"
+    assert {"grafana_dashboard": "1", "team": "ml"}.items() <= elsewhere["metadata"]["labels"].items()
+    assert elsewhere["metadata"]["annotations"] == {"grafana_folder": "Pagoda"}
 
 
 def test_chart_ships_the_generated_crd(helm, inferenceservice_crd):

@@ -4,6 +4,7 @@ valid, the generated files match their sources, and the overlays say what they p
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import pytest
 import yaml
@@ -22,7 +23,7 @@ def _generator():
 
 def test_every_overlay_is_covered():
     names = {p.relative_to(KUSTOMIZE_DIR).as_posix() for p in KUSTOMIZATIONS}
-    assert {"base", "overlays/cpu-dev", "overlays/gpu"} <= names
+    assert {"base", "monitoring", "overlays/cpu-dev", "overlays/gpu"} <= names
     # The operator creates each router's account beside its InferenceService; no install step does.
     assert not (KUSTOMIZE_DIR / "router-rbac").exists()
 
@@ -116,3 +117,10 @@ def test_gpu_overlay_puts_engines_on_nvidia_nodes(kustomize_build, crd_objects):
     (deployment,) = [o for o in _objects_of(objects, "Deployment") if o["metadata"]["name"] == "pagoda-operator"]
     assert "tolerations" not in deployment["spec"]["template"]["spec"]
 
+
+def test_monitoring_ships_the_charts_grafana_dashboard(kustomize_build):
+    (dashboard,) = kustomize_build(KUSTOMIZE_DIR / "monitoring")
+    assert dashboard["kind"] == "ConfigMap" and dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert dashboard["metadata"]["namespace"] == OPERATOR_NAMESPACE
+    shipped = json.loads((ROOT / "charts" / "pagoda" / "dashboards" / "pagoda.json").read_text())
+    assert json.loads(dashboard["data"]["pagoda.json"]) == shipped

@@ -166,6 +166,7 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     num_preemptions: int = 0  # counter
     num_kv_pages: int = 0
     block_size: int = 16
+    num_scheduled_tokens: int = 0  # tokens the step that sent these stats scheduled (0: no step ran)
 
 
 class EngineCoreOutputs(_Message):

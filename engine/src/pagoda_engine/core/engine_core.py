@@ -302,7 +302,7 @@ class EngineCore:
         if sched.is_empty:
             return EngineCoreOutputs(outputs=[], stats=self.get_stats())
         result = self.runner.execute(sched)
-        return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats())
+        return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats(sched.num_tokens))
 
     def _step_overlapped(self) -> EngineCoreOutputs:
         """Launch the next step, then resolve the one in flight (async scheduling)."""
@@ -317,22 +317,24 @@ class EngineCore:
             self.scheduler.advance(sched)
         if prev is not None:
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
-        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Launch a batch while the queue has room; else (or with nothing to launch) resolve the oldest."""
+        launched = 0
         if len(self._batch_queue) < self.max_concurrent_batches:
             sched = self.scheduler.schedule(skip_in_flight=True)
             if not sched.is_empty:
                 self._batch_queue.append(self.runner.launch(sched))
                 self.scheduler.advance(sched)
+                launched = sched.num_tokens
                 if len(self._batch_queue) < self.max_concurrent_batches:
-                    return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+                    return EngineCoreOutputs(outputs=[], stats=self.get_stats(launched))
         outputs: list[EngineCoreOutput] = []
         if self._batch_queue:
             oldest = self._batch_queue.popleft()
             outputs = self._update(oldest.sched, oldest.resolve(), advanced=True)
-        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats())
+        return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(launched))
 
     def _update(self, sched: SchedulerOutput, result: RunnerOutput, advanced: bool = False) -> list[EngineCoreOutput]:
         """Apply a resolved step to its requests; one output per request that got a token."""
@@ -354,12 +356,13 @@ class EngineCore:
                 events=req.take_events()))
         return outputs
 
-    def get_stats(self) -> SchedulerStats:
+    def get_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
+        """The scheduler's state now; `num_scheduled_tokens`: what the step sending it scheduled."""
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
-            num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size)
+            num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size, num_scheduled_tokens=num_scheduled_tokens)
 
 
 def _must_resolve_first(step: LaunchedStep) -> bool:

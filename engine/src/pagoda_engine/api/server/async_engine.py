@@ -20,7 +20,7 @@ from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.api.server.errors import ServiceUnavailableError
-from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics
+from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs
@@ -73,7 +73,9 @@ class AsyncEngine:
             raise
         self.processor = OutputProcessor(self.tokenizer)
         self.served_model_name = self.config.model.served_model_name or self.ready.served_model_name
-        self.metrics = ServerMetrics(self.served_model_name, num_engines=self.client.size)
+        self.metrics = ServerMetrics(self.served_model_name, num_engines=self.client.size,
+                                     max_model_len=self.ready.max_model_len,
+                                     cache_info=cache_config_info(self.config.cache, self.ready.num_kv_pages))
         return self.ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -130,7 +132,8 @@ class AsyncEngine:
                                                    output_kind)
         engine = self.client.least_loaded()
         stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
-                         [SequenceTimes(arrival, len(prompt_token_ids), engine) for _ in core_requests])
+                         [SequenceTimes(arrival, len(prompt_token_ids), engine, params.max_tokens)
+                          for _ in core_requests])
         self._streams[request_id] = stream
         self._idle.clear()
         for child_id in stream.child_ids:
@@ -140,6 +143,7 @@ class AsyncEngine:
         except BaseException:
             self._release(stream)
             raise
+        self.metrics.request_added(engine, params.n)
         return stream
 
     def _release(self, stream: _Stream) -> None:

@@ -8,7 +8,12 @@ routers written for vLLM map one-to-one. Two sources feed them:
     the lifecycle events the core's scheduler stamped, end-to-end latency from the arrival time,
     all wall clock (`time.time()`, comparable across the processes); inter-token latency from
     when each step's tokens reached this process (`time.monotonic()`); token and finished-request
-    counters.
+    counters. At a sequence's end, vLLM's intervals: prefill = first token - first scheduled (the
+    core's stamps), decode = last token - first token (both as they reached this process, so the
+    two ends share a clock), inference = prefill + decode (= last - scheduled), time per output
+    token = decode / (generated - 1); the prompt and generation lengths and `max_tokens`.
+  - each step's scheduled token count (`SchedulerStats.num_scheduled_tokens`):
+    `iteration_tokens_total`.
 Every series carries vLLM's labels `model_name` and `engine` (the data-parallel rank of the core
 that ran the request or reported the stats: `engine="0"` with one core), so the pod's figure is
 the sum over `engine`.
@@ -25,6 +30,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagoda_engine.api.output_processor import SequenceUpdate
+from pagoda_engine.config import CacheConfig
 from pagoda_engine.messages import EngineCoreEventType, SchedulerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -35,6 +41,21 @@ _ITL_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
                 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+_ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(limit: int) -> tuple[int, ...]:
+    """vLLM's `build_1_2_5_buckets`: 1, 2, 5, 10, 20, 50, ... up to `limit`."""
+    out, magnitude = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * magnitude > limit:
+                return tuple(out)
+            out.append(step * magnitude)
+        magnitude *= 10
 
 
 _LABELS = ["model_name", "engine"]
@@ -67,6 +88,27 @@ class _SchedulerStatsCollector(Collector):
             yield family
 
 
+class _CacheConfigInfo(Collector):
+    """vLLM's `cache_config_info`: a gauge of 1 whose labels are the cache configuration, per engine."""
+
+    def __init__(self, info: dict[str, str], num_engines: int):
+        self.info = info
+        self.num_engines = num_engines
+
+    def collect(self):
+        family = GaugeMetricFamily("pagoda:cache_config_info", "Information of the LLMEngine CacheConfig.",
+                                   labels=[*self.info, "engine"])
+        for engine in range(self.num_engines):
+            family.add_metric([*self.info.values(), str(engine)], 1)
+        yield family
+
+
+def cache_config_info(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
+    """The labels of `cache_config_info`: the engine's cache flags and the pool it measured."""
+    return {"block_size": str(cache.block_size), "enable_prefix_caching": str(cache.enable_prefix_caching),
+            "gpu_memory_utilization": str(cache.gpu_memory_utilization), "num_gpu_blocks": str(num_gpu_blocks)}
+
+
 @dataclass(eq=False)
 class SequenceTimes:
     """What the metrics remember about one sequence between its steps."""
@@ -74,37 +116,68 @@ class SequenceTimes:
     arrival_time: float  # time.time() when the API process got the request
     num_prompt_tokens: int
     engine: int = 0  # the data-parallel rank of the core running it
+    max_tokens: int | None = None  # the request's max_tokens (None: up to max_model_len)
     queued_at: float | None = None  # the core's QUEUED stamp, until the first SCHEDULED one
+    scheduled_at: float | None = None  # the core's first SCHEDULED stamp
+    prefill_time: float | None = None  # the core's FIRST_TOKEN stamp - scheduled_at
+    first_token: float | None = None  # time.time() when its first tokens arrived here
     last_token: float | None = None  # time.monotonic() when its latest tokens arrived here
+    num_generated: int = 0
     done: bool = False
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, num_engines: int = 1):
+    def __init__(self, model_name: str, num_engines: int = 1, max_model_len: int = 8192,
+                 cache_info: dict[str, str] | None = None):
         self.model_name = model_name
+        self.max_model_len = max_model_len
         self.registry = CollectorRegistry()
         self._stats = _SchedulerStatsCollector(model_name, num_engines)
         self.registry.register(self._stats)
-        r = self.registry
-        self._prompt_tokens = Counter("pagoda:prompt_tokens", "Number of prefill tokens processed.", _LABELS,
-                                      registry=r)
-        self._generation_tokens = Counter("pagoda:generation_tokens", "Number of generation tokens processed.",
-                                          _LABELS, registry=r)
+        self.registry.register(_CacheConfigInfo(cache_info or {}, num_engines))
+        lengths = buckets_1_2_5(max_model_len)
+        per_engine = []  # the families every engine exports at 0 from the start
+
+        def counter(name: str, doc: str) -> Counter:
+            per_engine.append(Counter(name, doc, _LABELS, registry=self.registry))
+            return per_engine[-1]
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            per_engine.append(Histogram(name, doc, _LABELS, buckets=buckets, registry=self.registry))
+            return per_engine[-1]
+
+        self._prompt_tokens = counter("pagoda:prompt_tokens", "Number of prefill tokens processed.")
+        self._generation_tokens = counter("pagoda:generation_tokens", "Number of generation tokens processed.")
         self._request_success = Counter("pagoda:request_success", "Count of finished requests by finish reason.",
-                                        [*_LABELS, "finished_reason"], registry=r)
-        self._ttft = Histogram("pagoda:time_to_first_token_seconds", "Time to first token in seconds.", _LABELS,
-                               buckets=_TTFT_BUCKETS, registry=r)
-        self._itl = Histogram("pagoda:inter_token_latency_seconds", "Inter-token latency in seconds.", _LABELS,
-                              buckets=_ITL_BUCKETS, registry=r)
-        self._e2e = Histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
-                              _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        self._queue_time = Histogram("pagoda:request_queue_time_seconds",
+                                        [*_LABELS, "finished_reason"], registry=self.registry)
+        self._ttft = histogram("pagoda:time_to_first_token_seconds", "Time to first token in seconds.",
+                               _TTFT_BUCKETS)
+        self._itl = histogram("pagoda:inter_token_latency_seconds", "Inter-token latency in seconds.", _ITL_BUCKETS)
+        self._e2e = histogram("pagoda:e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+                              _LATENCY_BUCKETS)
+        self._queue_time = histogram("pagoda:request_queue_time_seconds",
                                      "Time a request spent waiting in the engine before it was first scheduled.",
-                                     _LABELS, buckets=_LATENCY_BUCKETS, registry=r)
-        for engine in range(num_engines):  # every engine's series exported at 0 from the start
+                                     _LATENCY_BUCKETS)
+        self._prefill_time = histogram("pagoda:request_prefill_time_seconds",
+                                       "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS)
+        self._decode_time = histogram("pagoda:request_decode_time_seconds",
+                                      "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS)
+        self._inference_time = histogram("pagoda:request_inference_time_seconds",
+                                         "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS)
+        self._tpot = histogram("pagoda:request_time_per_output_token_seconds",
+                               "Histogram of time_per_output_token_seconds per request.", _TPOT_BUCKETS)
+        self._request_prompt_tokens = histogram("pagoda:request_prompt_tokens",
+                                                "Number of prefill tokens processed.", lengths)
+        self._request_generation_tokens = histogram("pagoda:request_generation_tokens",
+                                                    "Number of generation tokens processed.", lengths)
+        self._max_tokens = histogram("pagoda:request_params_max_tokens",
+                                     "Histogram of the max_tokens request parameter.", lengths)
+        self._n = histogram("pagoda:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self._iteration_tokens = histogram("pagoda:iteration_tokens_total",
+                                           "Histogram of number of tokens per engine_step.", _ITERATION_TOKENS_BUCKETS)
+        for engine in range(num_engines):
             labels = (model_name, str(engine))
-            for family in (self._prompt_tokens, self._generation_tokens, self._ttft, self._itl, self._e2e,
-                           self._queue_time):
+            for family in per_engine:
                 family.labels(*labels)
             for reason in ("stop", "length", "abort"):
                 self._request_success.labels(*labels, reason)
@@ -118,11 +191,17 @@ class ServerMetrics:
             elif event.type == EngineCoreEventType.SCHEDULED and times.queued_at is not None:
                 self._queue_time.labels(*labels).observe(max(0.0, event.timestamp - times.queued_at))
                 times.queued_at = None  # a preempted request's second admission is not queue time
+                times.scheduled_at = event.timestamp
             elif event.type == EngineCoreEventType.FIRST_TOKEN:
                 self._ttft.labels(*labels).observe(max(0.0, event.timestamp - times.arrival_time))
                 self._prompt_tokens.labels(*labels).inc(times.num_prompt_tokens)
+                if times.scheduled_at is not None:
+                    times.prefill_time = max(0.0, event.timestamp - times.scheduled_at)
         num = update.num_new_tokens
         if num:
+            if times.first_token is None:
+                times.first_token = time.time()
+            times.num_generated += num
             now = time.monotonic()
             itl = self._itl.labels(*labels)
             if times.last_token is not None:
@@ -137,9 +216,31 @@ class ServerMetrics:
             times.done = True
             self._e2e.labels(*labels).observe(max(0.0, time.time() - times.arrival_time))
             self.request_finished(times.engine, update.finish_reason)
+            self._observe_finished(times, labels)
+
+    def _observe_finished(self, times: SequenceTimes, labels: tuple[str, str]) -> None:
+        """vLLM's per-request histograms, for a sequence the core finished."""
+        self._request_prompt_tokens.labels(*labels).observe(times.num_prompt_tokens)
+        self._request_generation_tokens.labels(*labels).observe(times.num_generated)
+        max_tokens = times.max_tokens if times.max_tokens is not None else self.max_model_len - times.num_prompt_tokens
+        self._max_tokens.labels(*labels).observe(max_tokens)
+        if times.first_token is None:
+            return  # finished before its first token: it had no prefill or decode
+        decode = max(0.0, time.time() - times.first_token)
+        self._decode_time.labels(*labels).observe(decode)
+        self._tpot.labels(*labels).observe(decode / (times.num_generated - 1) if times.num_generated > 1 else 0.0)
+        if times.prefill_time is not None:
+            self._prefill_time.labels(*labels).observe(times.prefill_time)
+            self._inference_time.labels(*labels).observe(times.prefill_time + decode)
+
+    def request_added(self, engine: int, n: int) -> None:
+        """One prompt of a request, fanned out into `n` sequences."""
+        self._n.labels(self.model_name, str(engine)).observe(n)
 
     def update_stats(self, engine: int, stats: SchedulerStats) -> None:
         self._stats.stats[engine] = stats
+        if stats.num_scheduled_tokens:
+            self._iteration_tokens.labels(self.model_name, str(engine)).observe(stats.num_scheduled_tokens)
 
     def request_finished(self, engine: int, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, str(engine), finish_reason).inc()
