@@ -42,8 +42,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline-parallel", "pipeline parallelism", True, options=("pipeline_parallel_size",)),
     Feature("data-parallel", "data parallelism inside one engine", True, options=("data_parallel_size",)),
     Feature("expert-parallel", "expert parallelism", True, options=("enable_expert_parallel",)),
-    Feature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
-            hint="tensor parallelism works inside one pod"),
+    # Asked for by the LeaderWorkerSet's group size; served with --nnodes/--node-rank/--headless.
+    Feature("multi-node", "multi-node serving", True, env=("LWS_GROUP_SIZE",)),
     Feature("kv-offload-cpu", "KV offload tiers in CPU memory", False, options=("kv_offload_cpu_gb",)),
     Feature("kv-offload-disk", "KV offload tiers on local disk", False, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
     Feature("kv-offload-remote", "KV offload tiers in a remote store", False, options=("kv_offload_remote_url",)),
