@@ -202,8 +202,6 @@ class EngineConfig:
                              "(the leader, --node-rank 0, serves the API)")
         if pc.node_rank == 0 and pc.headless:
             raise ValueError("--node-rank 0 is the leader, which serves the API: drop --headless")
-        if pc.data_parallel_size > 1:
-            raise ValueError("--data-parallel-size > 1 does not run with --nnodes > 1 (one engine core spans the nodes)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
