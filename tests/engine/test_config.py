@@ -92,13 +92,19 @@ def _asking(action: argparse.Action) -> list[str]:
     return [flag] if action.nargs == 0 else [flag, {int: "2", float: "8.5"}.get(action.type, "/kv")]
 
 
+# Flags valid only with another: --nnodes 2 needs ranks to spread over the nodes.
+_WITH = {"nnodes": (["--tensor-parallel-size", "2"], "tensor-parallel")}
+
+
 def test_every_flag_of_the_table_parses_and_the_engine_refuses_it_by_name_until_implemented():
     actions = {action.dest: action for action in _engine_parser()._actions}
     for feature in capabilities.FEATURES:
         for option in feature.options:
             words = _asking(actions[option])
-            config = parse(*words)  # hidden from --help or not, the flag parses
-            assert [f.key for f, how in capabilities.requested(config, {})] == [feature.key]
+            companion, companion_key = _WITH.get(option, ([], None))
+            config = parse(*words, *companion)  # hidden from --help or not, the flag parses
+            assert [f.key for f, how in capabilities.requested(config, {})] == \
+                [f.key for f in capabilities.FEATURES if f.key in (feature.key, companion_key)]
             refusal = capabilities.refusal(config, {})
             if feature.implemented:
                 assert refusal is None

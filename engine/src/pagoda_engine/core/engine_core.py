@@ -200,6 +200,10 @@ class EngineCore:
         """Whether this engine replays CUDA graphs (decode ones at least; see `cudagraph_mode`)."""
         return self.cudagraph_mode != "NONE"
 
+    def check_alive(self) -> None:
+        """While idle: EngineDeadError when a worker rank (on this host or another node) is gone."""
+        self.executor.check_alive()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
         self.executor.close()

@@ -106,6 +106,9 @@ class Executor:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A host that vanishes without closing its connections drops out of the routing table too.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         self._sock.bind(f"tcp://{bind_address(master_addr)}:*")
         port = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         # Interpreter exit without close() (a script that never closes its LLM) still stops them.
@@ -144,6 +147,16 @@ class Executor:
         with self._on_all_ranks(method):
             self._send(method, args, kwargs, reply=False)
             return local_method(*args, **kwargs)
+
+    def check_alive(self) -> None:
+        """Between steps, while idle: EngineDeadError naming a worker rank (and its node) that
+        died or whose connection closed since the last call."""
+        if self.layout.world_size == 1:
+            return
+        for rank, process in self._processes.items():
+            if process.poll() is not None:
+                raise EngineDeadError(f"tensor-parallel worker {rank} died (exit code {process.returncode})")
+        self._send("ping", (), {}, reply=False)
 
     def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> int:
         if self.closed:

@@ -256,6 +256,10 @@ class Worker:
         self.hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
         return self.compute_logits(torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
 
+    def ping(self) -> None:
+        """Nothing: the executor's liveness check while the engine is idle (a send to a rank that
+        is gone fails)."""
+
     def shutdown(self) -> None:
         """Stop serving calls (a worker process then exits)."""
         self.serving = False
