@@ -6,7 +6,6 @@ other side fail with a message naming it, never hang."""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 
@@ -98,15 +97,9 @@ def test_a_headless_node_exits_non_zero_when_the_leader_goes_away(tmp_path):
     assert "rank 1 exited with code 1" in log, log
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--nnodes", "3"], r"= 2 ranks cannot be spread evenly over --nnodes 3"),
-    (["--nnodes", "2", "--node-rank", "1"], r"--node-rank 1 runs only its node's ranks: add --headless"),
-    (["--nnodes", "2", "--headless"], r"--node-rank 0 is the leader"),
-    (["--headless"], r"--headless runs a node other than the leader"),
-    (["--nnodes", "2", "--node-rank", "2", "--headless"], r"--node-rank must be in \[0, 2\)"),
-])
-def test_inconsistent_node_flags_are_refused_at_once(flags, message):
-    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--tensor-parallel-size", "2", *flags],
-                         capture_output=True, text=True, timeout=60)
+def test_inconsistent_node_flags_stop_pagoda_serve_at_once():
+    # The cases are in tests/engine/test_config.py; here: the command line exits 2 with the message.
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--tensor-parallel-size", "2",
+                          "--nnodes", "2", "--node-rank", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
-    assert re.search(message, out.stderr), out.stderr
+    assert "--node-rank 1 runs only its node's ranks: add --headless" in out.stderr, out.stderr
