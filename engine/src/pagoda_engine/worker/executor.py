@@ -8,7 +8,11 @@ here (fresh interpreters, `python -c`, so a script that makes an `LLM` at top le
 `if __name__ == "__main__"`), or on another host with `python -m pagoda_engine.worker.worker`
 pointed at this rank's master address and port. They meet over TCP (`rpc.py`): calls over ZMQ,
 tensors broadcast over the process group, which the ranks form through the same TCPStore.
-Start-up waits a bounded time for every rank and names the ones that did not join.
+Start-up waits a bounded time (PAGODA_DIST_TIMEOUT_S) for every rank and names the ones that did
+not join. Over several nodes (`--nnodes`) this process is the leader's and starts only its node's
+ranks; every other node runs `serve_headless`, which starts that node's ranks against the
+leader's store; a missing or dead rank is named with its node (`node-rank 1`). While the core is
+idle `check_alive` pings every rank, so a node that dies fails the engine within seconds.
 
 One scheduler, on rank 0, decides for all, so a page id means the same page on every rank.
 Logits are gathered on every rank; only rank 0 samples. Under pipeline parallelism
