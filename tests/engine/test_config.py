@@ -92,13 +92,19 @@ def _asking(action: argparse.Action) -> list[str]:
     return [flag] if action.nargs == 0 else [flag, {int: "2", float: "8.5"}.get(action.type, "/kv")]
 
 
+# Flags valid only with another: --nnodes 2 needs ranks to spread over the nodes.
+_WITH = {"nnodes": (["--tensor-parallel-size", "2"], "tensor-parallel")}
+
+
 def test_every_flag_of_the_table_parses_and_the_engine_refuses_it_by_name_until_implemented():
     actions = {action.dest: action for action in _engine_parser()._actions}
     for feature in capabilities.FEATURES:
         for option in feature.options:
             words = _asking(actions[option])
-            config = parse(*words)  # hidden from --help or not, the flag parses
-            assert [f.key for f, how in capabilities.requested(config, {})] == [feature.key]
+            companion, companion_key = _WITH.get(option, ([], None))
+            config = parse(*words, *companion)  # hidden from --help or not, the flag parses
+            assert [f.key for f, how in capabilities.requested(config, {})] == \
+                [f.key for f in capabilities.FEATURES if f.key in (feature.key, companion_key)]
             refusal = capabilities.refusal(config, {})
             if feature.implemented:
                 assert refusal is None
@@ -111,8 +117,32 @@ def test_a_leaderworkerset_group_above_one_pod_asks_for_multi_node_serving():
     (feature,) = [f for f in capabilities.FEATURES if "LWS_GROUP_SIZE" in f.env]
     assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "1"}) == []
     assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "2"}) == [(feature, "LWS_GROUP_SIZE=2")]
-    if not feature.implemented:
-        assert "multi-node serving (LWS_GROUP_SIZE=2; tensor parallelism works inside one pod)" in capabilities.refusal(parse(), {"LWS_GROUP_SIZE": "2"})
+    assert feature.implemented and capabilities.refusal(parse(), {"LWS_GROUP_SIZE": "2"}) is None
+    # One engine core spans the nodes: data-parallel cores beside it are refused by name.
+    assert capabilities.refusal(parse("--data-parallel-size", "2"), {"LWS_GROUP_SIZE": "2"}) == (
+        "not implemented in this engine yet: data parallelism inside a multi-node engine "
+        "(--data-parallel-size 2 with LWS_GROUP_SIZE=2; scale a multi-node engine out with replicas)")
+    assert "data parallelism inside a multi-node engine" in capabilities.refusal(
+        parse("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2"), {})
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--nnodes", "3", "-tp", "2"], r"= 2 ranks cannot be spread evenly over --nnodes 3"),
+    (["--nnodes", "2", "-tp", "2", "--node-rank", "1"], r"--node-rank 1 runs only its node's ranks: add --headless"),
+    (["--nnodes", "2", "-tp", "2", "--headless"], r"--node-rank 0 is the leader"),
+    (["--headless"], r"--headless runs a node other than the leader"),
+    (["--nnodes", "2", "-tp", "2", "--node-rank", "2", "--headless"], r"--node-rank must be in \[0, 2\)"),
+    (["--nnodes", "0"], r"--nnodes must be >= 1"),
+])
+def test_inconsistent_node_flags_are_clear_errors(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse(*flags)
+
+
+def test_a_headless_node_runs_its_share_of_the_ranks():
+    pc = parse("--nnodes", "2", "-tp", "4", "-pp", "2", "--node-rank", "1", "--headless").parallel
+    assert (pc.world_size, pc.ranks_per_node, pc.store_port()) == (8, 4, 29501)
+    assert parse("-tp", "2").parallel.store_port() == 0  # one node: any free port
 
 
 def test_refusal_names_every_missing_feature_in_table_order():

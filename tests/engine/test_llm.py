@@ -195,9 +195,3 @@ def test_every_unimplemented_option_has_a_value_here():
 def test_options_not_implemented_refuse_to_start(model_dir, option, title):
     with pytest.raises(ModelLoadError, match=f"not implemented in this engine yet: {title}"):
         LLM(str(model_dir), **{option: _ASKING[option]})
-
-
-def test_multi_node_group_refuses_to_start(model_dir, monkeypatch):
-    monkeypatch.setenv("LWS_GROUP_SIZE", "2")
-    with pytest.raises(ModelLoadError, match="multi-node serving"):
-        LLM(str(model_dir))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import copy
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -71,16 +72,47 @@ def engine_containers(children: list[dict]) -> dict[str, dict]:
 
 
 def _engine_args(children: list[dict]) -> list[str]:
-    return next(iter(engine_containers(children).values()))["args"]
+    """The first role's command line (the leader's of a LeaderWorkerSet), as the pod runs it."""
+    role, container = next(iter(engine_containers(children).items()))
+    return pod_args(container, role)
 
 
-def engine_start(container: dict):
+# What the LeaderWorkerSet controller's pod labels give the downward-API variables of the first
+# group: the leader is worker 0, the other pod worker 1.
+LWS_LABELS = {"leader": {"LWS_GROUP_INDEX": "0", "LWS_WORKER_INDEX": "0"},
+              "worker": {"LWS_GROUP_INDEX": "0", "LWS_WORKER_INDEX": "1"}}
+
+
+def _expand(text: str, environ: dict[str, str]) -> str:
+    """Kubernetes' $(VAR) expansion: a reference to a variable defined (earlier) is replaced."""
+    return re.sub(r"\$\((\w+)\)", lambda m: environ.get(m.group(1), m.group(0)), text)
+
+
+def pod_environment(container: dict, role: str) -> dict[str, str]:
+    """The container's environment as the pod gets it (secrets left out)."""
+    environ: dict[str, str] = {}
+    for e in container.get("env", []):
+        if "value" in e:
+            environ[e["name"]] = _expand(e["value"], environ)
+        elif e["name"] in LWS_LABELS.get(role, {}):
+            environ[e["name"]] = LWS_LABELS[role][e["name"]]
+    return environ
+
+
+def pod_args(container: dict, role: str) -> list[str]:
+    """The container's arguments with the $(VAR) references Kubernetes expands."""
+    environ = pod_environment(container, role)
+    return [_expand(arg, environ) for arg in container["args"]]
+
+
+def engine_start(container: dict, role: str = "engine"):
     """What the engine does with this container: (its EngineConfig, the features it asks for,
     the refusal at start-up or None). Parsing and configuring must succeed: a spec the operator
     renders never fails on a flag or a value, only (until a feature lands) on the capability table."""
-    parsed = ENGINE_PARSER.parse_args(container["args"])  # SystemExit on an unknown flag or bad value
+    environ = pod_environment(container, role)
+    parsed = ENGINE_PARSER.parse_args(pod_args(container, role))  # SystemExit on an unknown flag or bad value
     config = config_from_args(parsed)
-    environ = {e["name"]: e["value"] for e in container.get("env", []) if "value" in e}
+    assert config.parallel.headless == (role == "worker"), role
     asked = {feature.key for feature, _ in capabilities.requested(config, environ)}
     return config, asked, capabilities.refusal(config, environ)
 
@@ -92,7 +124,7 @@ def assert_operator_and_engine_agree(body: dict) -> None:
     refused = [capabilities.BY_KEY[key] for key in operator_asked if not capabilities.BY_KEY[key].implemented]
     refused += capabilities.refused_combinations(operator_asked)
     for role, container in engine_containers(r.render(body, checked.spec)).items():
-        _, engine_asked, refusal = engine_start(container)
+        _, engine_asked, refusal = engine_start(container, role)
         assert engine_asked == operator_asked, role
         if checked.ok:
             assert refusal is None, (role, refusal)
@@ -120,15 +152,17 @@ def test_examples_render_what_the_engine_runs_or_are_refused_with_its_reason(fil
 
 
 # A Mixtral on CPU: every combination below is right as written (no GPU count or memory fit to
-# get wrong, an MoE model for expert parallelism), so each one reaches the capability contract.
+# get wrong, an MoE model for expert parallelism, tensor parallel ranks that split over two
+# nodes), so each one reaches the capability contract.
 MATRIX_BASE = {
     "apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService",
     "metadata": {"name": "matrix", "namespace": "default", "uid": "0000-uid"},
-    "spec": {"model": {"uri": "hf://mistralai/Mixtral-8x7B-Instruct-v0.1"}, "resources": {"gpusPerPod": 0, "memory": "96Gi"}},
+    "spec": {"model": {"uri": "hf://mistralai/Mixtral-8x7B-Instruct-v0.1"}, "resources": {"gpusPerPod": 0, "memory": "96Gi"},
+             "topology": {"tensor": 2}},
 }
 MATRIX = {
     **{f"topology.{field}": value for field, value in
-       {"tensor": 2, "pipeline": 2, "data": 2, "expert": True, "nodes": 2}.items()},
+       {"tensor": 4, "pipeline": 2, "data": 2, "expert": True, "nodes": 2}.items()},
     "kvCache.tiers.cpu": {"type": "cpu", "size": "8Gi"},
     "kvCache.tiers.disk": {"type": "disk", "size": "100Gi"},
     "kvCache.tiers.remote": {"type": "remote", "url": "redis://kv-redis:6379", "secretRef": {"name": "kv", "key": "password"}},

@@ -225,7 +225,10 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
     lwt = spec["leaderWorkerTemplate"]
     assert lwt["size"] == 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     leader, worker = engine_container(lwt["leaderTemplate"]), engine_container(lwt["workerTemplate"])
-    assert leader["args"] == worker["args"]
+    # The same command on both, with vLLM's multi-node flags from the LWS environment; the worker headless.
+    assert leader["args"] + ["--headless"] == worker["args"]
+    assert leader["args"][-8:] == ["--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
+                                   "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", "29501"]
     assert leader["args"][leader["args"].index("--tensor-parallel-size") + 1] == "8"
     assert leader["args"][leader["args"].index("--model") + 1] == "/models/meta-llama/Llama-3.1-70B-Instruct"
     for c in (leader, worker):

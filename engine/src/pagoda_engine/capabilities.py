@@ -42,8 +42,8 @@ FEATURES: tuple[Feature, ...] = (
     Feature("pipeline-parallel", "pipeline parallelism", True, options=("pipeline_parallel_size",)),
     Feature("data-parallel", "data parallelism inside one engine", True, options=("data_parallel_size",)),
     Feature("expert-parallel", "expert parallelism", True, options=("enable_expert_parallel",)),
-    Feature("multi-node", "multi-node serving", False, env=("LWS_GROUP_SIZE",),
-            hint="tensor parallelism works inside one pod"),
+    # The operator asks through the LeaderWorkerSet's group size (and passes it on as --nnodes).
+    Feature("multi-node", "multi-node serving", True, options=("nnodes",), env=("LWS_GROUP_SIZE",)),
     Feature("kv-offload-cpu", "KV offload tiers in CPU memory", False, options=("kv_offload_cpu_gb",)),
     Feature("kv-offload-disk", "KV offload tiers on local disk", False, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
     Feature("kv-offload-remote", "KV offload tiers in a remote store", False, options=("kv_offload_remote_url",)),
@@ -66,6 +66,9 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination(("data-parallel", "expert-parallel"), "expert parallelism across data-parallel engine cores",
                 hint="expert parallelism over the tensor-parallel ranks of one engine core works, and so does "
                      "data parallelism without expert parallelism"),
+    # One engine core drives every node's ranks; its data-parallel siblings would need ranks of their own there.
+    Combination(("data-parallel", "multi-node"), "data parallelism inside a multi-node engine",
+                hint="scale a multi-node engine out with replicas"),
 )
 
 BY_KEY = {f.key: f for f in FEATURES}

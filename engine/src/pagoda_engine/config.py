@@ -81,6 +81,32 @@ class ParallelConfig:
     # ranks use devices [rank × tensor_parallel_size, (rank + 1) × tensor_parallel_size).
     data_parallel_rank: int = 0
     enable_expert_parallel: bool = False
+    # Multi-node (vLLM's flags): one engine's tensor × pipeline parallel ranks spread evenly over
+    # `nnodes` hosts, rank r on node r // (ranks per node). Node 0 (the leader) runs the API
+    # server, the engine core and its own ranks; every other node runs `--headless`: only its
+    # ranks, which join the leader's store at master_addr:master_port.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT across nodes
+    headless: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def store_port(self) -> int:
+        """Where the leader's store listens (0: any free port, which only ranks started here can learn)."""
+        if self.master_port is not None:
+            return self.master_port
+        return DEFAULT_MASTER_PORT if self.nnodes > 1 else 0
+
+
+DEFAULT_MASTER_PORT = 29501  # vLLM's
 
 
 @dataclass
@@ -150,9 +176,32 @@ class EngineConfig:
         if not 0 <= self.parallel.data_parallel_rank < self.parallel.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.parallel.data_parallel_size}), "
                              f"got {self.parallel.data_parallel_rank}")
+        self._validate_nodes()
         for flag in REQUEST_LIMIT_FLAGS:
             if getattr(self.server, _limit_field(flag)) < 1:
                 raise ValueError(f"{flag} must be >= 1")
+
+
+    def _validate_nodes(self) -> None:
+        pc = self.parallel
+        if pc.nnodes < 1:
+            raise ValueError(f"--nnodes must be >= 1, got {pc.nnodes}")
+        if not 0 <= pc.node_rank < pc.nnodes:
+            raise ValueError(f"--node-rank must be in [0, {pc.nnodes}) for --nnodes {pc.nnodes}, got {pc.node_rank}")
+        if pc.master_port is not None and not 0 < pc.master_port < 65536:
+            raise ValueError(f"--master-port must be a TCP port, got {pc.master_port}")
+        if pc.nnodes == 1:
+            if pc.headless:
+                raise ValueError("--headless runs a node other than the leader: it needs --nnodes > 1 and --node-rank >= 1")
+            return
+        if pc.world_size % pc.nnodes:
+            raise ValueError(f"--tensor-parallel-size × --pipeline-parallel-size = {pc.world_size} ranks cannot be "
+                             f"spread evenly over --nnodes {pc.nnodes} (each node runs the same number of ranks)")
+        if pc.node_rank > 0 and not pc.headless:
+            raise ValueError(f"--node-rank {pc.node_rank} runs only its node's ranks: add --headless "
+                             "(the leader, --node-rank 0, serves the API)")
+        if pc.node_rank == 0 and pc.headless:
+            raise ValueError("--node-rank 0 is the leader, which serves the API: drop --headless")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -193,6 +242,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")
     _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="engine cores in this pod, each with its own scheduler, KV pool and tensor × pipeline parallel devices; the server sends each request to the least-loaded one")
     _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="hosts one engine's tensor × pipeline parallel ranks are spread over (the same number on each)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this host's index among --nnodes: 0 is the leader (API server and engine core), "
+                        "the others run --headless")
+    p.add_argument("--master-addr", default="127.0.0.1", help="the leader's address, where every rank meets")
+    p.add_argument("--master-port", type=int, default=None,
+                   help=f"the leader's rendezvous port (default: {DEFAULT_MASTER_PORT} across nodes, a free one on one node)")
+    p.add_argument("--headless", action="store_true",
+                   help="run only this node's ranks, joining the leader at --master-addr/--master-port (no API server)")
     _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0, help="CPU KV tier size")
     _add_feature_flag(p, "--kv-offload-disk-path", default=None, help="disk KV tier directory")
     _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="disk KV tier size")

@@ -44,6 +44,7 @@ from pagoda_operator.quantity import gib
 from pagoda_operator.spec import InferenceServiceSpec, desired_replicas
 
 ENGINE_PORT = 8000
+ENGINE_MASTER_PORT = 29501  # a LeaderWorkerSet leader's rendezvous port (vLLM's default --master-port)
 ROUTER_PORT = 8000
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
@@ -326,6 +327,16 @@ def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
     return tolerations
 
 
+def _node_args(role: str) -> list[str]:
+    """A LeaderWorkerSet pod's place in its group, as `pagoda serve` takes it (vLLM's flags): the
+    same command on every pod, from the LWS environment (`_engine_env`); workers run headless."""
+    if role not in ("leader", "worker"):
+        return []
+    args = ["--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
+            "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", str(ENGINE_MASTER_PORT)]
+    return args + ["--headless"] if role == "worker" else args
+
+
 def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine") -> dict[str, Any]:
     """The engine pod; role "leader"/"worker" for LeaderWorkerSet groups (workers serve no HTTP,
     so they carry no probes)."""
@@ -337,7 +348,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "name": "engine",
         "image": image,
         "command": ["pagoda", "serve"],
-        "args": engine_args(name, spec),
+        "args": engine_args(name, spec) + _node_args(role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": engine_resources(spec),
         "volumeMounts": mounts,

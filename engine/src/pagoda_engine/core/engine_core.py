@@ -124,10 +124,10 @@ class EngineCore:
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
-        ranks = config.parallel.tensor_parallel_size * config.parallel.pipeline_parallel_size
+        ranks = config.parallel.ranks_per_node  # the leader's share; every other node checks its own
         if self.device.type == "cuda" and ranks > torch.cuda.device_count():
-            raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size = {ranks} needs {ranks} GPUs, "
-                                 f"but this machine shows {torch.cuda.device_count()}")
+            raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
+                                 f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; self.model is rank 0's shard.
@@ -199,6 +199,10 @@ class EngineCore:
     def cuda_graphs(self) -> bool:
         """Whether this engine replays CUDA graphs (decode ones at least; see `cudagraph_mode`)."""
         return self.cudagraph_mode != "NONE"
+
+    def check_alive(self) -> None:
+        """While idle: EngineDeadError when a worker rank (on this host or another node) is gone."""
+        self.executor.check_alive()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""

@@ -122,6 +122,8 @@ class CoreLoop:
                 elif not self._parent_alive():
                     logger.error("parent process is gone; engine core exiting")
                     return
+                else:
+                    self.core.check_alive()  # a rank that died while idle fails the core now, not at the next request
 
 
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,

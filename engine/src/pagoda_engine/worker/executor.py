@@ -8,7 +8,11 @@ here (fresh interpreters, `python -c`, so a script that makes an `LLM` at top le
 `if __name__ == "__main__"`), or on another host with `python -m pagoda_engine.worker.worker`
 pointed at this rank's master address and port. They meet over TCP (`rpc.py`): calls over ZMQ,
 tensors broadcast over the process group, which the ranks form through the same TCPStore.
-Start-up waits a bounded time for every rank and names the ones that did not join.
+Start-up waits a bounded time (PAGODA_DIST_TIMEOUT_S) for every rank and names the ones that did
+not join. Over several nodes (`--nnodes`) this process is the leader's and starts only its node's
+ranks; every other node runs `serve_headless`, which starts that node's ranks against the
+leader's store; a missing or dead rank is named with its node (`node-rank 1`). While the core is
+idle `check_alive` pings every rank, so a node that dies fails the engine within seconds.
 
 One scheduler, on rank 0, decides for all, so a page id means the same page on every rank.
 Logits are gathered on every rank; only rank 0 samples. Under pipeline parallelism
@@ -45,12 +49,11 @@ from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.parallel_state import ParallelLayout, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
 from pagoda_engine.worker.sampling import SamplingBatch
-from pagoda_engine.worker.worker import START_TIMEOUT_S, Arriving, load_worker_class, worker_method
+from pagoda_engine.worker.worker import DIST_TIMEOUT_S, START_TIMEOUT_S, Arriving, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 
-# Every rank connects within this: spawning and importing torch, or a remote host's worker starting.
-JOIN_TIMEOUT_S = float(os.environ.get("PAGODA_TP_JOIN_TIMEOUT_S", "300"))
+_LOG_MISSING_EVERY_S = 30
 DEFAULT_WORKER_CLS = "pagoda_engine.worker.worker:Worker"
 
 
@@ -69,14 +72,17 @@ class Executor:
     `master_addr`/`master_port` is where the others find rank 0 (port 0: a free one);
     `spawn_ranks` are the worker ranks started here as child processes (default: all of them;
     the rest join from elsewhere within `join_timeout_s`). On CUDA rank r runs on device
-    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size)."""
+    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size).
+    Over `nnodes` hosts this is node 0's: rank r belongs to node r // (world size / nnodes), and
+    errors about a rank name its node."""
 
     def __init__(self, layout: ParallelLayout, device: torch.device, *, master_addr: str = "127.0.0.1",
                  master_port: int = 0, spawn_ranks: list[int] | None = None,
-                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = JOIN_TIMEOUT_S,
-                 device_offset: int = 0):
+                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = DIST_TIMEOUT_S,
+                 device_offset: int = 0, nnodes: int = 1):
         self.layout = layout
         self.device_offset = device_offset
+        self.nnodes = nnodes
         spawn_ranks = list(range(1, layout.world_size)) if spawn_ranks is None else spawn_ranks
         device = torch.device(device)
         if (layout.world_size > 1 or device_offset > 0) and device.type == "cuda":
@@ -104,6 +110,9 @@ class Executor:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank that is gone raises
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A host that vanishes without closing its connections drops out of the routing table too.
+        self._sock.setsockopt(zmq.HEARTBEAT_IVL, 2000)
+        self._sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10000)
         self._sock.bind(f"tcp://{bind_address(master_addr)}:*")
         port = self._sock.getsockopt_string(zmq.LAST_ENDPOINT).rsplit(":", 1)[1]
         # Interpreter exit without close() (a script that never closes its LLM) still stops them.
@@ -143,6 +152,16 @@ class Executor:
             self._send(method, args, kwargs, reply=False)
             return local_method(*args, **kwargs)
 
+    def check_alive(self) -> None:
+        """Between steps, while idle: EngineDeadError naming a worker rank (and its node) that
+        died or whose connection closed since the last call."""
+        if self.layout.world_size == 1:
+            return
+        for rank, process in self._processes.items():
+            if process.poll() is not None:
+                raise EngineDeadError(f"tensor-parallel worker {rank} died (exit code {process.returncode})")
+        self._send("ping", (), {}, reply=False)
+
     def _send(self, method: str, args: tuple, kwargs: dict, reply: bool) -> int:
         if self.closed:
             raise EngineDeadError("the tensor-parallel executor is closed")
@@ -155,7 +174,8 @@ class Executor:
             try:
                 self._sock.send_multipart([str(rank).encode(), payload])
             except zmq.ZMQError as e:
-                raise EngineDeadError(f"tensor-parallel worker {rank} is gone ({self._exit_status(rank)})") from e
+                raise EngineDeadError(f"tensor-parallel worker {rank}{self._on_node(rank)} is gone "
+                                      f"({self._exit_status(rank)})") from e
         if tensors:
             broadcast_tensors(self.worker.rpc_group, tensors, self.device)
         return self._seq
@@ -207,7 +227,17 @@ class Executor:
                 except subprocess.TimeoutExpired:
                     continue
                 raise EngineDeadError(f"tensor-parallel worker {rank} died (exit code {code}) during {method}") from e
+            if self.nnodes > 1:  # the ranks of other nodes were not started here: their link broke
+                others = ", ".join(f"node-rank {n}" for n in range(1, self.nnodes))
+                raise EngineDeadError(f"a collective with the other nodes ({others}) failed during {method}: "
+                                      f"a node is gone or failed ({e})") from e
             raise
+
+    def _node_of(self, rank: int) -> int:
+        return rank // (self.layout.world_size // self.nnodes)
+
+    def _on_node(self, rank: int) -> str:
+        return f" (node-rank {self._node_of(rank)})" if self.nnodes > 1 else ""
 
     def _exit_status(self, rank: int) -> str:
         process = self._processes.get(rank)
@@ -217,9 +247,14 @@ class Executor:
 
     def _join(self, timeout_s: float, master: str) -> None:
         """Wait until every worker rank has said Hello; a rank that exits or stays away fails the start."""
-        deadline = time.monotonic() + timeout_s
+        started = time.monotonic()
+        deadline, next_log = started + timeout_s, started + _LOG_MISSING_EVERY_S
         expected = set(range(1, self.layout.world_size))
         while expected - set(self.hellos):
+            if time.monotonic() > next_log:
+                next_log += _LOG_MISSING_EVERY_S
+                logger.info("waiting for %s (%.0fs of %.0fs)", self._describe_missing(expected - set(self.hellos)),
+                            time.monotonic() - started, timeout_s)
             if self._sock.poll(200):
                 _, payload = self._sock.recv_multipart()
                 hello: Hello = pickle.loads(payload)
@@ -229,6 +264,11 @@ class Executor:
                 if rank not in self.hellos and process.poll() is not None:
                     raise ModelLoadError(f"tensor-parallel worker {rank} exited (code {process.returncode}) while "
                                          "trying to start (its log is above)")
+            if time.monotonic() > deadline and self.nnodes > 1:
+                raise ModelLoadError(
+                    f"{self._describe_missing(expected - set(self.hellos))} did not join within {timeout_s:.0f}s "
+                    f"(PAGODA_DIST_TIMEOUT_S); every other node runs `pagoda serve --headless --nnodes {self.nnodes} "
+                    f"--node-rank R --master-addr/--master-port {master}` with the leader's other flags")
             if time.monotonic() > deadline:
                 missing = sorted(expected - set(self.hellos))
                 joined = ", ".join(str(r) for r in [0, *sorted(self.hellos)])
@@ -236,6 +276,16 @@ class Executor:
                     f"tensor-parallel rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} of "
                     f"{self.layout.world_size} did not join within {timeout_s:.0f}s (joined: {joined}); a rank "
                     f"started elsewhere joins with --master-addr/--master-port {master}")
+
+    def _describe_missing(self, missing: set[int]) -> str:
+        """The ranks not joined yet, by node when there are several."""
+        if self.nnodes == 1:
+            return f"tensor-parallel rank(s) {', '.join(map(str, sorted(missing)))}"
+        by_node: dict[int, list[int]] = {}
+        for rank in sorted(missing):
+            by_node.setdefault(self._node_of(rank), []).append(rank)
+        return "; ".join(f"node-rank {node} (rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} "
+                         f"of {self.layout.world_size})" for node, ranks in by_node.items())
 
     def close(self) -> None:
         """Stop the worker ranks; idempotent."""
@@ -391,9 +441,13 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     check_tensor_parallel(hf_config, tp_size)
     # Checked here, before any process starts: each stage's [start, end) layers.
     partition = pp_layer_partition(hf_config.num_hidden_layers, pp_size) if pp_size > 1 else None
-    layout = ParallelLayout(tp=tp_size, pp=pp_size, enable_expert_parallel=config.parallel.enable_expert_parallel)
-    # Data-parallel engine core k uses the k-th block of tensor × pipeline parallel devices.
-    executor = Executor(layout, device, device_offset=config.parallel.data_parallel_rank * layout.world_size)
+    pc = config.parallel
+    layout = ParallelLayout(tp=tp_size, pp=pp_size, enable_expert_parallel=pc.enable_expert_parallel)
+    # Data-parallel engine core k uses the k-th block of tensor × pipeline parallel devices. Over
+    # several nodes this leader starts its own node's ranks; the headless nodes start theirs.
+    executor = Executor(layout, device, device_offset=pc.data_parallel_rank * layout.world_size,
+                        master_addr=pc.master_addr, master_port=pc.store_port(),
+                        spawn_ranks=list(range(1, pc.ranks_per_node)), nnodes=pc.nnodes)
     try:
         with _starting():
             executor.collective_rpc("init_distributed")
@@ -406,3 +460,40 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
                     tp_size, pp_size, f", layers per stage {[end - start for start, end in partition]}" if partition else "",
                     "nccl" if executor.device.type == "cuda" else "gloo", executor.worker_pids)
     return executor
+
+
+def serve_headless(config: EngineConfig) -> int:
+    """A node other than the leader (`pagoda serve --headless --node-rank R`): start this node's
+    ranks (R × ranks per node onwards, on its devices from 0) as worker processes that join the
+    leader's store, and live as long as they do. 0 when the leader shut them down; 1 when one
+    failed, or the leader went away or never came (they wait PAGODA_DIST_TIMEOUT_S for it)."""
+    pc = config.parallel
+    first = pc.node_rank * pc.ranks_per_node
+    ranks = range(first, first + pc.ranks_per_node)
+    master = f"{pc.master_addr}:{pc.store_port()}"
+    logger.info("node-rank %d of %d: starting ranks %s, joining the leader at %s", pc.node_rank, pc.nnodes,
+                list(ranks), master)
+    processes = {rank: _spawn(rank, pc.master_addr, pc.store_port(), rank - first) for rank in ranks}
+    try:
+        while processes:
+            for rank, process in list(processes.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del processes[rank]
+                if code != 0:
+                    logger.error("node-rank %d: rank %d exited with code %d (the leader at %s is gone, never came, "
+                                 "or the rank failed: its log is above); stopping this node", pc.node_rank, rank,
+                                 code, master)
+                    return 1
+            time.sleep(0.2)
+        logger.info("node-rank %d: the leader shut this node's ranks down", pc.node_rank)
+        return 0
+    finally:
+        for process in processes.values():
+            process.terminate()
+        for process in processes.values():
+            try:
+                process.wait(5)
+            except subprocess.TimeoutExpired:
+                process.kill()

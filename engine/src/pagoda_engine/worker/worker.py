@@ -50,6 +50,9 @@ logger = logging.getLogger(__name__)
 
 # Start-up covers spawning, importing torch and loading a shard of a large checkpoint.
 START_TIMEOUT_S = float(os.environ.get("PAGODA_TP_START_TIMEOUT_S", "900"))
+# Every rank joins within this: spawning and importing torch here, or a headless node starting
+# elsewhere (a headless node waits as long for the leader). PAGODA_TP_JOIN_TIMEOUT_S is its older name.
+DIST_TIMEOUT_S = float(os.environ.get("PAGODA_DIST_TIMEOUT_S") or os.environ.get("PAGODA_TP_JOIN_TIMEOUT_S") or "300")
 # A collective that waits longer than this means a rank is gone.
 COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "600"))
 # An idle worker checks this often that rank 0 is still there.
@@ -253,6 +256,10 @@ class Worker:
         self.hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
         return self.compute_logits(torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
 
+    def ping(self) -> None:
+        """Nothing: the executor's liveness check while the engine is idle (a send to a rank that
+        is gone fails)."""
+
     def shutdown(self) -> None:
         """Stop serving calls (a worker process then exits)."""
         self.serving = False
@@ -345,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = zmq.Context()
     try:
         store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+                              timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
         run = read_run(store)
         layout = ParallelLayout(**run["layout"])
         if run["device_type"] == "cuda":

@@ -111,6 +111,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate)
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
+    if config.parallel.headless:  # a node other than the leader: only its ranks, no API server
+        from pagoda_engine.worker.executor import serve_headless
+
+        return serve_headless(config)
     try:
         return asyncio.run(serve(args, config))
     except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
