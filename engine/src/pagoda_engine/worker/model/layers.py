@@ -459,3 +459,19 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size > 1:
             logits = torch.cat(_group(self).all_gather(logits), dim=-1)
         return logits[..., : self.vocab_size].float()
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) × up(x)): the dense MLP of every decoder (and Qwen2-MoE's shared expert).
+    Gate and up are one column-parallel matmul, down is row-parallel; `reduce_results=False`
+    leaves its all-reduce to the caller."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, tp_size: int = 1,
+                 tp_rank: int = 0, reduce_results: bool = True):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias, tp_size, tp_rank)
+        self.act = SiluAndMul()
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_size, tp_rank, reduce_results)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))

@@ -30,10 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda_engine.worker.model.layers import (
+    GatedMLP,
     LinearBase,
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-    SiluAndMul,
     TPGroup,
     _check_shape,
     _divide,
@@ -65,7 +63,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     """(weights, expert ids), each [tokens, top_k]: softmax over all experts in float32, the top k,
     optionally renormalised to sum to one, weights cast back to the logits' dtype (as transformers).
     One Triton launch for half-precision CUDA logits, torch operations otherwise."""
-    if router_logits.is_cuda and router_logits.dtype in (torch.float16, torch.bfloat16):
+    if _triton_kernels_apply(router_logits):
         from pagoda_engine.worker.model.fused_moe_triton import route
 
         return route(router_logits, top_k, renormalize)
@@ -96,9 +94,14 @@ def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
     return out
 
 
+def _triton_kernels_apply(x: torch.Tensor) -> bool:
+    """The Triton kernels serve half-precision CUDA tensors; everything else takes the torch path."""
+    return x.is_cuda and x.dtype in (torch.float16, torch.bfloat16)
+
+
 def _experts_kernel(x: torch.Tensor):
     """The Triton grouped GEMMs for half-precision CUDA tensors, the exact loop otherwise."""
-    if x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+    if _triton_kernels_apply(x):
         from pagoda_engine.worker.model.fused_moe_triton import fused_experts
 
         return fused_experts
@@ -150,21 +153,6 @@ class _StackedExperts(nn.Module):
         default_weight_loader(param[expert - self.first], loaded.narrow(1, self.shard_rank * n, n))
 
 
-class _SharedExpert(nn.Module):
-    """Qwen2-MoE's dense expert every token takes, scaled by sigmoid of its own gate."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, tp_size: int, tp_rank: int):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, tp_size=tp_size, tp_rank=tp_rank)
-        # The MoE layer all-reduces once, for the routed and the shared experts together.
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, tp_size=tp_size, tp_rank=tp_rank,
-                                           reduce_results=False)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class FusedMoE(nn.Module):
     """Routing, experts and combine of one MoE block. Parameter names follow the checkpoints:
     `gate` (the router), `experts.w13` / `experts.w2` (stacked), and with a shared expert
@@ -184,7 +172,10 @@ class FusedMoE(nn.Module):
         self.experts = _StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
-            self.shared_expert = _SharedExpert(hidden_size, shared_expert_intermediate_size, tp_size, tp_rank)
+            # Qwen2-MoE's dense expert every token takes, scaled by sigmoid of its own gate; the
+            # layer all-reduces once, for the routed and the shared experts together.
+            self.shared_expert = GatedMLP(hidden_size, shared_expert_intermediate_size, tp_size=tp_size,
+                                          tp_rank=tp_rank, reduce_results=False)
             self.shared_expert_gate = LinearBase(hidden_size, 1)
             _set_weight_loader(self.shared_expert_gate.weight, default_weight_loader)
 

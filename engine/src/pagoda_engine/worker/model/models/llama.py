@@ -22,13 +22,12 @@ from transformers import PretrainedConfig
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.worker.attention.base import AttentionBackend, KVCacheSpec
 from pagoda_engine.worker.model.layers import (
-    MergedColumnParallelLinear,
+    GatedMLP,
     ParallelLMHead,
     QKVParallelLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SiluAndMul,
     VocabParallelEmbedding,
 )
 from pagoda_engine.worker.model.moe import FusedMoE
@@ -151,18 +150,9 @@ class DecoderAttention(nn.Module):
         return self.o_proj(o.reshape(o.shape[0], self.num_heads * self.head_dim))
 
 
-class DecoderMLP(nn.Module):
-    def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, tp_size: int = 1, tp_rank: int = 0):
-        super().__init__()
-        if getattr(cfg, "hidden_act", "silu") != "silu":
-            raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
-        inter = cfg.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [inter, inter], flags.mlp_bias, tp_size, tp_rank)
-        self.act = SiluAndMul()
-        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, flags.mlp_bias, tp_size, tp_rank)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+def _require_silu(cfg: PretrainedConfig) -> None:
+    if getattr(cfg, "hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
 
 
 class DecoderLayer(nn.Module):
@@ -175,13 +165,12 @@ class DecoderLayer(nn.Module):
                  tp_rank: int = 0, moe: MoESettings | None = None, layer_idx: int = 0, expert_parallel: bool = False):
         super().__init__()
         self.self_attn = DecoderAttention(cfg, flags, rotary, tp_size, tp_rank)
+        _require_silu(cfg)
         if moe is not None and moe.is_moe_layer(layer_idx):
-            if getattr(cfg, "hidden_act", "silu") != "silu":
-                raise ModelLoadError(f"hidden_act {cfg.hidden_act!r} is not supported (only silu)")
             self.mlp = FusedMoE(moe.num_experts, moe.top_k, cfg.hidden_size, moe.intermediate_size, moe.renormalize,
                                 moe.shared_expert_intermediate_size, tp_size, tp_rank, expert_parallel)
         else:
-            self.mlp = DecoderMLP(cfg, flags, tp_size, tp_rank)
+            self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, flags.mlp_bias, tp_size, tp_rank)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
