@@ -135,7 +135,7 @@ LIMIT_CASES = [
      {"messages": _message(1), "stop": "x" * 10, "max_tokens": 1},
      {"messages": _message(1), "stop": "x" * 11, "max_tokens": 1}, "stop"),
     ("--max-logit-bias-entries", "/v1/completions",
-     {"prompt": "a", "logit_bias": {"1": 1, "2": 2, "3": 3}, "max_tokens": 1},
+     {"prompt": "a", "logit_bias": {"1": 0, "2": 0, "3": 0}, "max_tokens": 1},
      {"prompt": "a", "logit_bias": {"1": 1, "2": 2, "3": 3, "4": 4}, "max_tokens": 1}, "logit_bias"),
     ("--max-chat-messages", "/v1/chat/completions", {"messages": _message(4), "max_tokens": 1},
      {"messages": _message(5), "max_tokens": 1}, "messages"),
@@ -150,6 +150,14 @@ def test_each_limit_accepts_at_it_and_refuses_past_it_naming_the_flag(limited, f
     assert ok.status_code == 200, ok.text
     error = assert_400_and_connection_survives(limited.port, path, json.dumps(past_limit).encode())
     assert flag in error["error"]["message"] and error["error"]["param"] == param, error
+
+
+def test_a_nonzero_logit_bias_is_refused_not_ignored(limited):
+    """Until the sampler applies logit_bias, a request that would change the logits gets a 400."""
+    r = httpx.post(limited.url + "/v1/completions", json={"prompt": "a", "logit_bias": {"1": 5}, "max_tokens": 1})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "logit_bias" and error["code"] == "logit_bias_not_supported", error
 
 
 @pytest.mark.parametrize("declared", [True, False])

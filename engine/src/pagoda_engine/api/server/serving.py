@@ -139,6 +139,10 @@ class OpenAIServing:
             raise BadRequestError(f"logit_bias has {len(req.logit_bias)} entries; the limit is "
                                   f"{limits.max_logit_bias_entries} (--max-logit-bias-entries).",
                                   param="logit_bias", code="too_many_logit_bias_entries")
+        if req.logit_bias and any(req.logit_bias.values()):
+            # Refused rather than accepted and ignored until the sampler applies it (issue 17).
+            raise BadRequestError("logit_bias is not supported yet: only zero biases (no change) are accepted.",
+                                  param="logit_bias", code="logit_bias_not_supported")
 
     def _check_num_messages(self, messages) -> None:
         if messages is not None and len(messages) > self.limits.max_chat_messages:
