@@ -46,8 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randn(t, h, device="cuda").bfloat16()
         logits = torch.randn(t, e, device="cuda").bfloat16()
         weights, ids = select_experts(logits, k, True)
-        cfg = kernels._config(t)
-        aligned = kernels.align_by_expert(ids, e + 1, cfg["BLOCK_M"])
+        gate_up_cfg, down_cfg = kernels._configs(t)
+        aligned = kernels.align_by_expert(ids, e + 1, gate_up_cfg["BLOCK_M"])
         gate_up = torch.empty(t * k, 2 * i, device="cuda", dtype=torch.bfloat16)
         act = torch.empty(t * k, i, device="cuda", dtype=torch.bfloat16)
         down = torch.empty(t * k, h, device="cuda", dtype=torch.bfloat16)
@@ -55,9 +55,9 @@ def main(argv: list[str] | None = None) -> None:
         times = [
             _replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids)),
             _replay_us(lambda: select_experts(logits, k, True)),
-            _replay_us(lambda: kernels.align_by_expert(ids, e + 1, cfg["BLOCK_M"])),
-            _replay_us(lambda: kernels._grouped_gemm(x, w13, gate_up, None, aligned, k, t * k, cfg)),
-            _replay_us(lambda: kernels._grouped_gemm(act, w2, down, w, aligned, 1, t * k, cfg)),
+            _replay_us(lambda: kernels.align_by_expert(ids, e + 1, gate_up_cfg["BLOCK_M"])),
+            _replay_us(lambda: kernels._grouped_gemm(x, w13, gate_up, None, aligned, k, t * k, gate_up_cfg)),
+            _replay_us(lambda: kernels._grouped_gemm(act, w2, down, w, aligned, 1, t * k, down_cfg)),
         ]
         hit = ids.unique().numel()
         floor = hit * 3 * h * i * 2 / (a.bandwidth_tbs * 1e12) * 1e6

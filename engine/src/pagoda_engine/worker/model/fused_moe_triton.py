@@ -4,8 +4,9 @@
 0. `route`: softmax, top-k and renormalisation of one token in one program.
 
 1. `align_by_expert`: the (token, slot) pairs sorted by expert, each expert's run padded to a
-   multiple of BLOCK_M, with the expert of every block; one kernel launch, static shapes, so it
-   runs inside a CUDA graph (`align_by_expert_reference` is the same in torch operations).
+   multiple of BLOCK_M, with the expert of every block; static shapes, so it runs inside a CUDA
+   graph (`align_by_expert_reference` is the same in torch operations). One program for a decode
+   batch's pairs; a grid of programs (count, offsets, place) for a prefill's.
 2. One grouped GEMM for gate+up: each program takes one block of one expert's pairs and a slice
    of the 2 × I columns, reading only the rows of its tokens.
 3. SiLU-and-mul.
@@ -115,38 +116,50 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     return weights, ids
 
 
-def _config(num_tokens: int) -> dict:
-    """Tile sizes by batch: small blocks for decode (few pairs per expert), larger for prefill."""
+def _configs(num_tokens: int) -> tuple[dict, dict]:
+    """Tile sizes for the (gate+up, down) grouped GEMMs of `num_tokens` tokens; both use the same
+    BLOCK_M, which is also the alignment's. Picked by a sweep of 84 configurations at Qwen3-30B-A3B's
+    expert shapes on an H200 (benchmarks.md): at decode sizes the GEMMs read weights, so small
+    row blocks win; at prefill sizes 128 × 256 tiles run them 15-30 % faster than 64 × 128."""
     if num_tokens <= 32:
-        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-    if num_tokens <= 512:
-        return dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3)
+        small = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        return small, small
+    if num_tokens <= 128:
+        small = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        return small, small
+    if num_tokens <= 384:
+        mid = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=3)
+        return mid, mid
+    if num_tokens <= 768:
+        return (dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3),
+                dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=4))
+    stages = 4 if num_tokens <= 4096 else 3
+    large = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=stages)
+    return large, large
 
 
 @triton.jit
-def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, counts_ptr, ends_ptr, cursor_ptr,
-                  num_pairs, max_padded, num_buckets,
-                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
-    """`align_by_expert` in one launch (one program, only 1-D vectors so nothing spills): count
-    the pairs per bucket, pad each bucket to BLOCK_M, prefix-sum, find each block's bucket by
-    binary search over the bucket ends, then place every pair at its bucket's cursor (atomically:
-    the order inside a bucket is free, each pair's row is computed on its own)."""
+def _count_pairs(ids_ptr, counts_ptr, offs, num_pairs):
+    """Count the pairs at `offs` into their buckets (atomically)."""
+    mask = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    tl.atomic_add(counts_ptr + ids, tl.full(offs.shape, 1, dtype=tl.int32), mask=mask)
+
+
+@triton.jit
+def _place_blocks(counts_ptr, ends_ptr, cursor_ptr, block_experts_ptr, num_padded_ptr, max_padded, num_buckets,
+                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                  SEARCH_STEPS: tl.constexpr):
+    """From the counts: pad each bucket to BLOCK_M, prefix-sum, start each bucket's cursor, and
+    find each block's bucket by binary search over the bucket ends."""
     buckets = tl.arange(0, BUCKETS_POW2)
-    tl.store(counts_ptr + buckets, tl.zeros((BUCKETS_POW2,), dtype=tl.int32))
-    tl.debug_barrier()
-    for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-        tl.atomic_add(counts_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
-    tl.debug_barrier()
     counts = tl.load(counts_ptr + buckets)
     padded = tl.where(buckets < num_buckets, (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M, 0)
     ends = tl.cumsum(padded, 0)
     tl.store(ends_ptr + buckets, ends)
     tl.store(cursor_ptr + buckets, ends - padded)
     tl.store(num_padded_ptr, tl.sum(padded, 0))
+    tl.debug_barrier()
     for start in range(0, max_padded // BLOCK_M, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
         first = blocks * BLOCK_M
@@ -159,41 +172,95 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, 
             hi = tl.where(past, mid, hi)
             lo = tl.where(past, lo, mid + 1)
         tl.store(block_experts_ptr + blocks, tl.minimum(lo, num_buckets - 1), mask=blocks < max_padded // BLOCK_M)
+
+
+@triton.jit
+def _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, offs, num_pairs):
+    """Put the pairs at `offs` at their buckets' cursors (atomically: the order inside a bucket is
+    free, each pair's row is computed on its own)."""
+    mask = offs < num_pairs
+    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    dest = tl.atomic_add(cursor_ptr + ids, tl.full(offs.shape, 1, dtype=tl.int32), mask=mask)
+    tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, counts_ptr, ends_ptr, cursor_ptr,
+                  num_pairs, max_padded, num_buckets,
+                  BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
+    """`align_by_expert` in one launch (one program, only 1-D vectors so nothing spills)."""
+    buckets = tl.arange(0, BUCKETS_POW2)
+    tl.store(counts_ptr + buckets, tl.zeros((BUCKETS_POW2,), dtype=tl.int32))
+    tl.debug_barrier()
+    for start in range(0, num_pairs, CHUNK):
+        _count_pairs(ids_ptr, counts_ptr, start + tl.arange(0, CHUNK), num_pairs)
+    tl.debug_barrier()
+    _place_blocks(counts_ptr, ends_ptr, cursor_ptr, block_experts_ptr, num_padded_ptr, max_padded, num_buckets,
+                  BLOCK_M, BUCKETS_POW2, CHUNK, SEARCH_STEPS)
     for start in range(0, max_padded, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_pairs_ptr + offs, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=offs < max_padded)
     tl.debug_barrier()
     for start in range(0, num_pairs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        mask = offs < num_pairs
-        ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-        dest = tl.atomic_add(cursor_ptr + ids, tl.full((CHUNK,), 1, dtype=tl.int32), mask=mask)
-        tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
+        _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, start + tl.arange(0, CHUNK), num_pairs)
 
 
-_ONE_LAUNCH_MAX_PAIRS = 4096
+@triton.jit
+def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr):
+    """`_count_pairs` over a grid of programs."""
+    _count_pairs(ids_ptr, counts_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_pairs)
+
+
+@triton.jit
+def _offsets_kernel(counts_ptr, ends_ptr, cursor_ptr, block_experts_ptr, num_padded_ptr, max_padded, num_buckets,
+                    BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                    SEARCH_STEPS: tl.constexpr):
+    """`_place_blocks` in one program."""
+    _place_blocks(counts_ptr, ends_ptr, cursor_ptr, block_experts_ptr, num_padded_ptr, max_padded, num_buckets,
+                  BLOCK_M, BUCKETS_POW2, CHUNK, SEARCH_STEPS)
+
+
+@triton.jit
+def _scatter_kernel(ids_ptr, sorted_pairs_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
+    """`_place_pairs` over a grid of programs."""
+    _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_pairs)
+
+
+_ONE_LAUNCH_MAX_PAIRS = 1536  # about where one program and the grid take the same time (H200)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sorted pair ids padded per expert with the sentinel `num_pairs`, the expert of each block of
-    `block_m` entries, the padded length as a one-element tensor), by `_align_kernel` on CUDA;
+    `block_m` entries, the padded length as a one-element tensor), by the Triton kernels on CUDA;
     `align_by_expert_reference` elsewhere. Shapes depend only on the number of pairs and experts."""
-    # One program walks every pair: quick for decode batches, slower than the torch kernels' grid
-    # once there are thousands of pairs (a prefill; measured on an H200, see benchmarks.md).
-    if not topk_ids.is_cuda or topk_ids.numel() > _ONE_LAUNCH_MAX_PAIRS:
+    if not topk_ids.is_cuda:
         return align_by_expert_reference(topk_ids, num_experts, block_m)
     flat = topk_ids.flatten().to(torch.int32)
     num_pairs = flat.numel()
     max_padded = -(-(num_pairs + num_experts * (block_m - 1)) // block_m) * block_m
     buckets_pow2 = triton.next_power_of_2(num_experts + 1)
-    sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
     block_experts = torch.empty(max_padded // block_m, dtype=torch.int32, device=flat.device)
     num_padded = torch.empty(1, dtype=torch.int32, device=flat.device)
-    scratch = torch.empty(3, buckets_pow2, dtype=torch.int32, device=flat.device)  # counts, ends, cursors
-    _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, scratch[0], scratch[1], scratch[2],
-                        num_pairs, max_padded, num_experts, BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2,
-                        CHUNK=256, SEARCH_STEPS=buckets_pow2.bit_length(), num_warps=4)
+    search_steps = buckets_pow2.bit_length()
+    if num_pairs <= _ONE_LAUNCH_MAX_PAIRS:
+        # One program walks every pair: quickest for decode batches (one launch).
+        sorted_pairs = torch.empty(max_padded, dtype=torch.int32, device=flat.device)
+        scratch = torch.empty(3, buckets_pow2, dtype=torch.int32, device=flat.device)  # counts, ends, cursors
+        _align_kernel[(1,)](flat, sorted_pairs, block_experts, num_padded, scratch[0], scratch[1], scratch[2],
+                            num_pairs, max_padded, num_experts, BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2,
+                            CHUNK=256, SEARCH_STEPS=search_steps, num_warps=4)
+        return sorted_pairs, block_experts, num_padded
+    # A prefill's thousands of pairs: count and place them with a grid of programs each.
+    sorted_pairs = torch.full((max_padded,), num_pairs, dtype=torch.int32, device=flat.device)
+    scratch = torch.zeros(3, buckets_pow2, dtype=torch.int32, device=flat.device)
+    chunk = 1024
+    grid = (triton.cdiv(num_pairs, chunk),)
+    _count_kernel[grid](flat, scratch[0], num_pairs, CHUNK=chunk, num_warps=4)
+    _offsets_kernel[(1,)](scratch[0], scratch[1], scratch[2], block_experts, num_padded, max_padded, num_experts,
+                          BLOCK_M=block_m, BUCKETS_POW2=buckets_pow2, CHUNK=256, SEARCH_STEPS=search_steps,
+                          num_warps=4)
+    _scatter_kernel[grid](flat, sorted_pairs, scratch[2], num_pairs, CHUNK=chunk, num_warps=4)
     return sorted_pairs, block_experts, num_padded
 
 
@@ -245,12 +312,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     rank's numbering (`w13.shape[0]` for an expert held elsewhere)."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
-    cfg = _config(num_tokens)
+    gate_up_cfg, down_cfg = _configs(num_tokens)
     # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
-    aligned = align_by_expert(topk_ids, w13.shape[0] + 1, cfg["BLOCK_M"])
+    aligned = align_by_expert(topk_ids, w13.shape[0] + 1, gate_up_cfg["BLOCK_M"])
     gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, cfg)
+    _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, gate_up_cfg)
     act = _SILU_AND_MUL(gate_up)
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(act, w2, down, topk_weights.flatten().to(torch.float32), aligned, 1, num_pairs, cfg)
+    _grouped_gemm(act, w2, down, topk_weights.flatten().to(torch.float32), aligned, 1, num_pairs, down_cfg)
     return down.view(num_tokens, top_k, -1).sum(dim=1)
