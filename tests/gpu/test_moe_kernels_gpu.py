@@ -62,16 +62,18 @@ def test_fused_experts_replay_in_a_cuda_graph_with_new_routing():
         torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_triton_experts_skip_the_experts_another_rank_holds():
+@pytest.mark.parametrize("num_tokens", [1, 2, 200])
+def test_triton_experts_skip_the_experts_another_rank_holds(num_tokens):
     """Expert parallelism: ids in this rank's numbering, E_local for pairs routed elsewhere; the
-    pairs this rank holds match the reference loop over the same local experts."""
+    pairs this rank holds match the reference loop over the same local experts (one and two
+    tokens take the matrix-vector kernels)."""
     from pagoda_engine.worker.model.fused_moe_triton import fused_experts
     from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
 
     hidden, inter, experts, top_k = SHAPES["qwen3-30b-a3b"]
     w13, w2 = _weights(hidden, inter, experts // 4)  # this rank: experts 32..63 of 128
-    x = torch.randn(200, hidden, device="cuda").bfloat16()
-    weights, ids = select_experts(torch.randn(200, experts, device="cuda").bfloat16(), top_k, True)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    weights, ids = select_experts(torch.randn(num_tokens, experts, device="cuda").bfloat16(), top_k, True)
     local = ids - 32
     local = local.masked_fill((local < 0) | (local >= 32), 32)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), local)

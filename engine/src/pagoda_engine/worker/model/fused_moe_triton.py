@@ -303,6 +303,82 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
     )
 
 
+@triton.jit
+def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, K, num_local, top_k,
+                         stride_xm, stride_we, stride_wn, stride_am,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A few tokens: for one (token, slot) pair, act[pair, cols] = silu(gate) × up over one block
+    of the expert's I columns, read straight from the expert's rows (no alignment, no padding)."""
+    pair = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if expert >= num_local:  # held by another rank: its down row is skipped too
+        return
+    x_row = x_ptr + (pair // top_k) * stride_xm
+    gate_rows = w13_ptr + expert * stride_we + cols[:, None] * stride_wn
+    up_rows = gate_rows + I * stride_wn
+    gate = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        ks = k + tl.arange(0, BLOCK_K)
+        mask = col_mask[:, None] & (ks[None, :] < K)
+        a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+        gate += tl.sum(tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
+        up += tl.sum(tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a, axis=1)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(act_ptr + pair * stride_am + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _down_gemv_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, N, K, num_local,
+                      stride_am, stride_we, stride_wn, stride_om,
+                      TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A few tokens: out[token, cols] = Σ over its slots of weight × down(act[pair]), for one block
+    of the hidden columns: the down projection and the combine in one pass, summed in float32."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    out = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for slot in tl.static_range(TOP_K):
+        pair = token * TOP_K + slot
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        if expert < num_local:
+            rows = w2_ptr + expert * stride_we + cols[:, None] * stride_wn
+            part = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for k in range(0, K, BLOCK_K):
+                ks = k + tl.arange(0, BLOCK_K)
+                a = tl.load(act_ptr + pair * stride_am + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+                w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & (ks[None, :] < K), other=0.0)
+                part += tl.sum(w.to(tl.float32) * a, axis=1)
+            out += part * tl.load(weights_ptr + pair).to(tl.float32)
+    tl.store(out_ptr + token * stride_om + cols, out.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+# Up to this many tokens the experts run as two matrix-vector kernels per pair (`_experts_gemv`):
+# at one token they read 8 experts' rows with no alignment, no padding and no separate combine.
+GEMV_MAX_TOKENS = 2
+
+
+def _experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                  topk_ids: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = topk_ids.shape
+    num_local, two_i, hidden = w13.shape
+    inter = two_i // 2
+    ids = topk_ids.flatten()
+    act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)  # rows of remote experts: never read
+    # Tiles from a sweep at Qwen3-30B-A3B's shapes on an H200: one token 14.3 µs for gate+up (the
+    # aligned path: 24 µs with its alignment and SiLU kernels), 13.9 µs for down and the combine.
+    _gate_up_gemv_kernel[(ids.numel(), triton.cdiv(inter, 8))](
+        x, w13, act, ids, inter, hidden, num_local, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), BLOCK_N=8, BLOCK_K=256, num_warps=8)
+    out = torch.empty(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
+    _down_gemv_kernel[(num_tokens, triton.cdiv(w2.shape[1], 8))](
+        act, w2, out, ids, topk_weights.flatten(), w2.shape[1], inter, num_local,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOP_K=top_k, BLOCK_N=8, BLOCK_K=128, num_warps=8)
+    return out
+
+
 _SILU_AND_MUL = SiluAndMul()  # FlashInfer's kernel where it applies
 
 
@@ -311,6 +387,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
     rank's numbering (`w13.shape[0]` for an expert held elsewhere)."""
     num_tokens, top_k = topk_ids.shape
+    if num_tokens <= GEMV_MAX_TOKENS:
+        return _experts_gemv(x, w13, w2, topk_weights, topk_ids)
     num_pairs = num_tokens * top_k
     gate_up_cfg, down_cfg = _configs(num_tokens)
     # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
