@@ -72,7 +72,8 @@ class Executor:
     `master_addr`/`master_port` is where the others find rank 0 (port 0: a free one);
     `spawn_ranks` are the worker ranks started here as child processes (default: all of them;
     the rest join from elsewhere within `join_timeout_s`). On CUDA rank r runs on device
-    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size).
+    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size),
+    modulo the visible devices over gloo (PAGODA_DIST_BACKEND=gloo), whose ranks may share a GPU.
     Over `nnodes` hosts this is node 0's: rank r belongs to node r // (world size / nnodes), and
     errors about a rank name its node."""
 
