@@ -144,8 +144,9 @@ class EngineCore:
             config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         ranks = config.parallel.ranks_per_node  # the leader's share; every other node checks its own
+        self.dist_backend = dist_backend(self.device.type)  # the ranks' process groups'
         # Over gloo (PAGODA_DIST_BACKEND=gloo) the ranks may share GPUs; NCCL needs one each.
-        if self.device.type == "cuda" and ranks > torch.cuda.device_count() and dist_backend("cuda") == "nccl":
+        if self.device.type == "cuda" and ranks > torch.cuda.device_count() and self.dist_backend == "nccl":
             raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
                                  f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
@@ -205,7 +206,7 @@ class EngineCore:
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
         graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
                            and hasattr(self.attn, "plan_graph_decode"))
-        eager_reason = graphs_unavailable(config, dist_backend(self.device.type)) if graphs_possible else None
+        eager_reason = graphs_unavailable(config, self.dist_backend) if graphs_possible else None
         if eager_reason is not None:
             logger.warning("%s: CUDA graphs are off", eager_reason)
             graphs_possible = False
