@@ -156,15 +156,14 @@ def pp_layer_partition(num_layers: int, pp: int, explicit: str | None = None) ->
 
 
 def dist_backend(device_type: str) -> str:
-    """The backend of the process groups of ranks on `device_type`: gloo on CPU; on CUDA NCCL, or
-    gloo when PAGODA_DIST_BACKEND=gloo (a CUDA tensor then passes through host memory on its way:
-    `model.layers.TPGroup`; slow, and the ranks may share GPUs). ModelLoadError for another value."""
+    """The backend of the process groups of ranks (or host-side groups) on `device_type`: gloo on
+    CPU, whatever PAGODA_DIST_BACKEND says; on CUDA NCCL, or gloo when PAGODA_DIST_BACKEND=gloo (a
+    CUDA tensor then passes through host memory on its way: `model.layers.TPGroup`; slow, and the
+    ranks may share GPUs). ModelLoadError for a value other than nccl or gloo."""
     wanted = os.environ.get(DIST_BACKEND_ENV, "").strip().lower()
     if wanted and wanted not in DIST_BACKENDS:
         raise ModelLoadError(f"{DIST_BACKEND_ENV}={wanted!r} must be one of {', '.join(DIST_BACKENDS)}")
     if device_type != "cuda":
-        if wanted == "nccl":
-            raise ModelLoadError(f"{DIST_BACKEND_ENV}=nccl needs CUDA devices; ranks on {device_type} use gloo")
         return "gloo"
     return wanted or "nccl"
 
