@@ -14,8 +14,9 @@ CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
 
 def resolve_cudagraph_mode(mode: str | None) -> str:
     """The CUDA-graph mode asked for, or the default: FULL_AND_PIECEWISE, on one GPU and under
-    tensor parallelism alike (the piecewise graphs, NCCL all-reduces captured in every segment,
-    passed tests/gpu/test_tp_gpu.py on 2 x H200)."""
+    tensor and pipeline parallelism alike (the piecewise graphs, NCCL all-reduces captured in
+    every segment, passed tests/gpu/test_tp_gpu.py on 2 x H200; each pipeline stage captures its
+    own layers, tests/gpu/test_pp_graphs_gpu.py)."""
     return mode if mode is not None else "FULL_AND_PIECEWISE"
 
 

@@ -55,6 +55,7 @@ from pagoda_engine.worker.executor import create_executor
 from pagoda_engine.worker.kv_offload import OffloadSetup
 from pagoda_engine.worker.kv_stores import HEADER_BYTES
 from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
+from pagoda_engine.worker.parallel_state import dist_backend
 from pagoda_engine.worker.runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagoda_engine.worker.sampling import make_sampler
 from pagoda_engine.structured_outputs import GrammarCompiler
@@ -103,6 +104,22 @@ def _set_cpu_threads(model: torch.nn.Module) -> None:
         torch.set_num_threads(1)
 
 
+def graphs_unavailable(config: EngineConfig, backend: str) -> str | None:
+    """Why an engine on CUDA whose attention backend can run in CUDA graphs must still run
+    eagerly, or None (then every rank, every pipeline stage included, captures them); `backend`:
+    its process groups' (`parallel_state.dist_backend`)."""
+    pc = config.parallel
+    if pc.expert_parallel_across_cores:
+        # Every core would have to replay the same graph size and kind at each step (vLLM pads
+        # to the largest core's batch and agrees on the mode first): not built yet.
+        return "expert parallelism across data-parallel engine cores runs eagerly"
+    if pc.tensor_parallel_size > 1 and backend == "gloo":
+        # The pipeline's send/recv stay outside the graphs; the all-reduces are inside them.
+        return ("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) runs eagerly: its all-reduces pass "
+                "through host memory, which a CUDA graph cannot capture")
+    return None
+
+
 def _refuse_unimplemented(config: EngineConfig) -> None:
     """Options the command line accepts (the operator renders them) but this engine cannot honour
     yet, as the capability table says: refuse to start with a clear message rather than run
@@ -127,7 +144,9 @@ class EngineCore:
             config.scheduler.async_scheduling = self.device.type == "cuda"
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         ranks = config.parallel.ranks_per_node  # the leader's share; every other node checks its own
-        if self.device.type == "cuda" and ranks > torch.cuda.device_count():
+        self.dist_backend = dist_backend(self.device.type)  # the ranks' process groups'
+        # Over gloo (PAGODA_DIST_BACKEND=gloo) the ranks may share GPUs; NCCL needs one each.
+        if self.device.type == "cuda" and ranks > torch.cuda.device_count() and self.dist_backend == "nccl":
             raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
                                  f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
         torch.manual_seed(mc.seed)
@@ -187,14 +206,9 @@ class EngineCore:
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
         graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
                            and hasattr(self.attn, "plan_graph_decode"))
-        if graphs_possible and config.parallel.pipeline_parallel_size > 1:
-            # Each stage would need graphs of its own layers around the send/recv: not built yet.
-            logger.warning("pipeline parallelism runs eagerly: CUDA graphs are off")
-            graphs_possible = False
-        if graphs_possible and config.parallel.expert_parallel_across_cores:
-            # Every core would have to replay the same graph size and kind at each step (vLLM pads
-            # to the largest core's batch and agrees on the mode first): not built yet.
-            logger.warning("expert parallelism across data-parallel engine cores runs eagerly: CUDA graphs are off")
+        eager_reason = graphs_unavailable(config, self.dist_backend) if graphs_possible else None
+        if eager_reason is not None:
+            logger.warning("%s: CUDA graphs are off", eager_reason)
             graphs_possible = False
         self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode)
                                if graphs_possible else "NONE")
@@ -282,13 +296,19 @@ class EngineCore:
         # differ (their layer counts do), and on CUDA so do their weights: rank 0's profile stands
         # for every rank's activations, each rank's own weights are counted; the tightest rank sets the count.
         specs = self.executor.kv_cache_specs(spec.page_size, spec.dtype)
-        if self.device.type == "cuda":
-            budget = self._profile_free_gpu_bytes()
-            weights = self.executor.collective_rpc("weight_bytes")
-            budgets = [budget - (w - weights[0]) for w in weights]
+        if self.device.type == "cuda" and self.executor.shares_devices:
+            # Ranks on one GPU (gloo): all their pages come out of its one budget, in which the
+            # other ranks' weights and activations are already counted (outside this process).
+            num_pages = self._profile_free_gpu_bytes() // sum(s.bytes_per_page() for s in specs)
         else:
-            budgets = [int(cc.cpu_kv_cache_gb * _GiB)] * len(specs)
-        num_pages = min(min(max(b, 0) // s.bytes_per_page() for b, s in zip(budgets, specs)), useful)
+            if self.device.type == "cuda":
+                budget = self._profile_free_gpu_bytes()
+                weights = self.executor.collective_rpc("weight_bytes")
+                budgets = [budget - (w - weights[0]) for w in weights]
+            else:
+                budgets = [int(cc.cpu_kv_cache_gb * _GiB)] * len(specs)
+            num_pages = min(max(b, 0) // s.bytes_per_page() for b, s in zip(budgets, specs))
+        num_pages = min(num_pages, useful)
         if num_pages < pages_per_seq + 1:
             raise ModelLoadError(
                 f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "

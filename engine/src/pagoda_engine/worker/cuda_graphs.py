@@ -16,6 +16,17 @@ Each rank's `Worker` owns both: under tensor parallelism every rank captures the
 the same order (the all-reduces inside are captured too) and replays the same graphs for every
 step. All graphs share one memory pool: one step replays one kind at a time, on one stream, so
 what a graph frees is free for any other (only each graph's output stays reserved).
+
+Under pipeline parallelism each stage captures its own layers' forward (`stage_forward`), at the
+same sizes in the same order as every other stage, so that all stages pick the same graph and
+padded size for a step. The stage-to-stage transfers stay outside the graphs (as in vLLM): a
+later stage receives the stage before's (x, residual) straight into its graph's fixed input
+(`StageInput`, `input_buffer`) before the replay, and a stage other than the last sends its
+graph's fixed output, (x, residual) stacked [2, padded size, hidden], after it. Reusing these
+buffers for the next batch of the batch queue is safe without copies: a rank runs its steps one
+after another on one stream, and a send or receive is ordered with that stream both ways (NCCL's
+stream waits for the graph that wrote or will read the buffer, and the stream waits for the
+transfer before the next replay; host-staged gloo transfers are synchronous).
 """
 
 from __future__ import annotations
@@ -63,9 +74,13 @@ class PiecewiseLayer(Protocol):
 
 class PiecewiseModel(Protocol):
     """A model (an nn.Module with `config.hidden_size`) the piecewise graphs can split: its
-    embedding, its layers and its final norm, which its own eager forward runs too."""
+    embedding, its layers and its final norm, which its own eager forward runs too. Under
+    pipeline parallelism: one stage's, whose `layers` are its own (the embedding only on the
+    first stage, the final norm only on the last)."""
 
     layers: Sequence[PiecewiseLayer]
+    is_first_stage: bool
+    is_last_stage: bool
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor: ...
 
@@ -73,18 +88,49 @@ class PiecewiseModel(Protocol):
 
 
 def run_segment(model: PiecewiseModel, i: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                o: torch.Tensor | None, residual: torch.Tensor | None):
-    """The forward between attention calls i-1 and i. Segment 0 embeds `input_ids` and ends with
-    layer 0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's attention output
-    `o` and the residual stream and ends with layer i's (q, k, v, residual); the last segment
-    ends with the final norm and returns the hidden states."""
+                o: torch.Tensor | None, residual: torch.Tensor | None, received: torch.Tensor | None = None):
+    """The forward between attention calls i-1 and i. Segment 0 embeds `input_ids` (on a later
+    pipeline stage it starts from the (x, residual) `received` [2, T, H] from the stage before)
+    and ends with layer 0's attention inputs; segment i (0 < i < num_layers) takes layer i-1's
+    attention output `o` and the residual stream and ends with layer i's (q, k, v, residual); the
+    last segment returns the hidden states after the final norm (on a stage other than the
+    last: (x, residual) stacked [2, T, H] for the next stage)."""
+    layers = model.layers
     if i == 0:
-        x = model.embed(input_ids)
+        x, residual = (model.embed(input_ids), None) if received is None else (received[0], received[1])
     else:
-        x, residual = model.layers[i - 1].post_attention(o, residual)
-    if i == len(model.layers):
-        return model.final_norm(x, residual)
-    return model.layers[i].pre_attention(positions, x, residual)
+        x, residual = layers[i - 1].post_attention(o, residual)
+    if i == len(layers):
+        return model.final_norm(x, residual) if model.is_last_stage else torch.stack((x, residual))
+    return layers[i].pre_attention(positions, x, residual)
+
+
+def stage_forward(model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                  received: torch.Tensor | None) -> torch.Tensor:
+    """A pipeline stage's forward, eager or captured: from the (x, residual) `received` [2, T, H]
+    from the stage before (None on the first stage) to the hidden states on the last stage, and
+    on any other to (x, residual) stacked [2, T, H], the one tensor the next stage receives."""
+    out = model(input_ids, positions, attn, None if received is None else (received[0], received[1]))
+    return out if isinstance(out, torch.Tensor) else torch.stack(out)
+
+
+class StageInput:
+    """The fixed buffer a later pipeline stage's graphs read the stage before's (x, residual)
+    from: one flat tensor for up to `max_tokens` rows, seen as [2, size, hidden] for a step padded
+    to `size` rows, so that a step of any size arrives as one contiguous tensor."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device, max_tokens: int):
+        self.hidden_size = model.config.hidden_size
+        self.flat = torch.zeros(2 * max_tokens * self.hidden_size, dtype=next(model.parameters()).dtype,
+                                device=device)
+
+    @staticmethod
+    def of(model: torch.nn.Module, device: torch.device, max_tokens: int) -> StageInput | None:
+        """`model`'s stage's input buffer; None on the first stage (or without pipeline parallelism)."""
+        return None if model.is_first_stage else StageInput(model, device, max_tokens)
+
+    def view(self, size: int) -> torch.Tensor:
+        return self.flat[:2 * size * self.hidden_size].view(2, size, self.hidden_size)
 
 
 def load_padded(id_buffer: torch.Tensor, position_buffer: torch.Tensor, input_ids: torch.Tensor,
@@ -104,7 +150,8 @@ class DecodeGraphs:
 
     Inputs live in fixed buffers; the attention backend plans each step into its own fixed
     buffers (`plan_graph_decode`) before the replay. Padding rows decode token 0 at position 0
-    into the null page; their outputs are dropped.
+    into the null page; their outputs are dropped (a pipeline stage passes them on to the next,
+    whose graph of the same padded size reads them).
     """
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
@@ -116,9 +163,12 @@ class DecodeGraphs:
         self.max_batch_size = self.batch_sizes[-1]
         self.input_ids = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
         self.positions = torch.zeros(self.max_batch_size, dtype=torch.int64, device=device)
+        self.received = StageInput.of(model, device, self.max_batch_size)
+        self.is_last_stage = model.is_last_stage
         attn.init_graph_buffers(self.batch_sizes, max_pages_per_seq)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
@@ -126,13 +176,17 @@ class DecodeGraphs:
                                        slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
                                        num_decodes=bs)
                 attn.plan_graph_decode(dummy, bs)
-                model(self.input_ids[:bs], self.positions[:bs], attn)  # warm-up: lazy inits stay out of the graph
+                self._forward(bs)  # warm-up: lazy inits stay out of the graph
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = model(self.input_ids[:bs], self.positions[:bs], attn)
+                    self.outputs[bs] = self._forward(bs)
                 self.graphs[bs] = graph
         torch.cuda.synchronize()
+
+    def _forward(self, bs: int) -> torch.Tensor:
+        received = self.received.view(bs) if self.received is not None else None
+        return stage_forward(self.model, self.input_ids[:bs], self.positions[:bs], self.attn, received)
 
     def fits(self, batch: AttentionBatch) -> bool:
         """An all-decode batch no larger than the largest graph."""
@@ -141,13 +195,21 @@ class DecodeGraphs:
     def padded_size(self, num_reqs: int) -> int:
         return next(s for s in self.batch_sizes if s >= num_reqs)
 
+    def input_buffer(self, batch: AttentionBatch) -> torch.Tensor:
+        """Later pipeline stages: where the stage before's (x, residual) for `batch` must be
+        received before `run`, [2, padded size, hidden]."""
+        return self.received.view(self.padded_size(batch.num_reqs))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """The hidden states of the batch's rows; on a pipeline stage other than the last, the
+        graph's fixed output for the next stage: (x, residual) [2, padded size, hidden]."""
         n = batch.num_reqs
         bs = self.padded_size(n)
         load_padded(self.input_ids, self.positions, input_ids, positions, bs)
         self.attn.plan_graph_decode(batch, bs)
         self.graphs[bs].replay()
-        return self.outputs[bs][:n]
+        self.replays += 1
+        return self.outputs[bs][:n] if self.is_last_stage else self.outputs[bs]
 
 
 class SegmentBuffers:
@@ -157,11 +219,14 @@ class SegmentBuffers:
     the residual stream (updated in place by the fused add+norm); the attention output the next
     segment reads. Padding rows (id 0, position 0) pass through the GEMMs and norms and are never
     attended to: their attention rows keep what an earlier step left, which no real row reads.
+    On a later pipeline stage the first segment starts from `received` (`StageInput`) instead of
+    the token ids.
     """
 
     def __init__(self, model: PiecewiseModel, attn: AttentionBackend, device: torch.device, max_tokens: int):
         self.model, self.attn = model, attn
         self.num_segments = len(model.layers) + 1
+        self.received = StageInput.of(model, device, max_tokens)
         spec = attn.spec
         dtype = next(model.parameters()).dtype
         self.input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
@@ -179,10 +244,11 @@ class SegmentBuffers:
         load_padded(self.input_ids, self.positions, input_ids, positions, size)
 
     def segment(self, i: int, size: int) -> torch.Tensor | None:
-        """Segment i over the first `size` rows. The last returns the hidden states; the others
-        leave q, k, v and the residual in the buffers."""
+        """Segment i over the first `size` rows. The last returns the hidden states (or what a
+        pipeline stage sends on); the others leave q, k, v and the residual in the buffers."""
+        received = self.received.view(size) if i == 0 and self.received is not None else None
         out = run_segment(self.model, i, self.input_ids[:size], self.positions[:size],
-                          self.attn_out[:size] if i else None, self.residual[:size] if i else None)
+                          self.attn_out[:size] if i else None, self.residual[:size] if i else None, received)
         if i == self.num_segments - 1:
             return out
         q, k, v, residual = out
@@ -193,7 +259,8 @@ class SegmentBuffers:
             self.q[:size].copy_(q)
             self.k[:size].copy_(k)
             self.v[:size].copy_(v)
-        if residual.data_ptr() != self.residual.data_ptr():  # segment 0; later ones update it in place
+        # Segment 0 (from the embeddings, or the stage before's residual); later ones update it in place.
+        if residual.data_ptr() != self.residual.data_ptr():
             self.residual[:size].copy_(residual)
         return None
 
@@ -214,9 +281,12 @@ class PiecewiseGraphs:
         self.token_sizes = sorted(token_sizes)
         self.max_tokens = self.token_sizes[-1]
         self.buffers = SegmentBuffers(model, attn, device, self.max_tokens)
+        self.is_last_stage = model.is_last_stage
         num_segments = self.buffers.num_segments
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-        self.outputs: dict[int, torch.Tensor] = {}  # the last segment's hidden states, per size
+        # The last segment's hidden states (on a pipeline stage other than the last, what it sends on), per size.
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.replays = 0  # steps run
         with torch.inference_mode():
             # Largest first: the smaller sizes reuse the pool memory the largest one reserved.
             for size in reversed(self.token_sizes):
@@ -239,7 +309,13 @@ class PiecewiseGraphs:
     def padded_size(self, num_tokens: int) -> int:
         return next(s for s in self.token_sizes if s >= num_tokens)
 
+    def input_buffer(self, batch: AttentionBatch) -> torch.Tensor:
+        """Later pipeline stages: where the stage before's (x, residual) for `batch` must be
+        received before `run`, [2, padded size, hidden]."""
+        return self.buffers.received.view(self.padded_size(batch.num_tokens))
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+        """As `DecodeGraphs.run`, per token."""
         n = batch.num_tokens
         size = self.padded_size(n)
         self.buffers.load(input_ids, positions, size)
@@ -249,7 +325,8 @@ class PiecewiseGraphs:
             graph.replay()
             self.buffers.attend(i, n)
         graphs[-1].replay()
-        return self.outputs[size][:n]
+        self.replays += 1
+        return self.outputs[size][:n] if self.is_last_stage else self.outputs[size]
 
 
 def _fused_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:

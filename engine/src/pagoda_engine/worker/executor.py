@@ -46,7 +46,7 @@ import pagoda_engine
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, pp_layer_partition
+from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
 from pagoda_engine.worker.sampling import SamplingBatch
 from pagoda_engine.worker.worker import DIST_TIMEOUT_S, START_TIMEOUT_S, Arriving, load_worker_class, worker_method
@@ -72,7 +72,8 @@ class Executor:
     `master_addr`/`master_port` is where the others find rank 0 (port 0: a free one);
     `spawn_ranks` are the worker ranks started here as child processes (default: all of them;
     the rest join from elsewhere within `join_timeout_s`). On CUDA rank r runs on device
-    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size).
+    `device_offset + r` (data-parallel engine core i of a pod: offset i × tensor × pipeline parallel size),
+    modulo the visible devices over gloo (PAGODA_DIST_BACKEND=gloo), whose ranks may share a GPU.
     Over `nnodes` hosts this is node 0's: rank r belongs to node r // (world size / nnodes), and
     errors about a rank name its node."""
 
@@ -85,13 +86,17 @@ class Executor:
         self.nnodes = nnodes
         spawn_ranks = list(range(1, layout.world_size)) if spawn_ranks is None else spawn_ranks
         device = torch.device(device)
+        # Whether this host's ranks outnumber its GPUs, so that some share one (gloo only).
+        self.shares_devices = False
         if (layout.world_size > 1 or device_offset > 0) and device.type == "cuda":
             needed = device_offset + max(spawn_ranks, default=0) + 1
-            if torch.cuda.device_count() < needed:
+            self.shares_devices = torch.cuda.device_count() < needed
+            # NCCL needs a GPU per rank; over gloo (PAGODA_DIST_BACKEND) ranks may share them.
+            if self.shares_devices and dist_backend("cuda") != "gloo":
                 raise ModelLoadError(f"{layout.world_size} ranks (tensor × pipeline parallel size) on devices from "
                                      f"cuda:{device_offset} (data-parallel engine cores before it use the lower ones) "
                                      f"need {needed} GPUs here, {torch.cuda.device_count()} are visible")
-            device = torch.device("cuda", device_offset)  # rank r runs on cuda:device_offset + r
+            device = torch.device("cuda", self._device_index(0))
             torch.cuda.set_device(device)
         elif layout.world_size > 1 and device.type != "cpu":
             raise ModelLoadError(f"tensor parallelism runs on cuda or cpu, not {device}")
@@ -123,11 +128,17 @@ class Executor:
                             "data_parallel": asdict(data_parallel) if data_parallel else None})
         try:
             for rank in spawn_ranks:
-                self._processes[rank] = _spawn(rank, master_addr, store.port, device_offset + rank)
+                self._processes[rank] = _spawn(rank, master_addr, store.port, self._device_index(rank))
             self._join(join_timeout_s, f"{master_addr}:{store.port}")
         except BaseException:
             self.close()
             raise
+
+    def _device_index(self, rank: int) -> int:
+        """Rank `rank`'s CUDA device: cuda:device_offset + rank, wrapping around past the last
+        visible one (only gloo ranks share devices: checked above)."""
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return (self.device_offset + rank) % count if count else self.device_offset + rank
 
     # --- the calls ------------------------------------------------------------------------------
 
@@ -476,7 +487,7 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
     if layout.world_size > 1:
         logger.info("%d ranks (tensor parallel %d × pipeline parallel %d%s; %s), workers %s", layout.world_size,
                     tp_size, pp_size, f", layers per stage {[end - start for start, end in partition]}" if partition else "",
-                    "nccl" if executor.device.type == "cuda" else "gloo", executor.worker_pids)
+                    dist_backend(executor.device.type), executor.worker_pids)
     return executor
 
 

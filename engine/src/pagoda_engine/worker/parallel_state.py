@@ -19,7 +19,8 @@ run time: TP, and under pipeline parallelism PP and the world group. Data-parall
 are independent unless the MoE layers' experts span them (`--enable-expert-parallel` with
 `--data-parallel-size`): then every rank also joins the pod-wide numbering above (`DataParallelRank`,
 `pod_layout`), through a store that core 0 hosts, and its DP group carries the MoE dispatch.
-`pp_layer_partition` splits the decoder layers into pipeline stages.
+`pp_layer_partition` splits the decoder layers into pipeline stages; `dist_backend` picks the
+process groups' backend.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ from pagoda_engine.errors import ModelLoadError
 AXES = ("tp", "pp", "dp", "ep")
 # An explicit split of the layers over the pipeline stages, as vLLM's VLLM_PP_LAYER_PARTITION: "a,b,...".
 PP_LAYER_PARTITION_ENV = "PAGODA_PP_LAYER_PARTITION"
+# The process groups' backend on CUDA: nccl (the default) or gloo, whose ranks may share a GPU
+# (NCCL refuses two ranks on one device), so that pipeline parallelism runs on one GPU for tests.
+DIST_BACKEND_ENV = "PAGODA_DIST_BACKEND"
+DIST_BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -148,3 +153,17 @@ def pp_layer_partition(num_layers: int, pp: int, explicit: str | None = None) ->
             counts[-i] += 1
     starts = [sum(counts[:i]) for i in range(pp)]
     return [(start, start + n) for start, n in zip(starts, counts)]
+
+
+def dist_backend(device_type: str) -> str:
+    """The backend of the process groups of ranks (or host-side groups) on `device_type`: gloo on
+    CPU, whatever PAGODA_DIST_BACKEND says; on CUDA NCCL, or gloo when PAGODA_DIST_BACKEND=gloo (a
+    CUDA tensor then passes through host memory on its way: `model.layers.TPGroup`; slow, and the
+    ranks may share GPUs). ModelLoadError for a value other than nccl or gloo."""
+    wanted = os.environ.get(DIST_BACKEND_ENV, "").strip().lower()
+    if wanted and wanted not in DIST_BACKENDS:
+        raise ModelLoadError(f"{DIST_BACKEND_ENV}={wanted!r} must be one of {', '.join(DIST_BACKENDS)}")
+    if device_type != "cuda":
+        return "gloo"
+    return wanted or "nccl"
+

@@ -11,7 +11,7 @@ tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
 next larger batch size (`cuda_graphs.DecodeGraphs`, owned by each rank's `Worker`, so that every
-tensor-parallel rank replays its own); other steps of up to 256 tokens replay piecewise graphs
+tensor-parallel rank and pipeline stage replays its own); other steps of up to 256 tokens replay piecewise graphs
 with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
 `--enforce-eager` run eagerly.
 """

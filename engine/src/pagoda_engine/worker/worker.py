@@ -12,7 +12,11 @@ and KV pages for those; every rank is called with the step's tensors (broadcast 
 group), a stage receives (x, residual) from the stage before over its PP group and sends its own
 to the next, and only the last stage has the LM head: it computes the logits and samples
 (`sample`), and its sampled tokens go back to rank 0 (with the log-probabilities of the rows that
-asked for logprobs; prompt logprobs take the logits themselves, `compute_logits`).
+asked for logprobs; prompt logprobs take the logits themselves, `compute_logits`). Each stage
+replays CUDA graphs of its own layers (`cuda_graphs.py`); the transfers between stages stay
+outside them (`execute_model`). With PAGODA_DIST_BACKEND=gloo the CUDA ranks' groups are gloo
+ones that pass tensors through host memory (`TPGroup`), and several ranks may share one GPU: a
+slow way to run pipeline parallelism, graphs included, on one GPU.
 
 With expert parallelism across data-parallel engine cores (`data_parallel`), each rank also joins
 the pod's store (hosted by core 0's first rank) and its DP group (the ranks of its TP position in
@@ -47,12 +51,12 @@ import zmq
 from pagoda_engine.processes import die_with_parent
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs
+from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
-from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, pod_layout
+from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
 from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, warm_up_sampler
 
@@ -213,28 +217,51 @@ class Worker:
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
         empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
-        captures the same sizes in the same order: the all-reduces inside pair up across ranks."""
-        if self.layout.pp > 1:
-            raise NotImplementedError("CUDA graphs do not run under pipeline parallelism (the engine runs it eagerly)")
+        captures the same sizes in the same order: the all-reduces inside pair up across ranks,
+        and every pipeline stage picks the same graph and padded size for a step (its own layers'
+        forward; the transfers between stages stay outside: `execute_model`)."""
+        if self.tp_group is not None and self.tp_group.stages_on_host:
+            raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
+                               "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
         self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool)
         if piecewise_sizes:
             self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool)
+
+    def graph_replays(self) -> dict[str, int]:
+        """How many steps this rank ran as decode graphs and as piecewise graphs."""
+        return {"decode": self.graphs.replays if self.graphs else 0,
+                "piecewise": self.piecewise.replays if self.piecewise else 0}
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor | None:
         """Plan attention for `batch`, run the forward; hidden states [num_tokens, hidden_size]
         (kept for `compute_logits`; None on a pipeline stage other than the last): a
         whole-forward graph replay for all-decode steps that fit one, piecewise replays for
-        other short steps, else eagerly."""
-        if self.graphs is not None and self.graphs.fits(batch):
-            self.hidden = self.graphs.run(input_ids, positions, batch)
-        elif self.piecewise is not None and self.piecewise.fits(batch):
-            self.hidden = self.piecewise.run(input_ids, positions, batch)
-        else:
+        other short steps, else eagerly. A later pipeline stage receives the stage before's
+        (x, residual) into the graph's fixed input first; a stage before the last sends the
+        graph's fixed output on after the replay."""
+        graphs = self._graphs_for(batch)
+        if graphs is None:
             self.attn.plan(batch)
             self.hidden = self._forward(input_ids, positions, self.attn)
-        return self.hidden
+            return self.hidden
+        if not self.is_first_stage:
+            self.pp_group.recv(graphs.input_buffer(batch), self.coordinates.pp_rank - 1)
+        out = graphs.run(input_ids, positions, batch)
+        if not self.is_last_stage:
+            self.pp_group.send(out, self.coordinates.pp_rank + 1)
+            out = None
+        self.hidden = out
+        return out
+
+    def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | PiecewiseGraphs | None:
+        """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly."""
+        if self.graphs is not None and self.graphs.fits(batch):
+            return self.graphs
+        if self.piecewise is not None and self.piecewise.fits(batch):
+            return self.piecewise
+        return None
 
     def compute_logits(self, rows: torch.Tensor) -> torch.Tensor | None:
         """float32 logits over the whole vocabulary for these rows of the last forward's hidden
@@ -301,16 +328,15 @@ class Worker:
             self.dp_dispatch.begin_forward(input_ids.shape[0])
         if self.layout.pp == 1:
             return self.model(input_ids, positions, attn)
-        intermediate = None
+        received = None
         if not self.is_first_stage:
             shape = (2, input_ids.shape[0], self.model.config.hidden_size)
             received = self.pp_group.recv(torch.empty(shape, dtype=self.dtype, device=self.device),
                                           self.coordinates.pp_rank - 1)
-            intermediate = (received[0], received[1])
-        out = self.model(input_ids, positions, attn, intermediate)
+        out = stage_forward(self.model, input_ids, positions, attn, received)
         if self.is_last_stage:
             return out
-        self.pp_group.send(torch.stack(out), self.coordinates.pp_rank + 1)
+        self.pp_group.send(out, self.coordinates.pp_rank + 1)
         return None
 
     def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
@@ -339,20 +365,23 @@ class Worker:
 
 def make_group(store, layout: ParallelLayout, axis: str, rank: int, device: torch.device,
                name: str | None = None) -> TPGroup:
-    """This rank's member of its group on `axis` (gloo on CPU, NCCL on CUDA), meeting in `store`
-    under the group's own prefix (`name`, default the axis: two groups of the same ranks need two
-    names); returns once every member has joined."""
+    """This rank's member of its group on `axis` (gloo on CPU, NCCL on CUDA unless
+    PAGODA_DIST_BACKEND=gloo: `parallel_state.dist_backend`), meeting in `store` under the group's
+    own prefix (`name`, default the axis: two groups of the same ranks need two names); returns
+    once every member has joined."""
     members = layout.group(axis, rank)
     timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     store = dist.PrefixStore(f"pagoda/{name or axis}/{layout.group_index(axis, rank)}", store)
     group_rank = members.index(rank)
-    if device.type == "cuda":
+    nccl = dist_backend(device.type) == "nccl"
+    if nccl:
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
         backend = dist.ProcessGroupNCCL(store, group_rank, len(members), options)
     else:
         backend = dist.ProcessGroupGloo(store, group_rank, len(members), timeout)
-    group = TPGroup(backend, group_rank, len(members), members)
+    group = TPGroup(backend, group_rank, len(members), members,
+                    stages_on_host=device.type == "cuda" and not nccl)
     # A first collective: every rank is connected (NCCL makes its communicator lazily) before
     # anyone reports ready.
     group.all_reduce(torch.zeros(1, device=device))

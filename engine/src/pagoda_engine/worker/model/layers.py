@@ -242,39 +242,50 @@ class TPGroup:
     """The collectives of one tensor-parallel model, on a torch.distributed backend object
     (`ProcessGroupGloo` on CPU, `ProcessGroupNCCL` on CUDA) that belongs to this model alone.
     `rank` is this member's index in the group, `ranks` the members' global ranks
-    (`worker.parallel_state.ParallelLayout.group`)."""
+    (`worker.parallel_state.ParallelLayout.group`).
 
-    def __init__(self, backend, rank: int, size: int, ranks: tuple[int, ...] | None = None):
+    `stages_on_host`: gloo serving CUDA ranks (PAGODA_DIST_BACKEND=gloo, e.g. several pipeline
+    stages on one GPU). Gloo's send and recv hand the tensor's pointer to its TCP transport as
+    host memory, so every CUDA tensor goes through a host copy here, for every operation alike
+    (a synchronous copy: never inside a CUDA graph). CPU tensors are used as they are."""
+
+    def __init__(self, backend, rank: int, size: int, ranks: tuple[int, ...] | None = None,
+                 stages_on_host: bool = False):
         self.backend = backend
         self.rank = rank
         self.size = size
         self.ranks = tuple(ranks) if ranks is not None else tuple(range(size))
+        self.stages_on_host = stages_on_host
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum `x` over the ranks, in place."""
-        self.backend.allreduce([x]).wait()
-        return x
+        staged = self._staged(x)
+        self.backend.allreduce([staged]).wait()
+        return _copy_back(x, staged)
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `x`, in rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        self.backend.allgather([parts], [x.contiguous()]).wait()
-        return parts
+        staged = self._staged(x.contiguous())
+        parts = [torch.empty_like(staged) for _ in range(self.size)]
+        self.backend.allgather([parts], [staged]).wait()
+        return [part.to(x.device) for part in parts]
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         """`x` [size × n, ...] summed over the ranks; this rank's n rows of the sum."""
-        out = torch.empty_like(x[:x.shape[0] // self.size])
-        self.backend.reduce_scatter([out], [list(x.contiguous().chunk(self.size))]).wait()
-        return out
+        staged = self._staged(x.contiguous())
+        out = torch.empty_like(staged[:staged.shape[0] // self.size])
+        self.backend.reduce_scatter([out], [list(staged.chunk(self.size))]).wait()
+        return out.to(x.device)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` into every rank's `x`, in place."""
-        self.backend.broadcast(x, src).wait()
-        return x
+        staged = self._staged(x)
+        self.backend.broadcast(staged, src).wait()
+        return _copy_back(x, staged)
 
     def send(self, x: torch.Tensor, dst: int) -> None:
         """`x` to group member `dst` (pipeline stages pass hidden states and logits on)."""
-        self.backend.send([x.contiguous()], dst, 0).wait()
+        self.backend.send([self._staged(x.contiguous())], dst, 0).wait()
 
     def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
         """Member `src`'s `send` into `x`, in place."""
@@ -283,7 +294,34 @@ class TPGroup:
 
     def recv_async(self, x: torch.Tensor, src: int):
         """`recv` without waiting: the returned work's `wait()` does (receives match sends in order)."""
-        return self.backend.recv([x], src, 0)
+        staged = self._staged(x, copy=False)
+        work = self.backend.recv([staged], src, 0)
+        return work if staged is x else _CopiedBack(work, x, staged)
+
+    def _staged(self, x: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """What the backend works on for `x`: `x` itself, or a host tensor like it (holding its
+        values when `copy`) where CUDA tensors go through host memory."""
+        if not (self.stages_on_host and x.is_cuda):
+            return x
+        return x.cpu() if copy else torch.empty(x.shape, dtype=x.dtype)
+
+
+def _copy_back(x: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
+    """`x` holding the result an operation left in `staged` (its host copy, or `x` itself)."""
+    if staged is not x:
+        x.copy_(staged)
+    return x
+
+
+class _CopiedBack:
+    """A receive into a host copy of `x`: `wait()` waits for it, then copies it into `x`."""
+
+    def __init__(self, work, x: torch.Tensor, staged: torch.Tensor):
+        self.work, self.x, self.staged = work, x, staged
+
+    def wait(self) -> None:
+        self.work.wait()
+        _copy_back(self.x, self.staged)
 
 
 def attach_tp_group(model: nn.Module, group: TPGroup) -> None:

@@ -300,10 +300,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, attn, intermediate)
 
     # What the piecewise CUDA graphs run (`cuda_graphs.PiecewiseModel`): the embedding, the
-    # layers' halves around attention, the final norm.
+    # layers' halves around attention, the final norm; under pipeline parallelism this stage's.
     @property
     def layers(self) -> nn.ModuleList:
-        return self.model.layers
+        """This stage's own decoder layers (all of them without pipeline parallelism)."""
+        return self.model.layers[self.model.start_layer:self.model.end_layer]
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
