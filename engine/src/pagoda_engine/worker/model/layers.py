@@ -307,9 +307,11 @@ class TPGroup:
 
 
 def _copy_back(x: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
-    """`x` holding the result an operation left in `staged` (its host copy, or `x` itself)."""
+    """`x` holding the result an operation left in `staged` (its host copy, or `x` itself). In
+    inference mode: `x` may have been made in it (a receive waited for after the forward)."""
     if staged is not x:
-        x.copy_(staged)
+        with torch.inference_mode():
+            x.copy_(staged)
     return x
 
 
