@@ -63,19 +63,21 @@ def working_set_pages(users: int, turns: int, context_len: int, new_tokens: int,
     return users * -(-final // page_size)
 
 
-def measure_pinned_bandwidth(nbytes: int = 1 << 30, iters: int = 10) -> float | None:
-    """Host (pinned) → device copy bandwidth in bytes/s; None without CUDA."""
+def measure_pinned_bandwidth(nbytes: int = 1 << 30, iters: int = 10, to_device: bool = True) -> float | None:
+    """Host (pinned) → device copy bandwidth in bytes/s (device → host with `to_device=False`);
+    None without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
+    dst, src = (dev, host) if to_device else (host, dev)
+    dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        dev.copy_(host, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     bw = nbytes * iters / (time.perf_counter() - t0)
     del host, dev
