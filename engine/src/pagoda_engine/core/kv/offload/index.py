@@ -122,14 +122,7 @@ class TierIndex:
         """New entries for `keys` (distinct, none present), in order, their slots in as few runs
         as the free space allows; LRU entries are evicted to make room. Where what is left is
         pinned or still arriving, the last keys get None (the tier skips those pages)."""
-        evicted = []
-        while len(self.entries) + len(keys) - len(evicted) > self.capacity:
-            # More than one round after the capacity shrank; the victims are taken in LRU order.
-            victim = next((e for e in self.entries.values() if e.ready and not e.pins), None)
-            if victim is None:
-                break
-            self._remove(victim)
-            evicted.append(victim)
+        evicted = self._evict_down_to(self.capacity - len(keys))
         room = max(0, min(len(keys), self.capacity - len(self.entries)))
         slots = ([start + i for start, n in self.free_slots.take(room) for i in range(n)]
                  if self.free_slots is not None else [-1] * room)
@@ -140,6 +133,20 @@ class TierIndex:
             self.entries[key] = entry
             entries.append(entry)
         return entries + [None] * (len(keys) - room), evicted
+
+    def evict_over_capacity(self) -> list[TierEntry]:
+        """After the capacity shrank: evict LRU entries down to it (as far as they are evictable)."""
+        return self._evict_down_to(self.capacity)
+
+    def _evict_down_to(self, size: int) -> list[TierEntry]:
+        evicted = []
+        while len(self.entries) > max(size, 0):
+            victim = next((e for e in self.entries.values() if e.ready and not e.pins), None)  # LRU first
+            if victim is None:
+                break
+            self._remove(victim)
+            evicted.append(victim)
+        return evicted
 
     def _remove(self, entry: TierEntry) -> None:
         del self.entries[entry.key]

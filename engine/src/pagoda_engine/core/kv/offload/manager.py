@@ -365,6 +365,9 @@ class OffloadManager:
                     self.counters[REMOTE].stored_bytes += self.page_bytes
                 else:
                     self.remote_known.pop(r, None)
+        if self.disk is not None and len(self.disk) > self.disk.capacity:
+            # The tier shrank while some of its entries were still arriving (they could not be evicted then).
+            self._disk_deletes += [e.key for e in self.disk.evict_over_capacity()]
 
     def _disk_full(self, num_failed: int) -> None:
         """Disk writes failed (the file system is fuller than the tier's size allows, or failing):
