@@ -139,7 +139,8 @@ def run_offload_copy(args: argparse.Namespace) -> dict:
     page_bytes = offloader.payload_bytes
     order = torch.randperm(2 * pages, generator=gen).add(1).tolist()
     src, dst = order[:pages], order[pages:]
-    layouts = {"contiguous": list(range(pages)), "fragmented": torch.randperm(pages, generator=gen).tolist()}
+    # Contiguous last: the bit check and the load behind a step read the slots it stored into.
+    layouts = {"fragmented": torch.randperm(pages, generator=gen).tolist(), "contiguous": list(range(pages))}
     ids = [0]
     _round(offloader, src, dst, layouts["contiguous"], load_pages, ids)  # warm-up: allocator, kernels
     result = {"bench": "offload_copy", "device": torch.cuda.get_device_name(device) if cuda else "cpu",
@@ -155,14 +156,14 @@ def run_offload_copy(args: argparse.Namespace) -> dict:
             "store_share": nbytes / best["store_s"] / d2h if d2h else None,
             "load_share": nbytes / best["load_s"] / h2d if h2d else None,
             "store_call_ms": 1e3 * best["store_call_s"], "load_call_ms": 1e3 * best["load_call_s"]}
+    back = torch.stack([c[dst] for c in caches], 1)
+    result["bit_identical"] = bool(torch.equal(back.view(torch.int16), torch.stack([c[src] for c in caches], 1)
+                                               .view(torch.int16)))
     if cuda:
         copy_s = load_pages * page_bytes / result["layouts"]["contiguous"]["load_Bps"]
         behind = min(_load_behind_step(offloader, dst[:load_pages], layouts["contiguous"][:load_pages],
                                        args.step_ms / 1e3, ids) for _ in range(args.repeats))
         result["load_behind_step"] = {"step_ms": args.step_ms, "copy_ms": 1e3 * copy_s, "latency_ms": 1e3 * behind}
-    back = torch.stack([c[dst] for c in caches], 1)
-    result["bit_identical"] = bool(torch.equal(back.view(torch.int16), torch.stack([c[src] for c in caches], 1)
-                                               .view(torch.int16)))
     offloader.close()
     _print(result)
     if not result["bit_identical"]:
