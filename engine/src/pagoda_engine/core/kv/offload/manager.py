@@ -17,7 +17,13 @@ that the requests admitted meanwhile cannot evict them; when the pool runs short
 are the first thing given up (`release_held`), before any running request is preempted. A page
 that failed (corrupt, truncated, another fingerprint, Redis gone) and all after it are
 recomputed instead. Every page a load or store holds is given back when it finishes or is
-released, whatever happened, so the pool never leaks.
+released, whatever happened, so the pool never leaks. Pages that came up from disk or Redis
+are then queued to go down like newly computed ones: promoted into the CPU tier (and a Redis
+hit onto disk), so that their next reuse is a host-memory hit.
+
+The CPU tier's slots are handed to one store's pages as runs of consecutive slots
+(`TierIndex.insert_many`), so that a conversation's pages, stored together, come back up in a
+few large host→device copies.
 
 The tiers are inclusive and share the keys (chained page hashes), so a remote tier is shared by
 every replica of a service whose fingerprint matches (same model, weights, dtype, page size, KV
