@@ -94,7 +94,7 @@ class _Load:
     page_ids: list[int]
     slots: list[int]  # each page's CPU slot, -1: its bytes are in `host` (read from disk or Redis)
     host: torch.Tensor | None = None  # [n, *page_shape] host rows for the pages without a slot
-    reading: Future | None = None  # the pool filling `host`; its result: the leading pages that read intact
+    reading: Future | None = None  # the pool reading `host`; its result: (host, leading pages that read intact)
     ok: int = 0
     event: torch.cuda.Event | None = None
     copied: bool = False
@@ -197,9 +197,7 @@ class KVOffloader:
             load.ok = len(sources)
             self._copy_up(load)
         else:
-            # Pinned here, on this rank's own thread (the pool's threads have no current device).
-            load.host = torch.empty((len(sources), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
-            load.reading = self.pool.submit(self._read, sources, load.host)
+            load.reading = self.pool.submit(self._read, sources)
         self.loads.append(load)
 
     def _copy_up(self, load: _Load) -> None:
@@ -226,9 +224,12 @@ class KVOffloader:
 
     # --- lower tiers (the thread pool) ------------------------------------------------------------
 
-    def _read(self, sources: list[tuple[str, int | bytes]], host: torch.Tensor) -> int:
-        """Fill `host`'s rows of the disk and Redis sources; how many leading sources read intact
-        (it stops at the first that does not). CPU sources are copied from their slots directly."""
+    def _read(self, sources: list[tuple[str, int | bytes]]) -> tuple[torch.Tensor, int]:
+        """Host rows (pinned on CUDA) holding the disk and Redis sources, and how many leading
+        sources read intact (it stops at the first that does not). CPU sources are left out:
+        they are copied up from their slots."""
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():  # this thread's device
+            host = torch.empty((len(sources), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
         rows = host.view(len(sources), -1).view(torch.uint8).numpy()
         remote_keys = [key for tier, key in sources if tier == REMOTE]
         blobs = dict(zip(remote_keys, self.remote.read(remote_keys))) if remote_keys else {}
@@ -241,16 +242,16 @@ class KVOffloader:
                 else:
                     blob = blobs.get(where)
                     if blob is None:
-                        return i  # evicted from Redis since the lookup, or Redis failed (counted there)
+                        return host, i  # evicted from Redis since the lookup, or Redis failed (counted there)
                     payload = decode_entry(blob, self.fingerprint, where, self.payload_bytes)
             except (CorruptEntry, OSError) as e:
                 self.errors[tier] += 1
                 self.bad.append((tier, where))
                 self._log.warning(f"bad-{tier}", "kv offload: %s entry %s unusable (%s): a miss, recomputed",
                                   tier, where.hex(), e)
-                return i
+                return host, i
             rows[i] = np.frombuffer(payload, dtype=np.uint8)
-        return len(sources)
+        return host, len(sources)
 
     def _write(self, store: _Store) -> tuple[list[bytes], bool]:
         def row(i: int) -> torch.Tensor:
@@ -290,7 +291,7 @@ class KVOffloader:
         self.writes = still
         for load in list(self.loads):
             if not load.copied and load.reading is not None and load.reading.done():
-                load.ok = load.reading.result()
+                load.host, load.ok = load.reading.result()
                 self._copy_up(load)
             if load.copied and _done(load.event):
                 self.loads.remove(load)
