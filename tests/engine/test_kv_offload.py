@@ -1,17 +1,22 @@
-"""KV offload tiers: the tier index (LRU order, capacity, pins), and the engine's CPU and disk
-tiers end to end in-process on the tiny model: greedy tokens identical with the tiers off and on,
-prefixes coming back from host memory, after preemption, and from disk after a restart; a
-truncated file is a miss, never a wrong token; no page is left held after any run."""
+"""KV offload tiers: the tier index (LRU order, capacity, pins, slot runs), one rank's data plane
+(pages stored and loaded back bit for bit, across staging chunks and slot runs), and the
+engine's CPU and disk tiers end to end in-process on the tiny model: greedy tokens identical
+with the tiers off and on, prefixes coming back from host memory, after preemption, and from
+disk after a restart, and disk hits promoted to host memory; a truncated file is a miss, never
+a wrong token; no page is left held after any run."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
+import torch
 
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.core.kv.offload.index import TierIndex
+from pagoda_engine.worker.kv_offload import CPU, DISK, KVOffloader, OffloadSetup
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.tiny import default_model_dir
 
@@ -106,6 +111,121 @@ def test_tier_index_slots_stay_distinct_and_capacity_holds():
 
 def test_zero_capacity_tier_holds_nothing():
     assert TierIndex(0).insert(_key(0)) == (None, [])
+    assert TierIndex(0, with_slots=True).insert_many([_key(0), _key(1)]) == ([None, None], [])
+
+
+def _slots(entries) -> list[int]:
+    return [e.slot for e in entries]
+
+
+def test_tier_index_gives_one_store_one_run_of_slots():
+    index = TierIndex(10, with_slots=True)
+    first, _ = index.insert_many([_key(i) for i in range(4)], ready=True)
+    second, _ = index.insert_many([_key(i) for i in range(4, 7)], ready=True)
+    assert _slots(first) == [0, 1, 2, 3] and _slots(second) == [4, 5, 6]
+    # Pages evicted together free a run again, and the next store takes it whole.
+    for i in range(4, 7):
+        index.get(_key(i))
+    index.insert_many([_key(i) for i in range(7, 10)], ready=True)  # fills slots 7-9
+    third, evicted = index.insert_many([_key(i) for i in range(10, 14)], ready=True)
+    assert [e.key for e in evicted] == [_key(i) for i in range(4)]  # least recently used first, in order
+    assert _slots(third) == [0, 1, 2, 3]
+    assert len(index.free_slots) == 0
+
+
+def test_tier_index_takes_the_longest_free_runs_when_no_run_is_long_enough():
+    index = TierIndex(8, with_slots=True)
+    entries, _ = index.insert_many([_key(i) for i in range(8)], ready=True)
+    for i in (1, 4, 5, 6):  # free runs: [1] and [4, 5, 6]
+        index.discard(_key(i))
+    got, evicted = index.insert_many([_key(i) for i in range(8, 12)], ready=True)
+    assert evicted == [] and _slots(got) == [4, 5, 6, 1]
+    # Full of pinned and arriving entries: the keys that find no room get None, in order.
+    for e in index.entries.values():
+        index.pin(e)
+    index.unpin(entries[0])
+    got, evicted = index.insert_many([_key(20), _key(21)])
+    assert [e.key for e in evicted] == [_key(0)] and got[0].slot == 0 and got[1] is None
+    assert _key(21) not in index and len(index) == 8
+
+
+def test_tier_index_keeps_slots_and_free_runs_consistent_under_churn():
+    cap = 32
+    index = TierIndex(cap, with_slots=True)
+    rng = np.random.default_rng(1)
+    pinned = []
+    for step in range(400):
+        op = rng.integers(0, 10)
+        if op < 5:
+            keys = [_key(int(k)) for k in rng.choice(200, size=int(rng.integers(1, 12)), replace=False)]
+            index.insert_many([k for k in keys if k not in index], ready=bool(rng.integers(0, 2)))
+        elif op < 7:
+            for e in list(index.entries.values())[:3]:
+                e.ready = True
+                index.get(e.key)
+        elif op < 8 and index.entries:
+            e = next(iter(index.entries.values()))
+            index.pin(e)
+            pinned.append(e)
+        elif op < 9 and pinned:
+            index.unpin(pinned.pop())
+        elif index.entries:
+            index.discard(list(index.entries)[int(rng.integers(0, len(index)))])
+        pinned = [e for e in pinned if e.key in index]
+        used = sorted(e.slot for e in index.entries.values())
+        runs = sorted(index.free_slots.by_start.items())
+        free = [s + i for s, n in runs for i in range(n)]
+        assert len(index) <= cap and len(set(used)) == len(used)
+        assert sorted(used + free) == list(range(cap))  # every slot used or free, none both, none lost
+        assert len(index.free_slots) == cap - len(index)
+        assert all(s + n < s2 for (s, n), (s2, _) in zip(runs, runs[1:]))  # free runs are maximal
+    for e in pinned:
+        index.unpin(e)
+    for key in list(index.entries):
+        index.discard(key)
+    assert index.free_slots.by_start == {0: cap}  # everything merged back into one run
+
+
+# --- one rank's data plane ----------------------------------------------------------------------------
+
+
+def _poll_until(offloader: KVOffloader, done) -> list:
+    events, deadline = [], time.monotonic() + 30
+    while not done(events):
+        assert time.monotonic() < deadline, "offload copies did not finish"
+        events.append(offloader.poll())
+        time.sleep(0.001)
+    return events
+
+
+def test_offloader_round_trip_is_bit_identical_across_chunks_and_runs(tmp_path):
+    layers = [torch.randn(40, 2, 4, 2, 8).to(torch.bfloat16) for _ in range(3)]
+    offloader = KVOffloader(layers, OffloadSetup(b"f" * 16, num_cpu_slots=16, disk_path=str(tmp_path)), b"g" * 16)
+    offloader.store_chunk = offloader.load_chunk = 3  # runs that cross staging chunks
+    pages = [3, 5, 6, 9, 17, 30, 31, 2]
+    slots = [4, 5, 6, 7, 0, -1, -1, 1]  # runs of slots, two pages that go to disk only
+    keys = [bytes([i]) * 16 for i in range(len(pages))]
+    original = [torch.stack([layer[p] for layer in layers]).clone() for p in pages]
+    offloader.store(1, pages, slots, keys, [None] * len(pages), [])
+    _poll_until(offloader, lambda evs: any(e.written for e in evs))
+    for i, slot in enumerate(slots):
+        if slot >= 0:
+            assert torch.equal(offloader.cpu_slots[slot], original[i])
+    for layer in layers:
+        layer.zero_()
+    targets = list(range(20, 28))
+    # From host slots and disk files mixed; the disk pages are read into host rows first.
+    sources = [(CPU, s) if s >= 0 else (DISK, keys[i]) for i, s in enumerate(slots)]
+    offloader.load(2, targets, sources)
+    offloader.load(3, [33, 34, 35, 36], [(CPU, 4), (CPU, 5), (CPU, 6), (CPU, 7)])
+    events = _poll_until(offloader, lambda evs: len([x for e in evs for x in e.loaded]) == 2)
+    assert sorted(x for e in events for x in e.loaded) == [(2, 8), (3, 4)]
+    for i, page in enumerate(targets):
+        assert torch.equal(torch.stack([layer[page] for layer in layers]), original[i])
+    for k, page in enumerate([33, 34, 35, 36]):
+        assert torch.equal(torch.stack([layer[page] for layer in layers]), original[k])
+    assert not offloader.busy()
+    offloader.close()
 
 
 # --- the engine -------------------------------------------------------------------------------------
@@ -173,6 +293,27 @@ def test_disk_tier_survives_restart_and_truncated_file_is_a_miss(reference, tmp_
             assert _tokens(llm.generate(prompts, GREEDY)) == expected
         assert _tier(llm, "disk").errors > 0
         assert "unusable" in caplog.text
+        assert_no_leaks(llm)
+
+
+def test_disk_hits_are_promoted_to_the_cpu_tier(reference, tmp_path):
+    prompts = _prompts(3, 100, seed=8)
+    others = _prompts(4, 100, seed=9)  # fill the device pool, so that the prompts come back from a tier
+    expected = _tokens(reference.generate(prompts, GREEDY))
+    disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gb=0.05)
+    with LLM(**disk, **SMALL_POOL) as llm:
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+    with LLM(kv_offload_cpu_gb=CPU_GB, **disk, **SMALL_POOL) as llm:  # a restart: only the disk has them
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+        from_disk = _tier(llm, "disk").hit_tokens
+        assert from_disk > 0 and _tier(llm, "cpu").hit_tokens == 0
+        offload = llm.core.kv.offload
+        hashes = list(offload.disk.entries)
+        assert sum(key in offload.cpu for key in hashes) >= from_disk // 16  # promoted
+        llm.generate(others, GREEDY)
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+        assert _tier(llm, "disk").hit_tokens == from_disk  # the second reuse is a CPU hit
+        assert _tier(llm, "cpu").hit_tokens >= from_disk
         assert_no_leaks(llm)
 
 

@@ -1,5 +1,7 @@
 """KV offload tiers on the GPU: pages stored through the copy stream into pinned host slots and
-disk files, and loaded back into other device pages, are bit-identical to what was stored; the
+disk files, and loaded back into other device pages, are bit-identical to what was stored; a
+load issued while the compute stream still writes its destination pages lands after that
+write (its host copy runs at once, its scatter waits for the step in flight); the
 engine with a CPU tier (async scheduling, CUDA graphs, FlashInfer) gives the same greedy tokens
 as without one, with prefixes loaded back from host memory, and leaves no page held."""
 
@@ -57,6 +59,23 @@ def test_stored_and_reloaded_pages_are_bit_identical(tmp_path):
     assert [(2, len(targets))] == [x for e in events for x in e.loaded]
     for i, page in enumerate(targets):
         assert torch.equal(_bits(torch.stack([layer[page] for layer in layers])), _bits(original[i]))
+    offloader.close()
+
+
+def test_load_scatters_after_the_step_in_flight():
+    layers = [torch.randn(300, 2, 16, 8, 128, dtype=torch.bfloat16, device=CUDA) for _ in range(8)]
+    offloader = KVOffloader(layers, OffloadSetup(b"f" * 16, num_cpu_slots=128), b"g" * 16)
+    pages, targets = list(range(1, 129)), list(range(150, 278))
+    original = torch.stack([layer[pages] for layer in layers]).clone()
+    offloader.store(1, pages, list(range(128)), [None] * 128, [None] * 128, [])
+    _poll_until(offloader, lambda evs: any(e.copied for e in evs))
+    # A step in flight that still writes the pages the load is about to fill (they were freed under it).
+    torch.cuda._sleep(50_000_000)
+    for layer in layers:
+        layer[targets] = 0
+    offloader.load(2, targets, [(CPU, s) for s in range(128)])
+    _poll_until(offloader, lambda evs: any(e.loaded for e in evs))
+    assert torch.equal(_bits(torch.stack([layer[targets] for layer in layers])), _bits(original))
     offloader.close()
 
 

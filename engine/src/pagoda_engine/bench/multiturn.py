@@ -15,7 +15,10 @@ device only if something kept it: run once with `--kv-offload-cpu-gb` sized to h
 set, once without, and compare. Printed: TTFT p50/p99 of first turns and of later turns, output
 tokens/s, the hit rate of each tier (device, cpu, disk, remote) over the run from the server's
 /metrics, and the bytes moved between host and device per second — on average over the run and
-during loads — against a pinned-memory copy bandwidth measured here first.
+during loads — against a pinned-memory copy bandwidth measured here first. "During loads" is
+end to end, from the schedule that starts a load to the one that sees it done (the loads'
+latency histogram), so it counts up to a step of polling on top of the copy;
+`python -m pagoda_engine.bench.offload_copy` measures the copies alone.
 
 The server is `pagoda serve` started here (as `pagoda bench serve` does) or `--base-url`.
 """
@@ -63,19 +66,21 @@ def working_set_pages(users: int, turns: int, context_len: int, new_tokens: int,
     return users * -(-final // page_size)
 
 
-def measure_pinned_bandwidth(nbytes: int = 1 << 30, iters: int = 10) -> float | None:
-    """Host (pinned) → device copy bandwidth in bytes/s; None without CUDA."""
+def measure_pinned_bandwidth(nbytes: int = 1 << 30, iters: int = 10, to_device: bool = True) -> float | None:
+    """Host (pinned) → device copy bandwidth in bytes/s (device → host with `to_device=False`);
+    None without CUDA."""
     import torch
 
     if not torch.cuda.is_available():
         return None
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dev.copy_(host, non_blocking=True)
+    dst, src = (dev, host) if to_device else (host, dev)
+    dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(iters):
-        dev.copy_(host, non_blocking=True)
+        dst.copy_(src, non_blocking=True)
     torch.cuda.synchronize()
     bw = nbytes * iters / (time.perf_counter() - t0)
     del host, dev
@@ -247,6 +252,7 @@ def _print(r: dict) -> None:
           f"{f' {bw / 1e9:.1f} GB/s measured)' if bw else ')'}")
     if r["load_bytes_per_s"] is not None:
         share = f" = {100 * r['load_bytes_per_s'] / bw:.1f} % of the pinned copy bandwidth" if bw else ""
-        print(f"during loads from the CPU tier: {r['load_bytes_per_s'] / 1e9:.3f} GB/s{share}")
+        print(f"during loads from the CPU tier (start to the schedule that sees them done): "
+              f"{r['load_bytes_per_s'] / 1e9:.3f} GB/s{share}")
     if not math.isfinite(r["request_rate"]):
         print("(turns sent as fast as each conversation allows)")

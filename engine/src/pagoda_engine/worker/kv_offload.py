@@ -3,14 +3,22 @@ host slots, files and Redis entries. The engine core decides (`core/kv/offload/m
 every rank does the same with its own shard of each page, under its own fingerprint.
 
 A page's bytes on a rank are one contiguous block `[num_layers, 2, page_size, num_kv_heads,
-head_dim]` (all its layers), so moving n pages costs one gather (or scatter) kernel per layer
-into a device staging buffer `[n, ...]` and one host↔device copy per run of consecutive slots,
-never one copy per page per layer. On CUDA the copies run on a stream of their own, behind
-the step that wrote the pages (stores) and ahead of the step that reads them (the core admits a
-loading request only once its load is done), and completion is read from CUDA events without
-waiting. Device staging is allocated on that stream and dropped as soon as its copies are
-queued: the caching allocator hands its memory only to later work of the same stream, so at
-most one chunk of staging (`_CHUNK_PAGES`) is live per copy. Files and Redis are written and read by a small thread pool, from host memory.
+head_dim]` (all its layers: the payload disk and Redis entries hold too), so moving n pages
+costs one gather (or scatter) kernel per layer between the per-layer device caches and a device
+staging buffer `[n, ...]`, and one host↔device copy per run of consecutive host slots (the
+tier index hands one store's pages runs of slots), never one copy per page per layer.
+
+On CUDA, stores and loads each have a stream of their own, and nothing waits on the host:
+completion is read from CUDA events when the core polls. A store runs behind the step that
+wrote its pages (its stream waits for the compute stream). A load's host→device copy starts at
+once, beside the step in flight; only its scatter into the device pages waits for the work
+queued on the compute stream when the load started (a page the load fills may have been freed
+under a step still in flight), and the core admits the request only after the load's event.
+Device staging is allocated on the copying stream and dropped once its copies are queued (the
+caching allocator hands that memory only to later work of the same stream), so at most one
+chunk of staging (`_LOAD_STAGING_BYTES`, `_STORE_STAGING_BYTES`) is live per stream: a load up
+to that size overlaps the step in flight whole. Files and Redis are written and read by a small
+thread pool, from pinned host memory.
 
 `poll` reports what finished since the last call (store copies, lower-tier writes, loads) and
 the tiers' cumulative error counts.
@@ -18,12 +26,14 @@ the tiers' cumulative error counts.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from pagoda_engine.worker.kv_stores import CorruptEntry, DiskStore, RateLimitedLog, RedisStore, decode_entry
@@ -31,8 +41,11 @@ from pagoda_engine.worker.kv_stores import CorruptEntry, DiskStore, RateLimitedL
 logger = logging.getLogger(__name__)
 
 CPU, DISK, REMOTE = "cpu", "disk", "remote"
-# Pages per gather/scatter: bounds the device staging buffer (a Llama-8B page is 2 MiB per rank: 64 MiB).
-_CHUNK_PAGES = 32
+# Device staging per load and per store (beyond the KV budget, like activations). A load up to
+# this size overlaps the step in flight whole (512 MiB: 256 Llama-8B pages, a 4,096-token context,
+# about 10 ms at 55 GB/s); a store's staging only bounds its memory.
+_LOAD_STAGING_BYTES = 512 << 20
+_STORE_STAGING_BYTES = 128 << 20
 
 
 @dataclass
@@ -68,7 +81,8 @@ class OffloadEvents:
 @dataclass(eq=False)
 class _Store:
     store_id: int
-    rows: list[torch.Tensor]  # each page's bytes in host memory (a slot or a temporary)
+    slots: list[int]  # each page's CPU slot, -1: none (it goes to disk / Redis from `temps`)
+    temps: dict[int, torch.Tensor]  # page index -> its bytes in host memory, for pages without a slot
     disk_keys: list[bytes | None]
     remote_keys: list[bytes | None]
     event: torch.cuda.Event | None
@@ -78,8 +92,9 @@ class _Store:
 class _Load:
     load_id: int
     page_ids: list[int]
-    reading: Future | None  # host rows from files / Redis, read by the pool
-    rows: list[torch.Tensor] | None = None
+    slots: list[int]  # each page's CPU slot, -1: its bytes are in `host` (read from disk or Redis)
+    host: torch.Tensor | None = None  # [n, *page_shape] host rows for the pages without a slot
+    reading: Future | None = None  # the pool reading `host`; its result: (host, leading pages that read intact)
     ok: int = 0
     event: torch.cuda.Event | None = None
     copied: bool = False
@@ -96,9 +111,12 @@ class KVOffloader:
         self.page_shape = (len(kv_caches), *first.shape[1:])
         self.payload_bytes = first[0].numel() * first.element_size() * len(kv_caches)
         self.fingerprint = fingerprint
-        cuda = self.device.type == "cuda"
-        self.stream = torch.cuda.Stream(self.device) if cuda else None
-        self.cpu_slots = (_host_buffer((setup.num_cpu_slots, *self.page_shape), self.dtype, pinned=cuda)
+        self.cuda = self.device.type == "cuda"
+        self.store_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.load_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.load_chunk = max(1, _LOAD_STAGING_BYTES // self.payload_bytes)
+        self.store_chunk = max(1, _STORE_STAGING_BYTES // self.payload_bytes)
+        self.cpu_slots = (_host_buffer((setup.num_cpu_slots, *self.page_shape), self.dtype, pinned=self.cuda)
                           if setup.num_cpu_slots else None)
         self.disk = DiskStore(setup.disk_path, fingerprint) if setup.disk_path else None
         self.remote = RedisStore(setup.remote_url, fingerprint) if setup.remote_url else None
@@ -112,29 +130,33 @@ class KVOffloader:
 
     # --- device <-> host --------------------------------------------------------------------------
 
-    def _on_stream(self):
-        if self.stream is None:
-            return _NoStream()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        return torch.cuda.stream(self.stream)
+    def _on(self, stream: torch.cuda.Stream | None, after_compute: bool = False):
+        """Work queued inside runs on `stream` (CUDA); `after_compute`: behind what the compute
+        stream has queued so far."""
+        if stream is None:
+            return contextlib.nullcontext()
+        if after_compute:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
 
-    def _event(self) -> torch.cuda.Event | None:
-        if self.stream is None:
+    def _record(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        if stream is None:
             return None
         event = torch.cuda.Event()
-        event.record(self.stream)
+        event.record(stream)
         return event
 
-    def _gather(self, page_ids: list[int]) -> torch.Tensor:
+    def _device_index(self, page_ids: list[int]) -> torch.Tensor:
+        return torch.tensor(page_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def _gather(self, idx: torch.Tensor) -> torch.Tensor:
         """[n, *page_shape] on the device: the pages' bytes, one index_select per layer."""
-        idx = torch.tensor(page_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-        out = torch.empty((len(page_ids), *self.page_shape), dtype=self.dtype, device=self.device)
+        out = torch.empty((len(idx), *self.page_shape), dtype=self.dtype, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            out[:, layer] = cache.index_select(0, idx)
+            torch.index_select(cache, 0, idx, out=out[:, layer])
         return out
 
-    def _scatter(self, page_ids: list[int], staging: torch.Tensor) -> None:
-        idx = torch.tensor(page_ids, dtype=torch.int64).to(self.device, non_blocking=True)
+    def _scatter(self, idx: torch.Tensor, staging: torch.Tensor) -> None:
         for layer, cache in enumerate(self.kv_caches):
             cache.index_copy_(0, idx, staging[:, layer])
 
@@ -146,90 +168,106 @@ class KVOffloader:
         that tier). `disk_deletes`: files of entries the disk tier evicted."""
         for key in disk_deletes:
             self.disk.delete(key)
-        with self._on_stream():
-            rows: list[torch.Tensor | None] = [None] * len(page_ids)
-            for start in range(0, len(page_ids), _CHUNK_PAGES):
-                chunk = range(start, min(start + _CHUNK_PAGES, len(page_ids)))
-                staging = self._gather([page_ids[i] for i in chunk])
-                slotted = [i for i in chunk if slots[i] >= 0]
-                for i, j, n in _runs([i - start for i in slotted], [slots[i] for i in slotted]):
-                    self.cpu_slots[j:j + n].copy_(staging[i:i + n], non_blocking=True)
-                    for k in range(n):
-                        rows[start + i + k] = self.cpu_slots[j + k]
-                unslotted = [i for i in chunk if slots[i] < 0]
-                if unslotted:
-                    host = staging[[i - start for i in unslotted]]
-                    if self.stream is not None:
-                        pinned = torch.empty(host.shape, dtype=host.dtype, pin_memory=True)
-                        pinned.copy_(host, non_blocking=True)
-                        host = pinned
-                    for k, i in enumerate(unslotted):
-                        rows[i] = host[k]
-        self.stores.append(_Store(store_id, rows, disk_keys, remote_keys, self._event()))
+        temps: dict[int, torch.Tensor] = {}
+        if page_ids:
+            with self._on(self.store_stream, after_compute=True):
+                idx = self._device_index(page_ids)
+                for start in range(0, len(page_ids), self.store_chunk):
+                    end = min(start + self.store_chunk, len(page_ids))
+                    staging = self._gather(idx[start:end])
+                    chunk = range(start, end)
+                    slotted = [i for i in chunk if slots[i] >= 0]
+                    for i, j, n in _runs([i - start for i in slotted], [slots[i] for i in slotted]):
+                        self.cpu_slots[j:j + n].copy_(staging[i:i + n], non_blocking=True)
+                    unslotted = [i for i in chunk if slots[i] < 0]
+                    if unslotted:  # to disk or Redis only: through host memory of its own
+                        host = torch.empty((len(unslotted), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
+                        for i, j, n in _runs([i - start for i in unslotted], list(range(len(unslotted)))):
+                            host[j:j + n].copy_(staging[i:i + n], non_blocking=True)
+                        temps.update((i, host[k]) for k, i in enumerate(unslotted))
+        self.stores.append(_Store(store_id, slots, temps, disk_keys, remote_keys, self._record(self.store_stream)))
 
     @torch.inference_mode()
     def load(self, load_id: int, page_ids: list[int], sources: list[tuple[str, int | bytes]]) -> None:
         """Fill these device pages from the tiers: page i from `sources[i]`, (cpu, slot),
         (disk, key) or (remote, key). Only the leading pages that arrive intact are written."""
-        if all(tier == CPU for tier, _ in sources):
-            load = _Load(load_id, page_ids, None, rows=[self.cpu_slots[slot] for _, slot in sources])
+        slots = [where if tier == CPU else -1 for tier, where in sources]
+        load = _Load(load_id, page_ids, slots)
+        if all(s >= 0 for s in slots):
             load.ok = len(sources)
             self._copy_up(load)
         else:
-            load = _Load(load_id, page_ids, self.pool.submit(self._read, sources))
+            load.reading = self.pool.submit(self._read, sources)
         self.loads.append(load)
 
     def _copy_up(self, load: _Load) -> None:
-        with self._on_stream():
-            for start in range(0, load.ok, _CHUNK_PAGES):
-                end = min(start + _CHUNK_PAGES, load.ok)
+        """Queue the copies of the load's first `ok` pages: runs of host rows into device staging
+        at once, then, behind what the compute stream holds now, one scatter per layer."""
+        compute = self._record(torch.cuda.current_stream(self.device) if self.cuda else None)
+        with self._on(self.load_stream):
+            idx = self._device_index(load.page_ids[:load.ok])
+            for start in range(0, load.ok, self.load_chunk):
+                end = min(start + self.load_chunk, load.ok)
                 staging = torch.empty((end - start, *self.page_shape), dtype=self.dtype, device=self.device)
-                for k in range(start, end):
-                    staging[k - start].copy_(load.rows[k], non_blocking=True)
-                self._scatter(load.page_ids[start:end], staging)
-        load.event = self._event()
+                chunk = range(start, end)
+                slotted = [i for i in chunk if load.slots[i] >= 0]
+                for i, j, n in _runs([i - start for i in slotted], [load.slots[i] for i in slotted]):
+                    staging[i:i + n].copy_(self.cpu_slots[j:j + n], non_blocking=True)
+                hosted = [i for i in chunk if load.slots[i] < 0]
+                for i, j, n in _runs([i - start for i in hosted], hosted):
+                    staging[i:i + n].copy_(load.host[j:j + n], non_blocking=True)
+                if compute is not None and start == 0:
+                    self.load_stream.wait_event(compute)
+                self._scatter(idx[start:end], staging)
+        load.event = self._record(self.load_stream)
         load.copied = True
 
     # --- lower tiers (the thread pool) ------------------------------------------------------------
 
-    def _read(self, sources: list[tuple[str, int | bytes]]) -> list[torch.Tensor]:
-        """Host rows for the leading sources that read intact (stops at the first that does not)."""
-        rows = []
+    def _read(self, sources: list[tuple[str, int | bytes]]) -> tuple[torch.Tensor, int]:
+        """Host rows (pinned on CUDA) holding the disk and Redis sources, and how many leading
+        sources read intact (it stops at the first that does not). CPU sources are left out:
+        they are copied up from their slots."""
+        with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():  # this thread's device
+            host = torch.empty((len(sources), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
+        rows = host.view(len(sources), -1).view(torch.uint8).numpy()
         remote_keys = [key for tier, key in sources if tier == REMOTE]
         blobs = dict(zip(remote_keys, self.remote.read(remote_keys))) if remote_keys else {}
-        for tier, where in sources:
+        for i, (tier, where) in enumerate(sources):
+            if tier == CPU:
+                continue
             try:
-                if tier == CPU:
-                    rows.append(self.cpu_slots[where])
-                    continue
                 if tier == DISK:
                     payload = self.disk.read(where, self.payload_bytes)
                 else:
                     blob = blobs.get(where)
                     if blob is None:
-                        break  # evicted from Redis since the lookup, or Redis failed (counted there)
+                        return host, i  # evicted from Redis since the lookup, or Redis failed (counted there)
                     payload = decode_entry(blob, self.fingerprint, where, self.payload_bytes)
             except (CorruptEntry, OSError) as e:
                 self.errors[tier] += 1
                 self.bad.append((tier, where))
                 self._log.warning(f"bad-{tier}", "kv offload: %s entry %s unusable (%s): a miss, recomputed",
                                   tier, where.hex(), e)
-                break
-            rows.append(torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype).view(self.page_shape))
-        return rows
+                return host, i
+            rows[i] = np.frombuffer(payload, dtype=np.uint8)
+        return host, len(sources)
 
     def _write(self, store: _Store) -> tuple[list[bytes], bool]:
+        def row(i: int) -> torch.Tensor:
+            return self.cpu_slots[store.slots[i]] if store.slots[i] >= 0 else store.temps[i]
+
         failed = []
-        for row, key in zip(store.rows, store.disk_keys):
+        for i, key in enumerate(store.disk_keys):
             if key is None:
                 continue
             try:
-                self.disk.write(key, _payload(row))
+                self.disk.write(key, _payload(row(i)))
             except OSError as e:
                 self.errors[DISK] += 1
                 failed.append(key)
                 self._log.warning("disk-write", "kv offload: disk write failed (%s); the page stays off disk", e)
-        entries = [(key, _payload(row)) for row, key in zip(store.rows, store.remote_keys) if key is not None]
+        entries = [(key, _payload(row(i))) for i, key in enumerate(store.remote_keys) if key is not None]
         return failed, self.remote.write(entries) if entries else True
 
     # --- completion -------------------------------------------------------------------------------
@@ -253,8 +291,7 @@ class KVOffloader:
         self.writes = still
         for load in list(self.loads):
             if not load.copied and load.reading is not None and load.reading.done():
-                load.rows = load.reading.result()
-                load.ok = len(load.rows)
+                load.host, load.ok = load.reading.result()
                 self._copy_up(load)
             if load.copied and _done(load.event):
                 self.loads.remove(load)
@@ -288,14 +325,6 @@ def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> to
     logger.warning("kv offload: registering the CPU tier as pinned memory failed (%s); using torch's pinned "
                    "allocator", error)
     return torch.empty(shape, dtype=dtype, pin_memory=True)
-
-
-class _NoStream:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _done(event: torch.cuda.Event | None) -> bool:

@@ -17,7 +17,13 @@ that the requests admitted meanwhile cannot evict them; when the pool runs short
 are the first thing given up (`release_held`), before any running request is preempted. A page
 that failed (corrupt, truncated, another fingerprint, Redis gone) and all after it are
 recomputed instead. Every page a load or store holds is given back when it finishes or is
-released, whatever happened, so the pool never leaks.
+released, whatever happened, so the pool never leaks. Pages that came up from disk or Redis
+are then queued to go down like newly computed ones: promoted into the CPU tier (and a Redis
+hit onto disk), so that their next reuse is a host-memory hit.
+
+The CPU tier's slots are handed to one store's pages as runs of consecutive slots
+(`TierIndex.insert_many`), so that a conversation's pages, stored together, come back up in a
+few large host→device copies.
 
 The tiers are inclusive and share the keys (chained page hashes), so a remote tier is shared by
 every replica of a service whose fingerprint matches (same model, weights, dtype, page size, KV
@@ -183,13 +189,16 @@ class OffloadManager:
         if not self._queued and not self._disk_deletes:
             return
         queued, self._queued = self._queued, []
-        pages, cpu, disk, remote, evicted_files = [], [], [], [], []
-        for page, key in queued:
-            if page.page_hash != key:
-                continue  # freed and handed out again before this step was launched
-            c = d = r = None
-            if self.cpu is not None and key not in self.cpu:
-                c, _ = self.cpu.insert(key)
+        # Pages freed and handed out again before this step was launched have another hash now.
+        live = list({key: page for page, key in queued if page.page_hash == key}.items())
+        cpu: dict[bytes, TierEntry | None] = {}
+        if self.cpu is not None:
+            new = [key for key, _ in live if key not in self.cpu]
+            cpu = dict(zip(new, self.cpu.insert_many(new)[0]))  # one store's pages: as few slot runs as fit
+        pages, cpu_entries, disk, remote, evicted_files = [], [], [], [], []
+        for key, page in live:
+            c = cpu.get(key)
+            d = r = None
             if self.disk is not None and key not in self.disk:
                 d, evicted = self.disk.insert(key)
                 evicted_files += [e.key for e in evicted]
@@ -201,7 +210,7 @@ class OffloadManager:
             if c is not None and (d is not None or r is not None):
                 self.cpu.pin(c)  # the slot is read by the writes below it
             pages.append(page)
-            cpu.append(c)
+            cpu_entries.append(c)
             disk.append(d)
             remote.append(r)
         deletes, self._disk_deletes = self._disk_deletes + evicted_files, []
@@ -209,9 +218,9 @@ class OffloadManager:
             return
         self._ids += 1
         self.pool.touch(pages)
-        self._stores[self._ids] = _Store(pages, cpu, disk, remote)
+        self._stores[self._ids] = _Store(pages, cpu_entries, disk, remote)
         self.executor.call("kv_offload_store", self._ids, [p.page_id for p in pages],
-                           [e.slot if e is not None else -1 for e in cpu],
+                           [e.slot if e is not None else -1 for e in cpu_entries],
                            [e.key if e is not None else None for e in disk], remote, deletes)
 
     def _remember_remote(self, key: bytes) -> None:
@@ -362,6 +371,9 @@ class OffloadManager:
                     self.counters[REMOTE].stored_bytes += self.page_bytes
                 else:
                     self.remote_known.pop(r, None)
+        if self.disk is not None and len(self.disk) > self.disk.capacity:
+            # The tier shrank while some of its entries were still arriving (they could not be evicted then).
+            self._disk_deletes += [e.key for e in self.disk.evict_over_capacity()]
 
     def _disk_full(self, num_failed: int) -> None:
         """Disk writes failed (the file system is fuller than the tier's size allows, or failing):
@@ -379,8 +391,9 @@ class OffloadManager:
         for index, entry in load.pinned:
             index.unpin(entry)
         ok = min(load.ok, len(load.pages))
-        for page, key in zip(load.pages[:ok], load.hashes[:ok]):
-            self.pool.cache_page(page, key)
+        for page, key, tier in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok]):
+            if self.pool.cache_page(page, key) and tier != CPU:
+                self.queue_store(page, key)  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
         seconds = time.monotonic() - load.started
         for tier in set(load.tiers[:ok]):
             self.counters[tier].loaded_bytes += load.tiers[:ok].count(tier) * self.page_bytes
