@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import time
+import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -36,7 +36,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagoda_engine.worker.kv_stores import CorruptEntry, DiskStore, RateLimitedLog, RedisStore, decode_entry
+from pagoda_engine.worker.kv_stores import (
+    CorruptEntry,
+    DiskStore,
+    RateLimitedLog,
+    RedisStore,
+    decode_entry,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -312,16 +318,24 @@ class KVOffloader:
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """The CPU tier's slots, page-locked when `pinned` so copies to and from the device are DMA.
     Registered in place (cudaHostRegister) rather than taken from torch's pinned allocator, which
-    may round a size up to the next power of two (a 40 GiB tier would lock 64 GiB)."""
+    may round a size up to the next power of two (a 40 GiB tier would lock 64 GiB); unregistered
+    when the buffer goes, before its memory is freed (an engine made again in the same process
+    would otherwise find its new buffer "already mapped")."""
     buffer = torch.empty(shape, dtype=dtype)
     if not pinned:
         return buffer
+    cudart = torch.cuda.cudart()
     try:
-        error = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 0))
     except (AttributeError, RuntimeError, TypeError) as e:
         error = repr(e)
     if error == 0:
+        weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr())
         return buffer
+    try:  # the failed call left its error as CUDA's last error; a launch check reads it and clears it
+        torch.zeros(1, device="cuda")
+    except RuntimeError:
+        pass
     logger.warning("kv offload: registering the CPU tier as pinned memory failed (%s); using torch's pinned "
                    "allocator", error)
     return torch.empty(shape, dtype=dtype, pin_memory=True)
