@@ -377,7 +377,8 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result = summarize(runs)
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
-                   "redis": redis_desc, "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                   "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
+                   "redis_started_here": redis_server is not None, "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)
     return result
