@@ -53,11 +53,14 @@ import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
 from pagoda_engine.bench.serve import (
+    PREFILL_TIME,
+    QUEUE_TIME,
     LaunchedServer,
     RequestResult,
     _free_port,
     _one_request,
     _percentiles,
+    _scrape,
     _served_model,
     _vocab_size,
     with_token_tokenizer,
@@ -237,6 +240,8 @@ class Run:
     device_hit_tokens: int = 0
     remote_loaded_bytes: int = 0
     remote_load_s: float = 0.0
+    queue_ms: float | None = None  # the engine's own: arrival at the core to the first schedule (a load waits here)
+    prefill_ms: float | None = None  # first schedule to the first token
 
     @property
     def valid(self) -> bool:
@@ -259,11 +264,17 @@ def _ttft_ms(r: RequestResult) -> float | None:
 async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list[int], output_len: int,
                    kind: str, engine: str) -> Run:
     before = _settled(url)
+    hist_before = _scrape(url)
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     r = await _one_request(client, f"{url}/v1/completions", body, 0.0, time.perf_counter())
     ttft = _ttft_ms(r)
     after = _settled(url)
+    hist_after = _scrape(url)
+    split = {}
+    if hist_before is not None and hist_after is not None:
+        split = {"queue_ms": hist_after.mean_ms_since(hist_before, QUEUE_TIME),
+                 "prefill_ms": hist_after.mean_ms_since(hist_before, PREFILL_TIME)}
 
     def delta(name: str) -> float:
         return after.get(name, 0.0) - before.get(name, 0.0)
@@ -271,7 +282,7 @@ async def _request(client: httpx.AsyncClient, url: str, model: str, prompt: list
     lower = sum(delta(name) for name in LOWER_TIER_HITS)
     return Run(kind, engine, ttft, None if ttft is not None else r.error, remote_hit_tokens=int(delta(REMOTE_HITS)),
                device_hit_tokens=int(delta(PREFIX_HITS) - lower), remote_loaded_bytes=int(delta(REMOTE_LOADED)),
-               remote_load_s=delta(REMOTE_LOAD_S))
+               remote_load_s=delta(REMOTE_LOAD_S), **split)
 
 
 async def _drive(a_url: str, b_url: str, model: str, pages: RedisPages, prompts: list[list[int]],
@@ -392,6 +403,7 @@ def summarize(runs: list[Run]) -> dict:
         out[kind] = {"ttft_ms": _percentiles([r.ttft_ms for r in ok], scale=1.0), "valid": len(ok), "runs": len(rs),
                      "remote_hit_tokens": sum(r.remote_hit_tokens for r in rs),
                      "device_hit_tokens": sum(r.device_hit_tokens for r in rs),
+                     "queue_ms_mean": _mean([r.queue_ms for r in ok]), "prefill_ms_mean": _mean([r.prefill_ms for r in ok]),
                      "errors": sorted({r.error for r in rs if r.error})[:5]}
     hits = by_kind["remote_hit"]
     loaded, load_s = sum(r.remote_loaded_bytes for r in hits), sum(r.remote_load_s for r in hits)
@@ -410,6 +422,11 @@ def summarize(runs: list[Run]) -> dict:
     return out
 
 
+def _mean(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None]
+    return round(sum(values) / len(values), 3) if values else None
+
+
 def _print(r: dict) -> None:
     labels = {"recompute": "recompute on B", "remote_hit": "remote hit on B", "computed_on_a": "computed on A"}
     for kind, label in labels.items():
@@ -419,6 +436,9 @@ def _print(r: dict) -> None:
         if kind != "computed_on_a":
             line += f"   ({s['remote_hit_tokens']:,} remote hit tokens, {s['device_hit_tokens']:,} device hit tokens)"
         print(line + f"   [{s['valid']} of {s['runs']} valid]")
+        if s["queue_ms_mean"] is not None and s["prefill_ms_mean"] is not None:
+            print(f"  in the engine, mean ms: queued {s['queue_ms_mean']:.2f} (a remote hit's lookup and load), "
+                  f"prefill {s['prefill_ms_mean']:.2f}; the rest of the TTFT is the API process and HTTP")
         for error in s["errors"]:
             print(f"  error: {error}")
     bps = r["remote_load_bytes_per_s"]
