@@ -191,21 +191,3 @@ def test_redis_killed_mid_run_skips_the_remote_tier_and_serving_goes_on(stack):
     until(lambda: _metric(a, "errors_total", "remote") > errors, 10, "remote errors counted")
     assert "remote tier" in a.proc.log_text() and "skipping it" in a.proc.log_text()
     assert httpx.get(f"{a.url}/health").status_code == 200
-
-
-def test_a_long_prefix_is_read_from_redis_in_batches_in_order(stack):
-    from pagoda_engine.worker.kv_stores import _READ_BATCH, RedisStore, decode_entry
-
-    redis = stack[0]
-    fingerprint = b"kv-share-test-fp"
-    store = RedisStore(redis.url, fingerprint, password=PASSWORD)
-    keys = [bytes([i]) * 16 for i in range(2 * _READ_BATCH + 5)]  # three MGETs, read side by side
-    assert store.write([(key, memoryview(key * 4)) for key in keys])
-    redis.client.delete(store.name(keys[_READ_BATCH + 1]))  # evicted since the lookup
-    blobs = store.read(keys)
-    assert len(blobs) == len(keys) and blobs[_READ_BATCH + 1] is None
-    for key, blob in zip(keys, blobs):
-        if blob is not None:
-            assert bytes(decode_entry(blob, fingerprint, key, 64)) == key * 4
-    assert store.errors == 0
-    redis.client.delete(*[store.name(key) for key in keys])

@@ -19,7 +19,6 @@ import struct
 import threading
 import time
 import zlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -33,9 +32,6 @@ REMOTE_BACKOFF_S = float(os.environ.get("PAGODA_KV_REMOTE_BACKOFF_S", "5.0"))
 REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
 # Every Redis key of the remote tier: NAMESPACE + <fingerprint hex> + b":" + <page key hex>.
 REDIS_KEY_NAMESPACE = b"pagoda:kv:"
-# A read of many pages: keys per MGET, and MGETs at once (each on a connection of its own).
-_READ_BATCH = 16
-_READ_THREADS = 4
 
 
 class CorruptEntry(Exception):
@@ -166,7 +162,6 @@ class RedisStore:
         self._down_until = 0.0
         self._log = RateLimitedLog(REMOTE_BACKOFF_S)
         self._lock = threading.Lock()
-        self._readers: ThreadPoolExecutor | None = None  # started by the first read of several batches
 
     def name(self, key: bytes) -> bytes:
         return self.prefix + key.hex().encode()
@@ -209,21 +204,11 @@ class RedisStore:
             return False
 
     def read(self, keys: list[bytes]) -> list[bytes | None]:
-        """Each key's stored blob, None where absent, all None when the store fails. A long prefix
-        is read as several MGETs of `_READ_BATCH` keys on connections of their own, `_READ_THREADS`
-        at a time: one client thread parsing one reply of a whole prompt (a 4,096-token Llama-8B
-        prompt is 256 entries, 512 MiB) moves well under what the socket and Redis can."""
+        """Each key's stored blob, None where absent, all None when the store fails."""
         if not keys or not self.available:
             return [None] * len(keys)
-        names = [self.name(k) for k in keys]
-        batches = [names[i:i + _READ_BATCH] for i in range(0, len(names), _READ_BATCH)]
         try:
-            if len(batches) == 1:
-                return self.client.mget(batches[0])
-            with self._lock:
-                if self._readers is None:
-                    self._readers = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="kv-redis-read")
-            return [blob for part in self._readers.map(self.client.mget, batches) for blob in part]
+            return self.client.mget([self.name(k) for k in keys])
         except Exception as e:
             self._failed("read", e)
             return [None] * len(keys)
