@@ -18,9 +18,9 @@ streamed, temperature 1.0, `ignore_eos`; the TTFT is the arrival of the first st
   (a) recompute: prompt i to engine B, which never saw it;
   (b) remote hit: prompt j to engine A; once every full page of j is in Redis (the bench reads the
       keys there), j to engine B.
-Before a round both prompts' keys are deleted from Redis, and after each request the bench waits
-until the engine's stores have reached Redis and its counters are still, so no copy of one request
-overlaps the next. One untimed round of each kind comes first (kernels, connections, and the Redis
+Before a round both prompts' keys are deleted from Redis, and after each computed prompt the bench
+waits until all its pages are in Redis (and after every request until the engine's counters are
+still), so no write of one request overlaps the next. One untimed round of each kind comes first (kernels, connections, and the Redis
 key prefixes of these engines' fingerprints, found by the keys of A's first page).
 
 Why B cannot find j anywhere but in Redis: B has no CPU or disk tier (the flags are refused), the
@@ -212,7 +212,8 @@ def _until(predicate, what: str, step: float = 0.02) -> None:
 
 def _settled(base_url: str) -> dict[str, float]:
     """The engine's counters once it is idle and they stay the same for three scrapes in a row
-    (its last stores written, its stats published)."""
+    (its stats published). A write to Redis moves no counter until it ends: the bench waits for a
+    prompt's keys in Redis besides (`RedisPages.wait_stored`)."""
     keys = (REMOTE_STORED, REMOTE_LOADED, "pagoda:num_requests_running", "pagoda:num_requests_waiting")
     seen: list[tuple] = []
 
@@ -295,12 +296,14 @@ async def _drive(a_url: str, b_url: str, model: str, pages: RedisPages, prompts:
         pages.wait_stored(warm_up[0], "A")
         await _request(client, b_url, model, warm_up[0], args.output_len, "remote_hit", "B")
         await _request(client, b_url, model, warm_up[1], args.output_len, "recompute", "B")
+        pages.wait_stored(warm_up[1], "B")
         runs = []
         for k in range(args.num_prompts):
             cold, shared = prompts[2 * k], prompts[2 * k + 1]
             pages.delete(cold)
             pages.delete(shared)
             runs.append(await _request(client, b_url, model, cold, args.output_len, "recompute", "B"))
+            pages.wait_stored(cold, "B")  # B's own write of it must not overlap what follows
             runs.append(await _request(client, a_url, model, shared, args.output_len, "computed_on_a", "A"))
             pages.wait_stored(shared, "A")
             runs.append(await _request(client, b_url, model, shared, args.output_len, "remote_hit", "B"))
