@@ -10,7 +10,7 @@ import sys
 _VERBS = {
     "serve": ("pagoda_engine.api.server.api_server", "OpenAI-compatible server for one engine"),
     "route": ("pagoda_engine.router.app", "OpenAI-compatible router in front of engine replicas"),
-    "bench": ("pagoda_engine.bench", "benchmarks: throughput, latency, serve"),
+    "bench": ("pagoda_engine.bench", "benchmarks: throughput, latency, serve, multiturn, kv-share"),
 }
 
 

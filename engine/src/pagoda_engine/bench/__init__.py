@@ -1,10 +1,11 @@
-"""`pagoda bench throughput | latency | serve | multiturn`: the benchmarks of ARCHITECTURE §6.
+"""`pagoda bench throughput | latency | serve | multiturn | kv-share`: the benchmarks of ARCHITECTURE §6.
 
     pagoda bench throughput --workload T1     # 1000 x 1024 in x 512 out: output and total tok/s
     pagoda bench throughput --workload N1     # 256 requests, lengths uniform in [100, 1024]
     pagoda bench latency                      # L1: one stream, 128 in, 512 out: ms per output token
     pagoda bench serve                        # S1: the OpenAI server under Poisson load: TTFT, ITL
     pagoda bench multiturn --kv-offload-cpu-gb 64   # M1: multi-turn contexts beyond the KV pool
+    pagoda bench kv-share                     # two engines sharing Redis: TTFT of a remote hit vs recompute
 
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
 `bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it) with
@@ -21,6 +22,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from pagoda_engine.bench.kv_share import add_kv_share_arguments
 from pagoda_engine.bench.multiturn import add_multiturn_arguments
 from pagoda_engine.bench.serve import add_serve_arguments
 from pagoda_engine.bench.workloads import WORKLOADS
@@ -85,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_serve_arguments(mt, s1=False)
     add_multiturn_arguments(mt)
     mt.set_defaults(request_rate=4.0)
+    kv = sub.add_parser("kv-share", help="two engines sharing Redis: TTFT of a prompt loaded from the other's "
+                                         "pages against recomputing it")
+    _add_engine_and_sizes(kv, offline=False)
+    add_kv_share_arguments(kv)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,14 +108,20 @@ def run(args: argparse.Namespace) -> int:
         from pagoda_engine.bench.multiturn import run_multiturn
 
         result = run_multiturn(args)
+    elif args.bench == "kv-share":
+        from pagoda_engine.bench.kv_share import run_kv_share
+
+        result = run_kv_share(args)
     else:
         from pagoda_engine.bench.offline import run_latency, run_throughput
 
         result = run_throughput(args) if args.bench == "throughput" else run_latency(args)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
-    if result.get("bench") in ("serve", "multiturn") and not result["completed"]:
+    if result.get("bench") in ("serve", "multiturn", "kv-share") and not result["completed"]:
         print("error: no request completed", file=sys.stderr)
+        return 1
+    if result.get("valid") is False:
         return 1
     return 0
 

@@ -124,6 +124,7 @@ class RequestResult:
     error: str | None = None
     sent: float = 0.0
     chunk_times: list[float] = field(default_factory=list)  # arrival of every chunk that carried text
+    first_choice: float = 0.0  # arrival of the first chunk with a choice, its text empty or not (a held-back byte)
     done: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
@@ -159,6 +160,8 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict, delay: f
                 if "error" in chunk:
                     r.error = f"stream error: {chunk['error']}"
                     return r
+                if chunk.get("choices") and not r.first_choice:
+                    r.first_choice = now
                 if any(c.get("text") for c in chunk.get("choices") or []):
                     r.chunk_times.append(now)
                     if keep_text:

@@ -30,6 +30,8 @@ REMOTE_TIMEOUT_S = float(os.environ.get("PAGODA_KV_REMOTE_TIMEOUT_S", "1.0"))
 REMOTE_BACKOFF_S = float(os.environ.get("PAGODA_KV_REMOTE_BACKOFF_S", "5.0"))
 # The Redis password (the operator renders it from the Secret the spec names).
 REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
+# Every Redis key of the remote tier: NAMESPACE + <fingerprint hex> + b":" + <page key hex>.
+REDIS_KEY_NAMESPACE = b"pagoda:kv:"
 
 
 class CorruptEntry(Exception):
@@ -153,7 +155,7 @@ class RedisStore:
 
         self.url = url
         self.fingerprint = fingerprint
-        self.prefix = b"pagoda:kv:" + fingerprint.hex().encode() + b":"
+        self.prefix = REDIS_KEY_NAMESPACE + fingerprint.hex().encode() + b":"
         self.client = redis.Redis.from_url(url, password=password or os.environ.get(REMOTE_PASSWORD_ENV) or None,
                                            socket_timeout=REMOTE_TIMEOUT_S, socket_connect_timeout=REMOTE_TIMEOUT_S)
         self.errors = 0

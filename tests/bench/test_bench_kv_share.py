@@ -1,0 +1,47 @@
+"""`pagoda bench kv-share` end to end on the tiny model: it starts a real `redis-server` (the Debian
+package; skipped without it) and two `pagoda serve` engines sharing it, and its report says, from
+engine B's own counters, that every remote hit came from Redis and every recompute found nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import redis
+
+from pagoda_engine.cli import main
+
+REDIS_SERVER = shutil.which("redis-server")
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make setup installs it as root)")
+def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_path, capsys):
+    out = tmp_path / "kv-share.json"
+    rc = main(["bench", "kv-share", "--model", "pagoda-tiny", "--device", "cpu", "--dtype", "float32",
+               "--input-len", "256", "--num-prompts", "2", "--redis-maxmemory-gb", "0.25", "--output-json", str(out)])
+    assert rc == 0
+    r = json.loads(out.read_text())
+    assert r["valid"] and r["completed"] == 6
+    runs = {kind: [x for x in r["runs"] if x["kind"] == kind] for kind in ("recompute", "remote_hit", "computed_on_a")}
+    assert [len(v) for v in runs.values()] == [2, 2, 2]
+    for x in runs["remote_hit"]:
+        # Every page but the last (a prompt's last token is always computed) came from Redis.
+        assert x["engine"] == "B" and x["remote_hit_tokens"] == 256 - 16 and x["device_hit_tokens"] == 0
+        assert x["remote_loaded_bytes"] > 0 and x["remote_load_s"] > 0
+    for x in runs["recompute"]:
+        assert x["engine"] == "B" and x["remote_hit_tokens"] == 0 and x["device_hit_tokens"] == 0
+    for kind in ("recompute", "remote_hit"):
+        assert 0 < r[kind]["ttft_ms"]["p50"] and r[kind]["valid"] == 2
+    assert r["remote_load_bytes_per_s"] > 0
+    assert r["ttft_ratio_p50"] == pytest.approx(r["remote_hit"]["ttft_ms"]["p50"] / r["recompute"]["ttft_ms"]["p50"],
+                                                abs=1e-3)
+    with pytest.raises(redis.ConnectionError):  # the redis-server it started is stopped
+        redis.Redis.from_url(r["redis_url"], socket_timeout=2).ping()
+    printed = capsys.readouterr().out
+    assert "remote hit on B" in printed and "TTFT remote hit / recompute" in printed and "target <= 0.5" in printed
+
+
+def test_kv_share_refuses_the_tiers_that_would_hide_a_remote_hit(capsys):
+    with pytest.raises(SystemExit, match="remote tier alone"):
+        main(["bench", "kv-share", "--model", "pagoda-tiny", "--kv-offload-cpu-gb", "1"])
