@@ -12,13 +12,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.server.conftest import DEFAULT_ARGS, child_pids, free_port, launch, pid_alive, scrape
+from tests.server.conftest import (DEFAULT_ARGS, api_server_pids, child_pids, core_pids, launch, pid_alive,
+                                   scrape)
 
 MODEL = "pagoda-tiny"
 HEADER = "x-pagoda-api-server"
@@ -55,29 +55,6 @@ def descendants(pid: int) -> list[int]:
             out.append(child)
             todo.append(child)
     return out
-
-
-def process_name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return ""
-
-
-def api_server_pids(launcher_pid: int) -> list[int]:
-    return sorted(p for p in child_pids(launcher_pid) if process_name(p).startswith("pagoda-api-"))
-
-
-def engine_core_pids(launcher_pid: int) -> list[int]:
-    pids = []
-    for pid in child_pids(launcher_pid):
-        try:
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"spawn_main" in cmdline and not process_name(pid).startswith("pagoda-api-"):
-            pids.append(pid)
-    return pids
 
 
 def _engines(samples: dict[str, float], name: str, dp: int, **labels: str) -> list[float]:
@@ -194,7 +171,7 @@ def test_a_dead_core_makes_every_api_server_unhealthy_and_a_dead_api_server_stop
     srv = launch(tmp_path, *DEFAULT_ARGS, "--api-server-count", "2", "--data-parallel-size", "2")
     try:
         wait_for_every_api_server(srv.url)
-        cores, servers = engine_core_pids(srv.proc.pid), api_server_pids(srv.proc.pid)
+        cores, servers = core_pids(srv.proc.pid), api_server_pids(srv.proc.pid)
         assert len(cores) == 2 and len(servers) == 2
         os.kill(cores[1], signal.SIGKILL)
         unhealthy: set[str] = set()
@@ -226,7 +203,7 @@ def test_sigterm_drains_a_stream_then_stops_every_process(asc_server):
     """Last in the module: it stops the module's server."""
     launcher = asc_server.proc
     everything = descendants(launcher.pid)
-    assert len(api_server_pids(launcher.pid)) == 2 and len(engine_core_pids(launcher.pid)) == asc_server.dp
+    assert len(api_server_pids(launcher.pid)) == 2 and len(core_pids(launcher.pid)) == asc_server.dp
 
     async def run():
         async with openai.AsyncOpenAI(base_url=asc_server.base_url, api_key="none", max_retries=0,

@@ -111,6 +111,7 @@ class Launcher:
         self.control: list[zmq.Socket] = []
         self.encoder = make_encoder()
         self.stopping = False
+        self._drain_deadline: asyncio.Future | None = None
         self._events: asyncio.Queue = asyncio.Queue()  # ("signal", sig) | ("core", rank, code) | ("server", i, code)
 
     async def run(self) -> int:
@@ -226,7 +227,7 @@ class Launcher:
                         continue
                     self.stopping = True
                     self._signal_servers(signal.SIGTERM)
-                    asyncio.ensure_future(self._after_drain())
+                    self._drain_deadline = asyncio.ensure_future(self._after_drain())
                 case ("server", index, code):
                     if self.stopping:
                         if not any(p.is_alive() for p in self.servers):
