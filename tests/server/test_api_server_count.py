@@ -160,6 +160,47 @@ def test_metrics_of_either_api_server_are_the_whole_pods(asc_server):
     assert counters(texts[0]) == counters(texts[1])
 
 
+def test_a_refusal_and_an_abort_reach_only_the_api_server_that_sent_the_request(asc_server):
+    """A request id in use on one API process, sent again through the other: the core refuses
+    it, and the refusal must come back to the second process (a refusal sent to the first would
+    leave the second request hanging). Closing the first stream aborts it in its core."""
+    _wait_idle(asc_server.url)
+    before = scrape(asc_server.url)
+
+    async def run() -> int:
+        for attempt in range(1, 41):
+            body = {"model": MODEL, "prompt": "Long story", "max_tokens": 400, "ignore_eos": True,
+                    "request_id": f"shared-{attempt}"}
+            pin = {"X-data-parallel-rank": "0"}  # with two cores: the same core sees both
+            async with (httpx.AsyncClient(timeout=60, headers=pin) as first,
+                        httpx.AsyncClient(timeout=60, headers=pin) as second):
+                async with first.stream("POST", f"{asc_server.base_url}/completions",
+                                        json={**body, "stream": True}) as stream:
+                    lines = stream.aiter_lines()
+                    while not (await lines.__anext__()).startswith("data:"):
+                        pass
+                    again = await second.post(f"{asc_server.base_url}/completions", json=body)
+                    assert again.status_code == 400, again.text
+                    assert again.json()["error"]["param"] == "request_id"
+                    crossed = again.headers[HEADER] != stream.headers[HEADER]
+            if crossed:
+                return attempt
+        raise AssertionError("40 pairs of connections all went to one API process")
+
+    streams = asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while True:
+        m = scrape(asc_server.url)
+        if m["pagoda:num_requests_running"] == m["pagoda:kv_cache_usage_perc"] == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.1)
+    aborted = m["pagoda:request_success_total{finished_reason=abort}"] - before["pagoda:request_success_total{finished_reason=abort}"]
+    finished = m["pagoda:request_success_total{finished_reason=length}"] - before["pagoda:request_success_total{finished_reason=length}"]
+    # Each closed stream is an abort; so is the refused request (as any refusal by a core is), once.
+    assert (aborted, finished) == (streams + 1, 0)
+
+
 def test_api_server_count_below_one_is_refused():
     out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", MODEL,
                           "--api-server-count", "0"], capture_output=True, text=True, timeout=120)

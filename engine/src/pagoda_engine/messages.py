@@ -89,6 +89,7 @@ class EngineCoreRequest(_Message):
 
 class AbortRequest(_Message):
     request_ids: list[str]
+    client_index: int = 0  # the API server process asking: it may only stop its own requests
 
 
 class ShutdownRequest(_Message):

@@ -106,10 +106,13 @@ class CoreLoop:
             case EngineCoreRequest():
                 self._add(message)
             case AbortRequest():
-                for request_id in message.request_ids:
-                    self._client_of.pop(request_id, None)
+                request_ids = message.request_ids
+                if len(self.out_socks) > 1:  # a client stops its own requests, never another's of the same id
+                    request_ids = [r for r in request_ids if self._client_of.get(r) == message.client_index]
+                    for request_id in request_ids:
+                        del self._client_of[request_id]
                 try:
-                    self.core.abort_requests(message.request_ids)
+                    self.core.abort_requests(request_ids)
                 except Exception:
                     logger.exception("abort failed")
             case ShutdownRequest():

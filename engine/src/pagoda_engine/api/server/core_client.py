@@ -320,7 +320,7 @@ class EngineCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         # Aborts are best effort: after the core died there is nothing left to free.
         if request_ids and self.dead_reason is None and self._in is not None:
-            self._send(AbortRequest(request_ids=list(request_ids)))
+            self._send(AbortRequest(request_ids=list(request_ids), client_index=self.client_index))
 
     def _send(self, message) -> None:
         # Synchronous on purpose (callers include `finally` blocks of cancelled tasks): with an
