@@ -208,6 +208,21 @@ def test_api_server_count_below_one_is_refused():
     assert "--api-server-count must be >= 1" in out.stderr
 
 
+def test_a_taken_port_fails_at_once_before_any_model_loads():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
+                              "--port", str(port), "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
+    assert "KV cache capacity" not in out.stdout and time.monotonic() - started < 60
+
+
 def test_a_dead_core_makes_every_api_server_unhealthy_and_a_dead_api_server_stops_the_server(tmp_path):
     srv = launch(tmp_path, *DEFAULT_ARGS, "--api-server-count", "2", "--data-parallel-size", "2")
     try:
