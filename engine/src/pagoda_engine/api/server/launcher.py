@@ -129,6 +129,8 @@ class Launcher:
             sock.close()  # each API process holds its own copy
             code = await self._wait_ready(reports)
             if code is None:
+                logger.info("%d API server processes serving on http://%s:%d (press CTRL+C to quit)",
+                            self.num_servers, server.host, server.port)
                 code = await self._supervise()
             return code
         finally:
