@@ -232,3 +232,12 @@ def test_flags_that_would_be_ignored_are_refused(tiny_model, server_url):
     with pytest.raises(SystemExit, match="--num-prompts and --input-len do not apply"):
         main(["bench", "multiturn", "--base-url", server_url, "--num-prompts", "8"])
 
+
+
+@pytest.mark.parametrize("argv, count", [([], 1), (["--api-server-count", "2"], 2)])
+def test_the_server_it_starts_gets_its_api_server_count(argv, count):
+    from pagoda_engine.bench.serve import _server_args
+    from pagoda_engine.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve", *argv])
+    assert _server_args(args, 8123).api_server_count == count

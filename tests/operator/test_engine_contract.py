@@ -256,6 +256,7 @@ def test_pagoda_serve_reads_the_rendered_arguments_as_the_spec_means_them(filena
     assert parsed.device == ("cpu" if spec.resources.gpus_per_pod == 0 else "auto")
     assert parsed.data_parallel_size == spec.topology.data
     assert parsed.enable_expert_parallel is spec.topology.expert
+    assert parsed.api_server_count == spec.engine.api_server_count
     tier_types = {tier.type for tier in spec.kv_cache.tiers}
     assert (parsed.kv_offload_cpu_gb > 0) == ("cpu" in tier_types)
     assert (parsed.kv_offload_disk_path is not None) == ("disk" in tier_types)

@@ -414,3 +414,10 @@ def test_autoscaling_driver_adds_its_scaler_object(driver, kind):
         assert m["metadata"]["ownerReferences"][0]["uid"] == "0000-uid"
         if kind == "HorizontalPodAutoscaler":
             _validate(m)
+
+
+def test_api_server_count_becomes_the_engine_flag_and_is_left_out_at_one():
+    base = load_example("llama-3.1-8b.yaml")
+    assert "--api-server-count" not in engine_container(_engine_pod(base))["args"]
+    args = engine_container(_engine_pod(with_spec(base, engine__apiServerCount=4, resources={"cpu": "8"})))["args"]
+    assert args[args.index("--api-server-count") + 1] == "4"

@@ -332,3 +332,14 @@ def test_the_tiny_model_needs_an_opt_in_on_cpu_too_and_a_uri_excludes_it():
     assert any(p.startswith("model.uri: required (") for p in problems_of(with_spec(tiny, model__builtinTiny=None)))
     both = with_spec(load_example("llama-3.1-8b.yaml"), model__builtinTiny=True)
     assert "model: give model.uri or model.builtinTiny: true, not both" in problems_of(both)
+
+
+def test_api_server_count_needs_as_many_cpus_and_one_way_of_setting_it():
+    base = load_example("llama-3.1-8b.yaml")
+    assert problems_of(with_spec(base, engine__apiServerCount=4, resources={"cpu": "4"})) == []
+    assert problems_of(with_spec(base, engine__apiServerCount=4)) == []  # no CPU request: nothing to compare
+    few = problems_of(with_spec(base, engine__apiServerCount=4, resources={"cpu": "3500m"}))
+    assert few == ["engine: apiServerCount 4 needs at least 4 CPUs per pod, but resources.cpu is 3500m"]
+    both = problems_of(with_spec(base, engine__apiServerCount=2, engine__extraArgs=["--api-server-count", "2"]))
+    assert both == ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
+    assert any("apiServerCount" in p for p in problems_of(with_spec(base, engine__apiServerCount=0)))

@@ -87,18 +87,31 @@ def pid_alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2:].split()[0] != "Z"
 
 
+def process_name(pid: int) -> str:
+    """/proc/PID/comm: `pagoda-api-<i>` for an API server process under `--api-server-count`."""
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
 def core_pids(server_pid: int) -> list[int]:
     """The engine core processes of a `pagoda serve` (its spawned children, not multiprocessing's
-    resource tracker): one per data-parallel rank."""
+    resource tracker nor the API server processes): one per data-parallel rank."""
     pids = []
     for pid in child_pids(server_pid):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if b"spawn_main" in cmdline:
+        if b"spawn_main" in cmdline and not process_name(pid).startswith("pagoda-api-"):
             pids.append(pid)
     return pids
+
+
+def api_server_pids(server_pid: int) -> list[int]:
+    """The API server processes of a `pagoda serve --api-server-count N`, in start order."""
+    return sorted(p for p in child_pids(server_pid) if process_name(p).startswith("pagoda-api-"))
 
 
 def core_pid(server_pid: int) -> int:

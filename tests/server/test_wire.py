@@ -2,6 +2,7 @@
 (token ids packed as int32 bytes), and the core loop dispatches on the message's type."""
 
 import threading
+import time
 
 import msgspec
 import pytest
@@ -144,5 +145,66 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
         loop.running = False
         thread.join(10)
         for sock in (to_core, core_in, core_out, from_core):
+            sock.close(linger=0)
+        ctx.term()
+
+
+def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(core):
+    """Two API server processes (`--api-server-count 2`): outputs and refusals go back to the
+    client that sent the request, every client gets the stats, and a client's abort never stops
+    another client's request."""
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    to_core.bind("inproc://to-core-2")
+    core_in.connect("inproc://to-core-2")
+    core_outs, clients = [], []
+    for i in range(2):
+        clients.append(ctx.socket(zmq.PULL))
+        clients[-1].bind(f"inproc://from-core-2-{i}")
+        core_outs.append(ctx.socket(zmq.PUSH))
+        core_outs[-1].connect(f"inproc://from-core-2-{i}")
+    loop = CoreLoop(core, core_in, core_outs, parent_pid=None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    encoder, decoder = make_encoder(), make_decoder(FromCore)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    def request(request_id: str, client: int) -> bytes:
+        return encoder.encode(EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7],
+                                                sampling_params=params, client_index=client))
+
+    try:
+        to_core.send(request("zero", 0))
+        to_core.send(request("one", 1))
+        to_core.send(request("one", 0))  # an id client 1 holds: refused, to client 0
+        to_core.send(encoder.encode(AbortRequest(request_ids=["zero"], client_index=1)))  # not client 1's: ignored
+        thread.start()
+        seen: list[dict] = [{"tokens": {}, "refused": [], "stats": 0, "finished": set()} for _ in range(2)]
+        deadline = time.monotonic() + 60
+        while not (seen[0]["finished"] == {"zero"} and seen[1]["finished"] == {"one"}):
+            assert time.monotonic() < deadline, seen  # e.g. "zero" stopped by client 1's abort
+            for i, client in enumerate(clients):
+                if not client.poll(50):
+                    continue
+                match decoder.decode(client.recv()):
+                    case EngineCoreOutputs(outputs=outputs, stats=stats):
+                        seen[i]["stats"] += stats is not None
+                        for out in outputs:
+                            seen[i]["tokens"].setdefault(out.request_id, []).extend(out.new_token_ids.tolist())
+                            if out.finish_reason is not None:
+                                assert out.finish_reason == "length"
+                                seen[i]["finished"].add(out.request_id)
+                    case EngineCoreError() as err:
+                        seen[i]["refused"].append((err.request_id, err.param))
+        assert set(seen[0]["tokens"]) == {"zero"} and set(seen[1]["tokens"]) == {"one"}
+        assert len(seen[0]["tokens"]["zero"]) == len(seen[1]["tokens"]["one"]) == 4
+        assert seen[0]["refused"] == [("one", "request_id")] and seen[1]["refused"] == []
+        assert seen[0]["stats"] >= 1 and seen[1]["stats"] >= 1
+        to_core.send(encoder.encode(ShutdownRequest()))
+        thread.join(10)
+        assert not thread.is_alive() and not loop._client_of
+    finally:
+        loop.running = False
+        thread.join(10)
+        for sock in (to_core, core_in, *core_outs, *clients):
             sock.close(linger=0)
         ctx.term()

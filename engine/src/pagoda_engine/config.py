@@ -127,6 +127,9 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    # API server processes sharing the listening socket, each connected to every engine core
+    # (vLLM's --api-server-count; `api.server.launcher`). 1: the one process serves and owns the cores.
+    api_server_count: int = 1
     # The work one request may ask for (each refusal is a 400 naming the flag). The defaults let
     # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 4 MiB
     # holds a 512K-token prompt as text) while bounding what one body can cost.
@@ -196,6 +199,8 @@ class EngineConfig:
         if not 0 <= self.parallel.data_parallel_rank < self.parallel.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.parallel.data_parallel_size}), "
                              f"got {self.parallel.data_parallel_rank}")
+        if self.server.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {self.server.api_server_count}")
         self._validate_nodes()
         self._validate_kv_offload()
         self._validate_chat_output()

@@ -9,7 +9,7 @@ direction, `ToCore` and `FromCore`; each end decodes its union and dispatches on
                 AbortRequest        stop sequences and free their pages
                 ShutdownRequest     finish the loop and exit 0
                 StartDPWave         expert parallelism across cores: wake up, another core has work
-  core -> API   CoreReady           once, after the model and KV pool are up
+  core -> API   CoreReady           once, after the model and KV pool are up (to every API process)
                 CoreFailed          start-up failed (instead of CoreReady), or a step raised: the core exits 1
                 EngineCoreOutputs   after every step, and once more when it goes idle (fresh stats)
                 EngineCoreError     a request the core would not take (the core keeps serving)
@@ -79,6 +79,8 @@ class EngineCoreRequest(_Message):
     sampling_params: SamplingParams
     arrival_time: float = 0.0  # time.time() when the API process got it
     priority: int = 0
+    # Which API server process sent it (`--api-server-count`): its outputs go back there alone.
+    client_index: int = 0
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not array:
@@ -87,6 +89,7 @@ class EngineCoreRequest(_Message):
 
 class AbortRequest(_Message):
     request_ids: list[str]
+    client_index: int = 0  # the API server process asking: it may only stop its own requests
 
 
 class ShutdownRequest(_Message):

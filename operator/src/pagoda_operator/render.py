@@ -22,7 +22,8 @@ InferenceService `<name>` and all in its namespace:
 The engine command-line contract used here (vLLM's flag names): --model --served-model-name
 --dtype --max-model-len --load-format --tensor-parallel-size --pipeline-parallel-size
 --data-parallel-size --enable-expert-parallel --max-num-seqs --max-num-batched-tokens
---gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --device --host --port,
+--gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --api-server-count --device
+--host --port,
 and for KV tiers (Pagoda's own) --kv-offload-cpu-gb (added to the pod's memory),
 --kv-offload-disk-path (a volume mounted there) with --kv-offload-disk-gb, and
 --kv-offload-remote-url (the password from a Secret in PAGODA_KV_REMOTE_PASSWORD).
@@ -176,6 +177,8 @@ def engine_args(name: str, spec: InferenceServiceSpec) -> list[str]:
     args += ["--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching"]
     if e.seed is not None:
         args += ["--seed", str(e.seed)]
+    if e.api_server_count > 1:  # LeaderWorkerSet workers run --headless, which ignores it
+        args += ["--api-server-count", str(e.api_server_count)]
     if sizing.gpus_per_pod(spec) == 0:
         args += ["--device", "cpu"]
     for tier in spec.kv_cache.tiers:

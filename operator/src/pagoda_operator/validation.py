@@ -14,7 +14,7 @@ from typing import Any
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
-from pagoda_operator.quantity import format_gib, gib
+from pagoda_operator.quantity import format_gib, gib, parse_quantity
 from pagoda_operator.schema import SpecProblems
 from pagoda_operator.spec import InferenceServiceSpec, KVDiskVolume, desired_replicas, parse_spec
 
@@ -87,7 +87,19 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_kv_cache(spec),
         *_check_node_fit(spec),
         *_check_router(spec),
+        *_check_api_servers(spec),
     ]
+
+
+def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
+    """Each API server process keeps a CPU core busy under load: a pod given fewer CPUs than
+    processes only makes them take turns."""
+    count, cpu = spec.engine.api_server_count, spec.resources.cpu
+    if count > 1 and any(a == "--api-server-count" or a.startswith("--api-server-count=") for a in spec.engine.extra_args):
+        return ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
+    if count > 1 and cpu is not None and parse_quantity(cpu) < count:
+        return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
+    return []
 
 
 def _check_model(spec: InferenceServiceSpec) -> list[str]:

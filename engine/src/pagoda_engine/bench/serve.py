@@ -43,6 +43,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pagoda_engine.api.server.api_server import add_api_server_count_arg
 from pagoda_engine.bench.workloads import fixed_lengths
 
 S1_INPUT_LEN, S1_OUTPUT_LEN = 1024, 128
@@ -63,6 +64,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, s1: bool = True) -> None:
                    help="the `model` field of the requests (default: the server's first /v1/models entry)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids of the prompts are drawn below this (default: config.json of --model)")
+    add_api_server_count_arg(p)  # passed on to the server this run starts (`_server_args`)
     if not s1:
         return
     p.add_argument("--rates", type=_rate_list, default=None, metavar="R1,R2,...",

@@ -5,6 +5,13 @@ with msgpack (the message list is in `messages.py`). The core decodes `ToCore` a
 the type; it sends CoreReady (or CoreFailed) once at start-up, then EngineCoreOutputs after every
 step, EngineCoreError for a refused request, and CoreFailed when a step raises.
 
+The core serves one or more API server processes (`pagoda serve --api-server-count N`): its one
+input socket is connected to every client's input address (and, with N > 1, to the launcher's, which
+only ever sends ShutdownRequest), and it has one output socket per client. A request carries its
+client's index; its outputs and a refusal go to that client alone, while every step's stats and
+the start-up and failure messages go to all (each API process routes by them and exports them).
+With one client everything goes to it, as before.
+
 The loop never spins: with nothing to run it blocks on the input socket (waking once a second to
 check that its parent is still alive, so it never outlives the API process). A bad request is
 refused on its own; only a failure inside `step()` ends the process.
@@ -47,20 +54,44 @@ class CoreLoop:
     """The busy loop around one EngineCore. Separate from process start-up so it can be driven
     by anything that owns the sockets."""
 
-    def __init__(self, core, in_sock: zmq.Socket, out_sock: zmq.Socket, parent_pid: int | None):
+    def __init__(self, core, in_sock: zmq.Socket, out_socks: zmq.Socket | list[zmq.Socket], parent_pid: int | None):
         self.core = core
         self.in_sock = in_sock
-        self.out_sock = out_sock
+        # One per API server process, in client-index order.
+        self.out_socks = list(out_socks) if isinstance(out_socks, (list, tuple)) else [out_socks]
         self.parent_pid = parent_pid
         self.encoder = make_encoder()
         self.decoder = make_decoder(ToCore)
         self.running = True
+        self._client_of: dict[str, int] = {}  # request id -> the client that sent it (several clients only)
         self._last_parent_check = time.monotonic()
         self.poller = zmq.Poller()
         self.poller.register(in_sock, zmq.POLLIN)
 
     def send(self, message) -> None:
-        self.out_sock.send(self.encoder.encode(message), copy=False)
+        """To every client: start-up, failure and idle-stats messages."""
+        frame = self.encoder.encode(message)
+        for sock in self.out_socks:
+            sock.send(frame, copy=False)
+
+    def publish(self, outputs: EngineCoreOutputs) -> None:
+        """A step's outputs: each request's to the client that sent it, the stats to every client."""
+        if len(self.out_socks) == 1:
+            self.out_socks[0].send(self.encoder.encode(outputs), copy=False)
+            return
+        by_client: list[list] = [[] for _ in self.out_socks]
+        for output in outputs.outputs:
+            client = (self._client_of.pop(output.request_id, 0) if output.finish_reason is not None
+                      else self._client_of.get(output.request_id, 0))
+            by_client[client].append(output)
+        for sock, mine in zip(self.out_socks, by_client):
+            if mine or outputs.stats is not None:
+                sock.send(self.encoder.encode(EngineCoreOutputs(outputs=mine, stats=outputs.stats)), copy=False)
+
+    def _refuse(self, refused: EngineCoreError, client: int | None = None) -> None:
+        if client is None:
+            client = self._client_of.pop(refused.request_id, 0)
+        self.out_socks[client].send(self.encoder.encode(refused), copy=False)
 
     def _parent_alive(self) -> bool:
         return self.parent_pid is None or os.getppid() == self.parent_pid
@@ -75,8 +106,13 @@ class CoreLoop:
             case EngineCoreRequest():
                 self._add(message)
             case AbortRequest():
+                request_ids = message.request_ids
+                if len(self.out_socks) > 1:  # a client stops its own requests, never another's of the same id
+                    request_ids = [r for r in request_ids if self._client_of.get(r) == message.client_index]
+                    for request_id in request_ids:
+                        del self._client_of[request_id]
                 try:
-                    self.core.abort_requests(message.request_ids)
+                    self.core.abort_requests(request_ids)
                 except Exception:
                     logger.exception("abort failed")
             case ShutdownRequest():
@@ -85,6 +121,10 @@ class CoreLoop:
                 pass  # its arrival ended the wait for input: the next agreement starts the wave
 
     def _add(self, req: EngineCoreRequest) -> None:
+        client = req.client_index
+        if not 0 <= client < len(self.out_socks):
+            logger.error("request %s from unknown client %d dropped", req.request_id, client)
+            return
         try:
             self.core.add_request(req)
         except Exception as e:  # any refusal, typed or not, is this request's alone
@@ -92,7 +132,10 @@ class CoreLoop:
             message = getattr(e, "message", None) or str(e) or type(e).__name__
             if not hasattr(e, "param"):
                 logger.exception("core refused request %s with an unexpected error", req.request_id)
-            self.send(EngineCoreError(request_id=req.request_id, message=message, param=param))
+            self._refuse(EngineCoreError(request_id=req.request_id, message=message, param=param), client)
+            return
+        if len(self.out_socks) > 1:
+            self._client_of[req.request_id] = client
 
     def _drain_input(self, timeout_ms: int) -> bool:
         """Handle every message waiting (after waiting up to timeout_ms for the first).
@@ -129,9 +172,9 @@ class CoreLoop:
                 if not self.running:
                     break
                 if self.core.has_unfinished_requests():
-                    self.send(self.core.step())
+                    self.publish(self.core.step())
                     for refused in self.core.take_refused():
-                        self.send(refused)
+                        self._refuse(refused)
                     if not self.core.has_unfinished_requests():
                         # Gone idle: the last step's stats were taken before its requests left.
                         self.send(EngineCoreOutputs(outputs=[], stats=self.core.get_stats()))
@@ -172,7 +215,7 @@ class CoreLoop:
                 ran = 0
                 if core.has_unfinished_requests():
                     outputs = core.step()
-                    self.send(outputs)
+                    self.publish(outputs)
                     ran = outputs.stats.num_scheduled_tokens if outputs.stats is not None else 0
                     if not core.has_unfinished_requests():  # gone idle: as `run`, publish it
                         self.send(EngineCoreOutputs(outputs=[], stats=core.get_stats()))
@@ -182,9 +225,10 @@ class CoreLoop:
                 return
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int,
+def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: list[str], parent_pid: int,
                     log_level: int = logging.INFO) -> None:
-    """Process entry point (multiprocessing target). Exits 0 after a ShutdownRequest, 1 on failure."""
+    """Process entry point (multiprocessing target). Exits 0 after a ShutdownRequest, 1 on failure.
+    The input socket connects to every address of `input_addrs`; output_addrs[i] is client i's."""
     die_with_parent(parent_pid)
     # The API process owns shutdown: Ctrl-C in a terminal reaches the whole process group, and
     # the core must keep serving while the API process drains. The parent stops us explicitly.
@@ -194,11 +238,14 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
 
     ctx = zmq.Context(io_threads=1)
     in_sock = ctx.socket(zmq.PULL)
-    in_sock.connect(input_addr)
-    out_sock = ctx.socket(zmq.PUSH)
-    out_sock.setsockopt(zmq.LINGER, 5000)
-    out_sock.connect(output_addr)
-    encoder = make_encoder()
+    for addr in input_addrs:
+        in_sock.connect(addr)
+    out_socks = []
+    for addr in output_addrs:
+        out_socks.append(ctx.socket(zmq.PUSH))
+        out_socks[-1].setsockopt(zmq.LINGER, 5000)
+        out_socks[-1].connect(addr)
+    loop = CoreLoop(None, in_sock, out_socks, parent_pid)
     code = 0
     try:
         try:
@@ -207,25 +254,28 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
             core = EngineCore(config)
         except Exception as e:
             logger.error("engine core failed to start: %s", e)
-            out_sock.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=str(e))))
+            loop.send(CoreFailed(error_type=type(e).__name__, message=str(e)))
             code = 1
             return
-        out_sock.send(encoder.encode(CoreReady(
+        loop.send(CoreReady(
             kv_capacity_tokens=int(core.kv_capacity_tokens), max_model_len=int(core.max_model_len),
             vocab_size=int(core.vocab_size), model_dir=str(core.model_dir),
             served_model_name=str(core.served_model_name), num_kv_pages=int(core.num_kv_pages),
-            block_size=int(config.cache.block_size))))
-        loop = CoreLoop(core, in_sock, out_sock, parent_pid)
+            block_size=int(config.cache.block_size)))
+        loop.core = core
         try:
             loop.run()
             core.wait_for_offload()  # pages on their way to disk or Redis get there (bounded: the stores time out)
         except Exception as e:
             logger.error("engine core step failed:\n%s", traceback.format_exc())
-            out_sock.send(encoder.encode(CoreFailed(error_type=type(e).__name__, message=f"engine core failed: {e}")))
+            loop.send(CoreFailed(error_type=type(e).__name__, message=f"engine core failed: {e}"))
             code = 1
     finally:
         in_sock.close(linger=0)
-        out_sock.close()
+        # After a ShutdownRequest from a launcher its API processes are gone: nothing left to deliver.
+        linger = 0 if code == 0 and len(out_socks) > 1 else None
+        for sock in out_socks:
+            sock.close(linger=linger)
         ctx.term()
         # Skip interpreter teardown (torch, worker threads): the parent is waiting on our exit.
         sys.stdout.flush()

@@ -4,6 +4,9 @@ Order matters for Kubernetes probes and for clients: the port opens only after t
 loaded the model and reported its KV capacity, and on SIGTERM the server stops accepting,
 lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
 stops the core process, and exits 0.
+
+With `--api-server-count N` > 1 this process is the launcher (`api.server.launcher`): it starts
+the cores and N API server processes, each running `serve_http` below on the shared socket.
 """
 
 from __future__ import annotations
@@ -47,20 +50,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    add_api_server_count_arg(parser)
     add_request_limit_args(parser)
     add_chat_output_args(parser)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
-class _DrainingServer(uvicorn.Server):
-    """uvicorn, plus: on the first SIGTERM/SIGINT refuse new work and bound the drain."""
+def add_api_server_count_arg(parser: argparse.ArgumentParser) -> None:
+    """`pagoda serve`'s and `pagoda bench serve`'s (which passes it to the server it starts)."""
+    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
+                        help="API server processes sharing the port, each connected to every engine core "
+                             "(tokenization, detokenization and streaming spread over N CPU cores); "
+                             "a --headless node runs none and ignores it (default 1)")
 
-    def __init__(self, config: uvicorn.Config, on_exit):
+
+class _DrainingServer(uvicorn.Server):
+    """uvicorn, plus: on the first SIGTERM/SIGINT refuse new work and bound the drain. An API
+    process under a launcher ignores SIGINT: the launcher owns shutdown, and a terminal's Ctrl-C
+    reaches the whole process group."""
+
+    def __init__(self, config: uvicorn.Config, on_exit, ignore_sigint: bool = False):
         super().__init__(config)
         self._on_exit = on_exit
         self._draining = False
+        self._ignore_sigint = ignore_sigint
 
     def handle_exit(self, sig, frame) -> None:
+        if sig == signal.SIGINT and self._ignore_sigint:
+            return
         if not self._draining:
             self._draining = True
             # Signal handlers run between bytecodes of the main thread: hop onto the loop.
@@ -69,9 +86,7 @@ class _DrainingServer(uvicorn.Server):
 
 
 async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
-    from pagoda_engine.api.server.app import create_app
     from pagoda_engine.api.server.async_engine import AsyncEngine
-    from pagoda_engine.api.server.errors import ServiceUnavailableError
 
     engine = AsyncEngine(config)
     try:
@@ -82,12 +97,28 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     # The tokenizer and libraries loaded so far are long-lived: moved out of the collector's
     # reach, a full collection no longer walks them (hundreds of ms with the event loop stopped).
     gc.freeze()
+    print(capacity_line(config, ready, engine.served_model_name), flush=True)
+    return await serve_http(engine, args.log_level)
+
+
+def capacity_line(config: EngineConfig, ready, served_model_name: str) -> str:
     cores = config.parallel.data_parallel_size
     per_core = f" per engine core × {cores} data-parallel cores" if cores > 1 else ""
-    print(f"KV cache capacity: {ready.kv_capacity_tokens} tokens "
-          f"({ready.num_kv_pages - 1} pages of {ready.block_size}){per_core}; max_model_len {ready.max_model_len}; "
-          f"serving model {engine.served_model_name!r}", flush=True)
+    servers = config.server.api_server_count
+    api = f"; {servers} API server processes" if servers > 1 else ""
+    return (f"KV cache capacity: {ready.kv_capacity_tokens} tokens "
+            f"({ready.num_kv_pages - 1} pages of {ready.block_size}){per_core}; max_model_len {ready.max_model_len}; "
+            f"serving model {served_model_name!r}{api}")
 
+
+async def serve_http(engine, log_level: str, sock=None, api_server_index: int | None = None) -> int:
+    """Serve the OpenAI API over a started engine until SIGTERM, drain, stop the engine. `sock`:
+    the launcher's shared listening socket (else bind host:port); `api_server_index`: this
+    process's index under a launcher, sent as the X-Pagoda-API-Server header of every response."""
+    from pagoda_engine.api.server.app import create_app
+    from pagoda_engine.api.server.errors import ServiceUnavailableError
+
+    config = engine.config
     drain_timeout = config.server.drain_timeout_s
 
     async def drain() -> None:
@@ -101,9 +132,12 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
 
     drain_tasks: list[asyncio.Task] = []
     app = create_app(engine, api_key=config.server.api_key)
-    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=args.log_level,
-                               lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False)
-    server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())))
+    headers = [] if api_server_index is None else [(API_SERVER_HEADER, str(api_server_index))]
+    uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=log_level,
+                               lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False,
+                               headers=headers)
+    server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())),
+                             ignore_sigint=sock is not None)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
     # place that is a no-op, and the process stops the core and exits 0. (Before this point the
     # default handlers apply: SIGTERM during model loading simply ends the process, and the
@@ -111,12 +145,15 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        await server.serve()  # exits the process with 1 if the port cannot be bound
+        await server.serve(sockets=None if sock is None else [sock])  # exits the process with 1 if the port cannot be bound
     finally:
         for task in drain_tasks:
             task.cancel()
         await engine.shutdown()
     return 0
+
+
+API_SERVER_HEADER = "X-Pagoda-API-Server"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,6 +169,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda_engine.worker.executor import serve_headless
 
         return serve_headless(config)
+    if config.server.api_server_count > 1:
+        from pagoda_engine.api.server.launcher import launch
+
+        return launch(args, config)
     try:
         return asyncio.run(serve(args, config))
     except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)

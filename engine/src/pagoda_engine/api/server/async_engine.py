@@ -19,6 +19,7 @@ from typing import AsyncIterator
 from pagoda_engine.api.chat_output import ChatOutputSpec
 from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
+from pagoda_engine.api.server.core_client import CoreAddresses
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.api.server.errors import ServiceUnavailableError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
@@ -42,10 +43,13 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, attach: list[CoreAddresses] | None = None, api_server_index: int = 0):
+        """`attach`: the cores a launcher spawned, which this process (API server
+        `api_server_index` of several) joins; None: start the cores."""
         self.config = config
+        self.api_server_index = api_server_index
         self.client = DPEngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
-                                         on_dead=self._on_dead)
+                                         on_dead=self._on_dead, attach=attach, client_index=api_server_index)
         self.ready: CoreReady | None = None
         self.tokenizer = None
         self.processor: OutputProcessor | None = None
@@ -78,7 +82,8 @@ class AsyncEngine:
         self.served_model_name = self.config.model.served_model_name or self.ready.served_model_name
         self.metrics = ServerMetrics(self.served_model_name, num_engines=self.client.size,
                                      max_model_len=self.ready.max_model_len,
-                                     cache_info=cache_config_info(self.config.cache, self.ready.num_kv_pages))
+                                     cache_info=cache_config_info(self.config.cache, self.ready.num_kv_pages),
+                                     multiprocess=self.client.attached, records_steps=self.api_server_index == 0)
         return self.ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:

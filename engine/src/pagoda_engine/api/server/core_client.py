@@ -5,6 +5,11 @@ on the event loop. Knows sockets and processes, nothing about HTTP or text.
 The core is a `spawn`ed process (never forked: the API process has threads and an event loop).
 Its exit is noticed at once through the process sentinel on the event loop, so a dead core turns
 into `EngineDeadError` for every waiting request instead of a hang.
+
+With several API server processes (`--api-server-count N`, `api.server.launcher`) the launcher
+spawns the cores (`CoreProcess`) and each API process attaches to every core: a client that binds
+its own pair of sockets (`CoreAddresses`, client index i), stamps its requests with i, and learns of
+a dead core from a CoreFailed message (the core's own, or the launcher's when the process exited).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import shutil
 import sys
 import tempfile
 import uuid
+from dataclasses import dataclass
 from typing import Callable
 
 import zmq
@@ -42,19 +48,130 @@ from pagoda_engine.messages import (
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class CoreAddresses:
+    """Where one engine core meets its API server processes: client i binds inputs[i] (its
+    requests) and outputs[i] (what the core sends it); the core connects to all of them. A
+    launcher that serves no HTTP itself binds `control`, which the core's input also connects to."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    control: str | None = None
+
+    def client(self, index: int) -> tuple[str, str]:
+        return self.inputs[index], self.outputs[index]
+
+
+class IpcNames:
+    """Fresh ipc addresses for this process's cores; `close()` removes what they left on disk."""
+
+    def __init__(self):
+        self._dir: str | None = None
+
+    def new(self, what: str) -> str:
+        if sys.platform.startswith("linux"):
+            # Abstract-namespace sockets: nothing on disk to leak when a process is SIGKILLed.
+            return f"ipc://@pagoda-core-{os.getpid()}-{uuid.uuid4().hex[:12]}-{what}"
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="pagoda-core-")
+        return f"ipc://{os.path.join(self._dir, f'{uuid.uuid4().hex[:12]}-{what}')}"
+
+    def addresses(self, num_clients: int, control: bool = False) -> CoreAddresses:
+        return CoreAddresses(inputs=tuple(self.new(f"input{i}") for i in range(num_clients)),
+                             outputs=tuple(self.new(f"output{i}") for i in range(num_clients)),
+                             control=self.new("control") if control else None)
+
+    def close(self) -> None:
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+
+class CoreProcess:
+    """One engine core process: spawned with the addresses of all its clients; its exit is
+    reported once through `on_exit(exit code)` on the event loop."""
+
+    def __init__(self, config: EngineConfig, addresses: CoreAddresses, on_exit: Callable[[int | None], None]):
+        self.config = config
+        self.addresses = addresses
+        self.on_exit = on_exit
+        self.exited: asyncio.Future | None = None
+        self._proc: multiprocessing.process.BaseProcess | None = None
+
+    def start(self) -> None:
+        inputs = [*self.addresses.inputs, *([self.addresses.control] if self.addresses.control else [])]
+        mp = multiprocessing.get_context("spawn")
+        self._proc = mp.Process(target=core_proc.run_engine_core,
+                                name=f"pagoda-engine-core-{self.config.parallel.data_parallel_rank}",
+                                args=(self.config, inputs, list(self.addresses.outputs), os.getpid(),
+                                      logging.getLogger().getEffectiveLevel()))
+        self._proc.start()
+        loop = asyncio.get_running_loop()
+        self.exited = loop.create_future()
+        loop.add_reader(self._proc.sentinel, self._on_sentinel)
+
+    def _on_sentinel(self) -> None:
+        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        self._proc.join(1)  # its sentinel closes a moment before it can be reaped
+        if not self.exited.done():
+            self.exited.set_result(self._proc.exitcode)
+        self.on_exit(self._proc.exitcode)
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._proc.exitcode if self._proc is not None else None
+
+    def is_alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    async def join(self, timeout: float) -> None:
+        """Wait up to `timeout` for the process to exit, then kill it."""
+        proc = self._proc
+        if proc is None:
+            return
+        if self.exited is not None and not self.exited.done():
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited), timeout)
+            except asyncio.TimeoutError:
+                logger.warning("engine core did not exit within %.0fs; killing it", timeout)
+        if proc.is_alive():
+            proc.kill()
+        await asyncio.get_running_loop().run_in_executor(None, proc.join, 5)
+
+    def kill(self) -> None:
+        if self._proc is None:
+            return
+        try:
+            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
+        except (ValueError, OSError, RuntimeError):
+            pass
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+
+
 class EngineCoreClient:
-    """One engine core process and the two sockets to it.
+    """One engine core and this process's two sockets to it.
+
+    `start()` spawns the core (one API process: it owns the core); `attach()` joins a core the
+    launcher spawned, as client `client_index` of `addresses`.
 
     Callbacks (all called on the event loop): `on_outputs(EngineCoreOutputs)`,
     `on_refused(EngineCoreError)`, `on_dead(message)`.
     """
 
     def __init__(self, config: EngineConfig, *, on_outputs: Callable[[EngineCoreOutputs], None],
-                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None]):
+                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None],
+                 addresses: CoreAddresses | None = None, client_index: int = 0):
         self.config = config
         self.on_outputs = on_outputs
         self.on_refused = on_refused
         self.on_dead = on_dead
+        self.client_index = client_index
         self.ready: CoreReady | None = None
         self.dead_reason: str | None = None
         self._stopping = False
@@ -63,17 +180,29 @@ class EngineCoreClient:
         self._ctx: zmq.asyncio.Context | None = None
         self._in: zmq.asyncio.Socket | None = None
         self._out: zmq.asyncio.Socket | None = None
-        self._proc: multiprocessing.process.BaseProcess | None = None
-        self._ipc_dir: str | None = None
+        self._names = IpcNames()
+        self._addresses = addresses
+        self._process: CoreProcess | None = None
         self._reader: asyncio.Task | None = None
-        self._exited: asyncio.Future | None = None
 
     # --- life cycle ---------------------------------------------------------------------------
     async def start(self) -> CoreReady:
         """Spawn the core and wait until it has loaded the model. Raises ModelLoadError (or the
         typed error the core reported) when it cannot start."""
-        loop = asyncio.get_running_loop()
-        input_addr, output_addr = self._ipc_addresses()
+        self._addresses = self._names.addresses(1)
+        self._bind()
+        self._process = CoreProcess(self.config, self._addresses, on_exit=self._on_process_exit)
+        self._process.start()
+        return await self._handshake(self._process.exited)
+
+    async def attach(self) -> CoreReady:
+        """Join the core the launcher spawned and wait for its ready message (the launcher stops
+        this process if the core dies first)."""
+        self._bind()
+        return await self._handshake(asyncio.get_running_loop().create_future())
+
+    def _bind(self) -> None:
+        input_addr, output_addr = self._addresses.client(self.client_index)
         self._ctx = zmq.asyncio.Context()
         self._in = self._ctx.socket(zmq.PUSH)
         self._in.setsockopt(zmq.SNDHWM, 0)  # never drop or block a request; the core bounds the work
@@ -84,18 +213,10 @@ class EngineCoreClient:
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.bind(output_addr)
 
-        mp = multiprocessing.get_context("spawn")
-        self._proc = mp.Process(target=core_proc.run_engine_core,
-                                name=f"pagoda-engine-core-{self.config.parallel.data_parallel_rank}",
-                                args=(self.config, input_addr, output_addr, os.getpid(),
-                                      logging.getLogger().getEffectiveLevel()))
-        self._proc.start()
-        self._exited = loop.create_future()
-        loop.add_reader(self._proc.sentinel, self._on_process_exit)
-
+    async def _handshake(self, exited: asyncio.Future) -> CoreReady:
         first = asyncio.ensure_future(self._out.recv())
         try:
-            await asyncio.wait({first, self._exited}, return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait({first, exited}, return_when=asyncio.FIRST_COMPLETED)
         except BaseException:  # cancelled (Ctrl-C while the model loads): leave nothing behind
             first.cancel()
             await asyncio.shield(self._cleanup())
@@ -103,10 +224,11 @@ class EngineCoreClient:
         if not first.done():
             first.cancel()
             await self._cleanup()
-            raise ModelLoadError(f"the engine core exited during start-up (exit code {self._proc.exitcode})")
+            raise ModelLoadError(f"the engine core exited during start-up (exit code {exited.result()})")
         message = self._decoder.decode(first.result())
         if isinstance(message, CoreFailed):
-            await self._join(timeout=10)
+            if self._process is not None:
+                await self._process.join(timeout=10)
             await self._cleanup()
             raise ModelLoadError(f"{message.error_type}: {message.message}")
         if not isinstance(message, CoreReady):
@@ -116,22 +238,9 @@ class EngineCoreClient:
         self._reader = asyncio.create_task(self._read_loop(), name="pagoda-core-reader")
         return self.ready
 
-    def _ipc_addresses(self) -> tuple[str, str]:
-        if sys.platform.startswith("linux"):
-            # Abstract-namespace sockets: nothing on disk to leak when a process is SIGKILLed.
-            name = f"pagoda-core-{os.getpid()}-{uuid.uuid4().hex[:12]}"
-            return f"ipc://@{name}-input", f"ipc://@{name}-output"
-        self._ipc_dir = tempfile.mkdtemp(prefix="pagoda-core-")
-        return (f"ipc://{os.path.join(self._ipc_dir, 'input')}", f"ipc://{os.path.join(self._ipc_dir, 'output')}")
-
-    def _on_process_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self._proc.sentinel)
-        self._proc.join(0)
-        if self._exited is not None and not self._exited.done():
-            self._exited.set_result(self._proc.exitcode)
+    def _on_process_exit(self, exitcode: int | None) -> None:
         if self.ready is not None and not self._stopping:
-            self._mark_dead(f"the engine core process exited unexpectedly (exit code {self._proc.exitcode})")
+            self._mark_dead(f"the engine core process exited unexpectedly (exit code {exitcode})")
 
     def _mark_dead(self, reason: str) -> None:
         if self.dead_reason is None:
@@ -160,41 +269,23 @@ class EngineCoreClient:
                 logger.exception("failed to handle a message from the engine core")
 
     async def shutdown(self, timeout: float = 10.0) -> None:
-        """Ask the core to exit, wait up to `timeout`, then kill it. Idempotent."""
+        """Ask the core to exit, wait up to `timeout`, then kill it; an attached client only
+        closes its sockets (the launcher stops the core). Idempotent."""
         self._stopping = True
-        if self._proc is not None and self._proc.is_alive():
+        if self._process is not None and self._process.is_alive():
             try:
                 self._send(ShutdownRequest())
             except zmq.ZMQError:
                 pass
-            await self._join(timeout)
+            await self._process.join(timeout)
         await self._cleanup()
-
-    async def _join(self, timeout: float) -> None:
-        proc = self._proc
-        if proc is None:
-            return
-        if self._exited is not None and not self._exited.done():
-            try:
-                await asyncio.wait_for(asyncio.shield(self._exited), timeout)
-            except asyncio.TimeoutError:
-                logger.warning("engine core did not exit within %.0fs; killing it", timeout)
-        if proc.is_alive():
-            proc.kill()
-        await asyncio.get_running_loop().run_in_executor(None, proc.join, 5)
 
     async def _cleanup(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
             self._reader = None
-        if self._proc is not None:
-            try:
-                asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-            except (ValueError, OSError):
-                pass
-            if self._proc.is_alive():
-                self._proc.kill()
-                self._proc.join(5)
+        if self._process is not None:
+            self._process.kill()
         for sock in (self._in, self._out):
             if sock is not None:
                 sock.close(linger=0)
@@ -202,13 +293,11 @@ class EngineCoreClient:
             self._ctx.term()
             self._ctx = None
         self._in = self._out = None
-        if self._ipc_dir is not None:
-            shutil.rmtree(self._ipc_dir, ignore_errors=True)
-            self._ipc_dir = None
+        self._names.close()
 
     @property
     def pid(self) -> int | None:
-        return self._proc.pid if self._proc is not None else None
+        return self._process.pid if self._process is not None else None
 
     # --- requests -----------------------------------------------------------------------------
     def check_alive(self) -> None:
@@ -219,6 +308,8 @@ class EngineCoreClient:
 
     def add_request(self, request: EngineCoreRequest) -> None:
         self.check_alive()
+        if self.client_index:
+            request.client_index = self.client_index
         self._send(request)
 
     def start_dp_wave(self) -> None:
@@ -229,7 +320,7 @@ class EngineCoreClient:
     def abort_requests(self, request_ids: list[str]) -> None:
         # Aborts are best effort: after the core died there is nothing left to free.
         if request_ids and self.dead_reason is None and self._in is not None:
-            self._send(AbortRequest(request_ids=list(request_ids)))
+            self._send(AbortRequest(request_ids=list(request_ids), client_index=self.client_index))
 
     def _send(self, message) -> None:
         # Synchronous on purpose (callers include `finally` blocks of cancelled tasks): with an

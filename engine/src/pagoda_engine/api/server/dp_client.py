@@ -11,6 +11,13 @@ stats, but never fewer than the requests this process has sent it and not seen f
 lag a burst of arrivals by a step), plus its KV usage, so that of two cores with as many requests
 the emptier pool wins. Ties go round-robin.
 
+With several API server processes (`--api-server-count N`) each one makes this choice on its own,
+as vLLM's do: every core sends its stats after each step to every API process, so all of them see
+the same waiting + running; between two steps each process knows only its own requests in flight,
+and counts them N times (vLLM's `client_count × inflight`), as if the other processes had sent as
+many. Sharing the in-flight counts would cost a message between the API processes per request for
+a correction that lasts one step.
+
 When the MoE layers' experts span the cores (`--enable-expert-parallel`), the cores step in
 lockstep (`core.process.CoreLoop.run_lockstep`) and meet in a store core 0 hosts, on a port this
 process picks for the pod; every request sent to one core wakes the others (`StartDPWave`), so
@@ -24,7 +31,7 @@ import dataclasses
 import socket
 from typing import Callable
 
-from pagoda_engine.api.server.core_client import EngineCoreClient
+from pagoda_engine.api.server.core_client import CoreAddresses, EngineCoreClient
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
@@ -38,19 +45,24 @@ class DPEngineCoreClient:
     """
 
     def __init__(self, config: EngineConfig, *, on_outputs: Callable[[int, EngineCoreOutputs], None],
-                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None]):
+                 on_refused: Callable[[EngineCoreError], None], on_dead: Callable[[str], None],
+                 attach: list[CoreAddresses] | None = None, client_index: int = 0):
+        """`attach`: join the cores the launcher spawned (one entry per rank), as API process
+        `client_index` of `config.server.api_server_count`; None: spawn the cores."""
         self.size = config.parallel.data_parallel_size
+        self.attached = attach is not None
+        self.num_clients = config.server.api_server_count
         self.lockstep = config.parallel.expert_parallel_across_cores
-        if self.lockstep and config.parallel.data_parallel_master_port is None:
-            config = dataclasses.replace(config, parallel=dataclasses.replace(
-                config.parallel, data_parallel_master_port=_free_port(config.parallel.master_addr)))
+        if not self.attached:
+            config = lockstep_config(config)
         self.on_outputs = on_outputs
         self.on_refused = on_refused
         self.on_dead = on_dead
         self.cores = [
-            EngineCoreClient(_rank_config(config, rank), on_outputs=lambda out, rank=rank: self._on_outputs(rank, out),
+            EngineCoreClient(rank_config(config, rank), on_outputs=lambda out, rank=rank: self._on_outputs(rank, out),
                              on_refused=lambda err, rank=rank: self._on_refused(rank, err),
-                             on_dead=lambda reason, rank=rank: self._on_dead(rank, reason))
+                             on_dead=lambda reason, rank=rank: self._on_dead(rank, reason),
+                             addresses=attach[rank] if attach else None, client_index=client_index)
             for rank in range(self.size)
         ]
         self.stats = [SchedulerStats() for _ in range(self.size)]
@@ -61,10 +73,10 @@ class DPEngineCoreClient:
 
     # --- life cycle ---------------------------------------------------------------------------
     async def start(self) -> CoreReady:
-        """Start every core at once; the first core's ready message (they load the same model).
+        """Start (or attach to) every core at once; the first core's ready message (they load the same model).
         When one fails, the others are stopped at once (not after their model load) and its
         error raised."""
-        starts = [asyncio.ensure_future(core.start()) for core in self.cores]
+        starts = [asyncio.ensure_future(core.attach() if self.attached else core.start()) for core in self.cores]
         try:
             done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((t.exception() for t in done if t.exception() is not None), None)
@@ -84,7 +96,7 @@ class DPEngineCoreClient:
     # --- routing ------------------------------------------------------------------------------
     def load(self, rank: int) -> float:
         stats = self.stats[rank]
-        return max(self._num_held[rank], stats.num_waiting + stats.num_running) + stats.kv_cache_usage
+        return max(self.num_clients * self._num_held[rank], stats.num_waiting + stats.num_running) + stats.kv_cache_usage
 
     def least_loaded(self) -> int:
         """The rank the next request goes to."""
@@ -147,6 +159,14 @@ def _free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _rank_config(config: EngineConfig, rank: int) -> EngineConfig:
+def lockstep_config(config: EngineConfig) -> EngineConfig:
+    """With experts across the cores, the pod's: where the cores meet, a port picked now."""
+    if config.parallel.expert_parallel_across_cores and config.parallel.data_parallel_master_port is None:
+        return dataclasses.replace(config, parallel=dataclasses.replace(
+            config.parallel, data_parallel_master_port=_free_port(config.parallel.master_addr)))
+    return config
+
+
+def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     """Core `rank`'s configuration: the pod's, with its data-parallel rank."""
     return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))

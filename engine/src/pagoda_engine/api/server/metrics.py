@@ -21,6 +21,14 @@ Every series carries vLLM's labels `model_name` and `engine` (the data-parallel 
 that ran the request or reported the stats: `engine="0"` with one core), so the pod's figure is
 the sum over `engine`.
 Each server owns its registry, so several servers (or tests) in one process never collide.
+
+With several API server processes (`--api-server-count N`), the pod still has one set of series,
+whichever process a scrape reaches: the counters and histograms each process records (its own
+requests) live in prometheus_client's multiprocess files (PROMETHEUS_MULTIPROC_DIR, set by the
+launcher before any API process starts) and a scrape sums them over the processes, as vLLM does;
+the cores' stats, which every API process receives, are exported from the scraping process's own
+latest snapshot, once (a sum over processes would count them N times); and the per-step histogram
+`iteration_tokens_total` is recorded by API process 0 alone.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import time
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
@@ -163,13 +172,23 @@ class SequenceTimes:
 
 class ServerMetrics:
     def __init__(self, model_name: str, num_engines: int = 1, max_model_len: int = 8192,
-                 cache_info: dict[str, str] | None = None):
+                 cache_info: dict[str, str] | None = None, multiprocess: bool = False,
+                 records_steps: bool = True):
+        """`multiprocess`: one of several API server processes (the module docstring);
+        `records_steps`: this process records `iteration_tokens_total`."""
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.records_steps = records_steps
         self.registry = CollectorRegistry()
         self._stats = _SchedulerStatsCollector(model_name, num_engines)
-        self.registry.register(self._stats)
-        self.registry.register(_CacheConfigInfo(cache_info or {}, num_engines))
+        engine_collectors = (self._stats, _CacheConfigInfo(cache_info or {}, num_engines))
+        if multiprocess:
+            self.exposition = CollectorRegistry()
+            MultiProcessCollector(self.exposition)
+        else:
+            self.exposition = self.registry
+        for collector in engine_collectors:
+            self.exposition.register(collector)
         lengths = buckets_1_2_5(max_model_len)
         per_engine = []  # the families every engine exports at 0 from the start
 
@@ -277,11 +296,11 @@ class ServerMetrics:
 
     def update_stats(self, engine: int, stats: SchedulerStats) -> None:
         self._stats.stats[engine] = stats
-        if stats.num_scheduled_tokens:
+        if stats.num_scheduled_tokens and self.records_steps:
             self._iteration_tokens.labels(self.model_name, str(engine)).observe(stats.num_scheduled_tokens)
 
     def request_finished(self, engine: int, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, str(engine), finish_reason).inc()
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(self.exposition)
