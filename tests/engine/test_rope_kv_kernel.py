@@ -16,7 +16,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from pagoda_engine.worker.model.layers import RotaryEmbedding  # noqa: E402
+from pagoda_engine.worker.model.layers import RotaryEmbedding
 
 
 def _kernels():
@@ -129,6 +129,6 @@ def test_padding_rows_write_the_null_slot_only():
 
 
 def test_shape_mismatch_is_refused():
-    q, k, v, positions, slots, cache = _inputs(2, 4, 2, 8, torch.float32, fused=False)
+    q, k, v, _, slots, cache = _inputs(2, 4, 2, 8, torch.float32, fused=False)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.rope_and_write_kv(cache, slots, q, k[:, :1], v[:, :1])

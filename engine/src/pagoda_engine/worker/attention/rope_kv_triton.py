@@ -1,11 +1,10 @@
 """Rotary embedding of q and k fused with the paged K/V write, on CUDA (Triton): one launch per
 layer where FlashInfer's rotary kernel and an index_put made two.
 
-One program per token: it reads its position and slot, rotates the token's query heads in place
-(neox style, halves rotated, in float32 from the float32 cos/sin cache as FlashInfer's rotary
-kernel does), and writes its key heads, rotated, and its value heads into
-`cache[slot // page_size, 0 | 1, slot % page_size]` of the layer's `[num_pages, 2, page_size,
-num_kv_heads, head_dim]` ("NHD") pages. The rotated keys are written only to the cache: attention
+Per token one program rotates its query heads in place (neox style, halves rotated, in float32
+from the float32 cos/sin cache, as FlashInfer's rotary kernel does) and another writes its key
+heads, rotated, and its value heads into `cache[slot // page_size, 0 | 1, slot % page_size]` of
+the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") pages. The rotated keys are written only to the cache: attention
 reads them from there. Every shape and stride comes from the tensors, so q, k and v may be
 strided views of the fused qkv projection's output or tensors of their own (Qwen3's per-head
 norms). Without cos/sin the program only writes K and V.
@@ -25,6 +24,15 @@ from pagoda_engine.worker.attention.base import scatter_kv, split_slots
 
 
 @triton.jit
+def _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF: tl.constexpr):
+    """Token t's cos and sin [1, HALF_P2], float32."""
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HALF + d, mask=d_ok)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + d, mask=d_ok)[None, :]
+    return cos, sin
+
+
+@triton.jit
 def _rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, cache_ptr,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
@@ -32,39 +40,42 @@ def _rope_kv_write_kernel(
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
 ):
+    # Program (t, 0) writes token t's K and V, program (t, 1) rotates its q: two programs per
+    # token halve the chain of dependent loads and stores a small decode batch waits on.
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_P2)
     d_ok = d < HALF
-    hk = tl.arange(0, KV_HEADS_P2)
-    kv_mask = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
-
-    slot = tl.load(slots_ptr + t).to(tl.int64)
-    dst = cache_ptr + (slot // PAGE_SIZE) * cache_stride_page + (slot % PAGE_SIZE) * cache_stride_slot
-    dst = dst + hk[:, None] * cache_stride_h + d[None, :]
-    k_row = k_ptr + t * k_stride_t + hk[:, None] * k_stride_h + d[None, :]
-    v_row = v_ptr + t * v_stride_t + hk[:, None] * v_stride_h + d[None, :]
-    k1 = tl.load(k_row, mask=kv_mask)
-    k2 = tl.load(k_row + HALF, mask=kv_mask)
-    if ROTATE:
-        pos = tl.load(positions_ptr + t).to(tl.int64)
-        cos = tl.load(cos_ptr + pos * HALF + d, mask=d_ok)[None, :]
-        sin = tl.load(sin_ptr + pos * HALF + d, mask=d_ok)[None, :]
+    if tl.program_id(1) == 0:
+        hk = tl.arange(0, KV_HEADS_P2)
+        kv_mask = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
+        k_row = k_ptr + t * k_stride_t + hk[:, None] * k_stride_h + d[None, :]
+        v_row = v_ptr + t * v_stride_t + hk[:, None] * v_stride_h + d[None, :]
+        k1 = tl.load(k_row, mask=kv_mask)
+        k2 = tl.load(k_row + HALF, mask=kv_mask)
+        v1 = tl.load(v_row, mask=kv_mask)
+        v2 = tl.load(v_row + HALF, mask=kv_mask)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if ROTATE:
+            cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
+            k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+            k1 = k1f * cos - k2f * sin
+            k2 = k2f * cos + k1f * sin
+        dst = cache_ptr + (slot // PAGE_SIZE) * cache_stride_page + (slot % PAGE_SIZE) * cache_stride_slot
+        dst = dst + hk[:, None] * cache_stride_h + d[None, :]
+        out_ty = cache_ptr.dtype.element_ty
+        tl.store(dst, k1.to(out_ty), mask=kv_mask)
+        tl.store(dst + HALF, k2.to(out_ty), mask=kv_mask)
+        tl.store(dst + cache_stride_kv, v1.to(out_ty), mask=kv_mask)
+        tl.store(dst + cache_stride_kv + HALF, v2.to(out_ty), mask=kv_mask)
+    else:
         hq = tl.arange(0, Q_HEADS_P2)
         q_mask = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
         q_row = q_ptr + t * q_stride_t + hq[:, None] * q_stride_h + d[None, :]
         q1 = tl.load(q_row, mask=q_mask).to(tl.float32)
         q2 = tl.load(q_row + HALF, mask=q_mask).to(tl.float32)
+        cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
         tl.store(q_row, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
         tl.store(q_row + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
-        k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
-        k1 = k1f * cos - k2f * sin
-        k2 = k2f * cos + k1f * sin
-    out_ty = cache_ptr.dtype.element_ty
-    tl.store(dst, k1.to(out_ty), mask=kv_mask)
-    tl.store(dst + HALF, k2.to(out_ty), mask=kv_mask)
-    v_dst = dst + cache_stride_kv
-    tl.store(v_dst, tl.load(v_row, mask=kv_mask).to(out_ty), mask=kv_mask)
-    tl.store(v_dst + HALF, tl.load(v_row + HALF, mask=kv_mask).to(out_ty), mask=kv_mask)
 
 
 def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -85,7 +96,7 @@ def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
                    or not (cos.is_contiguous() and sin.is_contiguous())):
         raise ValueError(f"rotation needs positions and cos/sin caches of width {head_dim // 2}")
     if num_tokens:
-        _rope_kv_write_kernel[(num_tokens,)](
+        _rope_kv_write_kernel[(num_tokens, 2 if rotate else 1)](
             q, k, v, positions if rotate else slots, slots, cos if rotate else cache, sin if rotate else cache, cache,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
