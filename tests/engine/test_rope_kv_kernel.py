@@ -7,8 +7,6 @@ tests/gpu/test_rope_kv_kernel_gpu.py.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 
 import pytest
@@ -17,31 +15,9 @@ import torch
 pytest.importorskip("triton")
 
 from pagoda_engine.worker.model.layers import RotaryEmbedding
+from triton_interpreter import import_kernels
 
-
-def _kernels():
-    """The kernel module with its kernel built for Triton's interpreter when there is no GPU (the
-    switch is read when `triton.jit` wraps the function, so only this module's kernel is affected)."""
-    name = "pagoda_engine.worker.attention.rope_kv_triton"
-    if torch.cuda.is_available():
-        return importlib.import_module(name)
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        module = importlib.import_module(name)
-        return importlib.reload(module) if not _interpreted(module) else module
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-def _interpreted(module) -> bool:
-    return type(module._rope_kv_write_kernel).__name__ == "InterpretedFunction"
-
-
-kernels = _kernels()
+kernels = import_kernels("pagoda_engine.worker.attention.rope_kv_triton")
 NUM_PAGES, PAGE_SIZE = 12, 4
 
 
