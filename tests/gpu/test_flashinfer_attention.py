@@ -7,7 +7,6 @@ import random
 
 import pytest
 import torch
-
 from gpu_support import requires_gpu
 from pagoda_engine.worker.attention import AttentionBatch, KVCacheSpec
 
@@ -86,3 +85,34 @@ def test_graph_decode_plan_with_padding_matches_eager(num_reqs, padded):
     out = fi.forward(0, q, k, v)
     torch.testing.assert_close(out[:num_reqs], eager, atol=1e-2, rtol=1e-2)
     assert torch.equal(fi.kv_caches[0][1:], before)  # real rows rewrote the same K/V; padding only page 0
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (8, 2, 64)], ids=["gqa4-d128", "gqa4-d64"])
+@pytest.mark.parametrize("separate", [False, True], ids=["qkv-slices", "separate-q-k-v"])
+def test_rotary_handed_to_the_backend_matches_reference(heads, separate):
+    """Layers hand their rotary to `forward`: FlashInfer's backend rotates in the fused K/V-write
+    kernel, the reference rotates first (the model's rotary); outputs and pages agree."""
+    from pagoda_engine.worker.model.layers import RotaryEmbedding
+
+    num_qo, num_kv, head_dim = heads
+    rotary = RotaryEmbedding(head_dim, 2048, 500000.0, dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                          high_freq_factor=4.0, original_max_position_embeddings=256))
+    rotary = rotary.to("cuda")
+    fi, ref = backends(num_qo, num_kv, head_dim)
+    rng = random.Random(5)
+    batch = make_batch(rng, decode_lens=[2, 300, 33], prefills=[(0, 5), (32, 40)], device="cuda")
+    positions = torch.tensor([n - 1 for n in (2, 300, 33)] + list(range(5)) + list(range(32, 72)), device="cuda")
+    t = batch.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    if separate:
+        q, k, v = (torch.randn(t, h, head_dim, generator=gen, device="cuda").bfloat16() for h in (num_qo, num_kv, num_kv))
+    else:
+        qkv = torch.randn(t, (num_qo + 2 * num_kv) * head_dim, generator=gen, device="cuda").bfloat16()
+        q, k, v = (x.view(t, -1, head_dim) for x in qkv.split([num_qo * head_dim, num_kv * head_dim,
+                                                                num_kv * head_dim], dim=-1))
+    fi.plan(batch)
+    ref.plan(batch)
+    want = ref.forward(0, q.clone(), k.clone(), v.clone(), positions=positions, rotary=rotary)
+    got = fi.forward(0, q, k, v, positions=positions, rotary=rotary)  # q rotated in place, in the qkv output
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(fi.kv_caches[0].float(), ref.kv_caches[0].float(), atol=2e-2, rtol=1e-2)

@@ -68,6 +68,10 @@ class PiecewiseLayer(Protocol):
         """Everything before attention: (q [T, Hq, D], k, v [T, Hkv, D], residual stream [T, H]);
         the first layer gets residual None and the embeddings as x."""
 
+    def attend(self, attn: AttentionBackend, layer_id: int, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The attention call between the halves (it may rotate q and k, in place)."""
+
     def post_attention(self, o: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything after attention, from its output o [T, Hq, D]: (x, residual) for the next layer."""
 
@@ -267,7 +271,8 @@ class SegmentBuffers:
     def attend(self, layer_id: int, num_tokens: int) -> None:
         """Attention of layer `layer_id` over the real rows (as planned), into the output buffer."""
         n = num_tokens
-        self.attn.forward(layer_id, self.q[:n], self.k[:n], self.v[:n], out=self.attn_out[:n])
+        self.model.layers[layer_id].attend(self.attn, layer_id, self.positions[:n], self.q[:n], self.k[:n],
+                                           self.v[:n], out=self.attn_out[:n])
 
 
 class PiecewiseGraphs:
@@ -331,7 +336,7 @@ class PiecewiseGraphs:
 
 def _fused_projection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     """The fused q/k/v projection's output [T, (Hq + 2 Hkv) * D] when q, k and v are its
-    consecutive slices (rotary is applied in place), else None."""
+    consecutive slices, else None."""
     base = q._base
     if base is None or k._base is not base or v._base is not base or base.dim() != 2 or not base.is_contiguous():
         return None

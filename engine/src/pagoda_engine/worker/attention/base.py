@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -49,6 +50,18 @@ class KVCacheSpec:
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
 
 
+class Rotary(Protocol):
+    """The model's rotary embedding as a backend sees it (`model.layers.RotaryEmbedding`):
+    `rotary(positions, q, k) -> (q, k)` rotated, and its float32 cos and sin caches
+    `[max_position, head_dim / 2]` for kernels that rotate themselves."""
+
+    cos_cache: torch.Tensor
+    sin_cache: torch.Tensor
+
+    def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
 class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
@@ -70,12 +83,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                rotary: Rotary | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → o [T, Hq, D] (into `out` when
         given: piecewise CUDA graphs read it from a fixed buffer).
 
-        Writes k/v into the layer's pages at the planned slot mapping first, then attends
-        causally over each request's cached and new tokens."""
+        With `rotary`, q and k are not rotated yet: the backend rotates them to `positions` (int64
+        [T]) as it writes them (the model's layers hand rotary over, so that a GPU backend can fuse
+        it with the K/V write); q may be rotated in place. Writes k/v into the layer's pages at the
+        planned slot mapping first, then attends causally over each request's cached and new tokens."""
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""

@@ -5,8 +5,9 @@ starting after cached tokens) go to `BatchPrefillWithPagedKVCacheWrapper` (FA3 o
 FlashInfer picks it), decodes (one query token each) to `BatchDecodeWithPagedKVCacheWrapper`
 (tensor cores for grouped-query attention). Both run in the same step: decodes are the first
 `num_decodes` rows of q, prefill chunks the rest. `plan` builds the CSR page tables on the CPU
-from the runner's page tables once per step; `forward` writes K/V through the slot mapping, then
-attends.
+from the runner's page tables once per step; `forward` rotates q and k (when the layer hands its
+rotary over) and writes K/V through the slot mapping in one Triton kernel (`rope_kv_triton.py`),
+then attends.
 
 CUDA graphs: `plan_graph_decode` plans a decode batch padded to a captured batch size into fixed
 buffers (one cuda-graph decode wrapper per size, all sharing those buffers), so a graph captured
@@ -23,7 +24,8 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, scatter_kv, split_slots
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, Rotary
+from pagoda_engine.worker.attention.rope_kv_triton import rope_and_write_kv
 
 # FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
 WORKSPACE_BYTES = 256 << 20
@@ -56,8 +58,7 @@ class _Step:
     num_decodes: int  # rows [0, num_decodes) of q are decodes
     num_prefill_tokens: int  # rows after them are prefill chunks
     decode: object | None  # the decode wrapper planned for this step
-    pages: torch.Tensor  # int64 [T]: the page of each new token's K/V
-    offsets: torch.Tensor  # int64 [T]: its slot within that page
+    slots: torch.Tensor  # int64 [T]: page * page_size + offset of each new token's K/V
 
 
 class FlashInferBackend(AttentionBackend):
@@ -131,9 +132,7 @@ class FlashInferBackend(AttentionBackend):
                                       torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
-        # Once per step for every layer.
-        pages, offsets = split_slots(batch.slot_mapping.to(self.device, torch.int64), s.page_size)
-        self._step = _Step(nd, num_prefill_tokens, decode, pages, offsets)
+        self._step = _Step(nd, num_prefill_tokens, decode, batch.slot_mapping.to(self.device, torch.int64))
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
     def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
@@ -145,8 +144,6 @@ class FlashInferBackend(AttentionBackend):
             indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
             slots=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            pages=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            offsets=torch.zeros(max_bs, dtype=torch.int64, device=dev),
         )
         b = self._graph_bufs
         for bs in batch_sizes:
@@ -183,21 +180,22 @@ class FlashInferBackend(AttentionBackend):
         slots = b["slots"][:padded_size]
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        pages, offsets = split_slots(slots, s.page_size, b["pages"][:padded_size], b["offsets"][:padded_size])
-        self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], pages, offsets)
+        self._step = _Step(padded_size, 0, self._graph_wrappers[padded_size], slots)
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                rotary: Rotary | None = None) -> torch.Tensor:
         st = self._step
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
         cache = self.kv_caches[layer_id]
-        scatter_kv(cache, st.pages, st.offsets, k, v)  # K and V of every new token, one kernel
-        if q.stride(-1) != 1:
-            q = q.contiguous()
-        # Otherwise q stays a strided view of the qkv projection's output: FlashInfer's kernels take
-        # row and head strides, so no copy is made.
+        # q usually stays a strided view of the qkv projection's output: these kernels and
+        # FlashInfer's take row and head strides, so no copy is made.
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        # One kernel: q rotated in place, every new token's K (rotated) and V into its slot.
+        rope = (positions, rotary.cos_cache, rotary.sin_cache) if rotary is not None else ()
+        rope_and_write_kv(cache, st.slots, q, k, v, *rope)
         nd = st.num_decodes
         if not st.num_prefill_tokens:
             return st.decode.run(q, cache, out=out)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, Rotary
 
 
 @dataclass
@@ -57,9 +57,12 @@ class TorchRefBackend(AttentionBackend):
         self._plans = plans
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+                out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                rotary: Rotary | None = None) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must run before forward")
+        if rotary is not None:
+            q, k = rotary(positions, q, k)
         self.write_kv(layer_id, k, v, self._batch.slot_mapping)
         cache = self.kv_caches[layer_id]
         group = q.shape[1] // self.spec.num_kv_heads

@@ -107,11 +107,17 @@ class RMSNorm(nn.Module):
 
 
 class SiluAndMul(nn.Module):
-    """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation."""
+    """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation. On CUDA, a few
+    rows (decode batches) take a Triton kernel that spreads each row over many SMs, more rows
+    FlashInfer's kernel."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fi = _fused_kernels(x)
         if fi is not None and x.is_contiguous() and x.shape[-1] % 16 == 0:
+            from pagoda_engine.worker.model import silu_and_mul_triton
+
+            if x.dim() == 2 and x.shape[0] <= silu_and_mul_triton.MAX_ROWS:
+                return silu_and_mul_triton.silu_and_mul(x)
             return fi.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
@@ -183,7 +189,9 @@ class RotaryEmbedding(nn.Module):
 
     `rope_params` is the Hugging Face `rope_parameters` / `rope_scaling` dict (None = default);
     supported types are in ROPE_TYPES. `forward(positions, q, k)` rotates q [T, Hq, D] and
-    k [T, Hkv, D] at their absolute positions.
+    k [T, Hkv, D] at their absolute positions. The layers hand it to the attention backend, which
+    calls it (the reference) or reads `cos_cache` / `sin_cache` in a kernel that rotates while it
+    writes K/V (FlashInfer's backend, `attention/rope_kv_triton.py`).
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float, rope_params: dict | None = None):

@@ -131,9 +131,10 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.rotary_emb = rotary  # one cos/sin cache, shared by every layer
 
-    def qkv(self, positions: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D] and k
-        [T, Hkv, D] rotated to their positions, v [T, Hkv, D]."""
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D], k and v
+        [T, Hkv, D]. q and k are not rotated yet: `attend` hands the rotary to the attention
+        backend, which rotates them as it writes K/V (one kernel on the GPU)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
@@ -142,8 +143,12 @@ class DecoderAttention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary_emb(positions, q, k)
         return q, k, v
+
+    def attend(self, attn: AttentionBackend, layer_id: int, positions: torch.Tensor, q: torch.Tensor,
+               k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention over the KV pages of `layer_id` for `qkv`'s q, k, v at `positions`, rotary included."""
+        return attn.forward(layer_id, q, k, v, out=out, positions=positions, rotary=self.rotary_emb)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention result o [T, Hq, D]."""
@@ -158,8 +163,8 @@ def _require_silu(cfg: PretrainedConfig) -> None:
 class DecoderLayer(nn.Module):
     """One decoder layer, in two halves around attention: `pre_attention` (input norm, q/k/v)
     and `post_attention` (output projection, norm, MLP: dense, or a FusedMoE block in the MoE
-    models' sparse layers). The eager forward runs them with attention between; the piecewise
-    CUDA graphs (`cuda_graphs.py`) capture them."""
+    models' sparse layers). The eager forward runs them with `attend` between; the piecewise
+    CUDA graphs (`cuda_graphs.py`) capture the halves and run `attend` eagerly."""
 
     def __init__(self, cfg: PretrainedConfig, flags: DecoderFlags, rotary: RotaryEmbedding, tp_size: int = 1,
                  tp_rank: int = 0, moe: MoESettings | None = None, layer_idx: int = 0, expert_parallel: bool = False,
@@ -177,13 +182,17 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(self, positions, x, residual):
         """Input norm (adding x to the residual stream first, except in the first layer, whose
-        residual is None) and the attention inputs: (q, k, v, residual)."""
+        residual is None) and the attention inputs: (q, k, v, residual), q and k not rotated yet."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.qkv(positions, x)
+        q, k, v = self.self_attn.qkv(x)
         return q, k, v, residual
+
+    def attend(self, attn, layer_id, positions, q, k, v, out=None):
+        """Attention of `pre_attention`'s q, k, v (rotary included) over the pages of `layer_id`."""
+        return self.self_attn.attend(attn, layer_id, positions, q, k, v, out)
 
     def post_attention(self, o, residual):
         """From the attention output o: output projection, post-attention norm, MLP → (x, residual)."""
@@ -201,7 +210,7 @@ class DecoderLayer(nn.Module):
         # A frame of its own: q, k, v and the attention output are freed before the MLP runs, which
         # keeps the peak of a long prefill (and so the profile step that sizes the KV pool) down.
         q, k, v, residual = self.pre_attention(positions, x, residual)
-        return self.self_attn.out(attn.forward(layer_id, q, k, v)), residual
+        return self.self_attn.out(self.attend(attn, layer_id, positions, q, k, v)), residual
 
 
 class MissingLayer(nn.Module):

@@ -1,0 +1,125 @@
+"""Rotary embedding of q and k fused with the paged K/V write, on CUDA (Triton): one launch per
+layer where FlashInfer's rotary kernel and an index_put made two.
+
+Per token one program rotates its query heads in place (neox style, halves rotated, in float32
+from the float32 cos/sin cache, as FlashInfer's rotary kernel does) and another writes its key
+heads, rotated, and its value heads into `cache[slot // page_size, 0 | 1, slot % page_size]` of
+the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") pages. The rotated keys are written only to the cache: attention
+reads them from there. Every shape and stride comes from the tensors, so q, k and v may be
+strided views of the fused qkv projection's output or tensors of their own (Qwen3's per-head
+norms). Without cos/sin the program only writes K and V.
+
+Static shapes, no host synchronisation: capturable in CUDA graphs. The rows a decode graph pads
+with (position 0, slot 0) rotate their own q rows and write the reserved null page 0, which no
+request reads. `rope_and_write_kv_reference` is the same in torch operations: rotate, then scatter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pagoda_engine.worker.attention.base import scatter_kv, split_slots
+
+
+@triton.jit
+def _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF: tl.constexpr):
+    """Token t's cos and sin [1, HALF_P2], float32."""
+    pos = tl.load(positions_ptr + t).to(tl.int64)
+    cos = tl.load(cos_ptr + pos * HALF + d, mask=d_ok)[None, :]
+    sin = tl.load(sin_ptr + pos * HALF + d, mask=d_ok)[None, :]
+    return cos, sin
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, cache_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
+    cache_stride_page, cache_stride_kv, cache_stride_slot, cache_stride_h,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
+    HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
+):
+    # Program (t, 0) writes token t's K and V, program (t, 1) rotates its q: two programs per
+    # token halve the chain of dependent loads and stores a small decode batch waits on.
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.arange(0, HALF_P2)
+    d_ok = d < HALF
+    if tl.program_id(1) == 0:
+        hk = tl.arange(0, KV_HEADS_P2)
+        kv_mask = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
+        k_row = k_ptr + t * k_stride_t + hk[:, None] * k_stride_h + d[None, :]
+        v_row = v_ptr + t * v_stride_t + hk[:, None] * v_stride_h + d[None, :]
+        k1 = tl.load(k_row, mask=kv_mask)
+        k2 = tl.load(k_row + HALF, mask=kv_mask)
+        v1 = tl.load(v_row, mask=kv_mask)
+        v2 = tl.load(v_row + HALF, mask=kv_mask)
+        slot = tl.load(slots_ptr + t).to(tl.int64)
+        if ROTATE:
+            cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
+            k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
+            k1 = k1f * cos - k2f * sin
+            k2 = k2f * cos + k1f * sin
+        dst = cache_ptr + (slot // PAGE_SIZE) * cache_stride_page + (slot % PAGE_SIZE) * cache_stride_slot
+        dst = dst + hk[:, None] * cache_stride_h + d[None, :]
+        out_ty = cache_ptr.dtype.element_ty
+        tl.store(dst, k1.to(out_ty), mask=kv_mask)
+        tl.store(dst + HALF, k2.to(out_ty), mask=kv_mask)
+        tl.store(dst + cache_stride_kv, v1.to(out_ty), mask=kv_mask)
+        tl.store(dst + cache_stride_kv + HALF, v2.to(out_ty), mask=kv_mask)
+    else:
+        hq = tl.arange(0, Q_HEADS_P2)
+        q_mask = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
+        q_row = q_ptr + t * q_stride_t + hq[:, None] * q_stride_h + d[None, :]
+        q1 = tl.load(q_row, mask=q_mask).to(tl.float32)
+        q2 = tl.load(q_row + HALF, mask=q_mask).to(tl.float32)
+        cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
+        tl.store(q_row, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+        tl.store(q_row + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+
+
+def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                      sin: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotate q [T, Hq, D] in place and write k (rotated) and v [T, Hkv, D] into the layer's pages
+    `cache` at `slots` (int64 [T]: page * page_size + offset). `positions` int64 [T] and `cos`/`sin`
+    float32 [max_position, D / 2] give the rotation; without them q is left alone and k is written
+    as it is. Returns q."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim % 2 or k.shape[2] != head_dim or v.shape != k.shape or cache.shape[3:] != (num_kv_heads, head_dim):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit pages {tuple(cache.shape)}")
+    if any(t.stride(-1) != 1 for t in (q, k, v, cache)):
+        raise ValueError("q, k, v and the cache need unit stride along head_dim")
+    rotate = cos is not None
+    if rotate and (positions is None or sin is None or cos.shape[-1] != head_dim // 2
+                   or not (cos.is_contiguous() and sin.is_contiguous())):
+        raise ValueError(f"rotation needs positions and cos/sin caches of width {head_dim // 2}")
+    if num_tokens:
+        _rope_kv_write_kernel[(num_tokens, 2 if rotate else 1)](
+            q, k, v, positions if rotate else slots, slots, cos if rotate else cache, sin if rotate else cache, cache,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
+            NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
+            KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
+            HALF_P2=triton.next_power_of_2(head_dim // 2), PAGE_SIZE=cache.shape[2], ROTATE=rotate,
+            num_warps=4)
+    return q
+
+
+def rope_and_write_kv_reference(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                                v: torch.Tensor, positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
+                                sin: torch.Tensor | None = None) -> torch.Tensor:
+    """What the kernel computes, in torch operations: rotation in float32, rounded once to q's
+    dtype; then the scatter every backend writes with (`base.scatter_kv`). Returns the rotated q."""
+    if cos is not None:
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
+
+        q, k = rotate(q), rotate(k)
+    pages, offsets = split_slots(slots, cache.shape[2])
+    scatter_kv(cache, pages, offsets, k, v)
+    return q
