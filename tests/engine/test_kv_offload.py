@@ -82,6 +82,23 @@ def test_tier_index_evicts_least_recently_used_first():
     assert len(index) == 3
 
 
+def test_a_chain_is_evicted_tail_first_so_its_prefix_stays_whole():
+    index = TierIndex(6, with_slots=True)
+    a = [_key(i) for i in range(4)]
+    b = [_key(10 + i) for i in range(4)]
+    for chain in (a, b):
+        for entry in index.insert_many(chain, ready=True)[0]:
+            assert entry is not None
+        index.touch_chain(chain)
+    # b's store evicted two of a's pages: its last two, so a's first two still form its prefix.
+    assert set(index.entries) == set(a[:2] + b)
+    # A lookup of a's prefix makes it the most recent, head last; the next eviction takes b's tail.
+    assert all(index.get(key) is not None for key in a[:2])
+    index.touch_chain(a[:2])
+    _, evicted = index.insert(_key(99), ready=True)
+    assert [e.key for e in evicted] == [b[3]]
+
+
 def test_tier_index_never_evicts_pinned_or_arriving_entries():
     index = TierIndex(2, with_slots=True)
     a, _ = index.insert(_key(0), ready=True)
@@ -251,6 +268,18 @@ def test_prefixes_back_from_cpu_tier_give_same_greedy_tokens(reference):
         assert llm.core.kv.prefix_hits >= cpu.hit_tokens
     assert first == expected[:6]
     assert second == expected
+
+
+def test_the_cpu_tier_keeps_a_stored_prompt_tail_oldest(reference):
+    """Pages stored together take slots in prefix order (a fresh tier: 0, 1, ...); the tier's LRU
+    order runs from the tail to the head, so eviction starts at the prompt's last page."""
+    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
+        llm.generate(_prompts(1, 100, seed=11), GREEDY)
+        entries = list(llm.core.kv.offload.cpu.entries.values())
+        assert len(entries) >= 6
+        slots = [e.slot for e in entries]
+        assert slots == sorted(slots, reverse=True)
+        assert_no_leaks(llm)
 
 
 def test_preempted_requests_resume_from_cpu_tier(reference):

@@ -9,8 +9,12 @@ The CPU tier's entries have slots (rows of the host buffer). One store's pages t
 as few runs of consecutive slots as the free space allows (`insert_many`, in the keys' order),
 so that a conversation stored together is copied back up with one host→device copy per run
 instead of one per page. Free slots are kept as maximal runs: an evicted entry's slot merges
-with its free neighbours, so pages stored together and evicted together (LRU evicts a chain's
-pages in the order they were looked up) free a run again.
+with its free neighbours, so pages stored together and evicted together free a run again.
+
+A prefix's pages are used front to back, so the tiers keep a chain's tail older than its head
+(`touch_chain`, after each store and each lookup): eviction takes a conversation's last pages
+first and leaves its prefix whole, as vLLM frees a request's blocks tail first. Evicting the
+head first would make every page after it unreachable.
 """
 
 from __future__ import annotations
@@ -110,6 +114,12 @@ class TierIndex:
             return None
         self.entries.move_to_end(key)
         return entry
+
+    def touch_chain(self, keys: list[bytes]) -> None:
+        """Mark a chain's pages (in prefix order) most recently used, its head the most recent."""
+        for key in reversed(keys):
+            if key in self.entries:
+                self.entries.move_to_end(key)
 
     def insert(self, key: bytes, ready: bool = False) -> tuple[TierEntry | None, list[TierEntry]]:
         """A new entry for `key` (not present), making room by LRU eviction; (None, evicted)

@@ -195,6 +195,7 @@ class OffloadManager:
         if self.cpu is not None:
             new = [key for key, _ in live if key not in self.cpu]
             cpu = dict(zip(new, self.cpu.insert_many(new)[0]))  # one store's pages: as few slot runs as fit
+            self.cpu.touch_chain([key for key, _ in live])
         pages, cpu_entries, disk, remote, evicted_files = [], [], [], [], []
         for key, page in live:
             c = cpu.get(key)
@@ -213,6 +214,8 @@ class OffloadManager:
             cpu_entries.append(c)
             disk.append(d)
             remote.append(r)
+        if self.disk is not None:
+            self.disk.touch_chain([key for key, _ in live])
         deletes, self._disk_deletes = self._disk_deletes + evicted_files, []
         if not pages and not deletes:
             return
@@ -240,6 +243,9 @@ class OffloadManager:
                 tiers.append(DISK)
             else:
                 break
+        for index in (self.cpu, self.disk):
+            if index is not None:
+                index.touch_chain(hashes[:len(tiers)])
         rest = hashes[len(tiers):]
         if rest and self.remote is not None:
             for key, found in zip(rest, self.remote.exists(rest)):
