@@ -99,7 +99,7 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
     core_in.connect("inproc://to-core")
     from_core.bind("inproc://from-core")
     core_out.connect("inproc://from-core")
-    loop = CoreLoop(core, core_in, core_out, parent_pid=None)
+    loop = CoreLoop(core, core_in, [core_out], parent_pid=None)
     thread = threading.Thread(target=loop.run, daemon=True)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)

@@ -54,11 +54,11 @@ class CoreLoop:
     """The busy loop around one EngineCore. Separate from process start-up so it can be driven
     by anything that owns the sockets."""
 
-    def __init__(self, core, in_sock: zmq.Socket, out_socks: zmq.Socket | list[zmq.Socket], parent_pid: int | None):
+    def __init__(self, core, in_sock: zmq.Socket, out_socks: list[zmq.Socket], parent_pid: int | None):
         self.core = core
         self.in_sock = in_sock
         # One per API server process, in client-index order.
-        self.out_socks = list(out_socks) if isinstance(out_socks, (list, tuple)) else [out_socks]
+        self.out_socks = out_socks
         self.parent_pid = parent_pid
         self.encoder = make_encoder()
         self.decoder = make_decoder(ToCore)
