@@ -191,11 +191,12 @@ class OffloadManager:
         queued, self._queued = self._queued, []
         # Pages freed and handed out again before this step was launched have another hash now.
         live = list({key: page for page, key in queued if page.page_hash == key}.items())
+        chain = [key for key, _ in live]  # in prefix order
         cpu: dict[bytes, TierEntry | None] = {}
         if self.cpu is not None:
-            new = [key for key, _ in live if key not in self.cpu]
+            new = [key for key in chain if key not in self.cpu]
             cpu = dict(zip(new, self.cpu.insert_many(new)[0]))  # one store's pages: as few slot runs as fit
-            self.cpu.touch_chain([key for key, _ in live])
+            self.cpu.touch_chain(chain)
         pages, cpu_entries, disk, remote, evicted_files = [], [], [], [], []
         for key, page in live:
             c = cpu.get(key)
@@ -215,7 +216,7 @@ class OffloadManager:
             disk.append(d)
             remote.append(r)
         if self.disk is not None:
-            self.disk.touch_chain([key for key, _ in live])
+            self.disk.touch_chain(chain)
         deletes, self._disk_deletes = self._disk_deletes + evicted_files, []
         if not pages and not deletes:
             return
