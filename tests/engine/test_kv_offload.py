@@ -387,13 +387,14 @@ def test_full_disk_shrinks_the_disk_tier_instead_of_failing(reference, tmp_path,
         assert_no_leaks(llm)
 
 
-def test_request_aborted_while_its_prefix_loads_leaves_no_page_held():
+def test_request_aborted_while_its_prefix_loads_leaves_no_page_held(tmp_path):
     from pagoda_engine.messages import EngineCoreRequest
 
     prompts = _prompts(6, 100, seed=7)
-    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
-        llm.generate(prompts, GREEDY)  # all in host memory; the device pool kept only the last ones
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        llm.generate(prompts, GREEDY)  # all on disk; the device pool kept only the last ones
         core = llm.core
+        core.wait_for_offload()
         core.add_request(EngineCoreRequest("again", prompts[0], GREEDY))
         core.step()
         assert core.kv.offload.is_loading("again")  # waiting for its prefix, which holds device pages
@@ -401,6 +402,33 @@ def test_request_aborted_while_its_prefix_loads_leaves_no_page_held():
         core.abort_requests(["again"])
         core.wait_for_offload()
         assert not core.has_unfinished_requests()
+        assert_no_leaks(llm)
+
+
+def test_a_prefix_in_host_memory_is_admitted_in_the_step_that_loads_it(reference):
+    """A CPU-tier load lands at once: the request runs in the very step its load starts (the step
+    waits for the copies on the device), with the loaded pages as prefix hits, and its tokens are
+    those of a run without tiers."""
+    from pagoda_engine.messages import EngineCoreRequest
+
+    prompts = _prompts(6, 100, seed=7)
+    expected = _tokens(reference.generate(prompts[:1], GREEDY))
+    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
+        llm.generate(prompts, GREEDY)  # all in host memory; the device pool kept only the last ones
+        core = llm.core
+        core.wait_for_offload()
+        cpu_hits = _tier(llm, "cpu").hit_tokens
+        core.add_request(EngineCoreRequest("again", prompts[0], GREEDY))
+        core.step()
+        assert not core.kv.offload.is_loading("again")
+        req = core.scheduler.requests["again"]
+        assert req.num_cached_tokens == 96  # 6 of its 6 full pages before the last token, from host memory
+        assert _tier(llm, "cpu").hit_tokens - cpu_hits == 96
+        assert req.num_output_tokens or req.num_output_placeholders  # it ran in the step that loaded it
+        while core.has_unfinished_requests():
+            core.step()
+        assert req.output_token_ids == expected[0]
+        core.wait_for_offload()
         assert_no_leaks(llm)
 
 

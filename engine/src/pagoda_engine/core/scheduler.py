@@ -6,10 +6,12 @@ running request (the newest, under FCFS) is preempted: its pages are freed (they
 cache) and it goes back to the front of the waiting queue to be recomputed. Preempted requests go
 back in front of everything that arrived after them (`_queue_key`).
 
-KV offload tiers: a waiting request whose prefix continues below the device (CPU, disk, Redis) is
-not admitted at once: its pages are loaded first (`KVCacheManager.load_from_tiers`), and while
-they travel it is passed over and the requests behind it go ahead; once they have arrived it is
-admitted with them as prefix hits. A preempted request's full pages went down to the tiers when
+KV offload tiers: a waiting request whose prefix continues below the device (CPU, disk, Redis)
+has its pages loaded (`KVCacheManager.load_from_tiers`). Pages from host memory count as prefix
+hits at once: the request is admitted in the same schedule, and the step waits on the device for
+their copies. Pages from disk or Redis are read first: while they travel the request is passed
+over and the requests behind it go ahead; once they have arrived it is admitted with them as
+prefix hits. A preempted request's full pages went down to the tiers when
 they filled, so it resumes by loading them instead of recomputing.
 
 Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
@@ -199,8 +201,10 @@ class Scheduler:
                 need = -(-req.num_tokens // self.kv.page_size) - len(computed_pages) + growth
                 if self.kv.num_free_pages - need < reserved:
                     break
-            if self.kv.load_from_tiers(req, computed_pages):
-                continue
+            computed_pages = self.kv.load_from_tiers(req, computed_pages)
+            if computed_pages is None:
+                continue  # its prefix comes up from disk or Redis
+            num_cached = len(computed_pages) * self.kv.page_size
             num_new = min(req.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, computed_pages) and not (
                     self.kv.release_loaded_pages(but=req) and self.kv.allocate_slots(req, num_new, computed_pages)):

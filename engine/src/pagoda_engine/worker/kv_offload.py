@@ -13,7 +13,10 @@ completion is read from CUDA events when the core polls. A store runs behind the
 wrote its pages (its stream waits for the compute stream). A load's host→device copy starts at
 once, beside the step in flight; only its scatter into the device pages waits for the work
 queued on the compute stream when the load started (a page the load fills may have been freed
-under a step still in flight), and the core admits the request only after the load's event.
+under a step still in flight). A load from the CPU tier is awaited by the next step: before it
+runs, the compute stream waits for the load's event (`wait_for_loads`), so the core admits the
+request in the step it schedules the load with. A load from disk or Redis is polled: the core
+admits its request only after the load's event.
 Device staging is allocated on the copying stream and dropped once its copies are queued (the
 caching allocator hands that memory only to later work of the same stream), so at most one
 chunk of staging (`_LOAD_STAGING_BYTES`, `_STORE_STAGING_BYTES`) is live per stream: a load up
@@ -130,6 +133,7 @@ class KVOffloader:
         self.stores: deque[_Store] = deque()
         self.writes: list[tuple[int, Future]] = []
         self.loads: list[_Load] = []
+        self.awaited: list[torch.cuda.Event] = []  # loads the next step waits for
         self.errors = {CPU: 0, DISK: 0, REMOTE: 0}
         self.bad: list[tuple[str, bytes]] = []
         self._log = RateLimitedLog()
@@ -194,15 +198,21 @@ class KVOffloader:
         self.stores.append(_Store(store_id, slots, temps, disk_keys, remote_keys, self._record(self.store_stream)))
 
     @torch.inference_mode()
-    def load(self, load_id: int, page_ids: list[int], sources: list[tuple[str, int | bytes]]) -> None:
+    def load(self, load_id: int, page_ids: list[int], sources: list[tuple[str, int | bytes]],
+             awaited: bool = False) -> None:
         """Fill these device pages from the tiers: page i from `sources[i]`, (cpu, slot),
-        (disk, key) or (remote, key). Only the leading pages that arrive intact are written."""
+        (disk, key) or (remote, key). Only the leading pages that arrive intact are written.
+        `awaited` (CPU-tier sources only): the next step waits for the copies on the device
+        (`wait_for_loads`), because the core counts the pages as landed already."""
         slots = [where if tier == CPU else -1 for tier, where in sources]
         load = _Load(load_id, page_ids, slots)
         if all(s >= 0 for s in slots):
             load.ok = len(sources)
             self._copy_up(load)
+            if awaited and load.event is not None:
+                self.awaited.append(load.event)
         else:
+            assert not awaited, "only host-memory loads can be awaited by the next step"
             load.reading = self.pool.submit(self._read, sources)
         self.loads.append(load)
 
@@ -227,6 +237,15 @@ class KVOffloader:
                 self._scatter(idx[start:end], staging)
         load.event = self._record(self.load_stream)
         load.copied = True
+
+    def wait_for_loads(self) -> None:
+        """Before a step: the compute stream waits for the copies of the loads the core counted
+        as landed (CPU tier), on the device, without blocking the host."""
+        if self.awaited:
+            stream = torch.cuda.current_stream(self.device)
+            for event in self.awaited:
+                stream.wait_event(event)
+            self.awaited.clear()
 
     # --- lower tiers (the thread pool) ------------------------------------------------------------
 

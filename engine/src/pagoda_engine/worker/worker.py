@@ -241,6 +241,8 @@ class Worker:
         other short steps, else eagerly. A later pipeline stage receives the stage before's
         (x, residual) into the graph's fixed input first; a stage before the last sends the
         graph's fixed output on after the replay."""
+        if self.offload is not None:
+            self.offload.wait_for_loads()  # pages the step reads may still be arriving from host memory
         graphs = self._graphs_for(batch)
         if graphs is None:
             self.attn.plan(batch)

@@ -2,7 +2,8 @@
 
 With KV offload tiers (`offload`, set by the engine core) every page registered in the prefix
 cache is queued to go down, and a waiting request whose prefix continues below the device is
-loaded before it is admitted (`load_from_tiers`)."""
+loaded before it is admitted (`load_from_tiers`): from host memory within the step that admits
+it, from disk or Redis before a later one."""
 
 from __future__ import annotations
 
@@ -56,24 +57,29 @@ class KVCacheManager:
         self.prefix_hits += len(hits) * self.page_size
         return hits, len(hits) * self.page_size
 
-    def load_from_tiers(self, req: Request, device_hits: list[Page]) -> bool:
-        """Start loading the pages of `req`'s prefix that follow its device hits from the offload
-        tiers. True when a load started: the request waits for it (`is_loading`), then is
-        admitted with those pages as device hits. Once per load: the admission after it does
-        not look below the device again."""
+    def load_from_tiers(self, req: Request, device_hits: list[Page]) -> list[Page] | None:
+        """Load the pages of `req`'s prefix that follow its device hits from the offload tiers.
+        Returns the request's prefix hits on the device after it: `device_hits`, extended by the
+        pages that landed at once (CPU tier: their copies finish on the device before the next
+        step runs); None while a load from disk or Redis is under way: the request waits for
+        it (`is_loading`), then is admitted with those pages as device hits. Once per load: the
+        admission after it does not look below the device again."""
         if self.offload is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
-            return False
+            return device_hits
         if self.offload.has_loaded(req.request_id):
-            return False
+            return device_hits
         max_pages = (req.num_tokens - 1) // self.page_size
         lookup = self.offload.lookup(self._page_hashes(req)[len(device_hits):max_pages])
         if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup):
             self.offload.record_lookup(lookup.missed())  # what was found but not loaded is recomputed
-            return False
+            return device_hits
+        if self.offload.has_loaded(req.request_id):
+            self.prefix_hits += len(lookup) * self.page_size
+            return self.offload.held_pages(req.request_id)
         # This lookup is counted when the request is admitted, with every tier's pages as hits.
         self.prefix_queries -= req.num_tokens
         self.prefix_hits -= len(device_hits) * self.page_size
-        return True
+        return None
 
     def release_loaded_pages(self, but: Request | None = None) -> bool:
         """The pool ran short: give back the pages held for loaded requests not admitted yet

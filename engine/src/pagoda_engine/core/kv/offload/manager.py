@@ -9,10 +9,13 @@ what is on its way), and the remote tier remembers the keys this engine wrote or
 
 Load: `lookup` walks a waiting request's pages after its device prefix hits, tier by tier (CPU,
 disk, then Redis in one round trip), as far as the pages run unbroken; `start_load` takes device
-pages for them and asks every rank to fill them (`Worker.kv_offload_load`). The request waits
-(other requests keep running); once every rank has finished (`poll`), the leading pages that
-arrived intact on every rank are registered in the prefix cache and the request is admitted on
-a later schedule like any prefix hit. Until then it keeps them (and its device hits) held, so
+pages for them and asks every rank to fill them (`Worker.kv_offload_load`). Pages that all come
+from host memory land at once: they are registered in the prefix cache and the request is
+admitted in the same schedule, while every rank's next step waits on the device for the copies
+(a read from host memory cannot fail). Otherwise the request waits (other requests keep
+running); once every rank has finished (`poll`), the leading pages that arrived intact on every
+rank are registered in the prefix cache and the request is admitted on a later schedule like
+any prefix hit. Until then it keeps them (and its device hits) held, so
 that the requests admitted meanwhile cannot evict them; when the pool runs short, those holds
 are the first thing given up (`release_held`), before any running request is preempted. A page
 that failed (corrupt, truncated, another fingerprint, Redis gone) and all after it are
@@ -112,6 +115,7 @@ class Load:
     started: float
     ranks: int = 0
     ok: int = 1 << 62  # leading pages intact on every rank so far
+    landed: bool = False  # its pages are in the prefix cache (CPU-tier loads: as soon as they start)
 
 
 @dataclass
@@ -267,7 +271,15 @@ class OffloadManager:
 
     def start_load(self, request_id: str, device_hits: list[Page], lookup: Lookup) -> bool:
         """Take device pages for `lookup`'s pages and start filling them; False (nothing taken)
-        when the pool has too few free pages."""
+        when the pool has too few free pages.
+
+        Pages that all come from the CPU tier land at once as far as the core is concerned:
+        they are registered in the prefix cache and held for the request now (`has_loaded`),
+        and every rank's next step waits on the device for their copies (`KVOffloader.load`
+        with `awaited`), so the request is admitted in this very schedule instead of a step or
+        two after its copies are seen done. Host memory cannot fail a read, so all of them
+        arrive. Pages from disk or Redis are read by threads that may fail: the request waits
+        for them (`is_loading`) and is admitted on a later schedule."""
         free_hits = sum(1 for p in device_hits if p.ref_cnt == 0)
         if len(lookup) > self.pool.num_free_pages - free_hits:
             return False
@@ -284,11 +296,15 @@ class OffloadManager:
             pinned.append((index, entry))
             sources.append((tier, entry.slot if tier == CPU else key))
         self._ids += 1
-        self._loads[self._ids] = Load(request_id, device_hits + pages, pages, lookup.hashes, lookup.tiers, pinned,
-                                      time.monotonic())
-        self._loading[request_id] = self._ids
+        load = Load(request_id, device_hits + pages, pages, lookup.hashes, lookup.tiers, pinned, time.monotonic())
+        self._loads[self._ids] = load
         self.record_lookup(lookup)
-        self.executor.call("kv_offload_load", self._ids, [p.page_id for p in pages], sources)
+        at_once = all(tier == CPU for tier in lookup.tiers)
+        self.executor.call("kv_offload_load", self._ids, [p.page_id for p in pages], sources, at_once)
+        if at_once:
+            self._land(load, len(pages), claimed=True)
+        else:
+            self._loading[request_id] = self._ids
         return True
 
     def is_loading(self, request_id: str) -> bool:
@@ -297,6 +313,10 @@ class OffloadManager:
     def has_loaded(self, request_id: str) -> bool:
         """Whether the request's load finished and its pages are held for its admission."""
         return request_id in self._held
+
+    def held_pages(self, request_id: str) -> list[Page]:
+        """The pages held for a loaded request: its device hits, then the pages loaded after them."""
+        return list(self._held[request_id])
 
     def release_held(self, request_id: str | None = None, but: str | None = None) -> bool:
         """Give back the pages held for `request_id` (None: for every request except `but`);
@@ -391,30 +411,42 @@ class OffloadManager:
                        "evicting the least recently used", num_failed, self.disk.capacity, before)
 
     def _finish_load(self, load_id: int, load: Load) -> None:
+        """Every rank has its copies done: unpin the sources, count the load and, unless it
+        landed when it started (CPU tier), land it now."""
         del self._loads[load_id]
-        claimed = self._loading.get(load.request_id) == load_id
-        if claimed:
-            del self._loading[load.request_id]
         for index, entry in load.pinned:
             index.unpin(entry)
         ok = min(load.ok, len(load.pages))
-        for page, key, tier in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok]):
-            if self.pool.cache_page(page, key) and tier != CPU:
-                self.queue_store(page, key)  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
         seconds = time.monotonic() - load.started
         for tier in set(load.tiers[:ok]):
             self.counters[tier].loaded_bytes += load.tiers[:ok].count(tier) * self.page_bytes
         deepest = max(load.tiers, key=TIERS.index)
         self.counters[deepest].observe_load(seconds)
+        if load.landed:
+            return
+        claimed = self._loading.get(load.request_id) == load_id
+        if claimed:
+            del self._loading[load.request_id]
         if ok < len(load.pages):
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
+        self._land(load, ok, claimed)
+
+    def _land(self, load: Load, ok: int, claimed: bool) -> None:
+        """The load's first `ok` pages become prefix-cache pages; the request (when it still
+        `claimed` the load) holds them and its device hits until it is admitted, else they are
+        given back. The pages after them are given back."""
+        load.landed = True
+        for page, key, tier in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok]):
+            if self.pool.cache_page(page, key) and tier != CPU:
+                self.queue_store(page, key)  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
         keep = len(load.held) - len(load.pages) + ok  # the device hits and the pages that arrived
         self.pool.free_pages(reversed(load.held[keep:]))
         if claimed:
             self._held[load.request_id] = load.held[:keep]
         else:
             self.pool.free_pages(reversed(load.held[:keep]))
+        load.held = []
 
     # --- stats ------------------------------------------------------------------------------------
 
