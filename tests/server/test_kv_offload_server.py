@@ -85,8 +85,10 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv-offload")
     redis = Redis(tmp)
     a = _serve(tmp, "a", "--kv-offload-cpu-gb", "0.1", "--kv-offload-remote-url", redis.url)
+    # B loads whole prefixes (no split), so that what it takes from Redis does not depend on how
+    # fast it computes; split loads are tested in tests/engine/test_kv_offload.py.
     b = _serve(tmp, "b", "--kv-offload-disk-path", str(tmp / "disk-b"), "--kv-offload-disk-gb", "0.1",
-               "--kv-offload-remote-url", redis.url)
+               "--kv-offload-remote-url", redis.url, "--no-kv-offload-split-loads")
     reference = LLM(MODEL, num_gpu_blocks_override=512, max_model_len=256)
     yield redis, a, b, reference, tmp
     reference.close()

@@ -59,6 +59,9 @@ class CacheConfig:
     kv_offload_disk_path: str | None = None
     kv_offload_disk_gb: float = 0.0
     kv_offload_remote_url: str | None = None
+    # A prefix that starts on disk or in Redis: compute its front while its rest loads, and
+    # join where they meet (`OffloadManager.start_split_load`); off: load all of it first.
+    kv_offload_split_loads: bool = True
 
 
 @dataclass
@@ -326,6 +329,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     _add_feature_flag(p, "--kv-offload-remote-url", default=None,
                       help="KV tier in Redis shared by every replica, redis://host:port[/db] (password in "
                            "PAGODA_KV_REMOTE_PASSWORD)")
+    p.add_argument("--kv-offload-split-loads", action=argparse.BooleanOptionalAction, default=True,
+                   help="a prefix found on disk or in Redis is computed from its front while its rest loads from "
+                        "the back, the two joined where they meet, so a slow tier never costs more time to first "
+                        "token than recomputing; --no-kv-offload-split-loads loads all of it first (least GPU work)")
 
 
 # The request limits' flags and what each bounds (ServerConfig holds the defaults).

@@ -286,7 +286,8 @@ class EngineCore:
         disk_pages = int(cc.kv_offload_disk_gb * share * _GiB) // (page_bytes + HEADER_BYTES * len(specs))
         if cc.kv_offload_disk_path is not None and disk_pages == 0:
             raise ModelLoadError(f"--kv-offload-disk-gb {cc.kv_offload_disk_gb} holds no page ({page_bytes} bytes each)")
-        return OffloadManager(self.kv.pool, cc.block_size, self.executor, setup, disk_pages, page_bytes)
+        return OffloadManager(self.kv.pool, cc.block_size, self.executor, setup, disk_pages, page_bytes,
+                              split_loads=cc.kv_offload_split_loads)
 
     def _measure_num_pages(self, spec: KVCacheSpec) -> int:
         cc, sc = self.config.cache, self.config.scheduler

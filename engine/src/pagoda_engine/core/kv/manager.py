@@ -63,13 +63,18 @@ class KVCacheManager:
         pages that landed at once (CPU tier: their copies finish on the device before the next
         step runs); None while a load from disk or Redis is under way: the request waits for
         it (`is_loading`), then is admitted with those pages as device hits. Once per load: the
-        admission after it does not look below the device again."""
+        admission after it does not look below the device again. A prefix that starts on disk
+        or in Redis is split instead where the pool holds it: the request is admitted at once,
+        computes its front (`split_limit`, `compute_limit`) and joins the rest as it lands."""
         if self.offload is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return device_hits
         if self.offload.has_loaded(req.request_id):
             return device_hits
         max_pages = (req.num_tokens - 1) // self.page_size
         lookup = self.offload.lookup(self._page_hashes(req)[len(device_hits):max_pages])
+        num_other_pages = -(-req.num_tokens // self.page_size) - len(device_hits) - len(lookup)
+        if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages):
+            return device_hits  # admitted now: it computes its prefix's front while the rest loads
         if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup):
             self.offload.record_lookup(lookup.missed())  # what was found but not loaded is recomputed
             return device_hits
@@ -80,6 +85,44 @@ class KVCacheManager:
         self.prefix_queries -= req.num_tokens
         self.prefix_hits -= len(device_hits) * self.page_size
         return None
+
+    def split_limit(self, req: Request) -> int | None:
+        """Tokens a request admitted with a split load may compute before its first chunk (None: no split)."""
+        limit = self.offload.split_limit(req.request_id) if self.offload is not None else None
+        return None if limit is None else limit * self.page_size
+
+    def compute_limit(self, req: Request) -> int | None:
+        """A running request with a split load: join the chunks that landed where its computing
+        has reached, and give up the chunk it reached still loading (it computes that one);
+        the tokens it may have computed after this step (None: no limit)."""
+        if self.offload is None:
+            return None
+        while (chunk := self.offload.take_split_chunk(req.request_id, req.num_computed_tokens // self.page_size)):
+            start, pages = chunk
+            if start * self.page_size > req.num_computed_tokens:
+                return start * self.page_size
+            if pages is None:
+                self.offload.give_up_chunk(req.request_id, start)
+                continue
+            self._join(req, pages)
+        return None
+
+    def give_up_split(self, req: Request) -> None:
+        """The request was not admitted after all: the chunks loading for it land unclaimed."""
+        if self.offload is not None:
+            self.offload.cancel_split(req.request_id)
+
+    def _join(self, req: Request, pages: list[Page]) -> None:
+        """Loaded pages (cached, one reference each, now the request's) follow its computed ones."""
+        rid = req.request_id
+        assert len(self.req_pages[rid]) * self.page_size == req.num_computed_tokens, rid
+        self.req_pages[rid].extend(pages)
+        self.req_page_ids[rid].extend(p.page_id for p in pages)
+        self.num_registered[rid] = len(self.req_pages[rid])
+        joined = len(pages) * self.page_size
+        req.num_computed_tokens += joined
+        req.num_cached_tokens += joined
+        self.prefix_hits += joined
 
     def release_loaded_pages(self, but: Request | None = None) -> bool:
         """The pool ran short: give back the pages held for loaded requests not admitted yet
@@ -150,6 +193,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         if self.offload is not None:
             self.offload.release_held(req.request_id)
+        self.give_up_split(req)
         pages = self.req_pages.pop(req.request_id, [])
         self.req_page_ids.pop(req.request_id, None)
         self.pool.free_pages(reversed(pages))

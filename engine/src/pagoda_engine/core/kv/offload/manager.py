@@ -53,6 +53,9 @@ TIERS = (CPU, DISK, REMOTE)
 _GiB = 1 << 30
 # The remote tier remembers this many keys it wrote or saw, to write each once.
 _REMOTE_KNOWN_KEYS = 1 << 20
+# A split load (`OffloadManager.start_split_load`) cuts a prefix into this many chunks: the
+# request computes one a step from the front while the others load from the back.
+_SPLIT_CHUNKS = 8
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
 
@@ -118,6 +121,14 @@ class Load:
     landed: bool = False  # its pages are in the prefix cache (CPU-tier loads: as soon as they start)
 
 
+@dataclass(eq=False)
+class _Split:
+    """A running request's prefix being computed from the front while it loads from the back."""
+
+    chunks: dict[int, int] = field(default_factory=dict)  # first page index -> load id, of the chunks not yet joined
+    landed: dict[int, list[Page]] = field(default_factory=dict)  # first page index -> pages, held for the request
+
+
 @dataclass
 class Lookup:
     """Where a request's pages after its device hits are: tiers[i] for page i, unbroken."""
@@ -136,12 +147,14 @@ class Lookup:
 
 class OffloadManager:
     def __init__(self, pool: BlockPool, page_size: int, executor, setup: OffloadSetup, disk_pages: int,
-                 page_bytes: int):
-        """`page_bytes`: one page's bytes over every rank. `setup` goes to every rank."""
+                 page_bytes: int, split_loads: bool = True):
+        """`page_bytes`: one page's bytes over every rank. `setup` goes to every rank.
+        `split_loads`: `start_split_load` may split a load (--kv-offload-split-loads)."""
         self.pool = pool
         self.page_size = page_size
         self.executor = executor
         self.page_bytes = page_bytes
+        self.split_loads = split_loads
         self.cpu = TierIndex(setup.num_cpu_slots, with_slots=True) if setup.num_cpu_slots else None
         self.disk = TierIndex(disk_pages) if setup.disk_path else None
         self.remote_url = setup.remote_url
@@ -157,6 +170,7 @@ class OffloadManager:
         self._loads: dict[int, Load] = {}
         self._loading: dict[str, int] = {}  # request id -> load id
         self._held: dict[str, list[Page]] = {}  # requests whose load finished: their pages, held until admitted
+        self._splits: dict[str, _Split] = {}  # running requests computing the front of a prefix that loads
         self._ids = 0
         self._disk_deletes: list[bytes] = []
         self.world_size = len(started)
@@ -284,9 +298,50 @@ class OffloadManager:
         if len(lookup) > self.pool.num_free_pages - free_hits:
             return False
         self.pool.touch(device_hits)
-        pages = self.pool.get_new_pages(len(lookup))
+        self.record_lookup(lookup)
+        at_once = all(tier == CPU for tier in lookup.tiers)
+        load_id, load = self._load(request_id, lookup.hashes, lookup.tiers, at_once)
+        load.held[:0] = device_hits
+        if at_once:
+            self._held[request_id] = self._land(load, len(load.pages), claimed=True)
+        else:
+            self._loading[request_id] = load_id
+        return True
+
+    def start_split_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, num_new_pages: int) -> bool:
+        """Compute the front of `lookup`'s pages while loading the rest from the back: the
+        request is admitted now and computes from its device hits one chunk a step, while its other chunks load, last chunk first. At each
+        schedule it joins the chunks that landed where its computing has reached, and computes
+        through a chunk still loading there (that load then lands unclaimed: cached, not
+        used by it). A prefix that comes from Redis or disk slower than the GPU recomputes it
+        thus costs no more than recomputing it, and the two meet in the middle when both are
+        about as fast (as in Cake, "Compute or load KV cache? Why not both?", 2024).
+        False (nothing taken) unless split loads are on, the lookup starts below host memory, spans two chunks or
+        more, and the pool holds its pages and `num_new_pages` more for the request's other
+        tokens."""
+        free_hits = sum(1 for p in device_hits if p.ref_cnt == 0)
+        if (not self.split_loads or len(lookup) < 2 or lookup.tiers[0] == CPU
+                or len(lookup) + num_new_pages > self.pool.num_free_pages - free_hits):
+            return False
+        first = len(device_hits)
+        size = -(-len(lookup) // _SPLIT_CHUNKS)
+        starts = list(range(size, len(lookup), size))  # chunk 0 is computed: the front is reached first
+        split = _Split()
+        self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
+        self.pool.touch(device_hits)  # free hits must not be handed out as the chunks' pages
+        for start in reversed(starts):
+            end = min(start + size, len(lookup))
+            load_id, _ = self._load(request_id, lookup.hashes[start:end], lookup.tiers[start:end], False)
+            split.chunks[first + start] = load_id
+        self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
+        self._splits[request_id] = split
+        return True
+
+    def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool) -> tuple[int, Load]:
+        """Take device pages for these keys and ask every rank to fill them from `tiers`."""
+        pages = self.pool.get_new_pages(len(hashes))
         pinned, sources = [], []
-        for key, tier in zip(lookup.hashes, lookup.tiers):
+        for key, tier in zip(hashes, tiers):
             if tier == REMOTE:
                 sources.append((REMOTE, key))
                 continue
@@ -296,16 +351,55 @@ class OffloadManager:
             pinned.append((index, entry))
             sources.append((tier, entry.slot if tier == CPU else key))
         self._ids += 1
-        load = Load(request_id, device_hits + pages, pages, lookup.hashes, lookup.tiers, pinned, time.monotonic())
+        load = Load(request_id, list(pages), pages, hashes, tiers, pinned, time.monotonic())
         self._loads[self._ids] = load
-        self.record_lookup(lookup)
-        at_once = all(tier == CPU for tier in lookup.tiers)
         self.executor.call("kv_offload_load", self._ids, [p.page_id for p in pages], sources, at_once)
-        if at_once:
-            self._land(load, len(pages), claimed=True)
-        else:
-            self._loading[request_id] = self._ids
-        return True
+        return self._ids, load
+
+    # --- split loads (`start_split_load`) ---------------------------------------------------------
+
+    def split_limit(self, request_id: str) -> int | None:
+        """The page index up to which a split-loading request may compute now (None: no split)."""
+        split = self._splits.get(request_id)
+        if split is None:
+            return None
+        return min(split.chunks, default=None)
+
+    def take_split_chunk(self, request_id: str, frontier: int) -> tuple[int, list[Page] | None] | None:
+        """The request's next split chunk now that it has computed (or joined) its pages before
+        `frontier`: (the chunk's first page index, and its pages when it starts at `frontier`
+        and has landed: handed over, the caller owns their references from now on). Chunks
+        the request computed past are given up. None: no chunk is left."""
+        split = self._splits.get(request_id)
+        if split is None:
+            return None
+        for start in [s for s in split.chunks if s < frontier]:
+            self._give_up(split, start)
+        if not split.chunks:
+            del self._splits[request_id]
+            return None
+        start = min(split.chunks)
+        pages = split.landed.pop(start, None) if start == frontier else None
+        if pages is not None:
+            del split.chunks[start]
+        return start, pages
+
+    def give_up_chunk(self, request_id: str, start: int) -> None:
+        """The request computes the chunk at `start` itself (it was still loading when reached)."""
+        self._give_up(self._splits[request_id], start)
+
+    def _give_up(self, split: "_Split", start: int) -> None:
+        del split.chunks[start]
+        pages = split.landed.pop(start, None)
+        if pages is not None:
+            self.pool.free_pages(reversed(pages))  # cached: a later request may still hit them
+        # A chunk still loading lands unclaimed (`_finish_load`): its pages are given back, cached.
+
+    def cancel_split(self, request_id: str) -> None:
+        """The request stopped running (finished, aborted, preempted): its chunks are given up."""
+        split = self._splits.pop(request_id, None)
+        for start in list(split.chunks) if split is not None else ():
+            self._give_up(split, start)
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loading
@@ -424,29 +518,33 @@ class OffloadManager:
         self.counters[deepest].observe_load(seconds)
         if load.landed:
             return
-        claimed = self._loading.get(load.request_id) == load_id
-        if claimed:
-            del self._loading[load.request_id]
         if ok < len(load.pages):
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
-        self._land(load, ok, claimed)
+        split = self._splits.get(load.request_id)
+        start = next((s for s, i in split.chunks.items() if i == load_id), None) if split is not None else None
+        if start is not None:
+            split.landed[start] = self._land(load, ok, claimed=True)
+            return
+        claimed = self._loading.get(load.request_id) == load_id
+        if claimed:
+            del self._loading[load.request_id]
+        pages = self._land(load, ok, claimed)
+        if claimed:
+            self._held[load.request_id] = pages
 
-    def _land(self, load: Load, ok: int, claimed: bool) -> None:
-        """The load's first `ok` pages become prefix-cache pages; the request (when it still
-        `claimed` the load) holds them and its device hits until it is admitted, else they are
-        given back. The pages after them are given back."""
+    def _land(self, load: Load, ok: int, claimed: bool) -> list[Page]:
+        """The load's first `ok` pages become prefix-cache pages. Returns what stays held for the
+        request when it still `claimed` the load (its device hits, then those pages); the
+        rest is given back."""
         load.landed = True
         for page, key, tier in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok]):
             if self.pool.cache_page(page, key) and tier != CPU:
                 self.queue_store(page, key)  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
-        keep = len(load.held) - len(load.pages) + ok  # the device hits and the pages that arrived
+        keep = len(load.held) - len(load.pages) + ok if claimed else 0
         self.pool.free_pages(reversed(load.held[keep:]))
-        if claimed:
-            self._held[load.request_id] = load.held[:keep]
-        else:
-            self.pool.free_pages(reversed(load.held[:keep]))
-        load.held = []
+        held, load.held = load.held[:keep], []
+        return held
 
     # --- stats ------------------------------------------------------------------------------------
 
