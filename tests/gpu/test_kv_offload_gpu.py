@@ -59,6 +59,9 @@ def test_stored_and_reloaded_pages_are_bit_identical(tmp_path):
     assert [(2, len(targets))] == [x for e in events for x in e.loaded]
     for i, page in enumerate(targets):
         assert torch.equal(_bits(torch.stack([layer[page] for layer in layers])), _bits(original[i]))
+    # The copies were timed on the device: every byte each way, in some time.
+    load_bytes, load_s, store_bytes, store_s = events[-1].copy
+    assert load_bytes == store_bytes == len(pages) * offloader.payload_bytes and load_s > 0 and store_s > 0
     offloader.close()
 
 
@@ -75,6 +78,12 @@ def test_load_scatters_after_the_step_in_flight():
         layer[targets] = 0
     offloader.load(2, targets, [(CPU, s) for s in range(128)])
     _poll_until(offloader, lambda evs: any(e.loaded for e in evs))
+    assert torch.equal(_bits(torch.stack([layer[targets] for layer in layers])), _bits(original))
+    # A CPU-tier load the next step waits for on the device: read at once, with no host wait.
+    for layer in layers:
+        layer[targets] = 0
+    offloader.load(3, targets, [(CPU, s) for s in range(128)], awaited=True)
+    offloader.wait_for_loads()
     assert torch.equal(_bits(torch.stack([layer[targets] for layer in layers])), _bits(original))
     offloader.close()
 

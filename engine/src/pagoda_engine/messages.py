@@ -198,6 +198,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     block_size: int = 16
     num_scheduled_tokens: int = 0  # tokens the step that sent these stats scheduled (0: no step ran)
     kv_offload: list[KVOffloadTierStats] = []  # one per configured tier
+    # The tiers' host<->device copies, timed on the device (counters over every rank): load bytes,
+    # load seconds, store bytes, store seconds. Empty without tiers or CUDA.
+    kv_offload_copy: list[float] = []
 
 
 class EngineCoreOutputs(_Message):

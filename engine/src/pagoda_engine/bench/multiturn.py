@@ -229,6 +229,9 @@ def run_multiturn(args: argparse.Namespace) -> dict:
         "host_device_bytes_per_s": round(moved / duration, 1),
         "load_bytes_per_s": round(delta("pagoda:kv_offload_loaded_bytes_total{cpu}") / load_s, 1) if load_s else None,
         "pinned_copy_bandwidth_Bps": bandwidth,
+        # The copies themselves, timed on the device by the engine (load and store together).
+        "copy_bytes_per_s": (round(delta("pagoda:kv_offload_copy_bytes_total") / copy_s, 1)
+                             if (copy_s := delta("pagoda:kv_offload_copy_seconds_total")) else None),
     }
     _print(result)
     return result
@@ -254,5 +257,8 @@ def _print(r: dict) -> None:
         share = f" = {100 * r['load_bytes_per_s'] / bw:.1f} % of the pinned copy bandwidth" if bw else ""
         print(f"during loads from the CPU tier (start to the schedule that sees them done): "
               f"{r['load_bytes_per_s'] / 1e9:.3f} GB/s{share}")
+    if r["copy_bytes_per_s"] is not None:
+        share = f" = {100 * r['copy_bytes_per_s'] / bw:.1f} % of the pinned copy bandwidth" if bw else ""
+        print(f"while the tiers' copies ran (device time, loads and stores): {r['copy_bytes_per_s'] / 1e9:.3f} GB/s{share}")
     if not math.isfinite(r["request_rate"]):
         print("(turns sent as fast as each conversation allows)")

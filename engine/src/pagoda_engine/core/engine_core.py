@@ -515,7 +515,8 @@ class EngineCore:
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size, num_scheduled_tokens=num_scheduled_tokens,
-            kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [])
+            kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
+            kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [])
 
 
 def _must_resolve_first(step: LaunchedStep) -> bool:

@@ -50,6 +50,7 @@ from pagoda_engine.worker.kv_stores import (
 logger = logging.getLogger(__name__)
 
 CPU, DISK, REMOTE = "cpu", "disk", "remote"
+LOAD, STORE = 0, 1  # directions of the timed host<->device copies (`OffloadEvents.copy`)
 # Device staging per load and per store (beyond the KV budget, like activations). A load up to
 # this size overlaps the step in flight whole (512 MiB: 256 Llama-8B pages, a 4,096-token context,
 # about 10 ms at 55 GB/s); a store's staging only bounds its memory.
@@ -85,6 +86,7 @@ class OffloadEvents:
     loaded: list[tuple[int, int]] = field(default_factory=list)  # (load id, leading pages that arrived intact)
     bad: list[tuple[str, bytes]] = field(default_factory=list)  # (tier, key) entries found corrupt or unreadable
     errors: dict[str, int] = field(default_factory=dict)  # cumulative, per tier
+    copy: list[float] = field(default_factory=list)  # cumulative: load bytes, load s, store bytes, store s (CUDA)
 
 
 @dataclass(eq=False)
@@ -134,6 +136,9 @@ class KVOffloader:
         self.writes: list[tuple[int, Future]] = []
         self.loads: list[_Load] = []
         self.awaited: list[torch.cuda.Event] = []  # loads the next step waits for
+        # Host<->device copies timed by CUDA events: (LOAD or STORE, bytes, start, end), until done.
+        self._timed: list[tuple[int, int, torch.cuda.Event, torch.cuda.Event]] = []
+        self.copy_totals = [0.0, 0.0, 0.0, 0.0]  # load bytes, load s, store bytes, store s
         self.errors = {CPU: 0, DISK: 0, REMOTE: 0}
         self.bad: list[tuple[str, bytes]] = []
         self._log = RateLimitedLog()
@@ -155,6 +160,19 @@ class KVOffloader:
         event = torch.cuda.Event()
         event.record(stream)
         return event
+
+    def _mark(self) -> torch.cuda.Event | None:
+        """A timing event on the current stream (CUDA), where copies are about to be queued."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _time_since(self, started: torch.cuda.Event | None, direction: int, nbytes: int) -> None:
+        """The copies queued since `started` move `nbytes`: counted once they have run (`poll`)."""
+        if started is not None:
+            self._timed.append((direction, nbytes, started, self._mark()))
 
     def _device_index(self, page_ids: list[int]) -> torch.Tensor:
         return torch.tensor(page_ids, dtype=torch.int64).to(self.device, non_blocking=True)
@@ -185,6 +203,7 @@ class KVOffloader:
                 for start in range(0, len(page_ids), self.store_chunk):
                     end = min(start + self.store_chunk, len(page_ids))
                     staging = self._gather(idx[start:end])
+                    started = self._mark()
                     chunk = range(start, end)
                     slotted = [i for i in chunk if slots[i] >= 0]
                     for i, j, n in _runs([i - start for i in slotted], [slots[i] for i in slotted]):
@@ -195,6 +214,7 @@ class KVOffloader:
                         for i, j, n in _runs([i - start for i in unslotted], list(range(len(unslotted)))):
                             host[j:j + n].copy_(staging[i:i + n], non_blocking=True)
                         temps.update((i, host[k]) for k, i in enumerate(unslotted))
+                    self._time_since(started, STORE, (end - start) * self.payload_bytes)
         self.stores.append(_Store(store_id, slots, temps, disk_keys, remote_keys, self._record(self.store_stream)))
 
     @torch.inference_mode()
@@ -225,6 +245,7 @@ class KVOffloader:
             for start in range(0, load.ok, self.load_chunk):
                 end = min(start + self.load_chunk, load.ok)
                 staging = torch.empty((end - start, *self.page_shape), dtype=self.dtype, device=self.device)
+                started = self._mark()
                 chunk = range(start, end)
                 slotted = [i for i in chunk if load.slots[i] >= 0]
                 for i, j, n in _runs([i - start for i in slotted], [load.slots[i] for i in slotted]):
@@ -232,6 +253,7 @@ class KVOffloader:
                 hosted = [i for i in chunk if load.slots[i] < 0]
                 for i, j, n in _runs([i - start for i in hosted], hosted):
                     staging[i:i + n].copy_(load.host[j:j + n], non_blocking=True)
+                self._time_since(started, LOAD, (end - start) * self.payload_bytes)
                 if compute is not None and start == 0:
                     self.load_stream.wait_event(compute)
                 self._scatter(idx[start:end], staging)
@@ -321,6 +343,15 @@ class KVOffloader:
             if load.copied and _done(load.event):
                 self.loads.remove(load)
                 events.loaded.append((load.load_id, load.ok))
+        timed = []
+        for direction, nbytes, started, ended in self._timed:
+            if ended.query():
+                self.copy_totals[2 * direction] += nbytes
+                self.copy_totals[2 * direction + 1] += started.elapsed_time(ended) / 1e3
+            else:
+                timed.append((direction, nbytes, started, ended))
+        self._timed = timed
+        events.copy = list(self.copy_totals) if self.cuda else []
         events.bad, self.bad = self.bad, []
         events.errors = dict(self.errors)
         if self.remote is not None:

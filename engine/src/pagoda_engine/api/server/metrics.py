@@ -16,7 +16,8 @@ routers written for vLLM map one-to-one. Two sources feed them:
     `iteration_tokens_total`;
   - with KV offload tiers, each tier's figures (`SchedulerStats.kv_offload`), labelled
     `tier="cpu"|"disk"|"remote"`: capacity and usage in bytes, hit and miss tokens, bytes stored
-    and loaded, errors, and the load-latency histogram `kv_offload_load_seconds`.
+    and loaded, errors, and the load-latency histogram `kv_offload_load_seconds`; with CUDA,
+    the bytes and device seconds of their host<->device copies (`kv_offload_copy_*`, by direction).
 Every series carries vLLM's labels `model_name` and `engine` (the data-parallel rank of the core
 that ran the request or reported the stats: `engine="0"` with one core), so the pod's figure is
 the sum over `engine`.
@@ -130,6 +131,19 @@ class _SchedulerStatsCollector(Collector):
                 buckets = [(str(b), n) for b, n in zip(KV_OFFLOAD_LOAD_BUCKETS, counts)] + [("+Inf", counts[-1])]
                 family.add_metric([self.model_name, str(engine), tier.tier], buckets, tier.load_seconds_sum)
         yield family
+        if not any(stats.kv_offload_copy for stats in self.stats):
+            return
+        labels = [*_LABELS, "direction"]
+        for name, doc, offset in (
+                ("pagoda:kv_offload_copy_bytes", "Bytes the KV offload tiers copied between device and host memory.", 0),
+                ("pagoda:kv_offload_copy_seconds", "Device time of the KV offload tiers' host<->device copies "
+                 "(CUDA events around them on their streams).", 1)):
+            family = CounterMetricFamily(name, doc, labels=labels)
+            for engine, stats in enumerate(self.stats):
+                if stats.kv_offload_copy:
+                    for direction, base in (("load", 0), ("store", 2)):
+                        family.add_metric([self.model_name, str(engine), direction], stats.kv_offload_copy[base + offset])
+            yield family
 
 
 class _CacheConfigInfo(Collector):

@@ -165,6 +165,7 @@ class OffloadManager:
         self._remote_memory_at = -1e9
         self.counters = {tier: TierCounters() for tier in self.tiers}
         self._rank_errors: list[dict[str, int]] = [{} for _ in started]
+        self._rank_copies: list[list[float]] = [[] for _ in started]
         self._queued: list[tuple[Page, bytes]] = []
         self._stores: dict[int, _Store] = {}
         self._loads: dict[int, Load] = {}
@@ -445,6 +446,7 @@ class OffloadManager:
 
     def _apply(self, rank: int, events: OffloadEvents) -> None:
         self._rank_errors[rank] = events.errors
+        self._rank_copies[rank] = events.copy
         for tier, key in events.bad:
             if tier == REMOTE:
                 self.remote_known.pop(key, None)  # written again by the next engine that computes it
@@ -566,6 +568,12 @@ class OffloadManager:
             self._remote_memory_at = now
             self._remote_memory = self.remote.memory() or self._remote_memory
         return self._remote_memory
+
+    def copy_stats(self) -> list[float]:
+        """Every rank's host<->device copies timed on the device: load bytes, load seconds, store
+        bytes, store seconds (empty without CUDA)."""
+        copies = [c for c in self._rank_copies if c]
+        return [sum(c[i] for c in copies) for i in range(4)] if copies else []
 
     def stats(self) -> list[KVOffloadTierStats]:
         out = []
