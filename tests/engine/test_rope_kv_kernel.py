@@ -46,10 +46,9 @@ def _inputs(num_tokens: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
 def _head_norms(head_dim: int, dtype: torch.dtype, seed: int = 0) -> tuple[RMSNorm, RMSNorm]:
     """Qwen3's q_norm and k_norm: RMSNorms over head_dim, weights spread around 1 (as trained ones are)."""
     gen = torch.Generator().manual_seed(seed)
-    norms = (RMSNorm(head_dim, eps=1e-6), RMSNorm(head_dim, eps=1e-6))
-    with torch.no_grad():
-        for norm in norms:
-            norm.weight.copy_(1 + 0.3 * torch.randn(head_dim, generator=gen))
+    norms = (RMSNorm(head_dim, eps=1e-6).requires_grad_(False), RMSNorm(head_dim, eps=1e-6).requires_grad_(False))
+    for norm in norms:
+        norm.weight.copy_(1 + 0.3 * torch.randn(head_dim, generator=gen))
     return tuple(norm.to(dtype) for norm in norms)
 
 
@@ -57,7 +56,7 @@ def _kernel_norms(norms: tuple[RMSNorm, RMSNorm] | None) -> dict:
     """The kernel's q_norm / k_norm arguments: (weight, eps) of each module."""
     if norms is None:
         return {}
-    return dict(q_norm=(norms[0].weight.detach(), norms[0].eps), k_norm=(norms[1].weight.detach(), norms[1].eps))
+    return dict(q_norm=(norms[0].weight, norms[0].eps), k_norm=(norms[1].weight, norms[1].eps))
 
 
 def _run_both(q, k, v, positions, slots, cache, rotary: RotaryEmbedding | None,
@@ -229,4 +228,4 @@ def test_a_norm_for_q_without_one_for_k_is_refused():
     q, k, v, positions, slots, cache = _inputs(2, 4, 2, 8, torch.float32, fused=False)
     q_norm, _ = _head_norms(8, torch.float32)
     with pytest.raises(ValueError, match="go together"):
-        kernels.rope_and_write_kv(cache, slots, q, k, v, q_norm=(q_norm.weight.detach(), q_norm.eps))
+        kernels.rope_and_write_kv(cache, slots, q, k, v, q_norm=(q_norm.weight, q_norm.eps))
