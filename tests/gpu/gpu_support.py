@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from pagoda_engine import LLM
+from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.worker.attention import AttentionBatch, get_attention_backend
 
 CUDA = torch.device("cuda")
@@ -54,6 +54,28 @@ def random_prompts(seed: int, lengths: list[int], vocab: int = 500) -> list[list
 def hf_logits(model, tokens: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor([tokens], device=CUDA)).logits[0].float()
+
+
+def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+
+
+def check_greedy_tokens_against(llm: LLM, hf_reference, prompts: list[list[int]], max_tokens: int = 24) -> None:
+    """Our greedy tokens are transformers' greedy tokens: at every generated position, transformers
+    (float32, fed the same sequence) ranks our token first."""
+    outputs = greedy_tokens(llm, prompts, max_tokens)
+    for prompt, out in zip(prompts, outputs):
+        assert len(out) == max_tokens
+        ref = hf_logits(hf_reference, prompt + out)[len(prompt) - 1:-1]
+        top2 = ref.topk(2, dim=-1).values
+        scale = ref.abs().max().item()
+        report = [(i, tok, int(ref[i].argmax()), round((top2[i, 0] - ref[i, tok]).item() / scale, 4),
+                   round((top2[i, 0] - top2[i, 1]).item() / scale, 4)) for i, tok in enumerate(out)]
+        # (position, ours, transformers', our token's gap to the best, best-to-second gap), gaps / max |logit|
+        # A token within bf16 rounding of a tie may legitimately differ; none may lose clearly.
+        assert all(gap < 0.01 for *_, gap, _ in report), report
+        assert sum(ours == theirs for _, ours, theirs, *_ in report) >= len(out) - 1, report
 
 
 def check_bf16_logits_against(model_dir, hf_reference) -> None:

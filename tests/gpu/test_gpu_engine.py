@@ -10,16 +10,11 @@ import random
 import pytest
 import torch
 
-from gpu_support import (CUDA, check_bf16_logits_against, check_piecewise_forward, hf_logits, make_llm,
-                         random_prompts, requires_gpu)
+from gpu_support import (CUDA, check_bf16_logits_against, check_greedy_tokens_against, check_piecewise_forward,
+                         greedy_tokens, make_llm, random_prompts, requires_gpu)
 from pagoda_engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-
-def greedy_tokens(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
 
 @pytest.fixture(scope="module")
@@ -42,21 +37,7 @@ def test_bf16_logits_match_transformers(gpu_model_dir, hf_reference):
 
 
 def test_greedy_tokens_match_transformers(gpu_model_dir, hf_reference):
-    """Our greedy tokens are transformers' greedy tokens: at every generated position, transformers
-    (float32, fed the same sequence) ranks our token first."""
-    prompts = random_prompts(2, [5, 33, 64, 100])
-    outputs = greedy_tokens(make_llm(gpu_model_dir), prompts, 24)
-    for prompt, out in zip(prompts, outputs):
-        assert len(out) == 24
-        ref = hf_logits(hf_reference, prompt + out)[len(prompt) - 1:-1]
-        top2 = ref.topk(2, dim=-1).values
-        scale = ref.abs().max().item()
-        report = [(i, tok, int(ref[i].argmax()), round((top2[i, 0] - ref[i, tok]).item() / scale, 4),
-                   round((top2[i, 0] - top2[i, 1]).item() / scale, 4)) for i, tok in enumerate(out)]
-        # (position, ours, transformers', our token's gap to the best, best-to-second gap), gaps / max |logit|
-        # A token within bf16 rounding of a tie may legitimately differ; none may lose clearly.
-        assert all(gap < 0.01 for *_, gap, _ in report), report
-        assert sum(ours == theirs for _, ours, theirs, *_ in report) >= len(out) - 1, report
+    check_greedy_tokens_against(make_llm(gpu_model_dir), hf_reference, random_prompts(2, [5, 33, 64, 100]))
 
 
 def test_prefix_caching_on_and_off_give_identical_greedy_tokens(gpu_model_dir):

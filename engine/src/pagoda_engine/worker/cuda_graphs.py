@@ -259,7 +259,7 @@ class SegmentBuffers:
         projected = _fused_projection(q, k, v)
         if projected is not None:
             self.qkv[:size].view(projected.shape).copy_(projected)
-        else:  # q and k normalised per head (Qwen3) are tensors of their own
+        else:  # q, k and v are not slices of one projection output
             self.q[:size].copy_(q)
             self.k[:size].copy_(k)
             self.v[:size].copy_(v)

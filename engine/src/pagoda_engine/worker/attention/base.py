@@ -62,6 +62,17 @@ class Rotary(Protocol):
                  ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+class HeadNorm(Protocol):
+    """A per-head RMSNorm as a backend sees it (`model.layers.RMSNorm` over head_dim, Qwen3's
+    `q_norm` / `k_norm`): `norm(x) -> x` normalised, and its `weight` [head_dim] and `eps` for
+    kernels that normalise themselves."""
+
+    weight: torch.Tensor
+    eps: float
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
 class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
@@ -84,14 +95,17 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                rotary: Rotary | None = None) -> torch.Tensor:
+                rotary: Rotary | None = None, q_norm: HeadNorm | None = None,
+                k_norm: HeadNorm | None = None) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] for the step's new tokens → o [T, Hq, D] (into `out` when
         given: piecewise CUDA graphs read it from a fixed buffer).
 
-        With `rotary`, q and k are not rotated yet: the backend rotates them to `positions` (int64
-        [T]) as it writes them (the model's layers hand rotary over, so that a GPU backend can fuse
-        it with the K/V write); q may be rotated in place. Writes k/v into the layer's pages at the
-        planned slot mapping first, then attends causally over each request's cached and new tokens."""
+        With `q_norm` and `k_norm` (given together), q and k are not normalised yet: the backend
+        applies them to every head first. With `rotary`, q and k are not rotated yet: the backend
+        rotates them to `positions` (int64 [T]) after any norm, as it writes them. The model's
+        layers hand both over so that a GPU backend can fuse them with the K/V write; q may be
+        normalised and rotated in place. Writes k/v into the layer's pages at the planned slot
+        mapping first, then attends causally over each request's cached and new tokens."""
 
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""

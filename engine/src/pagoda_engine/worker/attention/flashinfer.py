@@ -24,7 +24,7 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec, Rotary
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, KVCacheSpec, Rotary
 from pagoda_engine.worker.attention.rope_kv_triton import rope_and_write_kv
 
 # FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
@@ -185,7 +185,8 @@ class FlashInferBackend(AttentionBackend):
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                rotary: Rotary | None = None) -> torch.Tensor:
+                rotary: Rotary | None = None, q_norm: HeadNorm | None = None,
+                k_norm: HeadNorm | None = None) -> torch.Tensor:
         st = self._step
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
@@ -193,9 +194,13 @@ class FlashInferBackend(AttentionBackend):
         # q usually stays a strided view of the qkv projection's output: these kernels and
         # FlashInfer's take row and head strides, so no copy is made.
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        # One kernel: q rotated in place, every new token's K (rotated) and V into its slot.
+        # One kernel: q normalised and rotated in place, every new token's K (normalised, rotated)
+        # and V into its slot.
         rope = (positions, rotary.cos_cache, rotary.sin_cache) if rotary is not None else ()
-        rope_and_write_kv(cache, st.slots, q, k, v, *rope)
+        norms = {}
+        if q_norm is not None:
+            norms = dict(q_norm=(q_norm.weight, q_norm.eps), k_norm=(k_norm.weight, k_norm.eps))
+        rope_and_write_kv(cache, st.slots, q, k, v, *rope, **norms)
         nd = st.num_decodes
         if not st.num_prefill_tokens:
             return st.decode.run(q, cache, out=out)

@@ -1,17 +1,24 @@
-"""Rotary embedding of q and k fused with the paged K/V write, on CUDA (Triton): one launch per
-layer where FlashInfer's rotary kernel and an index_put made two.
+"""Per-head RMSNorm and rotary embedding of q and k fused with the paged K/V write, on CUDA
+(Triton): one launch per layer where FlashInfer's norm and rotary kernels and an index_put made
+several (Qwen3: a copy and a norm for each of q and k, then the rotary and the write).
 
-Per token one program rotates its query heads in place (neox style, halves rotated, in float32
-from the float32 cos/sin cache, as FlashInfer's rotary kernel does) and another writes its key
-heads, rotated, and its value heads into `cache[slot // page_size, 0 | 1, slot % page_size]` of
-the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") pages. The rotated keys are written only to the cache: attention
-reads them from there. Every shape and stride comes from the tensors, so q, k and v may be
-strided views of the fused qkv projection's output or tensors of their own (Qwen3's per-head
-norms). Without cos/sin the program only writes K and V.
+Per token one program normalises and rotates its query heads in place (neox style, halves
+rotated, in float32 from the float32 cos/sin cache, as FlashInfer's rotary kernel does) and
+another writes its key heads, normalised and rotated, and its value heads into
+`cache[slot // page_size, 0 | 1, slot % page_size]` of the layer's
+`[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") pages. The rotated keys are written
+only to the cache: attention reads them from there. Every shape and stride comes from the tensors,
+so q, k and v may be strided views of the fused qkv projection's output or tensors of their own.
+Without cos/sin the program does not rotate; without norm weights it does not normalise.
+
+The norm is FlashInfer's RMSNorm, which the separate path ran: over each head's head_dim values in
+float32, times the weight in float32, rounded once to q's (k's) dtype; the rotation then starts
+from that rounded value, as it did from the separate norm's output.
 
 Static shapes, no host synchronisation: capturable in CUDA graphs. The rows a decode graph pads
 with (position 0, slot 0) rotate their own q rows and write the reserved null page 0, which no
-request reads. `rope_and_write_kv_reference` is the same in torch operations: rotate, then scatter.
+request reads. `rope_and_write_kv_reference` is the same in torch operations: normalise, rotate,
+then scatter.
 """
 
 from __future__ import annotations
@@ -33,15 +40,27 @@ def _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF: tl.constexpr):
 
 
 @triton.jit
+def _rms_norm_heads(x1, x2, weight_ptr, eps, d, d_ok, HALF: tl.constexpr):
+    """The halves x1, x2 [HEADS_P2, HALF_P2] of each head (float32, zero where masked), normalised
+    over the head's 2 * HALF values and times the weight, in float32."""
+    mean_sq = tl.sum(x1 * x1 + x2 * x2, axis=1) / (2 * HALF)
+    r = tl.rsqrt(mean_sq + eps)[:, None]
+    w1 = tl.load(weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    w2 = tl.load(weight_ptr + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return x1 * r * w1, x2 * r * w2
+
+
+@triton.jit
 def _rope_kv_write_kernel(
-    q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, cache_ptr,
+    q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, cache_ptr, q_norm_ptr, k_norm_ptr,
+    q_eps, k_eps,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     cache_stride_page, cache_stride_kv, cache_stride_slot, cache_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
-    HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr,
+    HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
 ):
-    # Program (t, 0) writes token t's K and V, program (t, 1) rotates its q: two programs per
-    # token halve the chain of dependent loads and stores a small decode batch waits on.
+    # Program (t, 0) writes token t's K and V, program (t, 1) normalises and rotates its q: two
+    # programs per token halve the chain of dependent loads and stores a small decode batch waits on.
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_P2)
     d_ok = d < HALF
@@ -50,11 +69,14 @@ def _rope_kv_write_kernel(
         kv_mask = (hk[:, None] < NUM_KV_HEADS) & d_ok[None, :]
         k_row = k_ptr + t * k_stride_t + hk[:, None] * k_stride_h + d[None, :]
         v_row = v_ptr + t * v_stride_t + hk[:, None] * v_stride_h + d[None, :]
-        k1 = tl.load(k_row, mask=kv_mask)
-        k2 = tl.load(k_row + HALF, mask=kv_mask)
+        k1 = tl.load(k_row, mask=kv_mask, other=0.0)
+        k2 = tl.load(k_row + HALF, mask=kv_mask, other=0.0)
         v1 = tl.load(v_row, mask=kv_mask)
         v2 = tl.load(v_row + HALF, mask=kv_mask)
         slot = tl.load(slots_ptr + t).to(tl.int64)
+        if NORM:
+            k1, k2 = _rms_norm_heads(k1.to(tl.float32), k2.to(tl.float32), k_norm_ptr, k_eps, d, d_ok, HALF)
+            k1, k2 = k1.to(k_ptr.dtype.element_ty), k2.to(k_ptr.dtype.element_ty)
         if ROTATE:
             cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
             k1f, k2f = k1.to(tl.float32), k2.to(tl.float32)
@@ -71,20 +93,32 @@ def _rope_kv_write_kernel(
         hq = tl.arange(0, Q_HEADS_P2)
         q_mask = (hq[:, None] < NUM_Q_HEADS) & d_ok[None, :]
         q_row = q_ptr + t * q_stride_t + hq[:, None] * q_stride_h + d[None, :]
-        q1 = tl.load(q_row, mask=q_mask).to(tl.float32)
-        q2 = tl.load(q_row + HALF, mask=q_mask).to(tl.float32)
-        cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
-        tl.store(q_row, (q1 * cos - q2 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
-        tl.store(q_row + HALF, (q2 * cos + q1 * sin).to(q_ptr.dtype.element_ty), mask=q_mask)
+        q_ty = q_ptr.dtype.element_ty
+        q1 = tl.load(q_row, mask=q_mask, other=0.0).to(tl.float32)
+        q2 = tl.load(q_row + HALF, mask=q_mask, other=0.0).to(tl.float32)
+        if NORM:
+            q1, q2 = _rms_norm_heads(q1, q2, q_norm_ptr, q_eps, d, d_ok, HALF)
+            q1, q2 = q1.to(q_ty).to(tl.float32), q2.to(q_ty).to(tl.float32)
+        if ROTATE:
+            cos, sin = _cos_sin(positions_ptr, cos_ptr, sin_ptr, t, d, d_ok, HALF)
+            q1, q2 = q1 * cos - q2 * sin, q2 * cos + q1 * sin
+        tl.store(q_row, q1.to(q_ty), mask=q_mask)
+        tl.store(q_row + HALF, q2.to(q_ty), mask=q_mask)
+
+
+# A per-head norm as the kernel takes it: (weight [head_dim], eps).
+Norm = tuple[torch.Tensor, float]
 
 
 def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
-                      sin: torch.Tensor | None = None) -> torch.Tensor:
-    """Rotate q [T, Hq, D] in place and write k (rotated) and v [T, Hkv, D] into the layer's pages
-    `cache` at `slots` (int64 [T]: page * page_size + offset). `positions` int64 [T] and `cos`/`sin`
-    float32 [max_position, D / 2] give the rotation; without them q is left alone and k is written
-    as it is. Returns q."""
+                      sin: torch.Tensor | None = None, q_norm: Norm | None = None,
+                      k_norm: Norm | None = None) -> torch.Tensor:
+    """Normalise and rotate q [T, Hq, D] in place and write k (normalised, rotated) and v
+    [T, Hkv, D] into the layer's pages `cache` at `slots` (int64 [T]: page * page_size + offset).
+    `positions` int64 [T] and `cos`/`sin` float32 [max_position, D / 2] give the rotation;
+    `q_norm` and `k_norm`, given together, the per-head RMSNorms applied before it. Without them
+    q is left alone and k is written as it is. Returns q."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim % 2 or k.shape[2] != head_dim or v.shape != k.shape or cache.shape[3:] != (num_kv_heads, head_dim):
@@ -95,23 +129,41 @@ def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
     if rotate and (positions is None or sin is None or cos.shape[-1] != head_dim // 2
                    or not (cos.is_contiguous() and sin.is_contiguous())):
         raise ValueError(f"rotation needs positions and cos/sin caches of width {head_dim // 2}")
+    norm = q_norm is not None
+    if norm != (k_norm is not None) or (norm and any(w.shape != (head_dim,) or not w.is_contiguous()
+                                                     for w, _ in (q_norm, k_norm))):
+        raise ValueError(f"q and k norms go together, each a contiguous weight of {head_dim} values")
+    (q_weight, q_eps), (k_weight, k_eps) = (q_norm, k_norm) if norm else ((cache, 0.0), (cache, 0.0))
     if num_tokens:
-        _rope_kv_write_kernel[(num_tokens, 2 if rotate else 1)](
+        _rope_kv_write_kernel[(num_tokens, 2 if rotate or norm else 1)](
             q, k, v, positions if rotate else slots, slots, cos if rotate else cache, sin if rotate else cache, cache,
+            q_weight, k_weight, float(q_eps), float(k_eps),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
-            HALF_P2=triton.next_power_of_2(head_dim // 2), PAGE_SIZE=cache.shape[2], ROTATE=rotate,
+            HALF_P2=triton.next_power_of_2(head_dim // 2), PAGE_SIZE=cache.shape[2], ROTATE=rotate, NORM=norm,
             num_warps=4)
     return q
 
 
+def rms_norm_heads_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """FlashInfer's RMSNorm over the last dimension, which the kernel fuses: in float32, times the
+    weight in float32, rounded once to x's dtype. (`model.layers.RMSNorm`'s torch path rounds
+    before the weight, as transformers does: at most a rounding step from this.)"""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
 def rope_and_write_kv_reference(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                 v: torch.Tensor, positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
-                                sin: torch.Tensor | None = None) -> torch.Tensor:
-    """What the kernel computes, in torch operations: rotation in float32, rounded once to q's
-    dtype; then the scatter every backend writes with (`base.scatter_kv`). Returns the rotated q."""
+                                sin: torch.Tensor | None = None, q_norm: Norm | None = None,
+                                k_norm: Norm | None = None) -> torch.Tensor:
+    """What the kernel computes, in torch operations: the per-head norms (rounded to q's and k's
+    dtype), rotation in float32, rounded once to q's dtype; then the scatter every backend writes
+    with (`base.scatter_kv`). Returns the normalised, rotated q."""
+    if q_norm is not None:
+        q, k = rms_norm_heads_reference(q, *q_norm), rms_norm_heads_reference(k, *k_norm)
     if cos is not None:
         c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, Rotary
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, Rotary
 
 
 @dataclass
@@ -58,9 +58,12 @@ class TorchRefBackend(AttentionBackend):
 
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 out: torch.Tensor | None = None, positions: torch.Tensor | None = None,
-                rotary: Rotary | None = None) -> torch.Tensor:
+                rotary: Rotary | None = None, q_norm: HeadNorm | None = None,
+                k_norm: HeadNorm | None = None) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must run before forward")
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
         if rotary is not None:
             q, k = rotary(positions, q, k)
         self.write_kv(layer_id, k, v, self._batch.slot_mapping)

@@ -89,8 +89,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None and x.dim() > 2 and _fused_kernels(x) is not None and x.shape[-1] % 8 == 0:
-            # Per-head norms (Qwen3's q/k norm) on [tokens, heads, head_dim]: one kernel over the
-            # rows (after one copy when the heads are a strided view) instead of torch's seven.
+            # Per-head norms (Qwen3's q/k norm under the reference attention backend; FlashInfer's
+            # fuses them into its rotary + K/V-write kernel) on [tokens, heads, head_dim]: one kernel
+            # over the rows (after one copy when the heads are a strided view) instead of torch's seven.
             return self.forward(x.reshape(-1, x.shape[-1]).contiguous()).view(x.shape)
         # 16-byte vectors: the hidden size must be a multiple of 8 half-precision values.
         fi = _fused_kernels(x) if x.dim() == 2 and x.is_contiguous() and x.shape[-1] % 8 == 0 else None

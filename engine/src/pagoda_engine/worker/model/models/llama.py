@@ -133,22 +133,23 @@ class DecoderAttention(nn.Module):
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D], k and v
-        [T, Hkv, D]. q and k are not rotated yet: `attend` hands the rotary to the attention
-        backend, which rotates them as it writes K/V (one kernel on the GPU)."""
+        [T, Hkv, D], slices of one projection's output. q and k are not normalised per head
+        (Qwen3) nor rotated yet: `attend` hands the norms and the rotary to the attention backend,
+        which applies them as it writes K/V (one kernel on the GPU)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
 
     def attend(self, attn: AttentionBackend, layer_id: int, positions: torch.Tensor, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Attention over the KV pages of `layer_id` for `qkv`'s q, k, v at `positions`, rotary included."""
-        return attn.forward(layer_id, q, k, v, out=out, positions=positions, rotary=self.rotary_emb)
+        """Attention over the KV pages of `layer_id` for `qkv`'s q, k, v at `positions`, per-head
+        norms and rotary included."""
+        return attn.forward(layer_id, q, k, v, out=out, positions=positions, rotary=self.rotary_emb,
+                            q_norm=self.q_norm, k_norm=self.k_norm)
 
     def out(self, o: torch.Tensor) -> torch.Tensor:
         """The output projection of the attention result o [T, Hq, D]."""
@@ -182,7 +183,8 @@ class DecoderLayer(nn.Module):
 
     def pre_attention(self, positions, x, residual):
         """Input norm (adding x to the residual stream first, except in the first layer, whose
-        residual is None) and the attention inputs: (q, k, v, residual), q and k not rotated yet."""
+        residual is None) and the attention inputs: (q, k, v, residual), q and k not normalised
+        per head nor rotated yet."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
@@ -191,7 +193,8 @@ class DecoderLayer(nn.Module):
         return q, k, v, residual
 
     def attend(self, attn, layer_id, positions, q, k, v, out=None):
-        """Attention of `pre_attention`'s q, k, v (rotary included) over the pages of `layer_id`."""
+        """Attention of `pre_attention`'s q, k, v (per-head norms and rotary included) over the
+        pages of `layer_id`."""
         return self.self_attn.attend(attn, layer_id, positions, q, k, v, out)
 
     def post_attention(self, o, residual):
