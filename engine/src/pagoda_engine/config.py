@@ -76,9 +76,6 @@ class SchedulerConfig:
     # Admit a waiting request only while the KV pool also holds the expected growth of every
     # running one (SGLang-style), so preemption by recompute is the exception, not the plan.
     kv_growth_reservation: bool = True
-    # Async scheduling in a server: schedule the next step when the one in flight is about to end
-    # rather than as soon as it is launched, so that requests arriving meanwhile join it (core.pacing).
-    step_launch_pacing: bool = True
 
 
 @dataclass
@@ -308,11 +305,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
-    p.add_argument("--step-launch-pacing", action=argparse.BooleanOptionalAction, default=True,
-                   help="with async scheduling in a server, schedule the next step when the step in flight is "
-                        "about to end (predicted from the steps before), not as soon as it is launched, so that "
-                        "requests arriving meanwhile join the next step instead of the one after it (a step less "
-                        "to the first token); off while requests wait for room")
     # The capability table's flags (capabilities.FEATURES).
     _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
     _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")

@@ -37,7 +37,6 @@ from pagoda_engine.config import EngineConfig, resolve_cudagraph_mode
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
-from pagoda_engine.core.pacing import LaunchPacer
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.messages import (
@@ -193,12 +192,6 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
-        # Step launch pacing (`launch_delay`): when the step in flight started on the device, the
-        # one before it, whether the last schedule left requests waiting.
-        self.pacing = bool(config.scheduler.async_scheduling and config.scheduler.step_launch_pacing)
-        self.pacer = LaunchPacer()
-        self._in_flight_starts = self._prev_starts = 0.0
-        self._backlog = False
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
@@ -452,40 +445,16 @@ class EngineCore:
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
             prev = None
         sched = self.scheduler.schedule()
-        self._backlog = bool(self.scheduler.waiting)
         if not sched.is_empty:
-            ended = prev.has_ended() if prev is not None else None
-            if ended is not None:
-                self.pacer.launched(late=ended)
             self._in_flight = self.runner.launch(sched, prev)
-            self._in_flight_starts = time.monotonic()  # on the device: now, or when `prev` ends
             self.scheduler.advance(sched)
             self.kv.launch_stores()
         elif prev is None:
             self._check_compiled(idle=True)
             self._wait_for_offload()
         if prev is not None:
-            waited = prev.has_ended() is False
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
-            if waited:  # the host waited for its end: its device time is known
-                now = time.monotonic()
-                self.pacer.observe(prev.sched.num_tokens, now - self._prev_starts)
-                self._in_flight_starts = max(self._in_flight_starts, now)
-        self._prev_starts = self._in_flight_starts
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
-
-    def launch_delay(self) -> float:
-        """Seconds the core's loop may go on reading input before the next `step()` (step launch
-        pacing, `core.pacing`): until the step in flight is about to end, so that requests that
-        arrive meanwhile join the next step. 0: step now (pacing off, no step in flight, a
-        backlog, or no prediction yet)."""
-        step = self._in_flight
-        if not self.pacing or step is None or self._backlog or step.has_ended() is not False:
-            return 0.0
-        seconds = self.pacer.predict(step.sched.num_tokens)
-        if seconds is None:
-            return 0.0
-        return max(0.0, self._in_flight_starts + seconds - self.pacer.margin - time.monotonic())
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Launch a batch while the queue has room; else (or with nothing to launch) resolve the oldest."""

@@ -70,12 +70,7 @@ class LaunchedStep:
     sample: PendingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     sample_later: Callable[[], PendingSample] | None = None
-    ended: torch.cuda.Event | None = None  # after rank 0's work for the step (CUDA, one pipeline stage)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
-
-    def has_ended(self) -> bool | None:
-        """Whether the device has finished the step (None: not known without waiting)."""
-        return None if self.ended is None else self.ended.query()
 
     def sample_row(self, req: Request) -> int:
         """The row of `req`'s token in `sample.token_ids`."""
@@ -217,12 +212,8 @@ class ModelRunner:
                 sample_later = self._sampled_by_last_stage(self.executor.sample(inputs.sample_rows, batch), batch)
             else:
                 sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
-        ended = None
-        if self.device.type == "cuda" and self.executor.layout.pp == 1:
-            ended = torch.cuda.Event()
-            ended.record()
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs, sample_later=sample_later, ended=ended)
+                            prompt_logprobs=prompt_logprobs, sample_later=sample_later)
 
     def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
         def resolve() -> PendingSample:
