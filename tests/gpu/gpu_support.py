@@ -73,9 +73,10 @@ def check_greedy_tokens_against(llm: LLM, hf_reference, prompts: list[list[int]]
         report = [(i, tok, int(ref[i].argmax()), round((top2[i, 0] - ref[i, tok]).item() / scale, 4),
                    round((top2[i, 0] - top2[i, 1]).item() / scale, 4)) for i, tok in enumerate(out)]
         # (position, ours, transformers', our token's gap to the best, best-to-second gap), gaps / max |logit|
-        # A token within bf16 rounding of a tie may legitimately differ; none may lose clearly.
+        # A token within bf16 rounding of a tie may legitimately differ; none may lose clearly, and
+        # none may differ where transformers' best two are apart.
         assert all(gap < 0.01 for *_, gap, _ in report), report
-        assert sum(ours == theirs for _, ours, theirs, *_ in report) >= len(out) - 1, report
+        assert all(ours == theirs or tie < 0.005 for _, ours, theirs, _, tie in report), report
 
 
 def check_bf16_logits_against(model_dir, hf_reference) -> None:
