@@ -96,11 +96,12 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class RedisServer:
-    """A `redis-server` of this run: 127.0.0.1, a free port, no persistence, an LRU memory cap;
-    with PAGODA_KV_REMOTE_PASSWORD set, that password (the engines read it from there too)."""
+    """A `redis-server` of this run: 127.0.0.1, a free port, no persistence, an LRU memory cap,
+    `io_threads` I/O threads (1: none besides the main thread); with PAGODA_KV_REMOTE_PASSWORD
+    set, that password (the engines read it from there too)."""
 
-    def __init__(self, binary: str, maxmemory_gb: float):
-        self.binary, self.maxmemory_gb = binary, maxmemory_gb
+    def __init__(self, binary: str, maxmemory_gb: float, io_threads: int = 1):
+        self.binary, self.maxmemory_gb, self.io_threads = binary, maxmemory_gb, io_threads
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.dir = Path(tempfile.mkdtemp(prefix="pagoda-kv-share-redis-"))
@@ -111,7 +112,7 @@ class RedisServer:
 
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--maxmemory", str(int(self.maxmemory_gb * (1 << 30))), "--maxmemory-policy", "allkeys-lru",
-               "--dir", str(self.dir)]
+               "--dir", str(self.dir), "--io-threads", str(self.io_threads)]
         if os.environ.get(REMOTE_PASSWORD_ENV):
             cmd += ["--requirepass", os.environ[REMOTE_PASSWORD_ENV]]
         with open(self.dir / "redis.log", "wb") as log:
