@@ -2,10 +2,11 @@
 computed on one engine and sent to the other gets TTFT <= 0.5 x recomputing it".
 
 Started here (each stopped at the end): a `redis-server` (`--redis-server`, else the one on PATH) on
-a free port of 127.0.0.1, with no persistence and `--redis-maxmemory-gb` (allkeys-lru), unless
-`--kv-offload-remote-url` names a running one; then two `pagoda serve` engines, A and B, one after
-the other, both with that URL as their remote tier and the same engine flags (by default Llama-3.1-8B's
-architecture with dummy weights and the synthetic one-word-per-id tokenizer, as `bench serve`).
+a free port of 127.0.0.1, with no persistence, `--redis-maxmemory-gb` (allkeys-lru) and
+`--redis-io-threads` (default 1), unless `--kv-offload-remote-url` names a running one; then two
+`pagoda serve` engines, A and B, one after the other, both with that URL as their remote tier and
+the same engine flags (by default Llama-3.1-8B's architecture with dummy weights and the synthetic
+one-word-per-id tokenizer, as `bench serve`).
 
 Both fit on one GPU: each engine's KV pool is fixed by `--num-gpu-blocks-override` (default: four
 prompts' pages), since the engine's own sizing reads `--gpu-memory-utilization` as the share of the
@@ -87,6 +88,10 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-maxmemory-gb", type=float, default=16.0,
                    help="maxmemory of the redis-server started here (allkeys-lru); a Llama-3.1-8B prompt of "
                         "4,096 tokens takes 0.5 GiB, and every round stores two")
+    p.add_argument("--redis-io-threads", type=int, default=1, metavar="N",
+                   help="--io-threads of the redis-server started here (default 1: the main thread only). On a "
+                        "2-core machine 4 I/O threads did not measurably speed up the engines' reads (python -m "
+                        "pagoda_engine.bench.remote_read --io-threads 1 4 measures a machine; benchmarks.md)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids of the prompts are drawn below this (default: config.json of --model)")
     p.set_defaults(gpu_memory_utilization=0.42)
@@ -326,6 +331,8 @@ def _check_args(args: argparse.Namespace) -> None:
                          "give one of them")
     if args.redis_maxmemory_gb <= 0:
         raise SystemExit("error: --redis-maxmemory-gb must be > 0")
+    if args.redis_io_threads < 1:
+        raise SystemExit("error: --redis-io-threads must be >= 1")
     if not args.enable_prefix_caching:
         raise SystemExit("error: kv-share needs prefix caching (the tiers are keyed by it)")
     if args.data_parallel_size != 1:
@@ -360,14 +367,15 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         if binary is None:
             raise SystemExit("error: no redis-server on PATH: install it (Debian: apt-get install redis-server), "
                              "or give --redis-server PATH or --kv-offload-remote-url redis://HOST:PORT")
-        redis_server = RedisServer(binary, args.redis_maxmemory_gb)
+        redis_server = RedisServer(binary, args.redis_maxmemory_gb, args.redis_io_threads)
         redis_server.start()
         args.kv_offload_remote_url = redis_server.url
     engines: list[LaunchedServer] = []
     try:
         if redis_server is not None:
             redis_desc = (f"redis-server {redis_server.version()} started on 127.0.0.1:{redis_server.port} "
-                          f"(maxmemory {args.redis_maxmemory_gb:g} GiB, allkeys-lru, no persistence)")
+                          f"(maxmemory {args.redis_maxmemory_gb:g} GiB, allkeys-lru, no persistence, "
+                          f"{args.redis_io_threads} I/O thread{'s' * (args.redis_io_threads > 1)})")
         else:
             redis_desc = f"the running Redis at {args.kv_offload_remote_url}"
         ready = []
