@@ -99,6 +99,8 @@ def run_remote_read(args: argparse.Namespace) -> dict:
     result = {"bench": "remote_read", "pages": args.pages, "payload_bytes": payload_bytes,
               "read_bytes": data.nbytes, "redis": f"redis-server {version}", "results": results}
     _print(result)
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
     return result
 
 
@@ -119,10 +121,7 @@ def _print(r: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pagoda_engine.bench.remote_read", description=__doc__.split("\n\n")[0])
     add_arguments(p)
-    args = p.parse_args(argv)
-    result = run_remote_read(args)
-    if args.output_json:
-        Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+    run_remote_read(p.parse_args(argv))
     return 0
 
 
