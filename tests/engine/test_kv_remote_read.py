@@ -176,11 +176,10 @@ def _poll(offloader: KVOffloader, pick, timeout: float = 30.0):
 
 
 def test_redis_stopped_or_killed_mid_read_is_a_bounded_miss_then_reads_recover(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_stores, "REMOTE_TIMEOUT_S", 0.5)
     monkeypatch.setattr(kv_stores, "REMOTE_BACKOFF_S", 1.0)
     redis = RedisProc(tmp_path)
     try:
-        store = RedisStore(f"redis://127.0.0.1:{redis.port}", FINGERPRINT)
+        store = RedisStore(f"redis://127.0.0.1:{redis.port}", FINGERPRINT, timeout_s=0.5)
         keys, data = _written(store, 32, seed=13)
         assert _read(store, keys)[0] == 32  # the connections are open and idle now
 

@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--io-threads", type=int, nargs="+", default=[1, 4],
                    help="redis-server --io-threads settings to measure (1: the main thread only)")
     p.add_argument("--repeats", type=int, default=5, help="reads per reader and setting")
+    p.add_argument("--timeout-s", type=float, default=10.0,
+                   help="the store's socket timeout (the engine's PAGODA_KV_REMOTE_TIMEOUT_S, 1 s, can fail a 512 MiB "
+                        "MGET on a loaded machine: the engine counts that as a failure; here the speed is measured)")
     p.add_argument("--redis-server", default=None, metavar="PATH", help="default: redis-server on PATH")
     p.add_argument("--output-json", default=None, help="also write the results as JSON to this file")
 
@@ -83,7 +86,7 @@ def run_remote_read(args: argparse.Namespace) -> dict:
         server = RedisServer(binary, maxmemory_gb, io_threads=io_threads)
         server.start()
         try:
-            store = RedisStore(server.url, _FINGERPRINT)
+            store = RedisStore(server.url, _FINGERPRINT, timeout_s=args.timeout_s)
             for start in range(0, args.pages, 16):
                 if not store.write([(keys[i], memoryview(data[i])) for i in range(start, min(start + 16, args.pages))]):
                     raise RuntimeError(f"writing the entries to {server.url} failed")

@@ -170,7 +170,8 @@ class RedisStore:
     go through redis-py's MGET, each reply then checked and copied into its row, as they do with
     `resp_reads = False` (the benchmark's baseline)."""
 
-    def __init__(self, url: str, fingerprint: bytes, password: str | None = None, read_connections: int | None = None):
+    def __init__(self, url: str, fingerprint: bytes, password: str | None = None, read_connections: int | None = None,
+                 timeout_s: float | None = None):
         import redis
         from redis.connection import parse_url
 
@@ -178,8 +179,9 @@ class RedisStore:
         self.fingerprint = fingerprint
         self.prefix = REDIS_KEY_NAMESPACE + fingerprint.hex().encode() + b":"
         password = password or os.environ.get(REMOTE_PASSWORD_ENV) or None
+        self.timeout_s = timeout_s or REMOTE_TIMEOUT_S
         self.client = redis.Redis.from_url(url, password=password,
-                                           socket_timeout=REMOTE_TIMEOUT_S, socket_connect_timeout=REMOTE_TIMEOUT_S)
+                                           socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
         options = parse_url(url)  # what redis-py connects with: the URL's credentials win over `password`
         self.resp_reads = urlsplit(url).scheme in ("redis", "unix")
         self._address = options["path"] if "path" in options else (options.get("host") or "localhost",
@@ -321,7 +323,7 @@ class RedisStore:
             with self._lock:
                 conn = self._idle.pop() if self._idle else None
             if conn is None:
-                return _RespConnection(self._address, self._username, self._password, self._db, REMOTE_TIMEOUT_S)
+                return _RespConnection(self._address, self._username, self._password, self._db, self.timeout_s)
             if conn.alive():
                 return conn
             conn.close()
