@@ -6,11 +6,13 @@ Redis into host rows, through `worker.kv_stores.RedisStore.read_into`, with its 
         their share of the keys, receive each payload straight into its row and check it there.
 
 For each `--io-threads` setting it starts a `redis-server` (`--redis-server`, else the one on PATH;
-as `pagoda bench kv-share` does: 127.0.0.1, no persistence), writes `--pages` entries of
-`--page-mib` (256 x 2 MiB: a 4,096-token Llama-3.1-8B context on one rank) through the store, and
-reads them all back `--repeats` times with each reader into the same host rows (pinned on CUDA, as
-the engine's). Printed: payload GB/s over the wall time of one `read_into` call (best and median of
-the repeats). Every read is checked against what was written, byte for byte.
+as `pagoda bench kv-share` does: 127.0.0.1, no persistence) and writes `--pages` entries of
+`--page-mib` (256 x 2 MiB: a 4,096-token Llama-3.1-8B context on one rank) to it through the
+store. Then, `--repeats` rounds, each reading every entry once with every reader on every server
+in turn (so that other load on the machine falls on all of them alike), into the same host rows
+(pinned on CUDA, as the engine's). Printed: payload GB/s over the wall time of one `read_into`
+call (best and median of the rounds). Every read is checked against what was written, byte for
+byte.
 """
 
 from __future__ import annotations
@@ -51,23 +53,19 @@ def _rows(pages: int, payload_bytes: int) -> np.ndarray:
     return torch.empty((pages, payload_bytes), dtype=torch.uint8, pin_memory=pinned).numpy()
 
 
-def _measure(store: RedisStore, keys: list[bytes], data: np.ndarray, rows: np.ndarray, reader: str,
-             connections: int, repeats: int) -> dict:
+def _read_once(store: RedisStore, keys: list[bytes], data: np.ndarray, rows: np.ndarray, reader: str,
+               connections: int) -> float:
+    """Seconds of one `read_into` of every entry with this reader; the rows are checked after."""
     store.resp_reads = reader == "resp"
     store.read_connections = connections
-    seconds = []
-    for _ in range(repeats):
-        rows.fill(0)
-        t0 = time.perf_counter()
-        intact, corrupt = store.read_into(keys, list(rows))
-        seconds.append(time.perf_counter() - t0)
-        if intact != len(keys) or corrupt is not None or not np.array_equal(rows, data):
-            raise RuntimeError(f"{reader} x{connections}: {intact} of {len(keys)} entries intact ({corrupt}); "
-                               f"store errors {store.errors}")
-    return {"reader": reader, "connections": connections if reader == "resp" else 1,
-            "best_GBps": round(data.nbytes / min(seconds) / 1e9, 3),
-            "median_GBps": round(data.nbytes / statistics.median(seconds) / 1e9, 3),
-            "seconds": [round(s, 4) for s in seconds]}
+    rows.fill(0)
+    t0 = time.perf_counter()
+    intact, corrupt = store.read_into(keys, list(rows))
+    seconds = time.perf_counter() - t0
+    if intact != len(keys) or corrupt is not None or not np.array_equal(rows, data):
+        raise RuntimeError(f"{reader} x{connections}: {intact} of {len(keys)} entries intact ({corrupt}); "
+                           f"store errors {store.errors}")
+    return seconds
 
 
 def run_remote_read(args: argparse.Namespace) -> dict:
@@ -80,25 +78,28 @@ def run_remote_read(args: argparse.Namespace) -> dict:
     data = data.reshape(args.pages, payload_bytes)
     keys = [i.to_bytes(16, "big") for i in range(args.pages)]
     rows = _rows(args.pages, payload_bytes)
-    maxmemory_gb = 2 * data.nbytes / (1 << 30) + 1
-    results = []
-    for io_threads in args.io_threads:
-        server = RedisServer(binary, maxmemory_gb, io_threads=io_threads)
-        server.start()
-        try:
-            store = RedisStore(server.url, _FINGERPRINT, timeout_s=args.timeout_s)
+    readers = [("mget", 1)] + [("resp", k) for k in args.connections]
+    servers, stores = [], {}
+    try:
+        for io_threads in args.io_threads:  # all up at once: the rounds below take turns, so load spreads evenly
+            servers.append(RedisServer(binary, 2 * data.nbytes / (1 << 30) + 1, io_threads=io_threads))
+            servers[-1].start()
+            store = stores[io_threads] = RedisStore(servers[-1].url, _FINGERPRINT, timeout_s=args.timeout_s)
             for start in range(0, args.pages, 16):
                 if not store.write([(keys[i], memoryview(data[i])) for i in range(start, min(start + 16, args.pages))]):
-                    raise RuntimeError(f"writing the entries to {server.url} failed")
-            version = server.version()
-            runs = [_measure(store, keys, data, rows, "mget", 1, args.repeats)]
-            runs += [_measure(store, keys, data, rows, "resp", k, args.repeats) for k in args.connections]
-        finally:
+                    raise RuntimeError(f"writing the entries to {store.url} failed")
+        version = servers[0].version()
+        seconds: dict[tuple, list[float]] = {(n, *reader): [] for n in args.io_threads for reader in readers}
+        for _ in range(args.repeats):
+            for n, reader, connections in seconds:
+                seconds[n, reader, connections].append(_read_once(stores[n], keys, data, rows, reader, connections))
+    finally:
+        for server in servers:
             server.stop()
-        for run in runs:
-            results.append({"io_threads": io_threads, **run})
-            print(f"io-threads {io_threads}: {run['reader']} x{run['connections']}: best {run['best_GBps']:.3f} GB/s, "
-                  f"median {run['median_GBps']:.3f} GB/s", flush=True)
+    results = [{"io_threads": n, "reader": reader, "connections": connections,
+                "best_GBps": round(data.nbytes / min(s) / 1e9, 3),
+                "median_GBps": round(data.nbytes / statistics.median(s) / 1e9, 3),
+                "seconds": [round(x, 4) for x in s]} for (n, reader, connections), s in seconds.items()]
     result = {"bench": "remote_read", "pages": args.pages, "payload_bytes": payload_bytes,
               "read_bytes": data.nbytes, "redis": f"redis-server {version}", "results": results}
     _print(result)
