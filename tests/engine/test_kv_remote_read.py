@@ -138,6 +138,16 @@ def test_a_corrupt_entry_is_a_miss_from_that_page_on(store, damage, error):
     assert intact == 5 and error in str(corrupt)  # both readers judge an entry alike
 
 
+def test_a_key_holding_no_string_is_a_corrupt_entry_not_a_store_failure(store):
+    keys, data = _written(store, 8, seed=17)
+    store.client.delete(store.name(keys[6]))
+    store.client.rpush(store.name(keys[6]), b"not an entry")  # GET answers -WRONGTYPE
+    intact, corrupt, rows = _read(store, keys)
+    assert intact == 6 and "holds no string" in str(corrupt) and store.errors == 0
+    assert np.array_equal(rows[:6], data[:6])
+    assert _read(store, keys[7:])[:2] == (1, None)  # the connection read past the error reply
+
+
 def test_an_entry_of_another_fingerprint_is_a_miss(server, store):
     keys, _ = _written(store, 6, seed=12)
     other = RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{server.port}", b"o" * 16)

@@ -91,8 +91,8 @@ def run_remote_read(args: argparse.Namespace) -> dict:
         version = servers[0].version()
         seconds: dict[tuple, list[float]] = {(n, *reader): [] for n in args.io_threads for reader in readers}
         for _ in range(args.repeats):
-            for n, reader, connections in seconds:
-                seconds[n, reader, connections].append(_read_once(stores[n], keys, data, rows, reader, connections))
+            for (n, reader, connections), taken in seconds.items():
+                taken.append(_read_once(stores[n], keys, data, rows, reader, connections))
     finally:
         for server in servers:
             server.stop()

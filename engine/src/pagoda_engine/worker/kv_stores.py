@@ -293,9 +293,15 @@ class RedisStore:
             conn = self._connection()
             conn.send([(b"GET", self.name(keys[j])) for j in range(start, end)])
             for i in range(start, end):
-                stored = conn.bulk_length()
-                if stored is None:  # absent: evicted since the lookup
-                    stop = min(stop, i)
+                try:
+                    stored, miss = conn.bulk_length(), None  # None: absent, evicted since the lookup
+                except RespError as e:
+                    if not str(e).startswith("WRONGTYPE"):
+                        raise  # Redis itself is failing (loading, out of memory, ...)
+                    stored, miss = None, CorruptEntry(f"the key holds no string ({e})")  # MGET reads it as nil
+                if stored is None:
+                    if i < stop:
+                        stop, corrupt = i, miss
                     continue
                 got = min(stored, HEADER_BYTES)
                 conn.read_into(header[:got])
