@@ -53,6 +53,7 @@ import httpx
 import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
+from pagoda_engine.worker.kv_stores import REMOTE_READ_CONNECTIONS
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
     QUEUE_TIME,
@@ -386,7 +387,8 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         model = _served_model(a.url)
         print(f"=== pagoda bench kv-share: two engines sharing Redis ({args.num_prompts} rounds; prompts of "
               f"{args.input_len} tokens, {args.output_len} output token{'s' * (args.output_len > 1)}) ===")
-        print(f"redis: {redis_desc}")
+        print(f"redis: {redis_desc}; the engines read it over {REMOTE_READ_CONNECTIONS} connections each "
+              f"(PAGODA_KV_REMOTE_READ_CONNECTIONS)")
         print(f"engines: A {a.url} (ready in {ready[0]} s), B {b.url} (ready in {ready[1]} s); model {model!r} "
               f"({args.model}, {args.load_format} weights); KV pool {args.num_gpu_blocks_override or args.num_kv_pages} "
               f"pages each; no CPU or disk tier")
@@ -401,7 +403,8 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
                    "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
-                   "redis_started_here": redis_server is not None, "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                   "redis_started_here": redis_server is not None, "remote_read_connections": REMOTE_READ_CONNECTIONS,
+                   "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)
     return result
