@@ -60,4 +60,5 @@ def test_remote_read_bench_measures_both_readers_on_every_setting(tmp_path, caps
     measured = [(x["io_threads"], x["reader"], x["connections"]) for x in r["results"]]
     assert measured == [(n, reader, k) for n in (1, 2) for reader, k in (("mget", 1), ("resp", 1), ("resp", 3))]
     assert all(x["best_GBps"] >= x["median_GBps"] > 0 and len(x["seconds"]) == 2 for x in r["results"])
+    assert all(x["redis_cpu_ms_median"] >= 0 and x["reader_cpu_ms_median"] > 0 for x in r["results"])
     assert "| RESP reader, 3 conn. |" in capsys.readouterr().out

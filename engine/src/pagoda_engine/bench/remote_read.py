@@ -11,14 +11,16 @@ as `pagoda bench kv-share` does: 127.0.0.1, no persistence) and writes `--pages`
 store. Then, `--repeats` rounds, each reading every entry once with every reader on every server
 in turn (so that other load on the machine falls on all of them alike), into the same host rows
 (pinned on CUDA, as the engine's). Printed: payload GB/s over the wall time of one `read_into`
-call (best and median of the rounds). Every read is checked against what was written, byte for
-byte.
+call (best and median of the rounds), and the median CPU time of one read in redis-server and in
+this process (the reader's threads). Every read is checked against what was written, byte for byte.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import shutil
 import statistics
 import time
@@ -53,19 +55,29 @@ def _rows(pages: int, payload_bytes: int) -> np.ndarray:
     return torch.empty((pages, payload_bytes), dtype=torch.uint8, pin_memory=pinned).numpy()
 
 
-def _read_once(store: RedisStore, keys: list[bytes], data: np.ndarray, rows: np.ndarray, reader: str,
-               connections: int) -> float:
-    """Seconds of one `read_into` of every entry with this reader; the rows are checked after."""
+def _cpu_s(pid: int | None = None) -> float:
+    """CPU seconds (user + system) of this process, all its threads, or of process `pid`."""
+    if pid is None:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _read_once(store: RedisStore, server_pid: int, keys: list[bytes], data: np.ndarray, rows: np.ndarray,
+               reader: str, connections: int) -> tuple[float, float, float]:
+    """(wall, redis-server CPU, reader CPU) seconds of one `read_into` of every entry with this
+    reader; the rows are checked after."""
     store.resp_reads = reader == "resp"
     store.read_connections = connections
     rows.fill(0)
-    t0 = time.perf_counter()
+    server0, reader0, t0 = _cpu_s(server_pid), _cpu_s(), time.perf_counter()
     intact, corrupt = store.read_into(keys, list(rows))
-    seconds = time.perf_counter() - t0
+    times = time.perf_counter() - t0, _cpu_s(server_pid) - server0, _cpu_s() - reader0
     if intact != len(keys) or corrupt is not None or not np.array_equal(rows, data):
         raise RuntimeError(f"{reader} x{connections}: {intact} of {len(keys)} entries intact ({corrupt}); "
                            f"store errors {store.errors}")
-    return seconds
+    return times
 
 
 def run_remote_read(args: argparse.Namespace) -> dict:
@@ -79,27 +91,33 @@ def run_remote_read(args: argparse.Namespace) -> dict:
     keys = [i.to_bytes(16, "big") for i in range(args.pages)]
     rows = _rows(args.pages, payload_bytes)
     readers = [("mget", 1)] + [("resp", k) for k in args.connections]
-    servers, stores = [], {}
+    servers, stores, pids = [], {}, {}
     try:
         for io_threads in args.io_threads:  # all up at once: the rounds below take turns, so load spreads evenly
             servers.append(RedisServer(binary, 2 * data.nbytes / (1 << 30) + 1, io_threads=io_threads))
             servers[-1].start()
             store = stores[io_threads] = RedisStore(servers[-1].url, _FINGERPRINT, timeout_s=args.timeout_s)
+            pids[io_threads] = servers[-1].process.pid
             for start in range(0, args.pages, 16):
                 if not store.write([(keys[i], memoryview(data[i])) for i in range(start, min(start + 16, args.pages))]):
                     raise RuntimeError(f"writing the entries to {store.url} failed")
         version = servers[0].version()
-        seconds: dict[tuple, list[float]] = {(n, *reader): [] for n in args.io_threads for reader in readers}
+        taken: dict[tuple, list[tuple[float, float, float]]] = {(n, *r): [] for n in args.io_threads for r in readers}
         for _ in range(args.repeats):
-            for (n, reader, connections), taken in seconds.items():
-                taken.append(_read_once(stores[n], keys, data, rows, reader, connections))
+            for (n, reader, connections), times in taken.items():
+                times.append(_read_once(stores[n], pids[n], keys, data, rows, reader, connections))
     finally:
         for server in servers:
             server.stop()
-    results = [{"io_threads": n, "reader": reader, "connections": connections,
-                "best_GBps": round(data.nbytes / min(s) / 1e9, 3),
-                "median_GBps": round(data.nbytes / statistics.median(s) / 1e9, 3),
-                "seconds": [round(x, 4) for x in s]} for (n, reader, connections), s in seconds.items()]
+    results = []
+    for (n, reader, connections), times in taken.items():
+        wall, server_cpu, reader_cpu = zip(*times)
+        results.append({"io_threads": n, "reader": reader, "connections": connections,
+                        "best_GBps": round(data.nbytes / min(wall) / 1e9, 3),
+                        "median_GBps": round(data.nbytes / statistics.median(wall) / 1e9, 3),
+                        "seconds": [round(x, 4) for x in wall],
+                        "redis_cpu_ms_median": round(statistics.median(server_cpu) * 1e3, 1),
+                        "reader_cpu_ms_median": round(statistics.median(reader_cpu) * 1e3, 1)})
     result = {"bench": "remote_read", "pages": args.pages, "payload_bytes": payload_bytes,
               "read_bytes": data.nbytes, "redis": f"redis-server {version}", "results": results}
     _print(result)
@@ -120,6 +138,11 @@ def _print(r: dict) -> None:
                  for n in settings]
         label = "MGET (redis-py)" if reader == "mget" else f"RESP reader, {connections} conn."
         print(f"| {label} | " + " | ".join(cells) + " |")
+    print("median ms of one read: wall / redis-server CPU / reader CPU (all its threads)")
+    for x in r["results"]:
+        wall = statistics.median(x["seconds"]) * 1e3
+        print(f"  io-threads {x['io_threads']}, {x['reader']} x{x['connections']}: {wall:.0f} / "
+              f"{x['redis_cpu_ms_median']:.0f} / {x['reader_cpu_ms_median']:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
