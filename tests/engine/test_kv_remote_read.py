@@ -67,7 +67,10 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def store(server):
-    return RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{server.port}", FINGERPRINT)
+    """Reading over 4 connections (shares of at least 2 entries) unless a test says otherwise."""
+    store = RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{server.port}", FINGERPRINT, read_connections=4)
+    store.min_share_bytes = 2 * PAYLOAD
+    return store
 
 
 def _entries(n: int, seed: int) -> tuple[list[bytes], np.ndarray]:
@@ -90,7 +93,7 @@ def _read(store: RedisStore, keys: list[bytes]) -> tuple[int, object, np.ndarray
 @pytest.mark.parametrize("connections", [1, 3, 4, 8])
 def test_resp_reader_returns_the_bytes_mget_returns(store, connections):
     keys, data = _written(store, 37, seed=connections)  # shares of unequal length
-    store.read_connections = connections
+    store.read_connections, store.min_share_bytes = connections, 0
     intact, corrupt, rows = _read(store, keys)
     assert (intact, corrupt) == (len(keys), None)
     assert np.array_equal(rows, data)
@@ -98,6 +101,14 @@ def test_resp_reader_returns_the_bytes_mget_returns(store, connections):
     assert _read(store, keys)[:2] == (len(keys), None)
     assert np.array_equal(_read(store, keys)[2], rows)
     assert store.errors == 0
+
+
+def test_a_small_read_takes_one_connection_a_large_one_as_many_as_allowed(server):
+    store = RedisStore(f"redis://:{PASSWORD}@127.0.0.1:{server.port}", FINGERPRINT, read_connections=4)
+    keys, _ = _written(store, 40, seed=9)  # 1.9 MiB: less than one share of the default 4 MiB
+    assert _read(store, keys)[0] == 40 and len(store._idle) == 1
+    store.min_share_bytes = 8 * PAYLOAD  # 5 shares' worth, 4 connections allowed
+    assert _read(store, keys)[0] == 40 and len(store._idle) == 4
 
 
 def test_an_absent_entry_is_a_miss_from_that_page_on_and_the_connections_stay_usable(store):
@@ -189,7 +200,8 @@ def test_redis_stopped_or_killed_mid_read_is_a_bounded_miss_then_reads_recover(t
     monkeypatch.setattr(kv_stores, "REMOTE_BACKOFF_S", 1.0)
     redis = RedisProc(tmp_path)
     try:
-        store = RedisStore(f"redis://127.0.0.1:{redis.port}", FINGERPRINT, timeout_s=0.5)
+        store = RedisStore(f"redis://127.0.0.1:{redis.port}", FINGERPRINT, read_connections=4, timeout_s=0.5)
+        store.min_share_bytes = 0
         keys, data = _written(store, 32, seed=13)
         assert _read(store, keys)[0] == 32  # the connections are open and idle now
 
@@ -237,7 +249,8 @@ def test_redis_stopped_or_killed_mid_read_is_a_bounded_miss_then_reads_recover(t
 def test_reads_authenticate_and_select_the_urls_db(server, monkeypatch, url, env):
     if env:
         monkeypatch.setenv(kv_stores.REMOTE_PASSWORD_ENV, env.format(pw=PASSWORD))
-    store = RedisStore(url.format(pw=PASSWORD, port=server.port, socket=server.socket), FINGERPRINT)
+    store = RedisStore(url.format(pw=PASSWORD, port=server.port, socket=server.socket), FINGERPRINT, read_connections=3)
+    store.min_share_bytes = 0  # each connection authenticates
     assert store.resp_reads
     keys, data = _written(store, 9, seed=15)
     intact, corrupt, rows = _read(store, keys)

@@ -30,8 +30,10 @@ _HEADER = struct.Struct("<6s16s16sQI")  # magic, fingerprint, key, payload lengt
 HEADER_BYTES = _HEADER.size
 REMOTE_TIMEOUT_S = float(os.environ.get("PAGODA_KV_REMOTE_TIMEOUT_S", "1.0"))
 REMOTE_BACKOFF_S = float(os.environ.get("PAGODA_KV_REMOTE_BACKOFF_S", "5.0"))
-# Connections (and threads) one remote read spreads its keys over.
+# Connections (and threads) one remote read spreads its keys over, each given at least
+# MIN_SHARE_BYTES of it (below that a thread and a connection cost more than they save).
 REMOTE_READ_CONNECTIONS = int(os.environ.get("PAGODA_KV_REMOTE_READ_CONNECTIONS", "4"))
+MIN_SHARE_BYTES = 4 << 20
 # The Redis password (the operator renders it from the Secret the spec names).
 REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
 # Every Redis key of the remote tier: NAMESPACE + <fingerprint hex> + b":" + <page key hex>.
@@ -162,9 +164,9 @@ class RedisStore:
     misses or skipped writes.
 
     Lookups, writes and INFO go through redis-py. Reads (`read_into`) land each entry's payload
-    straight in the caller's host row: over redis:// and unix://, `read_connections` (default
-    PAGODA_KV_REMOTE_READ_CONNECTIONS, 4) persistent connections of the store's own, each in a
-    thread of its own, pipeline a GET for each key of their share and receive each payload into its
+    straight in the caller's host row: over redis:// and unix://, up to `read_connections` (default
+    PAGODA_KV_REMOTE_READ_CONNECTIONS, 4; one per `min_share_bytes` read) persistent connections
+    of the store's own, each in a thread of its own, pipeline a GET for each key of their share and receive each payload into its
     row with no bytes object in between (`_RespConnection`), then check the entry in place (zlib's
     CRC-32 lets go of the GIL, so the shares are checked in parallel). Over rediss:// (TLS) reads
     go through redis-py's MGET, each reply then checked and copied into its row, as they do with
@@ -189,6 +191,7 @@ class RedisStore:
         self._username, self._password = options.get("username"), options.get("password") or password
         self._db = int(options.get("db") or 0)
         self.read_connections = max(1, read_connections or REMOTE_READ_CONNECTIONS)
+        self.min_share_bytes = MIN_SHARE_BYTES
         self._idle: list[_RespConnection] = []
         self.errors = 0
         self._down_until = 0.0
@@ -262,12 +265,22 @@ class RedisStore:
 
     def _read_resp(self, keys: list[bytes], rows: list[memoryview]) -> tuple[int, CorruptEntry | None]:
         """The keys in contiguous shares, one per connection; the calling thread reads the last."""
-        n = min(self.read_connections, len(keys))
+        total = sum(row.nbytes for row in rows)
+        n = max(1, min(self.read_connections, len(keys), total // max(1, self.min_share_bytes)))
         bounds = [(len(keys) * s // n, len(keys) * (s + 1) // n) for s in range(n)]
+        conns: list[_RespConnection] = []
+        try:
+            while len(conns) < n:
+                conns.append(self._connection())
+        except Exception as e:  # refused, timed out, AUTH or SELECT refused
+            for conn in conns:
+                conn.close()
+            self._failed("read", e)
+            return 0, None
         results: list = [None] * n
 
         def share(s: int) -> None:
-            results[s] = self._read_share(keys, rows, *bounds[s])
+            results[s] = self._read_share(conns[s], keys, rows, *bounds[s])
 
         threads = [threading.Thread(target=share, args=(s,), name=f"kv-remote-read-{s}") for s in range(n - 1)]
         for t in threads:
@@ -282,15 +295,14 @@ class RedisStore:
         return next(((stop, corrupt) for (stop, corrupt, _), (_, end) in zip(results, bounds) if stop < end),
                     (len(keys), None))
 
-    def _read_share(self, keys: list[bytes], rows: list[memoryview], start: int,
+    def _read_share(self, conn: _RespConnection, keys: list[bytes], rows: list[memoryview], start: int,
                     end: int) -> tuple[int, CorruptEntry | None, Exception | None]:
         """(first entry of keys[start:end] not intact, or end; why, when corrupt; the failure that
-        ended the share early). Every reply is read to its end, so the connection stays usable."""
+        ended the share early). Every reply is read to its end, so the connection stays usable;
+        after a failure it is closed."""
         stop, corrupt, i = end, None, start
         header = memoryview(bytearray(HEADER_BYTES))
-        conn = None
         try:
-            conn = self._connection()
             conn.send([(b"GET", self.name(keys[j])) for j in range(start, end)])
             for i in range(start, end):
                 try:
@@ -318,9 +330,8 @@ class RedisStore:
                         stop, corrupt = i, e
             self._release(conn)
             return stop, corrupt, None
-        except Exception as e:  # OSError (refused, reset, timed out), RespError, a malformed reply
-            if conn is not None:
-                conn.close()
+        except Exception as e:  # OSError (reset, timed out), RespError, a malformed reply
+            conn.close()
             return min(stop, i), None, e
 
     def _connection(self) -> _RespConnection:
