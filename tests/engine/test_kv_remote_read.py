@@ -98,8 +98,8 @@ def test_resp_reader_returns_the_bytes_mget_returns(store, connections):
     assert (intact, corrupt) == (len(keys), None)
     assert np.array_equal(rows, data)
     store.resp_reads = False  # redis-py's MGET, the reader of rediss://
-    assert _read(store, keys)[:2] == (len(keys), None)
-    assert np.array_equal(_read(store, keys)[2], rows)
+    intact, corrupt, mget_rows = _read(store, keys)
+    assert (intact, corrupt) == (len(keys), None) and np.array_equal(mget_rows, rows)
     assert store.errors == 0
 
 
