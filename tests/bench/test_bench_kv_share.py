@@ -10,7 +10,9 @@ import shutil
 import pytest
 import redis
 
+from pagoda_engine.bench import remote_read
 from pagoda_engine.cli import main
+from pagoda_engine.worker.kv_stores import REMOTE_READ_CONNECTIONS
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -19,10 +21,12 @@ REDIS_SERVER = shutil.which("redis-server")
 def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_path, capsys):
     out = tmp_path / "kv-share.json"
     rc = main(["bench", "kv-share", "--model", "pagoda-tiny", "--device", "cpu", "--dtype", "float32",
-               "--input-len", "256", "--num-prompts", "2", "--redis-maxmemory-gb", "0.25", "--output-json", str(out)])
+               "--input-len", "256", "--num-prompts", "2", "--redis-maxmemory-gb", "0.25", "--redis-io-threads", "2",
+               "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["valid"] and r["completed"] == 6
+    assert "2 I/O threads" in r["redis"] and r["remote_read_connections"] == REMOTE_READ_CONNECTIONS
     runs = {kind: [x for x in r["runs"] if x["kind"] == kind] for kind in ("recompute", "remote_hit", "computed_on_a")}
     assert [len(v) for v in runs.values()] == [2, 2, 2]
     for x in runs["remote_hit"]:
@@ -46,3 +50,16 @@ def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_pa
 def test_kv_share_refuses_the_tiers_that_would_hide_a_remote_hit(capsys):
     with pytest.raises(SystemExit, match="remote tier alone"):
         main(["bench", "kv-share", "--model", "pagoda-tiny", "--kv-offload-cpu-gb", "1"])
+
+
+@pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make setup installs it as root)")
+def test_remote_read_bench_measures_both_readers_on_every_setting(tmp_path, capsys):
+    out = tmp_path / "remote-read.json"
+    assert remote_read.main(["--pages", "8", "--page-mib", "0.25", "--connections", "1", "3", "--io-threads", "1", "2",
+                             "--repeats", "2", "--output-json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    measured = [(x["io_threads"], x["reader"], x["connections"]) for x in r["results"]]
+    assert measured == [(n, reader, k) for n in (1, 2) for reader, k in (("mget", 1), ("resp", 1), ("resp", 3))]
+    assert all(x["best_GBps"] >= x["median_GBps"] > 0 and len(x["seconds"]) == 2 for x in r["results"])
+    assert all(x["redis_cpu_ms_median"] >= 0 and x["reader_cpu_ms_median"] > 0 for x in r["results"])
+    assert "| RESP reader, 3 conn. |" in capsys.readouterr().out

@@ -2,10 +2,11 @@
 computed on one engine and sent to the other gets TTFT <= 0.5 x recomputing it".
 
 Started here (each stopped at the end): a `redis-server` (`--redis-server`, else the one on PATH) on
-a free port of 127.0.0.1, with no persistence and `--redis-maxmemory-gb` (allkeys-lru), unless
-`--kv-offload-remote-url` names a running one; then two `pagoda serve` engines, A and B, one after
-the other, both with that URL as their remote tier and the same engine flags (by default Llama-3.1-8B's
-architecture with dummy weights and the synthetic one-word-per-id tokenizer, as `bench serve`).
+a free port of 127.0.0.1, with no persistence, `--redis-maxmemory-gb` (allkeys-lru) and
+`--redis-io-threads` (default 1), unless `--kv-offload-remote-url` names a running one; then two
+`pagoda serve` engines, A and B, one after the other, both with that URL as their remote tier and
+the same engine flags (by default Llama-3.1-8B's architecture with dummy weights and the synthetic
+one-word-per-id tokenizer, as `bench serve`).
 
 Both fit on one GPU: each engine's KV pool is fixed by `--num-gpu-blocks-override` (default: four
 prompts' pages), since the engine's own sizing reads `--gpu-memory-utilization` as the share of the
@@ -56,6 +57,7 @@ import httpx
 import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
+from pagoda_engine.worker.kv_stores import REMOTE_READ_CONNECTIONS
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
     QUEUE_TIME,
@@ -91,6 +93,10 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-maxmemory-gb", type=float, default=16.0,
                    help="maxmemory of the redis-server started here (allkeys-lru); a Llama-3.1-8B prompt of "
                         "4,096 tokens takes 0.5 GiB, and every round stores two")
+    p.add_argument("--redis-io-threads", type=int, default=1, metavar="N",
+                   help="--io-threads of the redis-server started here (default 1: the main thread only). On a "
+                        "2-core machine 4 I/O threads did not measurably speed up the engines' reads (python -m "
+                        "pagoda_engine.bench.remote_read --io-threads 1 4 measures a machine; benchmarks.md)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids of the prompts are drawn below this (default: config.json of --model)")
     p.set_defaults(gpu_memory_utilization=0.42)
@@ -100,11 +106,12 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
 
 
 class RedisServer:
-    """A `redis-server` of this run: 127.0.0.1, a free port, no persistence, an LRU memory cap;
-    with PAGODA_KV_REMOTE_PASSWORD set, that password (the engines read it from there too)."""
+    """A `redis-server` of this run: 127.0.0.1, a free port, no persistence, an LRU memory cap,
+    `io_threads` I/O threads (1: none besides the main thread); with PAGODA_KV_REMOTE_PASSWORD
+    set, that password (the engines read it from there too)."""
 
-    def __init__(self, binary: str, maxmemory_gb: float):
-        self.binary, self.maxmemory_gb = binary, maxmemory_gb
+    def __init__(self, binary: str, maxmemory_gb: float, io_threads: int = 1):
+        self.binary, self.maxmemory_gb, self.io_threads = binary, maxmemory_gb, io_threads
         self.port = _free_port()
         self.url = f"redis://127.0.0.1:{self.port}"
         self.dir = Path(tempfile.mkdtemp(prefix="pagoda-kv-share-redis-"))
@@ -115,7 +122,7 @@ class RedisServer:
 
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--maxmemory", str(int(self.maxmemory_gb * (1 << 30))), "--maxmemory-policy", "allkeys-lru",
-               "--dir", str(self.dir)]
+               "--dir", str(self.dir), "--io-threads", str(self.io_threads)]
         if os.environ.get(REMOTE_PASSWORD_ENV):
             cmd += ["--requirepass", os.environ[REMOTE_PASSWORD_ENV]]
         with open(self.dir / "redis.log", "wb") as log:
@@ -329,6 +336,8 @@ def _check_args(args: argparse.Namespace) -> None:
                          "give one of them")
     if args.redis_maxmemory_gb <= 0:
         raise SystemExit("error: --redis-maxmemory-gb must be > 0")
+    if args.redis_io_threads < 1:
+        raise SystemExit("error: --redis-io-threads must be >= 1")
     if not args.enable_prefix_caching:
         raise SystemExit("error: kv-share needs prefix caching (the tiers are keyed by it)")
     if args.data_parallel_size != 1:
@@ -363,14 +372,15 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         if binary is None:
             raise SystemExit("error: no redis-server on PATH: install it (Debian: apt-get install redis-server), "
                              "or give --redis-server PATH or --kv-offload-remote-url redis://HOST:PORT")
-        redis_server = RedisServer(binary, args.redis_maxmemory_gb)
+        redis_server = RedisServer(binary, args.redis_maxmemory_gb, args.redis_io_threads)
         redis_server.start()
         args.kv_offload_remote_url = redis_server.url
     engines: list[LaunchedServer] = []
     try:
         if redis_server is not None:
             redis_desc = (f"redis-server {redis_server.version()} started on 127.0.0.1:{redis_server.port} "
-                          f"(maxmemory {args.redis_maxmemory_gb:g} GiB, allkeys-lru, no persistence)")
+                          f"(maxmemory {args.redis_maxmemory_gb:g} GiB, allkeys-lru, no persistence, "
+                          f"{args.redis_io_threads} I/O thread{'s' * (args.redis_io_threads > 1)})")
         else:
             redis_desc = f"the running Redis at {args.kv_offload_remote_url}"
         ready = []
@@ -381,7 +391,8 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         model = _served_model(a.url)
         print(f"=== pagoda bench kv-share: two engines sharing Redis ({args.num_prompts} rounds; prompts of "
               f"{args.input_len} tokens, {args.output_len} output token{'s' * (args.output_len > 1)}) ===")
-        print(f"redis: {redis_desc}")
+        print(f"redis: {redis_desc}; the engines read it over {REMOTE_READ_CONNECTIONS} connections each "
+              f"(PAGODA_KV_REMOTE_READ_CONNECTIONS)")
         print(f"engines: A {a.url} (ready in {ready[0]} s), B {b.url} (ready in {ready[1]} s); model {model!r} "
               f"({args.model}, {args.load_format} weights); KV pool {args.num_gpu_blocks_override or args.num_kv_pages} "
               f"pages each; no CPU or disk tier")
@@ -396,7 +407,8 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
                    "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
-                   "redis_started_here": redis_server is not None, "num_gpu_blocks_override": args.num_gpu_blocks_override,
+                   "redis_started_here": redis_server is not None, "remote_read_connections": REMOTE_READ_CONNECTIONS,
+                   "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)
     return result

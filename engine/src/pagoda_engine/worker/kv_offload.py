@@ -44,7 +44,6 @@ from pagoda_engine.worker.kv_stores import (
     DiskStore,
     RateLimitedLog,
     RedisStore,
-    decode_entry,
 )
 
 logger = logging.getLogger(__name__)
@@ -278,26 +277,29 @@ class KVOffloader:
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():  # this thread's device
             host = torch.empty((len(sources), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
         rows = host.view(len(sources), -1).view(torch.uint8).numpy()
-        remote_keys = [key for tier, key in sources if tier == REMOTE]
-        blobs = dict(zip(remote_keys, self.remote.read(remote_keys))) if remote_keys else {}
+        remote = [i for i, (tier, _) in enumerate(sources) if tier == REMOTE]
+        # Redis entries land in their rows and are checked there; `intact` of them in a row are good.
+        intact, corrupt = (self.remote.read_into([sources[i][1] for i in remote], [rows[i] for i in remote])
+                           if remote else (0, None))
+        remote_seen = 0
         for i, (tier, where) in enumerate(sources):
             if tier == CPU:
                 continue
             try:
                 if tier == DISK:
-                    payload = self.disk.read(where, self.payload_bytes)
-                else:
-                    blob = blobs.get(where)
-                    if blob is None:
+                    rows[i] = np.frombuffer(self.disk.read(where, self.payload_bytes), dtype=np.uint8)
+                elif remote_seen == intact:
+                    if corrupt is None:
                         return host, i  # evicted from Redis since the lookup, or Redis failed (counted there)
-                    payload = decode_entry(blob, self.fingerprint, where, self.payload_bytes)
+                    raise corrupt
+                else:
+                    remote_seen += 1
             except (CorruptEntry, OSError) as e:
                 self.errors[tier] += 1
                 self.bad.append((tier, where))
                 self._log.warning(f"bad-{tier}", "kv offload: %s entry %s unusable (%s): a miss, recomputed",
                                   tier, where.hex(), e)
                 return host, i
-            rows[i] = np.frombuffer(payload, dtype=np.uint8)
         return host, len(sources)
 
     def _write(self, store: _Store) -> tuple[list[bytes], bool]:
