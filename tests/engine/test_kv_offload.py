@@ -407,9 +407,9 @@ def test_request_aborted_while_its_prefix_loads_leaves_no_page_held(tmp_path):
 
 
 def test_a_prefix_on_disk_is_computed_from_the_front_while_its_rest_loads(reference, tmp_path):
-    """A split load: the request runs at once, computing its prefix's first chunk, and joins the
-    chunks that landed from disk where its computing reaches them; its tokens are those of a run
-    without tiers, and nothing leaks. Without a CPU tier, every prefix comes from disk."""
+    """A split load: the request runs at once, computing its prefix's front, and joins the rest,
+    landed from disk, where its computing reaches it; its tokens are those of a run without tiers,
+    and nothing leaks. Without a CPU tier, every prefix comes from disk."""
     from pagoda_engine.messages import EngineCoreRequest
 
     prompts = _prompts(6, 200, seed=8)
@@ -423,13 +423,13 @@ def test_a_prefix_on_disk_is_computed_from_the_front_while_its_rest_loads(refere
         core.step()
         req = core.scheduler.requests["again"]
         assert req.status.name == "RUNNING" and not core.kv.offload.is_loading("again")
-        assert core.kv.split_limit(req) == 32  # 12 pages in chunks of 2: it computes the first, 5 load
+        assert core.kv.split_limit(req) == 96  # 12 pages, nothing measured yet: it computes 6, 6 load
         assert _tier(llm, "disk").hit_tokens - disk_hits == 192  # the 12 pages the disk held, computed or loaded
         core.wait_for_offload()  # every chunk has landed
         while core.has_unfinished_requests():
             core.step()
         assert req.output_token_ids == expected[0]
-        assert req.num_cached_tokens == 160  # joined: computed 2 pages and the last 8 tokens, loaded 10 pages
+        assert req.num_cached_tokens == 96  # joined: computed 6 pages and the last 8 tokens, loaded 6 pages
         core.wait_for_offload()
         assert_no_leaks(llm)
 
@@ -497,3 +497,21 @@ def test_a_tier_too_small_for_one_page_is_refused_at_start(tier, message, tmp_pa
         tier = {**tier, "kv_offload_disk_path": str(tmp_path)}
     with pytest.raises(ModelLoadError, match=message):
         LLM(MODEL, num_gpu_blocks_override=24, max_model_len=256, **tier)
+
+
+def test_a_split_load_cuts_where_measured_load_and_compute_would_end_together(tmp_path):
+    from pagoda_engine.core.kv.offload.manager import Lookup
+
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        offload = llm.core.kv.offload
+        lookup = Lookup([bytes([i]) * 16 for i in range(12)], ["disk"] * 12, 12)
+        assert offload._split_cut(lookup) == 6  # nothing measured yet: half and half
+        offload.observe_prefill(512, 1.0)  # too short a step to estimate a prefill from
+        assert offload._split_cut(lookup) == 6
+        offload.observe_prefill(4096, 4096 * 50e-6)  # 50 us a token: 0.8 ms a page of 16
+        offload._page_load_s["disk"] = 4 * 0.8e-3  # a page loads 4 x slower than it computes
+        assert offload._split_cut(lookup) == 10  # 12 x 4 / 5 = 9.6 pages computed, the rest loaded
+        offload._page_load_s["disk"] = 0.8e-3 / 3  # 3 x faster
+        assert offload._split_cut(lookup) == 3
+        offload._page_load_s["disk"] = 100.0  # hopeless: still the last page loads
+        assert offload._split_cut(lookup) == 11

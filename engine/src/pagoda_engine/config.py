@@ -59,8 +59,8 @@ class CacheConfig:
     kv_offload_disk_path: str | None = None
     kv_offload_disk_gb: float = 0.0
     kv_offload_remote_url: str | None = None
-    # A prefix that starts on disk or in Redis: compute its front while its rest loads, and
-    # join where they meet (`OffloadManager.start_split_load`); off: load all of it first.
+    # A prefix that starts on disk or in Redis: compute it up to a cut while the rest loads, and
+    # join them there (`OffloadManager.start_split_load`); off: load all of it first.
     kv_offload_split_loads: bool = True
 
 
@@ -330,9 +330,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="KV tier in Redis shared by every replica, redis://host:port[/db] (password in "
                            "PAGODA_KV_REMOTE_PASSWORD)")
     p.add_argument("--kv-offload-split-loads", action=argparse.BooleanOptionalAction, default=True,
-                   help="a prefix found on disk or in Redis is computed from its front while its rest loads from "
-                        "the back, the two joined where they meet, so a slow tier never costs more time to first "
-                        "token than recomputing; --no-kv-offload-split-loads loads all of it first (least GPU work)")
+                   help="a prefix found on disk or in Redis is computed up to a cut while the pages after it load, "
+                        "then joined; the cut balances the measured load and prefill speeds, so a slow tier costs "
+                        "about no more time to first token than recomputing; --no-kv-offload-split-loads loads all "
+                        "of it first (least GPU work)")
 
 
 # The request limits' flags and what each bounds (ServerConfig holds the defaults).

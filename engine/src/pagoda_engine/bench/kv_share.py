@@ -30,8 +30,8 @@ request's device prefix hits (`pagoda:prefix_cache_hits_total` less the tiers' h
 tokens (`pagoda:kv_offload_hit_tokens_total{tier="remote"}`) are read before and after it. A round
 whose recompute found anything cached, or whose remote hit found nothing in Redis or hit the device
 cache, makes the run invalid (exit 1), so a "hit" that did not come from Redis cannot pass silently.
-With split loads (`--kv-offload-split-loads`, the engines' default) B computes the front of a prefix
-Redis holds while the rest loads: its prefix hits then count only the pages it took from Redis, and
+With split loads (`--kv-offload-split-loads`, the engines' default) B computes a prefix Redis holds up
+to a cut while the rest loads: its prefix hits then count only the pages it took from Redis, and
 fall short of the remote hit tokens by the pages it computed. `--no-kv-offload-split-loads` makes
 B load every page first.
 

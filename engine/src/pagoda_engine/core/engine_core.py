@@ -192,6 +192,7 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
+        self._launched_at = self._resolved_at = 0.0  # when it was launched; when the step before it was resolved
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
@@ -433,7 +434,9 @@ class EngineCore:
             self._check_compiled(idle=True)
             self._wait_for_offload()
             return EngineCoreOutputs(outputs=[], stats=self.get_stats())
+        started = time.monotonic()
         result = self.runner.execute(sched)
+        self.kv.observe_prefill(sched.num_tokens, time.monotonic() - started)
         self.kv.launch_stores()
         return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats(sched.num_tokens))
 
@@ -445,15 +448,22 @@ class EngineCore:
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
             prev = None
         sched = self.scheduler.schedule()
+        prev_launched = self._launched_at
         if not sched.is_empty:
             self._in_flight = self.runner.launch(sched, prev)
+            self._launched_at = time.monotonic()
             self.scheduler.advance(sched)
             self.kv.launch_stores()
         elif prev is None:
             self._check_compiled(idle=True)
             self._wait_for_offload()
         if prev is not None:
-            outputs = self._update(prev.sched, prev.resolve(), advanced=True)
+            result = prev.resolve()
+            # Its device time is at most from its launch, or from the end of the step before it.
+            now = time.monotonic()
+            self.kv.observe_prefill(prev.sched.num_tokens, now - max(prev_launched, self._resolved_at))
+            self._resolved_at = now
+            outputs = self._update(prev.sched, result, advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:

@@ -65,7 +65,8 @@ class KVCacheManager:
         it (`is_loading`), then is admitted with those pages as device hits. Once per load: the
         admission after it does not look below the device again. A prefix that starts on disk
         or in Redis is split instead where the pool holds it: the request is admitted at once,
-        computes its front (`split_limit`, `compute_limit`) and joins the rest as it lands."""
+        computes it up to a cut (`split_limit`, `compute_limit`) and joins there the pages that
+        loaded meanwhile."""
         if self.offload is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return device_hits
         if self.offload.has_loaded(req.request_id):
@@ -86,15 +87,20 @@ class KVCacheManager:
         self.prefix_hits -= len(device_hits) * self.page_size
         return None
 
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step's device time, for where split loads cut (`OffloadManager.observe_prefill`)."""
+        if self.offload is not None:
+            self.offload.observe_prefill(num_tokens, seconds)
+
     def split_limit(self, req: Request) -> int | None:
-        """Tokens a request admitted with a split load may compute before its first chunk (None: no split)."""
+        """Tokens a request admitted with a split load may compute before the cut (None: no split)."""
         limit = self.offload.split_limit(req.request_id) if self.offload is not None else None
         return None if limit is None else limit * self.page_size
 
     def compute_limit(self, req: Request) -> int | None:
-        """A running request with a split load: join the chunks that landed where its computing
-        has reached, and give up the chunk it reached still loading (it computes that one);
-        the tokens it may have computed after this step (None: no limit)."""
+        """A running request with a split load: at the cut, join the pages that landed, or give
+        them up while still loading (it computes them itself); the tokens it may have computed
+        after this step (None: no limit)."""
         if self.offload is None:
             return None
         while (chunk := self.offload.take_split_chunk(req.request_id, req.num_computed_tokens // self.page_size)):

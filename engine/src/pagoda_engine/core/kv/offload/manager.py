@@ -53,9 +53,11 @@ TIERS = (CPU, DISK, REMOTE)
 _GiB = 1 << 30
 # The remote tier remembers this many keys it wrote or saw, to write each once.
 _REMOTE_KNOWN_KEYS = 1 << 20
-# A split load (`OffloadManager.start_split_load`) cuts a prefix into this many chunks: the
-# request computes one a step from the front while the others load from the back.
-_SPLIT_CHUNKS = 8
+# Where a split load cuts (`OffloadManager.start_split_load`) comes from two estimates, each a
+# moving average (this weight for a new observation): a load's seconds per page from each tier,
+# and a prefill's seconds per token (long steps, measured by the core).
+_ESTIMATE_EMA = 0.3
+_PREFILL_MIN_TOKENS = 1024  # steps at least this long estimate the prefill's cost per token
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
 
@@ -123,9 +125,9 @@ class Load:
 
 @dataclass(eq=False)
 class _Split:
-    """A running request's prefix being computed from the front while it loads from the back."""
+    """A running request's prefix: computed up to a cut while the pages after it load."""
 
-    chunks: dict[int, int] = field(default_factory=dict)  # first page index -> load id, of the chunks not yet joined
+    chunks: dict[int, int] = field(default_factory=dict)  # first page index -> load id, of the loads not yet joined
     landed: dict[int, list[Page]] = field(default_factory=dict)  # first page index -> pages, held for the request
 
 
@@ -172,6 +174,8 @@ class OffloadManager:
         self._loading: dict[str, int] = {}  # request id -> load id
         self._held: dict[str, list[Page]] = {}  # requests whose load finished: their pages, held until admitted
         self._splits: dict[str, _Split] = {}  # running requests computing the front of a prefix that loads
+        self._page_load_s: dict[str, float] = {}  # deepest tier read -> a load's seconds per page
+        self._token_prefill_s: float | None = None  # a prefill's seconds per token
         self._ids = 0
         self._disk_deletes: list[bytes] = []
         self.world_size = len(started)
@@ -310,33 +314,46 @@ class OffloadManager:
         return True
 
     def start_split_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, num_new_pages: int) -> bool:
-        """Compute the front of `lookup`'s pages while loading the rest from the back: the
-        request is admitted now and computes from its device hits one chunk a step, while its other chunks load, last chunk first. At each
-        schedule it joins the chunks that landed where its computing has reached, and computes
-        through a chunk still loading there (that load then lands unclaimed: cached, not
-        used by it). A prefix that comes from Redis or disk slower than the GPU recomputes it
-        thus costs no more than recomputing it, and the two meet in the middle when both are
-        about as fast (as in Cake, "Compute or load KV cache? Why not both?", 2024).
-        False (nothing taken) unless split loads are on, the lookup starts below host memory, spans two chunks or
-        more, and the pool holds its pages and `num_new_pages` more for the request's other
-        tokens."""
+        """Compute the front of `lookup`'s pages while the rest loads: the request is admitted
+        now and computes up to a cut while the pages after it load (`split_limit`); at the cut
+        it joins them if they have landed, else it computes them too (`compute_limit`), so a
+        prefix costs at most about its recompute. The cut balances the two from what was
+        measured: a load's seconds per page from the deepest tier the lookup reads and the
+        prefill's seconds per token, so that both end together (half and half before either
+        was measured). However slow the tier, at least its last page loads, which keeps its
+        estimate fresh. As in Cake ("Compute or load KV cache? Why not both?", 2024), with one
+        cut instead of chunks from both ends: a prefill cut in small chunks costs far more than
+        in one step.
+        False (nothing taken, nothing decided) unless split loads are on, the lookup starts
+        below host memory and spans two pages or more, and the pool holds its pages and
+        `num_new_pages` more for the request's other tokens."""
         free_hits = sum(1 for p in device_hits if p.ref_cnt == 0)
         if (not self.split_loads or len(lookup) < 2 or lookup.tiers[0] == CPU
                 or len(lookup) + num_new_pages > self.pool.num_free_pages - free_hits):
             return False
-        first = len(device_hits)
-        size = -(-len(lookup) // _SPLIT_CHUNKS)
-        starts = list(range(size, len(lookup), size))  # chunk 0 is computed: the front is reached first
-        split = _Split()
+        cut = self._split_cut(lookup)
         self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
-        self.pool.touch(device_hits)  # free hits must not be handed out as the chunks' pages
-        for start in reversed(starts):
-            end = min(start + size, len(lookup))
-            load_id, _ = self._load(request_id, lookup.hashes[start:end], lookup.tiers[start:end], False)
-            split.chunks[first + start] = load_id
-        self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
+        split = _Split()
         self._splits[request_id] = split
+        self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
+        load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
+        self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
+        split.chunks[len(device_hits) + cut] = load_id
         return True
+
+    def _split_cut(self, lookup: Lookup) -> int:
+        """How many of the lookup's pages to compute before the loaded ones (`start_split_load`)."""
+        n = len(lookup)
+        load_s = self._page_load_s.get(max(lookup.tiers, key=TIERS.index))
+        if load_s is None or self._token_prefill_s is None:
+            return n // 2
+        t_load, t_compute = n * load_s, n * self.page_size * self._token_prefill_s
+        return min(max(1, round(n * t_load / (t_load + t_compute))), n - 1)
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` (mostly prefill) took `seconds` on the device."""
+        if num_tokens >= _PREFILL_MIN_TOKENS and seconds > 0:
+            self._token_prefill_s = _ema(self._token_prefill_s, seconds / num_tokens)
 
     def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool) -> tuple[int, Load]:
         """Take device pages for these keys and ask every rank to fill them from `tiers`."""
@@ -520,6 +537,8 @@ class OffloadManager:
         self.counters[deepest].observe_load(seconds)
         if load.landed:
             return
+        if ok:
+            self._page_load_s[deepest] = _ema(self._page_load_s.get(deepest), seconds / ok)
         if ok < len(load.pages):
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
@@ -588,3 +607,7 @@ class OffloadManager:
                 loaded_bytes=c.loaded_bytes, errors=errors, load_seconds_buckets=list(c.load_buckets),
                 load_seconds_sum=c.load_sum))
         return out
+
+
+def _ema(average: float | None, value: float) -> float:
+    return value if average is None else average + _ESTIMATE_EMA * (value - average)
