@@ -506,12 +506,17 @@ def test_a_split_load_cuts_where_measured_load_and_compute_would_end_together(tm
         offload = llm.core.kv.offload
         lookup = Lookup([bytes([i]) * 16 for i in range(12)], ["disk"] * 12, 12)
         assert offload._split_cut(lookup) == 6  # nothing measured yet: half and half
-        offload.observe_prefill(512, 1.0)  # too short a step to estimate a prefill from
+        offload.observe_step(512, 1.0)  # too short a step to estimate a prefill from
         assert offload._split_cut(lookup) == 6
-        offload.observe_prefill(4096, 4096 * 50e-6)  # 50 us a token: 0.8 ms a page of 16
+        offload.observe_step(4096, 4096 * 50e-6)  # 50 us a token: 0.8 ms a page of 16
         offload._page_load_s["disk"] = 4 * 0.8e-3  # a page loads 4 x slower than it computes
         assert offload._split_cut(lookup) == 10  # 12 x 4 / 5 = 9.6 pages computed, the rest loaded
         offload._page_load_s["disk"] = 0.8e-3 / 3  # 3 x faster
         assert offload._split_cut(lookup) == 3
         offload._page_load_s["disk"] = 100.0  # hopeless: still the last page loads
         assert offload._split_cut(lookup) == 11
+        # Pages that would save less compute than the step a split adds (two of 10 ms) are
+        # recomputed, except every 16th time, which loads them to keep the estimate fresh.
+        offload.observe_step(1, 0.010)
+        assert offload._worth_loading(30)  # 24 ms of prefill saved
+        assert [offload._worth_loading(12) for _ in range(16)] == [False] * 15 + [True]  # 9.6 ms

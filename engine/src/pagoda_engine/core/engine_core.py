@@ -436,7 +436,7 @@ class EngineCore:
             return EngineCoreOutputs(outputs=[], stats=self.get_stats())
         started = time.monotonic()
         result = self.runner.execute(sched)
-        self.kv.observe_prefill(sched.num_tokens, time.monotonic() - started)
+        self.kv.observe_step(sched.num_tokens, time.monotonic() - started)
         self.kv.launch_stores()
         return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats(sched.num_tokens))
 
@@ -461,7 +461,7 @@ class EngineCore:
             result = prev.resolve()
             # Its device time is at most from its launch, or from the end of the step before it.
             now = time.monotonic()
-            self.kv.observe_prefill(prev.sched.num_tokens, now - max(prev_launched, self._resolved_at))
+            self.kv.observe_step(prev.sched.num_tokens, now - max(prev_launched, self._resolved_at))
             self._resolved_at = now
             outputs = self._update(prev.sched, result, advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))

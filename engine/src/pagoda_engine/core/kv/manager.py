@@ -87,10 +87,10 @@ class KVCacheManager:
         self.prefix_hits -= len(device_hits) * self.page_size
         return None
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step's device time, for where split loads cut (`OffloadManager.observe_prefill`)."""
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step's device time (at most), for where split loads cut (`OffloadManager.observe_step`)."""
         if self.offload is not None:
-            self.offload.observe_prefill(num_tokens, seconds)
+            self.offload.observe_step(num_tokens, seconds)
 
     def split_limit(self, req: Request) -> int | None:
         """Tokens a request admitted with a split load may compute before the cut (None: no split)."""

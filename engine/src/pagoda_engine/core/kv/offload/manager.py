@@ -58,6 +58,11 @@ _REMOTE_KNOWN_KEYS = 1 << 20
 # and a prefill's seconds per token (long steps, measured by the core).
 _ESTIMATE_EMA = 0.3
 _PREFILL_MIN_TOKENS = 1024  # steps at least this long estimate the prefill's cost per token
+_SMALL_STEP_MAX_TOKENS = 64  # steps at most this long estimate what the step a split adds costs
+# A split whose loaded pages would save less than this many of those steps recomputes instead,
+# except every `_PROBE_EVERY`th such time, which keeps the tier's estimate fresh.
+_MIN_SAVED_STEPS = 2
+_PROBE_EVERY = 16
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
 
@@ -176,6 +181,8 @@ class OffloadManager:
         self._splits: dict[str, _Split] = {}  # running requests computing the front of a prefix that loads
         self._page_load_s: dict[str, float] = {}  # deepest tier read -> a load's seconds per page
         self._token_prefill_s: float | None = None  # a prefill's seconds per token
+        self._small_step_s: float | None = None  # a step of a few tokens' seconds
+        self._not_worth = 0  # splits that recomputed all because loading would not pay
         self._ids = 0
         self._disk_deletes: list[bytes] = []
         self.world_size = len(started)
@@ -320,8 +327,9 @@ class OffloadManager:
         prefix costs at most about its recompute. The cut balances the two from what was
         measured: a load's seconds per page from the deepest tier the lookup reads and the
         prefill's seconds per token, so that both end together (half and half before either
-        was measured). However slow the tier, at least its last page loads, which keeps its
-        estimate fresh. As in Cake ("Compute or load KV cache? Why not both?", 2024), with one
+        was measured). When what would load saves less compute than the step the split adds
+        (`_worth_loading`), the request computes everything, but every so often it loads anyway,
+        which keeps the tier's estimate fresh. As in Cake ("Compute or load KV cache? Why not both?", 2024), with one
         cut instead of chunks from both ends: a prefill cut in small chunks costs far more than
         in one step.
         False (nothing taken, nothing decided) unless split loads are on, the lookup starts
@@ -335,6 +343,8 @@ class OffloadManager:
         self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
         split = _Split()
         self._splits[request_id] = split
+        if not self._worth_loading(len(lookup) - cut):
+            return True  # the request computes it all, as if nothing had been found
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
         load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
@@ -350,10 +360,25 @@ class OffloadManager:
         t_load, t_compute = n * load_s, n * self.page_size * self._token_prefill_s
         return min(max(1, round(n * t_load / (t_load + t_compute))), n - 1)
 
-    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
-        """A step of `num_tokens` (mostly prefill) took `seconds` on the device."""
-        if num_tokens >= _PREFILL_MIN_TOKENS and seconds > 0:
+    def _worth_loading(self, num_pages: int) -> bool:
+        """Whether loading `num_pages` after a split's cut saves more than the step the split
+        adds (the request stops at the cut and joins them on the next schedule)."""
+        if self._token_prefill_s is None or self._small_step_s is None:
+            return True
+        if num_pages * self.page_size * self._token_prefill_s >= _MIN_SAVED_STEPS * self._small_step_s:
+            return True
+        self._not_worth += 1
+        return self._not_worth % _PROBE_EVERY == 0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of `num_tokens` took at most `seconds` on the device: long ones estimate the
+        prefill's cost per token, short ones what a step costs at least."""
+        if seconds <= 0:
+            return
+        if num_tokens >= _PREFILL_MIN_TOKENS:
             self._token_prefill_s = _ema(self._token_prefill_s, seconds / num_tokens)
+        elif num_tokens <= _SMALL_STEP_MAX_TOKENS:
+            self._small_step_s = _ema(self._small_step_s, seconds)
 
     def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool) -> tuple[int, Load]:
         """Take device pages for these keys and ask every rank to fill them from `tiers`."""
