@@ -515,8 +515,10 @@ def test_a_split_load_cuts_where_measured_load_and_compute_would_end_together(tm
         assert offload._split_cut(lookup) == 3
         offload._page_load_s["disk"] = 100.0  # hopeless: still the last page loads
         assert offload._split_cut(lookup) == 11
-        # Pages that would save less compute than the step a split adds (two of 10 ms) are
-        # recomputed, except every 16th time, which loads them to keep the estimate fresh.
+        # Pages that would save less compute than the step a split adds (two of 10 ms), or that
+        # are under a fifth of what was found, are recomputed, except every 16th time, which
+        # loads them to keep the estimate fresh.
         offload.observe_step(1, 0.010)
-        assert offload._worth_loading(30)  # 24 ms of prefill saved
-        assert [offload._worth_loading(12) for _ in range(16)] == [False] * 15 + [True]  # 9.6 ms
+        assert offload._worth_loading(30, 100)  # 24 ms of prefill saved
+        assert [offload._worth_loading(12, 40) for _ in range(16)] == [False] * 15 + [True]  # 9.6 ms
+        assert not offload._worth_loading(30, 200)  # 15 % of what was found
