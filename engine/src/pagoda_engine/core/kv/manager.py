@@ -98,23 +98,19 @@ class KVCacheManager:
         return None if limit is None else limit * self.page_size
 
     def compute_limit(self, req: Request) -> int | None:
-        """A running request with a split load: at the cut, join the pages that landed, or give
-        them up while still loading (it computes them itself); the tokens it may have computed
-        after this step (None: no limit)."""
-        if self.offload is None:
+        """A running request with a split load: before the cut, the tokens it may have computed
+        after this step; at the cut, it joins the pages that landed (or computes them itself
+        while they are still loading), and has no limit from then on (None)."""
+        cut = self.offload.split_limit(req.request_id) if self.offload is not None else None
+        if cut is None:
             return None
-        while (chunk := self.offload.take_split_chunk(req.request_id, req.num_computed_tokens // self.page_size)):
-            start, pages = chunk
-            if start * self.page_size > req.num_computed_tokens:
-                return start * self.page_size
-            if pages is None:
-                self.offload.give_up_chunk(req.request_id, start)
-                continue
-            self._join(req, pages)
+        if cut * self.page_size > req.num_computed_tokens:
+            return cut * self.page_size
+        self._join(req, self.offload.take_split(req.request_id))
         return None
 
     def give_up_split(self, req: Request) -> None:
-        """The request was not admitted after all: the chunks loading for it land unclaimed."""
+        """The request stopped running, or was not admitted after all: its split's pages go back."""
         if self.offload is not None:
             self.offload.cancel_split(req.request_id)
 

@@ -134,10 +134,11 @@ class Load:
 
 @dataclass(eq=False)
 class _Split:
-    """A running request's prefix: computed up to a cut while the pages after it load."""
+    """A running request's prefix: computed up to `cut` while the pages after it load."""
 
-    chunks: dict[int, int] = field(default_factory=dict)  # first page index -> load id, of the loads not yet joined
-    landed: dict[int, list[Page]] = field(default_factory=dict)  # first page index -> pages, held for the request
+    cut: int  # the request's page index where the loaded pages start
+    load_id: int
+    landed: list[Page] | None = None  # once landed: the pages that arrived, held for the request
 
 
 @dataclass
@@ -182,7 +183,7 @@ class OffloadManager:
         self._loads: dict[int, Load] = {}
         self._loading: dict[str, int] = {}  # request id -> load id
         self._held: dict[str, list[Page]] = {}  # requests whose load finished: their pages, held until admitted
-        self._splits: dict[str, _Split] = {}  # running requests computing the front of a prefix that loads
+        self._splits: dict[str, _Split] = {}  # running requests computing a prefix up to a cut while the rest loads
         self._page_load_s: dict[str, float] = {}  # deepest tier read -> a load's seconds per page
         self._token_prefill_s: float | None = None  # a prefill's seconds per token
         self._small_step_s: float | None = None  # a step of a few tokens' seconds
@@ -333,9 +334,9 @@ class OffloadManager:
         prefill's seconds per token, so that both end together (half and half before either
         was measured). When what would load saves less compute than the step the split adds
         (`_worth_loading`), the request computes everything, but every so often it loads anyway,
-        which keeps the tier's estimate fresh. As in Cake ("Compute or load KV cache? Why not both?", 2024), with one
-        cut instead of chunks from both ends: a prefill cut in small chunks costs far more than
-        in one step.
+        which keeps the tier's estimate fresh. As in Cake ("Compute or load KV cache? Why not
+        both?", 2024), with one cut instead of chunks from both ends: a prefill cut in small
+        chunks costs far more than in one step.
         False (nothing taken, nothing decided) unless split loads are on, the lookup starts
         below host memory and spans two pages or more, and the pool holds its pages and
         `num_new_pages` more for the request's other tokens."""
@@ -345,14 +346,12 @@ class OffloadManager:
             return False
         cut = self._split_cut(lookup)
         self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
-        split = _Split()
-        self._splits[request_id] = split
         if not self._worth_loading(len(lookup) - cut, len(lookup)):
             return True  # the request computes it all, as if nothing had been found
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
         load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
-        split.chunks[len(device_hits) + cut] = load_id
+        self._splits[request_id] = _Split(len(device_hits) + cut, load_id)
         return True
 
     def _split_cut(self, lookup: Lookup) -> int:
@@ -408,47 +407,25 @@ class OffloadManager:
     # --- split loads (`start_split_load`) ---------------------------------------------------------
 
     def split_limit(self, request_id: str) -> int | None:
-        """The page index up to which a split-loading request may compute now (None: no split)."""
+        """The request's page index up to which it may compute before its split's cut (None: no split)."""
         split = self._splits.get(request_id)
+        return None if split is None else split.cut
+
+    def take_split(self, request_id: str) -> list[Page] | None:
+        """At its cut, the request takes its split's pages that landed (the caller owns their
+        references from now on): none while they are still loading (it computes them itself,
+        and they land unclaimed: given back, cached). None: the request has no split."""
+        split = self._splits.pop(request_id, None)
         if split is None:
             return None
-        return min(split.chunks, default=None)
-
-    def take_split_chunk(self, request_id: str, frontier: int) -> tuple[int, list[Page] | None] | None:
-        """The request's next split chunk now that it has computed (or joined) its pages before
-        `frontier`: (the chunk's first page index, and its pages when it starts at `frontier`
-        and has landed: handed over, the caller owns their references from now on). Chunks
-        the request computed past are given up. None: no chunk is left."""
-        split = self._splits.get(request_id)
-        if split is None:
-            return None
-        for start in [s for s in split.chunks if s < frontier]:
-            self._give_up(split, start)
-        if not split.chunks:
-            del self._splits[request_id]
-            return None
-        start = min(split.chunks)
-        pages = split.landed.pop(start, None) if start == frontier else None
-        if pages is not None:
-            del split.chunks[start]
-        return start, pages
-
-    def give_up_chunk(self, request_id: str, start: int) -> None:
-        """The request computes the chunk at `start` itself (it was still loading when reached)."""
-        self._give_up(self._splits[request_id], start)
-
-    def _give_up(self, split: "_Split", start: int) -> None:
-        del split.chunks[start]
-        pages = split.landed.pop(start, None)
-        if pages is not None:
-            self.pool.free_pages(reversed(pages))  # cached: a later request may still hit them
-        # A chunk still loading lands unclaimed (`_finish_load`): its pages are given back, cached.
+        return split.landed or []
 
     def cancel_split(self, request_id: str) -> None:
-        """The request stopped running (finished, aborted, preempted): its chunks are given up."""
+        """The request stopped running (finished, aborted, preempted) or was not admitted: pages
+        that landed for it are given back (cached); a load still running lands unclaimed."""
         split = self._splits.pop(request_id, None)
-        for start in list(split.chunks) if split is not None else ():
-            self._give_up(split, start)
+        if split is not None and split.landed:
+            self.pool.free_pages(reversed(split.landed))
 
     def is_loading(self, request_id: str) -> bool:
         return request_id in self._loading
@@ -574,9 +551,8 @@ class OffloadManager:
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
         split = self._splits.get(load.request_id)
-        start = next((s for s, i in split.chunks.items() if i == load_id), None) if split is not None else None
-        if start is not None:
-            split.landed[start] = self._land(load, ok, claimed=True)
+        if split is not None and split.load_id == load_id:
+            split.landed = self._land(load, ok, claimed=True)
             return
         claimed = self._loading.get(load.request_id) == load_id
         if claimed:
