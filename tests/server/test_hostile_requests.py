@@ -242,10 +242,12 @@ def test_health_answers_within_100ms_while_the_heaviest_requests_run(default_lim
         assert poller.count > 10
         return poller
 
-    poller = heaviest_requests_once()
-    if poller.worst >= 0.1:
-        # Once more before failing: on a 2-core CI machine the other test worker can hold the CPU
-        # for a moment; a loop that really stalls on this work stalls in both rounds.
-        first = poller.worst
-        poller = heaviest_requests_once()
-        assert poller.worst < 0.1, f"/health took {first * 1000:.0f} ms, then {poller.worst * 1000:.0f} ms at worst"
+    # Up to three rounds before failing: on a 2-core CI machine the other test worker can hold the
+    # CPU for a while (a fresh clone's suite once saw 133 and 134 ms; alone it is 20-40 ms); a
+    # loop that really stalls on this work stalls in every round.
+    worst = []
+    for _ in range(3):
+        worst.append(heaviest_requests_once().worst)
+        if worst[-1] < 0.1:
+            break
+    assert worst[-1] < 0.1, f"/health took {', '.join(f'{w * 1000:.0f}' for w in worst)} ms at worst in each round"
