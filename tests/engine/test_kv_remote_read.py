@@ -262,3 +262,17 @@ def test_a_wrong_password_is_a_counted_failure_not_an_exception(server):
     keys, _ = _entries(4, seed=16)
     assert store.read_into(keys, list(np.zeros((4, PAYLOAD), dtype=np.uint8))) == (0, None)
     assert store.errors == 1
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "four", ""])
+def test_a_bad_read_connection_count_is_refused_at_start(monkeypatch, value):
+    from pagoda_engine import LLM
+    from pagoda_engine.tiny import default_model_dir
+
+    monkeypatch.setenv("PAGODA_KV_REMOTE_READ_CONNECTIONS", value)
+    message = f"PAGODA_KV_REMOTE_READ_CONNECTIONS must be a whole number >= 1, got '{value}'"
+    with pytest.raises(ValueError, match=message):
+        RedisStore("redis://127.0.0.1:1", FINGERPRINT)
+    with pytest.raises(ValueError, match=message):  # an engine with a remote tier does not start
+        LLM(str(default_model_dir()), num_gpu_blocks_override=24, max_model_len=256,
+            kv_offload_remote_url="redis://127.0.0.1:1")

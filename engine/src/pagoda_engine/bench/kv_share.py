@@ -57,7 +57,7 @@ import httpx
 import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
-from pagoda_engine.worker.kv_stores import REMOTE_READ_CONNECTIONS
+from pagoda_engine.worker.kv_stores import remote_read_connections
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
     QUEUE_TIME,
@@ -391,7 +391,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         model = _served_model(a.url)
         print(f"=== pagoda bench kv-share: two engines sharing Redis ({args.num_prompts} rounds; prompts of "
               f"{args.input_len} tokens, {args.output_len} output token{'s' * (args.output_len > 1)}) ===")
-        print(f"redis: {redis_desc}; the engines read it over {REMOTE_READ_CONNECTIONS} connections each "
+        print(f"redis: {redis_desc}; the engines read it over {remote_read_connections()} connections each "
               f"(PAGODA_KV_REMOTE_READ_CONNECTIONS)")
         print(f"engines: A {a.url} (ready in {ready[0]} s), B {b.url} (ready in {ready[1]} s); model {model!r} "
               f"({args.model}, {args.load_format} weights); KV pool {args.num_gpu_blocks_override or args.num_kv_pages} "
@@ -407,7 +407,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
                    "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
-                   "redis_started_here": redis_server is not None, "remote_read_connections": REMOTE_READ_CONNECTIONS,
+                   "redis_started_here": redis_server is not None, "remote_read_connections": remote_read_connections(),
                    "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)

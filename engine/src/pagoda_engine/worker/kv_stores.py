@@ -32,7 +32,7 @@ REMOTE_TIMEOUT_S = float(os.environ.get("PAGODA_KV_REMOTE_TIMEOUT_S", "1.0"))
 REMOTE_BACKOFF_S = float(os.environ.get("PAGODA_KV_REMOTE_BACKOFF_S", "5.0"))
 # Connections (and threads) one remote read spreads its keys over, each given at least
 # MIN_SHARE_BYTES of it (below that a thread and a connection cost more than they save).
-REMOTE_READ_CONNECTIONS = int(os.environ.get("PAGODA_KV_REMOTE_READ_CONNECTIONS", "4"))
+REMOTE_READ_CONNECTIONS_ENV = "PAGODA_KV_REMOTE_READ_CONNECTIONS"
 MIN_SHARE_BYTES = 4 << 20
 # The Redis password (the operator renders it from the Secret the spec names).
 REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
@@ -73,6 +73,19 @@ def check_entry(header: memoryview, payload: memoryview, stored_bytes: int, fing
         raise CorruptEntry(f"truncated: {stored_bytes} of {payload_bytes} payload bytes")
     if zlib.crc32(payload) != crc:
         raise CorruptEntry("checksum mismatch")
+
+
+def remote_read_connections() -> int:
+    """How many connections a Redis read spreads over: PAGODA_KV_REMOTE_READ_CONNECTIONS (default
+    4), a whole number >= 1; anything else is refused at start-up rather than bent into range."""
+    raw = os.environ.get(REMOTE_READ_CONNECTIONS_ENV, "4")
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{REMOTE_READ_CONNECTIONS_ENV} must be a whole number >= 1, got {raw!r}")
+    return n
 
 
 class RateLimitedLog:
@@ -190,7 +203,7 @@ class RedisStore:
                                                                     options.get("port") or 6379)
         self._username, self._password = options.get("username"), options.get("password") or password
         self._db = int(options.get("db") or 0)
-        self.read_connections = max(1, read_connections or REMOTE_READ_CONNECTIONS)
+        self.read_connections = read_connections if read_connections is not None else remote_read_connections()
         self.min_share_bytes = MIN_SHARE_BYTES
         self._idle: list[_RespConnection] = []
         self.errors = 0
