@@ -160,10 +160,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            limit = self.kv.compute_limit(req)  # a prefix still loading from disk or Redis
+            limit = self.kv.compute_limit(req)  # a split load's cut, short of max_model_len; else None
+            end = self.max_model_len if limit is None else limit
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
-                          self.max_model_len - req.num_computed_tokens,
-                          (limit if limit is not None else self.max_model_len) - req.num_computed_tokens)
+                          end - req.num_computed_tokens)
             if num_new <= 0 or (req.num_output_placeholders and (skip_in_flight or self._placeholder_is_last(req))):
                 i += 1
                 continue
@@ -207,9 +207,8 @@ class Scheduler:
             if computed_pages is None:
                 continue  # its prefix comes up from disk or Redis
             num_cached = len(computed_pages) * self.kv.page_size
-            limit = self.kv.split_limit(req)
-            num_new = min(req.num_tokens - num_cached, budget,
-                          (limit if limit is not None else req.num_tokens) - num_cached)
+            limit = self.kv.split_limit(req)  # a split load's cut, short of the prompt's end; else None
+            num_new = min((req.num_tokens if limit is None else limit) - num_cached, budget)
             if not self.kv.allocate_slots(req, num_new, computed_pages) and not (
                     self.kv.release_loaded_pages(but=req) and self.kv.allocate_slots(req, num_new, computed_pages)):
                 self.kv.give_up_split(req)  # nothing was taken: a split load started for it is given up

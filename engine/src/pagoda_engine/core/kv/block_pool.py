@@ -63,6 +63,11 @@ class BlockPool:
     def get_cached_page(self, page_hash: bytes) -> Page | None:
         return self.cached.get(page_hash) if self.enable_caching else None
 
+    def has_room(self, hits: Sequence[Page], num_new: int) -> bool:
+        """Whether `num_new` new pages can be handed out once `hits` are taken: hits sitting in
+        the free queue stop being free when taken."""
+        return num_new <= self.num_free_pages - sum(1 for p in hits if p.ref_cnt == 0)
+
     def touch(self, pages: Iterable[Page]) -> None:
         """Take a reference on prefix-cache hits, pulling free ones out of the free queue."""
         for page in pages:

@@ -101,16 +101,16 @@ class KVCacheManager:
         """A running request with a split load: before the cut, the tokens it may have computed
         after this step; at the cut, it joins the pages that landed (or computes them itself
         while they are still loading), and has no limit from then on (None)."""
-        cut = self.offload.split_limit(req.request_id) if self.offload is not None else None
+        cut = self.split_limit(req)
         if cut is None:
             return None
-        if cut * self.page_size > req.num_computed_tokens:
-            return cut * self.page_size
+        if cut > req.num_computed_tokens:
+            return cut
         self._join(req, self.offload.take_split(req.request_id))
         return None
 
     def give_up_split(self, req: Request) -> None:
-        """The request stopped running, or was not admitted after all: its split's pages go back."""
+        """The request was not admitted after all: its split's pages go back."""
         if self.offload is not None:
             self.offload.cancel_split(req.request_id)
 
@@ -162,9 +162,7 @@ class KVCacheManager:
         num_computed = req.num_computed_tokens + len(computed_pages) * self.page_size
         num_needed = -(-(num_computed + num_new_tokens) // self.page_size)
         num_to_allocate = num_needed - len(pages) - len(computed_pages)
-        # Hits sitting in the free queue stop being free when we take them.
-        num_free_hits = sum(1 for p in computed_pages if p.ref_cnt == 0)
-        if num_to_allocate > self.pool.num_free_pages - num_free_hits:
+        if not self.pool.has_room(computed_pages, num_to_allocate):
             return False
         self.pool.touch(computed_pages)
         pages = self.req_pages.setdefault(req.request_id, [])
@@ -195,7 +193,7 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         if self.offload is not None:
             self.offload.release_held(req.request_id)
-        self.give_up_split(req)
+            self.offload.cancel_split(req.request_id)
         pages = self.req_pages.pop(req.request_id, [])
         self.req_page_ids.pop(req.request_id, None)
         self.pool.free_pages(reversed(pages))

@@ -311,8 +311,7 @@ class OffloadManager:
         two after its copies are seen done. Host memory cannot fail a read, so all of them
         arrive. Pages from disk or Redis are read by threads that may fail: the request waits
         for them (`is_loading`) and is admitted on a later schedule."""
-        free_hits = sum(1 for p in device_hits if p.ref_cnt == 0)
-        if len(lookup) > self.pool.num_free_pages - free_hits:
+        if not self.pool.has_room(device_hits, len(lookup)):
             return False
         self.pool.touch(device_hits)
         self.record_lookup(lookup)
@@ -340,9 +339,8 @@ class OffloadManager:
         False (nothing taken, nothing decided) unless split loads are on, the lookup starts
         below host memory and spans two pages or more, and the pool holds its pages and
         `num_new_pages` more for the request's other tokens."""
-        free_hits = sum(1 for p in device_hits if p.ref_cnt == 0)
         if (not self.split_loads or len(lookup) < 2 or lookup.tiers[0] == CPU
-                or len(lookup) + num_new_pages > self.pool.num_free_pages - free_hits):
+                or not self.pool.has_room(device_hits, len(lookup) + num_new_pages)):
             return False
         cut = self._split_cut(lookup)
         self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
