@@ -149,7 +149,9 @@ def test_inconsistent_node_flags_are_clear_errors(flags, message):
     (["--kv-offload-cpu-gb", "-1"], r"--kv-offload-cpu-gb and --kv-offload-disk-gb must be >= 0"),
     (["--kv-offload-cpu-gb", "4", "--no-enable-prefix-caching"], r"they need --enable-prefix-caching"),
     (["--kv-offload-disk-gb", "10"], r"--kv-offload-disk-gb needs --kv-offload-disk-path"),
-    (["--kv-offload-remote-url", "http://kv:6379"], r"--kv-offload-remote-url must be redis://"),
+    (["--kv-offload-remote-url", "http://kv:6379"], r"--kv-offload-remote-url: 'http://kv:6379' is not redis://"),
+    (["--kv-offload-remote-url", "redis://a:6379,"], r"--kv-offload-remote-url: '' is not redis://"),
+    (["--kv-offload-remote-url", "redis://a:6379,redis://a:6379"], r"names a server twice"),
 ])
 def test_bad_kv_offload_flags_are_refused_before_anything_loads(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -276,3 +276,98 @@ def test_a_bad_read_connection_count_is_refused_at_start(monkeypatch, value):
     with pytest.raises(ValueError, match=message):  # an engine with a remote tier does not start
         LLM(str(default_model_dir()), num_gpu_blocks_override=24, max_model_len=256,
             kv_offload_remote_url="redis://127.0.0.1:1")
+
+
+# --- the remote tier over several servers (ShardedRedisStore) --------------------------------------
+
+
+def test_shard_index_spreads_names_evenly_and_an_appended_server_takes_only_its_share():
+    names = [b"pagoda:kv:%d" % i for i in range(6000)]
+    three = [kv_stores.shard_index(n, 3) for n in names]
+    assert all(1700 < three.count(s) < 2300 for s in range(3))
+    four = [kv_stores.shard_index(n, 4) for n in names]
+    moved = [(a, b) for a, b in zip(three, four) if a != b]
+    assert all(b == 3 for _, b in moved)  # a key moves only to the new server
+    assert 1200 < len(moved) < 1800  # about a quarter of them
+    assert {kv_stores.shard_index(n, 1) for n in names} == {0}
+
+
+def test_remote_urls_are_split_and_checked():
+    assert kv_stores.split_remote_urls("redis://a:1, rediss://b:2/3 ,unix:///run/r.sock") == [
+        "redis://a:1", "rediss://b:2/3", "unix:///run/r.sock"]
+    for bad, message in (("http://a:1", "is not redis://"), ("redis://a:1,,redis://b:1", "'' is not redis://"),
+                         ("redis://", "is not redis://"), ("redis://a:1,redis://a:1", "names a server twice")):
+        with pytest.raises(ValueError, match=message):
+            kv_stores.split_remote_urls(bad)
+    assert isinstance(kv_stores.remote_store("redis://a:1", FINGERPRINT), RedisStore)
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("redis-shards")
+    servers = [RedisProc(tmp, "--requirepass", PASSWORD) for _ in range(3)]
+    yield servers
+    for server in servers:
+        server.stop()
+
+
+def _sharded(servers: list[RedisProc], **options) -> kv_stores.ShardedRedisStore:
+    urls = ",".join(f"redis://:{PASSWORD}@127.0.0.1:{s.port}" for s in servers)
+    store = kv_stores.remote_store(urls, FINGERPRINT, read_connections=2, **options)
+    assert isinstance(store, kv_stores.ShardedRedisStore)
+    for shard in store.shards:
+        shard.min_share_bytes = 2 * PAYLOAD
+    return store
+
+
+def test_a_sharded_store_puts_each_entry_on_its_server_and_reads_them_all_back(shards):
+    store = _sharded(shards)
+    keys, data = _written(store, 45, seed=20)
+    held = [sum(shard.client.exists(shard.name(k)) for k in keys) for shard in store.shards]
+    want = [sum(kv_stores.shard_index(store.shards[0].name(k), 3) == s for k in keys) for s in range(3)]
+    assert held == want and sum(held) == 45 and min(held) > 0  # each entry once, on its server
+    assert store.exists(keys + [b"\0" * 16]) == [True] * 45 + [False]
+    intact, corrupt, rows = _read(store, keys)
+    assert (intact, corrupt) == (45, None) and np.array_equal(rows, data)
+    capacity, used = store.memory()
+    assert capacity == 0 and used >= 45 * PAYLOAD  # no maxmemory on these servers: no cap
+    assert store.errors == 0
+
+
+def test_a_sharded_read_stops_at_the_first_entry_not_intact_on_any_server(shards):
+    store = _sharded(shards)
+    keys, data = _written(store, 30, seed=21)
+    owner = store.shards[kv_stores.shard_index(store.shards[0].name(keys[17]), 3)]
+    owner.client.set(owner.name(keys[17]), b"garbage" * 100)
+    gone = store.shards[kv_stores.shard_index(store.shards[0].name(keys[23]), 3)]
+    gone.client.delete(gone.name(keys[23]))
+    intact, corrupt, rows = _read(store, keys)
+    assert intact == 17 and "not a Pagoda KV entry" in str(corrupt)
+    assert np.array_equal(rows[:17], data[:17])
+    assert _read(store, keys[18:])[:2] == (5, None)  # then the absent one, a plain miss
+
+
+def test_a_dead_server_costs_only_its_own_entries(tmp_path, monkeypatch):
+    monkeypatch.setattr(kv_stores, "REMOTE_BACKOFF_S", 60.0)
+    servers = [RedisProc(tmp_path, "--requirepass", PASSWORD) for _ in range(2)]
+    try:
+        store = _sharded(servers, timeout_s=0.5)
+        keys, data = _written(store, 24, seed=22)
+        where = [kv_stores.shard_index(store.shards[0].name(k), 2) for k in keys]
+        first_dead = where.index(0)
+        servers[0].stop()
+        t0 = time.monotonic()
+        assert store.exists(keys) == [s == 1 for s in where]
+        intact, corrupt, rows = _read(store, keys)
+        assert (intact, corrupt) == (first_dead, None) and np.array_equal(rows[:intact], data[:intact])
+        assert time.monotonic() - t0 < 2.0
+        assert store.errors == 1 and store.available  # one server backs off, the other serves
+        alive = [k for k, s in zip(keys, where) if s == 1]
+        intact, _, rows = _read(store, alive)
+        assert intact == len(alive) and np.array_equal(rows, data[[s == 1 for s in where]])
+        for key in (b"\1" * 16, b"\2" * 16, b"\3" * 16):  # a write succeeds when its server is the live one
+            assert store.write([(key, memoryview(data[0]))]) == (kv_stores.shard_index(store.shards[0].name(key), 2) == 1)
+        assert store.memory() is not None  # the live server's figures
+    finally:
+        for server in servers:
+            server.stop()

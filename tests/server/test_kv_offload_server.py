@@ -1,8 +1,9 @@
-"""KV offload tiers with real processes: two `pagoda serve` engines sharing a real `redis-server`
-(the Debian package; the module skips without it), each with a pool far too small to keep
-prompts on the device.
+"""KV offload tiers with real processes: two `pagoda serve` engines sharing a remote tier sharded
+over two real `redis-server`s (the Debian package; the module skips without it), each engine with
+a pool far too small to keep prompts on the device.
 
-- A prompt computed on engine A comes back on engine B from Redis, with A's greedy tokens.
+- A prompt computed on engine A comes back on engine B from Redis, with A's greedy tokens, its
+  pages spread over both servers.
 - Faults never give a wrong token or a 5xx, and the metrics and the log say what happened: a Redis
   entry overwritten with garbage, a disk file truncated, Redis killed mid-run.
 The expected tokens come from the same tiny model run in-process with no tier at all.
@@ -50,6 +51,7 @@ class Redis:
     def __init__(self, tmp: Path):
         import redis
 
+        tmp.mkdir(exist_ok=True)
         self.port = free_port()
         self.proc = Proc([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                           "--appendonly", "no", "--requirepass", PASSWORD, "--dir", str(tmp)], tmp / "redis.log")
@@ -67,8 +69,19 @@ class Redis:
         return f"redis://127.0.0.1:{self.port}"
 
     def keys_of(self, prompt: list[int]) -> list[bytes]:
-        """The Redis keys of the prompt's pages (any fingerprint)."""
+        """The Redis keys of the prompt's pages (any fingerprint) on this server."""
         return [k for h in _page_hashes(prompt) for k in self.client.scan_iter(match=b"pagoda:kv:*:" + h.hex().encode())]
+
+
+class Shards:
+    """The remote tier of these engines: two Redis servers, each page on the one its key picks."""
+
+    def __init__(self, tmp: Path):
+        self.servers = [Redis(tmp / f"redis-{i}") for i in range(2)]
+        self.url = ",".join(server.url for server in self.servers)
+
+    def entries_of(self, prompt: list[int]) -> list[tuple[Redis, bytes]]:
+        return [(server, key) for server in self.servers for key in server.keys_of(prompt)]
 
 
 def _serve(tmp: Path, name: str, *flags: str) -> Server:
@@ -83,7 +96,7 @@ def _serve(tmp: Path, name: str, *flags: str) -> Server:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kv-offload")
-    redis = Redis(tmp)
+    redis = Shards(tmp)
     a = _serve(tmp, "a", "--kv-offload-cpu-gb", "0.1", "--kv-offload-remote-url", redis.url)
     # B loads whole prefixes (no split), so that what it takes from Redis does not depend on how
     # fast it computes; split loads are tested in tests/engine/test_kv_offload.py.
@@ -92,7 +105,7 @@ def stack(tmp_path_factory):
     reference = LLM(MODEL, num_gpu_blocks_override=512, max_model_len=256)
     yield redis, a, b, reference, tmp
     reference.close()
-    for proc in (a.proc, b.proc, redis.proc):
+    for proc in (a.proc, b.proc, *(server.proc for server in redis.servers)):
         proc.stop()
 
 
@@ -136,7 +149,8 @@ def _evict(server: Server, seeds: range) -> None:
 def test_prefix_computed_on_one_engine_is_loaded_by_another_from_redis(stack):
     redis, a, b, reference, _ = stack
     prompt, expected = _written_to_redis(a, reference, 1)
-    assert len(redis.keys_of(prompt)) == len(prompt) // PAGE  # one entry per full page
+    held = [len(server.keys_of(prompt)) for server in redis.servers]
+    assert sum(held) == len(prompt) // PAGE and min(held) > 0  # one entry per full page, spread over both
     assert _complete(b, prompt) == expected
     assert _metric(b, "hit_tokens_total", "remote") >= (len(prompt) - 1) // PAGE * PAGE
     assert _metric(b, "loaded_bytes_total", "remote") > 0
@@ -150,10 +164,10 @@ def test_prefix_computed_on_one_engine_is_loaded_by_another_from_redis(stack):
 def test_garbage_in_redis_is_a_miss_not_a_wrong_token(stack):
     redis, a, b, reference, _ = stack
     prompt, expected = _written_to_redis(a, reference, 2)
-    keys = redis.keys_of(prompt)
-    assert keys
-    for key in keys:
-        redis.client.set(key, b"garbage" * 100)
+    entries = redis.entries_of(prompt)
+    assert entries
+    for server, key in entries:
+        server.client.set(key, b"garbage" * 100)
     errors = _metric(b, "errors_total", "remote")
     assert _complete(b, prompt) == expected
     assert _metric(b, "errors_total", "remote") > errors
@@ -183,7 +197,8 @@ def test_redis_killed_mid_run_skips_the_remote_tier_and_serving_goes_on(stack):
     prompts = [_prompt(seed) for seed in range(10, 14)]
     expected = [_expected(reference, p) for p in prompts]
     assert _complete(a, prompts[0]) == expected[0]
-    redis.proc.kill()
+    for server in redis.servers:
+        server.proc.kill()
     errors = _metric(a, "errors_total", "remote")
     t0 = time.monotonic()
     for prompt, want in zip(prompts, expected):

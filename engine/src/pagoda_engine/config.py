@@ -223,9 +223,10 @@ class EngineConfig:
             raise ValueError("KV offload tiers hold prefix-cache pages: they need --enable-prefix-caching")
         if cc.kv_offload_disk_gb > 0 and cc.kv_offload_disk_path is None:
             raise ValueError("--kv-offload-disk-gb needs --kv-offload-disk-path (the disk KV tier's directory)")
-        url = cc.kv_offload_remote_url
-        if url is not None and not url.startswith(("redis://", "rediss://")):
-            raise ValueError(f"--kv-offload-remote-url must be redis://host:port[/db] or rediss://…, got {url!r}")
+        if cc.kv_offload_remote_url is not None:
+            from pagoda_engine.worker.kv_stores import split_remote_urls
+
+            split_remote_urls(cc.kv_offload_remote_url)
 
     @property
     def kv_offload_enabled(self) -> bool:
@@ -327,8 +328,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                       help="KV tier on local disk: the directory of its files (kept across restarts)")
     _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="the disk KV tier's size, GiB")
     _add_feature_flag(p, "--kv-offload-remote-url", default=None,
-                      help="KV tier in Redis shared by every replica, redis://host:port[/db] (password in "
-                           "PAGODA_KV_REMOTE_PASSWORD)")
+                      help="KV tier in Redis shared by every replica, redis://host:port[/db], rediss://... or "
+                           "unix:///path (password in PAGODA_KV_REMOTE_PASSWORD); several comma-separated URLs "
+                           "spread the pages over that many servers, read in parallel (every replica lists the "
+                           "same servers in the same order)")
     p.add_argument("--kv-offload-split-loads", action=argparse.BooleanOptionalAction, default=True,
                    help="a prefix found on disk or in Redis is computed up to a cut while the pages after it load, "
                         "then joined; the cut balances the measured load and prefill speeds, so a slow tier costs "

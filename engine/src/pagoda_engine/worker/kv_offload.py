@@ -43,7 +43,7 @@ from pagoda_engine.worker.kv_stores import (
     CorruptEntry,
     DiskStore,
     RateLimitedLog,
-    RedisStore,
+    remote_store,
 )
 
 logger = logging.getLogger(__name__)
@@ -129,7 +129,7 @@ class KVOffloader:
         self.cpu_slots = (_host_buffer((setup.num_cpu_slots, *self.page_shape), self.dtype, pinned=self.cuda)
                           if setup.num_cpu_slots else None)
         self.disk = DiskStore(setup.disk_path, fingerprint) if setup.disk_path else None
-        self.remote = RedisStore(setup.remote_url, fingerprint) if setup.remote_url else None
+        self.remote = remote_store(setup.remote_url, fingerprint) if setup.remote_url else None
         self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-offload")
         self.stores: deque[_Store] = deque()
         self.writes: list[tuple[int, Future]] = []

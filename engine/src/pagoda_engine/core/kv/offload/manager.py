@@ -45,7 +45,7 @@ from pagoda_engine.core.kv.block_pool import BlockPool, Page
 from pagoda_engine.core.kv.offload.index import TierEntry, TierIndex
 from pagoda_engine.messages import KV_OFFLOAD_LOAD_BUCKETS, KVOffloadTierStats
 from pagoda_engine.worker.kv_offload import CPU, DISK, REMOTE, OffloadEvents, OffloadSetup, OffloadStarted
-from pagoda_engine.worker.kv_stores import RedisStore
+from pagoda_engine.worker.kv_stores import remote_store
 
 logger = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class OffloadManager:
         self.disk = TierIndex(disk_pages) if setup.disk_path else None
         self.remote_url = setup.remote_url
         started: list[OffloadStarted] = executor.collective_rpc("init_kv_offload", setup)
-        self.remote = RedisStore(setup.remote_url, started[0].fingerprint) if setup.remote_url else None
+        self.remote = remote_store(setup.remote_url, started[0].fingerprint) if setup.remote_url else None
         self.remote_known: dict[bytes, None] = {}  # insertion-ordered: the oldest go first
         self._remote_memory: tuple[int, int] = (0, 0)
         self._remote_memory_at = -1e9
@@ -194,7 +194,7 @@ class OffloadManager:
         if self.disk is not None:
             self._reopen_disk(started)
         logger.info("KV offload tiers: %s", ", ".join(f"{t} {self.capacity_bytes(t) / _GiB:.2f} GiB"
-                                                      if t != REMOTE else f"remote {setup.remote_url}"
+                                                      if t != REMOTE else f"remote {self.remote.label}"
                                                       for t in self.tiers))
 
     @property
