@@ -22,11 +22,12 @@ def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_pa
     out = tmp_path / "kv-share.json"
     rc = main(["bench", "kv-share", "--model", "pagoda-tiny", "--device", "cpu", "--dtype", "float32",
                "--input-len", "256", "--num-prompts", "2", "--redis-maxmemory-gb", "0.25", "--redis-io-threads", "2",
-               "--output-json", str(out)])
+               "--redis-shards", "2", "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["valid"] and r["completed"] == 6
     assert "2 I/O threads" in r["redis"] and r["remote_read_connections"] == remote_read_connections()
+    assert r["redis_shards"] == 2 and len(r["redis_url"].split(",")) == 2
     runs = {kind: [x for x in r["runs"] if x["kind"] == kind] for kind in ("recompute", "remote_hit", "computed_on_a")}
     assert [len(v) for v in runs.values()] == [2, 2, 2]
     for x in runs["remote_hit"]:
@@ -41,8 +42,9 @@ def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_pa
     assert r["remote_load_bytes_per_s"] > 0
     assert r["ttft_ratio_p50"] == pytest.approx(r["remote_hit"]["ttft_ms"]["p50"] / r["recompute"]["ttft_ms"]["p50"],
                                                 abs=1e-3)
-    with pytest.raises(redis.ConnectionError):  # the redis-server it started is stopped
-        redis.Redis.from_url(r["redis_url"], socket_timeout=2).ping()
+    for url in r["redis_url"].split(","):
+        with pytest.raises(redis.ConnectionError):  # the redis-servers it started are stopped
+            redis.Redis.from_url(url, socket_timeout=2).ping()
     printed = capsys.readouterr().out
     assert "remote hit on B" in printed and "TTFT remote hit / recompute" in printed and "target <= 0.5" in printed
 
@@ -56,10 +58,12 @@ def test_kv_share_refuses_the_tiers_that_would_hide_a_remote_hit(capsys):
 def test_remote_read_bench_measures_both_readers_on_every_setting(tmp_path, capsys):
     out = tmp_path / "remote-read.json"
     assert remote_read.main(["--pages", "8", "--page-mib", "0.25", "--connections", "1", "3", "--io-threads", "1", "2",
-                             "--repeats", "2", "--output-json", str(out)]) == 0
+                             "--shards", "1", "3", "--repeats", "2", "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
-    measured = [(x["io_threads"], x["reader"], x["connections"]) for x in r["results"]]
-    assert measured == [(n, reader, k) for n in (1, 2) for reader, k in (("mget", 1), ("resp", 1), ("resp", 3))]
+    measured = [(x["io_threads"], x["shards"], x["reader"], x["connections"]) for x in r["results"]]
+    assert measured == [(n, s, reader, k) for n in (1, 2) for s in (1, 3)
+                        for reader, k in (("mget", 1), ("resp", 1), ("resp", 3))]
     assert all(x["best_GBps"] >= x["median_GBps"] > 0 and len(x["seconds"]) == 2 for x in r["results"])
     assert all(x["redis_cpu_ms_median"] >= 0 and x["reader_cpu_ms_median"] > 0 for x in r["results"])
-    assert "| RESP reader, 3 conn. |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| RESP reader, 3 conn. per server |" in out and "io-threads 2, 3 servers" in out

@@ -1,9 +1,10 @@
 """`pagoda bench kv-share`: two engines sharing one Redis — issue 15's target "a 4,096-token prompt
 computed on one engine and sent to the other gets TTFT <= 0.5 x recomputing it".
 
-Started here (each stopped at the end): a `redis-server` (`--redis-server`, else the one on PATH) on
-a free port of 127.0.0.1, with no persistence, `--redis-maxmemory-gb` (allkeys-lru) and
-`--redis-io-threads` (default 1), unless `--kv-offload-remote-url` names a running one; then two
+Started here (each stopped at the end): `--redis-shards` `redis-server`s (default 1; `--redis-server`,
+else the one on PATH) on free ports of 127.0.0.1, with no persistence, `--redis-maxmemory-gb` each
+(allkeys-lru) and `--redis-io-threads` (default 1), unless `--kv-offload-remote-url` names running
+ones (several: comma-separated, the remote tier sharded over them); then two
 `pagoda serve` engines, A and B, one after the other, both with that URL as their remote tier and
 the same engine flags (by default Llama-3.1-8B's architecture with dummy weights and the synthetic
 one-word-per-id tokenizer, as `bench serve`).
@@ -97,6 +98,9 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
                    help="--io-threads of the redis-server started here (default 1: the main thread only). On a "
                         "2-core machine 4 I/O threads did not measurably speed up the engines' reads (python -m "
                         "pagoda_engine.bench.remote_read --io-threads 1 4 measures a machine; benchmarks.md)")
+    p.add_argument("--redis-shards", type=int, default=1, metavar="N",
+                   help="redis-servers started here; the engines' remote tier is sharded over them (their URLs, "
+                        "comma-separated, in --kv-offload-remote-url): one Redis serves a read from one thread")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids of the prompts are drawn below this (default: config.json of --model)")
     p.set_defaults(gpu_memory_utilization=0.42)
@@ -165,10 +169,14 @@ def redis_client(url: str):
 
 class RedisPages:
     """Which of a prompt's full pages Redis holds under the fingerprints of the engines of this run
-    (one key prefix per parallel rank, learned from the keys of the first prompt an engine stores)."""
+    (one key prefix per parallel rank, learned from the keys of the first prompt an engine stores),
+    each on the server of the remote tier's shards that its name picks."""
 
-    def __init__(self, client, page_size: int):
-        self.client, self.page_size = client, page_size
+    def __init__(self, url: str, page_size: int):
+        from pagoda_engine.worker.kv_stores import split_remote_urls
+
+        self.clients = [redis_client(u) for u in split_remote_urls(url)]
+        self.page_size = page_size
         self.prefixes: list[bytes] = []
 
     def hashes(self, prompt: list[int]) -> list[bytes]:
@@ -186,7 +194,8 @@ class RedisPages:
         suffix = self.hashes(prompt)[0].hex().encode()
 
         def found() -> bool:
-            keys = self.client.scan_iter(match=REDIS_KEY_NAMESPACE + b"*:" + suffix, count=10000)
+            keys = [k for client in self.clients
+                    for k in client.scan_iter(match=REDIS_KEY_NAMESPACE + b"*:" + suffix, count=10000)]
             self.prefixes = sorted({k[:-len(suffix)] for k in keys})
             return len(self.prefixes) >= num_ranks
 
@@ -195,16 +204,26 @@ class RedisPages:
     def names(self, prompt: list[int]) -> list[bytes]:
         return [p + h.hex().encode() for h in self.hashes(prompt) for p in self.prefixes]
 
-    def count(self, prompt: list[int]) -> int:
-        pipe = self.client.pipeline(transaction=False)
+    def _by_server(self, prompt: list[int]) -> list[tuple[object, list[bytes]]]:
+        from pagoda_engine.worker.kv_stores import shard_index
+
+        names: list[list[bytes]] = [[] for _ in self.clients]
         for name in self.names(prompt):
-            pipe.exists(name)
-        return sum(pipe.execute())
+            names[shard_index(name, len(self.clients))].append(name)
+        return [(client, part) for client, part in zip(self.clients, names) if part]
+
+    def count(self, prompt: list[int]) -> int:
+        total = 0
+        for client, names in self._by_server(prompt):
+            pipe = client.pipeline(transaction=False)
+            for name in names:
+                pipe.exists(name)
+            total += sum(pipe.execute())
+        return total
 
     def delete(self, prompt: list[int]) -> None:
-        names = self.names(prompt)
-        if names:
-            self.client.delete(*names)
+        for client, names in self._by_server(prompt):
+            client.delete(*names)
 
     def wait_stored(self, prompt: list[int], engine: str) -> None:
         want = len(self.names(prompt))
@@ -338,6 +357,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise SystemExit("error: --redis-maxmemory-gb must be > 0")
     if args.redis_io_threads < 1:
         raise SystemExit("error: --redis-io-threads must be >= 1")
+    if args.redis_shards < 1:
+        raise SystemExit("error: --redis-shards must be >= 1")
+    if args.kv_offload_remote_url and args.redis_shards != 1:
+        raise SystemExit("error: --redis-shards starts Redis servers; --kv-offload-remote-url names running ones "
+                         "(list several, comma-separated, to shard over them)")
     if not args.enable_prefix_caching:
         raise SystemExit("error: kv-share needs prefix caching (the tiers are keyed by it)")
     if args.data_parallel_size != 1:
@@ -366,21 +390,23 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     prompts = rng.integers(0, vocab, size=(2 * args.num_prompts, args.input_len)).tolist()
     warm_up = np.random.default_rng().integers(0, vocab, size=(2, args.input_len)).tolist()  # never seen before
 
-    redis_server = None
-    if args.kv_offload_remote_url is None:
-        binary = args.redis_server or shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("error: no redis-server on PATH: install it (Debian: apt-get install redis-server), "
-                             "or give --redis-server PATH or --kv-offload-remote-url redis://HOST:PORT")
-        redis_server = RedisServer(binary, args.redis_maxmemory_gb, args.redis_io_threads)
-        redis_server.start()
-        args.kv_offload_remote_url = redis_server.url
+    redis_servers: list[RedisServer] = []
     engines: list[LaunchedServer] = []
     try:
-        if redis_server is not None:
-            redis_desc = (f"redis-server {redis_server.version()} started on 127.0.0.1:{redis_server.port} "
-                          f"(maxmemory {args.redis_maxmemory_gb:g} GiB, allkeys-lru, no persistence, "
-                          f"{args.redis_io_threads} I/O thread{'s' * (args.redis_io_threads > 1)})")
+        if args.kv_offload_remote_url is None:
+            binary = args.redis_server or shutil.which("redis-server")
+            if binary is None:
+                raise SystemExit("error: no redis-server on PATH: install it (Debian: apt-get install redis-server), "
+                                 "or give --redis-server PATH or --kv-offload-remote-url redis://HOST:PORT")
+            for _ in range(args.redis_shards):
+                redis_servers.append(RedisServer(binary, args.redis_maxmemory_gb, args.redis_io_threads))
+                redis_servers[-1].start()
+            args.kv_offload_remote_url = ",".join(server.url for server in redis_servers)
+            ports = ", ".join(str(server.port) for server in redis_servers)
+            redis_desc = (f"{len(redis_servers)} x redis-server {redis_servers[0].version()} started on 127.0.0.1 "
+                          f"(port{'s' * (len(redis_servers) > 1)} {ports}; maxmemory {args.redis_maxmemory_gb:g} GiB "
+                          f"each, allkeys-lru, no persistence, {args.redis_io_threads} I/O "
+                          f"thread{'s' * (args.redis_io_threads > 1)})")
         else:
             redis_desc = f"the running Redis at {args.kv_offload_remote_url}"
         ready = []
@@ -391,23 +417,23 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         model = _served_model(a.url)
         print(f"=== pagoda bench kv-share: two engines sharing Redis ({args.num_prompts} rounds; prompts of "
               f"{args.input_len} tokens, {args.output_len} output token{'s' * (args.output_len > 1)}) ===")
-        print(f"redis: {redis_desc}; the engines read it over {remote_read_connections()} connections each "
+        print(f"redis: {redis_desc}; the engines read each server over {remote_read_connections()} connections "
               f"(PAGODA_KV_REMOTE_READ_CONNECTIONS)")
         print(f"engines: A {a.url} (ready in {ready[0]} s), B {b.url} (ready in {ready[1]} s); model {model!r} "
               f"({args.model}, {args.load_format} weights); KV pool {args.num_gpu_blocks_override or args.num_kv_pages} "
               f"pages each; no CPU or disk tier")
-        pages = RedisPages(redis_client(args.kv_offload_remote_url), args.block_size)
+        pages = RedisPages(args.kv_offload_remote_url, args.block_size)
         runs = asyncio.run(_drive(a.url, b.url, model, pages, prompts, warm_up, args))
     finally:
         for engine in reversed(engines):
             engine.stop()
-        if redis_server is not None:
-            redis_server.stop()
+        for server in redis_servers:
+            server.stop()
     result = summarize(runs)
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
                    "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
-                   "redis_started_here": redis_server is not None, "remote_read_connections": remote_read_connections(),
+                   "redis_started_here": bool(redis_servers), "redis_shards": len(redis_servers) or None, "remote_read_connections": remote_read_connections(),
                    "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)

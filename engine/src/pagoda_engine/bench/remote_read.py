@@ -5,14 +5,15 @@ Redis into host rows, through `worker.kv_stores.RedisStore.read_into`, with its 
   resp: the store's own RESP reader: K connections, each in a thread of its own, pipeline GETs for
         their share of the keys, receive each payload straight into its row and check it there.
 
-For each `--io-threads` setting it starts a `redis-server` (`--redis-server`, else the one on PATH;
-as `pagoda bench kv-share` does: 127.0.0.1, no persistence) and writes `--pages` entries of
-`--page-mib` (256 x 2 MiB: a 4,096-token Llama-3.1-8B context on one rank) to it through the
-store. Then, `--repeats` rounds, each reading every entry once with every reader on every server
+For each `--io-threads` setting and each `--shards` count S it starts S `redis-server`s
+(`--redis-server`, else the one on PATH; as `pagoda bench kv-share` does: 127.0.0.1, no persistence)
+and writes `--pages` entries of `--page-mib` (256 x 2 MiB: a 4,096-token Llama-3.1-8B context on one
+rank) through the store (`ShardedRedisStore` over the S servers when S > 1, as the engine with S
+comma-separated URLs in --kv-offload-remote-url; the readers' connections are then per server). Then, `--repeats` rounds, each reading every entry once with every reader on every server
 in turn (so that other load on the machine falls on all of them alike), into the same host rows
 (pinned on CUDA, as the engine's). Printed: payload GB/s over the wall time of one `read_into`
-call (best and median of the rounds), and the median CPU time of one read in redis-server and in
-this process (the reader's threads). Every read is checked against what was written, byte for byte.
+call (best and median of the rounds), and the median CPU time of one read in the redis-servers
+(summed) and in this process (the reader's threads). Every read is checked against what was written, byte for byte.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from pagoda_engine.bench.kv_share import RedisServer
-from pagoda_engine.worker.kv_stores import RedisStore
+from pagoda_engine.worker.kv_stores import RedisStore, ShardedRedisStore, remote_store
 
 _FINGERPRINT = b"remote-read-bench"[:16]
 
@@ -40,6 +41,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--connections", type=int, nargs="+", default=[1, 2, 4, 8], help="the RESP reader's connections")
     p.add_argument("--io-threads", type=int, nargs="+", default=[1, 4],
                    help="redis-server --io-threads settings to measure (1: the main thread only)")
+    p.add_argument("--shards", type=int, nargs="+", default=[1],
+                   help="how many redis-servers the entries are spread over (the engine's comma-separated "
+                        "--kv-offload-remote-url)")
     p.add_argument("--repeats", type=int, default=5, help="reads per reader and setting")
     p.add_argument("--timeout-s", type=float, default=10.0,
                    help="the store's socket timeout (the engine's PAGODA_KV_REMOTE_TIMEOUT_S, 1 s, can fail a 512 MiB "
@@ -55,25 +59,29 @@ def _rows(pages: int, payload_bytes: int) -> np.ndarray:
     return torch.empty((pages, payload_bytes), dtype=torch.uint8, pin_memory=pinned).numpy()
 
 
-def _cpu_s(pid: int | None = None) -> float:
-    """CPU seconds (user + system) of this process, all its threads, or of process `pid`."""
-    if pid is None:
+def _cpu_s(pids: list[int] | None = None) -> float:
+    """CPU seconds (user + system) of this process, all its threads, or of processes `pids`."""
+    if pids is None:
         usage = resource.getrusage(resource.RUSAGE_SELF)
         return usage.ru_utime + usage.ru_stime
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
-def _read_once(store: RedisStore, server_pid: int, keys: list[bytes], data: np.ndarray, rows: np.ndarray,
-               reader: str, connections: int) -> tuple[float, float, float]:
-    """(wall, redis-server CPU, reader CPU) seconds of one `read_into` of every entry with this
+def _read_once(store: RedisStore | ShardedRedisStore, server_pids: list[int], keys: list[bytes], data: np.ndarray,
+               rows: np.ndarray, reader: str, connections: int) -> tuple[float, float, float]:
+    """(wall, redis-servers' CPU, reader CPU) seconds of one `read_into` of every entry with this
     reader; the rows are checked after."""
-    store.resp_reads = reader == "resp"
-    store.read_connections = connections
+    for server in getattr(store, "shards", [store]):
+        server.resp_reads = reader == "resp"
+        server.read_connections = connections
     rows.fill(0)
-    server0, reader0, t0 = _cpu_s(server_pid), _cpu_s(), time.perf_counter()
+    server0, reader0, t0 = _cpu_s(server_pids), _cpu_s(), time.perf_counter()
     intact, corrupt = store.read_into(keys, list(rows))
-    times = time.perf_counter() - t0, _cpu_s(server_pid) - server0, _cpu_s() - reader0
+    times = time.perf_counter() - t0, _cpu_s(server_pids) - server0, _cpu_s() - reader0
     if intact != len(keys) or corrupt is not None or not np.array_equal(rows, data):
         raise RuntimeError(f"{reader} x{connections}: {intact} of {len(keys)} entries intact ({corrupt}); "
                            f"store errors {store.errors}")
@@ -92,27 +100,31 @@ def run_remote_read(args: argparse.Namespace) -> dict:
     rows = _rows(args.pages, payload_bytes)
     readers = [("mget", 1)] + [("resp", k) for k in args.connections]
     servers, stores, pids = [], {}, {}
+    settings = [(n, s) for n in args.io_threads for s in args.shards]
     try:
-        for io_threads in args.io_threads:  # all up at once: the rounds below take turns, so load spreads evenly
-            servers.append(RedisServer(binary, 2 * data.nbytes / (1 << 30) + 1, io_threads=io_threads))
-            servers[-1].start()
-            store = stores[io_threads] = RedisStore(servers[-1].url, _FINGERPRINT, timeout_s=args.timeout_s)
-            pids[io_threads] = servers[-1].process.pid
+        for n, s in settings:  # all up at once: the rounds below take turns, so load spreads evenly
+            started = [RedisServer(binary, 2 * data.nbytes / (1 << 30) + 1, io_threads=n) for _ in range(s)]
+            servers += started
+            for server in started:
+                server.start()
+            store = stores[n, s] = remote_store(",".join(x.url for x in started), _FINGERPRINT,
+                                                timeout_s=args.timeout_s)
+            pids[n, s] = [x.process.pid for x in started]
             for start in range(0, args.pages, 16):
                 if not store.write([(keys[i], memoryview(data[i])) for i in range(start, min(start + 16, args.pages))]):
                     raise RuntimeError(f"writing the entries to {store.url} failed")
         version = servers[0].version()
-        taken: dict[tuple, list[tuple[float, float, float]]] = {(n, *r): [] for n in args.io_threads for r in readers}
+        taken: dict[tuple, list[tuple[float, float, float]]] = {(*x, *r): [] for x in settings for r in readers}
         for _ in range(args.repeats):
-            for (n, reader, connections), times in taken.items():
-                times.append(_read_once(stores[n], pids[n], keys, data, rows, reader, connections))
+            for (n, s, reader, connections), times in taken.items():
+                times.append(_read_once(stores[n, s], pids[n, s], keys, data, rows, reader, connections))
     finally:
         for server in servers:
             server.stop()
     results = []
-    for (n, reader, connections), times in taken.items():
+    for (n, s, reader, connections), times in taken.items():
         wall, server_cpu, reader_cpu = zip(*times)
-        results.append({"io_threads": n, "reader": reader, "connections": connections,
+        results.append({"io_threads": n, "shards": s, "reader": reader, "connections": connections,
                         "best_GBps": round(data.nbytes / min(wall) / 1e9, 3),
                         "median_GBps": round(data.nbytes / statistics.median(wall) / 1e9, 3),
                         "seconds": [round(x, 4) for x in wall],
@@ -129,20 +141,20 @@ def run_remote_read(args: argparse.Namespace) -> dict:
 def _print(r: dict) -> None:
     print(f"=== remote tier reads: {r['pages']} entries of {r['payload_bytes'] / 2**20:.2f} MiB "
           f"({r['read_bytes'] / 2**20:.0f} MiB a read), {r['redis']} on 127.0.0.1; GB/s best / median ===")
-    settings = sorted({x["io_threads"] for x in r["results"]})
-    print("| reader | " + " | ".join(f"io-threads {n}" for n in settings) + " |")
+    settings = list(dict.fromkeys((x["io_threads"], x["shards"]) for x in r["results"]))
+    print("| reader | " + " | ".join(f"io-threads {n}, {s} server{'s' * (s > 1)}" for n, s in settings) + " |")
     print("|---|" + "---|" * len(settings))
     for reader, connections in dict.fromkeys((x["reader"], x["connections"]) for x in r["results"]):
         cells = [next((f"{x['best_GBps']:.2f} / {x['median_GBps']:.2f}" for x in r["results"]
-                       if (x["reader"], x["connections"], x["io_threads"]) == (reader, connections, n)), "-")
-                 for n in settings]
-        label = "MGET (redis-py)" if reader == "mget" else f"RESP reader, {connections} conn."
+                       if (x["reader"], x["connections"], x["io_threads"], x["shards"]) == (reader, connections, n, s)),
+                      "-") for n, s in settings]
+        label = "MGET (redis-py)" if reader == "mget" else f"RESP reader, {connections} conn. per server"
         print(f"| {label} | " + " | ".join(cells) + " |")
-    print("median ms of one read: wall / redis-server CPU / reader CPU (all its threads)")
+    print("median ms of one read: wall / redis-servers' CPU / reader CPU (all its threads)")
     for x in r["results"]:
         wall = statistics.median(x["seconds"]) * 1e3
-        print(f"  io-threads {x['io_threads']}, {x['reader']} x{x['connections']}: {wall:.0f} / "
-              f"{x['redis_cpu_ms_median']:.0f} / {x['reader_cpu_ms_median']:.0f}")
+        print(f"  io-threads {x['io_threads']}, {x['shards']} server(s), {x['reader']} x{x['connections']}: "
+              f"{wall:.0f} / {x['redis_cpu_ms_median']:.0f} / {x['reader_cpu_ms_median']:.0f}")
 
 
 def main(argv: list[str] | None = None) -> int:
