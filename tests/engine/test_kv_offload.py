@@ -236,7 +236,9 @@ def test_offloader_round_trip_is_bit_identical_across_chunks_and_runs(tmp_path):
     offloader.load(2, targets, sources)
     offloader.load(3, [33, 34, 35, 36], [(CPU, 4), (CPU, 5), (CPU, 6), (CPU, 7)])
     events = _poll_until(offloader, lambda evs: len([x for e in evs for x in e.loaded]) == 2)
-    assert sorted(x for e in events for x in e.loaded) == [(2, 8), (3, 4)]
+    loaded = sorted(x for e in events for x in e.loaded)
+    assert [(load_id, ok) for load_id, ok, _ in loaded] == [(2, 8), (3, 4)]
+    assert loaded[0][2] > 0 and loaded[1][2] == 0  # the disk reads took time; CPU slots need none (no CUDA copy)
     for i, page in enumerate(targets):
         assert torch.equal(torch.stack([layer[page] for layer in layers]), original[i])
     for k, page in enumerate([33, 34, 35, 36]):
@@ -432,6 +434,60 @@ def test_a_prefix_on_disk_is_computed_from_the_front_while_its_rest_loads(refere
         assert req.num_cached_tokens == 96  # joined: computed 6 pages and the last 8 tokens, loaded 6 pages
         core.wait_for_offload()
         assert_no_leaks(llm)
+
+
+def test_under_async_scheduling_a_split_waits_at_its_cut_for_its_load_instead_of_computing_it(
+        reference, tmp_path, monkeypatch):
+    """The step after the one that computes up to the cut is scheduled while that one runs: the
+    request sits it out, and then waits for its load (slow here: 50 ms a page) for as long as
+    computing those pages would take, and joins them."""
+    from pagoda_engine.messages import EngineCoreRequest
+    from pagoda_engine.worker.kv_stores import DiskStore
+
+    read = DiskStore.read
+
+    def slow_read(self, key, payload_bytes):
+        time.sleep(0.05)
+        return read(self, key, payload_bytes)
+
+    prompts = _prompts(6, 200, seed=8)
+    expected = _tokens(reference.generate(prompts[:1], GREEDY))
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, async_scheduling=True,
+             **SMALL_POOL) as llm:
+        llm.generate(prompts, GREEDY)  # all on disk; the device pool kept only the last ones
+        core = llm.core
+        core.wait_for_offload()
+        core.kv.offload._token_prefill_s = 0.01  # computing the 6 loading pages would take ~1 s: worth waiting
+        monkeypatch.setattr(DiskStore, "read", slow_read)
+        core.add_request(EngineCoreRequest("again", prompts[0], GREEDY))
+        core.step()  # launches the step that computes its first 6 pages
+        req = core.scheduler.requests["again"]
+        assert core.kv.split_limit(req) == 96 and req.num_steps_in_flight == 1
+        core.step()  # schedules the next step with the cut still in flight: the request waits
+        while core.has_unfinished_requests():
+            core.step()
+        assert req.output_token_ids == expected[0]
+        assert req.num_cached_tokens == 96 and req.num_steps_in_flight == 0  # the 6 loaded pages joined
+        core.wait_for_offload()
+        assert_no_leaks(llm)
+
+
+def test_a_split_at_its_cut_waits_for_its_load_no_longer_than_computing_it_would_take(tmp_path):
+    from pagoda_engine.core.kv.offload.manager import _Split
+
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        offload = llm.core.kv.offload
+        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10)
+        assert not offload.split_ready("r", cut_in_flight=True)  # the cut's own step still runs
+        assert offload.split_ready("r", cut_in_flight=False)  # no prefill measured: computing them is the bet
+        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10)
+        offload.observe_step(4096, 4096 * 50e-6)  # 0.8 ms a page: 8 ms for its 10
+        assert not offload.split_ready("r", cut_in_flight=False)  # waits from now on...
+        time.sleep(0.01)
+        assert offload.split_ready("r", cut_in_flight=False)  # ...as long as computing them would take
+        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10, landed=[])
+        assert offload.split_ready("r", cut_in_flight=True)  # landed: taken at once
+        offload._splits.clear()
 
 
 def test_a_split_load_never_takes_the_requests_own_free_device_hits(reference, tmp_path):

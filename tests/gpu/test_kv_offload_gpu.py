@@ -56,11 +56,13 @@ def test_stored_and_reloaded_pages_are_bit_identical(tmp_path):
     sources = [(CPU, s) for s in slots[:5]] + [(DISK, keys[5])]
     offloader.load(2, targets, sources)
     events = _poll_until(offloader, lambda evs: any(e.loaded for e in evs))
-    assert [(2, len(targets))] == [x for e in events for x in e.loaded]
+    assert [(2, len(targets))] == [(load_id, ok) for e in events for load_id, ok, _ in e.loaded]
+    offloader.wait_for_loads()  # what the next step does: its stream waits for the copies the poll reported
     for i, page in enumerate(targets):
         assert torch.equal(_bits(torch.stack([layer[page] for layer in layers])), _bits(original[i]))
     # The copies were timed on the device: every byte each way, in some time.
-    load_bytes, load_s, store_bytes, store_s = events[-1].copy
+    torch.cuda.synchronize()
+    load_bytes, load_s, store_bytes, store_s = offloader.poll().copy
     assert load_bytes == store_bytes == len(pages) * offloader.payload_bytes and load_s > 0 and store_s > 0
     offloader.close()
 
@@ -78,6 +80,7 @@ def test_load_scatters_after_the_step_in_flight():
         layer[targets] = 0
     offloader.load(2, targets, [(CPU, s) for s in range(128)])
     _poll_until(offloader, lambda evs: any(e.loaded for e in evs))
+    offloader.wait_for_loads()
     assert torch.equal(_bits(torch.stack([layer[targets] for layer in layers])), _bits(original))
     # A CPU-tier load the next step waits for on the device: read at once, with no host wait.
     for layer in layers:

@@ -56,6 +56,7 @@ class Request:
     # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids
     # (their KV counts in num_computed_tokens once a step that feeds them is scheduled).
     num_output_placeholders: int = 0
+    num_steps_in_flight: int = 0  # async scheduling: launched steps that hold it, not yet resolved
     num_cached_tokens: int = -1  # prefix-cache hit length at first schedule (-1 = not yet scheduled)
     stop_reason: int | str | None = None  # the stop token id that ended it
     num_preemptions: int = 0

@@ -264,6 +264,7 @@ class Scheduler:
         """Async scheduling: count a scheduled step as done before its tokens are known."""
         for sched in out.scheduled:
             sched.request.num_computed_tokens += sched.num_new_tokens
+            sched.request.num_steps_in_flight += 1
             if sched.completes_sequence:
                 sched.request.num_output_placeholders += 1
 
@@ -277,6 +278,7 @@ class Scheduler:
         for sched in out.scheduled:
             req = sched.request
             if advanced:
+                req.num_steps_in_flight -= 1
                 if req.is_finished:
                     continue  # aborted, or finished by the step before: this token is surplus
             else:

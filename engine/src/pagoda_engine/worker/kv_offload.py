@@ -15,8 +15,10 @@ once, beside the step in flight; only its scatter into the device pages waits fo
 queued on the compute stream when the load started (a page the load fills may have been freed
 under a step still in flight). A load from the CPU tier is awaited by the next step: before it
 runs, the compute stream waits for the load's event (`wait_for_loads`), so the core admits the
-request in the step it schedules the load with. A load from disk or Redis is polled: the core
-admits its request only after the load's event.
+request in the step it schedules the load with. A load from disk or Redis is read by the thread
+pool; the first `poll` after its read queues its copies and reports it loaded, and the next step
+waits for those copies on the device the same way (stores too: a page that just landed may be
+copied down at once), so a load never waits for a second poll.
 Device staging is allocated on the copying stream and dropped once its copies are queued (the
 caching allocator hands that memory only to later work of the same stream), so at most one
 chunk of staging (`_LOAD_STAGING_BYTES`, `_STORE_STAGING_BYTES`) is live per stream: a load up
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -82,7 +85,9 @@ class OffloadEvents:
 
     copied: list[int] = field(default_factory=list)  # store ids whose pages are off the device
     written: list[tuple[int, list[bytes], bool]] = field(default_factory=list)  # (store id, failed disk keys, remote ok)
-    loaded: list[tuple[int, int]] = field(default_factory=list)  # (load id, leading pages that arrived intact)
+    # (load id, leading pages that arrived intact, seconds it took on this rank: its reads, and its
+    # copies at the copy speed measured so far): the next step waits for the copies on the device.
+    loaded: list[tuple[int, int, float]] = field(default_factory=list)
     bad: list[tuple[str, bytes]] = field(default_factory=list)  # (tier, key) entries found corrupt or unreadable
     errors: dict[str, int] = field(default_factory=dict)  # cumulative, per tier
     copy: list[float] = field(default_factory=list)  # cumulative: load bytes, load s, store bytes, store s (CUDA)
@@ -105,6 +110,8 @@ class _Load:
     slots: list[int]  # each page's CPU slot, -1: its bytes are in `host` (read from disk or Redis)
     host: torch.Tensor | None = None  # [n, *page_shape] host rows for the pages without a slot
     reading: Future | None = None  # the pool reading `host`; its result: (host, leading pages that read intact)
+    started: float = 0.0  # time.monotonic() when it was asked for
+    read_s: float = 0.0  # from `started` to its reads done (disk and Redis)
     ok: int = 0
     event: torch.cuda.Event | None = None
     copied: bool = False
@@ -197,6 +204,8 @@ class KVOffloader:
             self.disk.delete(key)
         temps: dict[int, torch.Tensor] = {}
         if page_ids:
+            for event in self.awaited:  # a page that landed since the last step, or a CPU slot a load reads
+                self.store_stream.wait_event(event)
             with self._on(self.store_stream, after_compute=True):
                 idx = self._device_index(page_ids)
                 for start in range(0, len(page_ids), self.store_chunk):
@@ -224,7 +233,7 @@ class KVOffloader:
         `awaited` (CPU-tier sources only): the next step waits for the copies on the device
         (`wait_for_loads`), because the core counts the pages as landed already."""
         slots = [where if tier == CPU else -1 for tier, where in sources]
-        load = _Load(load_id, page_ids, slots)
+        load = _Load(load_id, page_ids, slots, started=time.monotonic())
         if all(s >= 0 for s in slots):
             load.ok = len(sources)
             self._copy_up(load)
@@ -232,7 +241,7 @@ class KVOffloader:
                 self.awaited.append(load.event)
         else:
             assert not awaited, "only host-memory loads can be awaited by the next step"
-            load.reading = self.pool.submit(self._read, sources)
+            load.reading = self.pool.submit(self._read, sources, load)
         self.loads.append(load)
 
     def _copy_up(self, load: _Load) -> None:
@@ -260,8 +269,9 @@ class KVOffloader:
         load.copied = True
 
     def wait_for_loads(self) -> None:
-        """Before a step: the compute stream waits for the copies of the loads the core counted
-        as landed (CPU tier), on the device, without blocking the host."""
+        """Before a step: the compute stream waits for the copies of the loads the core counts as
+        landed (CPU-tier loads from their start, the others from the poll that reported them), on
+        the device, without blocking the host."""
         if self.awaited:
             stream = torch.cuda.current_stream(self.device)
             for event in self.awaited:
@@ -270,10 +280,16 @@ class KVOffloader:
 
     # --- lower tiers (the thread pool) ------------------------------------------------------------
 
-    def _read(self, sources: list[tuple[str, int | bytes]]) -> tuple[torch.Tensor, int]:
+    def _read(self, sources: list[tuple[str, int | bytes]], load: _Load) -> tuple[torch.Tensor, int]:
         """Host rows (pinned on CUDA) holding the disk and Redis sources, and how many leading
         sources read intact (it stops at the first that does not). CPU sources are left out:
-        they are copied up from their slots."""
+        they are copied up from their slots. Sets `load.read_s`."""
+        try:
+            return self._read_rows(sources)
+        finally:
+            load.read_s = time.monotonic() - load.started
+
+    def _read_rows(self, sources: list[tuple[str, int | bytes]]) -> tuple[torch.Tensor, int]:
         with torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext():  # this thread's device
             host = torch.empty((len(sources), *self.page_shape), dtype=self.dtype, pin_memory=self.cuda)
         rows = host.view(len(sources), -1).view(torch.uint8).numpy()
@@ -338,13 +354,18 @@ class KVOffloader:
             else:
                 still.append((store_id, future))
         self.writes = still
-        for load in list(self.loads):
+        still_loading = []
+        for load in self.loads:
             if not load.copied and load.reading is not None and load.reading.done():
                 load.host, load.ok = load.reading.result()
                 self._copy_up(load)
-            if load.copied and _done(load.event):
-                self.loads.remove(load)
-                events.loaded.append((load.load_id, load.ok))
+            if not load.copied:
+                still_loading.append(load)
+                continue
+            if load.event is not None:
+                self.awaited.append(load.event)  # the next step (and store) waits for its copies
+            events.loaded.append((load.load_id, load.ok, load.read_s + self._copy_s(load.ok * self.payload_bytes)))
+        self.loads = still_loading
         timed = []
         for direction, nbytes, started, ended in self._timed:
             if ended.query():
@@ -359,6 +380,11 @@ class KVOffloader:
         if self.remote is not None:
             events.errors[REMOTE] += self.remote.errors
         return events
+
+    def _copy_s(self, nbytes: int) -> float:
+        """How long copying `nbytes` up takes at the speed measured so far (0 before any)."""
+        load_bytes, load_s = self.copy_totals[0], self.copy_totals[1]
+        return nbytes * load_s / load_bytes if load_bytes else 0.0
 
     def busy(self) -> bool:
         return bool(self.stores or self.writes or self.loads)

@@ -99,13 +99,14 @@ class KVCacheManager:
 
     def compute_limit(self, req: Request) -> int | None:
         """A running request with a split load: before the cut, the tokens it may have computed
-        after this step; at the cut, it joins the pages that landed (or computes them itself
-        while they are still loading), and has no limit from then on (None)."""
+        after this step; at the cut, it waits for its pages while `split_ready` says so, then
+        joins those that landed (computing the others itself), and has no limit from then on
+        (None)."""
         cut = self.split_limit(req)
         if cut is None:
             return None
-        if cut > req.num_computed_tokens:
-            return cut
+        if cut > req.num_computed_tokens or not self.offload.split_ready(req.request_id, req.num_steps_in_flight > 0):
+            return cut  # before the cut, or waiting there for the pages to land
         self._join(req, self.offload.take_split(req.request_id))
         return None
 

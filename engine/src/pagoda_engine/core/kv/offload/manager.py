@@ -129,6 +129,7 @@ class Load:
     started: float
     ranks: int = 0
     ok: int = 1 << 62  # leading pages intact on every rank so far
+    seconds: float = 0.0  # the slowest rank's reads and copies (what the split's cut estimates)
     landed: bool = False  # its pages are in the prefix cache (CPU-tier loads: as soon as they start)
 
 
@@ -138,7 +139,9 @@ class _Split:
 
     cut: int  # the request's page index where the loaded pages start
     load_id: int
+    num_pages: int  # pages it loads
     landed: list[Page] | None = None  # once landed: the pages that arrived, held for the request
+    waiting_since: float | None = None  # when the request reached its cut with the load still running
 
 
 @dataclass
@@ -349,7 +352,7 @@ class OffloadManager:
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
         load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
-        self._splits[request_id] = _Split(len(device_hits) + cut, load_id)
+        self._splits[request_id] = _Split(len(device_hits) + cut, load_id, len(lookup) - cut)
         return True
 
     def _split_cut(self, lookup: Lookup) -> int:
@@ -408,6 +411,21 @@ class OffloadManager:
         """The request's page index up to which it may compute before its split's cut (None: no split)."""
         split = self._splits.get(request_id)
         return None if split is None else split.cut
+
+    def split_ready(self, request_id: str, cut_in_flight: bool) -> bool:
+        """Whether the request, at its cut, takes its split now (`take_split`). While its pages
+        still load it waits: through the step that computes up to the cut (`cut_in_flight`), and
+        after it for as long as computing those pages would take (then it computes them)."""
+        split = self._splits[request_id]
+        if split.landed is not None:
+            return True
+        if cut_in_flight:
+            return False
+        now = time.monotonic()
+        if split.waiting_since is None:
+            split.waiting_since = now
+        compute_s = split.num_pages * self.page_size * (self._token_prefill_s or 0.0)
+        return now - split.waiting_since >= compute_s
 
     def take_split(self, request_id: str) -> list[Page] | None:
         """At its cut, the request takes its split's pages that landed (the caller owns their
@@ -492,10 +510,11 @@ class OffloadManager:
             store.remote_ok &= remote_ok
             if store.written == self.world_size:
                 self._finish_store(store_id, store)
-        for load_id, ok in events.loaded:
+        for load_id, ok, seconds in events.loaded:
             load = self._loads[load_id]
             load.ranks += 1
             load.ok = min(load.ok, ok)
+            load.seconds = max(load.seconds, seconds)
             if load.ranks == self.world_size:
                 self._finish_load(load_id, load)
 
@@ -543,8 +562,8 @@ class OffloadManager:
         self.counters[deepest].observe_load(seconds)
         if load.landed:
             return
-        if ok:
-            self._page_load_s[deepest] = _ema(self._page_load_s.get(deepest), seconds / ok)
+        if ok:  # the ranks' own time: the core polls between steps, which would add up to a step
+            self._page_load_s[deepest] = _ema(self._page_load_s.get(deepest), load.seconds / ok)
         if ok < len(load.pages):
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
