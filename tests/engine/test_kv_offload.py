@@ -572,9 +572,52 @@ def test_a_split_load_cuts_where_measured_load_and_compute_would_end_together(tm
         offload._page_load_s["disk"] = 100.0  # hopeless: still the last page loads
         assert offload._split_cut(lookup) == 11
         # Pages that would save less compute than the step a split adds (two of 10 ms), or that
-        # are under a fifth of what was found, are recomputed, except every 16th time, which
-        # loads them to keep the estimate fresh.
+        # are under a fifth of what was found, are recomputed.
         offload.observe_step(1, 0.010)
         assert offload._worth_loading(30, 100)  # 24 ms of prefill saved
-        assert [offload._worth_loading(12, 40) for _ in range(16)] == [False] * 15 + [True]  # 9.6 ms
+        assert not offload._worth_loading(12, 40)  # 9.6 ms
         assert not offload._worth_loading(30, 200)  # 15 % of what was found
+
+
+def test_a_tiers_load_speed_is_the_best_of_its_recent_loads_of_sixteen_pages_or_more(tmp_path):
+    """A slow load (cold connections, a busy moment) does not stop the splits that would measure
+    the tier again; loads too small to amortize their fixed cost do not count."""
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        offload = llm.core.kv.offload
+        offload.observe_load_speed("remote", 8, 0.1)
+        assert "remote" not in offload._page_load_s
+        offload.observe_load_speed("remote", 100, 0.5)  # cold: 5 ms a page
+        assert offload._page_load_s["remote"] == pytest.approx(5e-3)
+        offload.observe_load_speed("remote", 100, 0.04)
+        offload.observe_load_speed("remote", 50, 0.05)
+        assert offload._page_load_s["remote"] == pytest.approx(4e-4)
+        for _ in range(8):  # the fast one leaves the window of the last 8
+            offload.observe_load_speed("remote", 100, 0.1)
+        assert offload._page_load_s["remote"] == pytest.approx(1e-3)
+        assert "disk" not in offload._page_load_s
+
+
+def test_a_split_that_would_not_pay_recomputes_but_every_fourth_loads_half_to_measure_again(tmp_path):
+    from pagoda_engine.core.kv.block_pool import hash_page
+
+    prompt = _prompts(1, 200, seed=12)[0]
+    hashes: list[bytes] = []
+    for start in range(0, 192, 16):
+        hashes.append(hash_page(hashes[-1] if hashes else None, prompt[start:start + 16]))
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        llm.generate([prompt], GREEDY)
+        llm.core.wait_for_offload()
+        offload = llm.core.kv.offload
+        lookup = offload.lookup(hashes)
+        assert lookup.tiers == ["disk"] * 12
+        offload.observe_step(4096, 4096 * 50e-6)
+        offload._page_load_s["disk"] = 100.0  # hopeless: the cut leaves 1 of 12 pages to load
+        cuts = []
+        for i in range(8):
+            assert offload.start_split_load(f"r{i}", [], lookup, 1)
+            cuts.append(offload.split_limit(f"r{i}"))
+        assert cuts == [None, None, None, 6, None, None, None, 6]
+        for i in (3, 7):
+            offload.cancel_split(f"r{i}")
+        llm.core.wait_for_offload()
+        assert_no_leaks(llm)

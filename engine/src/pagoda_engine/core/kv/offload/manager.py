@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -62,11 +63,17 @@ _SMALL_STEP_MAX_TOKENS = 64  # steps at most this long estimate what the step a 
 # A split whose loaded pages would save less than this many of those steps, or would be less
 # than this share of what the tiers hold, recomputes instead (the step the split adds, and a
 # load that lands late, would cost more than it saves), except every `_PROBE_EVERY`th such
-# time, which keeps the tier's estimate fresh. On an H100 with Redis at 0.4-1 GB/s the cut
-# loaded 7-10 % of a 4,096-token prefix, whose load landed after the cut more often than not.
+# time, which loads half of them to measure the tier again. On an H100 with Redis at 0.4-1 GB/s
+# the cut loaded 7-10 % of a 4,096-token prefix, whose load landed after the cut more often than not.
 _MIN_SAVED_STEPS = 2
 _MIN_LOADED_SHARE = 0.2
-_PROBE_EVERY = 16
+_PROBE_EVERY = 4
+# A tier's seconds per page: the least of its last `_LOAD_SAMPLES` loads of at least
+# `_LOAD_SAMPLE_MIN_PAGES` pages. Smaller loads are mostly fixed cost, and a slow load (the
+# first one's connections and pinned buffers, a busy moment) must not stop the splits that would
+# measure it again: a load that turns out slower costs at most the wait at the cut (`split_ready`).
+_LOAD_SAMPLES = 8
+_LOAD_SAMPLE_MIN_PAGES = 16
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
 
@@ -188,6 +195,7 @@ class OffloadManager:
         self._held: dict[str, list[Page]] = {}  # requests whose load finished: their pages, held until admitted
         self._splits: dict[str, _Split] = {}  # running requests computing a prefix up to a cut while the rest loads
         self._page_load_s: dict[str, float] = {}  # deepest tier read -> a load's seconds per page
+        self._load_samples: dict[str, deque[float]] = {}  # deepest tier read -> recent seconds per page
         self._token_prefill_s: float | None = None  # a prefill's seconds per token
         self._small_step_s: float | None = None  # a step of a few tokens' seconds
         self._not_worth = 0  # splits that recomputed all because loading would not pay
@@ -335,8 +343,8 @@ class OffloadManager:
         measured: a load's seconds per page from the deepest tier the lookup reads and the
         prefill's seconds per token, so that both end together (half and half before either
         was measured). When what would load saves less compute than the step the split adds
-        (`_worth_loading`), the request computes everything, but every so often it loads anyway,
-        which keeps the tier's estimate fresh. As in Cake ("Compute or load KV cache? Why not
+        (`_worth_loading`), the request computes everything, but every `_PROBE_EVERY`th time it
+        loads half anyway, which measures the tier again. As in Cake ("Compute or load KV cache? Why not
         both?", 2024), with one cut instead of chunks from both ends: a prefill cut in small
         chunks costs far more than in one step.
         False (nothing taken, nothing decided) unless split loads are on, the lookup starts
@@ -348,7 +356,10 @@ class OffloadManager:
         cut = self._split_cut(lookup)
         self.record_lookup(lookup)  # what the tiers held, whether loaded or computed in the end
         if not self._worth_loading(len(lookup) - cut, len(lookup)):
-            return True  # the request computes it all, as if nothing had been found
+            self._not_worth += 1
+            if self._not_worth % _PROBE_EVERY:
+                return True  # the request computes it all, as if nothing had been found
+            cut = len(lookup) // 2  # a probe: a load this size measures the tier's speed
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
         load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
@@ -368,13 +379,17 @@ class OffloadManager:
         """Whether loading the last `num_pages` of the `num_found` a split's lookup found saves
         more than the step the split adds (the request stops at the cut and joins them on the
         next schedule)."""
-        saves = (num_pages >= _MIN_LOADED_SHARE * num_found
-                 and (self._token_prefill_s is None or self._small_step_s is None
-                      or num_pages * self.page_size * self._token_prefill_s >= _MIN_SAVED_STEPS * self._small_step_s))
-        if saves:
-            return True
-        self._not_worth += 1
-        return self._not_worth % _PROBE_EVERY == 0
+        return (num_pages >= _MIN_LOADED_SHARE * num_found
+                and (self._token_prefill_s is None or self._small_step_s is None
+                     or num_pages * self.page_size * self._token_prefill_s >= _MIN_SAVED_STEPS * self._small_step_s))
+
+    def observe_load_speed(self, tier: str, num_pages: int, seconds: float) -> None:
+        """A load from `tier` brought `num_pages` in `seconds` of the ranks' own time (the core
+        polls between steps, which would add up to a step): the tier's seconds per page."""
+        if num_pages >= _LOAD_SAMPLE_MIN_PAGES:
+            samples = self._load_samples.setdefault(tier, deque(maxlen=_LOAD_SAMPLES))
+            samples.append(seconds / num_pages)
+            self._page_load_s[tier] = min(samples)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` took at most `seconds` on the device: long ones estimate the
@@ -562,8 +577,7 @@ class OffloadManager:
         self.counters[deepest].observe_load(seconds)
         if load.landed:
             return
-        if ok:  # the ranks' own time: the core polls between steps, which would add up to a step
-            self._page_load_s[deepest] = _ema(self._page_load_s.get(deepest), load.seconds / ok)
+        self.observe_load_speed(deepest, ok, load.seconds)
         if ok < len(load.pages):
             logger.info("KV offload: load for %s got %d of %d pages; the rest is recomputed",
                         load.request_id, ok, len(load.pages))
