@@ -61,7 +61,7 @@ def add_api_server_count_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API server processes sharing the port, each connected to every engine core "
                              "(tokenization, detokenization and streaming spread over N CPU cores); "
-                             "a --headless node runs none and ignores it (default 1)")
+                             "a --headless node runs none and refuses N > 1 (default 1)")
 
 
 class _DrainingServer(uvicorn.Server):
