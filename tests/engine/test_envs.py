@@ -28,12 +28,13 @@ def unset(monkeypatch):
         monkeypatch.delenv(name, raising=False)
 
 
-@pytest.mark.parametrize("name", SECONDS)
-def test_seconds_default_when_unset_and_parse_when_set(monkeypatch, name):
-    read, default = SECONDS[name]
+@pytest.mark.parametrize("name, value, parsed", [*((name, "2.5", 2.5) for name in SECONDS),
+                                                *((name, "3", 3) for name in COUNTS)])
+def test_each_has_its_default_when_unset_and_its_value_when_set(monkeypatch, name, value, parsed):
+    read, default = {**SECONDS, **COUNTS}[name]
     assert read() == default
-    monkeypatch.setenv(name, "2.5")
-    assert read() == 2.5
+    monkeypatch.setenv(name, value)
+    assert read() == parsed
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-1", "nan", "inf", "-inf", "1e999", ""])
@@ -42,14 +43,6 @@ def test_a_bad_number_of_seconds_is_refused_by_name(monkeypatch, name, value):
     monkeypatch.setenv(name, value)
     with pytest.raises(InvalidEnvironmentError, match=f"^{name} must be a number of seconds > 0, got {value!r}$"):
         SECONDS[name][0]()
-
-
-@pytest.mark.parametrize("name", COUNTS)
-def test_counts_default_when_unset_and_parse_when_set(monkeypatch, name):
-    read, default = COUNTS[name]
-    assert read() == default
-    monkeypatch.setenv(name, "3")
-    assert read() == 3
 
 
 @pytest.mark.parametrize("value", ["abc", "0", "-2", "1.5", "nan", "inf", ""])
