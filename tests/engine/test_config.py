@@ -164,6 +164,14 @@ def test_a_headless_node_runs_its_share_of_the_ranks():
     assert parse("-tp", "2").parallel.store_port() == 0  # one node: any free port
 
 
+def test_a_headless_node_refuses_more_than_one_api_server():
+    node = dict(nnodes=2, tensor_parallel_size=2, node_rank=1, headless=True)
+    with pytest.raises(ValueError, match=r"--api-server-count=3 cannot be used with --headless \(no API servers"):
+        EngineConfig.from_kwargs(**node, api_server_count=3)
+    assert EngineConfig.from_kwargs(**node).server.api_server_count == 1  # the default passes
+    assert EngineConfig.from_kwargs(nnodes=2, tensor_parallel_size=2, api_server_count=3).server.api_server_count == 3
+
+
 def test_refusal_names_every_missing_feature_in_table_order():
     config = parse("--pipeline-parallel-size", "2", "--enable-expert-parallel", "--kv-offload-disk-path", "/kv", "--kv-offload-disk-gb", "100")
     missing = [f for f, _ in capabilities.requested(config, {}) if not f.implemented]

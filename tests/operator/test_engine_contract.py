@@ -30,7 +30,7 @@ import pytest
 from pagoda_operator import engine_capabilities
 from pagoda_operator import render as r
 from pagoda_operator.validation import check
-from tests.operator.support import EXAMPLE_FILES, load_example
+from tests.operator.support import EXAMPLE_FILES, load_example, with_spec
 
 api_server = pytest.importorskip("pagoda_engine.api.server.api_server")
 router_app = pytest.importorskip("pagoda_engine.router.app")
@@ -150,6 +150,17 @@ def test_the_operators_copy_of_the_capability_table_is_current():
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)
 def test_examples_render_what_the_engine_runs_or_are_refused_with_its_reason(filename):
     assert_operator_and_engine_agree(load_example(filename))
+
+
+def test_api_server_processes_of_a_multi_node_spec_start_on_the_leader_alone():
+    body = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__apiServerCount=4)
+    assert_operator_and_engine_agree(body)  # a headless worker's engine refuses --api-server-count > 1
+    containers = engine_containers(r.render(body, check(body).spec))
+    configs = {role: engine_start(container, role)[0] for role, container in containers.items()}
+    assert (configs["leader"].server.api_server_count, configs["worker"].server.api_server_count) == (4, 1)
+    extra = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=["--api-server-count=4"])
+    assert check(extra).problems == ["engine: extraArgs --api-server-count would reach the headless worker pods too, "
+                                     "which refuse it; set apiServerCount instead"]
 
 
 # A Mixtral on CPU: every combination below is right as written (no GPU count or memory fit to

@@ -208,6 +208,15 @@ def test_api_server_count_below_one_is_refused():
     assert "--api-server-count must be >= 1" in out.stderr
 
 
+def test_api_server_count_on_a_headless_node_is_refused():
+    # A headless node serves no API, so the flag would be accepted and ignored: refused, as vLLM does.
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", MODEL, "-tp", "2",
+                          "--nnodes", "2", "--node-rank", "1", "--headless", "--api-server-count", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "--api-server-count=2 cannot be used with --headless" in out.stderr
+
+
 def test_a_taken_port_fails_at_once_before_any_model_loads():
     import socket
 

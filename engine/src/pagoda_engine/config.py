@@ -266,6 +266,10 @@ class EngineConfig:
                              "(the leader, --node-rank 0, serves the API)")
         if pc.node_rank == 0 and pc.headless:
             raise ValueError("--node-rank 0 is the leader, which serves the API: drop --headless")
+        if pc.headless and self.server.api_server_count > 1:
+            # vLLM refuses it too: a flag accepted and ignored would hide a mistaken deployment.
+            raise ValueError(f"--api-server-count={self.server.api_server_count} cannot be used with --headless "
+                             "(no API servers are started in headless mode)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

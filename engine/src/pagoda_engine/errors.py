@@ -27,3 +27,7 @@ class UnsupportedArchitectureError(ModelLoadError):
 
 class EngineDeadError(PagodaError):
     """The engine core process died; no request can be served."""
+
+
+class InvalidEnvironmentError(PagodaError, ValueError):
+    """A PAGODA_* environment variable holds a value the engine cannot use (`pagoda_engine.envs`)."""

@@ -148,8 +148,9 @@ def _format_gb(num_gib: float) -> str:
     return f"{num_gib:g}"
 
 
-def engine_args(name: str, spec: InferenceServiceSpec) -> list[str]:
-    """`pagoda serve` flags for this spec, in a fixed order."""
+def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False) -> list[str]:
+    """`pagoda serve` flags for this spec, in a fixed order; `headless`: a LeaderWorkerSet
+    worker's, which serves no API."""
     m, e, t = spec.model, spec.engine, spec.topology
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
     path = model_path(spec)
@@ -177,7 +178,7 @@ def engine_args(name: str, spec: InferenceServiceSpec) -> list[str]:
     args += ["--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching"]
     if e.seed is not None:
         args += ["--seed", str(e.seed)]
-    if e.api_server_count > 1:  # LeaderWorkerSet workers run --headless, which ignores it
+    if e.api_server_count > 1 and not headless:  # --headless refuses it (no API server to count)
         args += ["--api-server-count", str(e.api_server_count)]
     if sizing.gpus_per_pod(spec) == 0:
         args += ["--device", "cpu"]
@@ -373,7 +374,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "name": "engine",
         "image": image,
         "command": ["pagoda", "serve"],
-        "args": engine_args(name, spec) + _node_args(role),
+        "args": engine_args(name, spec, headless=role == "worker") + _node_args(role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": engine_resources(spec),
         "volumeMounts": mounts,

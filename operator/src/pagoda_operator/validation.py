@@ -95,8 +95,12 @@ def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
     """Each API server process keeps a CPU core busy under load: a pod given fewer CPUs than
     processes only makes them take turns."""
     count, cpu = spec.engine.api_server_count, spec.resources.cpu
-    if count > 1 and any(a == "--api-server-count" or a.startswith("--api-server-count=") for a in spec.engine.extra_args):
+    in_extra_args = any(a == "--api-server-count" or a.startswith("--api-server-count=") for a in spec.engine.extra_args)
+    if count > 1 and in_extra_args:
         return ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
+    if in_extra_args and spec.topology.nodes > 1:
+        return ["engine: extraArgs --api-server-count would reach the headless worker pods too, which refuse it; "
+                "set apiServerCount instead"]
     if count > 1 and cpu is not None and parse_quantity(cpu) < count:
         return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
     return []

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda_engine.api.tool_parsers.base import MAX_OPENING_WHITESPACE, find_tag
+from pagoda_engine.api.tool_parsers.base import TagSplitter
 
 THINK_START, THINK_END = "<think>", "</think>"
 
@@ -28,12 +28,10 @@ class ThinkParser:
     def __init__(self, implicit_start: bool):
         self.implicit_start = implicit_start  # deepseek_r1: reasoning even without <think>
         self._state = "start"  # start | reasoning | content
-        self._pending = ""
+        self._tags = TagSplitter()
 
     def feed(self, text: str) -> ReasoningDelta:
         out = ReasoningDelta()
-        text = self._pending + text
-        self._pending = ""
         if self._state == "start":
             text = self._open(text, final=False)
         if self._state == "reasoning":
@@ -44,9 +42,7 @@ class ThinkParser:
 
     def finish(self) -> ReasoningDelta:
         out = ReasoningDelta()
-        text, self._pending = self._pending, ""
-        if self._state == "start":
-            text = self._open(text, final=True)
+        text = self._open("", final=True) if self._state == "start" else self._tags.release()
         if self._state == "reasoning":
             out.reasoning += text
         else:
@@ -54,24 +50,19 @@ class ThinkParser:
         return out
 
     def _open(self, text: str, final: bool) -> str:
-        head = text.lstrip()
-        if head.startswith(THINK_START):
-            self._state = "reasoning"
-            return head[len(THINK_START):]
-        if not final and THINK_START.startswith(head) and len(text) <= MAX_OPENING_WHITESPACE:
-            self._pending = text  # nothing yet, or the tag's beginning
+        opened = self._tags.opening(text, THINK_START, final)
+        if opened is None:  # nothing yet, or the tag's beginning
             return ""
-        self._state = "reasoning" if self.implicit_start else "content"
+        text, tagged = opened
+        self._state = "reasoning" if tagged or self.implicit_start else "content"
         return text
 
     def _reasoning(self, text: str, out: ReasoningDelta) -> str:
-        before, rest, found = find_tag(text, THINK_END)
+        before, after, found = self._tags.split(text, THINK_END)
         out.reasoning += before
-        if not found:
-            self._pending = rest
-            return ""
-        self._state = "content"
-        return rest
+        if found:
+            self._state = "content"
+        return after
 
 
 REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> reasoning starts without <think>

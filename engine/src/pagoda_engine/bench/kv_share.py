@@ -58,6 +58,7 @@ import httpx
 import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
+from pagoda_engine.envs import env_seconds
 from pagoda_engine.worker.kv_stores import remote_read_connections
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
@@ -75,8 +76,6 @@ from pagoda_engine.bench.serve import (
 
 KV_SHARE_INPUT_LEN, KV_SHARE_OUTPUT_LEN, KV_SHARE_NUM_PROMPTS = 4096, 1, 8
 TARGET_RATIO = 0.5
-# Until a prompt's pages are in Redis, or an engine's counters are still.
-_STORE_TIMEOUT_S = float(os.environ.get("PAGODA_BENCH_KV_SHARE_STORE_TIMEOUT_S", "120"))
 _REDIS_READY_TIMEOUT_S = 30.0
 
 REMOTE_HITS = "pagoda:kv_offload_hit_tokens_total{remote}"
@@ -233,10 +232,12 @@ class RedisPages:
 
 
 def _until(predicate, what: str, step: float = 0.02) -> None:
-    deadline = time.monotonic() + _STORE_TIMEOUT_S
+    """Until a prompt's pages are in Redis, or an engine's counters are still."""
+    timeout_s = env_seconds("PAGODA_BENCH_KV_SHARE_STORE_TIMEOUT_S", 120.0)
+    deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out after {_STORE_TIMEOUT_S:.0f} s waiting for {what}")
+            raise RuntimeError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(step)
 
 

@@ -45,9 +45,9 @@ import numpy as np
 
 from pagoda_engine.api.server.api_server import add_api_server_count_arg
 from pagoda_engine.bench.workloads import fixed_lengths
+from pagoda_engine.envs import env_seconds
 
 S1_INPUT_LEN, S1_OUTPUT_LEN = 1024, 128
-_READY_TIMEOUT_S = float(os.environ.get("PAGODA_BENCH_SERVER_TIMEOUT_S", "900"))
 
 
 S1_REQUEST_RATE = 10.0
@@ -454,9 +454,10 @@ class LaunchedServer:
 
     def start(self) -> float:
         """Start and wait for /health; returns the seconds it took."""
+        timeout_s = env_seconds("PAGODA_BENCH_SERVER_TIMEOUT_S", 900.0)
         t0 = time.monotonic()
         self.process.start()
-        while time.monotonic() - t0 < _READY_TIMEOUT_S:
+        while time.monotonic() - t0 < timeout_s:
             if not self.process.is_alive():
                 raise RuntimeError(f"pagoda serve exited with code {self.process.exitcode} before it was ready")
             try:
@@ -466,7 +467,7 @@ class LaunchedServer:
                 pass
             time.sleep(0.25)
         self.stop()
-        raise RuntimeError(f"pagoda serve was not ready within {_READY_TIMEOUT_S:.0f} s")
+        raise RuntimeError(f"pagoda serve was not ready within {timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.process.is_alive():

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 
+from pagoda_engine import envs
 from pagoda_engine.config import EngineConfig, resolve_cudagraph_mode
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
@@ -97,9 +98,9 @@ def _set_cpu_threads(model: torch.nn.Module) -> None:
     """Small models on CPU run faster on one thread: OpenMP synchronisation costs more than the
     tiny matmuls gain, and collapses when several engines share a machine. PAGODA_CPU_THREADS
     overrides."""
-    wanted = os.environ.get("PAGODA_CPU_THREADS")
-    if wanted:
-        torch.set_num_threads(int(wanted))
+    wanted = envs.cpu_threads()
+    if wanted is not None:
+        torch.set_num_threads(wanted)
     elif sum(p.numel() for p in model.parameters()) < 50_000_000:
         torch.set_num_threads(1)
 

@@ -43,13 +43,14 @@ import zmq
 from transformers import PretrainedConfig
 
 import pagoda_engine
+from pagoda_engine import envs
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
 from pagoda_engine.worker.sampling import SamplingBatch
-from pagoda_engine.worker.worker import DIST_TIMEOUT_S, START_TIMEOUT_S, Arriving, load_worker_class, worker_method
+from pagoda_engine.worker.worker import Arriving, load_worker_class, worker_method
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,7 @@ class Executor:
 
     def __init__(self, layout: ParallelLayout, device: torch.device, *, master_addr: str = "127.0.0.1",
                  master_port: int = 0, spawn_ranks: list[int] | None = None,
-                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float = DIST_TIMEOUT_S,
+                 worker_cls: str = DEFAULT_WORKER_CLS, join_timeout_s: float | None = None,
                  device_offset: int = 0, nnodes: int = 1, data_parallel: DataParallelRank | None = None):
         self.layout = layout
         self.device_offset = device_offset
@@ -109,7 +110,7 @@ class Executor:
             self.worker = load_worker_class(worker_cls)(layout, 0, device, data_parallel=data_parallel)
             return
         store = dist.TCPStore(master_addr, master_port, layout.world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+                              timeout=datetime.timedelta(seconds=envs.tp_start_timeout_s()))
         self.worker = load_worker_class(worker_cls)(layout, 0, device, store, data_parallel=data_parallel)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -129,7 +130,7 @@ class Executor:
         try:
             for rank in spawn_ranks:
                 self._processes[rank] = _spawn(rank, master_addr, store.port, self._device_index(rank))
-            self._join(join_timeout_s, f"{master_addr}:{store.port}")
+            self._join(envs.dist_timeout_s() if join_timeout_s is None else join_timeout_s, f"{master_addr}:{store.port}")
         except BaseException:
             self.close()
             raise
@@ -195,7 +196,8 @@ class Executor:
     def _gather(self, seq: int, method: str) -> list:
         """Every worker's reply to call `seq`, watching for ranks that die meanwhile."""
         results: dict[int, object] = {}
-        deadline = time.monotonic() + START_TIMEOUT_S
+        timeout_s = envs.tp_start_timeout_s()
+        deadline = time.monotonic() + timeout_s
         while len(results) < self.layout.world_size - 1:
             if self._sock.poll(200):
                 reply = self._recv_reply()
@@ -211,7 +213,7 @@ class Executor:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.layout.world_size)) - set(results))
                 raise EngineDeadError(f"tensor-parallel worker(s) {missing} did not answer {method} "
-                                      f"within {START_TIMEOUT_S:.0f}s")
+                                      f"within {timeout_s:.0f}s")
         return [results[rank] for rank in range(1, self.layout.world_size)]
 
     def _recv_reply(self) -> Reply:

@@ -26,6 +26,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from pagoda_engine.envs import env_count
+
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"PGKV1\n"
@@ -108,14 +110,7 @@ def check_entry(header: memoryview, payload: memoryview, stored_bytes: int, fing
 def remote_read_connections() -> int:
     """How many connections a Redis read spreads over: PAGODA_KV_REMOTE_READ_CONNECTIONS (default
     4), a whole number >= 1; anything else is refused at start-up rather than bent into range."""
-    raw = os.environ.get(REMOTE_READ_CONNECTIONS_ENV, "4")
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"{REMOTE_READ_CONNECTIONS_ENV} must be a whole number >= 1, got {raw!r}")
-    return n
+    return env_count(REMOTE_READ_CONNECTIONS_ENV, 4)
 
 
 class RateLimitedLog:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from pagoda_engine import envs
 from pagoda_engine.processes import die_with_parent
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
@@ -62,13 +63,6 @@ from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, 
 
 logger = logging.getLogger(__name__)
 
-# Start-up covers spawning, importing torch and loading a shard of a large checkpoint.
-START_TIMEOUT_S = float(os.environ.get("PAGODA_TP_START_TIMEOUT_S", "900"))
-# Every rank joins within this: spawning and importing torch here, or a headless node starting
-# elsewhere (a headless node waits as long for the leader). PAGODA_TP_JOIN_TIMEOUT_S is its older name.
-DIST_TIMEOUT_S = float(os.environ.get("PAGODA_DIST_TIMEOUT_S") or os.environ.get("PAGODA_TP_JOIN_TIMEOUT_S") or "300")
-# A collective that waits longer than this means a rank is gone.
-COLLECTIVE_TIMEOUT_S = float(os.environ.get("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "600"))
 # An idle worker checks this often that rank 0 is still there.
 _MASTER_CHECK_S = 2
 
@@ -142,7 +136,7 @@ class Worker:
         """Meet the same TP position of every other core in the pod's store: a device group for
         the MoE dispatch and a gloo one for token counts (on CPU the same group)."""
         store = dist.TCPStore(dp.master_addr, dp.master_port, is_master=dp.rank == 0 and self.rank == 0,
-                              wait_for_workers=False, timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+                              wait_for_workers=False, timeout=datetime.timedelta(seconds=envs.dist_timeout_s()))
         self.dp_store = store  # the master's listens as long as this worker lives
         pod, offset = pod_layout(self.layout, dp)
         counts = make_group(store, pod, "dp", offset + self.rank, torch.device("cpu"), name="dp-gloo")
@@ -372,7 +366,7 @@ def make_group(store, layout: ParallelLayout, axis: str, rank: int, device: torc
     own prefix (`name`, default the axis: two groups of the same ranks need two names); returns
     once every member has joined."""
     members = layout.group(axis, rank)
-    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=envs.tp_collective_timeout_s())
     store = dist.PrefixStore(f"pagoda/{name or axis}/{layout.group_index(axis, rank)}", store)
     group_rank = members.index(rank)
     nccl = dist_backend(device.type) == "nccl"
@@ -457,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     ctx = zmq.Context()
     try:
         store = dist.TCPStore(args.master_addr, args.master_port, is_master=False,
-                              timeout=datetime.timedelta(seconds=DIST_TIMEOUT_S))
+                              timeout=datetime.timedelta(seconds=envs.dist_timeout_s()))
         run = read_run(store)
         layout = ParallelLayout(**run["layout"])
         if run["device_type"] == "cuda":

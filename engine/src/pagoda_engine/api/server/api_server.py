@@ -23,6 +23,7 @@ import uvicorn
 
 from pagoda_engine.api.tokenizer import load_chat_template
 from pagoda_engine.config import EngineConfig, add_engine_args, add_request_limit_args, config_from_args
+from pagoda_engine.envs import check_environment
 from pagoda_engine.errors import ModelLoadError
 
 logger = logging.getLogger("pagoda_engine.api.server")
@@ -61,7 +62,7 @@ def add_api_server_count_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-server-count", "-asc", type=int, default=1,
                         help="API server processes sharing the port, each connected to every engine core "
                              "(tokenization, detokenization and streaming spread over N CPU cores); "
-                             "a --headless node runs none and ignores it (default 1)")
+                             "a --headless node runs none and refuses N > 1 (default 1)")
 
 
 class _DrainingServer(uvicorn.Server):
@@ -162,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = config_from_args(args)
         config.server.chat_template = load_chat_template(config.server.chat_template)
-    except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate)
+        check_environment()
+    except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate) or PAGODA_* numbers
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
     if config.parallel.headless:  # a node other than the leader: only its ranks, no API server

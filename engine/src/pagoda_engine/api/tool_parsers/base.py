@@ -1,5 +1,6 @@
 """What every tool-call parser shares: the deltas it emits, the base class that numbers calls and
-gives them ids, holding back a tag's beginning, and the incremental reader of JSON call objects.
+gives them ids, finding tags in text that arrives in pieces (`TagSplitter`, which the reasoning
+parser uses too), and the incremental reader of JSON call objects.
 
 A parser is fed a sequence's text as it is detokenized and returns, per piece, the text that is
 content and the tool-call deltas it found. Each piece costs O(its length): a parser keeps only
@@ -62,14 +63,45 @@ def partial_tag_len(text: str, tag: str) -> int:
     return 0
 
 
-def find_tag(text: str, tag: str) -> tuple[str, str, bool]:
-    """(before, rest, found): with `tag` in `text`, the text before it and after it; without,
-    the text that can go out now and the end to hold back (it may be the tag's beginning)."""
-    at = text.find(tag)
-    if at >= 0:
-        return text[:at], text[at + len(tag):], True
-    keep = partial_tag_len(text, tag)
-    return text[:len(text) - keep], text[len(text) - keep:], False
+class TagSplitter:
+    """Finds tags (`<think>`, `</tool_call>`, `[TOOL_CALLS]`...) in an output that arrives in
+    pieces. A piece's end that may be a tag's beginning, or an opening that cannot be told yet, is
+    held back; the next `split` or `opening` puts it in front of its piece, and `release` gives it
+    up at the output's end. Holding back at most a tag's worth (or MAX_OPENING_WHITESPACE) keeps
+    each piece O(its length)."""
+
+    def __init__(self):
+        self.held = ""
+
+    def split(self, text: str, tag: str) -> tuple[str, str, bool]:
+        """(before, after, found): with `tag` in the held text and `text`, what comes before and
+        after it; without, what can go out now ("" after; the end that may be the tag's
+        beginning is held)."""
+        text, self.held = self.held + text, ""
+        at = text.find(tag)
+        if at >= 0:
+            return text[:at], text[at + len(tag):], True
+        keep = partial_tag_len(text, tag)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], "", False
+
+    def opening(self, text: str, tag: str, final: bool) -> tuple[str, bool] | None:
+        """Whether the output (the held text and `text`) opens with `tag`, after whitespace:
+        (what follows the tag, True), (the whole text, False), or None while it may still (only
+        whitespace or the tag's beginning so far, and not `final`, the output's end): held."""
+        text, self.held = self.held + text, ""
+        head = text.lstrip()
+        if head.startswith(tag):
+            return head[len(tag):], True
+        if not final and tag.startswith(head) and len(text) <= MAX_OPENING_WHITESPACE:
+            self.held = text
+            return None
+        return text, False
+
+    def release(self) -> str:
+        """The text held back, given up (the output ended)."""
+        held, self.held = self.held, ""
+        return held
 
 
 class ToolParser:

@@ -12,11 +12,10 @@ import string
 from pagoda_engine.api.tool_parsers.base import (
     JsonCallSequence,
     JsonNesting,
+    TagSplitter,
     ToolCallDelta,
     ToolDelta,
     ToolParser,
-    find_tag,
-    partial_tag_len,
 )
 
 TOOL_CALLS, ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -31,7 +30,7 @@ class MistralToolParser(ToolParser):
 
     def __init__(self, incremental: bool):
         super().__init__(incremental)
-        self._pending = ""  # held back: a tag may be beginning
+        self._tags = TagSplitter()
         self._state = "content"  # content | after_tag | array | name | args
         self._array: JsonCallSequence | None = None
         self._name = ""
@@ -41,8 +40,6 @@ class MistralToolParser(ToolParser):
 
     def feed(self, text: str) -> ToolDelta:
         out = ToolDelta()
-        text = self._pending + text
-        self._pending = ""
         handlers = {"content": self._on_content, "after_tag": self._on_after_tag, "array": self._on_array,
                     "name": self._on_name, "args": self._on_args}
         while text:
@@ -57,18 +54,15 @@ class MistralToolParser(ToolParser):
             self._end_args(out)
         elif self._state == "name":
             out.content += TOOL_CALLS + self._name
-        out.content += self._pending
-        self._pending = ""
+        out.content += self._tags.release()
         return out
 
     def _on_content(self, text: str, out: ToolDelta) -> str:
-        before, rest, found = find_tag(self.strip_after_call(text), TOOL_CALLS)
+        before, after, found = self._tags.split(self.strip_after_call(text), TOOL_CALLS)
         out.content += before
-        if not found:
-            self._pending = rest
-            return ""
-        self._state = "after_tag"
-        return rest
+        if found:
+            self._state = "after_tag"
+        return after
 
     def _on_after_tag(self, text: str, out: ToolDelta) -> str:
         stripped = text.lstrip()
@@ -86,23 +80,21 @@ class MistralToolParser(ToolParser):
         return ""
 
     def _on_name(self, text: str, out: ToolDelta) -> str:
-        text = self._name + text
-        at = text.find(ARGS)
-        name = text[:at] if at >= 0 else text[:len(text) - partial_tag_len(text, ARGS)]
-        if _NAME_CHARS.fullmatch(name) is None or len(name) > _MAX_NAME_CHARS or (at >= 0 and not name):
+        before, after, found = self._tags.split(text, ARGS)
+        name = self._name + before
+        if _NAME_CHARS.fullmatch(name) is None or len(name) > _MAX_NAME_CHARS or (found and not name):
             self._state, self._name = "content", ""  # not a call after all
             out.content += TOOL_CALLS
-            return text
-        if at < 0:
-            self._name = text
-            return ""
+            return name + (ARGS + after if found else self._tags.release())
         self._name = name
+        if not found:
+            return ""
         self._state = "args"
         self._nesting, self._args = JsonNesting(), []
         if self.incremental:
             self._call = self.new_call(name)
             out.tool_calls.append(self._call)
-        return text[at + len(ARGS):]
+        return after
 
     def _on_args(self, text: str, out: ToolDelta) -> str:
         end = self._nesting.scan(text)
