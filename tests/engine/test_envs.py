@@ -12,11 +12,13 @@ import pytest
 
 from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
-from pagoda_engine.worker.kv_stores import remote_read_connections
+from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
 SECONDS = {"PAGODA_TP_START_TIMEOUT_S": (envs.tp_start_timeout_s, 900.0),
            "PAGODA_DIST_TIMEOUT_S": (envs.dist_timeout_s, 300.0),
-           "PAGODA_TP_COLLECTIVE_TIMEOUT_S": (envs.tp_collective_timeout_s, 600.0)}
+           "PAGODA_TP_COLLECTIVE_TIMEOUT_S": (envs.tp_collective_timeout_s, 600.0),
+           "PAGODA_KV_REMOTE_TIMEOUT_S": (remote_timeout_s, 1.0),
+           "PAGODA_KV_REMOTE_BACKOFF_S": (remote_backoff_s, 5.0)}
 COUNTS = {"PAGODA_CPU_THREADS": (envs.cpu_threads, None),
           "PAGODA_KV_REMOTE_READ_CONNECTIONS": (remote_read_connections, 4)}
 ALL = [*SECONDS, *COUNTS, "PAGODA_TP_JOIN_TIMEOUT_S"]

@@ -198,7 +198,7 @@ def _poll(offloader: KVOffloader, pick, timeout: float = 30.0):
 
 
 def test_redis_stopped_or_killed_mid_read_is_a_bounded_miss_then_reads_recover(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_stores, "REMOTE_BACKOFF_S", 1.0)
+    monkeypatch.setenv("PAGODA_KV_REMOTE_BACKOFF_S", "1")
     redis = RedisProc(tmp_path)
     try:
         store = RedisStore(f"redis://127.0.0.1:{redis.port}", FINGERPRINT, read_connections=4, timeout_s=0.5)
@@ -349,7 +349,7 @@ def test_a_sharded_read_stops_at_the_first_entry_not_intact_on_any_server(shards
 
 
 def test_a_dead_server_costs_only_its_own_entries(tmp_path, monkeypatch):
-    monkeypatch.setattr(kv_stores, "REMOTE_BACKOFF_S", 60.0)
+    monkeypatch.setenv("PAGODA_KV_REMOTE_BACKOFF_S", "60")
     servers = [RedisProc(tmp_path, "--requirepass", PASSWORD) for _ in range(2)]
     try:
         store = _sharded(servers, timeout_s=0.5)

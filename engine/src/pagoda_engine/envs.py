@@ -80,7 +80,8 @@ def cpu_threads() -> int | None:
 def check_environment() -> None:
     """Read every number above and the KV store's, so that a bad one is refused at start-up rather
     than when (and in whichever process) it is first used."""
-    from pagoda_engine.worker.kv_stores import remote_read_connections
+    from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
-    for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, remote_read_connections):
+    for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, remote_read_connections,
+                 remote_timeout_s, remote_backoff_s):
         read()

@@ -26,15 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pagoda_engine.envs import env_count
+from pagoda_engine.envs import env_count, env_seconds
 
 logger = logging.getLogger(__name__)
 
 _MAGIC = b"PGKV1\n"
 _HEADER = struct.Struct("<6s16s16sQI")  # magic, fingerprint, key, payload length, crc32
 HEADER_BYTES = _HEADER.size
-REMOTE_TIMEOUT_S = float(os.environ.get("PAGODA_KV_REMOTE_TIMEOUT_S", "1.0"))
-REMOTE_BACKOFF_S = float(os.environ.get("PAGODA_KV_REMOTE_BACKOFF_S", "5.0"))
 # Connections (and threads) one remote read spreads its keys over, each given at least
 # MIN_SHARE_BYTES of it (below that a thread and a connection cost more than they save).
 REMOTE_READ_CONNECTIONS_ENV = "PAGODA_KV_REMOTE_READ_CONNECTIONS"
@@ -105,6 +103,16 @@ def check_entry(header: memoryview, payload: memoryview, stored_bytes: int, fing
         raise CorruptEntry(f"truncated: {stored_bytes} of {payload_bytes} payload bytes")
     if zlib.crc32(payload) != crc:
         raise CorruptEntry("checksum mismatch")
+
+
+def remote_timeout_s() -> float:
+    """How long one Redis call may take (PAGODA_KV_REMOTE_TIMEOUT_S, default 1 s)."""
+    return env_seconds("PAGODA_KV_REMOTE_TIMEOUT_S", 1.0)
+
+
+def remote_backoff_s() -> float:
+    """How long a failed Redis server is skipped (PAGODA_KV_REMOTE_BACKOFF_S, default 5 s)."""
+    return env_seconds("PAGODA_KV_REMOTE_BACKOFF_S", 5.0)
 
 
 def remote_read_connections() -> int:
@@ -221,7 +229,8 @@ class RedisStore:
         self.fingerprint = fingerprint
         self.prefix = REDIS_KEY_NAMESPACE + fingerprint.hex().encode() + b":"
         password = password or os.environ.get(REMOTE_PASSWORD_ENV) or None
-        self.timeout_s = timeout_s or REMOTE_TIMEOUT_S
+        self.timeout_s = timeout_s or remote_timeout_s()
+        self.backoff_s = remote_backoff_s()
         self.client = redis.Redis.from_url(url, password=password,
                                            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
         options = parse_url(url)  # what redis-py connects with: the URL's credentials win over `password`
@@ -235,7 +244,7 @@ class RedisStore:
         self._idle: list[_RespConnection] = []
         self.errors = 0
         self._down_until = 0.0
-        self._log = RateLimitedLog(REMOTE_BACKOFF_S)
+        self._log = RateLimitedLog(self.backoff_s)
         self._lock = threading.Lock()
 
     def name(self, key: bytes) -> bytes:
@@ -248,9 +257,9 @@ class RedisStore:
     def _failed(self, what: str, error: Exception) -> None:
         with self._lock:
             self.errors += 1
-            self._down_until = time.monotonic() + REMOTE_BACKOFF_S
+            self._down_until = time.monotonic() + self.backoff_s
         self._log.warning("remote", "kv offload: remote tier %s at %s failed (%s: %s); skipping it for %.0fs, "
-                          "serving goes on", what, self.label, type(error).__name__, error, REMOTE_BACKOFF_S)
+                          "serving goes on", what, self.label, type(error).__name__, error, self.backoff_s)
 
     def exists(self, keys: list[bytes]) -> list[bool]:
         """Which of `keys` the store holds (all False while it is down)."""
