@@ -574,6 +574,8 @@ def test_a_split_load_cuts_where_measured_load_and_compute_would_end_together(tm
         # Pages that would save less compute than the step a split adds (two of 10 ms), or that
         # are under a fifth of what was found, are recomputed.
         offload.observe_step(1, 0.010)
+        offload.observe_step(16, 0.030)  # a step that waited for a load's copies: not what a step costs
+        assert offload._small_step_s == 0.010
         assert offload._worth_loading(30, 100)  # 24 ms of prefill saved
         assert not offload._worth_loading(12, 40)  # 9.6 ms
         assert not offload._worth_loading(30, 200)  # 15 % of what was found

@@ -56,13 +56,18 @@ def _sync(device: torch.device) -> None:
 
 
 def _drain(offloader: KVOffloader, store_ids: set[int], load_ids: set[int]) -> None:
-    """Poll until every store and load named has finished (the engine core's own loop)."""
+    """Poll until every store and load named has finished (the engine core's own loop); a load
+    is reported once its copies are queued, and done when the stream that waits for them is."""
+    loading = bool(load_ids)
     while store_ids or load_ids:
         events = offloader.poll()
         store_ids.difference_update(events.copied)
-        load_ids.difference_update(load_id for load_id, _ in events.loaded)
+        load_ids.difference_update(load_id for load_id, _, _ in events.loaded)
         if store_ids or load_ids:
             time.sleep(0.0005)
+    if loading:
+        offloader.wait_for_loads()  # what the next step does
+        _sync(offloader.device)
 
 
 def _round(offloader: KVOffloader, src: list[int], dst: list[int], slots: list[int], load_pages: int,

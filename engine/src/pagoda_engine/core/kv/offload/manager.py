@@ -197,7 +197,8 @@ class OffloadManager:
         self._page_load_s: dict[str, float] = {}  # deepest tier read -> a load's seconds per page
         self._load_samples: dict[str, deque[float]] = {}  # deepest tier read -> recent seconds per page
         self._token_prefill_s: float | None = None  # a prefill's seconds per token
-        self._small_step_s: float | None = None  # a step of a few tokens' seconds
+        self._small_step_s: float | None = None  # a step of a few tokens' seconds: the least of the last few
+        self._small_steps: deque[float] = deque(maxlen=_LOAD_SAMPLES)
         self._not_worth = 0  # splits that recomputed all because loading would not pay
         self._ids = 0
         self._disk_deletes: list[bytes] = []
@@ -399,7 +400,9 @@ class OffloadManager:
         if num_tokens >= _PREFILL_MIN_TOKENS:
             self._token_prefill_s = _ema(self._token_prefill_s, seconds / num_tokens)
         elif num_tokens <= _SMALL_STEP_MAX_TOKENS:
-            self._small_step_s = _ema(self._small_step_s, seconds)
+            # The least: the step after a split's join waits for the load's copies on the device.
+            self._small_steps.append(seconds)
+            self._small_step_s = min(self._small_steps)
 
     def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool) -> tuple[int, Load]:
         """Take device pages for these keys and ask every rank to fill them from `tiers`."""
