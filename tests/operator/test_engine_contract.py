@@ -177,7 +177,8 @@ MATRIX = {
        {"tensor": 4, "pipeline": 2, "data": 2, "expert": True, "nodes": 2}.items()},
     "kvCache.tiers.cpu": {"type": "cpu", "size": "8Gi"},
     "kvCache.tiers.disk": {"type": "disk", "size": "100Gi"},
-    "kvCache.tiers.remote": {"type": "remote", "url": "redis://kv-redis:6379", "secretRef": {"name": "kv", "key": "password"}},
+    "kvCache.tiers.remote": {"type": "remote", "url": "redis://kv-redis-0.kv-redis:6379,redis://kv-redis-1.kv-redis:6379",
+                             "secretRef": {"name": "kv", "key": "password"}},  # sharded over two servers
 }
 AUTOSCALING = {
     "off": None,

@@ -334,6 +334,12 @@ def test_a_disk_tier_is_an_emptydir_by_default_or_the_claim_the_spec_names():
 def test_a_remote_tier_without_a_secret_passes_only_the_url():
     c = engine_container(_engine_pod(_tiered([{"type": "remote", "url": "rediss://kv:6380/2"}])))
     assert c["args"][c["args"].index("--kv-offload-remote-url") + 1] == "rediss://kv:6380/2"
+
+
+def test_a_remote_tier_over_several_servers_passes_them_in_their_order():
+    urls = "redis://kv-0.kv:6379,redis://kv-1.kv:6379,redis://kv-2.kv:6379"  # the engine's contract test parses it
+    c = engine_container(_engine_pod(_tiered([{"type": "remote", "url": urls}])))
+    assert c["args"][c["args"].index("--kv-offload-remote-url") + 1] == urls
     assert "env" not in c
 
 

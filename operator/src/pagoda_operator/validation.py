@@ -238,8 +238,14 @@ def _check_kv_cache(spec: InferenceServiceSpec) -> list[str]:
         if tier.type == "remote":
             if tier.url is None:
                 problems.append(f"{where}: url is required (redis://host:port)")
-            elif not re.fullmatch(REDIS_URL_PATTERN, tier.url):
-                problems.append(f"{where}: url {tier.url!r} is not redis://host[:port][/db] or rediss://...")
+            else:
+                urls = [u.strip() for u in tier.url.split(",")]
+                for url in urls:
+                    if not re.fullmatch(REDIS_URL_PATTERN, url):
+                        problems.append(f"{where}: url {url!r} is not redis://host[:port][/db] or rediss://... "
+                                        "(several servers: comma-separated URLs)")
+                if len(set(urls)) != len(urls):
+                    problems.append(f"{where}: url names a Redis server twice")
     return problems
 
 
