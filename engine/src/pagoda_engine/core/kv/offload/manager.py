@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import statistics
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -68,10 +69,11 @@ _SMALL_STEP_MAX_TOKENS = 64  # steps at most this long estimate what the step a 
 _MIN_SAVED_STEPS = 2
 _MIN_LOADED_SHARE = 0.2
 _PROBE_EVERY = 4
-# A tier's seconds per page: the least of its last `_LOAD_SAMPLES` loads of at least
-# `_LOAD_SAMPLE_MIN_PAGES` pages. Smaller loads are mostly fixed cost, and a slow load (the
+# A tier's seconds per page: the median of its last `_LOAD_SAMPLES` loads of at least
+# `_LOAD_SAMPLE_MIN_PAGES` pages. Smaller loads are mostly fixed cost, and one slow load (the
 # first one's connections and pinned buffers, a busy moment) must not stop the splits that would
-# measure it again: a load that turns out slower costs at most the wait at the cut (`split_ready`).
+# measure it again; the least of them was too hopeful on an H100 with Redis on the same host
+# (loads there vary 2 x, and a late one costs the wait at the cut, `split_ready`).
 _LOAD_SAMPLES = 8
 _LOAD_SAMPLE_MIN_PAGES = 16
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
@@ -390,7 +392,7 @@ class OffloadManager:
         if num_pages >= _LOAD_SAMPLE_MIN_PAGES:
             samples = self._load_samples.setdefault(tier, deque(maxlen=_LOAD_SAMPLES))
             samples.append(seconds / num_pages)
-            self._page_load_s[tier] = min(samples)
+            self._page_load_s[tier] = statistics.median(samples)
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         """A step of `num_tokens` took at most `seconds` on the device: long ones estimate the
