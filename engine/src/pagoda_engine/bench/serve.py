@@ -477,6 +477,30 @@ class LaunchedServer:
             self.process.join(10)
 
 
+def process_cpu_s(pid: int) -> float | None:
+    """CPU seconds (user + system) process `pid` has used so far, from Linux's /proc; None
+    elsewhere or once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_costs(api_cpu_s: float | None, client_cpu_s: float, summary: dict) -> dict:
+    """CPU milliseconds per request and per streamed token of the API server process (when this
+    run started a single one and could read its clock) and of this load client."""
+    requests, tokens = summary["completed"], summary["output_tokens"]
+
+    def per(cpu_s: float | None, n: int) -> float | None:
+        return round(cpu_s * 1e3 / n, 4) if cpu_s is not None and n else None
+
+    return {"api_cpu_s": None if api_cpu_s is None else round(api_cpu_s, 3),
+            "api_cpu_ms_per_request": per(api_cpu_s, requests), "api_cpu_ms_per_token": per(api_cpu_s, tokens),
+            "client_cpu_s": round(client_cpu_s, 3), "client_cpu_ms_per_request": per(client_cpu_s, requests),
+            "client_cpu_ms_per_token": per(client_cpu_s, tokens)}
+
+
 def _served_model(base_url: str) -> str:
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
     if not models:
@@ -532,13 +556,21 @@ def run_serve(args: argparse.Namespace) -> dict:
             print(f"started `pagoda serve` ({args.model}): ready in {startup_s} s")
         if json_schema:
             print(f"every request carries a JSON schema of {args.json_schema_fields} fields (response_format)")
+        # The API process's CPU clock: the process started here, when it serves alone (with
+        # --api-server-count > 1 it is a launcher and the API processes are its children).
+        api_pid = server.process.pid if server is not None and args.api_server_count == 1 else None
         runs = []
         for rate in rates:
             before = _scrape(base_url)
+            api_cpu_before, client_cpu_before = api_pid and process_cpu_s(api_pid), time.process_time()
             summary = asyncio.run(_drive(base_url, model, wl.prompts, output_len, rate, json_schema))
+            client_cpu = time.process_time() - client_cpu_before
+            api_cpu_after = api_pid and process_cpu_s(api_pid)
+            api_cpu = api_cpu_after - api_cpu_before if api_cpu_before and api_cpu_after else None
             after = _scrape(base_url) if before is not None else None
             run = {"request_rate": rate, "num_requests": num_prompts, **summary,
-                   "server": server_breakdown(before, after, summary["ttft_ms"]["mean"])}
+                   "server": server_breakdown(before, after, summary["ttft_ms"]["mean"]),
+                   "cpu": cpu_costs(api_cpu, client_cpu, summary)}
             if len(rates) > 1:
                 print(f"--- {rate:g} req/s")
             _print(run)
@@ -595,3 +627,10 @@ def _print(r: dict) -> None:
         print(f"server ms: queue mean {srv['queue_mean_ms']:.2f} (p50 <= {srv['queue_p50_le_ms'] or '-'}, "
               f"p99 <= {srv['queue_p99_le_ms'] or '-'}), prefill mean {srv['prefill_mean_ms']:.2f}, "
               f"API process and hops {srv['api_mean_ms']}, HTTP and client {srv['client_mean_ms']}")
+    cpu = r["cpu"]
+    if cpu["api_cpu_ms_per_token"] is not None:
+        print(f"API process CPU: {cpu['api_cpu_s']:.2f} s, {cpu['api_cpu_ms_per_request']:.3f} ms per request, "
+              f"{cpu['api_cpu_ms_per_token']:.4f} ms per streamed token")
+    if cpu["client_cpu_ms_per_token"] is not None:
+        print(f"load client CPU: {cpu['client_cpu_s']:.2f} s, {cpu['client_cpu_ms_per_request']:.3f} ms per request, "
+              f"{cpu['client_cpu_ms_per_token']:.4f} ms per streamed token")
