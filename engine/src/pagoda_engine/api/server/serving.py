@@ -109,8 +109,9 @@ class _StreamFrames:
     (strings are escaped by pydantic's own JSON writer)."""
 
     def __init__(self, request_id: str, created: int, model: str, chat: bool):
-        self.head = (f'data: {{"id":{_json(request_id)},"object":"{"chat.completion.chunk" if chat else "text_completion"}",'
-                     f'"created":{created},"model":{_json(model)},"choices":[{{"index":').encode()
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        self.head = (f'data: {{"id":{_json(request_id)},"object":"{kind}","created":{created},'
+                     f'"model":{_json(model)},"choices":[{{"index":').encode()
         self.chat = chat
 
     def chunk(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> bytes:
