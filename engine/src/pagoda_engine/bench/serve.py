@@ -7,7 +7,9 @@ first token (TTFT), inter-token latency (ITL: the gaps between chunks), time per
 after the first (TPOT), end-to-end latency — mean, p50, p90 and p99 — request and token throughput,
 and, against a Pagoda server, from its own /metrics: the mean TTFT split into queue time (arrival
 at the core to first schedule), prefill time (to the first token) and the rest (API process, hops,
-client), plus bounds on the queue time's p50/p99 (vLLM's buckets: 0.3, 0.5, 0.8, 1, ... s).
+client), plus bounds on the queue time's p50/p99 (vLLM's buckets: 0.3, 0.5, 0.8, 1, ... s), and the
+CPU time per request and per streamed token of the API process (when this run started it) and of
+the load client itself (a lean HTTP/1.1 + SSE reader, so that its own lag stays small).
 
 `--rates 4,8,16,24,32` sweeps several rates against one server start: one run per rate, in order,
 each with the same seeded prompts and arrivals, then one table with a row per rate.
