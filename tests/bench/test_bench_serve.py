@@ -63,6 +63,9 @@ def test_s1_against_a_running_server(server_url, tiny_model, tmp_path, capsys):
     assert r["e2e_ms"]["p50"] >= r["ttft_ms"]["p50"]
     assert r["output_tokens_per_s"] == pytest.approx(r["output_tokens"] / r["duration_s"], rel=0.01)
     assert "TTFT  ms:" in capsys.readouterr().out
+    # The load client's own CPU is measured; a server this run did not start has no API figure.
+    assert r["cpu"]["client_cpu_s"] > 0 and r["cpu"]["client_cpu_ms_per_token"] > 0
+    assert r["cpu"]["api_cpu_ms_per_token"] is None
 
 
 def test_failed_requests_are_counted_and_fail_the_run(server_url, tiny_model, tmp_path):
@@ -112,6 +115,9 @@ def test_starts_and_stops_its_own_server(tiny_model, tmp_path, monkeypatch):
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["output_tokens"] == 12 and r["server_startup_s"] > 0
     assert r["model"] == "no-tokenizer"  # served under the directory's name, not the cache path
+    if Path("/proc/self/stat").exists():  # the API process's CPU clock, read from /proc
+        assert r["cpu"]["api_cpu_s"] > 0
+        assert r["cpu"]["api_cpu_ms_per_token"] == pytest.approx(r["cpu"]["api_cpu_s"] * 1e3 / 12, rel=0.01)
     assert not multiprocessing.active_children()  # the server process is gone
 
 
@@ -241,3 +247,46 @@ def test_the_server_it_starts_gets_its_api_server_count(argv, count):
 
     args = build_parser().parse_args(["bench", "serve", *argv])
     assert _server_args(args, 8123).api_server_count == count
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_lean_stream_reader_reads_chunked_and_close_delimited_bodies(chunked):
+    """The load client's own HTTP/1.1 reader: events split across writes and chunks, several in
+    one chunk, an event with no text (a held-back byte), usage, [DONE]."""
+    import asyncio
+
+    from pagoda_engine.bench.serve import _one_stream
+
+    events = [b'data: {"choices":[{"index":0,"text":"a"}]}\n\n',
+              b'data: {"choices":[{"index":0,"text":""}]}\n\ndata: {"choices":[{"index":0,"text":"bc"}]}\n\n',
+              b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":3}}\n\n', b"data: [DONE]\n\n"]
+    body = b"".join(events)
+    pieces = [body[:10], body[10:57], body[57:]]  # cuts inside events
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+                     .split(b":")[1])
+        request = await reader.readexactly(length)
+        assert b'"stream":true' in request
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+                     + (b"transfer-encoding: chunked\r\n" if chunked else b"") + b"\r\n")
+        for piece in pieces:
+            writer.write(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+            await writer.drain()
+            await asyncio.sleep(0.01)
+        if chunked:
+            writer.write(b"0\r\n\r\n")
+        writer.close()
+
+    async def main():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with server:
+            return await _one_stream(f"http://127.0.0.1:{port}/v1/completions", {"stream": True}, 0.0, 0.0)
+
+    r = asyncio.run(main())
+    assert r.ok and r.error is None
+    assert len(r.chunk_times) == 2  # the chunks with text
+    assert r.first_choice <= r.chunk_times[0] <= r.chunk_times[1] <= r.done
+    assert (r.prompt_tokens, r.output_tokens) == (7, 3)

@@ -17,7 +17,7 @@ stop strings are matched by one Aho–Corasick automaton fed each new character 
 from __future__ import annotations
 
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -107,6 +107,25 @@ class StopStrings:
         return state, best
 
 
+def ids_decoder(tokenizer) -> Callable[[list[int], bool], str]:
+    """`decode(ids, skip_special_tokens)`: `tokenizer.decode(ids, skip_special_tokens=...,
+    clean_up_tokenization_spaces=False)`. For a transformers tokenizer backed by `tokenizers`
+    whose class keeps the library's own decode, that is the Rust tokenizer's decode: called
+    directly, without transformers' argument handling around it (several times its cost, and
+    the detokenizer decodes twice per token)."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        TokenizersBackend = None
+    cls = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and cls.decode is PreTrainedTokenizerBase.decode and cls._decode is TokenizersBackend._decode):
+        return tokenizer._tokenizer.decode
+    return lambda ids, skip_special_tokens: tokenizer.decode(
+        ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
 @functools.lru_cache(maxsize=16)
 def stop_strings(stops: tuple[str, ...]) -> StopStrings:
     """The automaton of a stop-string list, shared by the n sequences of a request (and by
@@ -123,8 +142,11 @@ class IncrementalDetokenizer:
     `num_tokens` counts the tokens taken before it.
     """
 
-    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams):
+    def __init__(self, tokenizer, prompt_token_ids: list[int], params: SamplingParams,
+                 decoder: Callable[[list[int], bool], str] | None = None):
+        """`decoder`: `ids_decoder(tokenizer)`, when the caller keeps one for many sequences."""
         self.tokenizer = tokenizer
+        self._decode_ids = decoder or ids_decoder(tokenizer)
         self.skip_special_tokens = params.skip_special_tokens
         self.stop: list[str] = list(params.stop or [])
         self._matcher = stop_strings(tuple(self.stop)) if self.stop else None
@@ -185,9 +207,7 @@ class IncrementalDetokenizer:
     def _decode(self, ids: list[int]) -> str:
         # No clean-up of spaces: it looks across neighbours and would make a window's text
         # differ from the same ids' text inside the full sequence.
-        return self.tokenizer.decode(
-            ids, skip_special_tokens=self.skip_special_tokens, clean_up_tokenization_spaces=False
-        )
+        return self._decode_ids(ids, self.skip_special_tokens)
 
     def _prompt_context(self, prompt_token_ids: list[int]) -> list[int]:
         context = prompt_token_ids[-_CONTEXT_TOKENS:]

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagoda_engine.api.chat_output import ChatOutputParser, ChatOutputSpec, ParsedDelta, merge_parsed
-from pagoda_engine.api.detokenizer import IncrementalDetokenizer
+from pagoda_engine.api.detokenizer import IncrementalDetokenizer, ids_decoder
 from pagoda_engine.api.outputs import (
     CompletionOutput,
     Logprob,
@@ -104,6 +104,7 @@ class _UserRequest:
 class OutputProcessor:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
+        self._decoder = ids_decoder(tokenizer)
         self._requests: dict[str, _UserRequest] = {}
         self._sequences: dict[str, _Sequence] = {}
         self._decoded_tokens: dict[int, str] = {}  # logprob token texts, decoded once each
@@ -151,7 +152,7 @@ class OutputProcessor:
                 request_id=child_id,
                 index=i,
                 parent=user_request,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params),
+                detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params, self._decoder),
                 cumulative_logprob=0.0 if wants_logprobs else None,
                 logprobs=[] if wants_logprobs else None,
                 parser=chat_output.parser(incremental=output_kind is RequestOutputKind.DELTA)
@@ -196,7 +197,7 @@ class OutputProcessor:
         for user_request in changed.values():
             finished = user_request.finished
             if finished or user_request.output_kind is not RequestOutputKind.FINAL_ONLY:
-                result.request_outputs.append(self._make_output(user_request))
+                result.request_outputs.append(self._make_output(user_request, finished))
             if finished:
                 self._requests.pop(user_request.request_id, None)
                 for seq in user_request.sequences:
@@ -260,7 +261,7 @@ class OutputProcessor:
                 position[entry.token_id] = Logprob(entry.logprob, entry.rank, self._decoded_token(entry.token_id))
         return position
 
-    def _make_output(self, user_request: _UserRequest) -> RequestOutput:
+    def _make_output(self, user_request: _UserRequest, finished: bool) -> RequestOutput:
         if user_request.output_kind is RequestOutputKind.DELTA:
             completions = [self._take_delta(seq) for seq in user_request.sequences if seq.updated]
         else:
@@ -273,7 +274,7 @@ class OutputProcessor:
             prompt_token_ids=user_request.prompt_token_ids,
             prompt_logprobs=user_request.prompt_logprobs,
             outputs=completions,
-            finished=user_request.finished,
+            finished=finished,
             num_cached_tokens=user_request.num_cached_tokens,
         )
 

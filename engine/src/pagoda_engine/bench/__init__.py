@@ -8,7 +8,8 @@
     pagoda bench kv-share                     # two engines sharing Redis: TTFT of a remote hit vs recompute
 
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
-`bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it) with
+`bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it, `--model
+llama-api-cpu` a tiny Llama that lets `bench serve` measure the API process on a CPU) with
 `--load-format dummy` random bf16 weights; every engine flag of
 `pagoda serve` applies; `--async-scheduling` is on by default on CUDA. Each run prints its figures with the roofline (weight bytes ÷ a measured
 device copy bandwidth), the settings, the GPU and the versions, and can write them as JSON.
@@ -32,7 +33,8 @@ DEFAULT_MODEL = "llama-3.1-8b"
 
 
 def shipped_config_dir(name: str = DEFAULT_MODEL) -> str:
-    """The directory of a config.json shipped with the benchmarks (llama-3.1-8b, qwen3-30b-a3b)."""
+    """The directory of a config.json shipped with the benchmarks (llama-3.1-8b, qwen3-30b-a3b,
+    llama-api-cpu)."""
     return str(resources.files("pagoda_engine").joinpath(f"bench/configs/{name}"))
 
 

@@ -7,7 +7,9 @@ first token (TTFT), inter-token latency (ITL: the gaps between chunks), time per
 after the first (TPOT), end-to-end latency — mean, p50, p90 and p99 — request and token throughput,
 and, against a Pagoda server, from its own /metrics: the mean TTFT split into queue time (arrival
 at the core to first schedule), prefill time (to the first token) and the rest (API process, hops,
-client), plus bounds on the queue time's p50/p99 (vLLM's buckets: 0.3, 0.5, 0.8, 1, ... s).
+client), plus bounds on the queue time's p50/p99 (vLLM's buckets: 0.3, 0.5, 0.8, 1, ... s), and the
+CPU time per request and per streamed token of the API process (when this run started it) and of
+the load client itself (a lean HTTP/1.1 + SSE reader, so that its own lag stays small).
 
 `--rates 4,8,16,24,32` sweeps several rates against one server start: one run per rate, in order,
 each with the same seeded prompts and arrivals, then one table with a row per rate.
@@ -39,11 +41,13 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import httpx
+import msgspec
 import numpy as np
 
-from pagoda_engine.api.server.api_server import add_api_server_count_arg
+from pagoda_engine.api.server.api_server import add_api_server_count_arg, run_event_loop
 from pagoda_engine.bench.workloads import fixed_lengths
 from pagoda_engine.envs import env_seconds
 
@@ -152,33 +156,100 @@ async def _one_request(client: httpx.AsyncClient, url: str, body: dict, delay: f
                 r.error = f"HTTP {resp.status_code}: {text[:300]}"
                 return r
             async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                data = line[6:]
-                if data == "[DONE]":
+                if line.startswith("data: ") and not _take_event(r, time.perf_counter(), line[6:].encode(), keep_text):
                     break
-                now = time.perf_counter()
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    r.error = f"stream error: {chunk['error']}"
-                    return r
-                if chunk.get("choices") and not r.first_choice:
-                    r.first_choice = now
-                if any(c.get("text") for c in chunk.get("choices") or []):
-                    r.chunk_times.append(now)
-                    if keep_text:
-                        r.text += "".join(c.get("text") or "" for c in chunk["choices"])
-                usage = chunk.get("usage")
-                if usage:
-                    r.prompt_tokens = usage.get("prompt_tokens", 0)
-                    r.output_tokens = usage.get("completion_tokens", 0)
-        r.done = time.perf_counter()
-        if not r.chunk_times:
-            r.error = "the stream carried no tokens"
-            return r
-        r.ok = True
-    except (httpx.HTTPError, ValueError) as e:
+        return _finish(r)
+    except (httpx.HTTPError, ValueError) as e:  # ValueError: msgspec's DecodeError too
         r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def _one_stream(url: str, body: dict, delay: float, t0: float) -> RequestResult:
+    """`_one_request` over a connection of its own, read by a lean HTTP/1.1 + SSE reader (the
+    load client of `bench serve`): httpx spends more CPU per streamed chunk than the server's
+    API process does, and a client that falls behind inflates the TTFT and ITL it measures."""
+    await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
+    r = RequestResult(sent=time.perf_counter())
+    parts = urlsplit(url)
+    payload = msgspec.json.encode(body)
+    writer = None
+    try:
+        reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
+        writer.write(f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+                     f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+                     .encode() + payload)
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        status = int(head[0].split()[1])
+        headers = {k.strip().lower(): v.strip() for k, _, v in (h.partition(":") for h in head[1:] if h)}
+        chunked = "chunked" in headers.get("transfer-encoding", "").lower()
+        if status != 200:
+            text = b"".join([piece async for piece in _body_pieces(reader, chunked)]).decode(errors="replace")
+            r.error = f"HTTP {status}: {text[:300]}"
+            return r
+        pending = b""
+        async for piece in _body_pieces(reader, chunked):
+            now = time.perf_counter()
+            events = (pending + piece).split(b"\n\n")
+            pending = events.pop()  # an event not yet complete
+            for event in events:
+                for line in event.split(b"\n"):
+                    if line.startswith(b"data: ") and not _take_event(r, now, line[6:], False):
+                        return _finish(r)
+        return _finish(r)
+    except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ValueError, IndexError) as e:
+        r.error = f"{type(e).__name__}: {e}"
+        return r
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def _body_pieces(reader: asyncio.StreamReader, chunked: bool):
+    """A response body as it arrives: de-chunked (Transfer-Encoding: chunked), or up to the end
+    of the connection."""
+    if not chunked:
+        while piece := await reader.read(65536):
+            yield piece
+        return
+    while True:
+        size = int((await reader.readuntil(b"\r\n")).split(b";", 1)[0], 16)
+        if size == 0:
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)  # the CRLF after a chunk
+
+
+def _take_event(r: RequestResult, now: float, data: bytes, keep_text: bool) -> bool:
+    """Record one SSE `data:` payload that arrived at `now`; False when the stream ended
+    ([DONE], or an error event)."""
+    if data == b"[DONE]":
+        return False
+    chunk = msgspec.json.decode(data)
+    if "error" in chunk:
+        r.error = f"stream error: {chunk['error']}"
+        return False
+    choices = chunk.get("choices")
+    if choices and not r.first_choice:
+        r.first_choice = now
+    if any(c.get("text") for c in choices or ()):
+        r.chunk_times.append(now)
+        if keep_text:
+            r.text += "".join(c.get("text") or "" for c in choices)
+    usage = chunk.get("usage")
+    if usage:
+        r.prompt_tokens = usage.get("prompt_tokens", 0)
+        r.output_tokens = usage.get("completion_tokens", 0)
+    return True
+
+
+def _finish(r: RequestResult) -> RequestResult:
+    if r.error is not None:
+        return r
+    r.done = time.perf_counter()
+    if not r.chunk_times:
+        r.error = "the stream carried no tokens"
+        return r
+    r.ok = True
     return r
 
 
@@ -312,14 +383,16 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len
             # a service serving it all day did long ago.
             warm_up = {"model": model, "prompt": prompts[0], "max_tokens": 1, **extra}
             (await client.post(f"{base_url}/v1/completions", json=warm_up)).raise_for_status()
+        url = f"{base_url}/v1/completions"
+        lean = urlsplit(url).scheme == "http"  # the lean reader speaks plain HTTP; httpx does TLS
+
+        def request(prompt: list[int], offset: float, t0: float):
+            body = {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0,
+                    "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
+            return _one_stream(url, body, offset, t0) if lean else _one_request(client, url, body, offset, t0)
+
         t0 = time.perf_counter()
-        tasks = [_one_request(client, f"{base_url}/v1/completions",
-                              {"model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 1.0,
-                               "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-                               **extra},
-                              offset, t0)
-                 for prompt, offset in zip(prompts, offsets)]
-        results = await asyncio.gather(*tasks)
+        results = await asyncio.gather(*[request(prompt, offset, t0) for prompt, offset in zip(prompts, offsets)])
         duration = time.perf_counter() - t0
     # Requests over the span of their arrivals: the rate asked for (arrival_offsets scales the
     # sample to it); served req/s also counts the tail after the last arrival.
@@ -478,6 +551,32 @@ class LaunchedServer:
             self.process.join(10)
 
 
+def process_cpu_s(pid: int | None) -> float | None:
+    """CPU seconds (user + system) process `pid` has used so far, from Linux's /proc; None
+    elsewhere, once it is gone, or for no process."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def cpu_costs(api_cpu_s: float | None, client_cpu_s: float, summary: dict) -> dict:
+    """CPU milliseconds per request and per streamed token of the API server process (when this
+    run started a single one and could read its clock) and of this load client."""
+    requests, tokens = summary["completed"], summary["output_tokens"]
+
+    def per(cpu_s: float | None, n: int) -> float | None:
+        return round(cpu_s * 1e3 / n, 4) if cpu_s is not None and n else None
+
+    return {"api_cpu_s": None if api_cpu_s is None else round(api_cpu_s, 3),
+            "api_cpu_ms_per_request": per(api_cpu_s, requests), "api_cpu_ms_per_token": per(api_cpu_s, tokens),
+            "client_cpu_s": round(client_cpu_s, 3), "client_cpu_ms_per_request": per(client_cpu_s, requests),
+            "client_cpu_ms_per_token": per(client_cpu_s, tokens)}
+
+
 def _served_model(base_url: str) -> str:
     models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
     if not models:
@@ -533,13 +632,21 @@ def run_serve(args: argparse.Namespace) -> dict:
             print(f"started `pagoda serve` ({args.model}): ready in {startup_s} s")
         if json_schema:
             print(f"every request carries a JSON schema of {args.json_schema_fields} fields (response_format)")
+        # The API process's CPU clock: the process started here, when it serves alone (with
+        # --api-server-count > 1 it is a launcher and the API processes are its children).
+        api_pid = server.process.pid if server is not None and args.api_server_count == 1 else None
         runs = []
         for rate in rates:
             before = _scrape(base_url)
-            summary = asyncio.run(_drive(base_url, model, wl.prompts, output_len, rate, json_schema))
+            api_cpu_before, client_cpu_before = process_cpu_s(api_pid), time.process_time()
+            summary = run_event_loop(_drive(base_url, model, wl.prompts, output_len, rate, json_schema))
+            client_cpu = time.process_time() - client_cpu_before
+            api_cpu_after = process_cpu_s(api_pid)
+            api_cpu = api_cpu_after - api_cpu_before if None not in (api_cpu_before, api_cpu_after) else None
             after = _scrape(base_url) if before is not None else None
             run = {"request_rate": rate, "num_requests": num_prompts, **summary,
-                   "server": server_breakdown(before, after, summary["ttft_ms"]["mean"])}
+                   "server": server_breakdown(before, after, summary["ttft_ms"]["mean"]),
+                   "cpu": cpu_costs(api_cpu, client_cpu, summary)}
             if len(rates) > 1:
                 print(f"--- {rate:g} req/s")
             _print(run)
@@ -596,3 +703,10 @@ def _print(r: dict) -> None:
         print(f"server ms: queue mean {srv['queue_mean_ms']:.2f} (p50 <= {srv['queue_p50_le_ms'] or '-'}, "
               f"p99 <= {srv['queue_p99_le_ms'] or '-'}), prefill mean {srv['prefill_mean_ms']:.2f}, "
               f"API process and hops {srv['api_mean_ms']}, HTTP and client {srv['client_mean_ms']}")
+    cpu = r["cpu"]
+    if cpu["api_cpu_ms_per_token"] is not None:
+        print(f"API process CPU: {cpu['api_cpu_s']:.2f} s, {cpu['api_cpu_ms_per_request']:.3f} ms per request, "
+              f"{cpu['api_cpu_ms_per_token']:.4f} ms per streamed token")
+    if cpu["client_cpu_ms_per_token"] is not None:
+        print(f"load client CPU: {cpu['client_cpu_s']:.2f} s, {cpu['client_cpu_ms_per_request']:.3f} ms per request, "
+              f"{cpu['client_cpu_ms_per_token']:.4f} ms per streamed token")

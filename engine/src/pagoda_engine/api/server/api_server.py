@@ -17,6 +17,7 @@ import gc
 import logging
 import signal
 import sys
+from typing import Awaitable, TypeVar
 
 import prometheus_client
 import uvicorn
@@ -25,6 +26,8 @@ from pagoda_engine.api.tokenizer import load_chat_template
 from pagoda_engine.config import EngineConfig, add_engine_args, add_request_limit_args, config_from_args
 from pagoda_engine.envs import check_environment
 from pagoda_engine.errors import ModelLoadError
+
+T = TypeVar("T")
 
 logger = logging.getLogger("pagoda_engine.api.server")
 
@@ -157,6 +160,19 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
 API_SERVER_HEADER = "X-Pagoda-API-Server"
 
 
+def run_event_loop(main: Awaitable[T]) -> T:
+    """`asyncio.run(main)` on uvloop's event loop where uvloop is installed (as vLLM's server
+    and `uvicorn.run` do; `Server.serve` alone keeps whatever loop it is given): its loop and
+    transports are C, which the API process's per-chunk writes and wake-ups spend much of their
+    time in. Without uvloop, asyncio's own loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(main)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape (vLLM has none)
@@ -176,7 +192,7 @@ def run(args: argparse.Namespace) -> int:
 
         return launch(args, config)
     try:
-        return asyncio.run(serve(args, config))
+        return run_event_loop(serve(args, config))
     except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
         print("pagoda serve: interrupted", file=sys.stderr)
         return 130

@@ -234,14 +234,31 @@ class RequestGroup:
                                              self.output_kind, chat_output, self.data_parallel_rank))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        async for batch in self.batches():
+            for item in batch:
+                yield item
+
+    async def batches(self) -> AsyncIterator[list[RequestOutput]]:
+        """The same outputs, in the same order, as lists: each holds whatever had arrived by the
+        time the consumer came back (one step's, or several when the event loop was busy), so a
+        stream writes them in one go. An error is raised after the outputs that came before it."""
         unfinished = {s.request_id for s in self.streams}
+        queue = self.queue
         while unfinished:
-            item = await self.queue.get()
-            if isinstance(item, BaseException):
-                raise item
-            if item.finished:
-                unfinished.discard(item.request_id)
-            yield item
+            batch = []
+            item = await queue.get()
+            while True:
+                if isinstance(item, BaseException):
+                    if batch:
+                        yield batch
+                    raise item
+                if item.finished:
+                    unfinished.discard(item.request_id)
+                batch.append(item)
+                if not unfinished or queue.empty():
+                    break
+                item = queue.get_nowait()
+            yield batch
 
     def close(self) -> None:
         for stream in self.streams:

@@ -338,8 +338,10 @@ def run_api_server(config: EngineConfig, log_level: str, sock: socket.socket, ad
                         format=f"%(asctime)s %(levelname)s api{index} %(name)s: %(message)s")
     import prometheus_client
 
+    from pagoda_engine.api.server.api_server import run_event_loop
+
     prometheus_client.disable_created_metrics()
-    sys.exit(asyncio.run(_serve(config, log_level, sock, addresses, index, report)))
+    sys.exit(run_event_loop(_serve(config, log_level, sock, addresses, index, report)))
 
 
 async def _serve(config: EngineConfig, log_level: str, sock: socket.socket, addresses: list[CoreAddresses],
