@@ -117,6 +117,8 @@ def test_growth_reservation_defers_admission_instead_of_preempting():
     assert s.num_preemptions == 0
     assert started["old"] == 0 and started["new"] == 12  # old: prefill + 11 more decodes, then new
     assert s.kv.num_free_pages == 6
+    # "new" was looked at and passed over in 11 schedules: the prefix cache counts it once.
+    assert s.kv.prefix_queries == 16
 
 
 def test_growth_reservation_learns_how_long_outputs_are():

@@ -214,6 +214,7 @@ class Scheduler:
                 self.kv.give_up_split(req)  # nothing was taken: a split load started for it is given up
                 break
             self.waiting.remove(req)
+            self.kv.count_admission(req, num_cached)
             req.num_computed_tokens = num_cached
             if req.num_cached_tokens < 0:
                 req.num_cached_tokens = num_cached

@@ -53,9 +53,14 @@ class KVCacheManager:
             if page is None:
                 break
             hits.append(page)
-        self.prefix_queries += req.num_tokens
-        self.prefix_hits += len(hits) * self.page_size
         return hits, len(hits) * self.page_size
+
+    def count_admission(self, req: Request, num_cached_tokens: int) -> None:
+        """The prefix cache's counters, once per admission (a request the scheduler looks at and
+        passes over counts when it is admitted): its tokens queried, `num_cached_tokens` of them
+        hits (on the device or landed from the tiers; a split's loaded pages count when it joins them)."""
+        self.prefix_queries += req.num_tokens
+        self.prefix_hits += num_cached_tokens
 
     def load_from_tiers(self, req: Request, device_hits: list[Page]) -> list[Page] | None:
         """Load the pages of `req`'s prefix that follow its device hits from the offload tiers.
@@ -80,11 +85,7 @@ class KVCacheManager:
             self.offload.record_lookup(lookup.missed())  # what was found but not loaded is recomputed
             return device_hits
         if self.offload.has_loaded(req.request_id):
-            self.prefix_hits += len(lookup) * self.page_size
             return self.offload.held_pages(req.request_id)
-        # This lookup is counted when the request is admitted, with every tier's pages as hits.
-        self.prefix_queries -= req.num_tokens
-        self.prefix_hits -= len(device_hits) * self.page_size
         return None
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
