@@ -517,6 +517,35 @@ def test_a_split_load_never_takes_the_requests_own_free_device_hits(reference, t
         assert_no_leaks(llm)
 
 
+def test_a_request_passed_over_while_the_pool_is_full_counts_its_tier_lookup_once(tmp_path):
+    """Its prefix is on disk but the pool has no room to load it: every schedule looks again and
+    passes it over; once admitted (with room, its split loads part), the disk counts its pages once."""
+    from pagoda_engine.messages import EngineCoreRequest
+
+    prompt = _prompts(1, 200, seed=13)[0]
+    with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
+        llm.generate([prompt], GREEDY)
+        core = llm.core
+        core.wait_for_offload()
+        pool = core.kv.pool
+        taken = pool.get_new_pages(pool.num_free_pages)  # evicts its device pages, leaves no room
+        disk = core.kv.offload.counters["disk"]
+        hits, misses, queries = disk.hit_tokens, disk.miss_tokens, core.kv.prefix_queries
+        core.add_request(EngineCoreRequest("again", prompt, GREEDY))
+        for _ in range(5):
+            core.step()
+        assert core.scheduler.requests["again"].status.name == "WAITING"
+        assert (disk.hit_tokens, disk.miss_tokens, core.kv.prefix_queries) == (hits, misses, queries)  # not yet
+        pool.free_pages(taken)
+        while core.has_unfinished_requests():
+            core.step()
+        assert core.kv.prefix_queries - queries == len(prompt)
+        assert disk.hit_tokens + disk.miss_tokens - hits - misses == 192  # its 12 full pages: once
+        assert disk.hit_tokens - hits == 192  # found there (a split computes the front of them)
+        core.wait_for_offload()
+        assert_no_leaks(llm)
+
+
 def test_a_prefix_in_host_memory_is_admitted_in_the_step_that_loads_it(reference):
     """A CPU-tier load lands at once: the request runs in the very step its load starts (the step
     waits for the copies on the device), with the loaded pages as prefix hits, and its tokens are

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_page
-from pagoda_engine.core.kv.offload.manager import OffloadManager
+from pagoda_engine.core.kv.offload.manager import Lookup, OffloadManager
 
 
 class KVCacheManager:
@@ -22,6 +22,7 @@ class KVCacheManager:
         self.req_hashes: dict[str, list[bytes]] = {}  # chained hashes of the request's full pages so far
         self.num_registered: dict[str, int] = {}  # how many of its pages are registered in the cache
         self.offload: OffloadManager | None = None
+        self.tier_misses: dict[str, Lookup] = {}  # request id -> what its last look in the tiers found and did not load
         # Prometheus-style counters, in tokens.
         self.prefix_queries = 0
         self.prefix_hits = 0
@@ -61,6 +62,9 @@ class KVCacheManager:
         hits (on the device or landed from the tiers; a split's loaded pages count when it joins them)."""
         self.prefix_queries += req.num_tokens
         self.prefix_hits += num_cached_tokens
+        missed = self.tier_misses.pop(req.request_id, None)
+        if missed is not None:
+            self.offload.record_lookup(missed)
 
     def load_from_tiers(self, req: Request, device_hits: list[Page]) -> list[Page] | None:
         """Load the pages of `req`'s prefix that follow its device hits from the offload tiers.
@@ -76,13 +80,15 @@ class KVCacheManager:
             return device_hits
         if self.offload.has_loaded(req.request_id):
             return device_hits
+        self.tier_misses.pop(req.request_id, None)  # an earlier look, passed over: this one counts instead
         max_pages = (req.num_tokens - 1) // self.page_size
         lookup = self.offload.lookup(self._page_hashes(req)[len(device_hits):max_pages])
         num_other_pages = -(-req.num_tokens // self.page_size) - len(device_hits) - len(lookup)
         if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages):
             return device_hits  # admitted now: it computes its prefix's front while the rest loads
         if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup):
-            self.offload.record_lookup(lookup.missed())  # what was found but not loaded is recomputed
+            # What was found but not loaded is recomputed: the tiers' misses, counted on admission.
+            self.tier_misses[req.request_id] = lookup.missed()
             return device_hits
         if self.offload.has_loaded(req.request_id):
             return self.offload.held_pages(req.request_id)
@@ -204,6 +210,7 @@ class KVCacheManager:
     def forget(self, req: Request) -> None:
         """Drop a finished request's bookkeeping (its hashes) after `free`."""
         self.req_hashes.pop(req.request_id, None)
+        self.tier_misses.pop(req.request_id, None)
         if self.offload is not None:
             self.offload.forget_request(req.request_id)
 
