@@ -129,7 +129,7 @@ def test_invalid_rate_is_refused(tiny_model):
 def test_rate_sweep_runs_every_rate_against_one_server(server_url, tiny_model, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = main(["bench", "serve", "--base-url", server_url, "--model", tiny_model, "--num-prompts", "6",
-               "--input-len", "16", "--output-len", "4", "--rates", "30,inf", "--output-json", str(out)])
+               "--input-len", "48", "--output-len", "4", "--rates", "30,inf", "--output-json", str(out)])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["rates"] == [30.0, float("inf")] and [run["request_rate"] for run in r["runs"]] == r["rates"]
@@ -145,8 +145,13 @@ def test_rate_sweep_runs_every_rate_against_one_server(server_url, tiny_model, t
             run["ttft_ms"]["mean"] - srv["queue_mean_ms"] - srv["prefill_mean_ms"], abs=0.01)
         assert srv["api_mean_ms"] > 0 and srv["client_mean_ms"] > 0  # the server's TTFT is inside the client's
         assert srv["api_mean_ms"] + srv["client_mean_ms"] == pytest.approx(srv["rest_mean_ms"], abs=0.01)
+        assert srv["prefix_cache_queried_tokens"] == 6 * 48
+    # Each rate has prompts of its own: the second finds none of the first's 2 cacheable pages a
+    # prompt (the first rate's may share a page with other tests' seeded prompts).
+    assert r["runs"][1]["server"]["prefix_cache_hit_tokens"] == 0
     table = capsys.readouterr().out
     assert "| rate req/s |" in table and "| 30 |" in table and "| inf |" in table
+    assert "prefix cache: 0 of 288 prompt tokens hit" in table
 
 
 def test_queue_time_quantile_bounds_between_two_scrapes():

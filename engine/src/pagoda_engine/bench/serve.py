@@ -12,7 +12,9 @@ CPU time per request and per streamed token of the API process (when this run st
 the load client itself (a lean HTTP/1.1 + SSE reader, so that its own lag stays small).
 
 `--rates 4,8,16,24,32` sweeps several rates against one server start: one run per rate, in order,
-each with the same seeded prompts and arrivals, then one table with a row per rate.
+each with the same seeded arrivals and prompts of its own (the k-th run's seeded by k), so that no
+run finds the previous one's prompts in the prefix cache, then one table with a row per rate. Each
+run prints the prefix cache's hits over it (the server's counters), which stay near none.
 
 `--json-schema-fields N` attaches one fixed JSON schema of N fields (`bench_json_schema`) to every
 request (`response_format: json_schema`), to measure structured outputs' cost; a server this
@@ -266,6 +268,7 @@ def _percentiles(values: list[float], scale: float = 1e3) -> dict:
 QUEUE_TIME = "pagoda:request_queue_time_seconds"  # arrival at the core to the first schedule
 PREFILL_TIME = "pagoda:request_prefill_time_seconds"  # first schedule to the first token
 SERVER_TTFT = "pagoda:time_to_first_token_seconds"  # arrival at the API server to the first token
+PREFIX_QUERIES, PREFIX_HITS = "pagoda:prefix_cache_queries_total", "pagoda:prefix_cache_hits_total"  # tokens
 
 
 @dataclass
@@ -277,6 +280,7 @@ class ServerHistograms:
     queue_buckets: dict[float, float] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, float] = field(default_factory=dict)
+    prefix_cache: dict[str, float] = field(default_factory=dict)  # queries and hits so far, in tokens
 
     def mean_ms_since(self, before: ServerHistograms, name: str) -> float | None:
         n = self.counts.get(name, 0.0) - before.counts.get(name, 0.0)
@@ -292,6 +296,8 @@ def server_histograms(metrics_text: str) -> ServerHistograms:
             if sample.name == f"{QUEUE_TIME}_bucket":
                 le = float(sample.labels["le"])
                 h.queue_buckets[le] = h.queue_buckets.get(le, 0.0) + sample.value
+            if sample.name in (PREFIX_QUERIES, PREFIX_HITS):
+                h.prefix_cache[sample.name] = h.prefix_cache.get(sample.name, 0.0) + sample.value
             for name in (QUEUE_TIME, PREFILL_TIME, SERVER_TTFT):
                 if sample.name == f"{name}_sum":
                     h.sums[name] = h.sums.get(name, 0.0) + sample.value
@@ -334,7 +340,7 @@ def server_breakdown(before: ServerHistograms | None, after: ServerHistograms | 
     process: parsing, tokenization, the hops to the core and back (including the wait for the
     core to look at its input), detokenization), and the rest outside it (HTTP, SSE, the client)."""
     keys = ("queue_p50_le_ms", "queue_p99_le_ms", "queue_mean_ms", "prefill_mean_ms", "api_mean_ms",
-            "client_mean_ms", "rest_mean_ms")
+            "client_mean_ms", "rest_mean_ms", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens")
     if before is None or after is None:
         return dict.fromkeys(keys)
     queue, prefill = after.mean_ms_since(before, QUEUE_TIME), after.mean_ms_since(before, PREFILL_TIME)
@@ -347,7 +353,11 @@ def server_breakdown(before: ServerHistograms | None, after: ServerHistograms | 
     return {"queue_p50_le_ms": _ms(histogram_quantile_bound(0.5, before.queue_buckets, after.queue_buckets)),
             "queue_p99_le_ms": _ms(histogram_quantile_bound(0.99, before.queue_buckets, after.queue_buckets)),
             "queue_mean_ms": queue, "prefill_mean_ms": prefill, "api_mean_ms": api, "client_mean_ms": client,
-            "rest_mean_ms": rest}
+            "rest_mean_ms": rest,
+            "prefix_cache_queried_tokens": int(after.prefix_cache.get(PREFIX_QUERIES, 0.0)
+                                               - before.prefix_cache.get(PREFIX_QUERIES, 0.0)),
+            "prefix_cache_hit_tokens": int(after.prefix_cache.get(PREFIX_HITS, 0.0)
+                                           - before.prefix_cache.get(PREFIX_HITS, 0.0))}
 
 
 def summarize(results: list[RequestResult], duration: float) -> dict:
@@ -606,7 +616,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     if args.json_schema_fields < 0:
         raise SystemExit("error: --json-schema-fields must be >= 0")
     json_schema = bench_json_schema(args.json_schema_fields, output_len) if args.json_schema_fields else None
-    wl = fixed_lengths("S1", _vocab_size(args), num_prompts, input_len, output_len)
+    vocab = _vocab_size(args)
     server = None
     startup_s = None
     base_url = (args.base_url or "").rstrip("/")
@@ -636,10 +646,11 @@ def run_serve(args: argparse.Namespace) -> dict:
         # --api-server-count > 1 it is a launcher and the API processes are its children).
         api_pid = server.process.pid if server is not None and args.api_server_count == 1 else None
         runs = []
-        for rate in rates:
+        for k, rate in enumerate(rates):
+            prompts = fixed_lengths("S1", vocab, num_prompts, input_len, output_len, seed=k).prompts
             before = _scrape(base_url)
             api_cpu_before, client_cpu_before = process_cpu_s(api_pid), time.process_time()
-            summary = run_event_loop(_drive(base_url, model, wl.prompts, output_len, rate, json_schema))
+            summary = run_event_loop(_drive(base_url, model, prompts, output_len, rate, json_schema))
             client_cpu = time.process_time() - client_cpu_before
             api_cpu_after = process_cpu_s(api_pid)
             api_cpu = api_cpu_after - api_cpu_before if None not in (api_cpu_before, api_cpu_after) else None
@@ -703,6 +714,8 @@ def _print(r: dict) -> None:
         print(f"server ms: queue mean {srv['queue_mean_ms']:.2f} (p50 <= {srv['queue_p50_le_ms'] or '-'}, "
               f"p99 <= {srv['queue_p99_le_ms'] or '-'}), prefill mean {srv['prefill_mean_ms']:.2f}, "
               f"API process and hops {srv['api_mean_ms']}, HTTP and client {srv['client_mean_ms']}")
+        print(f"prefix cache: {srv['prefix_cache_hit_tokens']:,} of {srv['prefix_cache_queried_tokens']:,} prompt "
+              f"tokens hit")
     cpu = r["cpu"]
     if cpu["api_cpu_ms_per_token"] is not None:
         print(f"API process CPU: {cpu['api_cpu_s']:.2f} s, {cpu['api_cpu_ms_per_request']:.3f} ms per request, "

@@ -37,8 +37,9 @@ class Workload:
         return SamplingParams(temperature=1.0, max_tokens=self.output_lens[i], ignore_eos=True)
 
 
-def fixed_lengths(name: str, vocab_size: int, num_requests: int, input_len: int, output_len: int) -> Workload:
-    rng = np.random.default_rng(0)
+def fixed_lengths(name: str, vocab_size: int, num_requests: int, input_len: int, output_len: int,
+                  seed: int = 0) -> Workload:
+    rng = np.random.default_rng(seed)
     ids = rng.integers(0, vocab_size, size=(num_requests, input_len), dtype=np.int64)
     return Workload(name, f"{num_requests} requests x {input_len} input x {output_len} output tokens",
                     ids.tolist(), [output_len] * num_requests)
