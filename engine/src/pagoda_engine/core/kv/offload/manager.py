@@ -61,6 +61,7 @@ _REMOTE_KNOWN_KEYS = 1 << 20
 _ESTIMATE_EMA = 0.3
 _PREFILL_MIN_TOKENS = 1024  # steps at least this long estimate the prefill's cost per token
 _SMALL_STEP_MAX_TOKENS = 64  # steps at most this long estimate what the step a split adds costs
+_SMALL_STEP_SAMPLES = 8  # ... as the least of this many recent ones
 # A split whose loaded pages would save less than this many of those steps, or would be less
 # than this share of what the tiers hold, recomputes instead (the step the split adds, and a
 # load that lands late, would cost more than it saves), except every `_PROBE_EVERY`th such
@@ -200,7 +201,7 @@ class OffloadManager:
         self._load_samples: dict[str, deque[float]] = {}  # deepest tier read -> recent seconds per page
         self._token_prefill_s: float | None = None  # a prefill's seconds per token
         self._small_step_s: float | None = None  # a step of a few tokens' seconds: the least of the last few
-        self._small_steps: deque[float] = deque(maxlen=_LOAD_SAMPLES)
+        self._small_steps: deque[float] = deque(maxlen=_SMALL_STEP_SAMPLES)
         self._not_worth = 0  # splits that recomputed all because loading would not pay
         self._ids = 0
         self._disk_deletes: list[bytes] = []
