@@ -301,6 +301,9 @@ def test_remote_urls_are_split_and_checked():
         with pytest.raises(ValueError, match=message):
             kv_stores.split_remote_urls(bad)
     assert isinstance(kv_stores.remote_store("redis://a:1", FINGERPRINT), RedisStore)
+    assert kv_stores.redacted_url("redis://:pw@a:1/2,rediss://user:pw@b:2,unix:///r.sock,unix://:pw@/s?db=2") == (
+        "redis://a:1/2,rediss://b:2,unix:///r.sock,unix:///s?db=2")
+    assert kv_stores.remote_store("redis://u:secret@a:1,redis://b:2", FINGERPRINT).label == "redis://a:1,redis://b:2"
 
 
 @pytest.fixture(scope="module")

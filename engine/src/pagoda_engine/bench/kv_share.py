@@ -59,7 +59,7 @@ import numpy as np
 
 from pagoda_engine.bench.multiturn import _metrics
 from pagoda_engine.envs import env_seconds
-from pagoda_engine.worker.kv_stores import remote_read_connections
+from pagoda_engine.worker.kv_stores import redacted_url, remote_read_connections
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
     QUEUE_TIME,
@@ -409,7 +409,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
                           f"each, allkeys-lru, no persistence, {args.redis_io_threads} I/O "
                           f"thread{'s' * (args.redis_io_threads > 1)})")
         else:
-            redis_desc = f"the running Redis at {args.kv_offload_remote_url}"
+            redis_desc = f"the running Redis at {redacted_url(args.kv_offload_remote_url)}"
         ready = []
         for _ in range(2):  # one after the other: each starts on a GPU the other no longer changes
             engines.append(LaunchedServer(args))
@@ -433,7 +433,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result = summarize(runs)
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
-                   "redis": redis_desc, "redis_url": args.kv_offload_remote_url,
+                   "redis": redis_desc, "redis_url": redacted_url(args.kv_offload_remote_url),
                    "redis_started_here": bool(redis_servers), "redis_shards": len(redis_servers) or None, "remote_read_connections": remote_read_connections(),
                    "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})

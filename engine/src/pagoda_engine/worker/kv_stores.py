@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import socket
 import struct
 import threading
@@ -55,6 +56,12 @@ def split_remote_urls(value: str) -> list[str]:
     if len(set(urls)) != len(urls):
         raise ValueError(f"--kv-offload-remote-url names a server twice: {value!r}")
     return urls
+
+
+def redacted_url(url: str) -> str:
+    """`url` (one or several, comma-separated) without user names and passwords: what logs and
+    benchmark reports may show."""
+    return ",".join(re.sub(r"^([a-z]+://)[^/]*@", r"\1", u) for u in url.split(","))
 
 
 def shard_index(name: bytes, shards: int) -> int:
@@ -224,8 +231,7 @@ class RedisStore:
         from redis.connection import parse_url
 
         self.url = url
-        parts = urlsplit(url)
-        self.label = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no credentials in logs
+        self.label = redacted_url(url)
         self.fingerprint = fingerprint
         self.prefix = REDIS_KEY_NAMESPACE + fingerprint.hex().encode() + b":"
         password = password or os.environ.get(REMOTE_PASSWORD_ENV) or None
