@@ -247,6 +247,34 @@ def test_offloader_round_trip_is_bit_identical_across_chunks_and_runs(tmp_path):
     offloader.close()
 
 
+def test_a_load_does_not_wait_behind_stores_to_a_slow_tier(tmp_path, monkeypatch):
+    """Two stores whose disk writes hang (a slow disk or Redis) hold both writer threads; a load
+    from disk still reads at once."""
+    from pagoda_engine.worker.kv_stores import DiskStore
+
+    layers = [torch.randn(40, 2, 4, 2, 8) for _ in range(2)]
+    offloader = KVOffloader(layers, OffloadSetup(b"f" * 16, disk_path=str(tmp_path)), b"g" * 16)
+    keys = [bytes([i]) * 16 for i in range(3)]
+    offloader.store(1, [1], [-1], [keys[0]], [None], [])
+    _poll_until(offloader, lambda evs: any(e.written for e in evs))  # page 1 is on disk
+    original = torch.stack([layer[1] for layer in layers]).clone()
+    release = threading.Event()
+    write = DiskStore.write
+    monkeypatch.setattr(DiskStore, "write", lambda self, key, payload: release.wait(10) and write(self, key, payload))
+    offloader.store(2, [2], [-1], [keys[1]], [None], [])
+    offloader.store(3, [3], [-1], [keys[2]], [None], [])
+    _poll_until(offloader, lambda evs: sum(len(e.copied) for e in evs) == 2)  # both writes now hang
+    offloader.load(4, [30], [(DISK, keys[0])])
+    t0 = time.monotonic()
+    assert [(load_id, ok) for e in _poll_until(offloader, lambda evs: any(e.loaded for e in evs))
+            for load_id, ok, _ in e.loaded] == [(4, 1)]
+    assert time.monotonic() - t0 < 5 and not release.is_set()
+    assert torch.equal(torch.stack([layer[30] for layer in layers]), original)
+    release.set()
+    _poll_until(offloader, lambda evs: sum(len(e.written) for e in evs) == 2)
+    offloader.close()
+
+
 # --- the engine -------------------------------------------------------------------------------------
 
 

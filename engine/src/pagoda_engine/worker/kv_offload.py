@@ -22,8 +22,8 @@ copied down at once), so a load never waits for a second poll.
 Device staging is allocated on the copying stream and dropped once its copies are queued (the
 caching allocator hands that memory only to later work of the same stream), so at most one
 chunk of staging (`_LOAD_STAGING_BYTES`, `_STORE_STAGING_BYTES`) is live per stream: a load up
-to that size overlaps the step in flight whole. Files and Redis are written and read by a small
-thread pool, from pinned host memory.
+to that size overlaps the step in flight whole. Files and Redis are written and read by small
+thread pools, one for writes and one for reads, from pinned host memory.
 
 `poll` reports what finished since the last call (store copies, lower-tier writes, loads) and
 the tiers' cumulative error counts.
@@ -137,7 +137,10 @@ class KVOffloader:
                           if setup.num_cpu_slots else None)
         self.disk = DiskStore(setup.disk_path, fingerprint) if setup.disk_path else None
         self.remote = remote_store(setup.remote_url, fingerprint) if setup.remote_url else None
-        self.pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-offload")
+        # Writes to disk and Redis, and reads from them, in pools of their own: a load (a request
+        # waits for it) never queues behind the stores of pages that just filled.
+        self.write_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-offload-write")
+        self.read_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="kv-offload-read")
         self.stores: deque[_Store] = deque()
         self.writes: list[tuple[int, Future]] = []
         self.loads: list[_Load] = []
@@ -241,7 +244,7 @@ class KVOffloader:
                 self.awaited.append(load.event)
         else:
             assert not awaited, "only host-memory loads can be awaited by the next step"
-            load.reading = self.pool.submit(self._read, sources, load)
+            load.reading = self.read_pool.submit(self._read, sources, load)
         self.loads.append(load)
 
     def _copy_up(self, load: _Load) -> None:
@@ -278,7 +281,7 @@ class KVOffloader:
                 stream.wait_event(event)
             self.awaited.clear()
 
-    # --- lower tiers (the thread pool) ------------------------------------------------------------
+    # --- lower tiers (the thread pools) ------------------------------------------------------------
 
     def _read(self, sources: list[tuple[str, int | bytes]], load: _Load) -> tuple[torch.Tensor, int]:
         """Host rows (pinned on CUDA) holding the disk and Redis sources, and how many leading
@@ -344,7 +347,7 @@ class KVOffloader:
             store = self.stores.popleft()
             events.copied.append(store.store_id)
             if any(k is not None for k in store.disk_keys) or any(k is not None for k in store.remote_keys):
-                self.writes.append((store.store_id, self.pool.submit(self._write, store)))
+                self.writes.append((store.store_id, self.write_pool.submit(self._write, store)))
             else:
                 events.written.append((store.store_id, [], True))
         still = []
@@ -390,7 +393,8 @@ class KVOffloader:
         return bool(self.stores or self.writes or self.loads)
 
     def close(self) -> None:
-        self.pool.shutdown(wait=True)
+        self.read_pool.shutdown(wait=True)
+        self.write_pool.shutdown(wait=True)
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
