@@ -117,9 +117,11 @@ def test_greedy_outputs_equal_one_cores(dp_server, server):
 def test_aborting_a_stream_frees_it_on_the_core_that_holds_it(dp_server):
     """Two long streams, one per core; closing one mid-way ends it on its core (pages freed, an
     abort counted there, fewer tokens than asked for) and leaves the other to finish. An abort
-    sent to the wrong core would leave the dropped request running to its last token."""
-    _wait_idle(dp_server.url)
-    before = scrape(dp_server.url, per_engine=True)
+    sent to the wrong core would leave the dropped request running to its last token.
+
+    The tiny model decodes a token in well under a millisecond, so on a loaded machine a stream
+    can end on its own before its close reaches the server: such a round proves nothing and is
+    run again (up to four rounds)."""
 
     async def run():
         async with openai.AsyncOpenAI(base_url=dp_server.base_url, api_key="none", max_retries=0, timeout=300) as client:
@@ -133,8 +135,6 @@ def test_aborting_a_stream_frees_it_on_the_core_that_holds_it(dp_server):
                 assert time.monotonic() < deadline, running
                 await asyncio.sleep(0.05)
             kept_on = running.index(1)
-            # Long enough that it cannot finish on its own before the close reaches the server,
-            # even when a loaded machine buffers the first chunks.
             dropped = await client.completions.create(model=MODEL, prompt="Dropped soon", max_tokens=DROPPED_MAX_TOKENS,
                                                       temperature=0, stream=True, extra_body={"ignore_eos": True})
             received = 0
@@ -142,10 +142,9 @@ def test_aborting_a_stream_frees_it_on_the_core_that_holds_it(dp_server):
                 received += 1
                 if received == 3:
                     break
-            # The router sends it to the idle core (least loaded); a test of aborts needs it running there.
+            # The router sends it to the idle core (least loaded): running there when it is closed.
             holding = _engines(scrape(dp_server.url, per_engine=True), "pagoda:num_requests_running")
             await dropped.close()
-            assert holding[1 - kept_on] == 1, f"the dropped stream is not running on the other core: {holding}"
             # The dropped stream's core goes idle with its pages freed.
             deadline = time.monotonic() + 30
             while True:
@@ -158,22 +157,33 @@ def test_aborting_a_stream_frees_it_on_the_core_that_holds_it(dp_server):
                 await asyncio.sleep(0.05)
             async for _ in kept_chunks:
                 pass
-            return kept_on
+            return kept_on, holding
 
-    kept_on = asyncio.run(run())
-    dropped_on = 1 - kept_on
-    _wait_idle(dp_server.url)
-    after = scrape(dp_server.url, per_engine=True)
-    aborted = [a - b for a, b in zip(_engines(after, "pagoda:request_success_total", finished_reason="abort"),
-                                     _engines(before, "pagoda:request_success_total", finished_reason="abort"))]
-    finished = [a - b for a, b in zip(_engines(after, "pagoda:request_success_total", finished_reason="length"),
-                                      _engines(before, "pagoda:request_success_total", finished_reason="length"))]
-    generated = [a - b for a, b in zip(_engines(after, "pagoda:generation_tokens_total"),
-                                       _engines(before, "pagoda:generation_tokens_total"))]
-    counted = f"aborted {aborted}, finished {finished}, generated {generated}, kept on core {kept_on}"
+    rounds = []
+    for _ in range(4):
+        _wait_idle(dp_server.url)
+        before = scrape(dp_server.url, per_engine=True)
+        kept_on, holding = asyncio.run(run())
+        dropped_on = 1 - kept_on
+        _wait_idle(dp_server.url)
+        after = scrape(dp_server.url, per_engine=True)
+
+        def delta(name: str, **labels: str) -> list[float]:
+            return [a - b for a, b in zip(_engines(after, name, **labels), _engines(before, name, **labels))]
+
+        aborted = delta("pagoda:request_success_total", finished_reason="abort")
+        finished = delta("pagoda:request_success_total", finished_reason="length")
+        generated = delta("pagoda:generation_tokens_total")
+        counted = (f"aborted {aborted}, finished {finished}, generated {generated}, kept on core {kept_on}, "
+                   f"running when closed {holding}")
+        rounds.append(counted)
+        if holding[dropped_on] == 1 and generated[dropped_on] < DROPPED_MAX_TOKENS:
+            break  # it was running on the other core when its close arrived
+    else:
+        pytest.fail("no round closed the dropped stream while it ran: " + "; ".join(rounds))
     assert aborted[dropped_on] == 1 and aborted[kept_on] == 0, counted
     assert finished[kept_on] == 1 and finished[dropped_on] == 0, counted
-    assert generated[kept_on] == KEPT_MAX_TOKENS and generated[dropped_on] < DROPPED_MAX_TOKENS, counted
+    assert generated[kept_on] == KEPT_MAX_TOKENS, counted
 
 
 @pytest.mark.parametrize("rank", [0, 1])
