@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import resource
 import shutil
 import statistics
 import time
@@ -30,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from pagoda_engine.bench.kv_share import RedisServer
+from pagoda_engine.bench.serve import process_cpu_s
 from pagoda_engine.worker.kv_stores import RedisStore, ShardedRedisStore, remote_store
 
 _FINGERPRINT = b"remote-read-bench"[:16]
@@ -62,13 +61,8 @@ def _rows(pages: int, payload_bytes: int) -> np.ndarray:
 def _cpu_s(pids: list[int] | None = None) -> float:
     """CPU seconds (user + system) of this process, all its threads, or of processes `pids`."""
     if pids is None:
-        usage = resource.getrusage(resource.RUSAGE_SELF)
-        return usage.ru_utime + usage.ru_stime
-    total = 0
-    for pid in pids:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+        return time.process_time()
+    return sum(process_cpu_s(pid) for pid in pids)
 
 
 def _read_once(store: RedisStore | ShardedRedisStore, server_pids: list[int], keys: list[bytes], data: np.ndarray,
