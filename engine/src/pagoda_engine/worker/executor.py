@@ -109,8 +109,10 @@ class Executor:
         if layout.world_size == 1:
             self.worker = load_worker_class(worker_cls)(layout, 0, device, data_parallel=data_parallel)
             return
+        # How long ranks may take to start, and to answer a call (read once: every step calls them).
+        self._start_timeout_s = envs.tp_start_timeout_s()
         store = dist.TCPStore(master_addr, master_port, layout.world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=envs.tp_start_timeout_s()))
+                              timeout=datetime.timedelta(seconds=self._start_timeout_s))
         self.worker = load_worker_class(worker_cls)(layout, 0, device, store, data_parallel=data_parallel)
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
@@ -196,8 +198,7 @@ class Executor:
     def _gather(self, seq: int, method: str) -> list:
         """Every worker's reply to call `seq`, watching for ranks that die meanwhile."""
         results: dict[int, object] = {}
-        timeout_s = envs.tp_start_timeout_s()
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self._start_timeout_s
         while len(results) < self.layout.world_size - 1:
             if self._sock.poll(200):
                 reply = self._recv_reply()
@@ -213,7 +214,7 @@ class Executor:
             if time.monotonic() > deadline:
                 missing = sorted(set(range(1, self.layout.world_size)) - set(results))
                 raise EngineDeadError(f"tensor-parallel worker(s) {missing} did not answer {method} "
-                                      f"within {timeout_s:.0f}s")
+                                      f"within {self._start_timeout_s:.0f}s")
         return [results[rank] for rank in range(1, self.layout.world_size)]
 
     def _recv_reply(self) -> Reply:
