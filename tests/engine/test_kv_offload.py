@@ -501,21 +501,25 @@ def test_under_async_scheduling_a_split_waits_at_its_cut_for_its_load_instead_of
 
 
 def test_a_split_at_its_cut_waits_for_its_load_no_longer_than_computing_it_would_take(tmp_path):
-    from pagoda_engine.core.kv.offload.manager import _Split
+    from pagoda_engine.core.kv.offload.manager import Load, _Split
 
     with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
         offload = llm.core.kv.offload
-        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10)
+        pages = llm.core.kv.pool.get_new_pages(10)  # the 10 pages its load fills
+        offload._loads[99] = Load("r", list(pages), list(pages), [], [], [], time.monotonic())
+        offload._splits["r"] = _Split(cut=2, load_id=99)
         assert not offload.split_ready("r", cut_in_flight=True)  # the cut's own step still runs
         assert offload.split_ready("r", cut_in_flight=False)  # no prefill measured: computing them is the bet
-        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10)
+        offload._splits["r"] = _Split(cut=2, load_id=99)
         offload.observe_step(4096, 4096 * 50e-6)  # 0.8 ms a page: 8 ms for its 10
         assert not offload.split_ready("r", cut_in_flight=False)  # waits from now on...
         time.sleep(0.01)
         assert offload.split_ready("r", cut_in_flight=False)  # ...as long as computing them would take
-        offload._splits["r"] = _Split(cut=2, load_id=99, num_pages=10, landed=[])
+        offload._splits["r"] = _Split(cut=2, load_id=99, landed=[])
         assert offload.split_ready("r", cut_in_flight=True)  # landed: taken at once
         offload._splits.clear()
+        del offload._loads[99]
+        llm.core.kv.pool.free_pages(pages)
 
 
 def test_a_split_load_never_takes_the_requests_own_free_device_hits(reference, tmp_path):

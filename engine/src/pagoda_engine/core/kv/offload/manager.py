@@ -149,7 +149,6 @@ class _Split:
 
     cut: int  # the request's page index where the loaded pages start
     load_id: int
-    num_pages: int  # pages it loads
     landed: list[Page] | None = None  # once landed: the pages that arrived, held for the request
     waiting_since: float | None = None  # when the request reached its cut with the load still running
 
@@ -367,7 +366,7 @@ class OffloadManager:
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
         load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
-        self._splits[request_id] = _Split(len(device_hits) + cut, load_id, len(lookup) - cut)
+        self._splits[request_id] = _Split(len(device_hits) + cut, load_id)
         return True
 
     def _split_cut(self, lookup: Lookup) -> int:
@@ -445,7 +444,8 @@ class OffloadManager:
         now = time.monotonic()
         if split.waiting_since is None:
             split.waiting_since = now
-        compute_s = split.num_pages * self.page_size * (self._token_prefill_s or 0.0)
+        loading = len(self._loads[split.load_id].pages)  # not landed: its load is still under way
+        compute_s = loading * self.page_size * (self._token_prefill_s or 0.0)
         return now - split.waiting_since >= compute_s
 
     def take_split(self, request_id: str) -> list[Page] | None:
