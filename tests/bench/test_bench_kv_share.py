@@ -54,6 +54,26 @@ def test_kv_share_refuses_the_tiers_that_would_hide_a_remote_hit(capsys):
         main(["bench", "kv-share", "--model", "pagoda-tiny", "--kv-offload-cpu-gb", "1"])
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--redis-shards", "0"], "--redis-shards must be >= 1"),
+    (["--redis-shards", "2", "--kv-offload-remote-url", "redis://kv:6379"], "--redis-shards starts Redis servers"),
+])
+def test_kv_share_refuses_a_bad_shard_count(flags, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "kv-share", "--model", "pagoda-tiny", *flags])
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--shards", "2", "0"], "--shards must be >= 1, got 2 0"),
+    (["--connections", "-1"], "--connections must be >= 1, got -1"),
+    (["--pages", "0"], "--pages must be >= 1, got 0"),
+    (["--page-mib", "0"], "--page-mib must be > 0, got 0.0"),
+])
+def test_remote_read_bench_refuses_counts_below_one(flags, message):
+    with pytest.raises(SystemExit, match=message):
+        remote_read.main(flags)
+
+
 @pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make setup installs it as root)")
 def test_remote_read_bench_measures_both_readers_on_every_setting(tmp_path, capsys):
     out = tmp_path / "remote-read.json"

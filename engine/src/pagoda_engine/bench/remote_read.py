@@ -83,6 +83,12 @@ def _read_once(store: RedisStore | ShardedRedisStore, server_pids: list[int], ke
 
 
 def run_remote_read(args: argparse.Namespace) -> dict:
+    for flag, values in (("--pages", [args.pages]), ("--repeats", [args.repeats]), ("--connections", args.connections),
+                         ("--io-threads", args.io_threads), ("--shards", args.shards)):
+        if any(v < 1 for v in values):
+            raise SystemExit(f"error: {flag} must be >= 1, got {' '.join(map(str, values))}")
+    if not args.page_mib > 0:
+        raise SystemExit(f"error: --page-mib must be > 0, got {args.page_mib}")
     binary = args.redis_server or shutil.which("redis-server")
     if binary is None:
         raise SystemExit("error: no redis-server on PATH: install it (Debian: apt-get install redis-server) or give "
