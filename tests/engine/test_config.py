@@ -7,7 +7,8 @@ from dataclasses import fields
 import pytest
 
 from pagoda_engine import capabilities, cli
-from pagoda_engine.config import EngineConfig, add_engine_args, config_from_args, resolve_cudagraph_mode
+from pagoda_engine.config import (EngineConfig, add_engine_args, config_from_args, default_max_num_seqs,
+                                  resolve_cudagraph_capture_size, resolve_cudagraph_mode)
 
 
 def parse(*argv: str) -> EngineConfig:
@@ -16,10 +17,26 @@ def parse(*argv: str) -> EngineConfig:
     return config_from_args(parser.parse_args(list(argv)))
 
 
-def test_cuda_graph_capture_size_flag_defaults_to_every_batch():
-    assert parse().model.max_cudagraph_capture_size is None  # up to --max-num-seqs
+def test_cuda_graph_capture_size_flag_defaults_to_every_batch_up_to_vllms_512():
+    assert parse().model.max_cudagraph_capture_size is None
     assert parse("--max-cudagraph-capture-size", "64").model.max_cudagraph_capture_size == 64
     assert parse("--enforce-eager").model.enforce_eager is True
+    assert resolve_cudagraph_capture_size(256, None) == 256
+    assert resolve_cudagraph_capture_size(1024, None) == 512
+    assert resolve_cudagraph_capture_size(1024, 768) == 768
+    assert resolve_cudagraph_capture_size(128, 768) == 128
+
+
+@pytest.mark.parametrize("device_type, memory_gib, name, expected", [
+    ("cuda", 79.2, "NVIDIA H100 80GB HBM3", 1024),
+    ("cuda", 139.8, "NVIDIA H200", 1024),
+    ("cuda", 79.2, "NVIDIA A100-SXM4-80GB", 256),  # vLLM's exception
+    ("cuda", 44.4, "NVIDIA L40S", 256),
+    ("cpu", 0, "", 256),
+])
+def test_max_num_seqs_defaults_to_vllms_rule_for_the_device(device_type, memory_gib, name, expected):
+    assert parse().scheduler.max_num_seqs is None  # decided by the engine core on its device
+    assert default_max_num_seqs(device_type, int(memory_gib * (1 << 30)), name) == expected
 
 
 def test_cudagraph_mode_flag_takes_vllms_names_in_either_case():

@@ -127,3 +127,29 @@ def test_rotary_handed_to_the_backend_matches_reference(heads, separate, qk_norm
     # With the norms both round the normalised values to bf16 before rotating: rarely a step apart there too.
     torch.testing.assert_close(fi.kv_caches[0].float(), ref.kv_caches[0].float(), atol=3e-2 if qk_norm else 2e-2,
                                rtol=1e-2)
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128), (64, 8, 128)], ids=["llama-8b", "qwen3-30b-a3b", "llama-70b"])
+def test_graph_decode_of_1024_rows_plans_in_a_workspace_sized_for_it(heads):
+    """`--max-num-seqs 1024 --max-cudagraph-capture-size 1024` on an H100 failed to start:
+    FlashInfer's graph plan for 1,024 rows of 32 query heads takes 335 MB of split-KV scratch,
+    more than the default 256 MiB workspace. The backend now grows the workspace to what the
+    largest graph batch needs, and an eager plan still runs after it."""
+    from pagoda_engine.worker.attention.flashinfer import WORKSPACE_BYTES, graph_decode_workspace_bytes
+
+    num_qo, num_kv, head_dim = heads
+    fi, _ = backends(num_qo, num_kv, head_dim)
+    fi.init_graph_buffers([1, 1024], max_pages_per_seq=1)
+    need = graph_decode_workspace_bytes(num_qo, num_kv, head_dim, 1024)
+    assert fi.workspace.numel() == max(need, WORKSPACE_BYTES) and need > WORKSPACE_BYTES
+    rng = random.Random(5)
+    n = 1000
+    batch = make_batch(rng, decode_lens=[rng.randrange(2, PAGE + 1) for _ in range(n)], prefills=[], device="cuda")
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(1024, num_qo, head_dim, generator=gen, device="cuda").bfloat16()
+    k, v = (torch.randn(1024, num_kv, head_dim, generator=gen, device="cuda").bfloat16() for _ in range(2))
+    fi.plan(batch)
+    eager = fi.forward(0, q[:n], k[:n], v[:n]).clone()
+    fi.plan_graph_decode(batch, 1024)
+    out = fi.forward(0, q, k, v)
+    torch.testing.assert_close(out[:n], eager, atol=1e-2, rtol=1e-2)

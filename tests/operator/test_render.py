@@ -182,7 +182,7 @@ def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
         "--model", "/models/meta-llama/Llama-3.1-8B-Instruct",
         "--served-model-name", "llama-3.1-8b-instruct", "--dtype", "bfloat16", "--max-model-len", "32768",
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-        "--max-num-seqs", "256", "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+        "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
     ]
     assert c["resources"] == {
         "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},

@@ -10,6 +10,22 @@ from pagoda_engine import capabilities
 
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's
+
+
+def default_max_num_seqs(device_type: str, total_memory_bytes: int = 0, device_name: str = "") -> int:
+    """vLLM's default running-batch cap: 1,024 sequences on a GPU of 70 GiB or more other than
+    the A100, 256 elsewhere (CPU included). A cap below what the KV pool holds starves the steps
+    under load: new requests wait while the steps decode without prefill work to fill them."""
+    big = device_type == "cuda" and total_memory_bytes >= 70 * (1 << 30) and "a100" not in device_name.lower()
+    return 1024 if big else 256
+
+
+def resolve_cudagraph_capture_size(max_num_seqs: int, max_cudagraph_capture_size: int | None) -> int:
+    """The largest decode batch captured as a CUDA graph."""
+    if max_cudagraph_capture_size is None:
+        return min(max_num_seqs, DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE)
+    return min(max_num_seqs, max_cudagraph_capture_size)
 
 
 def resolve_cudagraph_mode(mode: str | None) -> str:
@@ -35,7 +51,8 @@ class ModelConfig:
     enforce_eager: bool = False  # no CUDA graphs
     # Decode batches up to this many sequences replay CUDA graphs; larger ones run eagerly, where
     # launch costs hide behind long kernels and FlashInfer's plan can skip split-KV (a graph plan
-    # always splits, and pays a merge kernel per layer). None = max_num_seqs. vLLM's name.
+    # always splits, and pays a merge kernel per layer). None = max_num_seqs, at most
+    # DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE (vLLM's name and default).
     max_cudagraph_capture_size: int | None = None
     # vLLM's modes: FULL_AND_PIECEWISE (whole-forward graphs for decode steps, piecewise graphs
     # around eager attention for other steps of up to 256 tokens), FULL_DECODE_ONLY (other steps
@@ -66,7 +83,8 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
+    # None: vLLM's default for the device (`default_max_num_seqs`), set when the engine core starts.
+    max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     policy: str = "fcfs"  # fcfs | priority
     # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
@@ -181,7 +199,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.cache.block_size}")
         if not 0 < self.cache.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}")
-        if self.scheduler.max_num_seqs < 1:
+        if self.scheduler.max_num_seqs is not None and self.scheduler.max_num_seqs < 1:
             raise ValueError("max_num_seqs must be >= 1")
         if self.scheduler.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
@@ -288,7 +306,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs)")
+                   help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs, "
+                        f"at most {DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE})")
     p.add_argument("--cudagraph-mode", type=str.upper, default=None, choices=CUDAGRAPH_MODES,
                    help="FULL_AND_PIECEWISE (default): decode steps replay whole-forward graphs, other "
                         "steps of up to 256 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
@@ -300,7 +319,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks-override", type=int, default=None,
                    help="fix the KV pool to this many pages (the null page included) instead of measuring it, "
                         "on CPU and GPU alike")
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="most sequences in one step (default, as vLLM's: 1024 on GPUs of 70 GiB or more other "
+                        "than the A100, else 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,

@@ -81,7 +81,7 @@ class Engine:
 
     image: str | None = prop(None, doc="Engine image; default: the operator's engine image (engine-cpu when no GPUs).")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = prop(None, doc="Image pull policy.")
-    max_num_seqs: int | None = prop(None, doc="Most sequences in one batch (engine default 256).", minimum=1)
+    max_num_seqs: int | None = prop(None, doc="Most sequences in one batch (engine default, as vLLM's: 1024 on GPUs of 70 GiB or more other than the A100, else 256).", minimum=1)
     max_num_batched_tokens: int | None = prop(None, doc="Token budget of one step (engine default 8192).", minimum=1)
     gpu_memory_utilization: float | None = prop(None, doc="Fraction of GPU memory the engine may use (engine default 0.9).", minimum=0, exclusive_minimum=True, maximum=1)
     prefix_caching: bool = prop(True, doc="Reuse KV pages of shared prompt prefixes.")

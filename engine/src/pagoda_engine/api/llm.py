@@ -29,7 +29,7 @@ PromptType = Union[str, list[int]]
 class LLM:
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
                  max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int = 8192, num_kv_pages: int | None = None,
+                 max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192, num_kv_pages: int | None = None,
                  seed: int = 0, load_format: str = "auto", **engine_kwargs):
         config = EngineConfig.from_kwargs(
             model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,

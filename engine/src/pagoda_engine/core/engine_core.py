@@ -34,7 +34,8 @@ from pathlib import Path
 import torch
 
 from pagoda_engine import envs
-from pagoda_engine.config import EngineConfig, resolve_cudagraph_mode
+from pagoda_engine.config import (EngineConfig, default_max_num_seqs, resolve_cudagraph_capture_size,
+                                  resolve_cudagraph_mode)
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
@@ -73,6 +74,13 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
     return torch.device(name)
+
+
+def _default_max_num_seqs(device: torch.device) -> int:
+    if device.type != "cuda":
+        return default_max_num_seqs(device.type)
+    props = torch.cuda.get_device_properties(device)
+    return default_max_num_seqs(device.type, props.total_memory, props.name)
 
 
 def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
@@ -143,6 +151,9 @@ class EngineCore:
         self.device = resolve_device(mc.device)
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
+        if config.scheduler.max_num_seqs is None:
+            config.scheduler.max_num_seqs = _default_max_num_seqs(self.device)
+            logger.info("max_num_seqs %d (the default on %s)", config.scheduler.max_num_seqs, self.device)
         self.dtype = resolve_dtype(mc.dtype, self.hf_config, self.device)
         ranks = config.parallel.ranks_per_node  # the leader's share; every other node checks its own
         self.dist_backend = dist_backend(self.device.type)  # the ranks' process groups'
@@ -219,9 +230,9 @@ class EngineCore:
             free_before, _ = torch.cuda.mem_get_info(self.device)
             piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
                          if self.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
-            self.runner.capture_cuda_graphs(min(config.scheduler.max_num_seqs,
-                                                mc.max_cudagraph_capture_size or config.scheduler.max_num_seqs),
-                                            self.max_model_len, piecewise)
+            self.runner.capture_cuda_graphs(
+                resolve_cudagraph_capture_size(config.scheduler.max_num_seqs, mc.max_cudagraph_capture_size),
+                self.max_model_len, piecewise)
             self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             pw = self.runner.piecewise_graphs
             logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "

@@ -27,13 +27,25 @@ import torch
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, KVCacheSpec, Rotary
 from pagoda_engine.worker.attention.rope_kv_triton import rope_and_write_kv
 
-# FlashInfer's split-KV scratch, shared by both wrappers (they run one after the other on one stream).
+# FlashInfer's split-KV scratch, shared by every wrapper (they run one after the other on one
+# stream); `init_graph_buffers` grows it where the largest graph batch needs more.
 WORKSPACE_BYTES = 256 << 20
 # Grouped-query attention with this many query heads per KV head runs faster on tensor cores
 # (H200, 32/8 heads of 128, 1k-token contexts: batch 64 78 vs 104 us per layer, batch 150 153 vs
 # 208 us). Small batches gain nothing from the CUDA-core kernel end to end: L1 measured 5.7-5.8 ms
 # per token with tensor cores, 6.0 ms with CUDA cores below 16 sequences.
 TENSOR_CORE_MIN_GROUP = 4
+
+
+def graph_decode_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, batch_size: int) -> int:
+    """Float scratch a CUDA-graph decode plan of `batch_size` rows takes in FlashInfer 0.6's
+    scheduler: a graph plan always splits KV and sizes its partial outputs (float32 values and
+    log-sum-exps) for the worst case of its batch, `ceil(rows * group / tile) + rows - 1` query
+    tiles of `tile` rows per query head (PrefillPlan's graph branch), plus 16 MiB for the rest."""
+    group = num_qo_heads // num_kv_heads
+    tile = 16 if group <= 16 else 64 if group <= 64 else 128  # FA2DetermineCtaTileQ's choice
+    tiles = -(-batch_size * group // tile) + batch_size - 1
+    return num_qo_heads * tiles * tile * (head_dim + 1) * 4 + (16 << 20)
 
 
 def page_table_csr(page_tables: list[list[int]], seq_lens: list[int], page_size: int
@@ -139,6 +151,12 @@ class FlashInferBackend(AttentionBackend):
         """Fixed buffers and one cuda-graph decode wrapper per batch size (all share the buffers)."""
         max_bs = max(batch_sizes)
         dev = self.device
+        s = self.spec
+        need = graph_decode_workspace_bytes(s.num_qo_heads, s.num_kv_heads, s.head_dim, max_bs)
+        if need > self.workspace.numel():  # e.g. 1,024-row graphs of 32 query heads need 340 MB
+            self.workspace = torch.zeros(need, dtype=torch.uint8, device=dev)
+            for wrapper in (self.prefill_wrapper, self.decode_wrapper):
+                wrapper.reset_workspace_buffer(self.workspace, wrapper._int_workspace_buffer)
         self._graph_bufs = dict(
             indptr=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
