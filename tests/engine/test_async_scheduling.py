@@ -188,3 +188,26 @@ def test_tensor_parallel_async_equals_single_rank_sync(model_dir, hf_tokens):
         outs = llm.generate(PROMPTS, _greedy())
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens
         _assert_pool_free(llm)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling):
+    """A CUDA engine runs warm-up requests before it serves (`EngineCore._warm_up_steps`; CPU
+    engines skip them, so they are run by hand here): afterwards no request, page in use, KV
+    offload or prefix-cache count of theirs remains, and the tokens users get, random ones of
+    unseeded requests included, are those of an engine that never warmed up."""
+    params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0), SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0)]
+    prompts = PROMPTS[:2]
+    kw = dict(dtype="float32", async_scheduling=async_scheduling, kv_offload_cpu_gb=0.01)
+    cold = LLM(str(model_dir), **kw)
+    expected = [_comparable(o.outputs[0]) for o in cold.generate(prompts, params)]
+    warm = LLM(str(model_dir), **kw)
+    core = warm.core
+    offload = core.kv.offload
+    core._warm_up_steps()
+    assert not core.scheduler.requests and not core.has_unfinished_requests()
+    assert core.kv.offload is offload and sum(t.stored_bytes for t in offload.stats()) == 0
+    assert (core.kv.prefix_queries, core.kv.prefix_hits) == (0, 0)
+    _assert_pool_free(warm)
+    assert [_comparable(o.outputs[0]) for o in warm.generate(prompts, params)] == expected
+    _assert_pool_free(warm)
