@@ -293,3 +293,12 @@ def test_builtin_tiny_renders_the_engine_s_name_for_its_tiny_model():
     assert r.BUILTIN_TINY_MODEL == TINY_MODEL_NAME
     args = _engine_args(_children("tiny-cpu.yaml"))
     assert args[args.index("--model") + 1] == TINY_MODEL_NAME
+
+
+def test_a_remote_tier_on_a_unix_socket_reaches_the_engine_as_written():
+    body = copy.deepcopy(MATRIX_BASE)
+    body["spec"]["kvCache"] = {"tiers": [{"type": "remote", "url": "unix:///run/redis/redis.sock?db=1"}]}
+    assert check(body).ok, check(body).problems
+    assert_operator_and_engine_agree(body)
+    config = engine_start(engine_containers(r.render(body, check(body).spec))["engine"])[0]
+    assert config.cache.kv_offload_remote_url == "unix:///run/redis/redis.sock?db=1"

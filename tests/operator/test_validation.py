@@ -179,15 +179,15 @@ BAD_SPECS = [
     ("remote-tier-without-url", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote"}]}},
      "kvCache.tiers[0] (remote): url is required (redis://host:port)"),
     ("remote-tier-not-redis", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote", "url": "http://cache:80"}]}},
-     "kvCache.tiers[0] (remote): url 'http://cache:80' is not redis://host[:port][/db] or rediss://... "
-     "(several servers: comma-separated URLs)"),
+     "kvCache.tiers[0] (remote): url 'http://cache:80' is not redis://host[:port][/db], rediss://... or "
+     "unix:///path: the scheme must be redis://, rediss:// or unix:// (lower case)"),
     ("remote-tier-one-shard-not-redis", LLAMA_8B,
      {"kvCache": {"tiers": [{"type": "remote", "url": "redis://kv-0:6379,kv-1:6379"}]}},
-     "kvCache.tiers[0] (remote): url 'kv-1:6379' is not redis://host[:port][/db] or rediss://... "
-     "(several servers: comma-separated URLs)"),
+     "kvCache.tiers[0] (remote): url 'kv-1:6379' is not redis://host[:port][/db], rediss://... or "
+     "unix:///path: the scheme must be"),
     ("remote-tier-shard-twice", LLAMA_8B,
      {"kvCache": {"tiers": [{"type": "remote", "url": "redis://kv-0:6379,redis://kv-0:6379"}]}},
-     "kvCache.tiers[0] (remote): url names a Redis server twice"),
+     "kvCache.tiers[0] (remote): url names a server twice: 'redis://kv-0:6379'"),
     ("disk-tier-without-size", LLAMA_8B, {"kvCache": {"tiers": [{"type": "disk"}]}},
      "kvCache.tiers[0] (disk): size is required"),
     ("tier-twice", LLAMA_8B, {"kvCache": {"tiers": [{"type": "cpu", "size": "1Gi"}, {"type": "cpu", "size": "2Gi"}]}},
