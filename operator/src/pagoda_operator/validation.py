@@ -95,17 +95,38 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
 
 def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
     """Each API server process keeps a CPU core busy under load: a pod given fewer CPUs than
-    processes only makes them take turns."""
+    processes only makes them take turns. A count in engine.extraArgs reaches every pod, the
+    headless workers of a multi-node replica too, which run no API server and refuse above 1."""
     count, cpu = spec.engine.api_server_count, spec.resources.cpu
-    in_extra_args = any(a == "--api-server-count" or a.startswith("--api-server-count=") for a in spec.engine.extra_args)
+    in_extra_args = _api_server_counts(spec.engine.extra_args)
     if count > 1 and in_extra_args:
         return ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
-    if in_extra_args and spec.topology.nodes > 1:
-        return ["engine: extraArgs --api-server-count would reach the headless worker pods too, which refuse it; "
-                "set apiServerCount instead"]
+    for written, value in in_extra_args:
+        try:
+            extra_count = int(value)  # what the engine's parser does with it (argparse's type=int)
+        except (TypeError, ValueError):
+            return [f"engine: extraArgs {written} needs a whole number of API server processes, got "
+                    f"{'nothing' if value is None else repr(value)}"]
+        if extra_count < 1:
+            return [f"engine: extraArgs {written} {extra_count}: a pod needs at least 1 API server process"]
+        last = (written, extra_count)  # the engine's parser keeps the last
+    if in_extra_args and last[1] > 1 and spec.topology.nodes > 1:
+        return [f"engine: extraArgs {last[0]} {last[1]} would reach the headless worker pods too, which run no API "
+                "server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]
     if count > 1 and cpu is not None and parse_quantity(cpu) < count:
         return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
     return []
+
+
+def _api_server_counts(extra_args: list[str]) -> list[tuple[str, str | None]]:
+    """Each `--api-server-count N`, `--api-server-count=N` (or `-asc`) in extraArgs: the flag as
+    written and its value (None: none follows), in order."""
+    found = []
+    for i, arg in enumerate(extra_args):
+        flag, joined, value = arg.partition("=")
+        if flag in ("--api-server-count", "-asc"):
+            found.append((flag, value if joined else (extra_args[i + 1] if i + 1 < len(extra_args) else None)))
+    return found
 
 
 def _check_model(spec: InferenceServiceSpec) -> list[str]:
