@@ -159,8 +159,22 @@ def test_api_server_processes_of_a_multi_node_spec_start_on_the_leader_alone():
     configs = {role: engine_start(container, role)[0] for role, container in containers.items()}
     assert (configs["leader"].server.api_server_count, configs["worker"].server.api_server_count) == (4, 1)
     extra = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=["--api-server-count=4"])
-    assert check(extra).problems == ["engine: extraArgs --api-server-count would reach the headless worker pods too, "
-                                     "which refuse it; set apiServerCount instead"]
+    assert check(extra).problems == ["engine: extraArgs --api-server-count 4 would reach the headless worker pods too, "
+                                     "which run no API server and refuse a count above 1; set apiServerCount instead "
+                                     "(the leader's alone)"]
+    worker = engine_containers(r.render(extra, check(extra).spec))["worker"]
+    with pytest.raises(ValueError, match="cannot be used with --headless"):  # what that message spares the user
+        engine_start(worker, "worker")
+
+
+@pytest.mark.parametrize("extra_args", [["--api-server-count", "1"], ["--api-server-count=1"], ["-asc", "1"]])
+def test_extra_args_api_server_count_of_one_reaches_every_node_and_each_engine_takes_it(extra_args):
+    body = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=extra_args)
+    assert_operator_and_engine_agree(body)
+    containers = engine_containers(r.render(body, check(body).spec))
+    for role, container in containers.items():
+        assert " ".join(extra_args) in " ".join(container["args"]), role
+        assert engine_start(container, role)[0].server.api_server_count == 1
 
 
 # A Mixtral on CPU: every combination below is right as written (no GPU count or memory fit to
@@ -293,3 +307,12 @@ def test_builtin_tiny_renders_the_engine_s_name_for_its_tiny_model():
     assert r.BUILTIN_TINY_MODEL == TINY_MODEL_NAME
     args = _engine_args(_children("tiny-cpu.yaml"))
     assert args[args.index("--model") + 1] == TINY_MODEL_NAME
+
+
+def test_a_remote_tier_on_a_unix_socket_reaches_the_engine_as_written():
+    body = copy.deepcopy(MATRIX_BASE)
+    body["spec"]["kvCache"] = {"tiers": [{"type": "remote", "url": "unix:///run/redis/redis.sock?db=1"}]}
+    assert check(body).ok, check(body).problems
+    assert_operator_and_engine_agree(body)
+    config = engine_start(engine_containers(r.render(body, check(body).spec))["engine"])[0]
+    assert config.cache.kv_offload_remote_url == "unix:///run/redis/redis.sock?db=1"

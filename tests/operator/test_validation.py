@@ -179,15 +179,15 @@ BAD_SPECS = [
     ("remote-tier-without-url", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote"}]}},
      "kvCache.tiers[0] (remote): url is required (redis://host:port)"),
     ("remote-tier-not-redis", LLAMA_8B, {"kvCache": {"tiers": [{"type": "remote", "url": "http://cache:80"}]}},
-     "kvCache.tiers[0] (remote): url 'http://cache:80' is not redis://host[:port][/db] or rediss://... "
-     "(several servers: comma-separated URLs)"),
+     "kvCache.tiers[0] (remote): url 'http://cache:80' is not redis://host[:port][/db], rediss://... or "
+     "unix:///path: the scheme must be redis://, rediss:// or unix:// (lower case)"),
     ("remote-tier-one-shard-not-redis", LLAMA_8B,
      {"kvCache": {"tiers": [{"type": "remote", "url": "redis://kv-0:6379,kv-1:6379"}]}},
-     "kvCache.tiers[0] (remote): url 'kv-1:6379' is not redis://host[:port][/db] or rediss://... "
-     "(several servers: comma-separated URLs)"),
+     "kvCache.tiers[0] (remote): url 'kv-1:6379' is not redis://host[:port][/db], rediss://... or "
+     "unix:///path: the scheme must be"),
     ("remote-tier-shard-twice", LLAMA_8B,
      {"kvCache": {"tiers": [{"type": "remote", "url": "redis://kv-0:6379,redis://kv-0:6379"}]}},
-     "kvCache.tiers[0] (remote): url names a Redis server twice"),
+     "kvCache.tiers[0] (remote): url names a server twice: 'redis://kv-0:6379'"),
     ("disk-tier-without-size", LLAMA_8B, {"kvCache": {"tiers": [{"type": "disk"}]}},
      "kvCache.tiers[0] (disk): size is required"),
     ("tier-twice", LLAMA_8B, {"kvCache": {"tiers": [{"type": "cpu", "size": "1Gi"}, {"type": "cpu", "size": "2Gi"}]}},
@@ -351,3 +351,33 @@ def test_api_server_count_needs_as_many_cpus_and_one_way_of_setting_it():
     both = problems_of(with_spec(base, engine__apiServerCount=2, engine__extraArgs=["--api-server-count", "2"]))
     assert both == ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
     assert any("apiServerCount" in p for p in problems_of(with_spec(base, engine__apiServerCount=0)))
+
+
+@pytest.mark.parametrize("extra_args, expected", [
+    (["--api-server-count", "1"], []),
+    (["--api-server-count=1"], []),
+    (["-asc", "1", "--max-num-seqs", "8"], []),
+    (["--api-server-count=4", "--api-server-count", "1"], []),  # the engine's parser keeps the last
+    (["--api-server-count", "2"], ["engine: extraArgs --api-server-count 2 would reach the headless worker pods too, "
+                                   "which run no API server and refuse a count above 1; set apiServerCount instead "
+                                   "(the leader's alone)"]),
+    (["--api-server-count=4"], ["engine: extraArgs --api-server-count 4 would reach the headless worker pods too, "
+                                "which run no API server and refuse a count above 1; set apiServerCount instead "
+                                "(the leader's alone)"]),
+    (["--api-server-count=two"], ["engine: extraArgs --api-server-count needs a whole number of API server processes, "
+                                  "got 'two'"]),
+    (["--api-server-count", "1.5"], ["engine: extraArgs --api-server-count needs a whole number of API server "
+                                     "processes, got '1.5'"]),
+    (["--max-num-seqs", "8", "-asc"], ["engine: extraArgs -asc needs a whole number of API server processes, got nothing"]),
+    (["--api-server-count=0"], ["engine: extraArgs --api-server-count 0: a pod needs at least 1 API server process"]),
+])
+def test_extra_args_api_server_count_on_several_nodes_is_refused_only_above_one(extra_args, expected):
+    body = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=extra_args)
+    assert [p for p in problems_of(body) if p.startswith("engine:")] == expected
+
+
+def test_extra_args_api_server_count_on_one_node_is_checked_but_may_be_above_one():
+    base = load_example("llama-3.1-8b.yaml")
+    assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count=4"])) == []
+    assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count", "x"])) == [
+        "engine: extraArgs --api-server-count needs a whole number of API server processes, got 'x'"]

@@ -178,7 +178,7 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
     args += ["--enable-prefix-caching" if e.prefix_caching else "--no-enable-prefix-caching"]
     if e.seed is not None:
         args += ["--seed", str(e.seed)]
-    if e.api_server_count > 1 and not headless:  # --headless refuses it (no API server to count)
+    if e.api_server_count > 1 and not headless:  # --headless runs no API server and refuses a count above 1
         args += ["--api-server-count", str(e.api_server_count)]
     if sizing.gpus_per_pod(spec) == 0:
         args += ["--device", "cpu"]

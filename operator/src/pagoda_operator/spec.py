@@ -152,7 +152,7 @@ class KVTier:
     type: Literal["cpu", "disk", "remote"] = prop(doc="cpu: pinned host memory; disk: local files; remote: Redis shared by all replicas.")
     size: Quantity | None = prop(None, doc="Capacity per engine pod (cpu and disk tiers). A cpu tier is added to the pod's memory request and limit.")
     volume: KVDiskVolume | None = prop(None, doc="disk tier: the volume of its files; default an emptyDir of the tier's size.")
-    url: str | None = prop(None, doc="remote tier: redis://host:port[/db] or rediss://...; several comma-separated "
+    url: str | None = prop(None, doc="remote tier: redis://host[:port][/db], rediss://... or unix:///path (each may end in ?db=N); several comma-separated "
                                      "URLs spread the pages over that many Redis servers, read in parallel "
                                      "(keep their order: it places the pages)")
     secret_ref: SecretKeyRef | None = prop(None, doc="remote tier: Secret key holding the Redis password (given to the engine as PAGODA_KV_REMOTE_PASSWORD).")

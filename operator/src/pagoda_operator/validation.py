@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
@@ -21,7 +22,8 @@ from pagoda_operator.spec import InferenceServiceSpec, KVDiskVolume, desired_rep
 # Children are named <name>-engine (a Service: a DNS-1035 label of at most 63 characters).
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63 - len("-engine")
-REDIS_URL_PATTERN = r"^rediss?://[^\s/:]+(:[0-9]+)?(/[0-9]+)?$"
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+REDIS_URL_FORMS = "redis://host[:port][/db], rediss://... or unix:///path"
 # Managers allowed to own spec.replicas next to spec.autoscaling: writes through the scale
 # subresource (HPA, KEDA, kubectl scale) and Pagoda's own autoscaler.
 SCALER_MANAGER_PREFIX = "pagoda"
@@ -93,17 +95,38 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
 
 def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
     """Each API server process keeps a CPU core busy under load: a pod given fewer CPUs than
-    processes only makes them take turns."""
+    processes only makes them take turns. A count in engine.extraArgs reaches every pod, the
+    headless workers of a multi-node replica too, which run no API server and refuse above 1."""
     count, cpu = spec.engine.api_server_count, spec.resources.cpu
-    in_extra_args = any(a == "--api-server-count" or a.startswith("--api-server-count=") for a in spec.engine.extra_args)
+    in_extra_args = _api_server_counts(spec.engine.extra_args)
     if count > 1 and in_extra_args:
         return ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
-    if in_extra_args and spec.topology.nodes > 1:
-        return ["engine: extraArgs --api-server-count would reach the headless worker pods too, which refuse it; "
-                "set apiServerCount instead"]
+    for written, value in in_extra_args:
+        try:
+            extra_count = int(value)  # what the engine's parser does with it (argparse's type=int)
+        except (TypeError, ValueError):
+            return [f"engine: extraArgs {written} needs a whole number of API server processes, got "
+                    f"{'nothing' if value is None else repr(value)}"]
+        if extra_count < 1:
+            return [f"engine: extraArgs {written} {extra_count}: a pod needs at least 1 API server process"]
+        last = (written, extra_count)  # the engine's parser keeps the last
+    if in_extra_args and last[1] > 1 and spec.topology.nodes > 1:
+        return [f"engine: extraArgs {last[0]} {last[1]} would reach the headless worker pods too, which run no API "
+                "server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]
     if count > 1 and cpu is not None and parse_quantity(cpu) < count:
         return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
     return []
+
+
+def _api_server_counts(extra_args: list[str]) -> list[tuple[str, str | None]]:
+    """Each `--api-server-count N`, `--api-server-count=N` (or `-asc`) in extraArgs: the flag as
+    written and its value (None: none follows), in order."""
+    found = []
+    for i, arg in enumerate(extra_args):
+        flag, joined, value = arg.partition("=")
+        if flag in ("--api-server-count", "-asc"):
+            found.append((flag, value if joined else (extra_args[i + 1] if i + 1 < len(extra_args) else None)))
+    return found
 
 
 def _check_model(spec: InferenceServiceSpec) -> list[str]:
@@ -239,14 +262,50 @@ def _check_kv_cache(spec: InferenceServiceSpec) -> list[str]:
             if tier.url is None:
                 problems.append(f"{where}: url is required (redis://host:port)")
             else:
-                urls = [u.strip() for u in tier.url.split(",")]
-                for url in urls:
-                    if not re.fullmatch(REDIS_URL_PATTERN, url):
-                        problems.append(f"{where}: url {url!r} is not redis://host[:port][/db] or rediss://... "
-                                        "(several servers: comma-separated URLs)")
-                if len(set(urls)) != len(urls):
-                    problems.append(f"{where}: url names a Redis server twice")
+                problems += [f"{where}: url {problem}" for problem in redis_url_problems(tier.url)]
     return problems
+
+
+def redis_url_problems(value: str) -> list[str]:
+    """What is wrong with `value` as the remote tier's Redis servers (one URL, or several separated
+    by commas), a sentence a fault; [] when the engine takes it. The twin of the engine's check
+    (pagoda_engine.worker.kv_stores.remote_url_problems, which this image does not carry), so that
+    a URL the engine would refuse at start is refused here; tests/operator/test_redis_urls.py
+    keeps the two giving the same answers."""
+    urls = [u.strip() for u in value.split(",")]
+    problems = [f"{url!r} is not {REDIS_URL_FORMS}: {fault}" for url in urls if (fault := _redis_url_fault(url))]
+    return problems + [f"names a server twice: {url!r}" for url in dict.fromkeys(urls) if urls.count(url) > 1]
+
+
+def _redis_url_fault(url: str) -> str | None:
+    if not url:
+        return "an empty entry (several servers: comma-separated URLs)"
+    if any(c.isspace() for c in url):
+        return "it contains whitespace"
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in REDIS_URL_SCHEMES:
+        return "the scheme must be redis://, rediss:// or unix:// (lower case)"
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # a bracketed host that is no IPv6 address
+        return f"its host is not a name or address ({e})"
+    if parts.fragment:
+        return f"it has a fragment #{parts.fragment}"
+    if not re.fullmatch(r"(db=[0-9]+)?", parts.query):
+        return f"the query ?{parts.query} is not ?db=N (the only option the engine takes from a URL)"
+    host_port = parts.netloc.rpartition("@")[2]
+    if scheme == "unix":
+        if host_port:
+            return f"{host_port!r} stands where a unix:// URL names no host: the socket's path follows three slashes"
+        return None if parts.path.strip("/") else "it names no socket path"
+    if not parts.hostname:
+        return "it names no host"
+    port = host_port.rpartition("]")[2].partition(":")
+    if port[1] and not (re.fullmatch(r"[0-9]{1,5}", port[2]) and 1 <= int(port[2]) <= 65535):
+        return f"the port {port[2]!r} is not a number from 1 to 65535"
+    if not re.fullmatch(r"(/[0-9]*)?", parts.path):
+        return f"the path {parts.path!r} is not /db (a database number)"
+    return None
 
 
 def most_replicas(spec: InferenceServiceSpec) -> int:

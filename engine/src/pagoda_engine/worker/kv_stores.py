@@ -43,19 +43,59 @@ REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
 # Every Redis key of the remote tier: NAMESPACE + <fingerprint hex> + b":" + <page key hex>.
 REDIS_KEY_NAMESPACE = b"pagoda:kv:"
 REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
+REMOTE_URL_FORMS = "redis://host[:port][/db], rediss://... or unix:///path"
 
 
 def split_remote_urls(value: str) -> list[str]:
     """The Redis servers of `--kv-offload-remote-url`: one URL, or several separated by commas
-    (the remote tier is then sharded over them, in that order). ValueError names a bad one."""
+    (the remote tier is then sharded over them, in that order). ValueError names every bad one."""
+    problems = remote_url_problems(value)
+    if problems:
+        raise ValueError("--kv-offload-remote-url: " + "; ".join(problems))
+    return [u.strip() for u in value.split(",")]
+
+
+def remote_url_problems(value: str) -> list[str]:
+    """What is wrong with `value` as the remote tier's servers, a sentence a fault; [] when every
+    URL is one the store connects to as written. The operator, whose image has no engine, checks
+    kvCache's remote url with a twin of this (pagoda_operator.validation.redis_url_problems);
+    tests/operator/test_redis_urls.py keeps the two giving the same answers."""
     urls = [u.strip() for u in value.split(",")]
-    for url in urls:
-        if urlsplit(url).scheme not in REMOTE_URL_SCHEMES or not url.split("://", 1)[1].strip("/"):
-            raise ValueError(f"--kv-offload-remote-url: {url!r} is not redis://host[:port][/db], rediss://... "
-                             f"or unix:///path (several servers: comma-separated URLs)")
-    if len(set(urls)) != len(urls):
-        raise ValueError(f"--kv-offload-remote-url names a server twice: {value!r}")
-    return urls
+    problems = [f"{url!r} is not {REMOTE_URL_FORMS}: {fault}" for url in urls if (fault := _remote_url_fault(url))]
+    return problems + [f"names a server twice: {url!r}" for url in dict.fromkeys(urls) if urls.count(url) > 1]
+
+
+def _remote_url_fault(url: str) -> str | None:
+    """Why redis-py would refuse `url`, or read it other than as written (an ignored host or db,
+    a port of 0 taken as 6379, options the store's own connections do not honour); None: fine."""
+    if not url:
+        return "an empty entry (several servers: comma-separated URLs)"
+    if any(c.isspace() for c in url):
+        return "it contains whitespace"
+    scheme, sep, _ = url.partition("://")
+    if not sep or scheme not in REMOTE_URL_SCHEMES:
+        return "the scheme must be redis://, rediss:// or unix:// (lower case)"
+    try:
+        parts = urlsplit(url)
+    except ValueError as e:  # a bracketed host that is no IPv6 address
+        return f"its host is not a name or address ({e})"
+    if parts.fragment:
+        return f"it has a fragment #{parts.fragment}"
+    if not re.fullmatch(r"(db=[0-9]+)?", parts.query):
+        return f"the query ?{parts.query} is not ?db=N (the only option the engine takes from a URL)"
+    host_port = parts.netloc.rpartition("@")[2]
+    if scheme == "unix":
+        if host_port:
+            return f"{host_port!r} stands where a unix:// URL names no host: the socket's path follows three slashes"
+        return None if parts.path.strip("/") else "it names no socket path"
+    if not parts.hostname:
+        return "it names no host"
+    port = host_port.rpartition("]")[2].partition(":")
+    if port[1] and not (re.fullmatch(r"[0-9]{1,5}", port[2]) and 1 <= int(port[2]) <= 65535):
+        return f"the port {port[2]!r} is not a number from 1 to 65535"
+    if not re.fullmatch(r"(/[0-9]*)?", parts.path):
+        return f"the path {parts.path!r} is not /db (a database number)"
+    return None
 
 
 def redacted_url(url: str) -> str:
