@@ -67,6 +67,7 @@ logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
 _OFFLOAD_IDLE_WAIT_S = 0.001
+_WARM_UP_MAX_STEPS = 64  # the warm-up needs about 8; whatever is left after this many is aborted
 
 
 def resolve_device(name: str) -> torch.device:
@@ -255,7 +256,10 @@ class EngineCore:
         counters are put back, and they sample with seeds of their own (the engine's generator,
         which unseeded requests draw from, is untouched)."""
         sc = self.config.scheduler
-        long_len = max(1, min(1024, self.max_model_len - 8, sc.max_num_batched_tokens - 40))
+        # All three at once take at most half the pool, so none waits on pages (a pool fixed with
+        # --num-kv-pages may be smaller than one max_model_len sequence).
+        long_len = max(1, min(1024, self.max_model_len - 8, sc.max_num_batched_tokens - 40,
+                              self.kv_capacity_tokens // 4 - 16))
         gen = torch.Generator().manual_seed(0)
 
         def add(i: int, prompt_len: int) -> None:
@@ -272,7 +276,9 @@ class EngineCore:
             add(1, 16)
             self.step()
             add(2, long_len)  # joins the decodes of the first two
-            while self.has_unfinished_requests():
+            for _ in range(_WARM_UP_MAX_STEPS):
+                if not self.has_unfinished_requests():
+                    break
                 self.step()
         finally:
             self.abort_requests([r for r in list(self.scheduler.requests) if r.startswith("pagoda-warm-up-")])
