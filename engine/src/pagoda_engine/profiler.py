@@ -1,0 +1,146 @@
+"""The torch-profiler settings of an engine (vLLM's `--profiler-config`), checked where they enter.
+
+    pagoda serve --profiler-config '{"profiler": "torch", "torch_profiler_dir": "./traces"}'
+    LLM(model, profiler_config={"profiler": "torch", "torch_profiler_dir": "./traces"})
+
+With a config the server registers POST /start_profile and /stop_profile, and every rank of every
+engine core writes its own trace into the directory (`worker/profiler.py`). The field names and
+defaults are vLLM's; the fields vLLM has that Pagoda cannot honour are refused, never ignored.
+`ProfileSession` is one start ... stop of an engine core: it counts the core's steps for
+delay_iterations and max_iterations. No torch here: the CLI checks a config before anything starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, fields
+
+from pagoda_engine.errors import PagodaError
+
+
+class InvalidProfilerConfigError(PagodaError, ValueError):
+    """A profiler config that names an unknown field, or a value Pagoda cannot honour."""
+
+
+class ProfilerStateError(PagodaError):
+    """/start_profile while profiling, /stop_profile while not, or either without a profiler config."""
+
+
+@dataclass(frozen=True)
+class ProfilerConfig:
+    profiler: str = "torch"  # vLLM also has "cuda" (cudaProfilerStart/Stop for nsys): not built
+    torch_profiler_dir: str = ""  # absolute after `parse_profiler_config`
+    torch_profiler_with_stack: bool = True
+    torch_profiler_with_flops: bool = False
+    torch_profiler_use_gzip: bool = True
+    # vLLM dumps a key-averages table; Pagoda writes the summary (`*.summary.txt`) beside each trace.
+    torch_profiler_dump_cuda_time_total: bool = True
+    torch_profiler_record_shapes: bool = False
+    torch_profiler_with_memory: bool = False
+    # vLLM also profiles its API process unless this is set; Pagoda profiles the engine cores'
+    # ranks only, so only true is accepted (and is the default here).
+    ignore_frontend: bool = True
+    delay_iterations: int = 0  # engine steps after /start_profile before recording starts
+    max_iterations: int = 0  # steps recorded before the profiler stops by itself (0: until /stop_profile)
+
+
+_FIELDS = {f.name: f for f in fields(ProfilerConfig)}
+
+
+def parse_profiler_config(value) -> ProfilerConfig | None:
+    """A ProfilerConfig from JSON text, a dict or a ProfilerConfig; None when profiling is off
+    (`profiler` null, as vLLM's default). Raises InvalidProfilerConfigError (a ValueError) naming
+    the field that is wrong."""
+    if value is None:
+        return None
+    if isinstance(value, ProfilerConfig):
+        return _checked(value)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise InvalidProfilerConfigError(f"--profiler-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise InvalidProfilerConfigError(f"profiler config must be a JSON object, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(_FIELDS))
+    if unknown:
+        raise InvalidProfilerConfigError(f"profiler config: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
+    if value.get("profiler") is None:
+        if any(v is not None for k, v in value.items() if k != "profiler"):
+            raise InvalidProfilerConfigError('profiler config: set "profiler": "torch" to use the other fields')
+        return None
+    for name, given in value.items():
+        want = _FIELDS[name].type
+        if want == "bool" and not isinstance(given, bool):
+            raise InvalidProfilerConfigError(f"profiler config: {name} must be true or false, got {given!r}")
+        if want == "int" and (isinstance(given, bool) or not isinstance(given, int)):
+            raise InvalidProfilerConfigError(f"profiler config: {name} must be a whole number >= 0, got {given!r}")
+        if want == "str" and not isinstance(given, str):
+            raise InvalidProfilerConfigError(f"profiler config: {name} must be a string, got {given!r}")
+    return _checked(ProfilerConfig(**value))
+
+
+def _checked(config: ProfilerConfig) -> ProfilerConfig:
+    if config.profiler != "torch":
+        raise InvalidProfilerConfigError(f"profiler config: profiler must be \"torch\", got {config.profiler!r} "
+                         "(the CUDA profiler of vLLM is not built in Pagoda)")
+    if not config.torch_profiler_dir.strip():
+        raise InvalidProfilerConfigError("profiler config: torch_profiler_dir must be set when profiler is \"torch\"")
+    if "://" in config.torch_profiler_dir:
+        raise InvalidProfilerConfigError(f"profiler config: torch_profiler_dir must be a local directory, got "
+                         f"{config.torch_profiler_dir!r}")
+    if not config.ignore_frontend:
+        raise InvalidProfilerConfigError("profiler config: ignore_frontend must be true: Pagoda profiles the engine cores' "
+                         "ranks, not the API server process")
+    for name in ("delay_iterations", "max_iterations"):
+        if getattr(config, name) < 0:
+            raise InvalidProfilerConfigError(f"profiler config: {name} must be a whole number >= 0, got {getattr(config, name)}")
+    path = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
+    return ProfilerConfig(**{**config.__dict__, "torch_profiler_dir": path})
+
+
+class ProfileSession:
+    """One start ... stop of an engine core's profiling: every rank's profiler starts after
+    `delay_iterations` steps and stops after `max_iterations` recorded steps or at `stop()`,
+    whichever comes first; the files written stay listed until `stop()` returns them."""
+
+    def __init__(self, executor, config: ProfilerConfig, tag: str, dp_rank: int):
+        self.executor, self.config, self.tag, self.dp_rank = executor, config, tag, dp_rank
+        self.steps_to_skip = config.delay_iterations
+        self.recorded_steps = 0
+        self.recording = False
+        self.finished = False
+        self.written: list[str] = []
+        if self.steps_to_skip == 0:
+            self._start()
+
+    def before_step(self) -> None:
+        if self.recording or self.finished:
+            return
+        if self.steps_to_skip == 0:
+            self._start()
+        else:
+            self.steps_to_skip -= 1
+
+    def after_step(self) -> None:
+        if self.recording and self.config.max_iterations:
+            self.recorded_steps += 1
+            if self.recorded_steps >= self.config.max_iterations:
+                self._stop()
+
+    def stop(self) -> list[str]:
+        """Stop the ranks still recording; every trace and summary path of this session."""
+        if self.recording:
+            self._stop()
+        self.finished = True
+        return self.written
+
+    def _start(self) -> None:
+        self.executor.collective_rpc("start_profile", self.config, self.tag, self.dp_rank)
+        self.recording = True
+
+    def _stop(self) -> None:
+        self.recording, self.finished = False, True
+        for paths in self.executor.collective_rpc("stop_profile"):
+            self.written.extend(paths)
