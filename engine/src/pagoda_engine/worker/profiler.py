@@ -23,7 +23,8 @@ def profiler_activities(device: torch.device) -> list[ProfilerActivity]:
 
 def profile_summary(prof: profile, wall_s: float, on_gpu: bool, what: str, row_limit: int = 30) -> str:
     """The wall time profiled, the kernels' sum (how busy the GPU was), and the key-averages tables:
-    ops by device time (GPU) or CPU time, then by self CPU time (the host's own work)."""
+    kernels and ops by their own device time (GPU; each kernel counted once) or ops by CPU time,
+    then by self CPU time (the host's own work)."""
     events = prof.key_averages()
     wall_ms = wall_s * 1e3
     if on_gpu:
@@ -32,7 +33,7 @@ def profile_summary(prof: profile, wall_s: float, on_gpu: bool, what: str, row_l
                 f"({100 * kernel_ms / max(wall_ms, 1e-9):.0f}% busy; the rest is host-side work the GPU waits for) ---")
     else:
         head = f"--- profiled {what}: wall {wall_ms:.1f} ms, no GPU (CPU activity only) ---"
-    sort = "device_time_total" if on_gpu else "cpu_time_total"
+    sort = "self_device_time_total" if on_gpu else "cpu_time_total"
     return "\n".join([
         head,
         f"--- torch.profiler: {what} (top ops by {sort}) ---",
