@@ -86,8 +86,6 @@ def _non_default_options(config: Any) -> dict[str, Any]:
     """EngineConfig's fields that differ from their defaults, by name (any section)."""
     changed = {}
     for section in (getattr(config, f.name) for f in fields(config)):
-        if section is None:  # an optional section left out (profiler_config)
-            continue
         for f in fields(section):
             value = getattr(section, f.name)
             if f.name in _BY_OPTION and value != f.default:

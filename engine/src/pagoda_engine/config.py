@@ -160,8 +160,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-    # torch.profiler for /start_profile and /stop_profile (vLLM's --profiler-config); None: off.
-    profiler_config: ProfilerConfig | None = None
+    # torch.profiler for /start_profile and /stop_profile (vLLM's --profiler-config); off by default.
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

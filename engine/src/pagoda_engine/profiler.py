@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import dataclasses
 from dataclasses import dataclass, fields
 
 from pagoda_engine.errors import PagodaError
@@ -29,7 +30,7 @@ class ProfilerStateError(PagodaError):
 
 @dataclass(frozen=True)
 class ProfilerConfig:
-    profiler: str = "torch"  # vLLM also has "cuda" (cudaProfilerStart/Stop for nsys): not built
+    profiler: str | None = None  # "torch"; None: off. (vLLM's "cuda", for nsys, is not built.)
     torch_profiler_dir: str = ""  # absolute after `parse_profiler_config`
     torch_profiler_with_stack: bool = True
     torch_profiler_with_flops: bool = False
@@ -44,60 +45,62 @@ class ProfilerConfig:
     delay_iterations: int = 0  # engine steps after /start_profile before recording starts
     max_iterations: int = 0  # steps recorded before the profiler stops by itself (0: until /stop_profile)
 
+    @property
+    def enabled(self) -> bool:
+        return self.profiler is not None
+
 
 _FIELDS = {f.name: f for f in fields(ProfilerConfig)}
+_TYPE_WORDS = {"bool": "true or false", "int": "a whole number >= 0", "str": "a string", "str | None": "a string"}
 
 
-def parse_profiler_config(value) -> ProfilerConfig | None:
-    """A ProfilerConfig from JSON text, a dict or a ProfilerConfig; None when profiling is off
-    (`profiler` null, as vLLM's default). Raises InvalidProfilerConfigError (a ValueError) naming
-    the field that is wrong."""
+def parse_profiler_config(value) -> ProfilerConfig:
+    """A checked ProfilerConfig from JSON text, a dict or a ProfilerConfig (None or `profiler`
+    null: off, as vLLM's default). Raises InvalidProfilerConfigError (a ValueError) naming the
+    field that is wrong."""
     if value is None:
-        return None
-    if isinstance(value, ProfilerConfig):
-        return _checked(value)
+        return ProfilerConfig()
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except ValueError as e:
             raise InvalidProfilerConfigError(f"--profiler-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - set(_FIELDS))
+        if unknown:
+            raise InvalidProfilerConfigError(f"profiler config: unknown field(s) {', '.join(unknown)}; "
+                                             f"known: {', '.join(_FIELDS)}")
+        value = ProfilerConfig(**value)
+    if not isinstance(value, ProfilerConfig):
         raise InvalidProfilerConfigError(f"profiler config must be a JSON object, got {type(value).__name__}")
-    unknown = sorted(set(value) - set(_FIELDS))
-    if unknown:
-        raise InvalidProfilerConfigError(f"profiler config: unknown field(s) {', '.join(unknown)}; known: {', '.join(_FIELDS)}")
-    if value.get("profiler") is None:
-        if any(v is not None for k, v in value.items() if k != "profiler"):
-            raise InvalidProfilerConfigError('profiler config: set "profiler": "torch" to use the other fields')
-        return None
-    for name, given in value.items():
-        want = _FIELDS[name].type
-        if want == "bool" and not isinstance(given, bool):
-            raise InvalidProfilerConfigError(f"profiler config: {name} must be true or false, got {given!r}")
-        if want == "int" and (isinstance(given, bool) or not isinstance(given, int)):
-            raise InvalidProfilerConfigError(f"profiler config: {name} must be a whole number >= 0, got {given!r}")
-        if want == "str" and not isinstance(given, str):
-            raise InvalidProfilerConfigError(f"profiler config: {name} must be a string, got {given!r}")
-    return _checked(ProfilerConfig(**value))
+    return _checked(value)
 
 
 def _checked(config: ProfilerConfig) -> ProfilerConfig:
+    for f in fields(config):
+        given = getattr(config, f.name)
+        ok = {"bool": isinstance(given, bool),
+              "int": isinstance(given, int) and not isinstance(given, bool) and given >= 0,
+              "str": isinstance(given, str),
+              "str | None": given is None or isinstance(given, str)}[f.type]
+        if not ok:
+            raise InvalidProfilerConfigError(f"profiler config: {f.name} must be {_TYPE_WORDS[f.type]}, got {given!r}")
+    if not config.enabled:
+        if config != ProfilerConfig():
+            raise InvalidProfilerConfigError('profiler config: set "profiler": "torch" to use the other fields')
+        return config
     if config.profiler != "torch":
         raise InvalidProfilerConfigError(f"profiler config: profiler must be \"torch\", got {config.profiler!r} "
-                         "(the CUDA profiler of vLLM is not built in Pagoda)")
+                                         "(vLLM's CUDA profiler is not built in Pagoda)")
     if not config.torch_profiler_dir.strip():
-        raise InvalidProfilerConfigError("profiler config: torch_profiler_dir must be set when profiler is \"torch\"")
+        raise InvalidProfilerConfigError('profiler config: torch_profiler_dir must be set when profiler is "torch"')
     if "://" in config.torch_profiler_dir:
         raise InvalidProfilerConfigError(f"profiler config: torch_profiler_dir must be a local directory, got "
-                         f"{config.torch_profiler_dir!r}")
+                                         f"{config.torch_profiler_dir!r}")
     if not config.ignore_frontend:
-        raise InvalidProfilerConfigError("profiler config: ignore_frontend must be true: Pagoda profiles the engine cores' "
-                         "ranks, not the API server process")
-    for name in ("delay_iterations", "max_iterations"):
-        if getattr(config, name) < 0:
-            raise InvalidProfilerConfigError(f"profiler config: {name} must be a whole number >= 0, got {getattr(config, name)}")
-    path = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
-    return ProfilerConfig(**{**config.__dict__, "torch_profiler_dir": path})
+        raise InvalidProfilerConfigError("profiler config: ignore_frontend must be true: Pagoda profiles the engine "
+                                         "cores' ranks, not the API server process")
+    return dataclasses.replace(config, torch_profiler_dir=os.path.abspath(os.path.expanduser(config.torch_profiler_dir)))
 
 
 class ProfileSession:

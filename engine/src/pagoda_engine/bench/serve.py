@@ -783,7 +783,7 @@ def _server_profiler_config(args: argparse.Namespace) -> str:
         given = parse_profiler_config(args.profiler_config)
     except InvalidProfilerConfigError as e:
         raise SystemExit(f"error: {e}") from None
-    if given is not None:
+    if given.enabled:
         if args.profile_dir and os.path.abspath(args.profile_dir) != given.torch_profiler_dir:
             raise SystemExit(f"error: --profile-dir {args.profile_dir} and --profiler-config's torch_profiler_dir "
                              f"{given.torch_profiler_dir} differ; give one")

@@ -429,7 +429,7 @@ class EngineCore:
         """Start torch.profiler on every rank (after the config's delay_iterations steps); each
         rank's files carry `tag`. ProfilerStateError without a config or while profiling."""
         config = self.config.profiler_config
-        if config is None:
+        if not config.enabled:
             raise ProfilerStateError("profiling is not configured: start the engine with a profiler config")
         if self._profile is not None:
             raise ProfilerStateError("the profiler is already running: stop it first")

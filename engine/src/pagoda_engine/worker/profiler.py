@@ -32,7 +32,9 @@ def profile_summary(prof: profile, wall_s: float, on_gpu: bool, what: str, row_l
         head = (f"--- profiled {what}: wall {wall_ms:.1f} ms, GPU kernels {kernel_ms:.1f} ms "
                 f"({100 * kernel_ms / max(wall_ms, 1e-9):.0f}% busy; the rest is host-side work the GPU waits for) ---")
     else:
-        head = f"--- profiled {what}: wall {wall_ms:.1f} ms, no GPU (CPU activity only) ---"
+        ops_ms = sum(e.self_cpu_time_total for e in events) / 1e3
+        head = (f"--- profiled {what}: wall {wall_ms:.1f} ms, no GPU (CPU activity only); torch ops' own CPU time "
+                f"{ops_ms:.1f} ms ({100 * ops_ms / max(wall_ms, 1e-9):.0f}% of the wall) ---")
     sort = "self_device_time_total" if on_gpu else "cpu_time_total"
     return "\n".join([
         head,

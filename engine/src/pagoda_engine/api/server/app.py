@@ -100,7 +100,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         except ClientDisconnected:
             return Response(status_code=499)
 
-    if engine.config.profiler_config is not None:
+    if engine.config.profiler_config.enabled:
         _add_profile_routes(app, engine)
     return app
 

@@ -93,6 +93,7 @@ def test_bad_profiler_configs_are_refused_before_an_engine_starts(config, messag
 
 
 def test_a_config_without_a_profiler_is_off_and_the_directory_is_made_absolute(tmp_path, monkeypatch):
-    assert parse_profiler_config({}) is None and parse_profiler_config('{"profiler": null}') is None
+    assert not parse_profiler_config({}).enabled and not parse_profiler_config('{"profiler": null}').enabled
+    assert not parse_profiler_config(None).enabled
     monkeypatch.chdir(tmp_path)
     assert parse_profiler_config('{"profiler": "torch", "torch_profiler_dir": "t"}').torch_profiler_dir == str(tmp_path / "t")
