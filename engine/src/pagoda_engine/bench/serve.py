@@ -26,7 +26,9 @@ before a rate's requests and /stop_profile after them, on a server started here 
 config (`--profiler-config`, or one writing to `--profile-dir`), or on a `--base-url` server started
 with one. `--profile-rates` picks the rates of a sweep to profile and `--profile-window START,DURATION`
 a window of each (seconds from its first request): a whole run at a high rate is thousands of
-steps, too big a trace. Every rank's trace and summary paths are printed at the end.
+steps, too big a trace. Every rank's trace and summary paths are printed at the end. A profiled
+run's figures carry the profiler's cost and the pause while the ranks write their traces: take
+the timings from runs without it.
 
 The server is either one already running (`--base-url`, e.g. a Pagoda router or any
 OpenAI-compatible server) or, by default, `pagoda serve` started here with the engine flags given

@@ -3,7 +3,8 @@
 Every message, both ways, is one frame: a `messages.ToCore` / `messages.FromCore` struct, encoded
 with msgpack (the message list is in `messages.py`). The core decodes `ToCore` and dispatches on
 the type; it sends CoreReady (or CoreFailed) once at start-up, then EngineCoreOutputs after every
-step, EngineCoreError for a refused request, and CoreFailed when a step raises.
+step, EngineCoreError for a refused request, and CoreFailed when a step raises. A ProfileRequest
+(/start_profile, /stop_profile) runs between two steps and is answered with a ProfileReply.
 
 The core serves one or more API server processes (`pagoda serve --api-server-count N`): its one
 input socket is connected to every client's input address (and, with N > 1, to the launcher's, which
