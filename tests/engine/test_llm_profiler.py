@@ -96,4 +96,5 @@ def test_a_config_without_a_profiler_is_off_and_the_directory_is_made_absolute(t
     assert not parse_profiler_config({}).enabled and not parse_profiler_config('{"profiler": null}').enabled
     assert not parse_profiler_config(None).enabled
     monkeypatch.chdir(tmp_path)
-    assert parse_profiler_config('{"profiler": "torch", "torch_profiler_dir": "t"}').torch_profiler_dir == str(tmp_path / "t")
+    config = parse_profiler_config('{"profiler": "torch", "torch_profiler_dir": "t"}')
+    assert config.torch_profiler_dir == str(tmp_path / "t")

@@ -30,8 +30,8 @@ def dp_server(tmp_path_factory):
     # A context long enough for the abort test's long stream (the later flag wins).
     profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path_factory.mktemp("traces")),
                 "torch_profiler_with_stack": False}
-    srv = launch(tmp_path_factory.mktemp("serve-dp"), *DEFAULT_ARGS, "--max-model-len", "2048", "--data-parallel-size", "2",
-                 "--profiler-config", json.dumps(profiler))
+    srv = launch(tmp_path_factory.mktemp("serve-dp"), *DEFAULT_ARGS, "--max-model-len", "2048",
+                 "--data-parallel-size", "2", "--profiler-config", json.dumps(profiler))
     yield srv
     srv.proc.stop()
 

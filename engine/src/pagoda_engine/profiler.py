@@ -5,16 +5,17 @@
 
 With a config the server registers POST /start_profile and /stop_profile, and every rank of every
 engine core writes its own trace into the directory (`worker/profiler.py`). The field names and
-defaults are vLLM's; the fields vLLM has that Pagoda cannot honour are refused, never ignored.
+defaults are vLLM's (ignore_frontend's aside); the fields vLLM has that Pagoda cannot honour are
+refused, never ignored.
 `ProfileSession` is one start ... stop of an engine core: it counts the core's steps for
 delay_iterations and max_iterations. No torch here: the CLI checks a config before anything starts.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import dataclasses
 from dataclasses import dataclass, fields
 
 from pagoda_engine.errors import PagodaError
@@ -100,7 +101,8 @@ def _checked(config: ProfilerConfig) -> ProfilerConfig:
     if not config.ignore_frontend:
         raise InvalidProfilerConfigError("profiler config: ignore_frontend must be true: Pagoda profiles the engine "
                                          "cores' ranks, not the API server process")
-    return dataclasses.replace(config, torch_profiler_dir=os.path.abspath(os.path.expanduser(config.torch_profiler_dir)))
+    path = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
+    return dataclasses.replace(config, torch_profiler_dir=path)
 
 
 class ProfileSession:

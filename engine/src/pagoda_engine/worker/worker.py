@@ -357,7 +357,8 @@ class Worker:
         if self.profiler is not None:
             raise RuntimeError(f"rank {self.rank} is already profiling")
         c = self.coordinates
-        self.profiler = RankProfiler(config, self.device, f"dp{dp_rank}_pp{c.pp_rank}_tp{c.tp_rank}_rank{self.rank}.{tag}")
+        name = f"dp{dp_rank}_pp{c.pp_rank}_tp{c.tp_rank}_rank{self.rank}.{tag}"
+        self.profiler = RankProfiler(config, self.device, name)
         self.profiler.start()
 
     def stop_profile(self) -> list[str]:
