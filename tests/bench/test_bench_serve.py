@@ -295,3 +295,54 @@ def test_the_lean_stream_reader_reads_chunked_and_close_delimited_bodies(chunked
     assert len(r.chunk_times) == 2  # the chunks with text
     assert r.first_choice <= r.chunk_times[0] <= r.chunk_times[1] <= r.done
     assert (r.prompt_tokens, r.output_tokens) == (7, 3)
+
+
+def test_profile_records_the_chosen_rate_of_a_sweep_and_prints_the_paths(tiny_model, tmp_path, capsys):
+    """A server started here gets a profiler config writing to --profile-dir; only --profile-rates
+    are profiled, over --profile-window (here longer than the run: it ends with the run)."""
+    out = tmp_path / "s1.json"
+    rc = main(["bench", "serve", "--model", tiny_model, "--dtype", "float32", "--device", "cpu",
+               "--num-kv-pages", "128", "--max-model-len", "128", "--num-prompts", "4", "--input-len", "8",
+               "--output-len", "3", "--rates", "8,inf", "--profile", "--profile-rates", "inf",
+               "--profile-window", "0,600", "--profile-dir", str(tmp_path / "prof"), "--output-json", str(out)])
+    assert rc == 0
+    unprofiled, profiled = json.loads(out.read_text())["runs"]
+    assert unprofiled["profile"] is None
+    [trace], [summary] = profiled["profile"]["traces"], profiled["profile"]["summaries"]
+    assert trace.startswith(str(tmp_path / "prof")) and Path(trace).is_file() and Path(summary).is_file()
+    printed = capsys.readouterr().out
+    assert "--- profile of inf req/s: 1 trace(s)" in printed and trace in printed and summary in printed
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--profile-rates", "8"], "--profile-rates needs --profile"),
+    (["--profile-window", "1,2"], "--profile-window needs --profile"),
+    (["--profile", "--rates", "4,8", "--profile-rates", "16"], "--profile-rates 16 not among the rates run"),
+    (["--profile", "--profile-dir", "d"], "--profile-dir is for a server started here"),
+])
+def test_profile_flags_that_cannot_apply_are_refused(tiny_model, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", tiny_model, *argv])
+
+
+def test_profile_dir_and_a_profiler_config_must_agree(tiny_model, tmp_path):
+    config = json.dumps({"profiler": "torch", "torch_profiler_dir": str(tmp_path / "a")})
+    with pytest.raises(SystemExit, match="--profile-dir .* and --profiler-config's torch_profiler_dir .* differ"):
+        main(["bench", "serve", "--model", tiny_model, "--profile", "--profiler-config", config,
+              "--profile-dir", str(tmp_path / "b")])
+    assert not multiprocessing.active_children()  # refused before a server started
+
+
+def test_profile_against_a_server_without_a_profiler_config_says_so(server_url, tiny_model):
+    with pytest.raises(RuntimeError, match="has no /start_profile: start the server with --profiler-config"):
+        main(["bench", "serve", "--base-url", server_url, "--model", tiny_model, "--num-prompts", "2",
+              "--input-len", "8", "--output-len", "2", "--profile"])
+
+
+@pytest.mark.parametrize("window", ["5", "-1,2", "1,0", "a,b"])
+def test_a_bad_profile_window_is_refused(tiny_model, window):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", tiny_model, "--profile",
+              "--profile-window", window])
+    assert exc.value.code == 2

@@ -2,11 +2,13 @@
 on one port. Every request is answered by one API process (its index in the X-Pagoda-API-Server
 header) with the tokens one process would give; every core serves both processes; /metrics of
 either process counts each request once; a dead core makes both unhealthy, a dead API process
-stops the server (exit 1), and SIGTERM drains and stops every process."""
+stops the server (exit 1), and SIGTERM drains and stops every process. Either process starts and
+stops the profiler on every core, and the core answers the process that asked."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -27,8 +29,10 @@ HEADER = "x-pagoda-api-server"
 @pytest.fixture(scope="module", params=[1, 2], ids=["dp1", "dp2"])
 def asc_server(request, tmp_path_factory):
     dp = request.param
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path_factory.mktemp("traces")),
+                "torch_profiler_with_stack": False}
     srv = launch(tmp_path_factory.mktemp(f"serve-asc-dp{dp}"), *DEFAULT_ARGS, "--api-server-count", "2",
-                 "--data-parallel-size", str(dp))
+                 "--data-parallel-size", str(dp), "--profiler-config", json.dumps(profiler))
     srv.dp = dp
     wait_for_every_api_server(srv.url)
     yield srv
@@ -46,6 +50,18 @@ def wait_for_every_api_server(url: str, count: int = 2, timeout: float = 120) ->
         if r.status_code == 200:
             seen.add(r.headers[HEADER])
         time.sleep(0.02)
+
+
+def test_either_api_process_profiles_every_core(asc_server):
+    answered_by: set[str] = set()
+    for _ in range(40):  # fresh connections: both processes get to answer a /stop_profile
+        assert httpx.post(f"{asc_server.url}/start_profile", timeout=60).status_code == 200
+        r = httpx.post(f"{asc_server.url}/stop_profile", timeout=120)
+        assert r.status_code == 200 and len(r.json()["traces"]) == asc_server.dp  # one rank per core
+        answered_by.add(r.headers[HEADER])
+        if len(answered_by) == 2:
+            break
+    assert answered_by == {"0", "1"}
 
 
 def descendants(pid: int) -> list[int]:

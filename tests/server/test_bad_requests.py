@@ -208,3 +208,9 @@ def test_api_key_is_required_on_the_api_only(server):
         openai.OpenAI(base_url=server.base_url, api_key="wrong", max_retries=0).models.list()
     ok = openai.OpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
     assert ok.completions.create(model="pagoda-tiny", prompt="x", max_tokens=2).choices
+
+
+def test_profile_routes_are_absent_without_a_profiler_config(http):
+    for route in ("/start_profile", "/stop_profile"):
+        r = http.post(route)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"

@@ -1,10 +1,12 @@
 """`pagoda serve --data-parallel-size 2`: two engine-core processes behind one API server. Each
 request goes to the least-loaded core, aborts reach the core that holds the request, /metrics
-reports every core under vLLM's `engine` label, and one dead core makes the pod unhealthy."""
+reports every core under vLLM's `engine` label, /start_profile and /stop_profile reach every core,
+and one dead core makes the pod unhealthy."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import subprocess
 import sys
 import time
@@ -26,7 +28,10 @@ MODEL = "pagoda-tiny"
 @pytest.fixture(scope="module")
 def dp_server(tmp_path_factory):
     # A context long enough for the abort test's long stream (the later flag wins).
-    srv = launch(tmp_path_factory.mktemp("serve-dp"), *DEFAULT_ARGS, "--max-model-len", "2048", "--data-parallel-size", "2")
+    profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path_factory.mktemp("traces")),
+                "torch_profiler_with_stack": False}
+    srv = launch(tmp_path_factory.mktemp("serve-dp"), *DEFAULT_ARGS, "--max-model-len", "2048",
+                 "--data-parallel-size", "2", "--profiler-config", json.dumps(profiler))
     yield srv
     srv.proc.stop()
 
@@ -94,6 +99,16 @@ def test_64_concurrent_streams_are_all_answered_and_both_cores_serve_them(dp_ser
     prompts = [a - b for a, b in zip(_engines(after, "pagoda:prompt_tokens_total"),
                                      _engines(before, "pagoda:prompt_tokens_total"))]
     assert all(n > 0 for n in prompts), prompts
+
+
+def test_profiling_reaches_every_core(dp_server):
+    assert httpx.post(f"{dp_server.url}/start_profile", timeout=60).status_code == 200
+    for rank in (0, 1):
+        r = httpx.post(f"{dp_server.base_url}/completions", headers={"X-data-parallel-rank": str(rank)}, timeout=60,
+                       json={"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2})
+        assert r.status_code == 200, r.text
+    traces = httpx.post(f"{dp_server.url}/stop_profile", timeout=120).json()["traces"]
+    assert [t.rsplit("/", 1)[1].split(".")[0] for t in traces] == ["dp0_pp0_tp0_rank0", "dp1_pp0_tp0_rank0"]
 
 
 def test_greedy_outputs_equal_one_cores(dp_server, server):

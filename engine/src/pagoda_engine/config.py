@@ -7,6 +7,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 
 from pagoda_engine import capabilities
+from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
@@ -177,6 +178,8 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    # torch.profiler for /start_profile and /stop_profile (vLLM's --profiler-config); off by default.
+    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -184,6 +187,7 @@ class EngineConfig:
         same names). Unknown names raise TypeError, as a mistyped keyword should."""
         cfg = cls()
         sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.parallel, cfg.server]
+        cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -331,6 +335,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
+    p.add_argument("--profiler-config", default=None, metavar="JSON",
+                   help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
+                        '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '
+                        'every rank writes its trace and a summary there (default: off, no such routes)')
     # The capability table's flags (capabilities.FEATURES).
     _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
     _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")
@@ -399,7 +407,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
     known = {f.name for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig)
-             for f in fields(section)}
+             for f in fields(section)} | {"profiler_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

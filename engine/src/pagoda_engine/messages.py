@@ -9,10 +9,12 @@ direction, `ToCore` and `FromCore`; each end decodes its union and dispatches on
                 AbortRequest        stop sequences and free their pages
                 ShutdownRequest     finish the loop and exit 0
                 StartDPWave         expert parallelism across cores: wake up, another core has work
+                ProfileRequest      start or stop torch.profiler on every rank (answered by ProfileReply)
   core -> API   CoreReady           once, after the model and KV pool are up (to every API process)
                 CoreFailed          start-up failed (instead of CoreReady), or a step raised: the core exits 1
                 EngineCoreOutputs   after every step, and once more when it goes idle (fresh stats)
                 EngineCoreError     a request the core would not take (the core keeps serving)
+                ProfileReply        a ProfileRequest done, to the API process that sent it
 
 Token ids travel packed (`array('i')`, int32, raw bytes on the wire), never as lists of ints.
 
@@ -100,6 +102,14 @@ class StartDPWave(_Message):
     """Expert parallelism across data-parallel engine cores (vLLM's START_DP_WAVE): another core
     was just sent a request, so this one stops waiting for input and steps with it (a dummy
     batch when it has nothing of its own)."""
+
+
+class ProfileRequest(_Message):
+    """/start_profile (`start`, every rank's files named with `tag`) or /stop_profile."""
+
+    start: bool
+    tag: str = ""
+    client_index: int = 0  # the API server process asking: the reply goes to it alone
 
 
 # --- core -> API ------------------------------------------------------------------------------
@@ -216,5 +226,12 @@ class EngineCoreError(_Message):
     param: str | None = None
 
 
-ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave]
-FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError]
+class ProfileReply(_Message):
+    """A ProfileRequest done: the trace and summary paths written (a stop), or why it failed."""
+
+    paths: list[str] = []
+    error: str | None = None
+
+
+ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest]
+FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError, ProfileReply]

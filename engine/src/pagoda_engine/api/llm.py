@@ -6,11 +6,15 @@
 
 It runs the same `EngineCore` and `OutputProcessor` as the server, in-process (no ZMQ). Results
 are whole (cumulative) outputs, built once when each request finishes (`RequestOutputKind.FINAL_ONLY`).
+
+Profiling, as vLLM's: `LLM(..., profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})`,
+then `llm.start_profile()`, some `generate` calls, `llm.stop_profile()` (the files written).
 """
 
 from __future__ import annotations
 
 import itertools
+import time
 from typing import Sequence, Union
 
 from pagoda_engine.api.inputs import check_prompt
@@ -57,6 +61,14 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def start_profile(self) -> None:
+        """Start torch.profiler on every rank (ProfilerStateError without a profiler_config)."""
+        self.core.start_profile(str(time.time_ns() // 1_000_000))
+
+    def stop_profile(self) -> list[str]:
+        """Stop it; the trace and summary paths every rank wrote."""
+        return self.core.stop_profile()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

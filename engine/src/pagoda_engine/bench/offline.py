@@ -130,7 +130,7 @@ def _warm_up(core: EngineCore) -> None:
 
 
 class _StepProfiler:
-    """torch.profiler over steps [first, first + count) of a run, then a table of the top ops."""
+    """torch.profiler over steps [first, first + count) of a run, then its summary (`profile_summary`)."""
 
     def __init__(self, out_dir: str | None, first: int, count: int):
         self.out_dir, self.first, self.last = out_dir, first, first + count
@@ -138,10 +138,12 @@ class _StepProfiler:
 
     def before(self, step: int) -> None:
         if self.out_dir and step == self.first:
-            from torch.profiler import ProfilerActivity, profile
+            from torch.profiler import profile
 
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self.prof = profile(activities=acts)
+            from pagoda_engine.worker.profiler import profiler_activities
+
+            self.prof = profile(activities=profiler_activities(torch.device("cuda" if torch.cuda.is_available()
+                                                                            else "cpu")))
             self.prof.__enter__()
             self.t0 = time.perf_counter()
 
@@ -152,21 +154,15 @@ class _StepProfiler:
     def finish(self) -> None:
         if self.prof is None:
             return
+        from pagoda_engine.worker.profiler import profile_summary
+
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        wall_ms = (time.perf_counter() - self.t0) * 1e3
+        wall_s = time.perf_counter() - self.t0
         self.prof.__exit__(None, None, None)
-        events = self.prof.key_averages()
-        gpu_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
-        print(f"--- profiled steps {self.first}..{self.last - 1}: wall {wall_ms:.1f} ms, GPU kernels {gpu_ms:.1f} ms "
-              f"({100 * gpu_ms / wall_ms:.0f}% busy; the rest is host-side work the GPU waits for) ---")
         os.makedirs(self.out_dir, exist_ok=True)
         self.prof.export_chrome_trace(os.path.join(self.out_dir, "trace.json"))
-        sort = "cuda_time_total" if torch.cuda.is_available() else "cpu_time_total"
-        print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by {sort}) ---")
-        print(events.table(sort_by=sort, row_limit=30))
-        print(f"--- torch.profiler: steps {self.first}..{self.last - 1} (top ops by self CPU time: the host's work) ---")
-        print(events.table(sort_by="self_cpu_time_total", row_limit=25))
+        print(profile_summary(self.prof, wall_s, torch.cuda.is_available(), f"steps {self.first}..{self.last - 1}"))
         self.prof = None
 
 

@@ -21,6 +21,15 @@ request (`response_format: json_schema`), to measure structured outputs' cost; a
 benchmark starts then gets the byte-level synthetic tokenizer (`--synthetic-tokenizer bytes`),
 in which JSON can be written; pass that flag alone for the unconstrained baseline.
 
+`--profile` profiles the engine under the load, as vLLM's benchmark does: POST /start_profile
+before a rate's requests and /stop_profile after them, on a server started here with a profiler
+config (`--profiler-config`, or one writing to `--profile-dir`), or on a `--base-url` server started
+with one. `--profile-rates` picks the rates of a sweep to profile and `--profile-window START,DURATION`
+a window of each (seconds from its first request): a whole run at a high rate is thousands of
+steps, too big a trace. Every rank's trace and summary paths are printed at the end. A profiled
+run's figures carry the profiler's cost and the pause while the ranks write their traces: take
+the timings from runs without it.
+
 The server is either one already running (`--base-url`, e.g. a Pagoda router or any
 OpenAI-compatible server) or, by default, `pagoda serve` started here with the engine flags given
 (the same defaults as the offline benchmarks: Llama-3.1-8B's architecture, dummy weights) in a
@@ -79,6 +88,18 @@ def add_serve_arguments(p: argparse.ArgumentParser, s1: bool = True) -> None:
     p.add_argument("--json-schema-fields", type=int, default=0,
                    help="attach a fixed JSON schema of this many fields to every request (response_format "
                         "json_schema); 0 = unconstrained")
+    p.add_argument("--profile", action="store_true",
+                   help="torch.profiler on the engine under the load: /start_profile before each rate's requests "
+                        "and /stop_profile after them (the server needs a profiler config; one started here gets "
+                        "one writing to --profile-dir, without Python stacks, unless --profiler-config is given)")
+    p.add_argument("--profile-dir", default=None,
+                   help="where a server started here writes its traces (default: profile/ beside --output-json, "
+                        "else a new temporary directory)")
+    p.add_argument("--profile-rates", type=_rate_list, default=None, metavar="R1,R2,...",
+                   help="with --profile and --rates: profile only these rates of the sweep (default: all)")
+    p.add_argument("--profile-window", type=_profile_window, default=None, metavar="START_S,DURATION_S",
+                   help="with --profile: record only from START_S after a rate's first request for DURATION_S "
+                        "(default: the whole run)")
     p.add_argument("--synthetic-tokenizer", choices=("words", "bytes"), default=None,
                    help="for a model directory without a tokenizer: every id one word `<id>` (words), or a "
                         "byte-level vocabulary in which JSON can be written (bytes; the default with "
@@ -109,6 +130,18 @@ def _rate_list(text: str) -> list[float]:
     if not rates or any(not r > 0 for r in rates):
         raise argparse.ArgumentTypeError(f"every rate must be > 0 (or inf); got {text!r}")
     return rates
+
+
+def _profile_window(text: str) -> tuple[float, float]:
+    start, sep, duration = text.partition(",")
+    try:
+        window = float(start), float(duration)
+    except ValueError:
+        window = (-1.0, 0.0)
+    if not sep or not (window[0] >= 0 and 0 < window[1] < math.inf):
+        raise argparse.ArgumentTypeError(f"expected START_S,DURATION_S with START_S >= 0 and DURATION_S > 0, "
+                                         f"got {text!r}")
+    return window
 
 
 def arrival_offsets(num_requests: int, rate: float, seed: int = 0) -> list[float]:
@@ -381,8 +414,40 @@ def summarize(results: list[RequestResult], duration: float) -> dict:
     }
 
 
+async def _post_profile(client: httpx.AsyncClient, base_url: str, route: str) -> dict:
+    resp = await client.post(f"{base_url}/{route}")
+    if resp.status_code == 404:
+        raise RuntimeError(f"{base_url} has no /{route}: start the server with --profiler-config")
+    if resp.status_code != 200:
+        raise RuntimeError(f"POST /{route}: HTTP {resp.status_code}: {resp.text[:300]}")
+    return resp.json()
+
+
+async def _until(deadline: float, done: asyncio.Event) -> bool:
+    """Wait until `deadline` (perf_counter) or until `done` is set; whether it was set."""
+    try:
+        await asyncio.wait_for(done.wait(), max(0.0, deadline - time.perf_counter()))
+    except asyncio.TimeoutError:
+        pass
+    return done.is_set()
+
+
+async def _profile_in_window(client: httpx.AsyncClient, base_url: str, window: tuple[float, float], t0: float,
+                             done: asyncio.Event) -> dict | None:
+    """/start_profile `window[0]` s after t0, /stop_profile `window[1]` s later or when the run is
+    done; None when the run was done before the window opened."""
+    start_s, duration_s = window
+    if await _until(t0 + start_s, done):
+        return None
+    await _post_profile(client, base_url, "start_profile")
+    await _until(time.perf_counter() + duration_s, done)
+    return await _post_profile(client, base_url, "stop_profile")
+
+
 async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
-                 json_schema: dict | None = None) -> dict:
+                 json_schema: dict | None = None, profile: bool = False,
+                 profile_window: tuple[float, float] | None = None) -> dict:
+    """One rate's run; with `profile`, the engine profiled over it (or over `profile_window`)."""
     offsets = arrival_offsets(len(prompts), rate)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}}
@@ -401,13 +466,24 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len
                     "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}, **extra}
             return _one_stream(url, body, offset, t0) if lean else _one_request(client, url, body, offset, t0)
 
+        if profile and profile_window is None:
+            await _post_profile(client, base_url, "start_profile")
+        done = asyncio.Event()
         t0 = time.perf_counter()
+        windowed = (asyncio.create_task(_profile_in_window(client, base_url, profile_window, t0, done))
+                    if profile and profile_window is not None else None)
         results = await asyncio.gather(*[request(prompt, offset, t0) for prompt, offset in zip(prompts, offsets)])
         duration = time.perf_counter() - t0
+        done.set()
+        profiled = None
+        if windowed is not None:  # nothing recorded when the run ended before the window opened
+            profiled = await windowed or {"traces": [], "summaries": []}
+        elif profile:
+            profiled = await _post_profile(client, base_url, "stop_profile")
     # Requests over the span of their arrivals: the rate asked for (arrival_offsets scales the
     # sample to it); served req/s also counts the tail after the last arrival.
     offered = (len(offsets) - 1) / offsets[-1] if offsets[-1] > 0 else float("inf")
-    return {**summarize(results, duration), "offered_requests_per_s": round(offered, 3)}
+    return {**summarize(results, duration), "offered_requests_per_s": round(offered, 3), "profile": profiled}
 
 
 # --- the server this benchmark starts ----------------------------------------------------------------
@@ -616,6 +692,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     if args.json_schema_fields < 0:
         raise SystemExit("error: --json-schema-fields must be >= 0")
     json_schema = bench_json_schema(args.json_schema_fields, output_len) if args.json_schema_fields else None
+    profile_rates = _profile_plan(args, rates)
     vocab = _vocab_size(args)
     server = None
     startup_s = None
@@ -628,6 +705,8 @@ def run_serve(args: argparse.Namespace) -> dict:
     if not base_url:
         if args.served_model_name is None:
             args.served_model_name = Path(args.model).name
+        if args.profile:
+            args.profiler_config = _server_profiler_config(args)
         tokenizer = args.synthetic_tokenizer or ("bytes" if args.json_schema_fields else "words")
         args.model = with_token_tokenizer(args.model, byte_level=tokenizer == "bytes")
         server = LaunchedServer(args)
@@ -650,7 +729,8 @@ def run_serve(args: argparse.Namespace) -> dict:
             prompts = fixed_lengths("S1", vocab, num_prompts, input_len, output_len, seed=k).prompts
             before = _scrape(base_url)
             api_cpu_before, client_cpu_before = process_cpu_s(api_pid), time.process_time()
-            summary = run_event_loop(_drive(base_url, model, prompts, output_len, rate, json_schema))
+            summary = run_event_loop(_drive(base_url, model, prompts, output_len, rate, json_schema,
+                                            profile=rate in profile_rates, profile_window=args.profile_window))
             client_cpu = time.process_time() - client_cpu_before
             api_cpu_after = process_cpu_s(api_pid)
             api_cpu = api_cpu_after - api_cpu_before if None not in (api_cpu_before, api_cpu_after) else None
@@ -670,9 +750,63 @@ def run_serve(args: argparse.Namespace) -> dict:
               "base_url": args.base_url, "model": model, "server_startup_s": startup_s,
               "json_schema_fields": args.json_schema_fields}
     if len(runs) == 1:
+        _print_profiles(runs)
         return {**common, **runs[0]}
     _print_sweep(runs)
+    _print_profiles(runs)
     return {**common, "rates": rates, "runs": runs, "completed": min(r["completed"] for r in runs)}
+
+
+def _profile_plan(args: argparse.Namespace, rates: list[float]) -> set[float]:
+    """The rates `--profile` profiles; the profiling flags checked before anything starts."""
+    if not args.profile:
+        given = [f for f in ("profile_dir", "profile_rates", "profile_window") if getattr(args, f) is not None]
+        if given:
+            raise SystemExit(f"error: --{given[0].replace('_', '-')} needs --profile")
+        return set()
+    if args.base_url and args.profile_dir:
+        raise SystemExit("error: --profile-dir is for a server started here; a --base-url server writes its "
+                         "traces where its own --profiler-config says")
+    if args.profile_rates is None:
+        return set(rates)
+    missing = [r for r in args.profile_rates if r not in rates]
+    if missing:
+        raise SystemExit(f"error: --profile-rates {','.join(f'{r:g}' for r in missing)} not among the rates run "
+                         f"({','.join(f'{r:g}' for r in rates)})")
+    return set(args.profile_rates)
+
+
+def _server_profiler_config(args: argparse.Namespace) -> str:
+    """The --profiler-config of the server started here: the one given (its directory must agree
+    with --profile-dir), else one writing to --profile-dir without Python stacks (smaller traces)."""
+    from pagoda_engine.profiler import InvalidProfilerConfigError, parse_profiler_config
+
+    try:
+        given = parse_profiler_config(args.profiler_config)
+    except InvalidProfilerConfigError as e:
+        raise SystemExit(f"error: {e}") from None
+    if given.enabled:
+        if args.profile_dir and os.path.abspath(args.profile_dir) != given.torch_profiler_dir:
+            raise SystemExit(f"error: --profile-dir {args.profile_dir} and --profiler-config's torch_profiler_dir "
+                             f"{given.torch_profiler_dir} differ; give one")
+        return args.profiler_config
+    out_dir = args.profile_dir
+    if out_dir is None:
+        out_dir = (str(Path(args.output_json).resolve().parent / "profile") if args.output_json
+                   else tempfile.mkdtemp(prefix="pagoda-profile-"))
+    return json.dumps({"profiler": "torch", "torch_profiler_dir": os.path.abspath(out_dir),
+                       "torch_profiler_with_stack": False})
+
+
+def _print_profiles(runs: list[dict]) -> None:
+    for r in runs:
+        files = r.get("profile")
+        if files is None:
+            continue
+        print(f"--- profile of {r['request_rate']:g} req/s: {len(files['traces'])} trace(s) (chrome traces, for "
+              f"ui.perfetto.dev) and their summaries:")
+        for path in files["traces"] + files["summaries"]:
+            print(f"  {path}")
 
 
 def _ms(seconds: float | None) -> float | None:

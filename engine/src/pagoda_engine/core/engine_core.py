@@ -52,6 +52,7 @@ from pagoda_engine.messages import (
     token_id_array,
 )
 from pagoda_engine.model_path import resolve_model_path, served_model_name
+from pagoda_engine.profiler import ProfilerStateError, ProfileSession
 from pagoda_engine.worker.attention.base import KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
@@ -163,6 +164,7 @@ class EngineCore:
         if self.device.type == "cuda" and ranks > torch.cuda.device_count() and self.dist_backend == "nccl":
             raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
                                  f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
+        self._profile: ProfileSession | None = None
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; self.model is rank 0's shard.
@@ -478,8 +480,39 @@ class EngineCore:
         """One dummy token through the model: this core's part of a step it has nothing for."""
         self.executor.execute_dummy_batch()
 
+    # --- profiling (`pagoda_engine.profiler`) --------------------------------------------------
+    def start_profile(self, tag: str) -> None:
+        """Start torch.profiler on every rank (after the config's delay_iterations steps); each
+        rank's files carry `tag`. ProfilerStateError without a config or while profiling."""
+        config = self.config.profiler_config
+        if not config.enabled:
+            raise ProfilerStateError("profiling is not configured: start the engine with a profiler config")
+        if self._profile is not None:
+            raise ProfilerStateError("the profiler is already running: stop it first")
+        try:  # a directory no rank can write to is refused here, not when the traces are due
+            os.makedirs(config.torch_profiler_dir, exist_ok=True)
+        except OSError as e:
+            raise ProfilerStateError(f"cannot write traces to {config.torch_profiler_dir}: {e}") from None
+        self._profile = ProfileSession(self.executor, config, tag, self.config.parallel.data_parallel_rank)
+
+    def stop_profile(self) -> list[str]:
+        """Stop every rank's profiler (unless max_iterations stopped it already); the trace and
+        summary paths the ranks wrote."""
+        if self._profile is None:
+            raise ProfilerStateError("the profiler is not running")
+        session, self._profile = self._profile, None
+        return session.stop()
+
     # --- the step -----------------------------------------------------------------------------
     def step(self) -> EngineCoreOutputs:
+        if self._profile is None:
+            return self._step()
+        self._profile.before_step()
+        outputs = self._step()
+        self._profile.after_step()
+        return outputs
+
+    def _step(self) -> EngineCoreOutputs:
         if self.max_concurrent_batches > 1:
             self._check_compiled(idle=not self._batch_queue and not self.scheduler.running)
             return self._step_with_batch_queue()

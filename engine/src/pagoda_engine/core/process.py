@@ -3,7 +3,8 @@
 Every message, both ways, is one frame: a `messages.ToCore` / `messages.FromCore` struct, encoded
 with msgpack (the message list is in `messages.py`). The core decodes `ToCore` and dispatches on
 the type; it sends CoreReady (or CoreFailed) once at start-up, then EngineCoreOutputs after every
-step, EngineCoreError for a refused request, and CoreFailed when a step raises.
+step, EngineCoreError for a refused request, and CoreFailed when a step raises. A ProfileRequest
+(/start_profile, /stop_profile) runs between two steps and is answered with a ProfileReply.
 
 The core serves one or more API server processes (`pagoda serve --api-server-count N`): its one
 input socket is connected to every client's input address (and, with N > 1, to the launcher's, which
@@ -41,8 +42,9 @@ import zmq
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineCoreError, EngineCoreOutputs,
-                                    EngineCoreRequest, ShutdownRequest, StartDPWave, ToCore, make_decoder,
-                                    make_encoder)
+                                    EngineCoreRequest, ProfileReply, ProfileRequest, ShutdownRequest, StartDPWave,
+                                    ToCore, make_decoder, make_encoder)
+from pagoda_engine.profiler import ProfilerStateError
 from pagoda_engine.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -119,6 +121,23 @@ class CoreLoop:
                 self.running = False
             case StartDPWave():
                 pass  # its arrival ended the wait for input: the next agreement starts the wave
+            case ProfileRequest():
+                self._profile(message)
+
+    def _profile(self, message: ProfileRequest) -> None:
+        """Start or stop profiling between two steps; the reply goes to the client that asked."""
+        if not 0 <= message.client_index < len(self.out_socks):
+            logger.error("profile request from unknown client %d dropped", message.client_index)
+            return
+        try:
+            if message.start:
+                self.core.start_profile(message.tag)
+                reply = ProfileReply()
+            else:
+                reply = ProfileReply(paths=self.core.stop_profile())
+        except ProfilerStateError as e:
+            reply = ProfileReply(error=str(e))
+        self.out_socks[message.client_index].send(self.encoder.encode(reply), copy=False)
 
     def _add(self, req: EngineCoreRequest) -> None:
         client = req.client_index

@@ -58,6 +58,7 @@ from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
+from pagoda_engine.worker.profiler import RankProfiler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
 from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, warm_up_sampler
 
@@ -105,6 +106,7 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.offload: KVOffloader | None = None
+        self.profiler: RankProfiler | None = None
         self.serving = True
 
     @property
@@ -349,6 +351,20 @@ class Worker:
         ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
         self.hidden = self._forward(ids, torch.arange(num_tokens, device=self.device), scratch)
         return self.compute_logits(torch.arange(num_tokens - num_rows, num_tokens, device=self.device))
+
+    def start_profile(self, config, tag: str, dp_rank: int) -> None:
+        """Start torch.profiler on this rank; its files are named `dp<d>_pp<p>_tp<t>_rank<r>.<tag>`."""
+        if self.profiler is not None:
+            raise RuntimeError(f"rank {self.rank} is already profiling")
+        c = self.coordinates
+        name = f"dp{dp_rank}_pp{c.pp_rank}_tp{c.tp_rank}_rank{self.rank}.{tag}"
+        self.profiler = RankProfiler(config, self.device, name)
+        self.profiler.start()
+
+    def stop_profile(self) -> list[str]:
+        """Stop this rank's profiler; the trace and summary paths it wrote."""
+        profiler, self.profiler = self.profiler, None
+        return profiler.stop() if profiler is not None else []
 
     def ping(self) -> None:
         """Nothing: the executor's liveness check while the engine is idle (a send to a rank that

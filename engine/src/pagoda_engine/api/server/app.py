@@ -1,5 +1,8 @@
 """The FastAPI application of one engine server: routes, API-key check, error shape.
 
+POST /start_profile and /stop_profile exist only when the engine has a profiler config
+(`pagoda_engine.profiler`), as in vLLM; elsewhere they are unknown routes (404).
+
 Routes stay thin: parse with the protocol models, delegate to `OpenAIServing`, return. The app
 is built around an `AsyncEngine` that is already running, so it never serves a request before
 the core is ready.
@@ -10,7 +13,7 @@ from __future__ import annotations
 import secrets
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 
 from pagoda_engine import __version__
 from pagoda_engine.api.server.async_engine import AsyncEngine
@@ -30,10 +33,11 @@ from pagoda_engine.api.server.protocol import (
     streamed_or,
 )
 from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
+from pagoda_engine.profiler import ProfilerStateError
 
 # Paths a client needs the API key for; /health, /metrics and /version stay open for probes
 # and Prometheus (vLLM does the same).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize")
+_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/start_profile", "/stop_profile")
 
 
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
@@ -96,5 +100,28 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
         except ClientDisconnected:
             return Response(status_code=499)
 
+    if engine.config.profiler_config.enabled:
+        _add_profile_routes(app, engine)
     return app
+
+
+def _add_profile_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """/start_profile starts torch.profiler on every rank of every engine core; /stop_profile
+    stops it, once every rank has written its trace, and lists the files."""
+
+    async def profile(start: bool) -> Response:
+        try:
+            paths = await engine.profile(start)
+        except ProfilerStateError as e:
+            return error_response(400, str(e), code="profiler_state")
+        return JSONResponse({"traces": [p for p in paths if ".pt.trace.json" in p],
+                             "summaries": [p for p in paths if p.endswith(".summary.txt")]})
+
+    @app.post("/start_profile")
+    async def start_profile() -> Response:
+        return await profile(start=True)
+
+    @app.post("/stop_profile")
+    async def stop_profile() -> Response:
+        return await profile(start=False)
 

@@ -126,6 +126,11 @@ class AsyncEngine:
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(error)
 
+    async def profile(self, start: bool) -> list[str]:
+        """/start_profile (every rank's files share one tag, the time in ms) or /stop_profile:
+        the trace and summary paths written. ProfilerStateError when a core refused."""
+        return await self.client.profile(start, str(time.time_ns() // 1_000_000) if start else "")
+
     # --- generation ---------------------------------------------------------------------------
     def group(self, output_kind: RequestOutputKind, data_parallel_rank: int | None = None) -> "RequestGroup":
         """A set of requests (one HTTP request's prompts) whose outputs share one queue: DELTA

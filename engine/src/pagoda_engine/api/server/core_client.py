@@ -15,6 +15,7 @@ a dead core from a CoreFailed message (the core's own, or the launcher's when th
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import multiprocessing
 import os
@@ -39,6 +40,8 @@ from pagoda_engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FromCore,
+    ProfileReply,
+    ProfileRequest,
     ShutdownRequest,
     StartDPWave,
     make_decoder,
@@ -184,6 +187,7 @@ class EngineCoreClient:
         self._addresses = addresses
         self._process: CoreProcess | None = None
         self._reader: asyncio.Task | None = None
+        self._profile_replies: collections.deque[asyncio.Future] = collections.deque()  # in request order
 
     # --- life cycle ---------------------------------------------------------------------------
     async def start(self) -> CoreReady:
@@ -246,6 +250,10 @@ class EngineCoreClient:
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.error("engine dead: %s", reason)
+            for future in self._profile_replies:
+                if not future.done():
+                    future.set_exception(EngineDeadError(reason))
+            self._profile_replies.clear()
             self.on_dead(reason)
 
     async def _read_loop(self) -> None:
@@ -262,6 +270,11 @@ class EngineCoreClient:
                         self.on_refused(refused)
                     case CoreFailed() as failed:
                         self._mark_dead(failed.message)
+                    case ProfileReply() as reply:
+                        if self._profile_replies:
+                            future = self._profile_replies.popleft()
+                            if not future.done():
+                                future.set_result(reply)
                     case other:
                         logger.error("unexpected %s from the engine core", type(other).__name__)
             except Exception:
@@ -321,6 +334,15 @@ class EngineCoreClient:
         # Aborts are best effort: after the core died there is nothing left to free.
         if request_ids and self.dead_reason is None and self._in is not None:
             self._send(AbortRequest(request_ids=list(request_ids), client_index=self.client_index))
+
+    async def profile(self, start: bool, tag: str = "") -> ProfileReply:
+        """Start (files named with `tag`) or stop torch.profiler on every rank of this core, and
+        wait for the core to answer: after a stop, every trace is written."""
+        self.check_alive()
+        future = asyncio.get_running_loop().create_future()
+        self._profile_replies.append(future)
+        self._send(ProfileRequest(start=start, tag=tag, client_index=self.client_index))
+        return await future
 
     def _send(self, message) -> None:
         # Synchronous on purpose (callers include `finally` blocks of cancelled tasks): with an

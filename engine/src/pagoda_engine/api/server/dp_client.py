@@ -34,6 +34,7 @@ from typing import Callable
 from pagoda_engine.api.server.core_client import CoreAddresses, EngineCoreClient
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagoda_engine.profiler import ProfilerStateError
 
 
 class DPEngineCoreClient:
@@ -92,6 +93,15 @@ class DPEngineCoreClient:
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(core.shutdown(timeout) for core in self.cores))
+
+    async def profile(self, start: bool, tag: str = "") -> list[str]:
+        """Start or stop torch.profiler on every core at once; the paths the cores wrote (a stop).
+        ProfilerStateError with the first core's reason when one refused."""
+        replies = await asyncio.gather(*(core.profile(start, tag) for core in self.cores))
+        for rank, reply in enumerate(replies):
+            if reply.error is not None:
+                raise ProfilerStateError(reply.error if self.size == 1 else f"engine core {rank}: {reply.error}")
+        return [path for reply in replies for path in reply.paths]
 
     # --- routing ------------------------------------------------------------------------------
     def load(self, rank: int) -> float:
