@@ -12,6 +12,7 @@ import os
 import time
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from pagoda_engine.profiler import ProfilerConfig
@@ -28,7 +29,9 @@ def profile_summary(prof: profile, wall_s: float, on_gpu: bool, what: str, row_l
     events = prof.key_averages()
     wall_ms = wall_s * 1e3
     if on_gpu:
-        kernel_ms = sum(getattr(e, "self_device_time_total", 0) or 0 for e in events) / 1e3
+        # Only the device's own events: torch also charges a kernel's time to the op that launched
+        # it and to the launch call, so a sum over every event counts it up to three times.
+        kernel_ms = sum(e.self_device_time_total for e in events if e.device_type == DeviceType.CUDA) / 1e3
         head = (f"--- profiled {what}: wall {wall_ms:.1f} ms, GPU kernels {kernel_ms:.1f} ms "
                 f"({100 * kernel_ms / max(wall_ms, 1e-9):.0f}% busy; the rest is host-side work the GPU waits for) ---")
     else:
