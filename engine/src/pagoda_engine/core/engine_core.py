@@ -251,18 +251,16 @@ class EngineCore:
     def _warm_up_steps(self) -> None:
         """Run steps like a server's first ones (two prompts, then a prompt among decodes) so that
         its first requests do not pay one-time costs: the eager decode plan, GEMMs at sizes the
-        profile step did not run, the caching allocator's blocks (freed after the profile step). On an H100 a fresh server's first step took
+        profile step did not run, first-use buffers. On an H100 a fresh server's first step took
         311 ms and its second 100 ms, against 25 ms and 7 ms later, and the first rate of a load
         sweep had 3 × the TTFT p99 of the same rate run again. The warm-up requests leave nothing
         behind: the KV offload tiers are detached meanwhile (nothing is stored), the prefix-cache
         counters are put back, and they sample with seeds of their own (the engine's generator,
         which unseeded requests draw from, is untouched)."""
         sc = self.config.scheduler
-        # A prompt as long as a step may be, so that the caching allocator holds blocks for the
-        # largest step's activations (a fresh server's first 3,072-token step took 190 ms after a
-        # warm-up of 1,024-token ones). All three at once take at most half the pool, so none waits
-        # on pages (a pool fixed with --num-kv-pages may be smaller than one max_model_len sequence).
-        long_len = max(1, min(self.max_model_len - 8, sc.max_num_batched_tokens - 40,
+        # All three at once take at most half the pool, so none waits on pages (a pool fixed with
+        # --num-kv-pages may be smaller than one max_model_len sequence).
+        long_len = max(1, min(1024, self.max_model_len - 8, sc.max_num_batched_tokens - 40,
                               self.kv_capacity_tokens // 4 - 16))
         gen = torch.Generator().manual_seed(0)
 
