@@ -37,7 +37,6 @@ from pagoda_engine import envs
 from pagoda_engine.config import (EngineConfig, default_max_num_seqs, resolve_cudagraph_capture_size,
                                   resolve_cudagraph_mode)
 from pagoda_engine.core.request import Request
-from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
@@ -53,6 +52,7 @@ from pagoda_engine.messages import (
 )
 from pagoda_engine.model_path import resolve_model_path, served_model_name
 from pagoda_engine.profiler import ProfilerStateError, ProfileSession
+from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
@@ -252,8 +252,9 @@ class EngineCore:
         """Run steps like a server's first ones (two prompts, then a prompt among decodes) so that
         its first requests do not pay one-time costs: the eager decode plan, GEMMs at sizes the
         profile step did not run, first-use buffers. On an H100 a fresh server's first step took
-        311 ms and its second 100 ms, against 25 ms and 7 ms later, and the first rate of a load
-        sweep had 3 × the TTFT p99 of the same rate run again. The warm-up requests leave nothing
+        311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a fresh
+        server's first run at 16 req/s had a TTFT p99 of 200 ms instead of 330 (a second run: 104;
+        what the first run still pays is not known). The warm-up requests leave nothing
         behind: the KV offload tiers are detached meanwhile (nothing is stored), the prefix-cache
         counters are put back, and they sample with seeds of their own (the engine's generator,
         which unseeded requests draw from, is untouched)."""
