@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from dataclasses import dataclass, fields
 
 from pagoda_engine.errors import PagodaError
@@ -103,6 +104,11 @@ def _checked(config: ProfilerConfig) -> ProfilerConfig:
                                          "cores' ranks, not the API server process")
     path = os.path.abspath(os.path.expanduser(config.torch_profiler_dir))
     return dataclasses.replace(config, torch_profiler_dir=path)
+
+
+def profile_tag() -> str:
+    """The tag every rank's files of one profile share: the start time in milliseconds."""
+    return str(time.time_ns() // 1_000_000)
 
 
 class ProfileSession:

@@ -14,7 +14,6 @@ then `llm.start_profile()`, some `generate` calls, `llm.stop_profile()` (the fil
 from __future__ import annotations
 
 import itertools
-import time
 from typing import Sequence, Union
 
 from pagoda_engine.api.inputs import check_prompt
@@ -24,6 +23,7 @@ from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.errors import InvalidRequestError
+from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.structured_outputs import check as check_structured_outputs
 
@@ -64,7 +64,7 @@ class LLM:
 
     def start_profile(self) -> None:
         """Start torch.profiler on every rank (ProfilerStateError without a profiler_config)."""
-        self.core.start_profile(str(time.time_ns() // 1_000_000))
+        self.core.start_profile(profile_tag())
 
     def stop_profile(self) -> list[str]:
         """Stop it; the trace and summary paths every rank wrote."""

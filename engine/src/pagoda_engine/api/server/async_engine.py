@@ -26,6 +26,7 @@ from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs
+from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -129,7 +130,7 @@ class AsyncEngine:
     async def profile(self, start: bool) -> list[str]:
         """/start_profile (every rank's files share one tag, the time in ms) or /stop_profile:
         the trace and summary paths written. ProfilerStateError when a core refused."""
-        return await self.client.profile(start, str(time.time_ns() // 1_000_000) if start else "")
+        return await self.client.profile(start, profile_tag() if start else "")
 
     # --- generation ---------------------------------------------------------------------------
     def group(self, output_kind: RequestOutputKind, data_parallel_rank: int | None = None) -> "RequestGroup":
