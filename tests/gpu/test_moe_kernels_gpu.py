@@ -25,7 +25,7 @@ def _weights(hidden, inter, experts, seed=0):
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("num_tokens", [1, 5, 64, 300, 2048, 6000])
+@pytest.mark.parametrize("num_tokens", [1, 2, 4, 5, 64, 300, 2048, 6000])
 def test_triton_experts_match_the_reference_loop(shape, num_tokens):
     from pagoda_engine.worker.model.fused_moe_triton import fused_experts
     from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
@@ -37,6 +37,26 @@ def test_triton_experts_match_the_reference_loop(shape, num_tokens):
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), weights.float(), ids)
     got = fused_experts(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3])
+def test_matrix_vector_experts_on_uneven_shapes_and_remote_experts(num_tokens):
+    """The one-to-four-token kernels where neither K divides their tiles, with one slot routed to an
+    expert another rank holds (id = the local count): its share is left out."""
+    from pagoda_engine.worker.model.fused_moe_triton import GEMV_MAX_TOKENS, fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference
+
+    assert num_tokens <= GEMV_MAX_TOKENS
+    hidden, inter, experts, top_k = 1032, 712, 16, 4
+    w13, w2 = _weights(hidden, inter, experts)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    ids = torch.stack([torch.randperm(experts, device="cuda")[:top_k] for _ in range(num_tokens)])
+    ids[0, 1] = experts
+    weights = torch.softmax(torch.randn(num_tokens, top_k, device="cuda"), dim=-1).bfloat16()
+    local = ids < experts
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), (weights * local).float(),
+                                       torch.where(local, ids, 0))
+    torch.testing.assert_close(fused_experts(x, w13, w2, weights, ids).float(), expected, rtol=2e-2, atol=2e-2)
 
 
 def test_fused_experts_replay_in_a_cuda_graph_with_new_routing():

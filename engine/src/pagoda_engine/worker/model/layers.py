@@ -107,6 +107,22 @@ class RMSNorm(nn.Module):
         return self._norm(x), x
 
 
+def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
+    """The Triton matrix-vector module when x is one half-precision CUDA row it serves
+    (`gemv_triton.linear_applies`), else None: `F.linear` runs, and CPU results stay bit-identical."""
+    if not x.is_cuda or x.shape[0] != 1 or _fused_kernels(x) is None:
+        return None
+    from pagoda_engine.worker.model import gemv_triton
+
+    return gemv_triton if gemv_triton.linear_applies(x, weight) else None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear`; a batch-1 decode's row on CUDA takes the matrix-vector kernel (`gemv_triton`)."""
+    gemv = _gemv_kernels(x, weight)
+    return gemv.gemv(x, weight, bias) if gemv is not None else F.linear(x, weight, bias)
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation. On CUDA, a few
     rows (decode batches) take a Triton kernel that spreads each row over many SMs, more rows
@@ -369,7 +385,7 @@ class LinearBase(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -469,7 +485,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1 and self.reduce_results:
             _group(self).all_reduce(y)
         return y
@@ -510,7 +526,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     are gathered). With tied embeddings the model points `weight` at the embedding's."""
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = linear(hidden, self.weight)
         if self.tp_size > 1:
             logits = torch.cat(_group(self).all_gather(logits), dim=-1)
         return logits[..., : self.vocab_size].float()
@@ -529,4 +545,8 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias, tp_size, tp_rank, reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj
+        gemv = _gemv_kernels(x, gate_up.weight) if gate_up.bias is None else None
+        if gemv is not None:  # one row: gate, up and the activation in one kernel
+            return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight))
+        return self.down_proj(self.act(gate_up(x)))

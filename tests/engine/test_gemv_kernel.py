@@ -1,0 +1,67 @@
+"""The one-row matrix-vector kernels (`model/gemv_triton.py`) under Triton's CPU interpreter,
+against float32 products, on small shapes: even and uneven K, a bias, the gated form.
+
+Skips where Triton does not import (CPU CI); the kernels at Llama-3.1-8B's and Qwen3-30B-A3B's
+shapes on a GPU, and the layers' switch, are tests/gpu/test_gemv_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from triton_interpreter import import_kernels
+
+kernels = import_kernels("pagoda_engine.worker.model.gemv_triton")
+
+# Without a GPU, `tl.sum` is interpreted only when the switch was on as Triton was imported: run
+# with TRITON_INTERPRET=1 set for the whole process (as tests/engine/test_rope_kv_kernel.py's norm).
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="without a GPU these kernels run only with TRITON_INTERPRET=1 set")
+
+
+@pytest.mark.parametrize("n,k", [(6, 64), (5, 40), (1, 2048), (3, 4104)])
+def test_gemv_matches_a_float32_product(n, k):
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    b = torch.randn(n, generator=gen).bfloat16()
+    expected = x.float() @ w.float().T
+    torch.testing.assert_close(kernels.gemv(x, w).float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.gemv(x, w, b).float(), expected + b.float(), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("inter,k", [(4, 64), (7, 40)])
+def test_gated_gemv_is_silu_of_gate_times_up(inter, k):
+    gen = torch.Generator().manual_seed(inter)
+    w = torch.randn(2 * inter, k, generator=gen).bfloat16()
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w).float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 2])
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (40, 24)])
+def test_experts_gemv_matches_the_reference_loop(num_tokens, hidden, inter):
+    """The MoE's one- and two-token path (`fused_moe_triton._experts_gemv`), with one slot routed to
+    an expert held by another rank (id = the local count): its share is left out."""
+    from pagoda_engine.worker.model.moe import fused_experts_reference
+
+    moe = import_kernels("pagoda_engine.worker.model.fused_moe_triton")
+    gen = torch.Generator().manual_seed(hidden + num_tokens)
+    experts, top_k = 6, 3
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * hidden ** -0.5).bfloat16()
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * inter ** -0.5).bfloat16()
+    x = torch.randn(num_tokens, hidden, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(num_tokens)])
+    ids[0, 1] = experts  # held elsewhere
+    weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1).bfloat16()
+    local = ids < experts
+    expected = fused_experts_reference(x.float(), w13.float(), w2.float(), (weights * local).float(),
+                                       torch.where(local, ids, 0))
+    got = moe._experts_gemv(x, w13, w2, weights, ids)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)

@@ -1,0 +1,94 @@
+"""The one-row matrix-vector kernels (`model/gemv_triton.py`) against float32 products of the same
+bf16/fp16 weights, at Llama-3.1-8B's and Qwen3-30B-A3B's projection shapes and uneven ones; the
+layers' switch (one CUDA row takes them, two rows take `F.linear`); and a CUDA-graph replay."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from gpu_support import CUDA, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+SHAPES = {  # (N, K)
+    "llama q/k/v": (6144, 4096),
+    "llama down": (4096, 14336),
+    "qwen3-moe q/k/v": (5120, 2048),
+    "qwen3-moe router": (128, 2048),
+    "qwen3-moe lm head": (151936, 2048),
+    "uneven": (1001, 1032),
+    "one column": (1, 2048),
+}
+
+
+def _close(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """bf16 output rounding on top of float32 sums in another order."""
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_gemv_matches_a_float32_product(shape, dtype):
+    from pagoda_engine.worker.model.gemv_triton import gemv, linear_applies
+
+    n, k = SHAPES[shape]
+    w = (torch.randn(n, k, device=CUDA) * k ** -0.5).to(dtype)
+    x = torch.randn(1, k, device=CUDA).to(dtype)
+    b = torch.randn(n, device=CUDA).to(dtype)
+    assert linear_applies(x, w)
+    _close(gemv(x, w), x.float() @ w.float().T)
+    _close(gemv(x, w, b), x.float() @ w.float().T + b.float())
+
+
+@pytest.mark.parametrize("inter,hidden", [(14336, 4096), (768, 2048), (520, 1032)])
+def test_gated_gemv_is_silu_of_gate_times_up(inter, hidden):
+    from pagoda_engine.worker.model.gemv_triton import gemv_silu_and_mul
+
+    w = (torch.randn(2 * inter, hidden, device=CUDA) * hidden ** -0.5).bfloat16()
+    x = torch.randn(1, hidden, device=CUDA).bfloat16() * 2
+    gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
+    _close(gemv_silu_and_mul(x, w), F.silu(gate) * up)
+
+
+def test_layers_take_the_kernel_for_one_row_only():
+    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul
+    from pagoda_engine.worker.model.layers import GatedMLP, LinearBase, linear
+
+    w = torch.randn(256, 512, device=CUDA).bfloat16()
+    x = torch.randn(2, 512, device=CUDA).bfloat16()
+    assert torch.equal(linear(x[:1], w), gemv(x[:1], w))
+    assert torch.equal(linear(x, w), F.linear(x, w))
+    # Not served (a transposed weight, a float32 row): F.linear, unchanged.
+    assert torch.equal(linear(x[:1], w.T.contiguous().T), F.linear(x[:1], w))
+    assert torch.equal(linear(x[:1].float(), w.float()), F.linear(x[:1].float(), w.float()))
+
+    mlp = GatedMLP(512, 384).to(device=CUDA, dtype=torch.bfloat16)
+    for p in mlp.parameters():
+        torch.nn.init.normal_(p, std=512 ** -0.5)
+    one = mlp(x[:1])
+    assert torch.equal(one, mlp.down_proj(gemv_silu_and_mul(x[:1], mlp.gate_up_proj.weight)))
+    _close(one, mlp(x)[:1].float())
+    proj = LinearBase(512, 256, bias=True).to(device=CUDA, dtype=torch.bfloat16)
+    torch.nn.init.normal_(proj.weight), torch.nn.init.normal_(proj.bias)
+    _close(proj(x[:1]), F.linear(x[:1].float(), proj.weight.float(), proj.bias.float()))
+
+
+def test_gemv_replays_in_a_cuda_graph():
+    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul
+
+    w = torch.randn(2048, 1024, device=CUDA).bfloat16()
+    x = torch.randn(1, 1024, device=CUDA).bfloat16()
+    gemv(x, w), gemv_silu_and_mul(x, w)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y, act = gemv(x, w), gemv_silu_and_mul(x, w)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, gemv(x, w)) and torch.equal(act, gemv_silu_and_mul(x, w))
