@@ -82,7 +82,13 @@ def check_greedy_tokens_against(llm: LLM, hf_reference, prompts: list[list[int]]
 def check_bf16_logits_against(model_dir, hf_reference) -> None:
     """A prefill step of three prompts, then steps that mix decodes with a chunked prefill, through
     the bf16 model and FlashInfer: each step's last-token logits stay within bf16 rounding of the
-    float32 transformers reference's."""
+    float32 transformers reference's.
+
+    An MoE layer picks experts by rank: where its k-th and (k+1)-th router logits for a token are
+    within bf16 rounding of each other, the last bits of its input decide which expert serves it,
+    and the float32 reference may pick the other (then the logits differ by that expert's share).
+    One checked position of all may differ for that reason, and only where a near tie is seen."""
+    from pagoda_engine.worker.model import moe
     from pagoda_engine.worker.model.loader import load_hf_config, load_model
 
     model = load_model(str(model_dir), load_hf_config(str(model_dir)), torch.bfloat16, CUDA)
@@ -94,6 +100,22 @@ def check_bf16_logits_against(model_dir, hf_reference) -> None:
     tables: dict[str, list[int]] = {}
     done: dict[str, int] = {}
     checked = 0
+    excused: list[tuple[str, float]] = []
+    routed: list[tuple[torch.Tensor, int]] = []  # each MoE layer's router logits in the step, and its k
+    select_experts = moe.select_experts
+
+    def recording_select_experts(router_logits, top_k, renormalize):
+        routed.append((router_logits.float(), top_k))
+        return select_experts(router_logits, top_k, renormalize)
+
+    def tie_gap(row: int) -> float:
+        """The smallest gap between a layer's k-th and (k+1)-th router logits for this token, in
+        units of bf16 rounding at their size (infinite for a dense model)."""
+        gaps = [float("inf")]
+        for logits, k in routed:
+            top = logits[row].topk(k + 1).values
+            gaps.append(((top[k - 1] - top[k]) / (top[k - 1].abs().clamp_min(1e-3) * 2 ** -8)).item())
+        return min(gaps)
 
     def step(chunks):  # (request, number of new tokens); decodes first
         nonlocal checked
@@ -112,15 +134,25 @@ def check_bf16_logits_against(model_dir, hf_reference) -> None:
             done[rid] = start + n
         nd = sum(1 for (rid, n), s in zip(chunks, slens) if n == 1 and s > 1)
         attn.plan(AttentionBatch(qlens, slens, tabs, torch.tensor(slots, device=CUDA), nd))
-        with torch.no_grad():
-            hidden = model(torch.tensor(ids, device=CUDA), torch.tensor(pos, device=CUDA), attn)
-            last = torch.tensor(qlens, device=CUDA).cumsum(0) - 1
-            logits = model.compute_logits(hidden[last])
-        for (rid, _), got in zip(chunks, logits):
+        routed.clear()
+        moe.select_experts = recording_select_experts
+        try:
+            with torch.no_grad():
+                hidden = model(torch.tensor(ids, device=CUDA), torch.tensor(pos, device=CUDA), attn)
+                last = torch.tensor(qlens, device=CUDA).cumsum(0) - 1
+                logits = model.compute_logits(hidden[last])
+        finally:
+            moe.select_experts = select_experts
+        for (rid, _), got, row in zip(chunks, logits, last.tolist()):
             ref = hf_logits(hf_reference, seqs[rid][:done[rid]])[-1]
             scale = ref.abs().max().item()
-            assert (got - ref).abs().max().item() <= 0.05 * scale, rid
-            assert torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995, rid
+            close = ((got - ref).abs().max().item() <= 0.05 * scale
+                     and torch.nn.functional.cosine_similarity(got, ref, dim=0) > 0.995)
+            if not close:
+                gap = tie_gap(row)
+                assert gap <= 4 and not excused, (rid, done[rid], gap, excused)
+                excused.append((rid, gap))
+                print(f"{rid} at {done[rid]} tokens: a near tie between experts (gap {gap:.2f} bf16 roundings)")
             checked += 1
             if done[rid] == len(seqs[rid]):
                 seqs[rid].append(int(got.argmax()))

@@ -36,6 +36,12 @@ def greedy_ids(llm: LLM) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
+def replays_since(llm: LLM, before: list[dict]) -> list[dict]:
+    """Each rank's graph replays since `before` (a single GPU process's warm-up steps replay too)."""
+    return [{kind: count - start.get(kind, 0) for kind, count in now.items()}
+            for now, start in zip(llm.core.executor.collective_rpc("graph_replays"), before)]
+
+
 @pytest.fixture(scope="module")
 def three_layer_dir(tmp_path_factory, gpu_model_dir):
     out = tmp_path_factory.mktemp("gpu-llama-3-layers")
@@ -50,8 +56,9 @@ def expected(three_layer_dir):
     piecewise graphs, the decode steps as whole-forward ones."""
     with make_llm(three_layer_dir) as one:
         assert one.core.cudagraph_mode == "FULL_AND_PIECEWISE"
+        before = one.core.executor.collective_rpc("graph_replays")
         tokens = greedy_ids(one)
-        [replays] = one.core.executor.collective_rpc("graph_replays")
+        [replays] = replays_since(one, before)
     assert replays == {"decode": NEW_TOKENS - 1, "piecewise": 1}
     return tokens, replays
 
@@ -75,6 +82,7 @@ def test_pp2_on_one_gpu_replays_graphs_on_both_stages_and_gives_one_process_toke
         stage_layers = [len({n.split(".")[2] for n in names if n.startswith("model.layers.")})
                         for names in core.executor.collective_rpc("parameter_names")]
         assert stage_layers == layers
+        before = core.executor.collective_rpc("graph_replays")
         assert greedy_ids(pp2) == tokens
         # Both stages replayed every step, as the one process did (each rank's own counters).
-        assert core.executor.collective_rpc("graph_replays") == [replays, replays]
+        assert replays_since(pp2, before) == [replays, replays]
