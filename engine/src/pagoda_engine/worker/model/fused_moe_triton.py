@@ -13,6 +13,10 @@
 4. One grouped GEMM for down, scaled by the routing weight of each pair.
 5. The combine: each token's top_k rows summed.
 
+Up to `GEMV_MAX_TOKENS` tokens (a small decode batch) steps 1-5 are two matrix-vector kernels
+instead: gate+up with the SiLU for each (token, slot) pair straight from its expert's rows, then
+down with the weighted combine for each token, all of its slots at once (`_experts_gemv`).
+
 `fused_experts_reference` in `moe.py` is the reference this is tested against.
 """
 

@@ -48,6 +48,7 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id=No
 
 
 _FLASHINFER = None  # the flashinfer module once imported; False when it is not installed
+_GEMV = None  # model/gemv_triton.py once imported (CUDA only)
 # FlashInfer's rotary kernel takes these head sizes (others fault with a misaligned address).
 _FUSED_ROPE_HEAD_DIMS = (64, 128, 256)
 
@@ -110,11 +111,14 @@ class RMSNorm(nn.Module):
 def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
     """The Triton matrix-vector module when x is one half-precision CUDA row it serves
     (`gemv_triton.linear_applies`), else None: `F.linear` runs, and CPU results stay bit-identical."""
+    global _GEMV
     if not x.is_cuda or x.shape[0] != 1 or _fused_kernels(x) is None:
         return None
-    from pagoda_engine.worker.model import gemv_triton
+    if _GEMV is None:  # imported on first use: Triton is there only where CUDA is
+        from pagoda_engine.worker.model import gemv_triton
 
-    return gemv_triton if gemv_triton.linear_applies(x, weight) else None
+        _GEMV = gemv_triton
+    return _GEMV if _GEMV.linear_applies(x, weight) else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
