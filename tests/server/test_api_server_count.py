@@ -71,6 +71,38 @@ def test_either_api_process_profiles_every_core(asc_server):
             answered_by.add(r.headers[HEADER])
 
 
+def _client_on(url: str, index: str, timeout: float = 120) -> httpx.Client:
+    """A kept-alive connection that API process `index` accepted (fresh ones probed with /health)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        assert time.monotonic() < deadline, f"API server {index} accepted no connection"
+        client = httpx.Client(base_url=url, timeout=120)
+        if client.get("/health").headers[HEADER] == index:
+            return client
+        client.close()
+
+
+def test_stops_through_both_api_processes_at_once_stop_every_core_once(asc_server):
+    """Two /stop_profile at once, one through each API process, can reach the cores in opposite
+    orders. Every core's trace is returned once over the two answers; an answer is 400 only when
+    its process stopped no core."""
+    clients = [_client_on(asc_server.url, "0"), _client_on(asc_server.url, "1")]
+    try:
+        for _ in range(3):
+            assert clients[0].post("/start_profile").status_code == 200
+
+            async def stop_both():
+                return await asyncio.gather(*(asyncio.to_thread(c.post, "/stop_profile") for c in clients))
+
+            answers = asyncio.run(stop_both())
+            traces = [t for r in answers if r.status_code == 200 for t in r.json()["traces"]]
+            assert len(traces) == len(set(traces)) == asc_server.dp, [r.text for r in answers]
+            assert all(r.status_code == 200 or r.json()["error"]["code"] == "profiler_state" for r in answers)
+    finally:
+        for client in clients:
+            client.close()
+
+
 def descendants(pid: int) -> list[int]:
     out, todo = [], [pid]
     while todo:

@@ -19,7 +19,8 @@ from pagoda_engine import capabilities
 from pagoda_engine.api.llm import LLM
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.messages import EngineCoreOutputs, SchedulerStats
+from pagoda_engine.messages import EngineCoreOutputs, ProfileReply, SchedulerStats
+from pagoda_engine.profiler import ProfilerStateError
 from tests.server.conftest import DEFAULT_ARGS, core_pids, free_port, kill_core_and_wait_unhealthy, launch, scrape
 
 MODEL = "pagoda-tiny"
@@ -270,6 +271,32 @@ def test_requests_go_to_the_core_with_the_fewest_requests_then_the_emptiest_kv_p
     for rank in range(3):
         report(rank, running=0, waiting=0, kv=0.0)
     assert [client.least_loaded() for _ in range(4)] == [2, 0, 1, 2]  # idle cores take turns
+
+
+@pytest.mark.parametrize("replies, expected", [
+    # Another API process's stop reached core 1 first: this one stopped core 0, and says so.
+    ([ProfileReply(paths=["t0"]), ProfileReply(error="the profiler is not running", already=True)], ["t0"]),
+    # Nothing was running: refused.
+    ([ProfileReply(error="not running", already=True), ProfileReply(error="not running", already=True)],
+     "engine core 0: not running"),
+    # A core that failed for another reason is never excused.
+    ([ProfileReply(paths=["t0"]), ProfileReply(error="cannot write traces to /x")], "engine core 1: cannot write"),
+])
+def test_a_profile_call_stands_for_the_cores_it_moved_when_another_api_process_moved_the_rest(replies, expected):
+    """With two API processes, a /stop_profile through each can reach the two cores in opposite
+    orders: each stops one core and finds the other stopped. Both answer 200 with the traces of the
+    core they stopped, not 400 (the profile did stop); a call that moved no core is refused."""
+    client = DPEngineCoreClient(EngineConfig.from_kwargs(model="pagoda-tiny", data_parallel_size=2), on_outputs=None,
+                                on_refused=None, on_dead=None)
+    for core, reply in zip(client.cores, replies):
+        async def profile(start, tag="", reply=reply):
+            return reply
+        core.profile = profile
+    if isinstance(expected, list):
+        assert asyncio.run(client.profile(start=False)) == expected
+    else:
+        with pytest.raises(ProfilerStateError, match=expected):
+            asyncio.run(client.profile(start=False))
 
 
 def test_expert_parallelism_across_cores_is_accepted_but_not_under_pipeline_parallelism():

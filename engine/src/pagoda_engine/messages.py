@@ -227,10 +227,12 @@ class EngineCoreError(_Message):
 
 
 class ProfileReply(_Message):
-    """A ProfileRequest done: the trace and summary paths written (a stop), or why it failed."""
+    """A ProfileRequest done: the trace and summary paths written (a stop), or why it failed;
+    `already`: it failed because the profiler already was as asked (running, or stopped)."""
 
     paths: list[str] = []
     error: str | None = None
+    already: bool = False
 
 
 ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest]

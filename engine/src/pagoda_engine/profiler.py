@@ -30,6 +30,10 @@ class ProfilerStateError(PagodaError):
     """/start_profile while profiling, /stop_profile while not, or either without a profiler config."""
 
 
+class ProfilerAlreadyError(ProfilerStateError):
+    """The profiler already is as asked: running at a start, stopped at a stop."""
+
+
 @dataclass(frozen=True)
 class ProfilerConfig:
     profiler: str | None = None  # "torch"; None: off. (vLLM's "cuda", for nsys, is not built.)

@@ -51,7 +51,7 @@ from pagoda_engine.messages import (
     token_id_array,
 )
 from pagoda_engine.model_path import resolve_model_path, served_model_name
-from pagoda_engine.profiler import ProfilerStateError, ProfileSession
+from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
@@ -489,7 +489,7 @@ class EngineCore:
         if not config.enabled:
             raise ProfilerStateError("profiling is not configured: start the engine with a profiler config")
         if self._profile is not None:
-            raise ProfilerStateError("the profiler is already running: stop it first")
+            raise ProfilerAlreadyError("the profiler is already running: stop it first")
         try:  # a directory no rank can write to is refused here, not when the traces are due
             os.makedirs(config.torch_profiler_dir, exist_ok=True)
         except OSError as e:
@@ -500,7 +500,7 @@ class EngineCore:
         """Stop every rank's profiler (unless max_iterations stopped it already); the trace and
         summary paths the ranks wrote."""
         if self._profile is None:
-            raise ProfilerStateError("the profiler is not running")
+            raise ProfilerAlreadyError("the profiler is not running")
         session, self._profile = self._profile, None
         return session.stop()
 

@@ -44,7 +44,7 @@ from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineCoreError, EngineCoreOutputs,
                                     EngineCoreRequest, ProfileReply, ProfileRequest, ShutdownRequest, StartDPWave,
                                     ToCore, make_decoder, make_encoder)
-from pagoda_engine.profiler import ProfilerStateError
+from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError
 from pagoda_engine.processes import die_with_parent
 
 logger = logging.getLogger(__name__)
@@ -136,7 +136,7 @@ class CoreLoop:
             else:
                 reply = ProfileReply(paths=self.core.stop_profile())
         except ProfilerStateError as e:
-            reply = ProfileReply(error=str(e))
+            reply = ProfileReply(error=str(e), already=isinstance(e, ProfilerAlreadyError))
         self.out_socks[message.client_index].send(self.encoder.encode(reply), copy=False)
 
     def _add(self, req: EngineCoreRequest) -> None:

@@ -96,10 +96,14 @@ class DPEngineCoreClient:
 
     async def profile(self, start: bool, tag: str = "") -> list[str]:
         """Start or stop torch.profiler on every core at once; the paths the cores wrote (a stop).
-        ProfilerStateError with the first core's reason when one refused."""
+        ProfilerStateError with the first core's reason when one refused. Except: a core that
+        already was as asked, while another core did what this call asked, was reached first by
+        another API process's start or stop (`--api-server-count`): every core is then as asked,
+        and this call stands for the cores it moved (a stop lists only their paths)."""
         replies = await asyncio.gather(*(core.profile(start, tag) for core in self.cores))
+        moved = any(reply.error is None for reply in replies)
         for rank, reply in enumerate(replies):
-            if reply.error is not None:
+            if reply.error is not None and not (reply.already and moved):
                 raise ProfilerStateError(reply.error if self.size == 1 else f"engine core {rank}: {reply.error}")
         return [path for reply in replies for path in reply.paths]
 
