@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker.model.gemv_triton import dot_rows
 from pagoda_engine.worker.model.layers import SiluAndMul
 
 
@@ -312,9 +313,8 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
                          stride_xm, stride_we, stride_wn, stride_am,
                          K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """A few tokens: for one (token, slot) pair, act[pair, cols] = silu(gate) × up over one block
-    of the expert's I columns, read straight from the expert's rows (no alignment, no padding).
-    BLOCK_K-wide float32 partial sums over the whole K (a compile-time constant: the loop unrolls),
-    summed once at the end."""
+    of the expert's I columns, read straight from the expert's rows (no alignment, no padding),
+    with the one-row kernels' `dot_rows`."""
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
@@ -325,20 +325,8 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
     x_row = x_ptr + (pair // top_k) * stride_xm
     gate_rows = w13_ptr + expert * stride_we + cols[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
-    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.static_range(0, K, BLOCK_K):
-        ks = k + tl.arange(0, BLOCK_K)
-        if k + BLOCK_K <= K:
-            a = tl.load(x_row + ks).to(tl.float32)[None, :]
-            mask = col_mask[:, None]
-        else:
-            a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
-            mask = col_mask[:, None] & (ks[None, :] < K)
-        gate += tl.load(gate_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
-        up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
-    g = tl.sum(gate, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    g, u = dot_rows(x_row, gate_rows, up_rows, col_mask, K, True, BLOCK_N, BLOCK_K)
+    act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + pair * stride_am + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
 
 

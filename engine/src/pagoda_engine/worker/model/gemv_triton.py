@@ -24,32 +24,41 @@ import triton
 import triton.language as tl
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
-    K is a compile-time constant, so the loop over it unrolls and its loads can all be in flight."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
+def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr):
+    """(rows · x_row, up_rows · x_row) in float32 for BLOCK_N weight rows (pointers [BLOCK_N, 1];
+    masked by col_mask) over K; the second is zeros unless GATED. BLOCK_K-wide partial sums, summed
+    once at the end; K is a compile-time constant, so the loop unrolls and its loads can all be in
+    flight. Also the MoE experts' gate+up kernel (`fused_moe_triton`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.static_range(0, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         if k + BLOCK_K <= K:
-            a = tl.load(x_ptr + ks).to(tl.float32)[None, :]
+            a = tl.load(x_row + ks).to(tl.float32)[None, :]
             mask = col_mask[:, None]
         else:
-            a = tl.load(x_ptr + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
+            a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
             mask = col_mask[:, None] & (ks[None, :] < K)
         acc += tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
         if GATED:
             acc_up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
+    y, up = dot_rows(x_ptr, rows, up_rows, col_mask, K, GATED, BLOCK_N, BLOCK_K)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(acc_up, axis=1)
+        y = y / (1.0 + tl.exp(-y)) * up
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
