@@ -74,7 +74,8 @@ def test_bench_serve_s1_through_the_router(stack, tmp_path):
                  "--output-json", str(out)]) == 0
     r = json.loads(out.read_text())
     assert (r["completed"], r["failed"], r["input_tokens"], r["output_tokens"]) == (12, 0, 12 * 32, 12 * 8)
-    assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and r["itl_ms"]["p50"] > 0
+    # Under load the client can read several tokens of a stream at once (gaps of 0), not all of them.
+    assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"] and r["itl_ms"]["p99"] > 0
     assert generated() - before == 12 * 8
 
 
