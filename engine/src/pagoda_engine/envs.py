@@ -73,7 +73,8 @@ def tp_collective_timeout_s() -> float:
 
 
 def cpu_threads() -> int | None:
-    """Torch's CPU threads for an engine on CPU; None: the engine chooses (`core.engine_core`)."""
+    """Torch's CPU threads in an engine core or worker rank, on CPU or GPU; None: the engine chooses
+    (`processes.set_torch_threads`)."""
     return env_count("PAGODA_CPU_THREADS", None)
 
 

@@ -247,6 +247,10 @@ def _prepare(args, title: str) -> tuple[EngineCore, Workload, dict, dict, dict]:
 
 
 def run_throughput(args) -> dict:
+    if args.data_parallel_size > 1:
+        from pagoda_engine.bench.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, "throughput")
     core, wl, info, env, roof = _prepare(args, "throughput")
     profiler = _StepProfiler(args.profile, *(args.profile_steps or (300, 10))) if args.profile else None
     r = _drive(core, wl, "bench", profiler)
@@ -273,6 +277,10 @@ def run_throughput(args) -> dict:
 def run_latency(args) -> dict:
     if args.num_iters < 1:
         raise SystemExit("error: --num-iters must be >= 1")
+    if args.data_parallel_size > 1:
+        from pagoda_engine.bench.data_parallel import run_data_parallel
+
+        return run_data_parallel(args, "latency")
     core, wl, info, env, roof = _prepare(args, "latency")
     _drive(core, wl, "warmup-run")
     runs = []

@@ -33,7 +33,6 @@ from pathlib import Path
 
 import torch
 
-from pagoda_engine import envs
 from pagoda_engine.config import (EngineConfig, default_max_num_seqs, resolve_cudagraph_capture_size,
                                   resolve_cudagraph_mode)
 from pagoda_engine.core.request import Request
@@ -51,6 +50,7 @@ from pagoda_engine.messages import (
     token_id_array,
 )
 from pagoda_engine.model_path import resolve_model_path, served_model_name
+from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
@@ -105,17 +105,6 @@ def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
     return tuple(ids)
 
 
-def _set_cpu_threads(model: torch.nn.Module) -> None:
-    """Small models on CPU run faster on one thread: OpenMP synchronisation costs more than the
-    tiny matmuls gain, and collapses when several engines share a machine. PAGODA_CPU_THREADS
-    overrides."""
-    wanted = envs.cpu_threads()
-    if wanted is not None:
-        torch.set_num_threads(wanted)
-    elif sum(p.numel() for p in model.parameters()) < 50_000_000:
-        torch.set_num_threads(1)
-
-
 def graphs_unavailable(config: EngineConfig, backend: str) -> str | None:
     """Why an engine on CUDA whose attention backend can run in CUDA graphs must still run
     eagerly, or None (then every rank, every pipeline stage included, captures them); `backend`:
@@ -152,6 +141,8 @@ class EngineCore:
         self.served_model_name = mc.served_model_name or served_model_name(mc.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
+        if self.device.type == "cuda":
+            set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
         if config.scheduler.max_num_seqs is None:
@@ -185,7 +176,7 @@ class EngineCore:
         self.vocab_size = self.model.vocab_size
         self.max_model_len = self._resolve_max_model_len()
         if self.device.type == "cpu":
-            _set_cpu_threads(self.model)
+            set_torch_threads("cpu", sum(p.numel() for p in self.model.parameters()))
         self.eos_token_ids = read_eos_token_ids(self.model_dir, self.hf_config)
 
         spec: KVCacheSpec = self.model.kv_cache_spec(cc.block_size, self.dtype)

@@ -49,7 +49,7 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
-from pagoda_engine.processes import die_with_parent
+from pagoda_engine.processes import die_with_parent, set_torch_threads
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
@@ -473,6 +473,7 @@ def main(argv: list[str] | None = None) -> None:
         if run["device_type"] == "cuda":
             device = torch.device("cuda", args.rank if args.local_rank is None else args.local_rank)
             torch.cuda.set_device(device)
+            set_torch_threads("cuda")
         else:
             device = torch.device("cpu")
             torch.set_num_threads(1)  # ranks share the machine's cores; one thread each
