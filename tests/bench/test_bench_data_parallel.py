@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from pagoda_engine.cli import main
 
 

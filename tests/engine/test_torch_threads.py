@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from pagoda_engine.processes import SMALL_CPU_MODEL_PARAMS, set_torch_threads
 
 
