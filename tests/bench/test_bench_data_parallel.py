@@ -51,3 +51,16 @@ def test_profile_is_refused_with_several_cores(tiny_model):
     with pytest.raises(SystemExit, match="--profile needs the engine in this process"):
         main(["bench", "throughput", "--model", tiny_model, "--data-parallel-size", "2", "--num-prompts", "1",
               "--profile", "x"])
+
+
+def test_allreduce_probe_times_each_size_on_two_ranks(capsys):
+    """`python -m pagoda_engine.bench.allreduce`: two real processes (gloo here, NCCL on two GPUs),
+    one line per size, after a check that the timed collective sums."""
+    from pagoda_engine.bench import allreduce
+
+    assert allreduce.main(["--rows", "1,64", "--hidden", "128", "--iters", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "over 2 ranks, gloo" in printed
+    assert "     1 rows =     0.00 MB" in printed and "    64 rows =     0.02 MB" in printed
+    with pytest.raises(SystemExit):
+        allreduce.main(["--rows", "0"])
