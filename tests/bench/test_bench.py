@@ -107,6 +107,12 @@ def test_invalid_sizes_are_refused(tiny_model, capsys):
     assert "--num-prompts must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bench", ["throughput", "latency", "serve"])
+def test_invalid_engine_flags_are_refused_before_any_engine_starts(tiny_model, capsys, bench):
+    assert main(["bench", bench, "--model", tiny_model, "--data-parallel-size", "0"]) == 2
+    assert "pagoda bench: data_parallel_size must be >= 1" in capsys.readouterr().err
+
+
 def test_profile_records_the_chosen_steps(tiny_model, tmp_path, capsys):
     assert main(["bench", "throughput", "--model", tiny_model, "--dtype", "float32", "--num-prompts", "2",
                  "--input-len", "8", "--output-len", "6", "--profile", str(tmp_path / "prof"),

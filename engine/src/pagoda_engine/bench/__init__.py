@@ -27,7 +27,7 @@ from pagoda_engine.bench.kv_share import add_kv_share_arguments
 from pagoda_engine.bench.multiturn import add_multiturn_arguments
 from pagoda_engine.bench.serve import add_serve_arguments
 from pagoda_engine.bench.workloads import WORKLOADS
-from pagoda_engine.config import add_engine_args
+from pagoda_engine.config import add_engine_args, config_from_args
 
 DEFAULT_MODEL = "llama-3.1-8b"
 
@@ -102,6 +102,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --{name.replace('_', '-')} must be >= 1, got {value}", file=sys.stderr)
             return 2
     _resolve_model(args)
+    try:  # invalid engine flags (EngineConfig.validate), refused before any engine starts
+        config_from_args(args)
+    except (ValueError, TypeError) as e:
+        print(f"pagoda bench: {e}", file=sys.stderr)
+        return 2
     if args.bench == "serve":
         from pagoda_engine.bench.serve import run_serve
 
