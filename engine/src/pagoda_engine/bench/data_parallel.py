@@ -49,7 +49,7 @@ class DataParallelDriver:
         self.size = config.parallel.data_parallel_size
         self.failure: str | None = None
         self.run: _Run | None = None
-        self.steps = [0] * self.size  # output messages per core: one per step that produced any
+        self.steps = [0] * self.size  # this run's output messages per core: one per step that produced any
         self.client = DPEngineCoreClient(config, on_outputs=self._on_outputs, on_refused=self._on_refused,
                                          on_dead=self._on_dead)
 
@@ -95,6 +95,7 @@ class DataParallelDriver:
         them to finish; the run, its start and its elapsed seconds."""
         ids = [f"{tag}-{i}" for i in range(len(prompts))]
         run = self.run = _Run(ids)
+        self.steps = [0] * self.size
         start = time.perf_counter()
         for rid, prompt, sp in zip(ids, prompts, params):
             target = self.client.least_loaded() if rank is None else rank
