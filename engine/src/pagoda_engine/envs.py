@@ -73,8 +73,8 @@ def tp_collective_timeout_s() -> float:
 
 
 def cpu_threads() -> int | None:
-    """Torch's CPU threads in an engine core or worker rank, on CPU or GPU; None: the engine chooses
-    (`processes.set_torch_threads`)."""
+    """Torch's CPU threads in an engine core (on CPU or GPU) and in a worker rank on a GPU; None:
+    the engine chooses (`processes.set_torch_threads`). Worker ranks on CPU run one thread each."""
     return env_count("PAGODA_CPU_THREADS", None)
 
 
