@@ -62,5 +62,8 @@ def test_allreduce_probe_times_each_size_on_two_ranks(capsys):
     printed = capsys.readouterr().out
     assert "over 2 ranks, gloo" in printed
     assert "     1 rows =     0.00 MB" in printed and "    64 rows =     0.02 MB" in printed
-    with pytest.raises(SystemExit):
-        allreduce.main(["--rows", "0"])
+    for argv, message in ((["--rows", "0"], "--rows, --hidden and --iters must be >= 1"),
+                          (["--rows", "x"], "--rows takes whole numbers separated by commas, got 'x'")):
+        with pytest.raises(SystemExit) as exc:
+            allreduce.main(argv)
+        assert exc.value.code == 2 and message in capsys.readouterr().err
