@@ -38,6 +38,7 @@ from pagoda_engine.config import (EngineConfig, default_max_num_seqs, resolve_cu
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
+from pagoda_engine.core.pacing import LaunchPacer
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
 from pagoda_engine.messages import (
@@ -200,9 +201,15 @@ class EngineCore:
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
         self._launched_at = self._resolved_at = 0.0  # when it was launched; when the step before it was resolved
+        # Step launch pacing (`launch_delay`, core.pacing): on under async scheduling with one batch in flight.
+        self.pacer: LaunchPacer | None = None
+        self._paced = False  # the core's loop waited for `launch_delay` before this step
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
+        if (config.scheduler.async_scheduling and config.scheduler.step_launch_pacing
+                and self.max_concurrent_batches == 1 and not self.in_lockstep):
+            self.pacer = LaunchPacer()
         if self.max_concurrent_batches > 1 and config.scheduler.async_scheduling:
             logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
                         "scheduling", self.max_concurrent_batches)
@@ -292,6 +299,10 @@ class EngineCore:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
         if hasattr(self, "grammars"):
             self.grammars.close()
+        pacer = getattr(self, "pacer", None)
+        if pacer is not None and pacer.paced_launches:
+            logger.info("step launch pacing: %d paced launches, %d found the device idle (slack %.2f ms)",
+                        pacer.paced_launches, pacer.late_launches, pacer.slack * 1e3)
         self.executor.close()
 
     def _grammar_tokenizer(self):
@@ -529,24 +540,53 @@ class EngineCore:
         if prev is not None and _must_resolve_first(prev):
             outputs = self._update(prev.sched, prev.resolve(), advanced=True)
             prev = None
+        started = time.monotonic()
         sched = self.scheduler.schedule()
         prev_launched = self._launched_at
+        paced, self._paced = self._paced, False
         if not sched.is_empty:
+            decode = _decode_only(sched)
+            if paced and decode and prev is not None and self.pacer is not None:
+                self.pacer.launched(late=bool(prev.has_ended()))
             self._in_flight = self.runner.launch(sched, prev)
             self._launched_at = time.monotonic()
+            if decode and self.pacer is not None:
+                self.pacer.observe_host(self._launched_at - started)
             self.scheduler.advance(sched)
             self.kv.launch_stores()
         elif prev is None:
             self._check_compiled(idle=True)
             self._wait_for_offload()
         if prev is not None:
+            waited = prev.has_ended() is False
             result = prev.resolve()
             # Its device time is at most from its launch, or from the end of the step before it.
             now = time.monotonic()
-            self.kv.observe_step(prev.sched.num_tokens, now - max(prev_launched, self._resolved_at))
+            device_s = now - max(prev_launched, self._resolved_at)
+            self.kv.observe_step(prev.sched.num_tokens, device_s)
+            if waited and self.pacer is not None and _decode_only(prev.sched):
+                self.pacer.observe_decode(len(prev.sched.scheduled), device_s)
             self._resolved_at = now
             outputs = self._update(prev.sched, result, advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
+
+    def launch_delay(self) -> float:
+        """Seconds the core's loop may go on reading its input before the next `step()` (step
+        launch pacing, `core.pacing`): until the decode step in flight is about to end, so that a
+        request arriving meanwhile joins the next step. 0: step now (pacing off, no decode step
+        in flight, requests waiting, or no prediction yet)."""
+        step = self._in_flight
+        if (self.pacer is None or step is None or self.scheduler.waiting or not _decode_only(step.sched)
+                or step.has_ended() is not False):
+            return 0.0
+        lead = self.pacer.lead(len(step.sched.scheduled))
+        if lead is None:
+            return 0.0
+        delay = max(self._launched_at, self._resolved_at) + lead - time.monotonic()
+        if delay <= 0.0:
+            return 0.0
+        self._paced = True
+        return delay
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
         """Launch a batch while the queue has room; else (or with nothing to launch) resolve the oldest."""
@@ -609,6 +649,12 @@ class EngineCore:
             num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size, num_scheduled_tokens=num_scheduled_tokens,
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [])
+
+
+def _decode_only(sched: SchedulerOutput) -> bool:
+    """One token a row: a decode step (or, rarely, a prompt's one-token last chunk, which costs the
+    same), the steps pacing predicts."""
+    return all(s.num_new_tokens == 1 for s in sched.scheduled)
 
 
 def _must_resolve_first(step: LaunchedStep) -> bool:

@@ -188,6 +188,8 @@ class CoreLoop:
         while self.running:
             if self.core.has_unfinished_requests():
                 self._drain_input(0)
+                while self.running and (delay := self.core.launch_delay()) >= 0.001:
+                    self._drain_input(int(delay * 1000))  # arrivals join the step about to be scheduled
                 if not self.running:
                     break
                 if self.core.has_unfinished_requests():

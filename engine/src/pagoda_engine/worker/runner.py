@@ -70,6 +70,7 @@ class LaunchedStep:
     sample: PendingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     sample_later: Callable[[], PendingSample] | None = None
+    ended: torch.cuda.Event | None = None  # after rank 0's work for the step (CUDA, one pipeline stage)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -77,6 +78,10 @@ class LaunchedStep:
         if self._rows is None:
             self._rows = {r: i for i, r in enumerate(self.sample_reqs)}
         return self._rows[req]
+
+    def has_ended(self) -> bool | None:
+        """Whether the device has finished the step (None: not known without waiting)."""
+        return None if self.ended is None else self.ended.query()
 
     def resolve(self) -> RunnerOutput:
         """Wait for the step and read its tokens (and logprobs) back."""
@@ -212,8 +217,12 @@ class ModelRunner:
                 sample_later = self._sampled_by_last_stage(self.executor.sample(inputs.sample_rows, batch), batch)
             else:
                 sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
+        ended = None
+        if self.device.type == "cuda" and self.executor.layout.pp == 1:
+            ended = torch.cuda.Event()
+            ended.record()
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs, sample_later=sample_later)
+                            prompt_logprobs=prompt_logprobs, sample_later=sample_later, ended=ended)
 
     def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
         def resolve() -> PendingSample:

@@ -1,0 +1,206 @@
+"""Step launch pacing (`core.pacing`, `EngineCore.launch_delay`): under async scheduling the core's
+loop schedules the next step when the decode step in flight is about to end, so that a request
+arriving meanwhile joins the next step, not the one after it.
+
+The pacer's model is tested on its own. The whole loop runs on CPU against a simulated device: a
+core whose steps take a fixed device time (each step starts when the one before it ends, its
+`ended` event fires then, and reading its tokens waits for it), driven through the real
+`CoreLoop` and its ZMQ sockets."""
+
+import threading
+import time
+
+import pytest
+import zmq
+
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.core.engine_core import EngineCore
+from pagoda_engine.core.pacing import LaunchPacer
+from pagoda_engine.core.process import CoreLoop
+from pagoda_engine.messages import (
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FromCore,
+    ShutdownRequest,
+    make_decoder,
+    make_encoder,
+)
+from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.tiny import build_tiny_model
+
+
+def test_no_lead_before_three_decode_steps_of_that_size():
+    pacer = LaunchPacer()
+    pacer.observe_host(0.001)
+    for _ in range(2):
+        pacer.observe_decode(8, 0.010)
+    assert pacer.lead(8) is None
+    pacer.observe_decode(8, 0.010)
+    assert pacer.lead(8) == pytest.approx(0.010 - 0.001 - pacer.slack)
+    assert pacer.lead(9) is None  # another row count is another step
+
+
+def test_the_averages_follow_the_device_and_the_host():
+    pacer = LaunchPacer()
+    for _ in range(3):
+        pacer.observe_decode(4, 0.006)
+    for _ in range(40):
+        pacer.observe_decode(4, 0.008)  # the contexts grew
+        pacer.observe_host(0.0005)
+    assert pacer.host_s == pytest.approx(0.0005) and pacer.host_dev_s == pytest.approx(0.0, abs=1e-9)
+    assert pacer.lead(4) == pytest.approx(0.008 - 0.0005 - pacer.slack, abs=1e-6)
+
+
+def test_a_host_that_varies_is_given_more_time():
+    steady, varying = LaunchPacer(), LaunchPacer()
+    for pacer in (steady, varying):
+        for _ in range(3):
+            pacer.observe_decode(4, 0.008)
+    for i in range(40):
+        steady.observe_host(0.001)
+        varying.observe_host(0.0005 if i % 2 else 0.0015)  # the same mean
+    assert varying.host_s == pytest.approx(steady.host_s, abs=1e-4)
+    assert varying.host_dev_s == pytest.approx(0.0005, rel=0.2)
+    assert varying.lead(4) == pytest.approx(0.008 - varying.host_s - 3 * varying.host_dev_s - varying.slack, abs=1e-9)
+    assert varying.lead(4) < steady.lead(4) - 0.001
+
+
+def test_the_slack_grows_after_a_late_launch_and_shrinks_back():
+    pacer = LaunchPacer()
+    first = pacer.slack
+    pacer.launched(late=True)
+    assert pacer.slack == pytest.approx(2 * first) and pacer.late_launches == 1
+    for _ in range(10):
+        pacer.launched(late=True)
+    assert pacer.slack == pytest.approx(0.004)  # capped
+    for _ in range(1000):
+        pacer.launched(late=False)
+    assert pacer.slack == pytest.approx(0.0002)  # floored
+    assert pacer.paced_launches == 1011
+
+
+# --- the loop, against a simulated device ------------------------------------------------------
+DEVICE_STEP_S = 0.060  # every step's device time: far above a tiny model's host work, even on a busy CI machine
+
+
+class _Event:
+    def __init__(self, at: float):
+        self.at = at
+
+    def query(self) -> bool:
+        return time.monotonic() >= self.at
+
+
+def _simulate_device(core: EngineCore, log: list) -> None:
+    """Give `core`'s runner a device: a step starts when the one before it ends and takes
+    DEVICE_STEP_S. `log` gets (start, end, request ids) of every step."""
+    runner, free_at = core.runner, [0.0]
+    launch = runner.launch
+
+    def launch_on_device(sched, prev=None):
+        step = launch(sched, prev)
+        start = max(time.monotonic(), free_at[0])
+        free_at[0] = end = start + DEVICE_STEP_S
+        step.ended = _Event(end)
+        log.append((start, end, [s.request.request_id for s in sched.scheduled]))
+        resolve = step.resolve
+
+        def resolve_on_device():
+            time.sleep(max(0.0, end - time.monotonic()))
+            return resolve()
+
+        step.resolve = resolve_on_device
+        return step
+
+    runner.launch = launch_on_device
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
+    """A long request decodes; at every other output, a new one-token request is sent 10 ms
+    later. For each, how many steps after the one on the device when it was sent it was first
+    scheduled in (1: the next step)."""
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True,
+                                               step_launch_pacing=pacing))
+    log: list = []
+    _simulate_device(core, log)
+    ctx = zmq.Context()
+    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    tag = f"pacing-{pacing}"
+    to_core.bind(f"inproc://to-{tag}")
+    core_in.connect(f"inproc://to-{tag}")
+    from_core.bind(f"inproc://from-{tag}")
+    core_out.connect(f"inproc://from-{tag}")
+    loop = CoreLoop(core, core_in, [core_out], parent_pid=None)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    encoder, decoder = make_encoder(), make_decoder(FromCore)
+    sent: dict[str, float] = {}
+    try:
+        to_core.send(encoder.encode(EngineCoreRequest(
+            request_id="long", prompt_token_ids=[5, 6, 7],
+            sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))))
+        thread.start()
+        outputs = 0
+        while True:
+            assert from_core.poll(30_000), "no message from the core loop"
+            message = decoder.decode(from_core.recv())
+            if not isinstance(message, EngineCoreOutputs) or not message.outputs:
+                continue
+            if any(o.request_id == "long" and o.finish_reason for o in message.outputs):
+                break
+            outputs += 1
+            # From the 8th output on (the pacer has seen enough decode steps), every other output.
+            if outputs >= 8 and outputs % 2 == 0 and len(sent) < 8:
+                # 10 ms into the step: an unpaced core has scheduled the next one by then.
+                time.sleep(0.010)
+                rid = f"short-{len(sent)}"
+                sent[rid] = time.monotonic()
+                to_core.send(encoder.encode(EngineCoreRequest(
+                    request_id=rid, prompt_token_ids=[9, 10, 11, 12],
+                    sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))))
+        to_core.send(encoder.encode(ShutdownRequest()))
+        thread.join(10)
+    finally:
+        loop.running = False
+        thread.join(10)
+        for sock in (to_core, core_in, core_out, from_core):
+            sock.close(linger=0)
+        ctx.term()
+    waits = []
+    for rid, at in sent.items():
+        on_device = next(i for i, (start, end, _) in enumerate(log) if start <= at < end)
+        first = next(i for i, (_, _, rids) in enumerate(log) if rid in rids)
+        waits.append(first - on_device)
+    return waits, core
+
+
+def test_with_pacing_an_arrival_joins_the_next_step(model_dir):
+    waits, core = _steps_to_join(model_dir, pacing=True)
+    try:
+        assert len(waits) == 8
+        assert waits.count(1) >= 6, waits  # a loaded machine may miss a deadline now and then
+        assert core.pacer.paced_launches > 0
+    finally:
+        core.close()
+
+
+def test_without_pacing_an_arrival_waits_a_step_more(model_dir):
+    waits, core = _steps_to_join(model_dir, pacing=False)
+    try:
+        assert len(waits) == 8 and set(waits) == {2}, waits
+        assert core.pacer is None
+    finally:
+        core.close()
+
+
+def test_pacing_is_off_without_async_scheduling(model_dir):
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=False))
+    try:
+        assert core.pacer is None and core.launch_delay() == 0.0
+    finally:
+        core.close()
