@@ -5,18 +5,15 @@ arriving meanwhile joins the next step, not the one after it.
 The pacer's model is tested on its own. The whole loop runs on CPU against a simulated device: a
 core whose steps take a fixed device time (each step starts when the one before it ends, its
 `ended` event fires then, and reading its tokens waits for it), driven through the real
-`CoreLoop` and its ZMQ sockets."""
+`CoreLoop` on ZMQ sockets."""
 
-import threading
 import time
 
 import pytest
-import zmq
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.core.pacing import LaunchPacer
-from pagoda_engine.core.process import CoreLoop
 from pagoda_engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -27,6 +24,8 @@ from pagoda_engine.messages import (
 )
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
+
+from core_loop_sockets import core_loop_sockets
 
 
 def test_no_lead_before_three_decode_steps_of_that_size():
@@ -128,19 +127,10 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
                                                step_launch_pacing=pacing))
     log: list = []
     _simulate_device(core, log)
-    ctx = zmq.Context()
-    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    tag = f"pacing-{pacing}"
-    to_core.bind(f"inproc://to-{tag}")
-    core_in.connect(f"inproc://to-{tag}")
-    from_core.bind(f"inproc://from-{tag}")
-    core_out.connect(f"inproc://from-{tag}")
-    loop = CoreLoop(core, core_in, [core_out], parent_pid=None)
-    thread = threading.Thread(target=loop.run, daemon=True)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     sent: dict[str, float] = {}
-    try:
+    with core_loop_sockets(core, f"pacing-{pacing}") as sockets:
+        to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
         to_core.send(encoder.encode(EngineCoreRequest(
             request_id="long", prompt_token_ids=[5, 6, 7],
             sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))))
@@ -165,12 +155,6 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
                     sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))))
         to_core.send(encoder.encode(ShutdownRequest()))
         thread.join(10)
-    finally:
-        loop.running = False
-        thread.join(10)
-        for sock in (to_core, core_in, core_out, from_core):
-            sock.close(linger=0)
-        ctx.term()
     waits = []
     for rid, at in sent.items():
         on_device = next(i for i, (start, end, _) in enumerate(log) if start <= at < end)

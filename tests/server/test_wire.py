@@ -1,16 +1,13 @@
 """The API ↔ core wire: every message is one tagged msgspec struct that survives the round trip
 (token ids packed as int32 bytes), and the core loop dispatches on the message's type."""
 
-import threading
 import time
 
 import msgspec
 import pytest
-import zmq
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
-from pagoda_engine.core.process import CoreLoop
 from pagoda_engine.messages import (
     AbortRequest,
     CoreFailed,
@@ -32,6 +29,8 @@ from pagoda_engine.messages import (
 )
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
+
+from core_loop_sockets import core_loop_sockets
 
 TO_CORE = [
     EngineCoreRequest(request_id="r-1", prompt_token_ids=[1, 2, 3, 2**31 - 1],
@@ -92,18 +91,10 @@ def core(tmp_path_factory):
 
 
 def test_the_core_loop_dispatches_on_the_message_type(core):
-    ctx = zmq.Context()
-    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_core.bind("inproc://to-core")
-    core_in.connect("inproc://to-core")
-    from_core.bind("inproc://from-core")
-    core_out.connect("inproc://from-core")
-    loop = CoreLoop(core, core_in, [core_out], parent_pid=None)
-    thread = threading.Thread(target=loop.run, daemon=True)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    try:
+    with core_loop_sockets(core, "dispatch") as sockets:
+        to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
         # All three wait in the socket before the loop starts, so "a" is still running when its
         # duplicate is read (a loaded machine could otherwise finish "a" in between).
         to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5, 6, 7],
@@ -141,30 +132,12 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
         to_core.send(encoder.encode(ShutdownRequest()))
         thread.join(10)
         assert not thread.is_alive() and not core.has_unfinished_requests()
-    finally:
-        loop.running = False
-        thread.join(10)
-        for sock in (to_core, core_in, core_out, from_core):
-            sock.close(linger=0)
-        ctx.term()
 
 
 def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(core):
     """Two API server processes (`--api-server-count 2`): outputs and refusals go back to the
     client that sent the request, every client gets the stats, and a client's abort never stops
     another client's request."""
-    ctx = zmq.Context()
-    to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
-    to_core.bind("inproc://to-core-2")
-    core_in.connect("inproc://to-core-2")
-    core_outs, clients = [], []
-    for i in range(2):
-        clients.append(ctx.socket(zmq.PULL))
-        clients[-1].bind(f"inproc://from-core-2-{i}")
-        core_outs.append(ctx.socket(zmq.PUSH))
-        core_outs[-1].connect(f"inproc://from-core-2-{i}")
-    loop = CoreLoop(core, core_in, core_outs, parent_pid=None)
-    thread = threading.Thread(target=loop.run, daemon=True)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
@@ -172,7 +145,8 @@ def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(c
         return encoder.encode(EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7],
                                                 sampling_params=params, client_index=client))
 
-    try:
+    with core_loop_sockets(core, "two-clients", clients=2) as sockets:
+        to_core, clients, loop, thread = sockets.to_core, sockets.clients, sockets.loop, sockets.thread
         to_core.send(request("zero", 0))
         to_core.send(request("one", 1))
         to_core.send(request("one", 0))  # an id client 1 holds: refused, to client 0
@@ -202,9 +176,3 @@ def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(c
         to_core.send(encoder.encode(ShutdownRequest()))
         thread.join(10)
         assert not thread.is_alive() and not loop._client_of
-    finally:
-        loop.running = False
-        thread.join(10)
-        for sock in (to_core, core_in, *core_outs, *clients):
-            sock.close(linger=0)
-        ctx.term()
