@@ -544,28 +544,29 @@ class EngineCore:
         sched = self.scheduler.schedule()
         prev_launched = self._launched_at
         paced, self._paced = self._paced, False
+        pacer = self.pacer
         if not sched.is_empty:
-            decode = _decode_only(sched)
-            if paced and decode and prev is not None and self.pacer is not None:
-                self.pacer.launched(late=bool(prev.has_ended()))
+            decode = pacer is not None and _decode_only(sched)
+            if paced and decode and prev is not None:
+                pacer.launched(late=bool(prev.has_ended()))
             self._in_flight = self.runner.launch(sched, prev)
             self._launched_at = time.monotonic()
-            if decode and self.pacer is not None:
-                self.pacer.observe_host(self._launched_at - started)
+            if decode:
+                pacer.observe_host(self._launched_at - started)
             self.scheduler.advance(sched)
             self.kv.launch_stores()
         elif prev is None:
             self._check_compiled(idle=True)
             self._wait_for_offload()
         if prev is not None:
-            waited = prev.has_ended() is False
+            waited = pacer is not None and prev.has_ended() is False  # else its device time is a bound only
             result = prev.resolve()
             # Its device time is at most from its launch, or from the end of the step before it.
             now = time.monotonic()
             device_s = now - max(prev_launched, self._resolved_at)
             self.kv.observe_step(prev.sched.num_tokens, device_s)
-            if waited and self.pacer is not None and _decode_only(prev.sched):
-                self.pacer.observe_decode(len(prev.sched.scheduled), device_s)
+            if waited and _decode_only(prev.sched):
+                pacer.observe_decode(len(prev.sched.scheduled), device_s)
             self._resolved_at = now
             outputs = self._update(prev.sched, result, advanced=True)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
