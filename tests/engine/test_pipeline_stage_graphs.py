@@ -98,6 +98,16 @@ def test_stage_segments_chain_through_the_fixed_input_into_the_whole_forward(who
                                        atol=1e-5, rtol=1e-5)
 
 
+def test_a_stages_layers_are_its_own_made_once_and_not_registered_again(whole_and_stages):
+    """The piecewise graphs ask for a layer 32 times a step: `layers` must not rebuild a
+    ModuleList each time, nor add the layers to the model a second time (state dict, `.to()`)."""
+    (whole, _), [(first, _), (second, _)] = whole_and_stages
+    assert whole.layers is whole.layers and len(whole.layers) == 3
+    assert first.layers == tuple(first.model.layers[0:2]) and second.layers == (second.model.layers[2],)
+    assert first.layers is first.layers
+    assert not any("_stage_layers" in name for name in first.state_dict())
+
+
 def test_pipeline_parallelism_keeps_cuda_graphs_and_only_what_cannot_capture_runs_eagerly():
     pp = EngineConfig.from_kwargs(pipeline_parallel_size=2, tensor_parallel_size=2)
     assert graphs_unavailable(pp, "nccl") is None
