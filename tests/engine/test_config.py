@@ -175,6 +175,17 @@ def test_bad_kv_offload_flags_are_refused_before_anything_loads(flags, message):
         parse(*flags)
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--no-async-scheduling"], r"--step-launch-pacing paces async scheduling: it needs --async-scheduling"),
+    (["-pp", "2"], r"does not apply under pipeline parallelism"),
+    (["-dp", "2", "--enable-expert-parallel"], r"does not apply when experts span data-parallel engine cores"),
+])
+def test_step_launch_pacing_is_refused_where_no_step_is_in_flight_to_time(flags, message):
+    with pytest.raises(ValueError, match=message):
+        parse("--step-launch-pacing", *flags)
+    parse(*flags)  # the same flags without it are fine
+
+
 def test_a_headless_node_runs_its_share_of_the_ranks():
     pc = parse("--nnodes", "2", "-tp", "4", "-pp", "2", "--node-rank", "1", "--headless").parallel
     assert (pc.world_size, pc.ranks_per_node, pc.store_port()) == (8, 4, 29501)

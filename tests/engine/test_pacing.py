@@ -11,9 +11,11 @@ import time
 
 import pytest
 
+from pagoda_engine import LLM
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.core.pacing import LaunchPacer
+from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
@@ -182,9 +184,18 @@ def test_without_pacing_an_arrival_waits_a_step_more(model_dir):
         core.close()
 
 
-def test_pacing_is_off_without_async_scheduling(model_dir):
-    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=False))
+def test_pacing_is_off_by_default_and_never_delays_then(model_dir):
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
     try:
         assert core.pacer is None and core.launch_delay() == 0.0
     finally:
         core.close()
+
+
+def test_pacing_without_async_scheduling_is_refused_by_name(model_dir):
+    # On CPU async scheduling is off unless asked for: pacing would have nothing to time.
+    with pytest.raises(ModelLoadError, match=r"off by default on cpu: add --async-scheduling"):
+        EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=None,
+                                            step_launch_pacing=True))
+    with pytest.raises(ValueError, match=r"the offline LLM is handed its requests up front"):
+        LLM(str(model_dir), num_kv_pages=64, async_scheduling=True, step_launch_pacing=True)

@@ -231,12 +231,26 @@ class EngineConfig:
         if self.server.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {self.server.api_server_count}")
         self._validate_nodes()
+        self._validate_pacing()
         self._validate_kv_offload()
         self._validate_chat_output()
         for flag in REQUEST_LIMIT_FLAGS:
             if getattr(self.server, _limit_field(flag)) < 1:
                 raise ValueError(f"{flag} must be >= 1")
 
+
+    def _validate_pacing(self) -> None:
+        """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
+        if not self.scheduler.step_launch_pacing:
+            return
+        if self.scheduler.async_scheduling is False:
+            raise ValueError("--step-launch-pacing paces async scheduling: it needs --async-scheduling")
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--step-launch-pacing does not apply under pipeline parallelism, whose batch queue "
+                             "keeps a batch per stage in flight")
+        if self.parallel.expert_parallel_across_cores:
+            raise ValueError("--step-launch-pacing does not apply when experts span data-parallel engine cores: "
+                             "they step in lockstep")
 
     def _validate_kv_offload(self) -> None:
         cc = self.cache

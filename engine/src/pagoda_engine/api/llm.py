@@ -44,6 +44,9 @@ class LLM:
             raise ValueError(f"data_parallel_size {config.parallel.data_parallel_size}: the offline LLM runs one "
                              f"engine core in this process; data-parallel engine cores are served by "
                              f"`pagoda serve --data-parallel-size {config.parallel.data_parallel_size}`")
+        if config.scheduler.step_launch_pacing:
+            raise ValueError("step_launch_pacing times a server's steps to the requests arriving on its socket "
+                             "(`pagoda serve --step-launch-pacing`); the offline LLM is handed its requests up front")
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(tokenizer or self.core.model_dir)
         self.processor = OutputProcessor(self.tokenizer)

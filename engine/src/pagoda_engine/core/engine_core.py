@@ -146,6 +146,9 @@ class EngineCore:
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
+        if config.scheduler.step_launch_pacing and not config.scheduler.async_scheduling:
+            raise ModelLoadError(f"--step-launch-pacing paces async scheduling, which is off by default on "
+                                 f"{self.device.type}: add --async-scheduling")
         if config.scheduler.max_num_seqs is None:
             config.scheduler.max_num_seqs = _default_max_num_seqs(self.device)
             logger.info("max_num_seqs %d (the default on %s)", config.scheduler.max_num_seqs, self.device)
@@ -207,8 +210,7 @@ class EngineCore:
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
-        if (config.scheduler.async_scheduling and config.scheduler.step_launch_pacing
-                and self.max_concurrent_batches == 1 and not self.in_lockstep):
+        if config.scheduler.step_launch_pacing:  # EngineConfig.validate refused it where it cannot apply
             self.pacer = LaunchPacer()
         if self.max_concurrent_batches > 1 and config.scheduler.async_scheduling:
             logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
