@@ -73,10 +73,15 @@ def _wait_idle(url: str, timeout: float = 60) -> None:
 def test_concurrent_requests_on_both_cores_give_one_process_greedy_tokens(dp_ep_server, one_process_texts):
     before = _served_per_core(dp_ep_server.url)
     assert _complete_all(dp_ep_server.base_url, [None] * len(PROMPTS)) == one_process_texts
+    middle = _served_per_core(dp_ep_server.url)
+    # Least-loaded routing used both cores: 2 + 2 when the four arrive together, 3 + 1 when one
+    # finished before the last arrived (a loaded CI machine spreads the arrivals).
+    first_round = [a - b for a, b in zip(middle, before)]
+    assert sum(first_round) == 4 and min(first_round) >= 1, first_round
     # Pinned the other way round: each prompt's tokens do not depend on which core runs it.
     assert _complete_all(dp_ep_server.base_url, [1, 0, 1, 0]) == one_process_texts
     after = _served_per_core(dp_ep_server.url)
-    assert [a - b for a, b in zip(after, before)] == [4, 4]  # least-loaded spread the first round 2 + 2
+    assert [a - b for a, b in zip(after, middle)] == [2, 2]
 
 
 @pytest.mark.parametrize("busy", [0, 1])
