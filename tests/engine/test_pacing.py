@@ -81,7 +81,8 @@ def test_the_slack_grows_after_a_late_launch_and_shrinks_back():
 
 
 # --- the loop, against a simulated device ------------------------------------------------------
-DEVICE_STEP_S = 0.060  # every step's device time: far above a tiny model's host work, even on a busy CI machine
+DEVICE_STEP_S = 0.080  # every step's device time: far above a tiny model's host work, even on a busy CI machine
+SEND_AFTER_S = 0.025  # into a step: an unpaced core has scheduled the next one long before, a paced one not yet
 
 
 class _Event:
@@ -122,7 +123,7 @@ def model_dir(tmp_path_factory):
 
 
 def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
-    """A long request decodes; at every other output, a new one-token request is sent 10 ms
+    """A long request decodes; at every other output, a new one-token request is sent SEND_AFTER_S
     later. For each, how many steps after the one on the device when it was sent it was first
     scheduled in (1: the next step)."""
     core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True,
@@ -148,8 +149,7 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
             outputs += 1
             # From the 8th output on (the pacer has seen enough decode steps), every other output.
             if outputs >= 8 and outputs % 2 == 0 and len(sent) < 8:
-                # 10 ms into the step: an unpaced core has scheduled the next one by then.
-                time.sleep(0.010)
+                time.sleep(SEND_AFTER_S)
                 rid = f"short-{len(sent)}"
                 sent[rid] = time.monotonic()
                 to_core.send(encoder.encode(EngineCoreRequest(
