@@ -20,7 +20,8 @@ import statistics
 import time
 
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
-from pagoda_engine.bench.offline import _is_standard, environment, process_age_s
+from pagoda_engine.bench.offline import (_is_standard, environment, latency_summary, mean_tpot_of_complete_run,
+                                         process_age_s, throughput_summary)
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import EngineConfig, config_from_args
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest
@@ -116,16 +117,9 @@ class DataParallelDriver:
             await self.drive([list(range(1, 65 + i)) for i in range(4)], [params] * 4, f"warmup{rank}", rank=rank)
 
 
-def _check_complete(wl: Workload, run: _Run) -> None:
-    produced = sum(run.num_out.values())
-    if produced != wl.num_output_tokens or len(run.finished) != wl.num_requests:
-        raise RuntimeError(f"workload {wl.name}: produced {produced} of {wl.num_output_tokens} output tokens, "
-                           f"{len(run.finished)} of {wl.num_requests} requests finished")
-
-
-def _mean_tpot_s(run: _Run) -> float | None:
-    tpots = [(run.finished[r] - run.first_token[r]) / (n - 1) for r, n in run.num_out.items() if n > 1]
-    return statistics.fmean(tpots) if tpots else None
+def _mean_tpot_s(wl: Workload, run: _Run) -> float | None:
+    """The run's mean time per output token, once it is checked complete (`offline.mean_tpot_of_complete_run`)."""
+    return mean_tpot_of_complete_run(wl, run.num_out, run.first_token, run.finished)
 
 
 def _settings(config: EngineConfig, ready: CoreReady) -> dict:
@@ -168,53 +162,33 @@ async def _run(args, title: str) -> dict:
         base = {"bench": title, "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info}
         if title == "throughput":
             return _throughput_result(wl, base, *await driver.drive(wl.prompts, params, "bench"), driver)
-        return await _latency(args, wl, base, params, driver)
+        return await _latency(wl, base, params, driver, args.num_iters)
     finally:
         await driver.shutdown()
 
 
 def _throughput_result(wl: Workload, base: dict, run: _Run, start: float, elapsed: float,
                        driver: DataParallelDriver) -> dict:
-    _check_complete(wl, run)
-    out_tps = wl.num_output_tokens / elapsed
-    total_tps = (wl.num_output_tokens + wl.num_input_tokens) / elapsed
+    figures, lines = throughput_summary(wl, elapsed, _mean_tpot_s(wl, run))
     per_core = [sum(1 for r in run.rank_of.values() if r == rank) for rank in range(driver.size)]
-    tpot = _mean_tpot_s(run)
-    result = {
-        **base, "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens,
-        "output_tokens": wl.num_output_tokens, "elapsed_s": round(elapsed, 6),
-        "requests_per_s": round(wl.num_requests / elapsed, 3), "output_tokens_per_s": round(out_tps, 1),
-        "total_tokens_per_s": round(total_tps, 1),
-        "mean_time_per_output_token_ms": round(tpot * 1e3, 3) if tpot else None,
-        "requests_per_core": per_core, "steps_per_core": list(driver.steps),
-    }
+    result = {**base, **figures, "requests_per_core": per_core, "steps_per_core": list(driver.steps)}
     print(f"{wl.num_requests} requests in {elapsed:.2f} s; per core: {per_core} requests")
-    print(f"output tokens/s: {out_tps:,.1f}   total tokens/s: {total_tps:,.1f}   "
-          f"requests/s: {result['requests_per_s']}")
-    if tpot:
-        print(f"mean time per output token (per request, after its first): {tpot * 1e3:.2f} ms")
+    print("\n".join(lines))
     return result
 
 
-async def _latency(args, wl: Workload, base: dict, params: list[SamplingParams], driver: DataParallelDriver) -> dict:
-    if args.num_iters < 1:
-        raise SystemExit("error: --num-iters must be >= 1")
+async def _latency(wl: Workload, base: dict, params: list[SamplingParams], driver: DataParallelDriver,
+                   num_iters: int) -> dict:
     await driver.drive(wl.prompts, params, "warmup-run")
     runs = []
-    for it in range(args.num_iters):
+    for it in range(num_iters):
         run, start, elapsed = await driver.drive(wl.prompts, params, f"iter{it}")
-        _check_complete(wl, run)
+        tpot = _mean_tpot_s(wl, run)
         ttft = statistics.fmean(t - start for t in run.first_token.values())
-        runs.append({"e2e_s": elapsed, "ttft_s": ttft, "tpot_s": _mean_tpot_s(run)})
-    out_len = wl.output_lens[0]
-    e2e = statistics.median(x["e2e_s"] for x in runs)
-    tpot = statistics.median(x["tpot_s"] for x in runs)
-    ttft = statistics.median(x["ttft_s"] for x in runs)
-    print(f"end to end: {e2e:.3f} s for {out_len} output tokens (median of {args.num_iters}); TTFT {ttft * 1e3:.1f} ms")
-    print(f"time per output token: {e2e / out_len * 1e3:.3f} ms (end to end / output tokens); "
-          f"decode only: {tpot * 1e3:.3f} ms")
-    return {**base, "iterations": runs, "median_e2e_s": round(e2e, 4), "median_ttft_ms": round(ttft * 1e3, 2),
-            "ms_per_output_token": round(e2e / out_len * 1e3, 3), "ms_per_decode_token": round(tpot * 1e3, 3)}
+        runs.append({"e2e_s": elapsed, "ttft_s": ttft, "tpot_s": tpot})
+    figures, lines = latency_summary(runs, wl.output_lens[0])
+    print("\n".join(lines))
+    return {**base, **figures}
 
 
 def run_data_parallel(args, title: str) -> dict:

@@ -195,14 +195,57 @@ def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | N
     if core.device.type == "cuda":
         torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
+    return {"elapsed_s": elapsed, "steps": step, "start": start, "first_token": first_token, "finished": finished,
+            "mean_tpot_s": mean_tpot_of_complete_run(wl, num_out, first_token, finished),
+            "num_preemptions": core.scheduler.num_preemptions}
+
+
+def mean_tpot_of_complete_run(wl: Workload, num_out: dict[str, int], first_token: dict[str, float],
+                              finished: dict[str, float]) -> float | None:
+    """The mean time per output token after each request's first, once the run is checked to have
+    produced every token and finished every request of `wl` (RuntimeError otherwise). `num_out`:
+    tokens per request; `first_token` and `finished`: when each got its first and its last."""
     produced = sum(num_out.values())
     if produced != wl.num_output_tokens or len(finished) != wl.num_requests:
         raise RuntimeError(f"workload {wl.name}: produced {produced} of {wl.num_output_tokens} output tokens, "
                            f"{len(finished)} of {wl.num_requests} requests finished")
-    tpots = [(finished[r] - first_token[r]) / (num_out[r] - 1) for r in ids if num_out[r] > 1]
-    return {"elapsed_s": elapsed, "steps": step, "start": start, "first_token": first_token, "finished": finished,
-            "mean_tpot_s": statistics.fmean(tpots) if tpots else None,
-            "num_preemptions": core.scheduler.num_preemptions}
+    tpots = [(finished[r] - first_token[r]) / (n - 1) for r, n in num_out.items() if n > 1]
+    return statistics.fmean(tpots) if tpots else None
+
+
+def throughput_summary(wl: Workload, elapsed_s: float, mean_tpot_s: float | None) -> tuple[dict, list[str]]:
+    """A throughput run's figures (the result's fields) and the lines that report them."""
+    out_tps = wl.num_output_tokens / elapsed_s
+    total_tps = (wl.num_output_tokens + wl.num_input_tokens) / elapsed_s
+    fields = {
+        "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens, "output_tokens": wl.num_output_tokens,
+        "elapsed_s": round(elapsed_s, 6), "requests_per_s": round(wl.num_requests / elapsed_s, 3),
+        "output_tokens_per_s": round(out_tps, 1), "total_tokens_per_s": round(total_tps, 1),
+        "mean_time_per_output_token_ms": round(mean_tpot_s * 1e3, 3) if mean_tpot_s else None,
+    }
+    lines = [f"output tokens/s: {out_tps:,.1f}   total tokens/s: {total_tps:,.1f}   "
+             f"requests/s: {fields['requests_per_s']}"]
+    if mean_tpot_s:
+        lines.append(f"mean time per output token (per request, after its first): {mean_tpot_s * 1e3:.2f} ms")
+    return fields, lines
+
+
+def latency_summary(runs: list[dict], out_len: int, roofline_ms_per_token: float | None = None
+                    ) -> tuple[dict, list[str]]:
+    """A latency benchmark's figures over its timed runs (each with e2e_s, ttft_s and tpot_s; the
+    medians) and the lines that report them, against the roofline when it was measured;
+    `out_len`: output tokens per run."""
+    e2e = statistics.median(x["e2e_s"] for x in runs)
+    tpot = statistics.median(x["tpot_s"] for x in runs)
+    ttft = statistics.median(x["ttft_s"] for x in runs)
+    fields = {"iterations": runs, "median_e2e_s": round(e2e, 4), "median_ttft_ms": round(ttft * 1e3, 2),
+              "ms_per_output_token": round(e2e / out_len * 1e3, 3), "ms_per_decode_token": round(tpot * 1e3, 3)}
+    lines = [f"end to end: {e2e:.3f} s for {out_len} output tokens (median of {len(runs)}); TTFT {ttft * 1e3:.1f} ms",
+             f"time per output token: {e2e / out_len * 1e3:.3f} ms (end to end / output tokens); "
+             f"decode only: {tpot * 1e3:.3f} ms"]
+    if roofline_ms_per_token:
+        lines.append(f"vs roofline: {e2e / out_len * 1e3 / roofline_ms_per_token:.3f} x")
+    return fields, lines
 
 
 def _roofline(core: EngineCore) -> dict:
@@ -254,23 +297,15 @@ def run_throughput(args) -> dict:
     core, wl, info, env, roof = _prepare(args, "throughput")
     profiler = _StepProfiler(args.profile, *(args.profile_steps or (300, 10))) if args.profile else None
     r = _drive(core, wl, "bench", profiler)
-    out_tps = wl.num_output_tokens / r["elapsed_s"]
-    total_tps = (wl.num_output_tokens + wl.num_input_tokens) / r["elapsed_s"]
+    figures, lines = throughput_summary(wl, r["elapsed_s"], r["mean_tpot_s"])
     result = {
         "bench": "throughput", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
-        "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens, "output_tokens": wl.num_output_tokens,
-        "elapsed_s": round(r["elapsed_s"], 6), "requests_per_s": round(wl.num_requests / r["elapsed_s"], 3),
-        "output_tokens_per_s": round(out_tps, 1), "total_tokens_per_s": round(total_tps, 1),
-        "mean_time_per_output_token_ms": round(r["mean_tpot_s"] * 1e3, 3) if r["mean_tpot_s"] else None,
-        "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
+        **figures, "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
     }
     _print_roofline(roof)
     print(f"{wl.num_requests} requests in {r['elapsed_s']:.2f} s ({r['steps']} steps, "
           f"{r['num_preemptions']} preemptions)")
-    print(f"output tokens/s: {out_tps:,.1f}   total tokens/s: {total_tps:,.1f}   "
-          f"requests/s: {result['requests_per_s']}")
-    if r["mean_tpot_s"]:
-        print(f"mean time per output token (per request, after its first): {r['mean_tpot_s'] * 1e3:.2f} ms")
+    print("\n".join(lines))
     return result
 
 
@@ -291,19 +326,11 @@ def run_latency(args) -> dict:
         ttft = statistics.fmean(r["first_token"][k] - r["start"] for k in r["first_token"])
         runs.append({"e2e_s": r["elapsed_s"], "ttft_s": ttft, "tpot_s": r["mean_tpot_s"]})
     out_len = wl.output_lens[0]
-    e2e = statistics.median(x["e2e_s"] for x in runs)
-    tpot = statistics.median(x["tpot_s"] for x in runs)
-    ttft = statistics.median(x["ttft_s"] for x in runs)
+    figures, lines = latency_summary(runs, out_len, roof["roofline_ms_per_token"])
     result = {
         "bench": "latency", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
-        "iterations": runs, "median_e2e_s": round(e2e, 4), "median_ttft_ms": round(ttft * 1e3, 2),
-        "ms_per_output_token": round(e2e / out_len * 1e3, 3), "ms_per_decode_token": round(tpot * 1e3, 3),
-        "roofline": roof,
+        **figures, "roofline": roof,
     }
     _print_roofline(roof)
-    print(f"end to end: {e2e:.3f} s for {out_len} output tokens (median of {args.num_iters}); TTFT {ttft * 1e3:.1f} ms")
-    print(f"time per output token: {e2e / out_len * 1e3:.3f} ms (end to end / output tokens); "
-          f"decode only: {tpot * 1e3:.3f} ms")
-    if roof["roofline_ms_per_token"]:
-        print(f"vs roofline: {e2e / out_len * 1e3 / roof['roofline_ms_per_token']:.3f} x")
+    print("\n".join(lines))
     return result
