@@ -4,8 +4,8 @@ arriving meanwhile joins the next step, not the one after it.
 
 The pacer's model is tested on its own. The whole loop runs on CPU against a simulated device: a
 core whose steps take a fixed device time (each step starts when the one before it ends, its
-`ended` event fires then, and reading its tokens waits for it), driven through the real
-`CoreLoop` on ZMQ sockets."""
+`ended` event fires then, and reading its tokens waits for it), given a pacer as a GPU core gets
+one from the flag (which a CPU core refuses), driven through the real `CoreLoop` on ZMQ sockets."""
 
 import time
 
@@ -126,8 +126,9 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
     """A long request decodes; at every other output, a new one-token request is sent SEND_AFTER_S
     later. For each, how many steps after the one on the device when it was sent it was first
     scheduled in (1: the next step)."""
-    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True,
-                                               step_launch_pacing=pacing))
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
+    if pacing:
+        core.pacer = LaunchPacer()
     log: list = []
     _simulate_device(core, log)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
@@ -192,10 +193,15 @@ def test_pacing_is_off_by_default_and_never_delays_then(model_dir):
         core.close()
 
 
-def test_pacing_without_async_scheduling_is_refused_by_name(model_dir):
-    # On CPU async scheduling is off unless asked for: pacing would have nothing to time.
-    with pytest.raises(ModelLoadError, match=r"off by default on cpu: add --async-scheduling"):
-        EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=None,
+@pytest.mark.parametrize("async_scheduling", [None, True])
+def test_pacing_on_cpu_is_refused_by_name(model_dir, async_scheduling):
+    # A CPU step has ended when launch() returns: there is never a step in flight to time.
+    with pytest.raises(ModelLoadError, match=r"--step-launch-pacing times steps running on a GPU; on cpu a step "
+                                             r"has ended by the time it is launched"):
+        EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=async_scheduling,
                                             step_launch_pacing=True))
+
+
+def test_pacing_in_the_offline_llm_is_refused_by_name(model_dir):
     with pytest.raises(ValueError, match=r"the offline LLM is handed its requests up front"):
         LLM(str(model_dir), num_kv_pages=64, async_scheduling=True, step_launch_pacing=True)

@@ -146,9 +146,9 @@ class EngineCore:
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
-        if config.scheduler.step_launch_pacing and not config.scheduler.async_scheduling:
-            raise ModelLoadError(f"--step-launch-pacing paces async scheduling, which is off by default on "
-                                 f"{self.device.type}: add --async-scheduling")
+        if config.scheduler.step_launch_pacing and self.device.type != "cuda":
+            raise ModelLoadError(f"--step-launch-pacing times steps running on a GPU; on {self.device.type} a step "
+                                 f"has ended by the time it is launched")
         if config.scheduler.max_num_seqs is None:
             config.scheduler.max_num_seqs = _default_max_num_seqs(self.device)
             logger.info("max_num_seqs %d (the default on %s)", config.scheduler.max_num_seqs, self.device)
@@ -195,7 +195,8 @@ class EngineCore:
         if config.kv_offload_enabled:
             self.kv.offload = self._start_offload(spec)
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
-        self.runner = ModelRunner(self.model, self.attn, self.kv, make_sampler(mc.seed, self.device), self.device, self.executor)
+        self.runner = ModelRunner(self.model, self.attn, self.kv, make_sampler(mc.seed, self.device), self.device,
+                                  self.executor, record_ends=config.scheduler.step_launch_pacing)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         # Structured outputs: grammars compile in the compiler's threads; a request waits for its.
@@ -204,14 +205,13 @@ class EngineCore:
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         self._in_flight: LaunchedStep | None = None  # async scheduling: launched, not yet resolved
         self._launched_at = self._resolved_at = 0.0  # when it was launched; when the step before it was resolved
-        # Step launch pacing (`launch_delay`, core.pacing): on under async scheduling with one batch in flight.
-        self.pacer: LaunchPacer | None = None
+        # Step launch pacing (`launch_delay`, core.pacing); EngineConfig.validate and __init__ refused
+        # it wherever no step is in flight on a device to time.
+        self.pacer = LaunchPacer() if config.scheduler.step_launch_pacing else None
         self._paced = False  # the core's loop waited for `launch_delay` before this step
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
-        if config.scheduler.step_launch_pacing:  # EngineConfig.validate refused it where it cannot apply
-            self.pacer = LaunchPacer()
         if self.max_concurrent_batches > 1 and config.scheduler.async_scheduling:
             logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
                         "scheduling", self.max_concurrent_batches)

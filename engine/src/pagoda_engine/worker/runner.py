@@ -70,7 +70,7 @@ class LaunchedStep:
     sample: PendingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     sample_later: Callable[[], PendingSample] | None = None
-    ended: torch.cuda.Event | None = None  # after rank 0's work for the step (CUDA, one pipeline stage)
+    ended: torch.cuda.Event | None = None  # after rank 0's work for the step (with `ModelRunner.record_ends`)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -99,7 +99,7 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device, executor: Executor):
+                 sampler: Sampler, device: torch.device, executor: Executor, record_ends: bool = False):
         self.model = model
         self.attn = attn
         self.kv = kv
@@ -109,6 +109,7 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         # Runs the forward and LM head on every rank (rank 0 in this process).
         self.executor = executor
+        self.record_ends = record_ends  # each step records `LaunchedStep.ended` (step launch pacing reads it)
 
     @property
     def graphs(self) -> DecodeGraphs | None:
@@ -218,7 +219,7 @@ class ModelRunner:
             else:
                 sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
         ended = None
-        if self.device.type == "cuda" and self.executor.layout.pp == 1:
+        if self.record_ends:
             ended = torch.cuda.Event()
             ended.record()
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
