@@ -31,12 +31,12 @@ def make_batch(rng: random.Random, decode_lens: list[int], prefills: list[tuple[
     return AttentionBatch(query_lens, seq_lens, tables, torch.tensor(slots, device=device), len(decode_lens))
 
 
-def backends(num_qo_heads, num_kv_heads, head_dim):
+def backends(num_qo_heads, num_kv_heads, head_dim, num_layers=2):
     from pagoda_engine.worker.attention.flashinfer import FlashInferBackend
     from pagoda_engine.worker.attention.torch_ref import TorchRefBackend
 
     cuda = torch.device("cuda")
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,
+    spec = KVCacheSpec(num_layers=num_layers, num_kv_heads=num_kv_heads, num_qo_heads=num_qo_heads, head_dim=head_dim,
                        page_size=PAGE, dtype=torch.bfloat16)
     fi, ref = FlashInferBackend(spec, NUM_PAGES, cuda), TorchRefBackend(spec, NUM_PAGES, cuda)
     # The same cached K/V (the tokens before each new chunk) in both pools.
@@ -64,6 +64,37 @@ def test_mixed_batch_matches_reference(heads, num_decodes):
         got, want = fi.forward(layer, q, k, v), ref.forward(layer, q, k, v)
         torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
         torch.testing.assert_close(fi.kv_caches[layer], ref.kv_caches[layer], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["mixed", "decodes", "prefills"])
+def test_later_layers_replay_the_first_layers_kernel_call(kind):
+    """One plan, four layers: layer 0 goes through FlashInfer's `run`, layers 1-3 replay the call
+    it made with their own q, pages and output. Each layer matches the reference, and the replay
+    gives the bits `run` gives."""
+    fi, ref = backends(32, 8, 128, num_layers=4)
+    rng = random.Random(5)
+    decode_lens = [rng.randrange(2, 700) for _ in range(12)] if kind != "prefills" else []
+    prefills = [(0, 30), (64, 200), (5, 1)] if kind != "decodes" else []
+    batch = make_batch(rng, decode_lens=decode_lens, prefills=prefills, device="cuda")
+    t = batch.num_tokens
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    qs, ks, vs = ([torch.randn(t, h, 128, generator=gen, device="cuda").bfloat16() for _ in range(4)]
+                  for h in (32, 8, 8))
+    fi.plan(batch)
+    ref.plan(batch)
+    got = [fi.forward(layer, qs[layer], ks[layer], vs[layer]) for layer in range(4)]
+    replays = fi._step.replays
+    assert len(replays) == (2 if kind == "mixed" else 1)
+    assert all(r is not None for r in replays.values()), "FlashInfer's run made a call the backend cannot replay"
+    for layer in range(4):
+        want = ref.forward(layer, qs[layer], ks[layer], vs[layer])
+        torch.testing.assert_close(got[layer].float(), want.float(), atol=2e-2, rtol=2e-2)
+    # `run` itself, for every layer (a fresh plan records again at its first layer: use layer 0 for that).
+    fi.plan(batch)
+    fi.forward(0, qs[0], ks[0], vs[0])
+    fi._step.replays = {key: None for key in fi._step.replays}
+    for layer in range(1, 4):
+        torch.testing.assert_close(fi.forward(layer, qs[layer], ks[layer], vs[layer]), got[layer], atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_reqs,padded", [(5, 8), (21, 32)])

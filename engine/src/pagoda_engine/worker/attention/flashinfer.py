@@ -18,7 +18,7 @@ reserved null page 0 and write their K/V there; nobody reads it.
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall back to the reference
 import numpy as np
@@ -65,12 +65,97 @@ def page_table_csr(page_tables: list[list[int]], seq_lens: list[int], page_size:
     return indptr, indices, last_page_len
 
 
+class _Recorder:
+    """Stands in for a wrapper's compiled module during one `run`: passes every call through and
+    keeps it."""
+
+    def __init__(self, module):
+        self.module = module
+        self.calls: list[tuple] = []
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.module, name)
+        if not callable(fn):
+            return fn
+
+        def record(*args, **kwargs):
+            self.calls.append((fn, args, kwargs))
+            return fn(*args, **kwargs)
+        return record
+
+
+class _Replay:
+    """One wrapper's kernel call for the planned step, taken from FlashInfer's own `run` at the
+    step's first layer and made again for each later layer with that layer's q, K/V pages and
+    output. `run` checks its inputs and rebuilds some forty arguments on every call, which cost
+    more host time than the launch itself, and an eager step makes one or two calls per layer."""
+
+    def __init__(self, fn, args: tuple, kwargs: dict, where: dict[int, int]):
+        self.fn, self.args, self.kwargs = fn, list(args), kwargs
+        self.where = where  # argument index -> which of (q, k pages, v pages, out) goes there
+
+    @classmethod
+    def record(cls, wrapper, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor],
+               out: torch.Tensor) -> _Replay | None:
+        """Run `wrapper` once, and return the call that replays it, or None where the call does
+        not hand these four tensors to the kernel as they are (then every layer calls `run`)."""
+        module = getattr(wrapper, "_cached_module", None)
+        if module is None:
+            wrapper.run(q, pages, out=out)
+            return None
+        recorder = _Recorder(module)
+        wrapper._cached_module = recorder
+        try:
+            wrapper.run(q, pages, out=out)
+        finally:
+            wrapper._cached_module = module
+        if len(recorder.calls) != 1:
+            return None
+        fn, args, kwargs = recorder.calls[0]
+        ours = (q, pages[0], pages[1], out)
+        where = {i: j for i, a in enumerate(args) for j, t in enumerate(ours) if _same_tensor(a, t)}
+        if sorted(where.values()) != [0, 1, 2, 3] or any(
+                _refers_to(v, t) for v in kwargs.values() for t in ours):
+            return None
+        return cls(fn, args, kwargs, where)
+
+    def __call__(self, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+        ours = (q, pages[0], pages[1], out)
+        args = self.args
+        for i, j in self.where.items():
+            args[i] = ours[j]
+        self.fn(*args, **self.kwargs)
+
+
+def _same_tensor(a, t: torch.Tensor) -> bool:
+    return a is t or (isinstance(a, torch.Tensor) and a.data_ptr() == t.data_ptr() and a.shape == t.shape
+                      and a.stride() == t.stride() and a.dtype == t.dtype)
+
+
+def _refers_to(a, t: torch.Tensor) -> bool:
+    return isinstance(a, torch.Tensor) and a.data_ptr() == t.data_ptr()
+
+
 @dataclass
 class _Step:
     num_decodes: int  # rows [0, num_decodes) of q are decodes
     num_prefill_tokens: int  # rows after them are prefill chunks
     decode: object | None  # the decode wrapper planned for this step
     slots: torch.Tensor  # int64 [T]: page * page_size + offset of each new token's K/V
+    replays: dict[int, _Replay | None] = field(default_factory=dict)  # id(wrapper) -> its recorded call
+
+    def run(self, wrapper, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
+        """`wrapper.run(q, pages, out=out)` as planned: the first layer's call is recorded, later
+        layers replay it."""
+        key = id(wrapper)
+        if key not in self.replays:
+            self.replays[key] = _Replay.record(wrapper, q, pages, out)
+            return
+        replay = self.replays[key]
+        if replay is None:
+            wrapper.run(q, pages, out=out)
+        else:
+            replay(q, pages, out)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -94,6 +179,8 @@ class FlashInferBackend(AttentionBackend):
         # CUDA-graph decode state, made by `init_graph_buffers`.
         self._graph_wrappers: dict[int, object] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
+        # Each layer's K and V pages as FlashInfer's run splits them, made once.
+        self._kv_views = [tuple(cache.unbind(1)) for cache in self.kv_caches]
 
     def _share_scheduling_workspace(self, wrapper) -> None:
         # Each wrapper makes its own 8 MiB scheduling workspace (and a pinned host twin): dozens of
@@ -208,6 +295,8 @@ class FlashInferBackend(AttentionBackend):
         st = self._step
         if st is None:
             raise RuntimeError("plan(batch) must run before forward")
+        if self.layer_hook is not None:
+            self.layer_hook(layer_id)
         cache = self.kv_caches[layer_id]
         # q usually stays a strided view of the qkv projection's output: these kernels and
         # FlashInfer's take row and head strides, so no copy is made.
@@ -220,12 +309,14 @@ class FlashInferBackend(AttentionBackend):
             norms = dict(q_norm=(q_norm.weight, q_norm.eps), k_norm=(k_norm.weight, k_norm.eps))
         rope_and_write_kv(cache, st.slots, q, k, v, *rope, **norms)
         nd = st.num_decodes
-        if not st.num_prefill_tokens:
-            return st.decode.run(q, cache, out=out)
-        if not nd:
-            return self.prefill_wrapper.run(q, cache, out=out)
         if out is None:
             out = torch.empty_like(q)
-        st.decode.run(q[:nd], cache, out=out[:nd])
-        self.prefill_wrapper.run(q[nd:], cache, out=out[nd:])
+        pages = self._kv_views[layer_id]
+        if not st.num_prefill_tokens:
+            st.run(st.decode, q, pages, out)
+        elif not nd:
+            st.run(self.prefill_wrapper, q, pages, out)
+        else:
+            st.run(st.decode, q[:nd], pages, out[:nd])
+            st.run(self.prefill_wrapper, q[nd:], pages, out[nd:])
         return out
