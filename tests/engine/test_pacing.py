@@ -2,10 +2,9 @@
 loop schedules the next step when the decode step in flight is about to end, so that a request
 arriving meanwhile joins the next step, not the one after it.
 
-The pacer's model is tested on its own. The whole loop runs on CPU against a simulated device: a
-core whose steps take a fixed device time (each step starts when the one before it ends, its
-`ended` event fires then, and reading its tokens waits for it), given a pacer as a GPU core gets
-one from the flag (which a CPU core refuses), driven through the real `CoreLoop` on ZMQ sockets."""
+The pacer's model is tested on its own. The whole loop runs on CPU against a simulated device
+(`simulated_device`: every step takes a fixed device time), given a pacer as a GPU core gets one
+from the flag (which a CPU core refuses), driven through the real `CoreLoop` on ZMQ sockets."""
 
 import time
 
@@ -28,6 +27,7 @@ from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.tiny import build_tiny_model
 
 from core_loop_sockets import core_loop_sockets
+from simulated_device import simulate_device
 
 
 def test_no_lead_before_three_decode_steps_of_that_size():
@@ -85,38 +85,6 @@ DEVICE_STEP_S = 0.080  # every step's device time: far above a tiny model's host
 SEND_AFTER_S = 0.025  # into a step: an unpaced core has scheduled the next one long before, a paced one not yet
 
 
-class _Event:
-    def __init__(self, at: float):
-        self.at = at
-
-    def query(self) -> bool:
-        return time.monotonic() >= self.at
-
-
-def _simulate_device(core: EngineCore, log: list) -> None:
-    """Give `core`'s runner a device: a step starts when the one before it ends and takes
-    DEVICE_STEP_S. `log` gets (start, end, request ids) of every step."""
-    runner, free_at = core.runner, [0.0]
-    launch = runner.launch
-
-    def launch_on_device(sched, prev=None):
-        step = launch(sched, prev)
-        start = max(time.monotonic(), free_at[0])
-        free_at[0] = end = start + DEVICE_STEP_S
-        step.ended = _Event(end)
-        log.append((start, end, [s.request.request_id for s in sched.scheduled]))
-        resolve = step.resolve
-
-        def resolve_on_device():
-            time.sleep(max(0.0, end - time.monotonic()))
-            return resolve()
-
-        step.resolve = resolve_on_device
-        return step
-
-    runner.launch = launch_on_device
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama")
@@ -130,7 +98,7 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
     if pacing:
         core.pacer = LaunchPacer()
     log: list = []
-    _simulate_device(core, log)
+    simulate_device(core, log, DEVICE_STEP_S)
     encoder, decoder = make_encoder(), make_decoder(FromCore)
     sent: dict[str, float] = {}
     with core_loop_sockets(core, f"pacing-{pacing}") as sockets:
@@ -160,8 +128,8 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
         thread.join(10)
     waits = []
     for rid, at in sent.items():
-        on_device = next(i for i, (start, end, _) in enumerate(log) if start <= at < end)
-        first = next(i for i, (_, _, rids) in enumerate(log) if rid in rids)
+        on_device = next(i for i, step in enumerate(log) if step["start"] <= at < step["end"])
+        first = next(i for i, step in enumerate(log) if rid in step["request_ids"])
         waits.append(first - on_device)
     return waits, core
 

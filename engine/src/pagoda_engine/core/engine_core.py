@@ -28,6 +28,7 @@ import logging
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
@@ -209,6 +210,9 @@ class EngineCore:
         # it wherever no step is in flight on a device to time.
         self.pacer = LaunchPacer() if config.scheduler.step_launch_pacing else None
         self._paced = False  # the core's loop waited for `launch_delay` before this step
+        # Where outputs go as soon as a step has ended, before the step after it is launched in
+        # full (`publish_early`); None: with the step after it.
+        self._early_sink: Callable[[EngineCoreOutputs], None] | None = None
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
@@ -535,6 +539,15 @@ class EngineCore:
         self.kv.launch_stores()
         return EngineCoreOutputs(outputs=self._update(sched, result), stats=self.get_stats(sched.num_tokens))
 
+    def publish_early(self, sink: Callable[[EngineCoreOutputs], None]) -> None:
+        """Under async scheduling on a GPU, hand a step's outputs to `sink` as soon as the device
+        has finished it, from between two layers of the next step's launch, instead of returning
+        them from `step()` after that launch (`_EarlyPublish`). The core's loop gives its publisher;
+        the offline `LLM` reads its outputs per step and gives none."""
+        self._early_sink = sink
+        if self.device.type == "cuda":
+            self.runner.record_ends = True  # `LaunchedStep.has_ended` answers only from its end event
+
     def _step_overlapped(self) -> EngineCoreOutputs:
         """Launch the next step, then resolve the one in flight (async scheduling)."""
         prev, self._in_flight = self._in_flight, None
@@ -551,27 +564,39 @@ class EngineCore:
             decode = pacer is not None and _decode_only(sched)
             if paced and decode and prev is not None:
                 pacer.launched(late=bool(prev.has_ended()))
-            self._in_flight = self.runner.launch(sched, prev)
+            early = None
+            if prev is not None and self._early_sink is not None and prev.ended is not None:
+                early = _EarlyPublish(self, prev, sched, prev_launched)
+            self._in_flight = self.runner.launch(sched, prev, layer_hook=early)
             self._launched_at = time.monotonic()
             if decode:
-                pacer.observe_host(self._launched_at - started)
-            self.scheduler.advance(sched)
+                pacer.observe_host(self._launched_at - started - (early.spent_s if early is not None else 0.0))
+            if early is not None and early.published:
+                prev = None  # resolved, applied and published between two of this step's layers
+            else:
+                self.scheduler.advance(sched)
             self.kv.launch_stores()
         elif prev is None:
             self._check_compiled(idle=True)
             self._wait_for_offload()
         if prev is not None:
-            waited = pacer is not None and prev.has_ended() is False  # else its device time is a bound only
-            result = prev.resolve()
-            # Its device time is at most from its launch, or from the end of the step before it.
-            now = time.monotonic()
-            device_s = now - max(prev_launched, self._resolved_at)
-            self.kv.observe_step(prev.sched.num_tokens, device_s)
-            if waited and _decode_only(prev.sched):
-                pacer.observe_decode(len(prev.sched.scheduled), device_s)
-            self._resolved_at = now
-            outputs = self._update(prev.sched, result, advanced=True)
+            outputs = self._resolve_in_flight(prev, prev_launched)
         return EngineCoreOutputs(outputs=outputs, stats=self.get_stats(sched.num_tokens))
+
+    def _resolve_in_flight(self, prev: LaunchedStep, prev_launched: float) -> list[EngineCoreOutput]:
+        """Wait for the step in flight (launched at `prev_launched`), time it and apply its tokens;
+        the scheduler has advanced the step launched after it."""
+        pacer = self.pacer
+        waited = pacer is not None and prev.has_ended() is False  # else its device time is a bound only
+        result = prev.resolve()
+        # Its device time is at most from its launch, or from the end of the step before it.
+        now = time.monotonic()
+        device_s = now - max(prev_launched, self._resolved_at)
+        self.kv.observe_step(prev.sched.num_tokens, device_s)
+        if waited and _decode_only(prev.sched):
+            pacer.observe_decode(len(prev.sched.scheduled), device_s)
+        self._resolved_at = now
+        return self._update(prev.sched, result, advanced=True)
 
     def launch_delay(self) -> float:
         """Seconds the core's loop may go on reading its input before the next `step()` (step
@@ -652,6 +677,33 @@ class EngineCore:
             num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size, num_scheduled_tokens=num_scheduled_tokens,
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [])
+
+
+class _EarlyPublish:
+    """The attention backend's layer hook while a step is launched under async scheduling. An
+    eager step of a thousand prompt tokens takes 10-25 ms of host time to launch, and the step in
+    flight (a decode, say) often ends well before that: its tokens would wait for the whole launch.
+    At the first layer where the step in flight has ended, the hook advances the scheduler past the
+    step being launched (as the core does after a launch), resolves and applies the step in flight
+    and hands its outputs to the core's sink; the launch then goes on. Not in the last two layers,
+    where the launch is about to end anyway. It costs the device nothing while the host launches
+    ahead of it; a host slower than the device leaves it idle for the publish (about a millisecond)."""
+
+    def __init__(self, core: EngineCore, prev: LaunchedStep, sched: SchedulerOutput, prev_launched: float):
+        self.core, self.prev, self.sched, self.prev_launched = core, prev, sched, prev_launched
+        self.last_layer = len(core.attn.kv_caches) - 3
+        self.published = False
+        self.spent_s = 0.0  # host time the publish took out of the launch
+
+    def __call__(self, layer_id: int) -> None:
+        if self.published or layer_id > self.last_layer or not self.prev.has_ended():
+            return
+        started = time.monotonic()
+        self.published = True
+        core = self.core
+        core.scheduler.advance(self.sched)
+        core._early_sink(EngineCoreOutputs(outputs=core._resolve_in_flight(self.prev, self.prev_launched)))
+        self.spent_s = time.monotonic() - started
 
 
 def _decode_only(sched: SchedulerOutput) -> bool:

@@ -185,6 +185,9 @@ class CoreLoop:
         if getattr(self.core, "in_lockstep", False):
             self.run_lockstep()
             return
+        publish_early = getattr(self.core, "publish_early", None)
+        if publish_early is not None:
+            publish_early(self.publish)  # a step's tokens leave as soon as it has ended on the device
         while self.running:
             if self.core.has_unfinished_requests():
                 self._drain_input(0)

@@ -197,10 +197,17 @@ class ModelRunner:
         return self.launch(sched).resolve()
 
     @torch.inference_mode()
-    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> LaunchedStep:
-        """Queue the step on the device; `prev` is the step in flight (async scheduling)."""
+    def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None,
+               layer_hook: Callable[[int], None] | None = None) -> LaunchedStep:
+        """Queue the step on the device; `prev` is the step in flight (async scheduling).
+        `layer_hook`: the attention backend calls it with the layer's index before each layer's
+        attention while this step's forward is launched (once its inputs are prepared), on rank 0."""
         inputs = self.prepare(sched, prev)
-        self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
+        self.attn.layer_hook = layer_hook
+        try:
+            self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
+        finally:
+            self.attn.layer_hook = None
         prompt_logprobs = {}
         # Prompt logprobs are read back here (a sync): such steps are not overlapped.
         for rid, (first, count) in inputs.prompt_logprob_spans.items():

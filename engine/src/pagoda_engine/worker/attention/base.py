@@ -7,6 +7,7 @@ head_dim]` (FlashInfer's "NHD" layout). Page 0 is the reserved null page; no req
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -77,6 +78,10 @@ class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
     name: str = "base"
+    # Called with the layer's index at the start of `forward`, while the runner launches a step
+    # that asked for it (`ModelRunner.launch`): the engine core's chance to publish the step before
+    # between two layers of this one.
+    layer_hook: Callable[[int], None] | None = None
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):
         self.spec = spec

@@ -62,6 +62,8 @@ class TorchRefBackend(AttentionBackend):
                 k_norm: HeadNorm | None = None) -> torch.Tensor:
         if self._batch is None:
             raise RuntimeError("plan(batch) must run before forward")
+        if self.layer_hook is not None:
+            self.layer_hook(layer_id)
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         if rotary is not None:
