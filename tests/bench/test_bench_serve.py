@@ -129,13 +129,21 @@ def test_invalid_rate_is_refused(tiny_model):
 def test_rate_sweep_runs_every_rate_against_one_server(server_url, tiny_model, tmp_path, capsys):
     out = tmp_path / "sweep.json"
     rc = main(["bench", "serve", "--base-url", server_url, "--model", tiny_model, "--num-prompts", "6",
-               "--input-len", "48", "--output-len", "4", "--rates", "30,inf", "--output-json", str(out)])
+               "--input-len", "48", "--output-len", "4", "--rates", "30,inf", "--output-json", str(out),
+               "--save-detailed"])
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["rates"] == [30.0, float("inf")] and [run["request_rate"] for run in r["runs"]] == r["rates"]
     for run in r["runs"]:
         assert (run["completed"], run["failed"], run["output_tokens"]) == (6, 0, 24)
         assert 0 < run["ttft_ms"]["p50"] <= run["ttft_ms"]["p90"] <= run["ttft_ms"]["p99"]
+        # --save-detailed: every request, in arrival order, with the figures the percentiles come from.
+        details = run["requests"]
+        assert len(details) == 6 and [d["sent_s"] for d in details] == sorted(d["sent_s"] for d in details)
+        assert all(d["error"] is None and d["output_tokens"] == 4 for d in details)
+        assert all(len(d["itl_ms"]) <= 3 and min(d["itl_ms"], default=0) >= 0 for d in details)  # per text chunk
+        assert sum(d["ttft_ms"] for d in details) / 6 == pytest.approx(run["ttft_ms"]["mean"], abs=0.01)
+        assert all(0 < d["ttft_ms"] <= d["e2e_ms"] for d in details)
         # From the engine's own histograms, over this rate's requests only: an idle tiny engine
         # queues them for far less than the first bucket, 0.3 s; the mean TTFT splits into parts.
         srv = run["server"]
@@ -316,6 +324,7 @@ def test_profile_records_the_chosen_rate_of_a_sweep_and_prints_the_paths(tiny_mo
 
 
 @pytest.mark.parametrize("argv, message", [
+    (["--save-detailed"], "--save-detailed writes into --output-json; give it a file"),
     (["--profile-rates", "8"], "--profile-rates needs --profile"),
     (["--profile-window", "1,2"], "--profile-window needs --profile"),
     (["--profile", "--rates", "4,8", "--profile-rates", "16"], "--profile-rates 16 not among the rates run"),

@@ -100,6 +100,9 @@ def add_serve_arguments(p: argparse.ArgumentParser, s1: bool = True) -> None:
     p.add_argument("--profile-window", type=_profile_window, default=None, metavar="START_S,DURATION_S",
                    help="with --profile: record only from START_S after a rate's first request for DURATION_S "
                         "(default: the whole run)")
+    p.add_argument("--save-detailed", action="store_true",
+                   help="with --output-json: also write every request of every rate (its arrival in the run, "
+                        "TTFT, inter-token latencies, E2E, output tokens, error), as vLLM's flag does")
     p.add_argument("--synthetic-tokenizer", choices=("words", "bytes"), default=None,
                    help="for a model directory without a tokenizer: every id one word `<id>` (words), or a "
                         "byte-level vocabulary in which JSON can be written (bytes; the default with "
@@ -444,10 +447,21 @@ async def _profile_in_window(client: httpx.AsyncClient, base_url: str, window: t
     return await _post_profile(client, base_url, "stop_profile")
 
 
+def request_details(results: list[RequestResult], t0: float) -> list[dict]:
+    """Each request of a run, in arrival order: when it was sent (seconds into the run), its TTFT,
+    inter-token latencies and E2E (ms), output tokens and error."""
+    ms = lambda s: round(s * 1e3, 3)  # noqa: E731
+    return [{"sent_s": round(r.sent - t0, 6), "ttft_ms": ms(r.ttft) if r.ok else None,
+             "itl_ms": [ms(b - a) for a, b in zip(r.chunk_times, r.chunk_times[1:])] if r.ok else [],
+             "e2e_ms": ms(r.e2e) if r.ok else None, "output_tokens": r.output_tokens, "error": r.error}
+            for r in sorted(results, key=lambda r: r.sent)]
+
+
 async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len: int, rate: float,
                  json_schema: dict | None = None, profile: bool = False,
-                 profile_window: tuple[float, float] | None = None) -> dict:
-    """One rate's run; with `profile`, the engine profiled over it (or over `profile_window`)."""
+                 profile_window: tuple[float, float] | None = None, detailed: bool = False) -> dict:
+    """One rate's run; with `profile`, the engine profiled over it (or over `profile_window`);
+    with `detailed`, every request's figures under "requests"."""
     offsets = arrival_offsets(len(prompts), rate)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}}
@@ -483,7 +497,10 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len
     # Requests over the span of their arrivals: the rate asked for (arrival_offsets scales the
     # sample to it); served req/s also counts the tail after the last arrival.
     offered = (len(offsets) - 1) / offsets[-1] if offsets[-1] > 0 else float("inf")
-    return {**summarize(results, duration), "offered_requests_per_s": round(offered, 3), "profile": profiled}
+    summary = {**summarize(results, duration), "offered_requests_per_s": round(offered, 3), "profile": profiled}
+    if detailed:
+        summary["requests"] = request_details(results, t0)
+    return summary
 
 
 # --- the server this benchmark starts ----------------------------------------------------------------
@@ -693,6 +710,8 @@ def run_serve(args: argparse.Namespace) -> dict:
         raise SystemExit("error: --json-schema-fields must be >= 0")
     json_schema = bench_json_schema(args.json_schema_fields, output_len) if args.json_schema_fields else None
     profile_rates = _profile_plan(args, rates)
+    if args.save_detailed and not args.output_json:
+        raise SystemExit("error: --save-detailed writes into --output-json; give it a file")
     vocab = _vocab_size(args)
     server = None
     startup_s = None
@@ -730,7 +749,8 @@ def run_serve(args: argparse.Namespace) -> dict:
             before = _scrape(base_url)
             api_cpu_before, client_cpu_before = process_cpu_s(api_pid), time.process_time()
             summary = run_event_loop(_drive(base_url, model, prompts, output_len, rate, json_schema,
-                                            profile=rate in profile_rates, profile_window=args.profile_window))
+                                            profile=rate in profile_rates, profile_window=args.profile_window,
+                                            detailed=args.save_detailed))
             client_cpu = time.process_time() - client_cpu_before
             api_cpu_after = process_cpu_s(api_pid)
             api_cpu = api_cpu_after - api_cpu_before if None not in (api_cpu_before, api_cpu_after) else None
