@@ -175,6 +175,13 @@ def test_bad_kv_offload_flags_are_refused_before_anything_loads(flags, message):
         parse(*flags)
 
 
+def test_step_launch_pacing_is_left_to_the_engine_core_unless_given():
+    assert parse().scheduler.step_launch_pacing is None  # on where a step runs on a GPU (EngineCore decides)
+    assert parse("--step-launch-pacing").scheduler.step_launch_pacing is True
+    assert parse("--no-step-launch-pacing").scheduler.step_launch_pacing is False
+    assert EngineConfig().scheduler.step_launch_pacing is False  # the offline LLM's and from_kwargs' default
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--no-async-scheduling"], r"--step-launch-pacing paces async scheduling: it needs --async-scheduling"),
     (["-pp", "2"], r"does not apply under pipeline parallelism"),

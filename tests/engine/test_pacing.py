@@ -161,6 +161,23 @@ def test_pacing_is_off_by_default_and_never_delays_then(model_dir):
         core.close()
 
 
+def test_a_servers_default_paces_only_where_a_step_runs_on_a_gpu(model_dir):
+    """`pagoda serve` leaves the flag unset (None): a CUDA core with async scheduling paces (the GPU
+    tests run it); a CPU core is not refused, it just does not pace; the offline LLM never paces."""
+    config = EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True,
+                                      step_launch_pacing=None)
+    core = EngineCore(config)
+    try:
+        assert config.scheduler.step_launch_pacing is False and core.pacer is None
+    finally:
+        core.close()
+    llm = LLM(str(model_dir), num_kv_pages=64, async_scheduling=True, step_launch_pacing=None)
+    try:
+        assert llm.core.config.scheduler.step_launch_pacing is False and llm.core.pacer is None
+    finally:
+        llm.close()
+
+
 @pytest.mark.parametrize("async_scheduling", [None, True])
 def test_pacing_on_cpu_is_refused_by_name(model_dir, async_scheduling):
     # A CPU step has ended when launch() returns: there is never a step in flight to time.

@@ -44,3 +44,72 @@ def test_async_scheduling_gives_the_synchronous_tokens(gpu_model_dir, engine_kwa
             at = next(i for i, (a, b) in enumerate(zip(sync_ids, async_ids)) if a != b)
             best, second = sorted((lp.logprob for lp in sync_lps[at].values()), reverse=True)[:2]
             assert best - second < 0.02, (at, best, second)
+
+
+def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_path):
+    """A server's engine core on CUDA with the command line's defaults (async scheduling, step launch
+    pacing) behind the real core loop, requests arriving while others decode: each gets the greedy
+    tokens the offline LLM gives it (up to bf16 ties, as above), and steps' outputs left between
+    two layers of the next step's launch."""
+    import time
+
+    import transformers
+    from core_loop_sockets import core_loop_sockets
+    from gpu_support import MODEL_CONFIG, save_random_model
+    from pagoda_engine import LLM
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core.engine_core import EngineCore
+    from pagoda_engine.messages import (EngineCoreOutputs, EngineCoreRequest, FromCore, ShutdownRequest,
+                                        make_decoder, make_encoder)
+    from pagoda_engine.tiny import build_tiny_model
+
+    tiny = build_tiny_model(tmp_path / "tiny")
+    model = tmp_path / "llama8"  # 8 layers: the publish may happen before the last two
+    save_random_model(model, tiny, transformers.LlamaForCausalLM, transformers.LlamaConfig,
+                      **{**MODEL_CONFIG, "num_hidden_layers": 8})
+    prompts = random_prompts(7, [40, 3, 150, 17, 90, 1])
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
+    llm = LLM(str(model), dtype="bfloat16", num_kv_pages=256)
+    try:
+        want = [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in llm.generate(prompts, [params] * len(prompts))]
+    finally:
+        llm.close()
+
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model), dtype="bfloat16", num_kv_pages=256,
+                                               async_scheduling=None, step_launch_pacing=None))
+    encoder, decoder = make_encoder(), make_decoder(FromCore)
+    got: dict[str, list[int]] = {}
+    try:
+        assert core.config.scheduler.async_scheduling and core.pacer is not None
+        with core_loop_sockets(core, "gpu-early") as sockets:
+            to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
+
+            def send(i: int) -> None:
+                to_core.send(encoder.encode(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompts[i],
+                                                              sampling_params=params)))
+
+            send(0)
+            thread.start()
+            sent, finished = 1, 0
+            while finished < len(prompts):
+                assert from_core.poll(30_000), "no message from the core loop"
+                message = decoder.decode(from_core.recv())
+                for output in getattr(message, "outputs", []):
+                    got.setdefault(output.request_id, []).extend(output.new_token_ids)
+                    finished += output.finish_reason is not None
+                if sent < len(prompts) and len(got.get("r0", [])) >= 6 * sent:  # arrivals among decodes
+                    time.sleep(0.002)
+                    send(sent)
+                    sent += 1
+            to_core.send(encoder.encode(ShutdownRequest()))
+            thread.join(10)
+        assert core.early_publishes > 0  # (the tiny model's decode steps are too short to pace)
+    finally:
+        core.close()
+    for i, (want_ids, want_lps) in enumerate(want):
+        ids = got[f"r{i}"]
+        assert len(ids) == 48
+        if ids != want_ids:
+            at = next(k for k, (a, b) in enumerate(zip(want_ids, ids)) if a != b)
+            best, second = sorted((lp.logprob for lp in want_lps[at].values()), reverse=True)[:2]
+            assert best - second < 0.02, (i, at, best, second)

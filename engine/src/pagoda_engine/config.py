@@ -97,8 +97,10 @@ class SchedulerConfig:
     kv_growth_reservation: bool = True
     # Async scheduling in a server: while a decode step runs, schedule the next one when it is about
     # to end rather than as soon as it is launched, so that requests arriving meanwhile join it
-    # (core.pacing). Off by default: it trades inter-token tail latency for time to first token.
-    step_launch_pacing: bool = False
+    # (core.pacing). None (the command line's default): on where it applies, a CUDA engine core
+    # with async scheduling, no pipeline parallelism and no experts across data-parallel cores
+    # (EngineCore decides); the offline LLM and benchmarks are handed their requests up front.
+    step_launch_pacing: bool | None = False
 
 
 @dataclass
@@ -353,12 +355,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="admit new requests only while the KV pool can also hold the expected output of every "
                         "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
                         "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
-    p.add_argument("--step-launch-pacing", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--step-launch-pacing", action=argparse.BooleanOptionalAction, default=None,
                    help="with async scheduling in a server, schedule the next step when the decode step in flight "
                         "is about to end (predicted from earlier steps of as many rows), not as soon as it is "
                         "launched, so that a request arriving meanwhile joins the next step instead of the one "
-                        "after it: a lower time to first token at light load, for a longer tail of inter-token "
-                        "gaps (default: off)")
+                        "after it: a lower time to first token at light load (default: on with CUDA and async "
+                        "scheduling, except under pipeline parallelism or with experts across data-parallel "
+                        "cores, where no one step in flight can be timed; asked for there, it is refused)")
     p.add_argument("--profiler-config", default=None, metavar="JSON",
                    help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
                         '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '

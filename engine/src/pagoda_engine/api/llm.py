@@ -47,6 +47,7 @@ class LLM:
         if config.scheduler.step_launch_pacing:
             raise ValueError("step_launch_pacing times a server's steps to the requests arriving on its socket "
                              "(`pagoda serve --step-launch-pacing`); the offline LLM is handed its requests up front")
+        config.scheduler.step_launch_pacing = False  # not None, which a server's core would turn on
         self.core = EngineCore(config)
         self.tokenizer = load_tokenizer(tokenizer or self.core.model_dir)
         self.processor = OutputProcessor(self.tokenizer)

@@ -99,7 +99,10 @@ def bytes_read_per_token(model: torch.nn.Module) -> int:
 
 def _build(args) -> tuple[EngineCore, dict]:
     t0 = time.monotonic()
-    core = EngineCore(config_from_args(args))
+    config = config_from_args(args)
+    if config.scheduler.step_launch_pacing is None:  # no core loop, no arrivals to pace for: all requests come first
+        config.scheduler.step_launch_pacing = False
+    core = EngineCore(config)
     init_s = time.monotonic() - t0
     age = process_age_s()
     sc, cc, mc = core.config.scheduler, core.config.cache, core.config.model

@@ -147,6 +147,10 @@ class EngineCore:
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
             config.scheduler.async_scheduling = self.device.type == "cuda"
+        if config.scheduler.step_launch_pacing is None:  # the command line's default: wherever it applies
+            config.scheduler.step_launch_pacing = bool(
+                self.device.type == "cuda" and config.scheduler.async_scheduling
+                and config.parallel.pipeline_parallel_size == 1 and not config.parallel.expert_parallel_across_cores)
         if config.scheduler.step_launch_pacing and self.device.type != "cuda":
             raise ModelLoadError(f"--step-launch-pacing times steps running on a GPU; on {self.device.type} a step "
                                  f"has ended by the time it is launched")
@@ -213,6 +217,7 @@ class EngineCore:
         # Where outputs go as soon as a step has ended, before the step after it is launched in
         # full (`publish_early`); None: with the step after it.
         self._early_sink: Callable[[EngineCoreOutputs], None] | None = None
+        self.early_publishes = 0  # steps whose outputs left between two layers of the next one's launch
         # Pipeline parallelism: launched batches, oldest first, at most one per stage.
         self.max_concurrent_batches = config.parallel.pipeline_parallel_size
         self._batch_queue: deque[LaunchedStep] = deque()
@@ -309,6 +314,8 @@ class EngineCore:
         if pacer is not None and pacer.paced_launches:
             logger.info("step launch pacing: %d paced launches, %d found the device idle (slack %.2f ms)",
                         pacer.paced_launches, pacer.late_launches, pacer.slack * 1e3)
+        if getattr(self, "early_publishes", 0):
+            logger.info("early publishing: %d steps' outputs left during the next step's launch", self.early_publishes)
         self.executor.close()
 
     def _grammar_tokenizer(self):
@@ -703,6 +710,7 @@ class _EarlyPublish:
         core = self.core
         core.scheduler.advance(self.sched)
         core._early_sink(EngineCoreOutputs(outputs=core._resolve_in_flight(self.prev, self.prev_launched)))
+        core.early_publishes += 1
         self.spent_s = time.monotonic() - started
 
 
