@@ -65,6 +65,7 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
 
     tiny = build_tiny_model(tmp_path / "tiny")
     model = tmp_path / "llama8"  # 8 layers: the publish may happen before the last two
+    model.mkdir()
     save_random_model(model, tiny, transformers.LlamaForCausalLM, transformers.LlamaConfig,
                       **{**MODEL_CONFIG, "num_hidden_layers": 8})
     prompts = random_prompts(7, [40, 3, 150, 17, 90, 1])
