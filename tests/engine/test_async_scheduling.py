@@ -207,15 +207,7 @@ def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
     warm = LLM(str(model_dir), **kw)
     core = warm.core
     offload = core.kv.offload
-    chunks = []  # per step: the lengths of its prompt chunks
-    launch = core.runner.launch
-    core.runner.launch = lambda sched, *a, **k: (chunks.append([s.num_new_tokens for s in sched.scheduled
-                                                                if s.num_new_tokens > 1]), launch(sched, *a, **k))[1]
     core._warm_up_steps()
-    core.runner.launch = launch
-    # Among them a step with two long prompts, as a burst of arrivals brings (first used kernels).
-    longest = max(max(c, default=0) for c in chunks)
-    assert any(len(c) == 2 and min(c) == longest > 16 for c in chunks), chunks
     assert not core.scheduler.requests and not core.has_unfinished_requests()
     assert core.kv.offload is offload and sum(t.stored_bytes for t in offload.stats()) == 0
     assert (core.kv.prefix_queries, core.kv.prefix_hits) == (0, 0)

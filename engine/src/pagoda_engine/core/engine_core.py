@@ -258,8 +258,7 @@ class EngineCore:
         self.startup_seconds = time.monotonic() - t0
 
     def _warm_up_steps(self) -> None:
-        """Run steps like a server's first ones (two prompts, then a prompt among decodes, then two
-        long prompts at once) so that
+        """Run steps like a server's first ones (two prompts, then a prompt among decodes) so that
         its first requests do not pay one-time costs: the eager decode plan, GEMMs at sizes the
         profile step did not run, first-use buffers. On an H100 a fresh server's first step took
         311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a fresh
@@ -284,24 +283,15 @@ class EngineCore:
 
         offload, self.kv.offload = self.kv.offload, None
         counters = self.kv.prefix_queries, self.kv.prefix_hits
-        def run_out() -> None:
-            for _ in range(_WARM_UP_MAX_STEPS):
-                if not self.has_unfinished_requests():
-                    break
-                self.step()
-
         try:
             add(0, long_len)
             add(1, 16)
             self.step()
             add(2, long_len)  # joins the decodes of the first two
-            run_out()
-            # Two long prompts in one step, as a burst of arrivals brings: the first step with twice
-            # the rows used kernels nothing had run yet and took 250-320 ms to launch on an H100
-            # (a fresh server's first burst at 4 req/s: TTFT 280-320 ms against 35 later).
-            add(3, long_len)
-            add(4, long_len)
-            run_out()
+            for _ in range(_WARM_UP_MAX_STEPS):
+                if not self.has_unfinished_requests():
+                    break
+                self.step()
         finally:
             self.abort_requests([r for r in list(self.scheduler.requests) if r.startswith("pagoda-warm-up-")])
             self.kv.offload = offload
