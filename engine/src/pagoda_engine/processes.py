@@ -1,5 +1,6 @@
-"""What every child process of the engine does first: die with its parent; and how many CPU
-threads torch runs in a process that runs a model.
+"""What every child process of the engine does first: die with its parent; how many CPU threads
+torch runs in a process that runs a model; and, once started, its objects out of the garbage
+collector's reach.
 
 The engine core process (child of the API server) and the tensor-parallel workers (children of
 the core) call `die_with_parent` before anything else, so no process outlives the one that owns
@@ -9,6 +10,7 @@ it, even when that one was SIGKILLed and could clean nothing up.
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -73,3 +75,13 @@ def set_torch_threads(device_type: str, num_params: int | None = None) -> None:
             torch.set_num_threads(1)
     elif num_params is not None and num_params < SMALL_CPU_MODEL_PARAMS:
         torch.set_num_threads(1)
+
+
+def freeze_gc_heap() -> None:
+    """Collect once, then move every object alive (modules, weights' Python objects, tokenizers,
+    imported libraries) into the collector's permanent generation, as vLLM does after start-up:
+    a later full collection walks only what serving made since. For processes that serve one
+    engine to the end (an engine core process and its worker ranks): what is frozen is never
+    collected, cycles included."""
+    gc.collect()
+    gc.freeze()

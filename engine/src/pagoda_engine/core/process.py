@@ -276,6 +276,9 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
             from pagoda_engine.core.engine_core import EngineCore
 
             core = EngineCore(config)
+            # This process and its worker ranks serve this engine alone: what start-up made
+            # stays, out of the collector's reach (the offline LLM leaves its user's process alone).
+            core.executor.collective_rpc("freeze_gc_heap")
         except Exception as e:
             logger.error("engine core failed to start: %s", e)
             loop.send(CoreFailed(error_type=type(e).__name__, message=str(e)))

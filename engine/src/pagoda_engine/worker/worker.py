@@ -49,7 +49,7 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
-from pagoda_engine.processes import die_with_parent, set_torch_threads
+from pagoda_engine.processes import die_with_parent, freeze_gc_heap, set_torch_threads
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
@@ -169,6 +169,10 @@ class Worker:
         `sampling.warm_up_sampler`)."""
         if self.sampler is not None:
             warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device)
+
+    def freeze_gc_heap(self) -> None:
+        """Start-up is over on this rank: its objects leave the collector's reach (`processes.freeze_gc_heap`)."""
+        freeze_gc_heap()
 
     def parameter_names(self) -> list[str]:
         """The names of this rank's weights (which layers its stage holds)."""
