@@ -78,9 +78,9 @@ class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
     name: str = "base"
-    # Called with the layer's index at the start of `forward`, while the runner launches a step
-    # that asked for it (`ModelRunner.launch`): the engine core's chance to publish the step before
-    # between two layers of this one.
+    # Called with the layer's index at the start of `forward` while the runner launches a step
+    # that asked for it (`ModelRunner.launch`): there the engine core may publish the step before
+    # this one, between two of this one's layers.
     layer_hook: Callable[[int], None] | None = None
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):
