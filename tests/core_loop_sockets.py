@@ -4,11 +4,13 @@ by the test, once its first messages wait in the socket)."""
 
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 
 from pagoda_engine.core.process import CoreLoop
+from pagoda_engine.messages import EngineCoreRequest, FromCore, make_decoder, make_encoder
+from pagoda_engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -17,6 +19,22 @@ class CoreLoopSockets:
     clients: list[zmq.Socket]  # what each API server receives from it
     loop: CoreLoop
     thread: threading.Thread  # runs `loop.run`; not started
+    encoder: object = field(default_factory=make_encoder)
+    decoder: object = field(default_factory=lambda: make_decoder(FromCore))
+
+    def send(self, message) -> None:
+        self.to_core.send(self.encoder.encode(message))
+
+    def send_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                     max_tokens: int = 16) -> None:
+        """A request (greedy, `max_tokens` tokens, EOS ignored, unless `params` says otherwise)."""
+        params = params or SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        self.send(EngineCoreRequest(request_id=request_id, prompt_token_ids=prompt_token_ids, sampling_params=params))
+
+    def receive(self, client: int = 0, timeout_ms: int = 30_000):
+        """The next message to `client` (a failed test when none comes in time)."""
+        assert self.clients[client].poll(timeout_ms), "no message from the core loop"
+        return self.decoder.decode(self.clients[client].recv())
 
 
 @contextmanager

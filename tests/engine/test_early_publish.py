@@ -14,8 +14,7 @@ import pytest
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
-from pagoda_engine.messages import EngineCoreOutputs, EngineCoreRequest, FromCore, ShutdownRequest, make_decoder, make_encoder
-from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.messages import ShutdownRequest
 from pagoda_engine.tiny import build_tiny_model
 
 from core_loop_sockets import core_loop_sockets
@@ -41,39 +40,28 @@ def _run(model_dir, early: bool):
         core.publish_early = lambda sink: None  # the loop attaches its publisher through this
     log: list = []
     simulate_device(core, log, DEVICE_STEP_S, prompt_layer_host_s=PROMPT_LAYER_HOST_S)
-    encoder, decoder = make_encoder(), make_decoder(FromCore)
     received: list[float] = []  # when each token of the long request arrived
     tokens: dict[str, list[int]] = {}
     with core_loop_sockets(core, f"early-{early}") as sockets:
-        to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
-        to_core.send(encoder.encode(EngineCoreRequest(
-            request_id="long", prompt_token_ids=[5, 6, 7],
-            sampling_params=SamplingParams(temperature=0, max_tokens=26, ignore_eos=True))))
-        thread.start()
+        sockets.send_request("long", [5, 6, 7], max_tokens=26)
+        sockets.thread.start()
         done = False
         while not done:
-            assert from_core.poll(30_000), "no message from the core loop"
-            message = decoder.decode(from_core.recv())
-            if not isinstance(message, EngineCoreOutputs):
-                continue
-            for output in message.outputs:
+            for output in getattr(sockets.receive(), "outputs", []):
                 tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
                 if output.request_id != "long":
                     continue
                 received.append(time.monotonic())
                 done = output.finish_reason is not None
                 if len(received) in SEND_AT:
-                    to_core.send(encoder.encode(EngineCoreRequest(
-                        request_id=f"short-{len(received)}", prompt_token_ids=[9, 10, 11, 12, len(received)],
-                        sampling_params=SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))))
+                    sockets.send_request(f"short-{len(received)}", [9, 10, 11, 12, len(received)], max_tokens=2)
         deadline = time.monotonic() + 10
         while sum(len(tokens.get(f"short-{n}", [])) for n in SEND_AT) < 2 * len(SEND_AT):
-            assert time.monotonic() < deadline and from_core.poll(10_000), "a short request's tokens never came"
-            message = decoder.decode(from_core.recv())
-            for output in getattr(message, "outputs", []):
+            assert time.monotonic() < deadline, "a short request's tokens never came"
+            for output in getattr(sockets.receive(timeout_ms=10_000), "outputs", []):
                 tokens.setdefault(output.request_id, []).extend(output.new_token_ids)
-        to_core.send(encoder.encode(ShutdownRequest()))
-        thread.join(10)
+        sockets.send(ShutdownRequest())
+        sockets.thread.join(10)
     core.close()
     with_long = [i for i, step in enumerate(log) if "long" in step["request_ids"]]
     pairs = []

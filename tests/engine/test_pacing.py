@@ -15,15 +15,7 @@ from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.core.pacing import LaunchPacer
 from pagoda_engine.errors import ModelLoadError
-from pagoda_engine.messages import (
-    EngineCoreOutputs,
-    EngineCoreRequest,
-    FromCore,
-    ShutdownRequest,
-    make_decoder,
-    make_encoder,
-)
-from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.messages import EngineCoreOutputs, ShutdownRequest
 from pagoda_engine.tiny import build_tiny_model
 
 from core_loop_sockets import core_loop_sockets
@@ -99,18 +91,13 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
         core.pacer = LaunchPacer()
     log: list = []
     simulate_device(core, log, DEVICE_STEP_S)
-    encoder, decoder = make_encoder(), make_decoder(FromCore)
     sent: dict[str, float] = {}
     with core_loop_sockets(core, f"pacing-{pacing}") as sockets:
-        to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
-        to_core.send(encoder.encode(EngineCoreRequest(
-            request_id="long", prompt_token_ids=[5, 6, 7],
-            sampling_params=SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))))
-        thread.start()
+        sockets.send_request("long", [5, 6, 7], max_tokens=40)
+        sockets.thread.start()
         outputs = 0
         while True:
-            assert from_core.poll(30_000), "no message from the core loop"
-            message = decoder.decode(from_core.recv())
+            message = sockets.receive()
             if not isinstance(message, EngineCoreOutputs) or not message.outputs:
                 continue
             if any(o.request_id == "long" and o.finish_reason for o in message.outputs):
@@ -121,11 +108,9 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
                 time.sleep(SEND_AFTER_S)
                 rid = f"short-{len(sent)}"
                 sent[rid] = time.monotonic()
-                to_core.send(encoder.encode(EngineCoreRequest(
-                    request_id=rid, prompt_token_ids=[9, 10, 11, 12],
-                    sampling_params=SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))))
-        to_core.send(encoder.encode(ShutdownRequest()))
-        thread.join(10)
+                sockets.send_request(rid, [9, 10, 11, 12], max_tokens=1)
+        sockets.send(ShutdownRequest())
+        sockets.thread.join(10)
     waits = []
     for rid, at in sent.items():
         on_device = next(i for i, step in enumerate(log) if step["start"] <= at < step["end"])

@@ -59,8 +59,7 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
     from pagoda_engine import LLM
     from pagoda_engine.config import EngineConfig
     from pagoda_engine.core.engine_core import EngineCore
-    from pagoda_engine.messages import (EngineCoreOutputs, EngineCoreRequest, FromCore, ShutdownRequest,
-                                        make_decoder, make_encoder)
+    from pagoda_engine.messages import ShutdownRequest
     from pagoda_engine.tiny import build_tiny_model
 
     tiny = build_tiny_model(tmp_path / "tiny")
@@ -78,32 +77,23 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
 
     core = EngineCore(EngineConfig.from_kwargs(model=str(model), dtype="bfloat16", num_kv_pages=256,
                                                async_scheduling=None, step_launch_pacing=None))
-    encoder, decoder = make_encoder(), make_decoder(FromCore)
     got: dict[str, list[int]] = {}
     try:
         assert core.config.scheduler.async_scheduling and core.pacer is not None
         with core_loop_sockets(core, "gpu-early") as sockets:
-            to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
-
-            def send(i: int) -> None:
-                to_core.send(encoder.encode(EngineCoreRequest(request_id=f"r{i}", prompt_token_ids=prompts[i],
-                                                              sampling_params=params)))
-
-            send(0)
-            thread.start()
+            sockets.send_request("r0", prompts[0], params)
+            sockets.thread.start()
             sent, finished = 1, 0
             while finished < len(prompts):
-                assert from_core.poll(30_000), "no message from the core loop"
-                message = decoder.decode(from_core.recv())
-                for output in getattr(message, "outputs", []):
+                for output in getattr(sockets.receive(), "outputs", []):
                     got.setdefault(output.request_id, []).extend(output.new_token_ids)
                     finished += output.finish_reason is not None
                 if sent < len(prompts) and len(got.get("r0", [])) >= 6 * sent:  # arrivals among decodes
                     time.sleep(0.002)
-                    send(sent)
+                    sockets.send_request(f"r{sent}", prompts[sent], params)
                     sent += 1
-            to_core.send(encoder.encode(ShutdownRequest()))
-            thread.join(10)
+            sockets.send(ShutdownRequest())
+            sockets.thread.join(10)
         assert core.early_publishes > 0  # (the tiny model's decode steps are too short to pace)
     finally:
         core.close()
