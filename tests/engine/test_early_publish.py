@@ -32,10 +32,11 @@ def model_dir(tmp_path_factory):
                             config_overrides={"num_hidden_layers": NUM_LAYERS})
 
 
-def _run(model_dir, early: bool):
+def _run(model_dir, early: bool, tensor_parallel_size: int = 1):
     """Per slow launch: (when the token of the step before it reached the client, when the slow
     launch ended); and every request's tokens."""
-    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True,
+                                               tensor_parallel_size=tensor_parallel_size))
     if not early:
         core.publish_early = lambda sink: None  # the loop attaches its publisher through this
     log: list = []
@@ -80,6 +81,17 @@ def test_a_steps_tokens_leave_during_the_next_steps_launch(model_dir):
         assert got < launch_end - 0.03, (got, launch_end)
     _, late_tokens = _run(model_dir, early=False)
     assert tokens == late_tokens  # the same tokens, none lost
+
+
+def test_with_tensor_parallel_workers_rank_0_publishes_mid_launch(model_dir):
+    """Two ranks (gloo): the hook runs in rank 0's forward, which the engine core process runs
+    while the worker runs its own; the publish does not stall the worker's collectives."""
+    pairs, tokens = _run(model_dir, early=True, tensor_parallel_size=2)
+    assert len(pairs) == len(SEND_AT), pairs
+    for got, launch_end in pairs:
+        assert got < launch_end - 0.03, (got, launch_end)
+    _, one_rank = _run(model_dir, early=True)
+    assert tokens == one_rank
 
 
 def test_without_early_publishing_they_wait_for_the_whole_launch(model_dir):
