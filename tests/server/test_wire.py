@@ -91,31 +91,26 @@ def core(tmp_path_factory):
 
 
 def test_the_core_loop_dispatches_on_the_message_type(core):
-    encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     with core_loop_sockets(core, "dispatch") as sockets:
-        to_core, (from_core,), thread = sockets.to_core, sockets.clients, sockets.thread
+        thread = sockets.thread
         # All three wait in the socket before the loop starts, so "a" is still running when its
         # duplicate is read (a loaded machine could otherwise finish "a" in between).
-        to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5, 6, 7],
-                                                      sampling_params=params, arrival_time=1.0)))
-        to_core.send(encoder.encode(EngineCoreRequest(request_id="a", prompt_token_ids=[5],
-                                                      sampling_params=params)))  # a duplicate id: refused
-        to_core.send(encoder.encode(EngineCoreRequest(request_id="b", prompt_token_ids=[5, 6, 7, 8],
-                                                      sampling_params=SamplingParams(ignore_eos=True,
-                                                                                     max_tokens=1500))))
+        sockets.send(EngineCoreRequest(request_id="a", prompt_token_ids=[5, 6, 7], sampling_params=params,
+                                       arrival_time=1.0))
+        sockets.send_request("a", [5], params)  # a duplicate id: refused
+        sockets.send_request("b", [5, 6, 7, 8], SamplingParams(ignore_eos=True, max_tokens=1500))
         thread.start()
         tokens, events, refused, finished, b_finish, aborted = [], [], [], None, [], False
         idle = False
         while not idle:
-            assert from_core.poll(30_000), "no message from the core loop"
-            match decoder.decode(from_core.recv()):
+            match sockets.receive():
                 case EngineCoreOutputs(outputs=outputs, stats=stats):
                     for out in outputs:
                         if out.request_id == "b":
                             b_finish.append(out.finish_reason)
                             if not aborted:
-                                to_core.send(encoder.encode(AbortRequest(request_ids=["b"])))
+                                sockets.send(AbortRequest(request_ids=["b"]))
                                 aborted = True
                             continue
                         tokens += out.new_token_ids.tolist()
@@ -129,7 +124,7 @@ def test_the_core_loop_dispatches_on_the_message_type(core):
         assert [e.type for e in events] == [EngineCoreEventType.QUEUED, EngineCoreEventType.SCHEDULED,
                                             EngineCoreEventType.FIRST_TOKEN]
         assert set(b_finish) == {None}  # aborted long before its 1,500 tokens
-        to_core.send(encoder.encode(ShutdownRequest()))
+        sockets.send(ShutdownRequest())
         thread.join(10)
         assert not thread.is_alive() and not core.has_unfinished_requests()
 
@@ -138,19 +133,18 @@ def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(c
     """Two API server processes (`--api-server-count 2`): outputs and refusals go back to the
     client that sent the request, every client gets the stats, and a client's abort never stops
     another client's request."""
-    encoder, decoder = make_encoder(), make_decoder(FromCore)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
-    def request(request_id: str, client: int) -> bytes:
-        return encoder.encode(EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7],
-                                                sampling_params=params, client_index=client))
+    def request(request_id: str, client: int) -> EngineCoreRequest:
+        return EngineCoreRequest(request_id=request_id, prompt_token_ids=[5, 6, 7], sampling_params=params,
+                                 client_index=client)
 
     with core_loop_sockets(core, "two-clients", clients=2) as sockets:
-        to_core, clients, loop, thread = sockets.to_core, sockets.clients, sockets.loop, sockets.thread
-        to_core.send(request("zero", 0))
-        to_core.send(request("one", 1))
-        to_core.send(request("one", 0))  # an id client 1 holds: refused, to client 0
-        to_core.send(encoder.encode(AbortRequest(request_ids=["zero"], client_index=1)))  # not client 1's: ignored
+        clients, loop, thread = sockets.clients, sockets.loop, sockets.thread
+        sockets.send(request("zero", 0))
+        sockets.send(request("one", 1))
+        sockets.send(request("one", 0))  # an id client 1 holds: refused, to client 0
+        sockets.send(AbortRequest(request_ids=["zero"], client_index=1))  # not client 1's: ignored
         thread.start()
         seen: list[dict] = [{"tokens": {}, "refused": [], "stats": 0, "finished": set()} for _ in range(2)]
         deadline = time.monotonic() + 60
@@ -159,7 +153,7 @@ def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(c
             for i, client in enumerate(clients):
                 if not client.poll(50):
                     continue
-                match decoder.decode(client.recv()):
+                match sockets.decoder.decode(client.recv()):
                     case EngineCoreOutputs(outputs=outputs, stats=stats):
                         seen[i]["stats"] += stats is not None
                         for out in outputs:
@@ -173,6 +167,6 @@ def test_the_core_loop_sends_each_clients_outputs_to_it_alone_and_stats_to_all(c
         assert len(seen[0]["tokens"]["zero"]) == len(seen[1]["tokens"]["one"]) == 4
         assert seen[0]["refused"] == [("one", "request_id")] and seen[1]["refused"] == []
         assert seen[0]["stats"] >= 1 and seen[1]["stats"] >= 1
-        to_core.send(encoder.encode(ShutdownRequest()))
+        sockets.send(ShutdownRequest())
         thread.join(10)
         assert not thread.is_alive() and not loop._client_of

@@ -109,7 +109,8 @@ class ModelRunner:
         self.vocab_size = model.vocab_size
         # Runs the forward and LM head on every rank (rank 0 in this process).
         self.executor = executor
-        self.record_ends = record_ends  # each step records `LaunchedStep.ended` (step launch pacing reads it)
+        # Each step records `LaunchedStep.ended` (step launch pacing and early publishing read it).
+        self.record_ends = record_ends
 
     @property
     def graphs(self) -> DecodeGraphs | None:
