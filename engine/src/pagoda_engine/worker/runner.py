@@ -178,18 +178,25 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        host = torch.tensor(ids + pos + slots + sample_rows + fed_at + fed_from, dtype=torch.int64)
+        # Each per-token segment starts at an even index, 16 bytes aligned: Triton specialises a
+        # kernel on its pointers' alignment, and after an odd token count the positions would
+        # start 8 bytes past it, a variant that a fresh server compiled during a live step
+        # (about 200 ms, on an H100 its first 1,025-token step).
+        t, r, f = offset, len(sample_rows), len(fed_at)
+        span = t + (t & 1)
+        pad = [0] * (span - t)
+        host = torch.tensor(ids + pad + pos + pad + slots + pad + sample_rows + fed_at + fed_from, dtype=torch.int64)
         if self.device.type == "cuda":
             host = host.pin_memory()
         dev = host.to(self.device, non_blocking=True)
-        t, r, f = offset, len(sample_rows), len(fed_at)
+        rest = 3 * span
         input_ids = dev[:t]
         if f:
-            input_ids.index_copy_(0, dev[3 * t + r:3 * t + r + f], prev.sample.token_ids[dev[3 * t + r + f:]])
+            input_ids.index_copy_(0, dev[rest + r:rest + r + f], prev.sample.token_ids[dev[rest + r + f:]])
         attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
-                                    slot_mapping=dev[2 * t:3 * t], num_decodes=num_decodes)
-        return StepInputs(order=order, input_ids=input_ids, positions=dev[t:2 * t], attn_batch=attn_batch,
-                          sample_rows=dev[3 * t:3 * t + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+                                    slot_mapping=dev[2 * span:2 * span + t], num_decodes=num_decodes)
+        return StepInputs(order=order, input_ids=input_ids, positions=dev[span:span + t], attn_batch=attn_batch,
+                          sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
     def run_model(self, inputs: StepInputs) -> torch.Tensor:
         return self.executor.execute_model(inputs.input_ids, inputs.positions, inputs.attn_batch)
