@@ -97,6 +97,16 @@ def test_synthetic_tokenizer_maps_every_id_to_one_word(tmp_path, monkeypatch):
     assert tok(tok.decode(ids), add_special_tokens=False)["input_ids"] == ids
 
 
+def test_a_model_name_is_resolved_as_serve_resolves_it(tmp_path, monkeypatch):
+    # `bench serve --model pagoda-tiny` (the built-in model, which has its own tokenizer) used to
+    # look for a directory named pagoda-tiny.
+    from pagoda_engine.bench.serve import with_token_tokenizer
+    from pagoda_engine.tiny import default_model_dir
+
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    assert with_token_tokenizer("pagoda-tiny") == str(default_model_dir())
+
+
 def test_starts_and_stops_its_own_server(tiny_model, tmp_path, monkeypatch):
     """A model directory without a tokenizer (weights and config only) gets the synthetic one."""
     import shutil

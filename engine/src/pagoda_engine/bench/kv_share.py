@@ -377,11 +377,9 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     args.input_len = args.input_len or KV_SHARE_INPUT_LEN
     args.output_len = args.output_len or KV_SHARE_OUTPUT_LEN
     _check_args(args)
-    from pagoda_engine.model_path import resolve_model_path
-
     if args.served_model_name is None:
         args.served_model_name = Path(args.model).name
-    args.model = with_token_tokenizer(resolve_model_path(args.model))
+    args.model = with_token_tokenizer(args.model)
     if args.max_model_len is None:
         args.max_model_len = args.input_len + args.output_len
     if args.num_gpu_blocks_override is None and args.num_kv_pages is None:

@@ -533,18 +533,19 @@ def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespac
 
 
 def with_token_tokenizer(model_dir: str, byte_level: bool = False) -> str:
-    """`model_dir` if it has a tokenizer; else a cached copy of its config with a synthetic one.
+    """The model `model_dir` names (as `--model` does) if it has a tokenizer; else a cached copy of its config with a synthetic one.
 
     The prompts are token ids, but the server streams text, so it needs a tokenizer: the shipped
     benchmark configs have none (no downloads). The stand-in maps every id to one word `<id>` and
     back (a WordLevel model over the whole vocabulary), like dummy weights stand in for weights;
     with `byte_level`, a vocabulary in which a grammar can write JSON (`_byte_level_tokenizer`)."""
     from pagoda_engine.api.tokenizer import has_tokenizer
+    from pagoda_engine.model_path import resolve_model_path
     from pagoda_engine.tiny import cache_dir
 
-    src = Path(model_dir).expanduser()
+    src = Path(resolve_model_path(model_dir))  # pagoda-tiny, a directory or a .gguf file
     if has_tokenizer(src):
-        return model_dir
+        return str(src)
     config = json.loads((src / "config.json").read_text())
     vocab_size = int(config["vocab_size"])
     digest = hashlib.blake2b((src / "config.json").read_bytes(), digest_size=8).hexdigest()
@@ -717,8 +718,9 @@ def run_serve(args: argparse.Namespace) -> dict:
     startup_s = None
     base_url = (args.base_url or "").rstrip("/")
     from pagoda_engine.api.tokenizer import has_tokenizer
+    from pagoda_engine.model_path import resolve_model_path
 
-    if args.synthetic_tokenizer and (base_url or has_tokenizer(Path(args.model).expanduser())):
+    if args.synthetic_tokenizer and (base_url or has_tokenizer(resolve_model_path(args.model))):
         raise SystemExit("error: --synthetic-tokenizer is for a server this run starts on a model directory "
                          "without a tokenizer; this one " + ("is already running" if base_url else "has its own"))
     if not base_url:
