@@ -228,3 +228,38 @@ def save_random_model(out, tokenizer_dir, model_cls, config_cls, **config) -> No
     model = model_cls(config_cls(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=2, **config))
     randomise(model, std=0.06)
     model.to(torch.bfloat16).save_pretrained(out)
+
+
+
+_COMPILES_AFTER_START_UP = """
+import json, random, sys
+import triton
+from pagoda_engine import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+compiled = []
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+rng = random.Random(11)
+prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 2, 3, 5, 16, 17, 33, 100, 255, 257, 511, 1023, 1025)]
+llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=0))
+for prompt in prompts:  # alone: steps of each of these token counts
+    llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+print(json.dumps(compiled))
+"""
+
+
+def triton_compiles_after_start_up(model_dir) -> list[str]:
+    """The Triton kernel variants (Triton's repr of each) that a fresh process's engine on
+    `model_dir` compiled or loaded after start-up, over steps of many token counts, together and
+    alone. Start-up (the profile step, graph capture, the warm-up steps) should leave none: a
+    compile on a live step holds it 100-300 ms. A fresh server's first burst did, for the variant
+    of the rotary/K-V write kernel whose positions an odd token count left 8 bytes off 16-byte
+    alignment. A process of its own: kernels an earlier test ran would be in this one's cache."""
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _COMPILES_AFTER_START_UP, str(model_dir), json.dumps(LLM_DEFAULTS)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_support import (CUDA, check_bf16_logits_against, check_greedy_tokens_against, check_piecewise_forward,
-                         greedy_tokens, make_llm, random_prompts, requires_gpu)
+                         greedy_tokens, make_llm, random_prompts, requires_gpu, triton_compiles_after_start_up)
 from pagoda_engine import LLM, SamplingParams
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -50,6 +50,10 @@ def test_prefix_caching_on_and_off_give_identical_greedy_tokens(gpu_model_dir):
     assert llm.core.kv.prefix_hits > 0
     assert first == off
     assert again == off
+
+
+def test_no_triton_kernel_is_compiled_after_start_up(gpu_model_dir):
+    assert triton_compiles_after_start_up(gpu_model_dir) == []
 
 
 def test_dummy_batches_between_requests_change_nothing(gpu_model_dir):

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from gpu_support import (CUDA, check_greedy_tokens_against, check_piecewise_forward, make_llm, random_prompts,
-                         requires_gpu, save_random_model)
+                         requires_gpu, save_random_model, triton_compiles_after_start_up)
 from pagoda_engine.worker.attention import AttentionBatch, get_attention_backend
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
@@ -89,3 +89,9 @@ def test_qk_norms_launch_no_kernels_of_their_own(qwen3, gpu_model_dir):
     layers = QWEN3_CONFIG["num_hidden_layers"]
     assert qwen3_launches["rope_kv"] == llama_launches["rope_kv"] == layers
     assert qwen3_launches["norm"] == llama_launches["norm"] > 0
+
+
+def test_no_triton_kernel_is_compiled_after_start_up(qwen3):
+    """The fused q/k-norm variant of the rotary kernel and, for the MoE model, the expert kernels
+    (sorting, grouped GEMMs, the matrix-vector ones of a few tokens) included."""
+    assert triton_compiles_after_start_up(qwen3[0]) == []
