@@ -231,14 +231,17 @@ def save_random_model(out, tokenizer_dir, model_cls, config_cls, **config) -> No
 
 
 
+
 _COMPILES_AFTER_START_UP = """
 import json, random, sys
 import triton
 from pagoda_engine import LLM, SamplingParams
 
+compiled = {"start-up": [], "after": []}
+phase = "start-up"
+triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[phase].append(kw["repr"])
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
-compiled = []
-triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled.append(kw["repr"])
+phase = "after"
 rng = random.Random(11)
 prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 2, 3, 5, 16, 17, 33, 100, 255, 257, 511, 1023, 1025)]
 llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=0))
@@ -254,7 +257,8 @@ def triton_compiles_after_start_up(model_dir) -> list[str]:
     alone. Start-up (the profile step, graph capture, the warm-up steps) should leave none: a
     compile on a live step holds it 100-300 ms. A fresh server's first burst did, for the variant
     of the rotary/K-V write kernel whose positions an odd token count left 8 bytes off 16-byte
-    alignment. A process of its own: kernels an earlier test ran would be in this one's cache."""
+    alignment. A process of its own: kernels an earlier test ran would be in this one's cache,
+    and Triton reports every kernel a fresh process first runs, so start-up must report some."""
     import json
     import subprocess
     import sys
@@ -262,4 +266,7 @@ def triton_compiles_after_start_up(model_dir) -> list[str]:
     done = subprocess.run([sys.executable, "-c", _COMPILES_AFTER_START_UP, str(model_dir), json.dumps(LLM_DEFAULTS)],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    compiled = json.loads(done.stdout.strip().splitlines()[-1])
+    print("Triton kernels at start-up:", *compiled["start-up"], sep="\n  ")
+    assert compiled["start-up"], "Triton reported no kernel at start-up: the hook is not called"
+    return compiled["after"]
