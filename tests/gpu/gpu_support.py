@@ -243,9 +243,11 @@ triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[phase].append
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
 phase = "after"
 rng = random.Random(11)
-prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (1, 2, 3, 5, 16, 17, 33, 100, 255, 257, 511, 1023, 1025)]
-llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=0))
-for prompt in prompts:  # alone: steps of each of these token counts
+lengths = (1, 2, 3, 5, 16, 17, 33, 100, 255, 257, 511, 1023, 1025)
+def prompts():  # fresh ones each time: no prefix-cache hit shortens a step
+    return [[rng.randrange(5, 500) for _ in range(n)] for n in lengths]
+llm.generate(prompts(), SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=0))
+for prompt in prompts():  # alone: steps of each of these token counts
     llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
 print(json.dumps(compiled))
 """
