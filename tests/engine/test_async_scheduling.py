@@ -5,6 +5,7 @@ same tokens, finish and stop reasons, logprobs, and no page left behind."""
 import pytest
 
 from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.core.engine_core import _WARM_UP_PROMPT_LENS
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.tiny import build_tiny_model
 
@@ -207,7 +208,19 @@ def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
     warm = LLM(str(model_dir), **kw)
     core = warm.core
     offload = core.kv.offload
+    launch, step_tokens = core.runner.launch, []
+
+    def counting_launch(sched, *args, **kwargs):
+        step_tokens.append(sched.num_tokens)
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch = counting_launch
     core._warm_up_steps()
+    del core.runner.launch
+    # Its long prompt and the short one first, then a prompt of each size class alone (as long
+    # as the long prompt at most): every configuration of every kernel has run before users come.
+    long_len = step_tokens[0] - 16
+    assert {n for n in _WARM_UP_PROMPT_LENS if n <= long_len} <= set(step_tokens[1:])
     assert not core.scheduler.requests and not core.has_unfinished_requests()
     assert core.kv.offload is offload and sum(t.stored_bytes for t in offload.stats()) == 0
     assert (core.kv.prefix_queries, core.kv.prefix_hits) == (0, 0)

@@ -239,7 +239,10 @@ from pagoda_engine import LLM, SamplingParams
 
 compiled = {"start-up": [], "after": []}
 phase = "start-up"
-triton.knobs.runtime.jit_post_compile_hook = lambda **kw: compiled[phase].append(kw["repr"])
+def record(**kw):  # the kernel, its constants (constexprs, configuration) and specialisation
+    info = kw.get("compile") or {}
+    compiled[phase].append(f"{kw['fn'].name} {info.get('constants')} {info.get('configs')}")
+triton.knobs.runtime.jit_post_compile_hook = record
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
 phase = "after"
 rng = random.Random(11)
@@ -269,6 +272,6 @@ def triton_compiles_after_start_up(model_dir) -> list[str]:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = json.loads(done.stdout.strip().splitlines()[-1])
-    print("Triton kernels at start-up:", *compiled["start-up"], sep="\n  ")
+    print("Triton kernels at start-up:", *compiled["start-up"], "after start-up:", *compiled["after"], sep="\n  ")
     assert compiled["start-up"], "Triton reported no kernel at start-up: the hook is not called"
     return compiled["after"]

@@ -12,7 +12,6 @@ The expected tokens come from the same tiny model run in-process with no tier at
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
 from pathlib import Path
 

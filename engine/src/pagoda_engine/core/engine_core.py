@@ -70,7 +70,12 @@ logger = logging.getLogger(__name__)
 
 _GiB = 1 << 30
 _OFFLOAD_IDLE_WAIT_S = 0.001
-_WARM_UP_MAX_STEPS = 64  # the warm-up needs about 8; whatever is left after this many is aborted
+_WARM_UP_MAX_STEPS = 64  # each warm-up phase needs at most 8 steps; what is left after this many is aborted
+# Prompts the warm-up runs one at a time (up to its long prompt's length): one past each power of
+# two, so that a step of every size class any kernel picks its configuration by (the experts'
+# tiles, `fused_moe_triton._configs`: up to 4, 32, 128, 384, 768, 4,096 tokens) and of odd token
+# counts has run before the first request.
+_WARM_UP_PROMPT_LENS = (5, 9, 17, 33, 65, 129, 257, 513)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -258,9 +263,10 @@ class EngineCore:
         self.startup_seconds = time.monotonic() - t0
 
     def _warm_up_steps(self) -> None:
-        """Run steps like a server's first ones (two prompts, then a prompt among decodes) so that
-        its first requests do not pay one-time costs: the eager decode plan, GEMMs at sizes the
-        profile step did not run, first-use buffers. On an H100 a fresh server's first step took
+        """Run steps like a server's first ones (two prompts, then a prompt among decodes; then
+        prompts of `_WARM_UP_PROMPT_LENS` tokens one at a time) so that its first requests do not
+        pay one-time costs: the eager decode plan, GEMMs at sizes the profile step did not run,
+        first-use buffers, Triton kernel variants (a compile holds a live step 100-300 ms). On an H100 a fresh server's first step took
         311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a fresh
         server's first run at 16 req/s had a TTFT p99 of 200 ms instead of 330 (a second run: 104;
         the rest was a Triton kernel variant for misaligned inputs, which the runner no longer
@@ -282,6 +288,12 @@ class EngineCore:
                                                sampling_params=params, eos_token_ids=self.eos_token_ids,
                                                arrival_time=time.time()))
 
+        def run_out() -> None:
+            for _ in range(_WARM_UP_MAX_STEPS):
+                if not self.has_unfinished_requests():
+                    break
+                self.step()
+
         offload, self.kv.offload = self.kv.offload, None
         counters = self.kv.prefix_queries, self.kv.prefix_hits
         try:
@@ -289,10 +301,10 @@ class EngineCore:
             add(1, 16)
             self.step()
             add(2, long_len)  # joins the decodes of the first two
-            for _ in range(_WARM_UP_MAX_STEPS):
-                if not self.has_unfinished_requests():
-                    break
-                self.step()
+            run_out()
+            for i, n in enumerate(n for n in _WARM_UP_PROMPT_LENS if n <= long_len):
+                add(3 + i, n)  # its prompt alone, then its decodes alone
+                run_out()
         finally:
             self.abort_requests([r for r in list(self.scheduler.requests) if r.startswith("pagoda-warm-up-")])
             self.kv.offload = offload

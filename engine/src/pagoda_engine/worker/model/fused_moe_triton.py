@@ -29,8 +29,13 @@ import triton.language as tl
 from pagoda_engine.worker.model.gemv_triton import dot_rows
 from pagoda_engine.worker.model.layers import SiluAndMul
 
+# Integer arguments that change from step to step (tokens x top-k): not specialised, so that one
+# compiled kernel serves every count. Triton otherwise compiles a variant for counts divisible by
+# 16 and one for the rest, the first time each occurs: on a live step, 100-300 ms.
+_PER_STEP = ["num_pairs"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=_PER_STEP)
 def _grouped_gemm_kernel(
     a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
     N, K, num_pairs, rows_per_a, max_padded, num_local,
@@ -189,7 +194,7 @@ def _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, offs, num_pairs):
     tl.store(sorted_pairs_ptr + dest, offs, mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, counts_ptr, ends_ptr, cursor_ptr,
                   num_pairs, max_padded, num_buckets,
                   BLOCK_M: tl.constexpr, BUCKETS_POW2: tl.constexpr, CHUNK: tl.constexpr, SEARCH_STEPS: tl.constexpr):
@@ -210,7 +215,7 @@ def _align_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, 
         _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, start + tl.arange(0, CHUNK), num_pairs)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _count_kernel(ids_ptr, counts_ptr, num_pairs, CHUNK: tl.constexpr):
     """`_count_pairs` over a grid of programs."""
     _count_pairs(ids_ptr, counts_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_pairs)
@@ -225,7 +230,7 @@ def _offsets_kernel(counts_ptr, ends_ptr, cursor_ptr, block_experts_ptr, num_pad
                   BLOCK_M, BUCKETS_POW2, CHUNK, SEARCH_STEPS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PER_STEP)
 def _scatter_kernel(ids_ptr, sorted_pairs_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
     """`_place_pairs` over a grid of programs."""
     _place_pairs(ids_ptr, sorted_pairs_ptr, cursor_ptr, tl.program_id(0) * CHUNK + tl.arange(0, CHUNK), num_pairs)
