@@ -27,6 +27,10 @@ class ProbeWorker(Worker):
         total = self.tp_group.all_reduce((payload.weights * (self.rank + 1)).clone())
         return {"ids": ids.tolist(), "label": payload.label, "scale": scale.item(), "total": total.tolist()}
 
+    def received(self, *tensors: torch.Tensor) -> list[tuple[list, int]]:
+        """Each tensor's values and its data pointer modulo 16."""
+        return [(t.tolist(), t.data_ptr() % 16) for t in tensors]
+
     def fail_on(self, rank: int) -> str:
         if self.rank == rank:
             raise ValueError(f"rank {rank} was told to fail")

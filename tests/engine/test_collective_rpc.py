@@ -69,6 +69,16 @@ def test_tensor_arguments_reach_every_rank(three_ranks):
     assert three_ranks.call("weighted_sum", ids, payload, scale=torch.tensor(7.0))["total"] == [3.0, 12.0]
 
 
+def test_tensors_arrive_16_byte_aligned_whatever_their_lengths(three_ranks):
+    # A step's input ids, positions and slots (int64, as many as its tokens) travel in one
+    # broadcast; packed end to end, an odd token count put the positions 8 bytes off 16 on the
+    # workers, where Triton compiled a second variant of a kernel on a live step.
+    sent = [torch.arange(5), torch.arange(10, 15), torch.arange(20, 23), torch.tensor([1.5, 2.5, 3.5]),
+            torch.tensor([True]), torch.tensor([False, True])]
+    expected = [(t.tolist(), 0) for t in sent]
+    assert three_ranks.collective_rpc("received", *sent) == [expected] * 3
+
+
 def test_an_exception_on_one_rank_is_a_clear_error_and_the_ranks_go_on(three_ranks):
     with pytest.raises(WorkerError, match=r"tensor-parallel worker 2 failed in fail_on: ValueError: "
                                           r"rank 2 was told to fail") as raised:
