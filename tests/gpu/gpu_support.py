@@ -230,8 +230,6 @@ def save_random_model(out, tokenizer_dir, model_cls, config_cls, **config) -> No
     model.to(torch.bfloat16).save_pretrained(out)
 
 
-
-
 _COMPILES_AFTER_START_UP = """
 import json, random, sys
 import triton
@@ -257,13 +255,14 @@ print(json.dumps(compiled))
 
 
 def triton_compiles_after_start_up(model_dir) -> list[str]:
-    """The Triton kernel variants (Triton's repr of each) that a fresh process's engine on
-    `model_dir` compiled or loaded after start-up, over steps of many token counts, together and
-    alone. Start-up (the profile step, graph capture, the warm-up steps) should leave none: a
-    compile on a live step holds it 100-300 ms. A fresh server's first burst did, for the variant
-    of the rotary/K-V write kernel whose positions an odd token count left 8 bytes off 16-byte
-    alignment. A process of its own: kernels an earlier test ran would be in this one's cache,
-    and Triton reports every kernel a fresh process first runs, so start-up must report some."""
+    """The Triton kernel variants (each as its name, constants and specialisation) that a fresh
+    process's engine on `model_dir` compiled or loaded after start-up, over steps of many token
+    counts, together and alone. Start-up (the profile step, graph capture, the warm-up steps)
+    should leave none: a compile on a live step holds it 100-300 ms. A fresh server's first burst
+    did, for the variant of the rotary/K-V write kernel whose positions an odd token count left 8
+    bytes off 16-byte alignment. A process of its own: kernels an earlier test ran would be in
+    this one's cache, and Triton reports every kernel a fresh process first runs, so start-up
+    must report some."""
     import json
     import subprocess
     import sys

@@ -533,7 +533,8 @@ def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespac
 
 
 def with_token_tokenizer(model_dir: str, byte_level: bool = False) -> str:
-    """The model `model_dir` names (as `--model` does) if it has a tokenizer; else a cached copy of its config with a synthetic one.
+    """The model `model_dir` names (as `--model` does) if it has a tokenizer; else a cached copy
+    of its config with a synthetic one.
 
     The prompts are token ids, but the server streams text, so it needs a tokenizer: the shipped
     benchmark configs have none (no downloads). The stand-in maps every id to one word `<id>` and

@@ -266,14 +266,15 @@ class EngineCore:
         """Run steps like a server's first ones (two prompts, then a prompt among decodes; then
         prompts of `_WARM_UP_PROMPT_LENS` tokens one at a time) so that its first requests do not
         pay one-time costs: the eager decode plan, GEMMs at sizes the profile step did not run,
-        first-use buffers, Triton kernel variants (a compile holds a live step 100-300 ms). On an H100 a fresh server's first step took
-        311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a fresh
+        first-use buffers, Triton kernel variants (a compile holds a live step 100-300 ms; a
+        Qwen3-MoE server's first requests waited 2.5 s). On an H100 a fresh server's first step
+        took 311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a fresh
         server's first run at 16 req/s had a TTFT p99 of 200 ms instead of 330 (a second run: 104;
         the rest was a Triton kernel variant for misaligned inputs, which the runner no longer
-        makes: `ModelRunner.prepare`). The warm-up requests leave nothing
-        behind: the KV offload tiers are detached meanwhile (nothing is stored), the prefix-cache
-        counters are put back, and they sample with seeds of their own (the engine's generator,
-        which unseeded requests draw from, is untouched)."""
+        makes: `ModelRunner.prepare`). The warm-up requests leave nothing behind: the KV offload
+        tiers are detached meanwhile (nothing is stored), the prefix-cache counters are put back,
+        and they sample with seeds of their own (the engine's generator, which unseeded requests
+        draw from, is untouched)."""
         sc = self.config.scheduler
         # All three at once take at most half the pool, so none waits on pages (a pool fixed with
         # --num-kv-pages may be smaller than one max_model_len sequence).
