@@ -239,6 +239,8 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
             {"name": "LWS_WORKER_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}},
             {"name": "LWS_GROUP_SIZE", "value": "2"},
             {"name": "LWS_LEADER_ADDRESS", "value": "llama-70b-engine-$(LWS_GROUP_INDEX).llama-70b-engine.default"},
+            {"name": "TRITON_CACHE_DIR", "value": "/var/cache/pagoda/triton"},
+            {"name": "FLASHINFER_WORKSPACE_BASE", "value": "/var/cache/pagoda/flashinfer"},
         ]
     # A 70B model gets at least 30 minutes to start; workers serve no HTTP and have no probes.
     probe = leader["startupProbe"]
@@ -282,7 +284,8 @@ def test_tiers_and_autoscaling_example():
         "--kv-offload-remote-url", "redis://kv-redis.default.svc:6379",
     ]
     # The Redis password from its Secret, never in the pod spec.
-    assert c["env"] == [{"name": "PAGODA_KV_REMOTE_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "kv-redis", "key": "password"}}}]
+    assert c["env"][0] == {"name": "PAGODA_KV_REMOTE_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "kv-redis", "key": "password"}}}
+    assert [e["name"] for e in c["env"]] == ["PAGODA_KV_REMOTE_PASSWORD", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"]
     # The engine's own 32Gi plus the 64Gi cpu tier, as request and limit.
     assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "96Gi"
     pod = deploy["spec"]["template"]["spec"]
@@ -340,7 +343,28 @@ def test_a_remote_tier_over_several_servers_passes_them_in_their_order():
     urls = "redis://kv-0.kv:6379,redis://kv-1.kv:6379,redis://kv-2.kv:6379"  # the engine's contract test parses it
     c = engine_container(_engine_pod(_tiered([{"type": "remote", "url": urls}])))
     assert c["args"][c["args"].index("--kv-offload-remote-url") + 1] == urls
-    assert "env" not in c
+    assert r.KV_REMOTE_PASSWORD_ENV not in {e["name"] for e in c.get("env", [])}
+
+
+def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod():
+    # Triton's and FlashInfer's caches on an emptyDir, which outlives the container: an engine
+    # that restarts in its pod loads the kernels it compiled instead of compiling them again.
+    pod = _engine_pod(load_example("llama-3.1-8b.yaml"))
+    c = engine_container(pod)
+    assert {"name": "compile-cache", "emptyDir": {"sizeLimit": "4Gi"}} in pod["spec"]["volumes"]
+    assert {"name": "compile-cache", "mountPath": "/var/cache/pagoda"} in c["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/pagoda/triton"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/pagoda/flashinfer"
+    _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "cc"}, "template": pod})
+    # A user's own setting wins, and is not set twice.
+    own = engine_container(_engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
+                                                 engine__env=[{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}])))
+    assert [e for e in own["env"] if e["name"] == "TRITON_CACHE_DIR"] == [{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}]
+    # A CPU engine compiles no GPU kernels.
+    cpu = _engine_pod(load_example("tiny-cpu.yaml"))
+    assert "compile-cache" not in {v["name"] for v in cpu["spec"]["volumes"]}
+    assert "env" not in engine_container(cpu)
 
 
 def test_engine_config_change_changes_the_pod_template_hash_and_nothing_else_does():
@@ -365,7 +389,7 @@ def test_models_from_a_pvc_and_a_file_path():
     pod = f[("Deployment", "llama-8b-engine")]["spec"]["template"]
     c = engine_container(pod)
     assert c["args"][c["args"].index("--model") + 1] == "/opt/models/llama"
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["shm", "config"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["shm", "config", "compile-cache"]
 
 
 def test_render_command_prints_the_manifests(tmp_path):

@@ -52,6 +52,13 @@ MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"  # --kv-offload-disk-path: the disk tier's volume is mounted here
 KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's password, from spec's secretRef
+# GPU engines: the kernels Triton and FlashInfer compile at start-up (seconds of a cold start) go to
+# an emptyDir here, which outlives the container, so an engine that restarts in its pod (a crash,
+# an OOM kill, a failed liveness probe) loads them instead of compiling them again.
+COMPILE_CACHE_DIR = "/var/cache/pagoda"
+COMPILE_CACHE_SIZE_LIMIT = "4Gi"
+COMPILE_CACHE_ENV = (("TRITON_CACHE_DIR", f"{COMPILE_CACHE_DIR}/triton"),
+                     ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
 PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
 STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -263,6 +270,9 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         if tier.type == "disk":
             volumes.append({"name": "kv-disk", **_kv_disk_source(tier)})
             mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
+    if sizing.gpus_per_pod(spec):
+        volumes.append({"name": "compile-cache", "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE_LIMIT}})
+        mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
     return volumes, mounts
 
 
@@ -341,7 +351,10 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
         if tier.type == "remote" and tier.secret_ref is not None:
             env.append({"name": KV_REMOTE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                 "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
-    return env + [dict(v) for v in spec.engine.env]
+    user = [dict(v) for v in spec.engine.env]
+    if sizing.gpus_per_pod(spec):  # the compile cache's volume (`_engine_volumes`), unless the user moved it
+        env += [{"name": k, "value": v} for k, v in COMPILE_CACHE_ENV if k not in {e.get("name") for e in user}]
+    return env + user
 
 
 def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
