@@ -191,21 +191,26 @@ def test_tensor_parallel_async_equals_single_rank_sync(model_dir, hf_tokens):
         _assert_pool_free(llm)
 
 
-@pytest.mark.parametrize("async_scheduling, pool", [(False, {}), (True, {}), (True, {"num_kv_pages": 12})],
-                         ids=["sync", "async", "async-pool-of-176-tokens"])
+@pytest.mark.parametrize("async_scheduling, pool", [(False, {}), (True, {}), (True, {"num_kv_pages": 12}),
+                                                     (False, {"pipeline_parallel_size": 2})],
+                         ids=["sync", "async", "async-pool-of-176-tokens", "two-pipeline-stages"])
 def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
     """A CUDA engine runs warm-up requests before it serves (`EngineCore._warm_up_steps`; CPU
     engines skip them, so they are run by hand here): afterwards no request, page in use, KV
     offload or prefix-cache count of theirs remains, and the tokens users get, random ones of
     unseeded requests included, are those of an engine that never warmed up. A pool smaller than
     the warm-up's usual prompts (a GPU test's --num-kv-pages 64) shrinks them instead of waiting
-    for pages forever."""
+    for pages forever. Two pipeline stages (gloo) run them through the batch queue."""
     params = [SamplingParams(max_tokens=NEW_TOKENS, temperature=0), SamplingParams(max_tokens=NEW_TOKENS, temperature=1.0)]
     prompts = PROMPTS[:2]
     kw = dict(dtype="float32", async_scheduling=async_scheduling, kv_offload_cpu_gb=0.01, **pool)
-    cold = LLM(str(model_dir), **kw)
-    expected = [_comparable(o.outputs[0]) for o in cold.generate(prompts, params)]
-    warm = LLM(str(model_dir), **kw)
+    with LLM(str(model_dir), **kw) as cold:
+        expected = [_comparable(o.outputs[0]) for o in cold.generate(prompts, params)]
+    with LLM(str(model_dir), **kw) as warm:
+        _warm_up_and_check(warm, prompts, params, expected)
+
+
+def _warm_up_and_check(warm: LLM, prompts, params, expected) -> None:
     core = warm.core
     offload = core.kv.offload
     launch, step_tokens = core.runner.launch, []

@@ -256,7 +256,9 @@ class EngineCore:
             logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "
                         "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
                         self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
-        if self.device.type == "cuda" and not self.in_lockstep and self.max_concurrent_batches == 1:
+        # Pipeline stages warm up too (through the batch queue); cores whose experts span other
+        # cores cannot step alone.
+        if self.device.type == "cuda" and not self.in_lockstep:
             t1 = time.monotonic()
             self._warm_up_steps()
             logger.info("warm-up steps took %.1fs", time.monotonic() - t1)
