@@ -130,27 +130,29 @@ def _by_dtype(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> dict[torch.dt
     return groups
 
 
-# Each tensor starts this many bytes into the flat broadcast (a multiple): Triton specialises
-# kernels on their pointers' 16-byte alignment, and a step's positions after an odd number of
-# int64 input ids would otherwise make a worker rank compile a second variant on a live step.
-_ALIGN_BYTES = 16
+# Triton specialises kernels on their pointers' 16-byte alignment: a tensor packed after another
+# in one buffer (a step's positions after an odd number of int64 input ids) would make the first
+# step of each parity compile a second variant, on a live step.
+ALIGN_BYTES = 16
 
 
-def _padded(numel: int, dtype: torch.dtype) -> int:
-    per = max(1, _ALIGN_BYTES // dtype.itemsize)
+def aligned_numel(numel: int, dtype: torch.dtype) -> int:
+    """`numel` rounded up to whole `ALIGN_BYTES` of `dtype`: where the next tensor packed into the
+    same buffer may start."""
+    per = max(1, ALIGN_BYTES // dtype.itemsize)
     return -(-numel // per) * per
 
 
 def broadcast_tensors(group, tensors: list[torch.Tensor], device: torch.device) -> None:
     """Rank 0's side: one broadcast per dtype of the call's tensors, flattened end to end (each
-    padded to `_ALIGN_BYTES`)."""
+    padded to `ALIGN_BYTES`)."""
     specs = [(tuple(t.shape), t.dtype) for t in tensors]
     for dtype, indices in _by_dtype(specs).items():
         parts = []
         for i in indices:
             flat = tensors[i].to(device).reshape(-1)
             parts.append(flat)
-            pad = _padded(flat.numel(), dtype) - flat.numel()
+            pad = aligned_numel(flat.numel(), dtype) - flat.numel()
             if pad and len(indices) > 1:
                 parts.append(flat.new_zeros(pad))
         group.broadcast(parts[0] if len(parts) == 1 else torch.cat(parts))
@@ -159,11 +161,11 @@ def broadcast_tensors(group, tensors: list[torch.Tensor], device: torch.device) 
 def receive_tensors(group, specs: list[tuple[tuple[int, ...], torch.dtype]], device: torch.device
                     ) -> list[torch.Tensor]:
     """A worker's side of `broadcast_tensors`: the call's tensors, on this rank's device, each
-    starting `_ALIGN_BYTES`-aligned."""
+    starting `ALIGN_BYTES`-aligned."""
     tensors: list[torch.Tensor | None] = [None] * len(specs)
     for dtype, indices in _by_dtype(specs).items():
         sizes = [torch.Size(specs[i][0]).numel() for i in indices]
-        spans = [_padded(n, dtype) for n in sizes] if len(indices) > 1 else sizes
+        spans = [aligned_numel(n, dtype) for n in sizes] if len(indices) > 1 else sizes
         flat = group.broadcast(torch.empty(sum(spans), dtype=dtype, device=device))
         for i, n, piece in zip(indices, sizes, flat.split(spans)):
             tensors[i] = piece[:n].view(specs[i][0])

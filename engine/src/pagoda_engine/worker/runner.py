@@ -31,6 +31,7 @@ from pagoda_engine.messages import TokenLogprobs
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
 from pagoda_engine.worker.executor import Executor
+from pagoda_engine.worker.rpc import aligned_numel
 from pagoda_engine.worker.sampling import (
     PendingSample,
     Sampler,
@@ -178,12 +179,11 @@ class ModelRunner:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        # Each per-token segment starts at an even index, 16 bytes aligned: Triton specialises a
-        # kernel on its pointers' alignment, and after an odd token count the positions would
-        # start 8 bytes past it, a variant that a fresh server compiled during a live step
-        # (about 200 ms, on an H100 its first 1,025-token step).
+        # Each per-token segment starts aligned (`rpc.aligned_numel`): after an odd token count
+        # the positions started 8 bytes off, a kernel variant that a fresh server compiled during
+        # a live step (about 200 ms, on an H100 its first 1,025-token step).
         t, r, f = offset, len(sample_rows), len(fed_at)
-        span = t + (t & 1)
+        span = aligned_numel(t, torch.int64)
         pad = [0] * (span - t)
         host = torch.tensor(ids + pad + pos + pad + slots + pad + sample_rows + fed_at + fed_from, dtype=torch.int64)
         if self.device.type == "cuda":
