@@ -18,8 +18,6 @@ import sys
 import threading
 import time
 
-import torch
-
 from pagoda_engine import envs
 
 logger = logging.getLogger(__name__)
@@ -65,6 +63,10 @@ def set_torch_threads(device_type: str, num_params: int | None = None) -> None:
     - on CPU, one thread for models under 50 M parameters (`num_params`), whose tiny matmuls gain
       less than OpenMP's synchronisation costs, which collapses when several engines share a
       machine; torch's default for larger ones."""
+    # Imported here, not at the top: the API process imports this module on its way to spawning
+    # the engine core and runs no model; torch at the top delayed that spawn by seconds.
+    import torch
+
     wanted = envs.cpu_threads()
     if wanted is not None:
         torch.set_num_threads(wanted)
