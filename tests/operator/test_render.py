@@ -361,6 +361,17 @@ def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod():
     own = engine_container(_engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
                                                  engine__env=[{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}])))
     assert [e for e in own["env"] if e["name"] == "TRITON_CACHE_DIR"] == [{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}]
+    # A claim shared by every pod of the service holds Triton's kernels; FlashInfer's builds stay per pod.
+    shared = _engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
+                                   engine__compileCache={"persistentVolumeClaim": {"claimName": "kernels"}}))
+    c = engine_container(shared)
+    assert {"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": "kernels"}} in shared["spec"]["volumes"]
+    assert {"name": "compile-cache", "emptyDir": {"sizeLimit": "4Gi"}} in shared["spec"]["volumes"]
+    assert {"name": "compile-cache-shared", "mountPath": "/var/cache/pagoda-shared"} in c["volumeMounts"]
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env["TRITON_CACHE_DIR"] == "/var/cache/pagoda-shared/triton"
+    assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/pagoda/flashinfer"
+    _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "cc"}, "template": shared})
     # A CPU engine compiles no GPU kernels.
     cpu = _engine_pod(load_example("tiny-cpu.yaml"))
     assert "compile-cache" not in {v["name"] for v in cpu["spec"]["volumes"]}

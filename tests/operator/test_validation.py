@@ -353,6 +353,21 @@ def test_api_server_count_needs_as_many_cpus_and_one_way_of_setting_it():
     assert any("apiServerCount" in p for p in problems_of(with_spec(base, engine__apiServerCount=0)))
 
 
+def test_a_shared_compile_cache_is_for_gpu_engines_and_the_only_place_of_tritons_cache():
+    shared = {"persistentVolumeClaim": {"claimName": "kernels"}}
+    gpu = load_example("llama-3.1-8b.yaml")
+    assert problems_of(with_spec(gpu, engine__compileCache=shared)) == []
+    assert problems_of(with_spec(gpu, engine__compileCache={})) == []  # the default: an emptyDir per pod
+    cpu = problems_of(with_spec(load_example("tiny-cpu.yaml"), engine__compileCache=shared))
+    assert cpu == ["engine.compileCache: CPU engines compile no GPU kernels; remove it or give the pods GPUs"]
+    own = problems_of(with_spec(gpu, engine__compileCache=shared,
+                                engine__env=[{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}]))
+    assert own == ["engine: compileCache.persistentVolumeClaim and env TRITON_CACHE_DIR both place Triton's cache; keep one"]
+    bad_name = problems_of(with_spec(gpu, engine__compileCache={"persistentVolumeClaim": {"claimName": "Not_A_Name"}}))
+    assert any("claimName" in p for p in bad_name), bad_name
+    assert any("claimName" in p for p in problems_of(with_spec(gpu, engine__compileCache={"persistentVolumeClaim": {}})))
+
+
 @pytest.mark.parametrize("extra_args, expected", [
     (["--api-server-count", "1"], []),
     (["--api-server-count=1"], []),

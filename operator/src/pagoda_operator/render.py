@@ -57,8 +57,18 @@ KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's passwo
 # an OOM kill, a failed liveness probe) loads them instead of compiling them again.
 COMPILE_CACHE_DIR = "/var/cache/pagoda"
 COMPILE_CACHE_SIZE_LIMIT = "4Gi"
-COMPILE_CACHE_ENV = (("TRITON_CACHE_DIR", f"{COMPILE_CACHE_DIR}/triton"),
-                     ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
+# With engine.compileCache.persistentVolumeClaim, Triton's cache moves to that claim, shared by every
+# pod of the service; FlashInfer's JIT builds stay on the pod's emptyDir.
+SHARED_COMPILE_CACHE_DIR = "/var/cache/pagoda-shared"
+
+
+def _compile_cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
+    cache = spec.engine.compile_cache
+    shared = cache is not None and cache.persistent_volume_claim is not None
+    return (("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else COMPILE_CACHE_DIR}/triton"),
+            ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
+
+
 PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
 STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -273,6 +283,11 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
     if sizing.gpus_per_pod(spec):
         volumes.append({"name": "compile-cache", "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE_LIMIT}})
         mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
+        cache = spec.engine.compile_cache
+        if cache is not None and cache.persistent_volume_claim is not None:
+            volumes.append({"name": "compile-cache-shared",
+                            "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim.claim_name}})
+            mounts.append({"name": "compile-cache-shared", "mountPath": SHARED_COMPILE_CACHE_DIR})
     return volumes, mounts
 
 
@@ -353,7 +368,7 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
                 "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
     user = [dict(v) for v in spec.engine.env]
     if sizing.gpus_per_pod(spec):  # the compile cache's volume (`_engine_volumes`), unless the user moved it
-        env += [{"name": k, "value": v} for k, v in COMPILE_CACHE_ENV if k not in {e.get("name") for e in user}]
+        env += [{"name": k, "value": v} for k, v in _compile_cache_env(spec) if k not in {e.get("name") for e in user}]
     return env + user
 
 

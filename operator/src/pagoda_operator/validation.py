@@ -90,7 +90,21 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_node_fit(spec),
         *_check_router(spec),
         *_check_api_servers(spec),
+        *_check_compile_cache(spec),
     ]
+
+
+def _check_compile_cache(spec: InferenceServiceSpec) -> list[str]:
+    """A shared compile cache is for GPU engines, and is Triton's cache: a TRITON_CACHE_DIR of the
+    user's own would leave the claim mounted and unused."""
+    cache = spec.engine.compile_cache
+    if cache is None or cache.persistent_volume_claim is None:
+        return []
+    if sizing.gpus_per_pod(spec) == 0:
+        return ["engine.compileCache: CPU engines compile no GPU kernels; remove it or give the pods GPUs"]
+    if any(e.get("name") == "TRITON_CACHE_DIR" for e in spec.engine.env):
+        return ["engine: compileCache.persistentVolumeClaim and env TRITON_CACHE_DIR both place Triton's cache; keep one"]
+    return []
 
 
 def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
