@@ -78,12 +78,12 @@ def autoscaling_problems(a: "Autoscaling") -> list[str]:
     if a.policy == "kvUtilization" and a.target is not None and a.target > 1:
         problems.append(f"autoscaling.target: {a.target:g} can never be reached: kvUtilization is the "
                         "fraction of the KV cache in use, in (0, 1]")
-    for field, value in (("scaleUpDelay", a.scale_up_delay), ("scaleDownDelay", a.scale_down_delay)):
+    for name, value in (("scaleUpDelay", a.scale_up_delay), ("scaleDownDelay", a.scale_down_delay)):
         if value:
             try:
                 parse_duration(value)
             except ValueError as e:
-                problems.append(f"autoscaling.{field}: {e}")
+                problems.append(f"autoscaling.{name}: {e}")
     return problems
 
 

@@ -21,7 +21,6 @@ import datetime
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import kopf
 from lightkube import AsyncClient
