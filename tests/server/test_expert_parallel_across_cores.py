@@ -159,3 +159,89 @@ def test_two_cores_of_two_tensor_parallel_ranks_give_one_process_greedy_tokens(m
         assert _complete_all(srv.base_url, [0, 1, 1, 1]) == one_process_texts
     finally:
         srv.proc.stop()
+
+
+# --- the warm-up of cores in lockstep --------------------------------------------------------------
+
+def _lockstep_core(rank: int, port: int, model_dir: str, num_kv_pages: int, prompt: list[int], results) -> None:
+    """One of two engine cores whose experts span both: its start-up warm-up (run by hand: CPU
+    engines skip it), then one greedy request of its own served as `CoreLoop.run_lockstep` serves:
+    each turn the cores agree whether any has work, and one with none runs a dummy batch."""
+    import dataclasses
+
+    from pagoda_engine.api.server.dp_client import rank_config
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core.engine_core import EngineCore
+    from pagoda_engine.core.request import Request
+
+    config = EngineConfig.from_kwargs(model=model_dir, num_kv_pages=num_kv_pages, max_model_len=256, max_num_seqs=16,
+                                      data_parallel_size=2, enable_expert_parallel=True)
+    config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, data_parallel_master_port=port)), rank)
+    core = EngineCore(config)
+    launch, step_tokens = core.runner.launch, []
+
+    def counting_launch(sched, *args, **kwargs):
+        step_tokens.append(sched.num_tokens)
+        return launch(sched, *args, **kwargs)
+
+    core.runner.launch = counting_launch
+    core._warm_up_steps()
+    del core.runner.launch
+    left = core.has_unfinished_requests()
+    req = Request(request_id=f"r{rank}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
+                  sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
+                  arrival_time=time.time())
+    core.scheduler.add_request(req)
+    # Until both requests are done; a core whose own is done ("stopping" here) keeps running dummy
+    # batches for the other, whose warm-up may still be going.
+    while True:
+        busy, done = core.agree_with_cores(stopping=not core.has_unfinished_requests())
+        if done == 2:
+            break
+        if busy:
+            ran = core.step().stats.num_scheduled_tokens if core.has_unfinished_requests() else 0
+            if not ran:
+                core.execute_dummy_batch()
+    results.put((rank, step_tokens, left, list(req.output_token_ids)))
+    core.close()
+
+
+def test_cores_in_lockstep_warm_up_together_and_serve_greedy_tokens_after(moe_dir):
+    """A GPU engine warms up at start-up (every kernel variant compiled before the first request);
+    cores whose experts span each other must do it in lockstep, each step of one paired with a step
+    or a dummy batch of the other. Here the two cores' pools differ, so their warm-ups differ (six
+    and five prompt sizes): without agreeing on every turn, their forwards fall out of step and
+    the request after hangs or computes with the wrong experts' outputs."""
+    import multiprocessing as mp
+    import socket
+
+    prompts = [PROMPTS[1], PROMPTS[2]]
+    with LLM(str(moe_dir), num_kv_pages=64) as llm:
+        params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    pools = (64, 32)  # long prompts of 236 and 108 tokens: sizes up to 129 and up to 65
+    procs = [ctx.Process(target=_lockstep_core, args=(rank, port, str(moe_dir), pools[rank], prompts[rank], results))
+             for rank in (0, 1)]
+    for p in procs:
+        p.start()
+    try:
+        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
+        for p in procs:
+            p.join(30)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    for rank, sizes in ((0, {5, 9, 17, 33, 65, 129}), (1, {5, 9, 17, 33, 65})):
+        step_tokens, left, tokens = got[rank]
+        assert sizes <= set(step_tokens), (rank, step_tokens)  # each size class alone
+        assert not left
+        assert tokens == list(expected[rank]), rank
+    assert 129 not in got[1][0]  # the smaller pool's warm-up stops at its long prompt's length

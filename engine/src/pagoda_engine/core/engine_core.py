@@ -256,9 +256,9 @@ class EngineCore:
             logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "
                         "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
                         self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
-        # Pipeline stages warm up too (through the batch queue); cores whose experts span other
-        # cores cannot step alone.
-        if self.device.type == "cuda" and not self.in_lockstep:
+        # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
+        # pod's other cores in lockstep with them (each runs the same warm-up).
+        if self.device.type == "cuda":
             t1 = time.monotonic()
             self._warm_up_steps()
             logger.info("warm-up steps took %.1fs", time.monotonic() - t1)
@@ -276,7 +276,9 @@ class EngineCore:
         makes: `ModelRunner.prepare`). The warm-up requests leave nothing behind: the KV offload
         tiers are detached meanwhile (nothing is stored), the prefix-cache counters are put back,
         and they sample with seeds of their own (the engine's generator, which unseeded requests
-        draw from, is untouched)."""
+        draw from, is untouched). Cores whose experts span the pod's other cores all run this at
+        start-up, each turn agreed with the others (`_warm_up_turn`), so their forwards pair up
+        even where their steps differ."""
         sc = self.config.scheduler
         # All three at once take at most half the pool, so none waits on pages (a pool fixed with
         # --num-kv-pages may be smaller than one max_model_len sequence).
@@ -293,16 +295,15 @@ class EngineCore:
 
         def run_out() -> None:
             for _ in range(_WARM_UP_MAX_STEPS):
-                if not self.has_unfinished_requests():
+                if not self._warm_up_turn():
                     break
-                self.step()
 
         offload, self.kv.offload = self.kv.offload, None
         counters = self.kv.prefix_queries, self.kv.prefix_hits
         try:
             add(0, long_len)
             add(1, 16)
-            self.step()
+            self._warm_up_turn()
             add(2, long_len)  # joins the decodes of the first two
             run_out()
             for i, n in enumerate(n for n in _WARM_UP_PROMPT_LENS if n <= long_len):
@@ -312,6 +313,28 @@ class EngineCore:
             self.abort_requests([r for r in list(self.scheduler.requests) if r.startswith("pagoda-warm-up-")])
             self.kv.offload = offload
             self.kv.prefix_queries, self.kv.prefix_hits = counters
+
+    def _warm_up_turn(self) -> bool:
+        """One step of the warm-up; False when there was nothing left to run. A core in lockstep
+        takes it as its loop takes every turn (`core.process.CoreLoop.run_lockstep`): it agrees
+        with the other cores whether any has work, then runs its own step or, with nothing of its
+        own to run, a dummy batch, so that every core makes one forward (one set of collectives)
+        a turn; False once no core has work."""
+        if not self.in_lockstep:
+            if not self.has_unfinished_requests():
+                return False
+            self.step()
+            return True
+        busy, _ = self.agree_with_cores()
+        if not busy:
+            return False
+        ran = 0
+        if self.has_unfinished_requests():
+            outputs = self.step()
+            ran = outputs.stats.num_scheduled_tokens if outputs.stats is not None else 0
+        if not ran:
+            self.execute_dummy_batch()
+        return True
 
     @property
     def cuda_graphs(self) -> bool:
