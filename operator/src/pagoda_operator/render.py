@@ -60,15 +60,6 @@ COMPILE_CACHE_SIZE_LIMIT = "4Gi"
 # With engine.compileCache.persistentVolumeClaim, Triton's cache moves to that claim, shared by every
 # pod of the service; FlashInfer's JIT builds stay on the pod's emptyDir.
 SHARED_COMPILE_CACHE_DIR = "/var/cache/pagoda-shared"
-
-
-def _compile_cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
-    cache = spec.engine.compile_cache
-    shared = cache is not None and cache.persistent_volume_claim is not None
-    return (("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else COMPILE_CACHE_DIR}/triton"),
-            ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
-
-
 PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
 STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -370,6 +361,14 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
     if sizing.gpus_per_pod(spec):  # the compile cache's volume (`_engine_volumes`), unless the user moved it
         env += [{"name": k, "value": v} for k, v in _compile_cache_env(spec) if k not in {e.get("name") for e in user}]
     return env + user
+
+
+def _compile_cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
+    """Where Triton and FlashInfer keep their compiled kernels (`_engine_volumes` mounts both)."""
+    cache = spec.engine.compile_cache
+    shared = cache is not None and cache.persistent_volume_claim is not None
+    return (("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else COMPILE_CACHE_DIR}/triton"),
+            ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
 
 
 def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
