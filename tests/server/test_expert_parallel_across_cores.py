@@ -204,7 +204,12 @@ def _lockstep_core(rank: int, port: int, model_dir: str, num_kv_pages: int, prom
             if not ran:
                 core.execute_dummy_batch()
     results.put((rank, step_tokens, left, list(req.output_token_ids)))
+    results.close()
+    results.join_thread()  # the result has left this process
     core.close()
+    # As the engine core process does (`run_engine_core`): no interpreter teardown, whose
+    # destruction of the gloo groups under their threads may abort the process.
+    os._exit(0)
 
 
 def test_cores_in_lockstep_warm_up_together_and_serve_greedy_tokens_after(moe_dir):
