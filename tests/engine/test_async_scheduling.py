@@ -13,6 +13,7 @@ from pagoda_engine.tiny import build_tiny_model
 # page-leak check are test_generate_vs_hf's; `model_dir` below is its llama case alone.
 from test_generate_vs_hf import NEW_TOKENS, PROMPTS, _greedy, hf_tokens  # noqa: F401 (a fixture)
 from test_generate_vs_hf import _assert_pool_free as _assert_pages_free
+from warm_up_steps import warm_up_step_tokens
 
 
 @pytest.fixture(scope="module")
@@ -213,15 +214,7 @@ def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
 def _warm_up_and_check(warm: LLM, prompts, params, expected) -> None:
     core = warm.core
     offload = core.kv.offload
-    launch, step_tokens = core.runner.launch, []
-
-    def counting_launch(sched, *args, **kwargs):
-        step_tokens.append(sched.num_tokens)
-        return launch(sched, *args, **kwargs)
-
-    core.runner.launch = counting_launch
-    core._warm_up_steps()
-    del core.runner.launch
+    step_tokens = warm_up_step_tokens(core)
     # Its long prompt and the short one first, then a prompt of each size class alone (as long
     # as the long prompt at most): every configuration of every kernel has run before users come.
     long_len = step_tokens[0] - 16

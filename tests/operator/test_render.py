@@ -346,32 +346,34 @@ def test_a_remote_tier_over_several_servers_passes_them_in_their_order():
     assert r.KV_REMOTE_PASSWORD_ENV not in {e["name"] for e in c.get("env", [])}
 
 
-def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod():
+@pytest.mark.parametrize("compile_cache, triton_dir, shared_volume", [
     # Triton's and FlashInfer's caches on an emptyDir, which outlives the container: an engine
     # that restarts in its pod loads the kernels it compiled instead of compiling them again.
-    pod = _engine_pod(load_example("llama-3.1-8b.yaml"))
+    (None, "/var/cache/pagoda/triton", None),
+    # A claim shared by every pod of the service holds Triton's kernels; FlashInfer's builds stay per pod.
+    ({"persistentVolumeClaim": {"claimName": "kernels"}}, "/var/cache/pagoda-shared/triton",
+     {"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": "kernels"}}),
+], ids=["per-pod", "shared-claim"])
+def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod(compile_cache, triton_dir, shared_volume):
+    body = load_example("llama-3.1-8b.yaml")
+    pod = _engine_pod(with_spec(body, engine__compileCache=compile_cache) if compile_cache else body)
     c = engine_container(pod)
     assert {"name": "compile-cache", "emptyDir": {"sizeLimit": "4Gi"}} in pod["spec"]["volumes"]
     assert {"name": "compile-cache", "mountPath": "/var/cache/pagoda"} in c["volumeMounts"]
+    shared = [v for v in pod["spec"]["volumes"] if v["name"] == "compile-cache-shared"]
+    assert shared == ([shared_volume] if shared_volume else [])
+    if shared_volume:
+        assert {"name": "compile-cache-shared", "mountPath": "/var/cache/pagoda-shared"} in c["volumeMounts"]
     env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["TRITON_CACHE_DIR"] == "/var/cache/pagoda/triton"
+    assert env["TRITON_CACHE_DIR"] == triton_dir
     assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/pagoda/flashinfer"
     _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "cc"}, "template": pod})
-    # A user's own setting wins, and is not set twice.
+
+
+def test_a_users_own_compile_cache_wins_and_cpu_engines_get_none():
     own = engine_container(_engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
                                                  engine__env=[{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}])))
     assert [e for e in own["env"] if e["name"] == "TRITON_CACHE_DIR"] == [{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}]
-    # A claim shared by every pod of the service holds Triton's kernels; FlashInfer's builds stay per pod.
-    shared = _engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
-                                   engine__compileCache={"persistentVolumeClaim": {"claimName": "kernels"}}))
-    c = engine_container(shared)
-    assert {"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": "kernels"}} in shared["spec"]["volumes"]
-    assert {"name": "compile-cache", "emptyDir": {"sizeLimit": "4Gi"}} in shared["spec"]["volumes"]
-    assert {"name": "compile-cache-shared", "mountPath": "/var/cache/pagoda-shared"} in c["volumeMounts"]
-    env = {e["name"]: e.get("value") for e in c["env"]}
-    assert env["TRITON_CACHE_DIR"] == "/var/cache/pagoda-shared/triton"
-    assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/pagoda/flashinfer"
-    _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "cc"}, "template": shared})
     # A CPU engine compiles no GPU kernels.
     cpu = _engine_pod(load_example("tiny-cpu.yaml"))
     assert "compile-cache" not in {v["name"] for v in cpu["spec"]["volumes"]}

@@ -16,6 +16,7 @@ import pytest
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.tiny import build_tiny_model
 from tests.server.conftest import core_pids, kill_core_and_wait_unhealthy, launch, scrape
+from warm_up_steps import warm_up_step_tokens
 
 MAX_TOKENS = 12
 PROMPTS = [[5, 6, 7], [(3 * i + 1) % 400 + 5 for i in range(30)], [100 + i for i in range(11)], [42] * 9]
@@ -179,15 +180,7 @@ def _lockstep_core(rank: int, port: int, model_dir: str, num_kv_pages: int, prom
     config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, data_parallel_master_port=port)), rank)
     core = EngineCore(config)
-    launch, step_tokens = core.runner.launch, []
-
-    def counting_launch(sched, *args, **kwargs):
-        step_tokens.append(sched.num_tokens)
-        return launch(sched, *args, **kwargs)
-
-    core.runner.launch = counting_launch
-    core._warm_up_steps()
-    del core.runner.launch
+    step_tokens = warm_up_step_tokens(core)
     left = core.has_unfinished_requests()
     req = Request(request_id=f"r{rank}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
                   sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
