@@ -133,7 +133,7 @@ def test_missing_model_is_a_clear_error_before_any_port(tmp_path):
 # the heavy libraries imported so far (the tokenizer's thread, which imports transformers beside the
 # core's start-up, is held until then).
 _SPAWN_PROBE = """
-import sys, threading
+import argparse, sys, threading
 from pagoda_engine.api.server import api_server, async_engine, core_client
 
 spawned = threading.Event()
@@ -150,7 +150,7 @@ def load_tokenizer(model):
 
 core_client.CoreProcess.start = start
 async_engine._load_tokenizer = load_tokenizer
-parser = api_server.argparse.ArgumentParser()
+parser = argparse.ArgumentParser()
 api_server.add_arguments(parser)
 sys.exit(api_server.run(parser.parse_args(["--model", "pagoda-tiny", "--host", "127.0.0.1", "--port", "0"])))
 """
