@@ -193,9 +193,7 @@ def _lockstep_core(rank: int, port: int, model_dir: str, num_kv_pages: int, prom
         if done == 2:
             break
         if busy:
-            ran = core.step().stats.num_scheduled_tokens if core.has_unfinished_requests() else 0
-            if not ran:
-                core.execute_dummy_batch()
+            core.lockstep_forward(lambda outputs: None)
     results.put((rank, step_tokens, left, list(req.output_token_ids)))
     results.close()
     results.join_thread()  # the result has left this process

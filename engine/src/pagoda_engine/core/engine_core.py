@@ -317,9 +317,8 @@ class EngineCore:
     def _warm_up_turn(self) -> bool:
         """One step of the warm-up; False when there was nothing left to run. A core in lockstep
         takes it as its loop takes every turn (`core.process.CoreLoop.run_lockstep`): it agrees
-        with the other cores whether any has work, then runs its own step or, with nothing of its
-        own to run, a dummy batch, so that every core makes one forward (one set of collectives)
-        a turn; False once no core has work."""
+        with the other cores whether any has work, then makes its forward of the turn
+        (`lockstep_forward`); False once no core has work."""
         if not self.in_lockstep:
             if not self.has_unfinished_requests():
                 return False
@@ -328,12 +327,7 @@ class EngineCore:
         busy, _ = self.agree_with_cores()
         if not busy:
             return False
-        ran = 0
-        if self.has_unfinished_requests():
-            outputs = self.step()
-            ran = outputs.stats.num_scheduled_tokens if outputs.stats is not None else 0
-        if not ran:
-            self.execute_dummy_batch()
+        self.lockstep_forward(lambda outputs: None)
         return True
 
     @property
@@ -530,6 +524,18 @@ class EngineCore:
         """How many of the pod's cores (this one included) have unfinished requests, and how many
         are stopping: one gloo all-reduce that every core makes once per turn of its loop."""
         return self.executor.agree_with_cores(self.has_unfinished_requests(), stopping)
+
+    def lockstep_forward(self, publish: Callable[[EngineCoreOutputs], None]) -> None:
+        """This core's forward in a turn the cores agreed some core has work for: its own step,
+        whose outputs go to `publish` at once, or, where that scheduled nothing (or it has no work),
+        a dummy batch, so that every core makes one forward (one set of collectives) a turn."""
+        ran = 0
+        if self.has_unfinished_requests():
+            outputs = self.step()
+            publish(outputs)
+            ran = outputs.stats.num_scheduled_tokens if outputs.stats is not None else 0
+        if not ran:
+            self.execute_dummy_batch()
 
     def execute_dummy_batch(self) -> None:
         """One dummy token through the model: this core's part of a step it has nothing for."""

@@ -236,17 +236,15 @@ class CoreLoop:
                 core.check_alive()
             else:
                 wave = True
-                ran = 0
-                if core.has_unfinished_requests():
-                    outputs = core.step()
-                    self.publish(outputs)
-                    ran = outputs.stats.num_scheduled_tokens if outputs.stats is not None else 0
-                    if not core.has_unfinished_requests():  # gone idle: as `run`, publish it
-                        self.send(EngineCoreOutputs(outputs=[], stats=core.get_stats()))
-                if not ran:  # nothing of its own launched this turn: join the others' forward
-                    core.execute_dummy_batch()
+                core.lockstep_forward(self._publish_lockstep)
             if self._parent_gone_since_last_check():
                 return
+
+    def _publish_lockstep(self, outputs: EngineCoreOutputs) -> None:
+        """A lockstep turn's outputs, and the idle state once they were the core's last (as `run`)."""
+        self.publish(outputs)
+        if not self.core.has_unfinished_requests():
+            self.send(EngineCoreOutputs(outputs=[], stats=self.core.get_stats()))
 
 
 def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: list[str], parent_pid: int,
