@@ -92,3 +92,90 @@ def test_gemv_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(y, gemv(x, w)) and torch.equal(act, gemv_silu_and_mul(x, w))
+
+
+def _rms_normed(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 without rounding: what the fused kernel projects."""
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+
+
+NORM_SHAPES = {  # (N, K, gated)
+    "llama q/k/v": (6144, 4096, False),
+    "llama gate+up": (14336, 4096, True),
+    "qwen3-moe q/k/v": (5120, 2048, False),
+    "qwen3-moe router": (128, 2048, False),
+    "uneven gated": (520, 1032, True),
+}
+
+
+@pytest.mark.parametrize("first_layer", [False, True], ids=["add-and-norm", "norm"])
+@pytest.mark.parametrize("shape", sorted(NORM_SHAPES))
+def test_norm_folded_into_the_projection(shape, first_layer):
+    """`gemv_rmsnorm`: the layer's add-and-norm and the projection after it in one kernel, against
+    float32 products of the unrounded normalised row; the new residual is x + residual rounded
+    once, exactly; the normalised row it writes for an MoE block is FlashInfer's RMSNorm's."""
+    import flashinfer
+
+    from pagoda_engine.worker.model.gemv_triton import gemv_rmsnorm, norm_applies
+
+    n, k, gated = NORM_SHAPES[shape]
+    gen = torch.Generator(device=CUDA).manual_seed(n + k)
+    w = (torch.randn(2 * n if gated else n, k, device=CUDA, generator=gen) * k ** -0.5).bfloat16()
+    x = (torch.randn(1, k, device=CUDA, generator=gen) * 3).bfloat16()
+    residual = None if first_layer else (torch.randn(1, k, device=CUDA, generator=gen) * 5).bfloat16()
+    norm_w = (1 + 0.3 * torch.randn(k, device=CUDA, generator=gen)).bfloat16()
+    bias = None if gated else torch.randn(n, device=CUDA, generator=gen).bfloat16()
+    assert norm_applies(x, residual, norm_w, w)
+    h = x.float() + (residual.float() if residual is not None else 0)
+    normed = _rms_normed(h, norm_w, 1e-5)
+    y, res_out, normed_row = gemv_rmsnorm(x, residual, norm_w, 1e-5, w, bias, gated=gated, normed_out=True)
+    if gated:
+        gate, up = (normed @ w.float().T).chunk(2, dim=-1)
+        _close(y, F.silu(gate) * up)
+    else:
+        _close(y, normed @ w.float().T + bias.float())
+    assert torch.equal(res_out, h.bfloat16())
+    if first_layer:
+        assert res_out is x  # the stream starts as the embedding, as the unfused layer has it
+    expected = x.clone()
+    if first_layer:
+        expected = flashinfer.rmsnorm(x, norm_w, 1e-5)
+    else:
+        flashinfer.fused_add_rmsnorm(expected, residual.clone(), norm_w, 1e-5)
+    torch.testing.assert_close(normed_row, expected, atol=0, rtol=1e-2)  # at most a rounding step apart
+    assert (normed_row != expected).float().mean() < 0.01
+
+
+def test_layers_fold_the_norm_for_one_row_only():
+    """A dense layer's qkv and MLP halves, and an MoE block, give the unfused path's outputs at one
+    row (to bf16 rounding of the normalised row); two rows take the unfused path exactly."""
+    from pagoda_engine.worker.model.layers import GatedMLP, RMSNorm, norm_and_linear
+    from pagoda_engine.worker.model.moe import FusedMoE
+
+    torch.manual_seed(0)
+    norm = RMSNorm(512, 1e-5).to(device=CUDA, dtype=torch.bfloat16)
+    norm.weight.data.copy_(1 + 0.2 * torch.randn(512, device=CUDA))
+    mlp = GatedMLP(512, 384).to(device=CUDA, dtype=torch.bfloat16)
+    moe = FusedMoE(16, 4, 512, 128, renormalize=True).to(device=CUDA, dtype=torch.bfloat16)
+    for p in [*mlp.parameters(), *moe.parameters()]:
+        torch.nn.init.normal_(p, std=512 ** -0.5)
+    w = (torch.randn(768, 512, device=CUDA) * 512 ** -0.5).bfloat16()
+    x = torch.randn(2, 512, device=CUDA).bfloat16()
+    residual = torch.randn(2, 512, device=CUDA).bfloat16()
+
+    def unfused(module, x, residual):
+        x, residual = norm(x.clone(), residual.clone())
+        return module(x), residual
+
+    for one in (False, True):
+        xs, rs = (x[:1], residual[:1]) if one else (x, residual)
+        got_y, got_r = norm_and_linear(norm, xs.clone(), rs.clone(), w)
+        want_y, want_r = unfused(lambda t: t @ w.T, xs, rs)
+        for (got, got_res), (want, want_res) in [((got_y, got_r), (want_y, want_r)),
+                                                 (mlp.normed(norm, xs.clone(), rs.clone()), unfused(mlp, xs, rs)),
+                                                 (moe.normed(norm, xs.clone(), rs.clone()), unfused(moe, xs, rs))]:
+            assert torch.equal(got_res, want_res)
+            if one:
+                _close(got, want.float())
+            else:
+                assert torch.equal(got, want)

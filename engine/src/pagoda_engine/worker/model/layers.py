@@ -127,6 +127,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return gemv.gemv(x, weight, bias) if gemv is not None else F.linear(x, weight, bias)
 
 
+def _gemv_norm_kernels(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
+    """The Triton matrix-vector module when it can fold `norm` into the projection of x's one row
+    (`gemv_triton.norm_applies`), else None."""
+    gemv = _gemv_kernels(x, weight)
+    return gemv if gemv is not None and gemv.norm_applies(x, residual, norm.weight, weight) else None
+
+
+def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(linear(normalised, weight, bias), residual) after `norm(x, residual)`, or `norm(x)` with
+    x as the residual when there is none yet (the first layer). A batch-1 decode's row on CUDA
+    takes one kernel for both (`gemv_triton.gemv_rmsnorm`)."""
+    gemv = _gemv_norm_kernels(norm, x, residual, weight)
+    if gemv is not None:
+        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, weight, bias)
+    if residual is None:
+        residual, x = x, norm(x)
+    else:
+        x, residual = norm(x, residual)
+    return linear(x, weight, bias), residual
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * d] → silu(first half) * second half: the gated MLP's activation. On CUDA, a few
     rows (decode batches) take a Triton kernel that spreads each row over many SMs, more rows
@@ -554,3 +576,14 @@ class GatedMLP(nn.Module):
         if gemv is not None:  # one row: gate, up and the activation in one kernel
             return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight))
         return self.down_proj(self.act(gate_up(x)))
+
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(normalised), residual) after `norm(x, residual)`: at one row on CUDA the norm,
+        gate, up and the activation are one kernel."""
+        gate_up = self.gate_up_proj
+        gemv = _gemv_norm_kernels(norm, x, residual, gate_up.weight) if gate_up.bias is None else None
+        if gemv is not None:
+            act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True)
+            return self.down_proj(act), residual
+        x, residual = norm(x, residual)
+        return self(x), residual

@@ -51,9 +51,11 @@ from torch import nn
 from pagoda_engine.worker.model.layers import (
     GatedMLP,
     LinearBase,
+    RMSNorm,
     TPGroup,
     _check_shape,
     _divide,
+    _gemv_norm_kernels,
     _group,
     _set_weight_loader,
     default_weight_loader,
@@ -222,10 +224,28 @@ class FusedMoE(nn.Module):
             _group(self).all_reduce(out)
         return out
 
-    def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None) -> torch.Tensor:
+    def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(self(normalised), residual) after `norm(x, residual)`. At one row on CUDA, where the
+        block has no shared expert and its experts are this core's, the norm and the router are
+        one kernel, which also writes the normalised row the experts read."""
+        gemv = None
+        if not self.across_cores and self.shared_expert is None:
+            gemv = _gemv_norm_kernels(norm, x, residual, self.gate.weight)
+        if gemv is None:
+            x, residual = norm(x, residual)
+            return self(x), residual
+        logits, residual, x = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True)
+        out = self._routed_experts(x, logits=logits)
+        if self.tp_size > 1:
+            _group(self).all_reduce(out)
+        return out, residual
+
+    def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
+                        logits: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts' share of the routed output for the tokens `x`; rows where
-        `padding` is true (dispatch padding) go to no expert."""
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        `padding` is true (dispatch padding) go to no expert. `logits`: the router's, when made
+        already."""
+        weights, ids = select_experts(self.gate(x) if logits is None else logits, self.top_k, self.renormalize)
         if self.experts.num_local < self.num_experts:
             ids = self.experts.local_ids(ids)
         if padding is not None:

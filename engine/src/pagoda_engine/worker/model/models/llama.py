@@ -30,6 +30,7 @@ from pagoda_engine.worker.model.layers import (
     RotaryEmbedding,
     RowParallelLinear,
     VocabParallelEmbedding,
+    norm_and_linear,
 )
 from pagoda_engine.worker.model.moe import FusedMoE
 
@@ -132,18 +133,22 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.rotary_emb = rotary  # one cos/sin cache, shared by every layer
 
-    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The attention inputs of the normalised hidden states x [T, H]: q [T, Hq, D], k and v
-        [T, Hkv, D], slices of one projection's output. q and k are not normalised per head
-        (Qwen3) nor rotated yet: `attend` hands the norms and the rotary to the attention backend,
-        which applies them as it writes K/V (one kernel on the GPU)."""
+    def qkv(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The attention inputs of the hidden states x [T, H] after the layer's input `norm` (x
+        added to the residual stream first; x is the stream in the first layer, whose residual is
+        None): q [T, Hq, D], k and v [T, Hkv, D], slices of one projection's output, and the
+        residual stream. q and k are not normalised per head (Qwen3) nor rotated yet: `attend`
+        hands the norms and the rotary to the attention backend, which applies them as it writes
+        K/V (one kernel on the GPU)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        projected, residual = norm_and_linear(norm, x, residual, self.qkv_proj.weight, self.qkv_proj.bias)
+        q, k, v = projected.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        return q, k, v
+        return q, k, v, residual
 
     def attend(self, attn: AttentionBackend, layer_id: int, positions: torch.Tensor, q: torch.Tensor,
                k: torch.Tensor, v: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -186,12 +191,7 @@ class DecoderLayer(nn.Module):
         """Input norm (adding x to the residual stream first, except in the first layer, whose
         residual is None) and the attention inputs: (q, k, v, residual), q and k not normalised
         per head nor rotated yet."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        q, k, v = self.self_attn.qkv(x)
-        return q, k, v, residual
+        return self.self_attn.qkv(self.input_layernorm, x, residual)
 
     def attend(self, attn, layer_id, positions, q, k, v, out=None):
         """Attention of `pre_attention`'s q, k, v (per-head norms and rotary included) over the
@@ -203,8 +203,7 @@ class DecoderLayer(nn.Module):
         return self._mlp(self.self_attn.out(o), residual)
 
     def _mlp(self, x, residual):
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp.normed(self.post_attention_layernorm, x, residual)
 
     def forward(self, layer_id, positions, x, residual, attn):
         x, residual = self._attention(layer_id, positions, x, residual, attn)
