@@ -170,22 +170,26 @@ class DecodeGraphs:
         self.received = StageInput.of(model, device, self.max_batch_size)
         self.is_last_stage = model.is_last_stage
         attn.init_graph_buffers(self.batch_sizes, max_pages_per_seq)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        # (batch size, the backend's variant): a backend may capture a size more than once, e.g.
+        # with another attention kernel for short contexts (`graph_variants`).
+        self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, object], torch.Tensor] = {}
         self.replays = 0
+        variants = getattr(attn, "graph_variants", lambda bs: (None,))
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
                 dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
                                        slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
                                        num_decodes=bs)
-                attn.plan_graph_decode(dummy, bs)
-                self._forward(bs)  # warm-up: lazy inits stay out of the graph
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[bs] = self._forward(bs)
-                self.graphs[bs] = graph
+                for variant in variants(bs):
+                    key = (bs, attn.plan_graph_decode(dummy, bs, *(() if variant is None else (variant,))))
+                    self._forward(bs)  # warm-up: lazy inits stay out of the graph
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self.outputs[key] = self._forward(bs)
+                    self.graphs[key] = graph
         torch.cuda.synchronize()
 
     def _forward(self, bs: int) -> torch.Tensor:
@@ -210,10 +214,10 @@ class DecodeGraphs:
         n = batch.num_reqs
         bs = self.padded_size(n)
         load_padded(self.input_ids, self.positions, input_ids, positions, bs)
-        self.attn.plan_graph_decode(batch, bs)
-        self.graphs[bs].replay()
+        key = (bs, self.attn.plan_graph_decode(batch, bs))
+        self.graphs[key].replay()
         self.replays += 1
-        return self.outputs[bs][:n] if self.is_last_stage else self.outputs[bs]
+        return self.outputs[key][:n] if self.is_last_stage else self.outputs[key]
 
 
 class SegmentBuffers:

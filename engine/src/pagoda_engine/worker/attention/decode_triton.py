@@ -1,0 +1,170 @@
+"""Decode attention for one or two requests on CUDA (Triton): one launch per layer, split-KV merged
+in the same kernel.
+
+At one request FlashInfer's decode launches its attention kernel and then a kernel that merges
+the split-KV partial results, and its attention kernel makes several rounds of dependent loads
+(its plan's work lists, the page table) before it reads K/V. At L1's contexts (a few hundred
+tokens) a layer's K/V is under a megabyte, so those launches are almost all latency: with the
+gaps around them about 13 µs a layer on an H200, where the bytes take under one.
+
+Here program (b, h, s) attends request b's query heads of KV head h (the grouped-query group,
+padded to 16 rows for the tensor cores) over the s-th slice of the request's tokens: one block of
+BLOCK_N tokens while the request has at most MAX_SPLITS blocks, so at short contexts each program
+makes one round of loads (page ids, then K and V). A request of one slice writes its output
+directly. Otherwise each program writes its partial output and log-sum-exp (base 2) to a float32
+scratch, and the program that finishes a (b, h)'s slices last, which an atomic counter names,
+merges them and writes the output; it then puts the counter back to 0, so the kernel needs no
+clearing between launches and replays in a CUDA graph.
+
+The page table is FlashInfer's CSR (`kv_indptr`, `kv_indices`, `kv_last_page_len`, int32, on the
+device) over the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") cache, so
+the graph buffers the FlashInfer backend keeps serve both. The slicing is decided in the kernel
+from each request's length, so a graph captured once serves every length; at long contexts
+(thousands of tokens) FlashInfer's kernels are faster, and the backend uses this one only up to
+`SHORT_CONTEXT` tokens (H200, µs a layer, 32 layers in one graph, this / FlashInfer's two kernels:
+Llama-3.1-8B's heads 6.5 / 9.7 at 128 tokens, 7.6 / 11.2 at 640, 8.5 / 11.1 at 1,024, 15.5 / 14.9
+at 4,096; Qwen3-30B-A3B's 7.6 / 10.0, 8.6 / 10.7, 12.1 / 11.3, 17.0 / 13.3).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_SPLITS = 32  # slices a request's tokens may make; the launch grid's last dimension
+BLOCK_G = 16  # rows of a KV head's query group in the tensor-core tiles (grouped-query groups up to 16)
+BLOCK_N = 64  # tokens a program reads in one round of loads
+MAX_BATCH = 2  # requests a decode step may have for this kernel (4 were no faster than FlashInfer's)
+SHORT_CONTEXT = 1024  # tokens a request may have for this kernel
+
+
+@triton.jit
+def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_ptr,
+                   part_o_ptr, part_lse_ptr, counter_ptr, sm_scale_log2,
+                   stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
+                   NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_G: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    first_page = tl.load(indptr_ptr + b)
+    num_pages = tl.load(indptr_ptr + b + 1) - first_page
+    seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_ptr + b)
+    # A slice is a whole number of BLOCK_N-token blocks: one block while the request has at most
+    # MAX_SPLITS of them, so at L1's lengths each program makes one round of loads.
+    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
+    num_splits = tl.cdiv(seq_len, chunk)
+    if s >= num_splits:
+        return
+    start = s * chunk
+    end = tl.minimum(start + chunk, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    head = h * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    # The next block's page ids are loaded while this block computes, so a block waits for one
+    # round trip (its K/V), not two.
+    t = start + tl.arange(0, BLOCK_N)
+    page = tl.load(indices_ptr + first_page + t // PAGE_SIZE, mask=t < end, other=0)
+    for t0 in range(start, end, BLOCK_N):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < end
+        row = page.to(tl.int64) * stride_kp + (t % PAGE_SIZE) * stride_kt + h * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        t_next = t + BLOCK_N
+        page = tl.load(indices_ptr + first_page + t_next // PAGE_SIZE, mask=t_next < end, other=0)
+        scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+
+    out_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
+    if num_splits == 1:
+        tl.store(out_rows, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        return
+    # Partials: [batch, kv head, slice, GROUP_P2, HEAD_DIM] float32 and [..., GROUP_P2] log2-sum-exp.
+    part = (b * NUM_KV_HEADS + h) * MAX_SPLITS
+    tl.store(part_o_ptr + ((part + s) * GROUP_P2 + g[:, None]) * HEAD_DIM + d[None, :], acc / lsum[:, None],
+             mask=g_ok[:, None])
+    tl.store(part_lse_ptr + (part + s) * GROUP_P2 + g, m + tl.log2(lsum), mask=g_ok)
+    # Every thread's partial stores are done before one thread's release-acquire increment, so
+    # the program that sees the last count sees every slice's partials.
+    tl.debug_barrier()
+    done = tl.atomic_add(counter_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
+    if done == num_splits - 1:
+        gm = tl.arange(0, GROUP_P2)
+        j = tl.arange(0, MAX_SPLITS)
+        lse = tl.load(part_lse_ptr + (part + j[:, None]) * GROUP_P2 + gm[None, :], mask=(j < num_splits)[:, None],
+                      other=float("-inf"), cache_modifier=".cg")
+        top = tl.max(lse, 0)
+        total = tl.sum(tl.exp2(lse - top[None, :]), 0)
+        o = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
+        for c in range(0, num_splits, MERGE_CHUNK):
+            jc = c + tl.arange(0, MERGE_CHUNK)
+            jc_ok = jc < num_splits
+            lc = tl.load(part_lse_ptr + (part + jc[:, None]) * GROUP_P2 + gm[None, :], mask=jc_ok[:, None],
+                         other=float("-inf"), cache_modifier=".cg")
+            oc = tl.load(part_o_ptr + ((part + jc[:, None, None]) * GROUP_P2 + gm[None, :, None]) * HEAD_DIM
+                         + d[None, None, :], mask=jc_ok[:, None, None], other=0.0, cache_modifier=".cg")
+            o += tl.sum(oc * tl.exp2(lc - top[None, :])[:, :, None], 0)
+        merged = out_ptr + b * stride_ob + (h * GROUP + gm[:, None]) * stride_oh + d[None, :]
+        tl.store(merged, (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=(gm < GROUP)[:, None])
+        tl.store(counter_ptr + b * NUM_KV_HEADS + h, 0)
+
+
+def applies(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
+    """The kernel serves these heads: query groups of up to BLOCK_G, a power-of-two head_dim >= 16."""
+    return (num_qo_heads % num_kv_heads == 0 and num_qo_heads // num_kv_heads <= BLOCK_G
+            and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+class SmallBatchDecode:
+    """Scratch for up to `max_batch` requests' decode attention, and the launch."""
+
+    def __init__(self, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+                 device: torch.device, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                 merge_values: int = 16384):
+        if not applies(num_qo_heads, num_kv_heads, head_dim):
+            raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
+                             f"groups of up to {BLOCK_G} heads of a power-of-two size >= 16")
+        self.max_batch, self.num_qo_heads, self.num_kv_heads = max_batch, num_qo_heads, num_kv_heads
+        self.head_dim, self.page_size, self.group = head_dim, page_size, num_qo_heads // num_kv_heads
+        self.block_n, self.max_splits, self.num_warps = block_n, max_splits, num_warps
+        self.group_p2 = triton.next_power_of_2(self.group)
+        # The merging program reads this many slices' partials at once: `merge_values` float32 values.
+        self.merge_chunk = max(1, min(max_splits, merge_values // (self.group_p2 * head_dim)))
+        slices = max_batch * num_kv_heads * max_splits * self.group_p2
+        self.part_o = torch.empty(slices * head_dim, dtype=torch.float32, device=device)
+        self.part_lse = torch.empty(slices, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+        self.sm_scale_log2 = head_dim ** -0.5 * 1.4426950408889634
+
+    def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
+                 indices: torch.Tensor, last_page_len: torch.Tensor, out: torch.Tensor) -> None:
+        """q [B, num_qo_heads, head_dim] -> out (same shape), softmax scale 1/sqrt(head_dim); K/V
+        pages [num_pages, page_size, num_kv_heads, head_dim] (strided views of one cache); the
+        CSR page table of the B requests."""
+        batch = q.shape[0]
+        if batch > self.max_batch:
+            raise ValueError(f"{batch} requests exceed the {self.max_batch} this decode was sized for")
+        if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+        _decode_kernel[(batch, self.num_kv_heads, self.max_splits)](
+            q, k_pages, v_pages, out, indptr, indices, last_page_len, self.part_o, self.part_lse, self.counters,
+            self.sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
+            NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_P2=self.group_p2, BLOCK_G=BLOCK_G,
+            HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, BLOCK_N=self.block_n, MAX_SPLITS=self.max_splits,
+            MERGE_CHUNK=self.merge_chunk, num_warps=self.num_warps, num_stages=1)

@@ -1,0 +1,118 @@
+"""The short-context decode kernel (`attention/decode_triton.py`) against float32 attention over
+the same pages, and the FlashInfer backend's graphs that use it against its FlashInfer decode."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from gpu_support import CUDA, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+def _csr(lens: list[int], page_size: int, num_pages: int, rng: random.Random):
+    free = list(range(1, num_pages))
+    rng.shuffle(free)
+    counts = [-(-n // page_size) for n in lens]
+    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], dtype=torch.int32)
+    indices = torch.tensor([free.pop() for _ in range(sum(counts))], dtype=torch.int32)
+    last = torch.tensor([n - (c - 1) * page_size for n, c in zip(lens, counts)], dtype=torch.int32)
+    return indptr, indices, last
+
+
+def _reference(q, cache, indptr, indices, last, page_size):
+    """Float32 softmax attention of each request's one query over its pages."""
+    outs = []
+    for b in range(q.shape[0]):
+        pages = indices[indptr[b]:indptr[b + 1]].long()
+        n = (len(pages) - 1) * page_size + int(last[b])
+        k, v = (cache[pages, i].reshape(-1, *cache.shape[3:])[:n].float() for i in (0, 1))
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * q.shape[-1] ** -0.5).softmax(-1)
+        outs.append(torch.einsum("hn,nhd->hd", p, v))
+    return torch.stack(outs)
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128), (8, 8, 64), (64, 4, 128), (12, 4, 64)],
+                         ids=["llama-8b", "qwen3-30b-a3b", "mha-d64", "group16", "group3-d64"])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_kernel_matches_float32_attention(heads, page_size):
+    """One and two requests, lengths around page and block edges, one slice (no merge) to many
+    and past MAX_SPLITS blocks (slices of several blocks); launched three times, the same bits
+    each time (the merge counters go back to 0)."""
+    from pagoda_engine.worker.attention.decode_triton import BLOCK_N, MAX_SPLITS, SmallBatchDecode
+
+    num_qo, num_kv, head_dim = heads
+    rng = random.Random(num_qo * page_size + head_dim)
+    num_pages = 1200
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    cache = torch.randn(num_pages, 2, page_size, num_kv, head_dim, generator=gen, device=CUDA).bfloat16()
+    decode = SmallBatchDecode(2, num_qo, num_kv, head_dim, page_size, CUDA)
+    long = MAX_SPLITS * BLOCK_N + 2 * BLOCK_N + 5
+    for lens in ([1], [15], [16], [17], [BLOCK_N], [BLOCK_N + 1], [300], [1024], [long], [7, 640], [1024, 33],
+                 [long, 2]):
+        indptr, indices, last = _csr(lens, page_size, num_pages, rng)
+        q = torch.randn(len(lens), num_qo, head_dim, generator=gen, device=CUDA).bfloat16()
+        want = _reference(q, cache, indptr, indices, last, page_size)
+        outs = []
+        for _ in range(3):
+            out = torch.full_like(q, float("nan"))
+            decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
+            outs.append(out)
+        torch.testing.assert_close(outs[0].float(), want, atol=2e-2, rtol=2e-2, msg=lambda m: f"lens {lens}: {m}")
+        assert all(torch.equal(o, outs[0]) for o in outs[1:]), lens
+        assert not decode.counters.any()
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128)], ids=["llama-8b", "qwen3-30b-a3b"])
+def test_backend_graph_variants_agree_and_replay(heads):
+    """A batch of one or two short requests plans the short-context kernel by default, a longer
+    one FlashInfer's decode; both variants give the same attention, captured in CUDA graphs and
+    replayed after new plans."""
+    from pagoda_engine.worker.attention import AttentionBatch, KVCacheSpec
+    from pagoda_engine.worker.attention.decode_triton import SHORT_CONTEXT
+    from pagoda_engine.worker.attention.flashinfer import FlashInferBackend
+
+    num_qo, num_kv, head_dim = heads
+    page = 16
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=num_kv, num_qo_heads=num_qo, head_dim=head_dim, page_size=page,
+                       dtype=torch.bfloat16)
+    fi = FlashInferBackend(spec, 512, CUDA)
+    fi.init_graph_buffers([1, 2, 4], max_pages_per_seq=128)
+    assert fi.graph_variants(1) == (False, True) and fi.graph_variants(2) == (False, True)
+    assert fi.graph_variants(4) == (False,)
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    for cache in fi.kv_caches:
+        cache.copy_(torch.randn(cache.shape, generator=gen, device=CUDA))
+    q = torch.randn(2, num_qo, head_dim, generator=gen, device=CUDA).bfloat16()
+    k, v = (torch.randn(2, num_kv, head_dim, generator=gen, device=CUDA).bfloat16() for _ in range(2))
+
+    def batch(lens: list[int], first_page: int) -> AttentionBatch:
+        tables = [list(range(first_page + 40 * i, first_page + 40 * i + -(-n // page))) for i, n in enumerate(lens)]
+        slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens)], device=CUDA)
+        return AttentionBatch([1] * len(lens), lens, tables, slots, len(lens))
+
+    assert fi.plan_graph_decode(batch([300, 17], 1), 2) is True
+    assert fi.plan_graph_decode(batch([SHORT_CONTEXT + 1, 17], 1), 2) is False
+    assert fi.plan_graph_decode(batch([300], 1), 4) is False
+    graphs, outs = {}, {}
+    for short in (False, True):
+        fi.plan_graph_decode(batch([5, 9], 1), 2, short=short)
+        fi.forward(0, q.clone(), k, v)  # compile outside the capture
+        torch.cuda.synchronize()
+        graphs[short] = torch.cuda.CUDAGraph()
+        qs = q.clone()
+        with torch.cuda.graph(graphs[short]):
+            outs[short] = (qs, fi.forward(0, qs, k, v))
+    for lens, first in (([300, 17], 100), ([640, 1000], 200)):
+        got = {}
+        for short in (False, True):
+            fi.plan_graph_decode(batch(lens, first), 2, short=short)
+            qs, out = outs[short]
+            qs.copy_(q)
+            graphs[short].replay()
+            got[short] = out.clone()
+        torch.testing.assert_close(got[True], got[False], atol=2e-2, rtol=2e-2)
