@@ -116,3 +116,40 @@ def test_backend_graph_variants_agree_and_replay(heads):
             graphs[short].replay()
             got[short] = out.clone()
         torch.testing.assert_close(got[True], got[False], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads", [(8, 2, 64), (32, 8, 128), (32, 4, 128)],
+                         ids=["gpu-test-model", "llama-8b", "qwen3-30b-a3b"])
+def test_kernel_is_as_accurate_as_flashinfer_decode(heads):
+    """Against float32 attention, over random lengths up to SHORT_CONTEXT and strided q (a view of
+    the qkv projection, as layers hand it): this kernel's mean error is at most FlashInfer's
+    tensor-core decode's on the same inputs (H200: 0.00016 against 0.00018 at every shape), its
+    worst at most one bf16 step (at magnitude 1) beyond FlashInfer's worst."""
+    import flashinfer
+
+    from pagoda_engine.worker.attention.decode_triton import SHORT_CONTEXT, SmallBatchDecode
+
+    num_qo, num_kv, head_dim = heads
+    rng = random.Random(11)
+    page, num_pages = 16, 600
+    gen = torch.Generator(device=CUDA).manual_seed(12)
+    cache = torch.randn(num_pages, 2, page, num_kv, head_dim, generator=gen, device=CUDA).bfloat16()
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=CUDA)
+    decode = SmallBatchDecode(2, num_qo, num_kv, head_dim, page, CUDA)
+    errors = {"here": [], "flashinfer": []}
+    for _ in range(60):
+        lens = [rng.randrange(1, SHORT_CONTEXT + 1) for _ in range(rng.choice([1, 2]))]
+        indptr, indices, last = _csr(lens, page, num_pages, rng)
+        qkv = torch.randn(len(lens), (num_qo + 2 * num_kv) * head_dim, generator=gen, device=CUDA).bfloat16()
+        q = qkv[:, :num_qo * head_dim].view(len(lens), num_qo, head_dim)
+        want = _reference(q, cache, indptr, indices, last, page)
+        out = torch.empty(q.shape, dtype=q.dtype, device=CUDA)
+        decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        wrapper.plan(indptr, indices, last, num_qo, num_kv, head_dim, page, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)
+        for name, got in (("here", out), ("flashinfer", wrapper.run(q.contiguous(), cache.unbind(1)))):
+            errors[name].append((got.float() - want).abs())
+    here, theirs = (torch.cat([e.flatten() for e in errors[n]]) for n in ("here", "flashinfer"))
+    assert here.mean() <= theirs.mean() * 1.05, (here.mean().item(), theirs.mean().item())
+    assert here.max() <= theirs.max() + 2 ** -7, (here.max().item(), theirs.max().item())

@@ -12,6 +12,19 @@ from test_gpu_engine import make_llm, random_prompts
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
+# A tie within bf16 rounding: the model's logits are bf16, whose rounding step for magnitudes 4 to
+# 8 is 2^-5, so two best tokens a step apart are 2^-5 apart in logprob too. Which one a run picks
+# depends on the order of float32 sums, which differs between batch sizes (one-row matrix-vector
+# kernels, the short-context decode attention of one or two requests, cuBLAS tiles).
+BF16_TIE = 2 ** -5
+# A served core's requests arrive among others' decodes, so a request's steps run in other batch
+# sizes than offline, each size with its own kernels (equally accurate: the short-context decode
+# attention's error against float32 attention is FlashInfer's, `test_decode_triton_gpu.py`). Their
+# rounding differences accumulate in the K/V of every earlier token, so where the two runs first
+# part, the served one takes the offline run's runner-up, at most this far behind (measured: 2^-3
+# on an 8-layer random model at token 46).
+ACCUMULATED_TIE = 2 ** -2
+
 
 @pytest.mark.parametrize("engine_kwargs", [
     dict(max_num_batched_tokens=64),  # chunked prefill beside graph-replayed decodes
@@ -37,20 +50,20 @@ def test_async_scheduling_gives_the_synchronous_tokens(gpu_model_dir, engine_kwa
     for (sync_ids, sync_reason, sync_lps), (async_ids, async_reason, _), p in zip(*results, params):
         assert async_reason == sync_reason
         if async_ids != sync_ids:
-            # A request that decodes alone for a step in one run and beside another in the other
-            # gets that step from the one-row kernels, its sums in another order: a greedy token
-            # may differ there, and only where the best two were within bf16 rounding.
+            # A request that decodes alone (or with one other) for a step in one run and beside
+            # more in the other gets that step from other kernels, its sums in another order: a
+            # greedy token may differ there, and only where the best two were within bf16 rounding.
             assert p.temperature == 0 and p.logprobs, (sync_ids, async_ids)
             at = next(i for i, (a, b) in enumerate(zip(sync_ids, async_ids)) if a != b)
             best, second = sorted((lp.logprob for lp in sync_lps[at].values()), reverse=True)[:2]
-            assert best - second < 0.02, (at, best, second)
+            assert best - second <= BF16_TIE, (at, best, second)
 
 
 def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_path):
     """A server's engine core on CUDA with the command line's defaults (async scheduling, step launch
     pacing) behind the real core loop, requests arriving while others decode: each gets the greedy
-    tokens the offline LLM gives it (up to bf16 ties, as above), and steps' outputs left between
-    two layers of the next step's launch."""
+    tokens the offline LLM gives it (up to ties within accumulated bf16 rounding: ACCUMULATED_TIE),
+    and steps' outputs left between two layers of the next step's launch."""
     import time
 
     import transformers
@@ -102,5 +115,6 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
         assert len(ids) == 48
         if ids != want_ids:
             at = next(k for k, (a, b) in enumerate(zip(want_ids, ids)) if a != b)
-            best, second = sorted((lp.logprob for lp in want_lps[at].values()), reverse=True)[:2]
-            assert best - second < 0.02, (i, at, best, second)
+            (_, best), (runner_up, second) = sorted(((t, lp.logprob) for t, lp in want_lps[at].items()),
+                                                    key=lambda item: -item[1])[:2]
+            assert ids[at] == runner_up and best - second <= ACCUMULATED_TIE, (i, at, ids[at], best, second)

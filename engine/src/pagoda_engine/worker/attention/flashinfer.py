@@ -69,6 +69,21 @@ def page_table_csr(page_tables: list[list[int]], seq_lens: list[int], page_size:
     return indptr, indices, last_page_len
 
 
+def _copy_csr(csr: tuple[np.ndarray, np.ndarray | None, np.ndarray],
+              buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The host CSR's arrays into the front of the device buffers, without waiting (None: that one
+    is there already); the buffers' filled views."""
+    views = []
+    for array, buffer in zip(csr, buffers):
+        if array is None:
+            views.append(buffer)
+            continue
+        view = buffer[:len(array)]
+        view.copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+        views.append(view)
+    return tuple(views)
+
+
 class _Recorder:
     """Stands in for a wrapper's compiled module during one `run`: passes every call through and
     keeps it."""
@@ -147,7 +162,8 @@ class _Step:
     decode: object | None  # the decode wrapper planned for this step
     slots: torch.Tensor  # int64 [T]: page * page_size + offset of each new token's K/V
     replays: dict[int, _Replay | None] = field(default_factory=dict)  # id(wrapper) -> its recorded call
-    short: bool = False  # the decodes take `decode_triton` over the graph buffers instead of `decode`
+    # The decodes take `decode_triton` over this CSR page table on the device instead of `decode`.
+    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def run(self, wrapper, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
         """`wrapper.run(q, pages, out=out)` as planned: the first layer's call is recorded, later
@@ -185,6 +201,15 @@ class FlashInferBackend(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
         self._short_decode: decode_triton.SmallBatchDecode | None = None
+        self._short_csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # an eager step's
+        if decode_triton.applies(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim):
+            n = decode_triton.MAX_BATCH
+            self._short_decode = decode_triton.SmallBatchDecode(n, spec.num_qo_heads, spec.num_kv_heads,
+                                                                spec.head_dim, spec.page_size, device)
+            self._short_csr = (torch.zeros(n + 1, dtype=torch.int32, device=device),
+                               torch.zeros(n * -(-decode_triton.SHORT_CONTEXT // spec.page_size), dtype=torch.int32,
+                                           device=device),
+                               torch.ones(n, dtype=torch.int32, device=device))
         # Each layer's K and V pages as FlashInfer's run splits them, made once.
         self._kv_views = [tuple(cache.unbind(1)) for cache in self.kv_caches]
 
@@ -222,13 +247,16 @@ class FlashInferBackend(AttentionBackend):
                 raise ValueError(f"query_len {q_len} must be in [1, seq_len {seq_len}]")
         if any(q != 1 for q in batch.query_lens[:nd]):
             raise ValueError("the first num_decodes requests must have query_len 1")
-        decode = None
-        if nd:
+        decode = short = None
+        num_prefill_tokens = sum(batch.query_lens[nd:])
+        if nd and not num_prefill_tokens and self._short(nd, batch.seq_lens):
+            # As a decode graph of this size would: the same kernel, eager or replayed.
+            short = _copy_csr(page_table_csr(batch.page_tables, batch.seq_lens, s.page_size), self._short_csr)
+        elif nd:
             indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
             decode = self.decode_wrapper
             decode.plan(torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last),
                         s.num_qo_heads, s.num_kv_heads, s.head_dim, s.page_size, **self._kv_args())
-        num_prefill_tokens = sum(batch.query_lens[nd:])
         if num_prefill_tokens:
             indptr, indices, last = page_table_csr(batch.page_tables[nd:], batch.seq_lens[nd:], s.page_size)
             qo_indptr = np.zeros(batch.num_reqs - nd + 1, dtype=np.int32)
@@ -237,7 +265,13 @@ class FlashInferBackend(AttentionBackend):
                                       torch.from_numpy(last), s.num_qo_heads, s.num_kv_heads, s.head_dim,
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
-        self._step = _Step(nd, num_prefill_tokens, decode, batch.slot_mapping.to(self.device, torch.int64))
+        self._step = _Step(nd, num_prefill_tokens, decode, batch.slot_mapping.to(self.device, torch.int64),
+                           short=short)
+
+    def _short(self, num_rows: int, seq_lens: list[int]) -> bool:
+        """Decode rows of these lengths take the short-context kernel."""
+        return (self._short_decode is not None and num_rows <= self._short_decode.max_batch
+                and max(seq_lens) <= decode_triton.SHORT_CONTEXT)
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
     def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
@@ -264,10 +298,6 @@ class FlashInferBackend(AttentionBackend):
                 paged_kv_last_page_len_buffer=b["last_page_len"][:bs])
             self._share_scheduling_workspace(wrapper)
             self._graph_wrappers[bs] = wrapper
-        small = [bs for bs in batch_sizes if bs <= decode_triton.MAX_BATCH]
-        if small and decode_triton.applies(s.num_qo_heads, s.num_kv_heads, s.head_dim):
-            self._short_decode = decode_triton.SmallBatchDecode(max(small), s.num_qo_heads, s.num_kv_heads,
-                                                                s.head_dim, s.page_size, dev)
 
     def graph_variants(self, batch_size: int) -> tuple[bool, ...]:
         """The graphs a decode batch of `batch_size` rows is captured as: False, FlashInfer's
@@ -285,8 +315,7 @@ class FlashInferBackend(AttentionBackend):
         if batch.num_decodes != n or n > padded_size or padded_size not in self._graph_wrappers:
             raise ValueError(f"cannot plan {n} requests ({batch.num_decodes} decodes) as a graph of {padded_size}")
         if short is None:
-            short = (len(self.graph_variants(padded_size)) > 1
-                     and max(batch.seq_lens) <= decode_triton.SHORT_CONTEXT)
+            short = self._short(padded_size, batch.seq_lens)
         elif short not in self.graph_variants(padded_size):
             raise ValueError(f"no short-context decode graph of {padded_size} rows")
         pad = padded_size - n
@@ -303,8 +332,8 @@ class FlashInferBackend(AttentionBackend):
         device_indices.copy_(torch.from_numpy(indices).pin_memory(), non_blocking=True)
         self._wait_for_last_plan()
         if short:  # the kernel reads the CSR straight from the graph buffers
-            b["indptr"][:padded_size + 1].copy_(torch.from_numpy(indptr).pin_memory(), non_blocking=True)
-            b["last_page_len"][:padded_size].copy_(torch.from_numpy(last).pin_memory(), non_blocking=True)
+            short = _copy_csr((indptr, None, last), (b["indptr"][:padded_size + 1], b["indices"],
+                                                     b["last_page_len"][:padded_size]))
         else:
             self._graph_wrappers[padded_size].plan(
                 torch.from_numpy(indptr), device_indices, torch.from_numpy(last),
@@ -313,8 +342,9 @@ class FlashInferBackend(AttentionBackend):
         slots = b["slots"][:padded_size]
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self._step = _Step(padded_size, 0, None if short else self._graph_wrappers[padded_size], slots, short=short)
-        return short
+        self._step = _Step(padded_size, 0, None if short else self._graph_wrappers[padded_size], slots,
+                           short=short or None)
+        return bool(short)
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -341,9 +371,8 @@ class FlashInferBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         pages = self._kv_views[layer_id]
-        if st.short:
-            b = self._graph_bufs
-            self._short_decode(q, *pages, b["indptr"][:nd + 1], b["indices"], b["last_page_len"][:nd], out)
+        if st.short is not None:
+            self._short_decode(q, *pages, *st.short, out)
         elif not st.num_prefill_tokens:
             st.run(st.decode, q, pages, out)
         elif not nd:
