@@ -247,11 +247,11 @@ class FlashInferBackend(AttentionBackend):
                 raise ValueError(f"query_len {q_len} must be in [1, seq_len {seq_len}]")
         if any(q != 1 for q in batch.query_lens[:nd]):
             raise ValueError("the first num_decodes requests must have query_len 1")
-        decode = short = None
+        decode = short_csr = None
         num_prefill_tokens = sum(batch.query_lens[nd:])
         if nd and not num_prefill_tokens and self._short(nd, batch.seq_lens):
             # As a decode graph of this size would: the same kernel, eager or replayed.
-            short = _copy_csr(page_table_csr(batch.page_tables, batch.seq_lens, s.page_size), self._short_csr)
+            short_csr = _copy_csr(page_table_csr(batch.page_tables, batch.seq_lens, s.page_size), self._short_csr)
         elif nd:
             indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
             decode = self.decode_wrapper
@@ -266,7 +266,7 @@ class FlashInferBackend(AttentionBackend):
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
         self._step = _Step(nd, num_prefill_tokens, decode, batch.slot_mapping.to(self.device, torch.int64),
-                           short=short)
+                           short=short_csr)
 
     def _short(self, num_rows: int, seq_lens: list[int]) -> bool:
         """Decode rows of these lengths take the short-context kernel."""
@@ -331,9 +331,10 @@ class FlashInferBackend(AttentionBackend):
         device_indices = b["indices"][:len(indices)]
         device_indices.copy_(torch.from_numpy(indices).pin_memory(), non_blocking=True)
         self._wait_for_last_plan()
+        short_csr = None
         if short:  # the kernel reads the CSR straight from the graph buffers
-            short = _copy_csr((indptr, None, last), (b["indptr"][:padded_size + 1], b["indices"],
-                                                     b["last_page_len"][:padded_size]))
+            short_csr = _copy_csr((indptr, None, last), (b["indptr"][:padded_size + 1], b["indices"],
+                                                         b["last_page_len"][:padded_size]))
         else:
             self._graph_wrappers[padded_size].plan(
                 torch.from_numpy(indptr), device_indices, torch.from_numpy(last),
@@ -343,8 +344,8 @@ class FlashInferBackend(AttentionBackend):
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
         self._step = _Step(padded_size, 0, None if short else self._graph_wrappers[padded_size], slots,
-                           short=short or None)
-        return bool(short)
+                           short=short_csr)
+        return short
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
