@@ -42,7 +42,7 @@ from pagoda_operator import sizing
 from pagoda_operator.autoscaler.scaledobjects import render_scaler
 from pagoda_operator.children import child_metadata, labels, selector_labels
 from pagoda_operator.quantity import gib
-from pagoda_operator.spec import InferenceServiceSpec, KVTier, desired_replicas
+from pagoda_operator.spec import InferenceServiceSpec, KVTier, desired_replicas, shared_compile_cache_claim
 
 ENGINE_PORT = 8000
 ENGINE_MASTER_PORT = 29501  # a LeaderWorkerSet leader's rendezvous port (vLLM's default --master-port)
@@ -274,10 +274,9 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
     if sizing.gpus_per_pod(spec):
         volumes.append({"name": "compile-cache", "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE_LIMIT}})
         mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
-        cache = spec.engine.compile_cache
-        if cache is not None and cache.persistent_volume_claim is not None:
-            volumes.append({"name": "compile-cache-shared",
-                            "persistentVolumeClaim": {"claimName": cache.persistent_volume_claim.claim_name}})
+        claim = shared_compile_cache_claim(spec)
+        if claim is not None:
+            volumes.append({"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": claim}})
             mounts.append({"name": "compile-cache-shared", "mountPath": SHARED_COMPILE_CACHE_DIR})
     return volumes, mounts
 
@@ -365,8 +364,7 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
 
 def _compile_cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
     """Where Triton and FlashInfer keep their compiled kernels (`_engine_volumes` mounts both)."""
-    cache = spec.engine.compile_cache
-    shared = cache is not None and cache.persistent_volume_claim is not None
+    shared = shared_compile_cache_claim(spec) is not None
     return (("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else COMPILE_CACHE_DIR}/triton"),
             ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
 

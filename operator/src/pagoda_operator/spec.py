@@ -330,3 +330,10 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "Any"]
+
+
+def shared_compile_cache_claim(spec: InferenceServiceSpec) -> str | None:
+    """The claim every engine pod of the service keeps Triton's kernels on
+    (engine.compileCache.persistentVolumeClaim), or None: each pod's own emptyDir."""
+    cache = spec.engine.compile_cache
+    return cache.persistent_volume_claim.claim_name if cache and cache.persistent_volume_claim else None

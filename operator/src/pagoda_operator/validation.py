@@ -17,7 +17,8 @@ from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
 from pagoda_operator.quantity import format_gib, gib, parse_quantity
 from pagoda_operator.schema import SpecProblems
-from pagoda_operator.spec import InferenceServiceSpec, KVDiskVolume, desired_replicas, parse_spec
+from pagoda_operator.spec import (InferenceServiceSpec, KVDiskVolume, desired_replicas, parse_spec,
+                                  shared_compile_cache_claim)
 
 # Children are named <name>-engine (a Service: a DNS-1035 label of at most 63 characters).
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -97,8 +98,7 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
 def _check_compile_cache(spec: InferenceServiceSpec) -> list[str]:
     """A shared compile cache is for GPU engines, and is Triton's cache: a TRITON_CACHE_DIR of the
     user's own would leave the claim mounted and unused."""
-    cache = spec.engine.compile_cache
-    if cache is None or cache.persistent_volume_claim is None:
+    if shared_compile_cache_claim(spec) is None:
         return []
     if sizing.gpus_per_pod(spec) == 0:
         return ["engine.compileCache: CPU engines compile no GPU kernels; remove it or give the pods GPUs"]
