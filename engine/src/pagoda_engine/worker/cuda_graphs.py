@@ -172,18 +172,17 @@ class DecodeGraphs:
         attn.init_graph_buffers(self.batch_sizes, max_pages_per_seq)
         # (batch size, the backend's variant): a backend may capture a size more than once, e.g.
         # with another attention kernel for short contexts (`graph_variants`).
-        self.graphs: dict[tuple[int, object], torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[tuple[int, object], torch.Tensor] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.replays = 0
-        variants = getattr(attn, "graph_variants", lambda bs: (None,))
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
                 dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
                                        slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
                                        num_decodes=bs)
-                for variant in variants(bs):
-                    key = (bs, attn.plan_graph_decode(dummy, bs, *(() if variant is None else (variant,))))
+                for variant in attn.graph_variants(bs):
+                    key = (bs, attn.plan_graph_decode(dummy, bs, variant))
                     self._forward(bs)  # warm-up: lazy inits stay out of the graph
                     torch.cuda.synchronize()
                     graph = torch.cuda.CUDAGraph()

@@ -37,6 +37,8 @@ BLOCK_G = 16  # rows of a KV head's query group in the tensor-core tiles (groupe
 BLOCK_N = 64  # tokens a program reads in one round of loads
 MAX_BATCH = 2  # requests a decode step may have for this kernel (4 were no faster than FlashInfer's)
 SHORT_CONTEXT = 1024  # tokens a request may have for this kernel
+MERGE_VALUES = 16384  # float32 partial values the merging program reads at once
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -134,18 +136,16 @@ class SmallBatchDecode:
     """Scratch for up to `max_batch` requests' decode attention, and the launch."""
 
     def __init__(self, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
-                 device: torch.device, block_n: int = BLOCK_N, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                 merge_values: int = 16384):
+                 device: torch.device):
         if not applies(num_qo_heads, num_kv_heads, head_dim):
             raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
                              f"groups of up to {BLOCK_G} heads of 64 or 128")
         self.max_batch, self.num_qo_heads, self.num_kv_heads = max_batch, num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.group = head_dim, page_size, num_qo_heads // num_kv_heads
-        self.block_n, self.max_splits, self.num_warps = block_n, max_splits, num_warps
         self.group_p2 = triton.next_power_of_2(self.group)
-        # The merging program reads this many slices' partials at once: `merge_values` float32 values.
-        self.merge_chunk = max(1, min(max_splits, merge_values // (self.group_p2 * head_dim)))
-        slices = max_batch * num_kv_heads * max_splits * self.group_p2
+        # The merging program reads this many slices' partials at once: MERGE_VALUES float32 values.
+        self.merge_chunk = max(1, min(MAX_SPLITS, MERGE_VALUES // (self.group_p2 * head_dim)))
+        slices = max_batch * num_kv_heads * MAX_SPLITS * self.group_p2
         self.part_o = torch.empty(slices * head_dim, dtype=torch.float32, device=device)
         self.part_lse = torch.empty(slices, dtype=torch.float32, device=device)
         self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
@@ -161,10 +161,10 @@ class SmallBatchDecode:
             raise ValueError(f"{batch} requests exceed the {self.max_batch} this decode was sized for")
         if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
             raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
-        _decode_kernel[(batch, self.num_kv_heads, self.max_splits)](
+        _decode_kernel[(batch, self.num_kv_heads, MAX_SPLITS)](
             q, k_pages, v_pages, out, indptr, indices, last_page_len, self.part_o, self.part_lse, self.counters,
             self.sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_P2=self.group_p2, BLOCK_G=BLOCK_G,
-            HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, BLOCK_N=self.block_n, MAX_SPLITS=self.max_splits,
-            MERGE_CHUNK=self.merge_chunk, num_warps=self.num_warps, num_stages=1)
+            HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
+            MERGE_CHUNK=self.merge_chunk, num_warps=NUM_WARPS, num_stages=1)

@@ -69,19 +69,12 @@ def page_table_csr(page_tables: list[list[int]], seq_lens: list[int], page_size:
     return indptr, indices, last_page_len
 
 
-def _copy_csr(csr: tuple[np.ndarray, np.ndarray | None, np.ndarray],
-              buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """The host CSR's arrays into the front of the device buffers, without waiting (None: that one
-    is there already); the buffers' filled views."""
-    views = []
-    for array, buffer in zip(csr, buffers):
-        if array is None:
-            views.append(buffer)
-            continue
-        view = buffer[:len(array)]
-        view.copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
-        views.append(view)
-    return tuple(views)
+def _to_device(array: np.ndarray, buffer: torch.Tensor) -> torch.Tensor:
+    """`array` into the front of the device `buffer` from pinned memory, without waiting; the
+    filled view."""
+    view = buffer[:len(array)]
+    view.copy_(torch.from_numpy(array).pin_memory(), non_blocking=True)
+    return view
 
 
 class _Recorder:
@@ -251,7 +244,8 @@ class FlashInferBackend(AttentionBackend):
         num_prefill_tokens = sum(batch.query_lens[nd:])
         if nd and not num_prefill_tokens and self._short(nd, batch.seq_lens):
             # As a decode graph of this size would: the same kernel, eager or replayed.
-            short_csr = _copy_csr(page_table_csr(batch.page_tables, batch.seq_lens, s.page_size), self._short_csr)
+            csr = page_table_csr(batch.page_tables, batch.seq_lens, s.page_size)
+            short_csr = tuple(_to_device(array, buffer) for array, buffer in zip(csr, self._short_csr))
         elif nd:
             indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
             decode = self.decode_wrapper
@@ -270,8 +264,7 @@ class FlashInferBackend(AttentionBackend):
 
     def _short(self, num_rows: int, seq_lens: list[int]) -> bool:
         """Decode rows of these lengths take the short-context kernel."""
-        return (self._short_decode is not None and num_rows <= self._short_decode.max_batch
-                and max(seq_lens) <= decode_triton.SHORT_CONTEXT)
+        return True in self.graph_variants(num_rows) and max(seq_lens) <= decode_triton.SHORT_CONTEXT
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
     def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
@@ -328,13 +321,11 @@ class FlashInferBackend(AttentionBackend):
         # The page ids go to the graph's buffer from pinned memory, without waiting; the wrapper is
         # then handed that buffer itself, which it recognises and does not copy. Handed host ids, its
         # cuda-graph plan copies them with a blocking copy: a wait for the whole step in flight.
-        device_indices = b["indices"][:len(indices)]
-        device_indices.copy_(torch.from_numpy(indices).pin_memory(), non_blocking=True)
+        device_indices = _to_device(indices, b["indices"])
         self._wait_for_last_plan()
         short_csr = None
         if short:  # the kernel reads the CSR straight from the graph buffers
-            short_csr = _copy_csr((indptr, None, last), (b["indptr"][:padded_size + 1], b["indices"],
-                                                         b["last_page_len"][:padded_size]))
+            short_csr = (_to_device(indptr, b["indptr"]), device_indices, _to_device(last, b["last_page_len"]))
         else:
             self._graph_wrappers[padded_size].plan(
                 torch.from_numpy(indptr), device_indices, torch.from_numpy(last),

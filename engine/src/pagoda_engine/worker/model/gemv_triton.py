@@ -71,12 +71,17 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0)
 
 
+def _columns_per_program(gated: bool) -> int:
+    # From a sweep on an H200 (L2-cold weights): two output columns a program, one for the gated
+    # form (which reads two rows for each).
+    return 1 if gated else 2
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool) -> torch.Tensor:
     k = weight.shape[1]
-    # From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps; two output
-    # columns a program, one for the gated form (which reads two rows for each).
+    # From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps.
     block_k = min(2048, triton.next_power_of_2(k))
-    block_n = 1 if gated else 2
+    block_n = _columns_per_program(gated)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, weight.stride(0), K=k,
@@ -162,7 +167,7 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if normed_out else None
-    block_n = 1 if gated else 2  # as `_launch`'s (an H200 sweep: 4 warps, and 2 output columns or 1 gated)
+    block_n = _columns_per_program(gated)
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight, y,
         res_out, normed if normed is not None else x, n, weight.stride(0), eps, K=k, K_P2=k_p2,

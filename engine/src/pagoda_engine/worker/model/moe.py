@@ -211,13 +211,15 @@ class FusedMoE(nn.Module):
             self.shared_expert_gate = LinearBase(hidden_size, 1)
             _set_weight_loader(self.shared_expert_gate.weight, default_weight_loader)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output for the tokens x; `logits`: the router's for them, when made already
+        (by `normed`, which has the tokens' experts on this core)."""
         if self.across_cores:
             dispatch = _dispatch(self)
             tokens = dispatch.dispatch(x)
             out = dispatch.combine(self._routed_experts(tokens, dispatch.padding_rows(tokens)))
         else:
-            out = self._routed_experts(x)
+            out = self._routed_experts(x, logits=logits)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         if self.tp_size > 1:
@@ -235,10 +237,7 @@ class FusedMoE(nn.Module):
             x, residual = norm(x, residual)
             return self(x), residual
         logits, residual, x = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True)
-        out = self._routed_experts(x, logits=logits)
-        if self.tp_size > 1:
-            _group(self).all_reduce(out)
-        return out, residual
+        return self(x, logits), residual
 
     def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
                         logits: torch.Tensor | None = None) -> torch.Tensor:
