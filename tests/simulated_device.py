@@ -19,7 +19,7 @@ class SimulatedEvent:
 
 def simulate_device(core: EngineCore, log: list, step_s: float, prompt_layer_host_s: float = 0.0) -> None:
     """Give `core`'s runner the device. `log` gets, per step, a dict: launch_start, launch_end (host),
-    start, end (device) and request_ids."""
+    start, end (device), request_ids and slow (whether the launch was given the slow host time)."""
     runner, free_at = core.runner, [0.0]
     launch = runner.launch
 
@@ -39,7 +39,7 @@ def simulate_device(core: EngineCore, log: list, step_s: float, prompt_layer_hos
         free_at[0] = end = start + step_s
         step.ended = SimulatedEvent(end)
         log.append(dict(launch_start=launch_start, launch_end=launch_end, start=start, end=end,
-                        request_ids=[s.request.request_id for s in sched.scheduled]))
+                        request_ids=[s.request.request_id for s in sched.scheduled], slow=slow))
         resolve = step.resolve
 
         def resolve_on_device():

@@ -67,7 +67,9 @@ def _run(model_dir, early: bool, tensor_parallel_size: int = 1):
     with_long = [i for i, step in enumerate(log) if "long" in step["request_ids"]]
     pairs = []
     for j, step in enumerate(log):
-        if j and any(r.startswith("short-") for r in step["request_ids"]) and step["launch_end"] - step["launch_start"] > 0.1:
+        # The slow launches are the short prompts' own: matched by what they hold, not by how long they
+        # took, since under a loaded machine a decode step's launch can take as long.
+        if j and step["slow"] and any(r.startswith("short-") for r in step["request_ids"]):
             token_of_prev = with_long.index(j - 1)  # the long request's token the step before sampled
             pairs.append((received[token_of_prev], step["launch_end"]))
     return pairs, tokens
