@@ -39,6 +39,34 @@ def test_triton_experts_match_the_reference_loop(shape, num_tokens):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("inter", [768, 712])
+@pytest.mark.parametrize("num_tokens", [5, 64, 300, 2048, 6000])
+def test_gate_up_gemm_with_the_silu_equals_the_separate_kernels(inter, num_tokens):
+    """The gate+up grouped GEMM that applies SiLU-and-mul itself gives the activation the plain
+    GEMM and FlashInfer's SiLU-and-mul give: each product rounded to bf16, then silu(gate) × up
+    in float32, rounded once. At most one bf16 step apart (the exponential's last float32 bit may
+    differ), and at few places. One pair goes to an expert another rank holds: zeros."""
+    from pagoda_engine.worker.model import fused_moe_triton as kernels
+    from pagoda_engine.worker.model.moe import select_experts
+
+    hidden, experts, top_k = 2048, 32, 8
+    w13, _ = _weights(hidden, inter, experts)
+    x = torch.randn(num_tokens, hidden, device="cuda").bfloat16()
+    _, ids = select_experts(torch.randn(num_tokens, experts, device="cuda").bfloat16(), top_k, True)
+    ids[0, 0] = experts
+    cfg = kernels._configs(num_tokens)[0]
+    aligned = kernels.align_by_expert(ids, experts + 1, cfg["BLOCK_M"])
+    pairs = num_tokens * top_k
+    gate_up = torch.empty(pairs, 2 * inter, dtype=torch.bfloat16, device="cuda")
+    kernels._grouped_gemm(x, w13, gate_up, None, aligned, top_k, pairs, cfg)
+    expected = kernels._SILU_AND_MUL(gate_up)
+    act = torch.full((pairs, inter), float("nan"), dtype=torch.bfloat16, device="cuda")
+    kernels._grouped_gemm(x, w13, act, None, aligned, top_k, pairs, cfg, silu_and_mul=True)
+    assert torch.equal(act[0], torch.zeros_like(act[0]))
+    torch.testing.assert_close(act.float(), expected.float(), rtol=2 ** -7, atol=1e-5)
+    assert (act != expected).float().mean() < 0.01
+
+
 @pytest.mark.parametrize("num_tokens", [1, 3])
 def test_matrix_vector_experts_on_uneven_shapes_and_remote_experts(num_tokens):
     """The one-to-four-token kernels where neither K divides their tiles, with one slot routed to an
@@ -101,13 +129,17 @@ def test_triton_experts_skip_the_experts_another_rank_holds(num_tokens):
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("num_tokens,experts,block_m", [(1, 129, 16), (64, 129, 16), (3000, 33, 64), (16384, 129, 128)])
-def test_one_launch_alignment_matches_the_torch_one(num_tokens, experts, block_m):
+@pytest.mark.parametrize("num_tokens,top_k,experts,block_m", [
+    (1, 8, 129, 16), (64, 8, 129, 16), (200, 8, 65, 32), (512, 8, 129, 64), (2048, 2, 9, 128),
+    (513, 8, 129, 64), (3000, 8, 33, 64), (16384, 8, 129, 128)])
+def test_alignment_matches_the_torch_one(num_tokens, top_k, experts, block_m):
     """Same padded length, same expert per block, same pairs in each expert's run (their order
-    inside a run is free: each pair's row is computed on its own)."""
+    inside a run is free: each pair's row is computed on its own); padding holds the sentinel.
+    Up to 4,096 pairs one launch of a program per expert (whatever the tile), past it the grid of
+    programs."""
     from pagoda_engine.worker.model.fused_moe_triton import align_by_expert, align_by_expert_reference
 
-    ids = torch.randint(0, experts, (num_tokens, 8), device="cuda")
+    ids = torch.randint(0, experts, (num_tokens, top_k), device="cuda")
     pairs, block_experts, padded = align_by_expert(ids, experts, block_m)
     ref_pairs, ref_block_experts, ref_padded = align_by_expert_reference(ids, experts, block_m)
     n = int(ref_padded)

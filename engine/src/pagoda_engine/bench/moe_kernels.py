@@ -41,7 +41,8 @@ def main(argv: list[str] | None = None) -> None:
     w13 = (torch.randn(e, 2 * i, h, device="cuda") * h ** -0.5).bfloat16()
     w2 = (torch.randn(e, h, i, device="cuda") * i ** -0.5).bfloat16()
     print(f"{torch.cuda.get_device_name()}: hidden {h}, {e} experts of {i}, top {k}; µs per call")
-    print("tokens  hit  all  routing  alignment  gate+up  down  weight-read floor")
+    print("tokens  hit  all(SiLU in gate+up)  all(SiLU after)  routing  alignment  gate+up  SiLU-and-mul  "
+          "gate+up+SiLU  down  weight-read floor")
     for t in (int(n) for n in a.tokens.split(",")):
         x = torch.randn(t, h, device="cuda").bfloat16()
         logits = torch.randn(t, e, device="cuda").bfloat16()
@@ -52,11 +53,19 @@ def main(argv: list[str] | None = None) -> None:
         act = torch.empty(t * k, i, device="cuda", dtype=torch.bfloat16)
         down = torch.empty(t * k, h, device="cuda", dtype=torch.bfloat16)
         w = weights.flatten().float()
-        times = [
-            _replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids)),
+        default = kernels.SILU_IN_GATE_UP_MAX_TOKENS
+        times = []
+        for fused_max in (t, 0):  # the SiLU-and-mul in the gate+up GEMM, then after it
+            kernels.SILU_IN_GATE_UP_MAX_TOKENS = fused_max
+            times.append(_replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids)))
+        kernels.SILU_IN_GATE_UP_MAX_TOKENS = default
+        times += [
             _replay_us(lambda: select_experts(logits, k, True)),
             _replay_us(lambda: kernels.align_by_expert(ids, e + 1, gate_up_cfg["BLOCK_M"])),
             _replay_us(lambda: kernels._grouped_gemm(x, w13, gate_up, None, aligned, k, t * k, gate_up_cfg)),
+            _replay_us(lambda: kernels._SILU_AND_MUL(gate_up)),
+            _replay_us(lambda: kernels._grouped_gemm(x, w13, act, None, aligned, k, t * k, gate_up_cfg,
+                                                     silu_and_mul=True)),
             _replay_us(lambda: kernels._grouped_gemm(act, w2, down, w, aligned, 1, t * k, down_cfg)),
         ]
         hit = ids.unique().numel()
