@@ -1,5 +1,6 @@
-"""The short-context decode kernel (`attention/decode_triton.py`) against float32 attention over
-the same pages, and the FlashInfer backend's graphs that use it against its FlashInfer decode."""
+"""The Triton decode kernels (`attention/decode_triton.py`: one or two short requests, and large
+batches) against float32 attention over the same pages and against FlashInfer's decode, and the
+FlashInfer backend's graphs that use them against its FlashInfer decode."""
 
 from __future__ import annotations
 
@@ -69,53 +70,100 @@ def test_kernel_matches_float32_attention(heads, page_size):
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128)], ids=["llama-8b", "qwen3-30b-a3b"])
 def test_backend_graph_variants_agree_and_replay(heads):
-    """A batch of one or two short requests plans the short-context kernel by default, a longer
-    one FlashInfer's decode; both variants give the same attention, captured in CUDA graphs and
-    replayed after new plans."""
+    """A batch of one or two short requests, or of LARGE_BATCH requests of up to LARGE_CONTEXT
+    tokens, plans a Triton kernel by default, other batches FlashInfer's decode; both variants give
+    the same attention, captured in CUDA graphs and replayed after new plans."""
     from pagoda_engine.worker.attention import AttentionBatch, KVCacheSpec
-    from pagoda_engine.worker.attention.decode_triton import SHORT_CONTEXT
+    from pagoda_engine.worker.attention.decode_triton import LARGE_BATCH, LARGE_CONTEXT, SHORT_CONTEXT
     from pagoda_engine.worker.attention.flashinfer import FlashInferBackend
 
     num_qo, num_kv, head_dim = heads
     page = 16
     spec = KVCacheSpec(num_layers=2, num_kv_heads=num_kv, num_qo_heads=num_qo, head_dim=head_dim, page_size=page,
                        dtype=torch.bfloat16)
-    fi = FlashInferBackend(spec, 512, CUDA)
-    fi.init_graph_buffers([1, 2, 4], max_pages_per_seq=128)
-    assert fi.graph_variants(1) == (False, True) and fi.graph_variants(2) == (False, True)
-    assert fi.graph_variants(4) == (False,)
+    fi = FlashInferBackend(spec, 8500, CUDA)
+    fi.init_graph_buffers([1, 2, 4, LARGE_BATCH - 8, LARGE_BATCH], max_pages_per_seq=160)
+    for bs in (1, 2, LARGE_BATCH):
+        assert fi.graph_variants(bs) == (False, True)
+    assert fi.graph_variants(4) == fi.graph_variants(LARGE_BATCH - 8) == (False,)
     gen = torch.Generator(device=CUDA).manual_seed(3)
     for cache in fi.kv_caches:
         cache.copy_(torch.randn(cache.shape, generator=gen, device=CUDA))
-    q = torch.randn(2, num_qo, head_dim, generator=gen, device=CUDA).bfloat16()
-    k, v = (torch.randn(2, num_kv, head_dim, generator=gen, device=CUDA).bfloat16() for _ in range(2))
+    rng = random.Random(5)
 
     def batch(lens: list[int], first_page: int) -> AttentionBatch:
-        tables = [list(range(first_page + 40 * i, first_page + 40 * i + -(-n // page))) for i, n in enumerate(lens)]
+        tables = [list(range(first_page + 130 * i, first_page + 130 * i + -(-n // page))) for i, n in enumerate(lens)]
         slots = torch.tensor([t[(n - 1) // page] * page + (n - 1) % page for t, n in zip(tables, lens)], device=CUDA)
         return AttentionBatch([1] * len(lens), lens, tables, slots, len(lens))
 
     assert fi.plan_graph_decode(batch([300, 17], 1), 2) is True
     assert fi.plan_graph_decode(batch([SHORT_CONTEXT + 1, 17], 1), 2) is False
     assert fi.plan_graph_decode(batch([300], 1), 4) is False
-    graphs, outs = {}, {}
-    for short in (False, True):
-        fi.plan_graph_decode(batch([5, 9], 1), 2, short=short)
-        fi.forward(0, q.clone(), k, v)  # compile outside the capture
-        torch.cuda.synchronize()
-        graphs[short] = torch.cuda.CUDAGraph()
-        qs = q.clone()
-        with torch.cuda.graph(graphs[short]):
-            outs[short] = (qs, fi.forward(0, qs, k, v))
-    for lens, first in (([300, 17], 100), ([640, 1000], 200)):
-        got = {}
-        for short in (False, True):
-            fi.plan_graph_decode(batch(lens, first), 2, short=short)
-            qs, out = outs[short]
-            qs.copy_(q)
-            graphs[short].replay()
-            got[short] = out.clone()
-        torch.testing.assert_close(got[True], got[False], atol=2e-2, rtol=2e-2)
+    assert fi.plan_graph_decode(batch([LARGE_CONTEXT] * LARGE_BATCH, 1), LARGE_BATCH) is True
+    assert fi.plan_graph_decode(batch([LARGE_CONTEXT + 1] + [9] * (LARGE_BATCH - 1), 1), LARGE_BATCH) is False
+    assert fi.plan_graph_decode(batch([300] * (LARGE_BATCH - 9), 1), LARGE_BATCH - 8) is False
+    for size, cases in ((2, [[300, 17], [640, 1000]]),
+                        (LARGE_BATCH, [[rng.randrange(1, LARGE_CONTEXT + 1) for _ in range(LARGE_BATCH - 3)],
+                                       [rng.randrange(1, 40) for _ in range(LARGE_BATCH)]])):
+        q = torch.randn(size, num_qo, head_dim, generator=gen, device=CUDA).bfloat16()
+        k, v = (torch.randn(size, num_kv, head_dim, generator=gen, device=CUDA).bfloat16() for _ in range(2))
+        graphs, outs = {}, {}
+        for triton in (False, True):
+            fi.plan_graph_decode(batch([5] * size, 1), size, triton=triton)
+            fi.forward(0, q.clone(), k, v)  # compile outside the capture
+            torch.cuda.synchronize()
+            graphs[triton] = torch.cuda.CUDAGraph()
+            qs = q.clone()
+            with torch.cuda.graph(graphs[triton]):
+                outs[triton] = (qs, fi.forward(0, qs, k, v))
+        for first, lens in enumerate(cases):
+            got = {}
+            for triton in (False, True):
+                fi.plan_graph_decode(batch(lens, 1 + 37 * first), size, triton=triton)
+                qs, out = outs[triton]
+                qs.copy_(q)
+                graphs[triton].replay()
+                got[triton] = out[:len(lens)].clone()
+            torch.testing.assert_close(got[True], got[False], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128), (8, 8, 64), (64, 4, 128), (12, 4, 64)],
+                         ids=["llama-8b", "qwen3-30b-a3b", "mha-d64", "group16", "group3-d64"])
+@pytest.mark.parametrize("page_size", [16, 32])
+def test_large_batch_kernel_matches_float32_attention(heads, page_size):
+    """LARGE_BATCH requests and more, lengths from one token to LARGE_CONTEXT (around page and
+    block edges), q a strided view as layers hand it: within bf16 tolerance of float32 attention,
+    and its mean error at most FlashInfer's tensor-core decode's on the same inputs."""
+    import flashinfer
+
+    from pagoda_engine.worker.attention.decode_triton import LARGE_BATCH, LARGE_BLOCK_N, LARGE_CONTEXT, LargeBatchDecode
+
+    num_qo, num_kv, head_dim = heads
+    rng = random.Random(num_qo * page_size + head_dim)
+    num_pages = 12000 // page_size * 16
+    gen = torch.Generator(device=CUDA).manual_seed(9)
+    cache = torch.randn(num_pages, 2, page_size, num_kv, head_dim, generator=gen, device=CUDA).bfloat16()
+    decode = LargeBatchDecode(num_qo, num_kv, head_dim, page_size)
+    workspace = torch.zeros(128 << 20, dtype=torch.uint8, device=CUDA)
+    edges = [1, page_size - 1, page_size, page_size + 1, LARGE_BLOCK_N, LARGE_BLOCK_N + 1, LARGE_CONTEXT]
+    errors = {"here": [], "flashinfer": []}
+    for size in (LARGE_BATCH, LARGE_BATCH + 13):
+        lens = edges + [rng.randrange(1, LARGE_CONTEXT + 1) for _ in range(size - len(edges))]
+        indptr, indices, last = _csr(lens, page_size, num_pages, rng)
+        qkv = torch.randn(size, (num_qo + 2 * num_kv) * head_dim, generator=gen, device=CUDA).bfloat16()
+        q = qkv[:, :num_qo * head_dim].view(size, num_qo, head_dim)
+        want = _reference(q, cache, indptr, indices, last, page_size)
+        out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=CUDA)
+        decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
+        torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
+        wrapper.plan(indptr, indices, last, num_qo, num_kv, head_dim, page_size, q_data_type=torch.bfloat16,
+                     kv_data_type=torch.bfloat16)
+        for name, got in (("here", out), ("flashinfer", wrapper.run(q.contiguous(), cache.unbind(1)))):
+            errors[name].append((got.float() - want).abs().flatten())
+    here, theirs = (torch.cat(errors[n]) for n in ("here", "flashinfer"))
+    assert here.mean() <= theirs.mean() * 1.05, (here.mean().item(), theirs.mean().item())
+    assert here.max() <= theirs.max() + 2 ** -7, (here.max().item(), theirs.max().item())
 
 
 @pytest.mark.parametrize("heads", [(8, 2, 64), (32, 8, 128), (32, 4, 128)],

@@ -1,11 +1,12 @@
-"""Decode attention for one or two requests on CUDA (Triton): one launch per layer, split-KV merged
-in the same kernel.
+"""Decode attention on CUDA (Triton) for the batch sizes where FlashInfer's decode leaves time on
+the table: one or two requests (`SmallBatchDecode`), and large batches (`LargeBatchDecode`).
 
-At one request FlashInfer's decode launches its attention kernel and then a kernel that merges
-the split-KV partial results, and its attention kernel makes several rounds of dependent loads
-(its plan's work lists, the page table) before it reads K/V. At L1's contexts (a few hundred
-tokens) a layer's K/V is under a megabyte, so those launches are almost all latency: with the
-gaps around them about 13 µs a layer on an H200, where the bytes take under one.
+**One or two requests.** At one request FlashInfer's decode launches its attention kernel and
+then a kernel that merges the split-KV partial results, and its attention kernel makes several
+rounds of dependent loads (its plan's work lists, the page table) before it reads K/V. At L1's
+contexts (a few hundred tokens) a layer's K/V is under a megabyte, so those launches are almost
+all latency: with the gaps around them about 13 µs a layer on an H200, where the bytes take under
+one.
 
 Here program (b, h, s) attends request b's query heads of KV head h (the grouped-query group,
 padded to 16 rows for the tensor cores) over the s-th slice of the request's tokens: one block of
@@ -14,16 +15,26 @@ makes one round of loads (page ids, then K and V). A request of one slice writes
 directly. Otherwise each program writes its partial output and log-sum-exp (base 2) to a float32
 scratch, and the program that finishes a (b, h)'s slices last, which an atomic counter names,
 merges them and writes the output; it then puts the counter back to 0, so the kernel needs no
-clearing between launches and replays in a CUDA graph.
-
-The page table is FlashInfer's CSR (`kv_indptr`, `kv_indices`, `kv_last_page_len`, int32, on the
-device) over the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") cache, so
-the graph buffers the FlashInfer backend keeps serve both. The slicing is decided in the kernel
-from each request's length, so a graph captured once serves every length; at long contexts
-(thousands of tokens) FlashInfer's kernels are faster, and the backend uses this one only up to
+clearing between launches and replays in a CUDA graph. The slicing is decided in the kernel from
+each request's length, so a graph captured once serves every length; at long contexts (thousands
+of tokens) FlashInfer's kernels are faster, and the backend uses this one only up to
 `SHORT_CONTEXT` tokens (H200, µs a layer, 32 layers in one graph, this / FlashInfer's two kernels:
 Llama-3.1-8B's heads 6.5 / 9.7 at 128 tokens, 7.6 / 11.2 at 640, 8.5 / 11.1 at 1,024, 15.5 / 14.9
 at 4,096; Qwen3-30B-A3B's 7.6 / 10.0, 8.6 / 10.7, 12.1 / 11.3, 17.0 / 13.3).
+
+**Large batches** (`LARGE_BATCH` requests or more, each of at most `LARGE_CONTEXT` tokens). The
+batch alone fills the GPU, so program (b, h) takes all of request b's tokens for KV head h, with
+no split and no merge, its loop software-pipelined (`LARGE_STAGES` blocks of K/V in flight). On
+an H200 FlashInfer's graph-planned decode (split-KV and its merge) reads K/V at 3.3-3.5 TB/s of
+the 4.27 TB/s copy bandwidth; this reads at 3.6-4.2 (µs a layer, this / FlashInfer's, contexts of
+600-1,200 tokens with Qwen3-30B-A3B's heads: 64 requests 40 / 43, 128: 65 / 74, 200: 97 / 107,
+256: 124 / 133; 1,000-1,200 with Llama-3.1-8B's: 64: 74 / 84, 128: 141 / 156, 256: 274 / 294).
+Longer contexts keep FlashInfer's split-KV: one program's share of a long request would be the
+step's tail.
+
+Both take FlashInfer's CSR page table (`kv_indptr`, `kv_indices`, `kv_last_page_len`, int32, on
+the device) over the layer's `[num_pages, 2, page_size, num_kv_heads, head_dim]` ("NHD") cache,
+so the graph buffers the FlashInfer backend keeps serve all three.
 """
 
 from __future__ import annotations
@@ -39,6 +50,10 @@ MAX_BATCH = 2  # requests a decode step may have for this kernel (4 were no fast
 SHORT_CONTEXT = 1024  # tokens a request may have for this kernel
 MERGE_VALUES = 16384  # float32 partial values the merging program reads at once
 NUM_WARPS = 4
+LARGE_BATCH = 64  # requests from which a decode step takes `LargeBatchDecode` (at 32 FlashInfer's is faster)
+LARGE_CONTEXT = 2048  # tokens a request may have for it
+LARGE_BLOCK_N = 64  # tokens per block of its loop
+LARGE_STAGES = 3  # blocks of K/V in flight
 
 
 @triton.jit
@@ -126,6 +141,43 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
         tl.store(counter_ptr + b * NUM_KV_HEADS + h, 0)
 
 
+@triton.jit
+def _large_batch_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_ptr, sm_scale_log2,
+                        stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
+                        GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+    """Program (b, h): request b's query heads of KV head h over all of its tokens."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    first_page = tl.load(indptr_ptr + b)
+    seq_len = (tl.load(indptr_ptr + b + 1) - first_page - 1) * PAGE_SIZE + tl.load(last_ptr + b)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
+    head = h * GROUP + g
+    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    lsum = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for t0 in tl.range(0, seq_len, BLOCK_N, num_stages=STAGES):
+        t = t0 + tl.arange(0, BLOCK_N)
+        t_ok = t < seq_len
+        page = tl.load(indices_ptr + first_page + t // PAGE_SIZE, mask=t_ok, other=0)
+        row = page.to(tl.int64) * stride_kp + (t % PAGE_SIZE) * stride_kt + h * stride_kh
+        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, 1))
+        alpha = tl.exp2(m - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        lsum = lsum * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m = m_new
+    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :],
+             (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+
+
 def applies(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     """The kernel serves these heads: query groups of up to BLOCK_G heads of 64 or 128 (the sizes
     its GPU tests check; others keep FlashInfer's decode)."""
@@ -168,3 +220,26 @@ class SmallBatchDecode:
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_P2=self.group_p2, BLOCK_G=BLOCK_G,
             HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
             MERGE_CHUNK=self.merge_chunk, num_warps=NUM_WARPS, num_stages=1)
+
+
+class LargeBatchDecode:
+    """The launch for `LARGE_BATCH` requests or more (it needs no scratch)."""
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int):
+        if not applies(num_qo_heads, num_kv_heads, head_dim):
+            raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
+                             f"groups of up to {BLOCK_G} heads of 64 or 128")
+        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.group = num_qo_heads // num_kv_heads
+        self.sm_scale_log2 = head_dim ** -0.5 * 1.4426950408889634
+
+    def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
+                 indices: torch.Tensor, last_page_len: torch.Tensor, out: torch.Tensor) -> None:
+        """As `SmallBatchDecode.__call__`, for any number of requests."""
+        if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+        _large_batch_kernel[(q.shape[0], self.num_kv_heads)](
+            q, k_pages, v_pages, out, indptr, indices, last_page_len, self.sm_scale_log2,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
+            k_pages.stride(2), GROUP=self.group, BLOCK_G=BLOCK_G, HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size,
+            BLOCK_N=LARGE_BLOCK_N, STAGES=LARGE_STAGES, num_warps=NUM_WARPS, num_stages=LARGE_STAGES)

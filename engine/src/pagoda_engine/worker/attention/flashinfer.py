@@ -13,9 +13,13 @@ CUDA graphs: `plan_graph_decode` plans a decode batch padded to a captured batch
 buffers (one cuda-graph decode wrapper per size, all sharing those buffers), so a graph captured
 after one such plan replays correctly after any later one. Padding rows attend to one slot of the
 reserved null page 0 and write their K/V there; nobody reads it. Batches of one or two short
-requests take the Triton kernel of `decode_triton.py` instead (one launch a layer where
-FlashInfer's decode makes two, about 3-5 µs a layer less at L1's lengths): their sizes get a
-second graph each, and `plan_graph_decode` says which of the two a batch replays.
+requests, and of `decode_triton.LARGE_BATCH` requests or more whose contexts are at most
+`LARGE_CONTEXT` tokens, take the Triton kernels of `decode_triton.py` instead (one or two
+requests: one launch a layer where FlashInfer's decode makes two, about 3-5 µs a layer less at
+L1's lengths; large batches: K/V read 7-13 % faster on an H200): those sizes get a second graph
+each, and `plan_graph_decode` says which of the two a batch replays. Eager steps take the same
+kernel a graph of their size would, and a mixed step's decode rows the large-batch kernel where
+they are that many.
 """
 
 from __future__ import annotations
@@ -155,8 +159,9 @@ class _Step:
     decode: object | None  # the decode wrapper planned for this step
     slots: torch.Tensor  # int64 [T]: page * page_size + offset of each new token's K/V
     replays: dict[int, _Replay | None] = field(default_factory=dict)  # id(wrapper) -> its recorded call
-    # The decodes take `decode_triton` over this CSR page table on the device instead of `decode`.
-    short: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    # The decodes take this `decode_triton` kernel over the CSR page table (on the device) instead
+    # of `decode`.
+    triton: tuple[object, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
     def run(self, wrapper, q: torch.Tensor, pages: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor) -> None:
         """`wrapper.run(q, pages, out=out)` as planned: the first layer's call is recorded, later
@@ -193,16 +198,13 @@ class FlashInferBackend(AttentionBackend):
         # CUDA-graph decode state, made by `init_graph_buffers`.
         self._graph_wrappers: dict[int, object] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
-        self._short_decode: decode_triton.SmallBatchDecode | None = None
-        self._short_csr: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None  # an eager step's
+        self._small_decode = self._large_decode = None  # the Triton decode kernels, where they serve these heads
         if decode_triton.applies(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim):
-            n = decode_triton.MAX_BATCH
-            self._short_decode = decode_triton.SmallBatchDecode(n, spec.num_qo_heads, spec.num_kv_heads,
-                                                                spec.head_dim, spec.page_size, device)
-            self._short_csr = (torch.zeros(n + 1, dtype=torch.int32, device=device),
-                               torch.zeros(n * -(-decode_triton.SHORT_CONTEXT // spec.page_size), dtype=torch.int32,
-                                           device=device),
-                               torch.ones(n, dtype=torch.int32, device=device))
+            self._small_decode = decode_triton.SmallBatchDecode(decode_triton.MAX_BATCH, spec.num_qo_heads,
+                                                                spec.num_kv_heads, spec.head_dim, spec.page_size,
+                                                                device)
+            self._large_decode = decode_triton.LargeBatchDecode(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
+                                                                spec.page_size)
         # Each layer's K and V pages as FlashInfer's run splits them, made once.
         self._kv_views = [tuple(cache.unbind(1)) for cache in self.kv_caches]
 
@@ -240,12 +242,14 @@ class FlashInferBackend(AttentionBackend):
                 raise ValueError(f"query_len {q_len} must be in [1, seq_len {seq_len}]")
         if any(q != 1 for q in batch.query_lens[:nd]):
             raise ValueError("the first num_decodes requests must have query_len 1")
-        decode = short_csr = None
+        decode = triton = None
         num_prefill_tokens = sum(batch.query_lens[nd:])
-        if nd and not num_prefill_tokens and self._short(nd, batch.seq_lens):
-            # As a decode graph of this size would: the same kernel, eager or replayed.
-            csr = page_table_csr(batch.page_tables, batch.seq_lens, s.page_size)
-            short_csr = tuple(_to_device(array, buffer) for array, buffer in zip(csr, self._short_csr))
+        # As a decode graph of this size would: the same kernel, eager or replayed; a mixed step's
+        # decode rows too where they are a large batch.
+        kernel = self._triton_kernel(nd, batch.seq_lens[:nd]) if nd else None
+        if kernel is not None and (not num_prefill_tokens or kernel is self._large_decode):
+            csr = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
+            triton = (kernel, tuple(torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in csr))
         elif nd:
             indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
             decode = self.decode_wrapper
@@ -260,11 +264,17 @@ class FlashInferBackend(AttentionBackend):
                                       s.page_size, causal=True, **self._kv_args())
         self._mark_plan_copied()
         self._step = _Step(nd, num_prefill_tokens, decode, batch.slot_mapping.to(self.device, torch.int64),
-                           short=short_csr)
+                           triton=triton)
 
-    def _short(self, num_rows: int, seq_lens: list[int]) -> bool:
-        """Decode rows of these lengths take the short-context kernel."""
-        return True in self.graph_variants(num_rows) and max(seq_lens) <= decode_triton.SHORT_CONTEXT
+    def _triton_kernel(self, num_rows: int, seq_lens: list[int]):
+        """The `decode_triton` kernel that serves decode rows of these lengths best, or None
+        (FlashInfer's decode): one or two of up to `SHORT_CONTEXT` tokens, or `LARGE_BATCH` or more
+        of up to `LARGE_CONTEXT`."""
+        if True not in self.graph_variants(num_rows):
+            return None
+        if num_rows <= decode_triton.MAX_BATCH:
+            return self._small_decode if max(seq_lens) <= decode_triton.SHORT_CONTEXT else None
+        return self._large_decode if max(seq_lens) <= decode_triton.LARGE_CONTEXT else None
 
     # --- CUDA-graph decode ---------------------------------------------------------------------------
     def init_graph_buffers(self, batch_sizes: list[int], max_pages_per_seq: int) -> None:
@@ -294,23 +304,25 @@ class FlashInferBackend(AttentionBackend):
 
     def graph_variants(self, batch_size: int) -> tuple[bool, ...]:
         """The graphs a decode batch of `batch_size` rows is captured as: False, FlashInfer's
-        decode; True, the short-context kernel (`plan_graph_decode(..., short=True)`)."""
-        if self._short_decode is not None and batch_size <= self._short_decode.max_batch:
+        decode; True, a `decode_triton` kernel (`plan_graph_decode(..., triton=True)`): the
+        small-batch one up to `MAX_BATCH` rows, the large-batch one from `LARGE_BATCH`."""
+        if self._small_decode is not None and (batch_size <= decode_triton.MAX_BATCH
+                                               or batch_size >= decode_triton.LARGE_BATCH):
             return (False, True)
         return (False,)
 
-    def plan_graph_decode(self, batch: AttentionBatch, padded_size: int, short: bool | None = None) -> bool:
+    def plan_graph_decode(self, batch: AttentionBatch, padded_size: int, triton: bool | None = None) -> bool:
         """Plan an all-decode batch padded to `padded_size` rows into the fixed graph buffers, for
-        the graph variant `short` (see `graph_variants`; None: the one that serves this batch
+        the graph variant `triton` (see `graph_variants`; None: the one that serves this batch
         best). Returns the variant planned."""
         s = self.spec
         n = batch.num_reqs
         if batch.num_decodes != n or n > padded_size or padded_size not in self._graph_wrappers:
             raise ValueError(f"cannot plan {n} requests ({batch.num_decodes} decodes) as a graph of {padded_size}")
-        if short is None:
-            short = self._short(padded_size, batch.seq_lens)
-        elif short not in self.graph_variants(padded_size):
-            raise ValueError(f"no short-context decode graph of {padded_size} rows")
+        if triton is None:
+            triton = self._triton_kernel(padded_size, batch.seq_lens) is not None
+        elif triton not in self.graph_variants(padded_size):
+            raise ValueError(f"no Triton decode graph of {padded_size} rows")
         pad = padded_size - n
         # Each padding row: one page, the null page 0, holding one token.
         tables = batch.page_tables + [[0]] * pad
@@ -323,9 +335,11 @@ class FlashInferBackend(AttentionBackend):
         # cuda-graph plan copies them with a blocking copy: a wait for the whole step in flight.
         device_indices = _to_device(indices, b["indices"])
         self._wait_for_last_plan()
-        short_csr = None
-        if short:  # the kernel reads the CSR straight from the graph buffers
-            short_csr = (_to_device(indptr, b["indptr"]), device_indices, _to_device(last, b["last_page_len"]))
+        triton_step = None
+        if triton:  # the kernel reads the CSR straight from the graph buffers
+            kernel = self._small_decode if padded_size <= decode_triton.MAX_BATCH else self._large_decode
+            csr = (_to_device(indptr, b["indptr"]), device_indices, _to_device(last, b["last_page_len"]))
+            triton_step = (kernel, csr)
         else:
             self._graph_wrappers[padded_size].plan(
                 torch.from_numpy(indptr), device_indices, torch.from_numpy(last),
@@ -334,9 +348,9 @@ class FlashInferBackend(AttentionBackend):
         slots = b["slots"][:padded_size]
         slots[n:].zero_()
         slots[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self._step = _Step(padded_size, 0, None if short else self._graph_wrappers[padded_size], slots,
-                           short=short_csr)
-        return short
+        self._step = _Step(padded_size, 0, None if triton else self._graph_wrappers[padded_size], slots,
+                           triton=triton_step)
+        return triton
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -363,8 +377,11 @@ class FlashInferBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         pages = self._kv_views[layer_id]
-        if st.short is not None:
-            self._short_decode(q, *pages, *st.short, out)
+        if st.triton is not None:
+            kernel, csr = st.triton
+            kernel(q[:nd], *pages, *csr, out[:nd])
+            if st.num_prefill_tokens:
+                st.run(self.prefill_wrapper, q[nd:], pages, out[nd:])
         elif not st.num_prefill_tokens:
             st.run(st.decode, q, pages, out)
         elif not nd:
