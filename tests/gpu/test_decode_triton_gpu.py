@@ -9,32 +9,9 @@ import random
 import pytest
 import torch
 from gpu_support import CUDA, requires_gpu
+from paged_attention_reference import random_csr, reference_decode
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
-
-
-def _csr(lens: list[int], page_size: int, num_pages: int, rng: random.Random):
-    free = list(range(1, num_pages))
-    rng.shuffle(free)
-    counts = [-(-n // page_size) for n in lens]
-    indptr = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], dtype=torch.int32)
-    indices = torch.tensor([free.pop() for _ in range(sum(counts))], dtype=torch.int32)
-    last = torch.tensor([n - (c - 1) * page_size for n, c in zip(lens, counts)], dtype=torch.int32)
-    return indptr, indices, last
-
-
-def _reference(q, cache, indptr, indices, last, page_size):
-    """Float32 softmax attention of each request's one query over its pages."""
-    outs = []
-    for b in range(q.shape[0]):
-        pages = indices[indptr[b]:indptr[b + 1]].long()
-        n = (len(pages) - 1) * page_size + int(last[b])
-        k, v = (cache[pages, i].reshape(-1, *cache.shape[3:])[:n].float() for i in (0, 1))
-        group = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        p = (torch.einsum("hd,nhd->hn", q[b].float(), k) * q.shape[-1] ** -0.5).softmax(-1)
-        outs.append(torch.einsum("hn,nhd->hd", p, v))
-    return torch.stack(outs)
 
 
 @pytest.mark.parametrize("heads", [(32, 8, 128), (32, 4, 128), (8, 8, 64), (64, 4, 128), (12, 4, 64)],
@@ -55,9 +32,9 @@ def test_kernel_matches_float32_attention(heads, page_size):
     long = MAX_SPLITS * BLOCK_N + 2 * BLOCK_N + 5
     for lens in ([1], [15], [16], [17], [BLOCK_N], [BLOCK_N + 1], [300], [1024], [long], [7, 640], [1024, 33],
                  [long, 2]):
-        indptr, indices, last = _csr(lens, page_size, num_pages, rng)
+        indptr, indices, last = random_csr(lens, page_size, num_pages, rng)
         q = torch.randn(len(lens), num_qo, head_dim, generator=gen, device=CUDA).bfloat16()
-        want = _reference(q, cache, indptr, indices, last, page_size)
+        want = reference_decode(q, cache, indptr, indices, last, page_size)
         outs = []
         for _ in range(3):
             out = torch.full_like(q, float("nan"))
@@ -149,10 +126,10 @@ def test_large_batch_kernel_matches_float32_attention(heads, page_size):
     errors = {"here": [], "flashinfer": []}
     for size in (LARGE_BATCH, LARGE_BATCH + 13):
         lens = edges + [rng.randrange(1, LARGE_CONTEXT + 1) for _ in range(size - len(edges))]
-        indptr, indices, last = _csr(lens, page_size, num_pages, rng)
+        indptr, indices, last = random_csr(lens, page_size, num_pages, rng)
         qkv = torch.randn(size, (num_qo + 2 * num_kv) * head_dim, generator=gen, device=CUDA).bfloat16()
         q = qkv[:, :num_qo * head_dim].view(size, num_qo, head_dim)
-        want = _reference(q, cache, indptr, indices, last, page_size)
+        want = reference_decode(q, cache, indptr, indices, last, page_size)
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=CUDA)
         decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
@@ -187,10 +164,10 @@ def test_kernel_is_as_accurate_as_flashinfer_decode(heads):
     errors = {"here": [], "flashinfer": []}
     for _ in range(60):
         lens = [rng.randrange(1, SHORT_CONTEXT + 1) for _ in range(rng.choice([1, 2]))]
-        indptr, indices, last = _csr(lens, page, num_pages, rng)
+        indptr, indices, last = random_csr(lens, page, num_pages, rng)
         qkv = torch.randn(len(lens), (num_qo + 2 * num_kv) * head_dim, generator=gen, device=CUDA).bfloat16()
         q = qkv[:, :num_qo * head_dim].view(len(lens), num_qo, head_dim)
-        want = _reference(q, cache, indptr, indices, last, page)
+        want = reference_decode(q, cache, indptr, indices, last, page)
         out = torch.empty(q.shape, dtype=q.dtype, device=CUDA)
         decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)

@@ -57,6 +57,47 @@ LARGE_STAGES = 3  # blocks of K/V in flight
 
 
 @triton.jit
+def _group_rows(ptr, b, h, stride_b, stride_h, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Pointers to request b's query heads of KV head h in a [B, heads, HEAD_DIM] tensor,
+    [BLOCK_G, HEAD_DIM], and the mask of the GROUP rows that exist."""
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    return ptr + b * stride_b + (h * GROUP + g)[:, None] * stride_h + d[None, :], (g < GROUP)[:, None]
+
+
+@triton.jit
+def _empty_softmax(BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The running softmax of `_attend_block` before any block: maxima, sums, output."""
+    return (tl.full([BLOCK_G], float("-inf"), tl.float32), tl.zeros([BLOCK_G], tl.float32),
+            tl.zeros([BLOCK_G, HEAD_DIM], tl.float32))
+
+
+@triton.jit
+def _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """KV head h's K and V of tokens t (in pages `page`), [len(t), HEAD_DIM] each."""
+    d = tl.arange(0, HEAD_DIM)
+    row = page.to(tl.int64) * stride_kp + (t % PAGE_SIZE) * stride_kt + h * stride_kh
+    k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+    v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2):
+    """One block of keys and values into the running softmax (base 2) of the query group: its
+    row maxima m, sums lsum and unnormalised output acc, returned updated."""
+    scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
+    scores = tl.where(t_ok[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp2(m - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    lsum = lsum * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, lsum, acc
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_ptr,
                    part_o_ptr, part_lse_ptr, counter_ptr, sm_scale_log2,
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
@@ -78,14 +119,9 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     start = s * chunk
     end = tl.minimum(start + chunk, seq_len)
 
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    head = h * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    q_rows, rows_ok = _group_rows(q_ptr, b, h, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
+    q = tl.load(q_rows, mask=rows_ok, other=0.0)
+    m, lsum, acc = _empty_softmax(BLOCK_G, HEAD_DIM)
     # The next block's page ids are loaded while this block computes, so a block waits for one
     # round trip (its K/V), not two.
     t = start + tl.arange(0, BLOCK_N)
@@ -93,24 +129,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
-        row = page.to(tl.int64) * stride_kp + (t % PAGE_SIZE) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
+        k, v = _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE, HEAD_DIM)
         t_next = t + BLOCK_N
         page = tl.load(indices_ptr + first_page + t_next // PAGE_SIZE, mask=t_next < end, other=0)
-        scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, lsum, acc = _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2)
 
-    out_rows = out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :]
     if num_splits == 1:
-        tl.store(out_rows, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        out_rows, _ = _group_rows(out_ptr, b, h, stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM)
+        tl.store(out_rows, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok)
         return
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    g_ok = g < GROUP
     # Partials: [batch, kv head, slice, GROUP_P2, HEAD_DIM] float32 and [..., GROUP_P2] log2-sum-exp.
     part = (b * NUM_KV_HEADS + h) * MAX_SPLITS
     tl.store(part_o_ptr + ((part + s) * GROUP_P2 + g[:, None]) * HEAD_DIM + d[None, :], acc / lsum[:, None],
@@ -151,31 +181,17 @@ def _large_batch_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, l
     h = tl.program_id(1)
     first_page = tl.load(indptr_ptr + b)
     seq_len = (tl.load(indptr_ptr + b + 1) - first_page - 1) * PAGE_SIZE + tl.load(last_ptr + b)
-    g = tl.arange(0, BLOCK_G)
-    d = tl.arange(0, HEAD_DIM)
-    g_ok = g < GROUP
-    head = h * GROUP + g
-    q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + d[None, :], mask=g_ok[:, None], other=0.0)
-    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
-    lsum = tl.zeros([BLOCK_G], tl.float32)
-    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    q_rows, rows_ok = _group_rows(q_ptr, b, h, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
+    q = tl.load(q_rows, mask=rows_ok, other=0.0)
+    m, lsum, acc = _empty_softmax(BLOCK_G, HEAD_DIM)
     for t0 in tl.range(0, seq_len, BLOCK_N, num_stages=STAGES):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < seq_len
         page = tl.load(indices_ptr + first_page + t // PAGE_SIZE, mask=t_ok, other=0)
-        row = page.to(tl.int64) * stride_kp + (t % PAGE_SIZE) * stride_kt + h * stride_kh
-        k = tl.load(k_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        v = tl.load(v_ptr + row[:, None] + d[None, :], mask=t_ok[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        scores = tl.where(t_ok[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp2(m - m_new)
-        p = tl.exp2(scores - m_new[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
-    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + d[None, :],
-             (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        k, v = _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE, HEAD_DIM)
+        m, lsum, acc = _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2)
+    out_rows, _ = _group_rows(out_ptr, b, h, stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM)
+    tl.store(out_rows, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok)
 
 
 def applies(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
@@ -184,14 +200,23 @@ def applies(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> bool:
     return num_qo_heads % num_kv_heads == 0 and num_qo_heads // num_kv_heads <= BLOCK_G and head_dim in (64, 128)
 
 
+def _check_heads(num_qo_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    if not applies(num_qo_heads, num_kv_heads, head_dim):
+        raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
+                         f"groups of up to {BLOCK_G} heads of 64 or 128")
+
+
+def _check_strides(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, out: torch.Tensor) -> None:
+    if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+
+
 class SmallBatchDecode:
     """Scratch for up to `max_batch` requests' decode attention, and the launch."""
 
     def __init__(self, max_batch: int, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
                  device: torch.device):
-        if not applies(num_qo_heads, num_kv_heads, head_dim):
-            raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
-                             f"groups of up to {BLOCK_G} heads of 64 or 128")
+        _check_heads(num_qo_heads, num_kv_heads, head_dim)
         self.max_batch, self.num_qo_heads, self.num_kv_heads = max_batch, num_qo_heads, num_kv_heads
         self.head_dim, self.page_size, self.group = head_dim, page_size, num_qo_heads // num_kv_heads
         self.group_p2 = triton.next_power_of_2(self.group)
@@ -211,8 +236,7 @@ class SmallBatchDecode:
         batch = q.shape[0]
         if batch > self.max_batch:
             raise ValueError(f"{batch} requests exceed the {self.max_batch} this decode was sized for")
-        if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
-            raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+        _check_strides(q, k_pages, v_pages, out)
         _decode_kernel[(batch, self.num_kv_heads, MAX_SPLITS)](
             q, k_pages, v_pages, out, indptr, indices, last_page_len, self.part_o, self.part_lse, self.counters,
             self.sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
@@ -226,9 +250,7 @@ class LargeBatchDecode:
     """The launch for `LARGE_BATCH` requests or more (it needs no scratch)."""
 
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int):
-        if not applies(num_qo_heads, num_kv_heads, head_dim):
-            raise ValueError(f"{num_qo_heads} query heads over {num_kv_heads} KV heads of {head_dim}: "
-                             f"groups of up to {BLOCK_G} heads of 64 or 128")
+        _check_heads(num_qo_heads, num_kv_heads, head_dim)
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
         self.group = num_qo_heads // num_kv_heads
         self.sm_scale_log2 = head_dim ** -0.5 * 1.4426950408889634
@@ -236,8 +258,7 @@ class LargeBatchDecode:
     def __call__(self, q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, indptr: torch.Tensor,
                  indices: torch.Tensor, last_page_len: torch.Tensor, out: torch.Tensor) -> None:
         """As `SmallBatchDecode.__call__`, for any number of requests."""
-        if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
-            raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+        _check_strides(q, k_pages, v_pages, out)
         _large_batch_kernel[(q.shape[0], self.num_kv_heads)](
             q, k_pages, v_pages, out, indptr, indices, last_page_len, self.sm_scale_log2,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
