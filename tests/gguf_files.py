@@ -1,6 +1,8 @@
 """GGUF files of tiny Hugging Face models, written as llama.cpp's converter (convert_hf_to_gguf.py)
-writes them, with the `gguf` package's writer: its metadata keys, its tensor names, and for Llama
-its permutation of the q/k rows. Not a test module: tests import it by name (as random_weights)."""
+writes them, with the `gguf` package's writer: its metadata keys, its tensor names, for Llama (and
+Mixtral) its permutation of the q/k rows, and for mixture-of-experts models its expert metadata and
+each layer's experts stacked in one tensor per projection. Not a test module: tests import it by
+name (as random_weights)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ import numpy as np
 import torch
 from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, TokenType, get_tensor_name_map, quantize
 
-_ARCH = {"llama": MODEL_ARCH.LLAMA, "mistral": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3}
+_ARCH = {"llama": MODEL_ARCH.LLAMA, "mistral": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3,
+         "mixtral": MODEL_ARCH.LLAMA, "qwen2_moe": MODEL_ARCH.QWEN2MOE, "qwen3_moe": MODEL_ARCH.QWEN3MOE}
 
 
 def gguf_name(hf_name: str, arch: MODEL_ARCH, num_layers: int) -> str:
@@ -45,10 +48,39 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer_dir: Path) -> None:
     writer.add_chat_template(config["chat_template"])
 
 
+def _add_experts(writer: GGUFWriter, cfg) -> None:
+    """The MoE metadata llama.cpp's converter writes (Mixtral's expert size is its
+    feed_forward_length)."""
+    writer.add_expert_count(getattr(cfg, "num_local_experts", None) or cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if hasattr(cfg, "moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if getattr(cfg, "shared_expert_intermediate_size", None):
+        writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+
+
+def _checkpoint_tensors(hf_model) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors under the Hub's names, as the converter reads them, an MoE layer's
+    experts stacked per projection (`mlp.experts.gate_proj.weight` [experts, rows, columns]):
+    transformers holds them fused (`experts.gate_up_proj`, gate rows first)."""
+    out = []
+    for name, tensor in hf_model.state_dict().items():
+        if name.endswith(".experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out += [(name.replace("gate_up_proj", "gate_proj.weight"), gate),
+                    (name.replace("gate_up_proj", "up_proj.weight"), up)]
+        elif name.endswith(".experts.down_proj"):
+            out.append((name + ".weight", tensor))
+        else:
+            out.append((name, tensor))
+    return out
+
+
 def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
                quantization: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
-    """`hf_model` (a transformers model) as a GGUF file at `path`; 2-D weights in `quantization`
-    (norms and biases stay F32, as llama.cpp keeps them), a tied lm_head left out."""
+    """`hf_model` (a transformers model) as a GGUF file at `path`; 2-D weights and stacked experts
+    in `quantization` (norms and biases stay F32, as llama.cpp keeps them), a tied lm_head left
+    out."""
     cfg = hf_model.config
     arch = _ARCH[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -65,9 +97,11 @@ def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    if hasattr(cfg, "num_experts_per_tok"):
+        _add_experts(writer, cfg)
     if tokenizer_dir is not None:
         _add_tokenizer(writer, tokenizer_dir)
-    for name, tensor in hf_model.state_dict().items():
+    for name, tensor in _checkpoint_tensors(hf_model):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         data = tensor.detach().to(torch.float32).numpy()
@@ -76,7 +110,7 @@ def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
         elif arch == MODEL_ARCH.LLAMA and ".self_attn.k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
         name = gguf_name(name, arch, cfg.num_hidden_layers)
-        if data.ndim == 2 and quantization != GGMLQuantizationType.F32:
+        if data.ndim >= 2 and quantization != GGMLQuantizationType.F32:
             writer.add_tensor(name, quantize(data, quantization), raw_dtype=quantization)
         else:
             writer.add_tensor(name, np.ascontiguousarray(data))

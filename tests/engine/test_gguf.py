@@ -1,8 +1,9 @@
 """GGUF checkpoints: tiny random Hugging Face models written as llama.cpp writes them (gguf_files.py)
 load to the Hugging Face model's logits (Llama's q/k permutation undone, tied and untied
-embeddings, Qwen2's biases, Qwen3's q/k norms), quantized files load as transformers dequantizes
-them, the offline LLM serves a GGUF file with its own tokenizer and chat template, and bad files
-are clear errors."""
+embeddings, Qwen2's biases, Qwen3's q/k norms, and the MoE kinds: Mixtral, Qwen2-MoE's shared
+expert, Qwen3-MoE, their experts stacked per projection), quantized files load as transformers
+dequantizes them, the offline LLM serves a GGUF file with its own tokenizer and chat template, and
+bad files are clear errors."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -34,7 +36,22 @@ CASES = {
     "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM",
                         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # Mixture of experts, routed as llama.cpp routes each: Mixtral (a llama file with experts,
+    # top-2 of 4 renormalised), Qwen2-MoE (gated shared expert, top-2 not renormalised), Qwen3-MoE
+    # (renormalised top-2 of 8).
+    "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM",
+                    dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe_shared_expert": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                                dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                     moe_intermediate_size=64, shared_expert_intermediate_size=96,
+                                     norm_topk_prob=False)),
+    "qwen3_moe_normalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                  num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
 }
+# (Expert sizes are multiples of 32, so Q8_0 blocks fit their rows.)
+MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+              "shared_expert_intermediate_size", "norm_topk_prob")
 PROMPT_LENGTHS = (1, 6, 29)
 
 
@@ -65,6 +82,8 @@ def test_gguf_file_loads_to_the_hf_model_s_logits(case, tmp_path):
     for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                   "intermediate_size", "max_position_embeddings", "vocab_size", "tie_word_embeddings"):
         assert getattr(config, field) == getattr(hf.config, field), field
+    for field in MOE_FIELDS:
+        assert getattr(config, field, None) == getattr(hf.config, field, None), field
     assert config.model_type == hf.config.model_type
     token_lists = prompts(hf.config.vocab_size)
     for got, tokens in zip(pagoda_logits(path, token_lists), token_lists):
@@ -83,14 +102,37 @@ def test_quantized_gguf_loads_as_transformers_dequantizes_it(tmp_path):
     assert not torch.allclose(reference_logits(hf, token_lists[-1]), reference_logits(reference, token_lists[-1]))
 
 
+@pytest.mark.parametrize("case", ["mixtral_moe", "qwen2_moe_shared_expert", "qwen3_moe_normalised"])
+def test_quantized_moe_gguf_loads_as_its_weights_round_through_the_quantization(case, tmp_path):
+    """Stacked experts quantized as llama.cpp quantizes them (row blocks), split per expert on load.
+    The reference is the model with every matrix the file quantizes rounded through Q8_0
+    (transformers' GGUF loader reads no MoE file: it builds Mixtral as dense Llama and refuses
+    Qwen-MoE's expert shapes)."""
+    from gguf import dequantize, quantize
+
+    hf = random_hf_model(case)
+    path = write_gguf(hf, tmp_path / "q8.gguf", quantization=GGMLQuantizationType.Q8_0)
+    token_lists = prompts(hf.config.vocab_size)
+    unquantized = reference_logits(hf, token_lists[-1])
+    with torch.no_grad():
+        for param in hf.parameters():
+            if param.ndim >= 2:
+                rounded = dequantize(quantize(param.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+                param.copy_(torch.from_numpy(rounded.reshape(param.shape)))
+    for got, tokens in zip(pagoda_logits(path, token_lists), token_lists):
+        assert_logits_close(got, reference_logits(hf, tokens))
+    assert not torch.allclose(unquantized, reference_logits(hf, token_lists[-1]))
+
+
 @pytest.fixture(scope="module")
 def tiny_tokenizer_dir():
     return Path(resolve_model_path(TINY_MODEL_NAME))
 
 
-def test_offline_llm_serves_a_gguf_file_with_its_tokenizer_and_chat_template(tiny_tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("case", ["llama_gqa6over2", "qwen3_moe_normalised"])
+def test_offline_llm_serves_a_gguf_file_with_its_tokenizer_and_chat_template(case, tiny_tokenizer_dir, tmp_path):
     hf_tokenizer = load_tokenizer(tiny_tokenizer_dir)
-    hf = random_hf_model("llama_gqa6over2", vocab_size=len(hf_tokenizer))
+    hf = random_hf_model(case, vocab_size=len(hf_tokenizer))
     path = write_gguf(hf, tmp_path / "chat.gguf", tokenizer_dir=tiny_tokenizer_dir)
     texts = ["The capital of France is", "Once upon a time, ünïcödé 🙂", "1 2 3"]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -136,6 +178,40 @@ def test_an_architecture_pagoda_does_not_serve_is_refused_by_name(tmp_path):
     writer.close()
     with pytest.raises(UnsupportedArchitectureError, match="'gpt2' GGUF model; Pagoda loads GGUF files of llama"):
         load_hf_config(str(tmp_path / "gpt2.gguf"))
+
+
+def _moe_metadata_file(path: Path, expert_count: int, used: int, layers_with_experts: int,
+                       weights_scale: float | None = None) -> Path:
+    """A two-layer qwen3moe GGUF file with this expert metadata and stacked experts in the first
+    `layers_with_experts` layers (no other tensors: the config is read before the weights)."""
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_block_count(2)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_vocab_size(128)
+    writer.add_expert_count(expert_count)
+    writer.add_expert_used_count(used)
+    if weights_scale is not None:
+        writer.add_expert_weights_scale(weights_scale)
+    for layer in range(layers_with_experts):
+        writer.add_tensor(f"blk.{layer}.ffn_gate_exps.weight", np.zeros((expert_count, 32, 64), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize("metadata,reason", [
+    (dict(expert_count=4, used=0, layers_with_experts=2), "4 experts, 0 used per token"),
+    (dict(expert_count=4, used=8, layers_with_experts=2), "4 experts, 8 used per token"),
+    (dict(expert_count=4, used=2, layers_with_experts=1), "experts in 1 of 2 layers"),
+    (dict(expert_count=4, used=2, layers_with_experts=2, weights_scale=2.5), "expert_weights_scale = 2.5"),
+], ids=["none-used", "more-used-than-there-are", "a-layer-without-experts", "scaled-weights"])
+def test_moe_gguf_metadata_pagoda_cannot_serve_is_a_model_load_error(metadata, reason, tmp_path):
+    path = _moe_metadata_file(tmp_path / "moe.gguf", **metadata)
+    with pytest.raises(ModelLoadError, match=reason):
+        load_hf_config(str(path))
 
 
 def test_pagoda_serve_with_a_truncated_gguf_exits_1_with_the_reason(tmp_path):

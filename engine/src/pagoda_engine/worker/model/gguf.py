@@ -4,8 +4,16 @@ Owns `load_gguf_config` (a transformers config built from the file's metadata, a
 own GGUF support builds it) and `gguf_tensors` (every weight under its Hugging Face checkpoint
 name, dequantized to float32 on the CPU when the loader asks for it). The loader then fills the
 model through the same weight loaders as safetensors, converting to the serving dtype and moving
-to the device on the way. Dense Llama (Mistral GGUFs say llama too), Qwen2 and Qwen3 files load;
-llama.cpp's MoE layout (experts stacked in one tensor) and GGUF rope scaling are refused by name.
+to the device on the way. Dense Llama (Mistral GGUFs say llama too), Qwen2 and Qwen3 files load,
+and so do their mixture-of-experts kinds: Mixtral (a llama file with experts), Qwen2-MoE (with its
+gated shared expert) and Qwen3-MoE. GGUF rope scaling is refused by name.
+
+llama.cpp stacks each layer's experts in one tensor per projection (`ffn_gate_exps`,
+`ffn_up_exps`, `ffn_down_exps`, [experts, rows, columns]); `gguf_tensors` hands them out one expert
+at a time under the Hub's per-expert names (`mlp.experts.<e>.gate_proj.weight`), dequantizing each
+stacked tensor once, so MoE weights take the same loader path as a safetensors checkpoint. The
+routing follows llama.cpp's for each architecture: Mixtral and Qwen3-MoE renormalise the top-k
+weights, Qwen2-MoE does not; every layer has experts, as llama.cpp requires.
 
 llama.cpp's converter permutes Llama's q/k projection rows (rotary halves interleaved, its rope
 layout); `_unpermute` undoes that, as transformers' GGUF loader does.
@@ -24,8 +32,12 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError, UnsupportedArchitectureError
 
-# general.architecture → transformers' model_type.
-GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# general.architecture → transformers' model_type (a llama file with experts is Mixtral).
+GGUF_ARCHITECTURES = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe",
+                      "qwen3moe": "qwen3_moe"}
+# llama.cpp's routing for each MoE architecture: whether the top-k weights are renormalised
+# (its build_moe_ffn's norm_w, fixed per architecture).
+_RENORMALISES_TOP_K = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 
 # {arch}.<key> → the transformers config field it sets.
 _CONFIG_KEYS = {
@@ -55,7 +67,14 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# Stacked expert tensors → the Hub's per-expert projection names.
+_EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -91,9 +110,6 @@ def load_gguf_config(file: Path) -> PretrainedConfig:
         raise UnsupportedArchitectureError(f"{file.name} holds a {arch!r} GGUF model; Pagoda loads GGUF files of "
                                            f"{', '.join(GGUF_ARCHITECTURES)} (or the same models as safetensors)")
     tensor_names = {t.name for t in reader.tensors}
-    if any(name.startswith("blk.0.ffn_gate_exps") for name in tensor_names):
-        raise UnsupportedArchitectureError(f"{file.name}: mixture-of-experts GGUF files are not supported yet "
-                                           "(load the model's safetensors directory)")
     scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
     if "rope_freqs.weight" in tensor_names:
         scaling = "llama3 (rope_freqs)"
@@ -122,10 +138,43 @@ def load_gguf_config(file: Path) -> PretrainedConfig:
         if value is not None:
             fields[ours] = int(value)
     fields["tie_word_embeddings"] = "output.weight" not in tensor_names
+    model_type = GGUF_ARCHITECTURES[arch]
+    if arch in _RENORMALISES_TOP_K and (arch != "llama" or _field(reader, "llama.expert_count", 0)):
+        model_type = "mixtral" if arch == "llama" else model_type
+        fields.update(_moe_fields(file, reader, arch, tensor_names, fields))
     try:
-        return AutoConfig.for_model(GGUF_ARCHITECTURES[arch], **fields)
+        return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # a value of the wrong type in the metadata
         raise ModelLoadError(f"{file.name}: cannot build a config from the GGUF metadata: {e}") from e
+
+
+def _moe_fields(file: Path, reader, arch: str, tensor_names: set[str], fields: dict) -> dict:
+    """The config fields of a mixture-of-experts file (Mixtral's or Qwen-MoE's names), as
+    llama.cpp reads its metadata: the experts' FFN size falls back to feed_forward_length (Mixtral
+    writes only that) and the shared expert's to feed_forward_length too."""
+    num_experts = int(_field(reader, f"{arch}.expert_count", 0))
+    top_k = int(_field(reader, f"{arch}.expert_used_count", 0))
+    if not 0 < top_k <= num_experts:
+        raise ModelLoadError(f"{file.name}: the GGUF metadata gives {num_experts} experts, {top_k} used per token")
+    scale = _field(reader, f"{arch}.expert_weights_scale", 0.0)
+    if scale not in (0.0, 1.0):
+        raise ModelLoadError(f"{file.name}: scaled expert weights ({arch}.expert_weights_scale = {scale}) are not "
+                             "supported")
+    ffn = fields.get("intermediate_size")
+    num_layers = fields["num_hidden_layers"]
+    moe_layers = sum(f"blk.{i}.ffn_gate_exps.weight" in tensor_names for i in range(num_layers))
+    if moe_layers != num_layers:  # llama.cpp's MoE architectures have experts in every layer
+        raise ModelLoadError(f"{file.name}: experts in {moe_layers} of {num_layers} layers; an MoE GGUF file "
+                             "needs them stacked in every layer (llama.cpp's older per-expert layout: convert it "
+                             "again with a current convert_hf_to_gguf.py)")
+    if arch == "llama":
+        return dict(num_local_experts=num_experts, num_experts_per_tok=top_k)
+    out = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=_RENORMALISES_TOP_K[arch],
+               moe_intermediate_size=int(_field(reader, f"{arch}.expert_feed_forward_length", 0) or ffn // top_k))
+    if arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = int(
+            _field(reader, f"{arch}.expert_shared_feed_forward_length", 0) or ffn)
+    return out
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -159,14 +208,43 @@ def _dequantize(tensor, num_heads: int | None) -> torch.Tensor:
     return torch.from_numpy(np.require(weights, np.float32, ["C_CONTIGUOUS", "WRITEABLE"]))
 
 
+class _StackedExperts:
+    """One of llama.cpp's stacked expert tensors, [experts, rows, columns], dequantized on the
+    first expert asked for and handed out an expert at a time."""
+
+    def __init__(self, tensor):
+        self.tensor = tensor
+        self._weights: torch.Tensor | None = None
+
+    def expert(self, e: int) -> torch.Tensor:
+        if self._weights is None:
+            self._weights = _dequantize(self.tensor, None)
+        return self._weights[e]
+
+
+def _row_vector(tensor) -> torch.Tensor:
+    """Qwen2-MoE's shared-expert gate, [1, hidden] as the Hub holds it, whether the file kept
+    that shape or llama.cpp's one dimension."""
+    return _dequantize(tensor, None).reshape(1, -1)
+
+
 def gguf_tensors(file: Path, hf_config: PretrainedConfig) -> Iterator[tuple[str, Callable[[], torch.Tensor]]]:
-    """(checkpoint name, read) for every tensor of a GGUF file; `read()` dequantizes it to a float32
-    CPU tensor, so weights another rank or pipeline stage skips are never dequantized. A tensor
-    without a Hugging Face name keeps its GGUF name (the loader reports it as unexpected)."""
+    """(checkpoint name, read) for every tensor of a GGUF file, a stacked expert tensor as one
+    entry per expert; `read()` dequantizes to a float32 CPU tensor, so weights another rank or
+    pipeline stage skips are never dequantized. A tensor without a Hugging Face name keeps its
+    GGUF name (the loader reports it as unexpected)."""
     reader = open_gguf(file)
     permute = _field(reader, "general.architecture") == "llama"
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
     for tensor in reader.tensors:
         layer_tensor = _LAYER_TENSOR.fullmatch(tensor.name)
-        num_heads = heads.get(layer_tensor[2]) if permute and layer_tensor else None
-        yield hf_tensor_name(tensor.name) or tensor.name, partial(_dequantize, tensor, num_heads)
+        kind = layer_tensor[2] if layer_tensor else None
+        if kind in _EXPERT_TENSORS and layer_tensor[3] == "weight":
+            stacked = _StackedExperts(tensor)
+            prefix = f"model.layers.{layer_tensor[1]}.mlp.experts"
+            for e in range(int(tensor.shape[-1])):  # GGUF lists dimensions innermost first: experts last
+                yield f"{prefix}.{e}.{_EXPERT_TENSORS[kind]}.weight", partial(stacked.expert, e)
+            continue
+        num_heads = heads.get(kind) if permute else None
+        read = partial(_row_vector, tensor) if kind == "ffn_gate_inp_shexp" else partial(_dequantize, tensor, num_heads)
+        yield hf_tensor_name(tensor.name) or tensor.name, read
