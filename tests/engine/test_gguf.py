@@ -148,6 +148,21 @@ def test_offline_llm_serves_a_gguf_file_with_its_tokenizer_and_chat_template(cas
         assert list(out.outputs[0].token_ids) == want, text
 
 
+def test_a_quantized_moe_gguf_file_gives_the_same_tokens_on_two_expert_parallel_ranks(tiny_tokenizer_dir, tmp_path):
+    """Each rank (two gloo processes) keeps half of the experts it dequantizes from the stacked
+    tensors, and the shared expert's columns."""
+    hf = random_hf_model("qwen2_moe_shared_expert", vocab_size=len(load_tokenizer(tiny_tokenizer_dir)))
+    path = write_gguf(hf, tmp_path / "moe.gguf", tokenizer_dir=tiny_tokenizer_dir,
+                      quantization=GGMLQuantizationType.Q8_0)
+    token_lists = prompts(hf.config.vocab_size)
+    greedy = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    tokens = {}
+    for ranks in (1, 2):
+        with LLM(str(path), tensor_parallel_size=ranks, enable_expert_parallel=ranks > 1, num_kv_pages=64) as llm:
+            tokens[ranks] = [o.outputs[0].token_ids for o in llm.generate(token_lists, greedy)]
+    assert tokens[2] == tokens[1] and all(len(t) == 8 for t in tokens[1])
+
+
 def test_a_directory_holding_one_gguf_file_loads_it(tmp_path):
     hf = random_hf_model("qwen2_bias_tied")
     write_gguf(hf, tmp_path / "model.gguf")
