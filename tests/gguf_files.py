@@ -1,7 +1,8 @@
 """GGUF files of tiny Hugging Face models, written as llama.cpp's converter (convert_hf_to_gguf.py)
 writes them, with the `gguf` package's writer: its metadata keys, its tensor names, for Llama (and
-Mixtral) its permutation of the q/k rows, and for mixture-of-experts models its expert metadata and
-each layer's experts stacked in one tensor per projection. Not a test module: tests import it by
+Mixtral) its permutation of the q/k rows, its forms of rope scaling (Llama 3.1's `rope_freqs`
+tensor, linear and YaRN metadata), and for mixture-of-experts models its expert metadata and each
+layer's experts stacked in one tensor per projection. Not a test module: tests import it by
 name (as random_weights)."""
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, TokenType, get_tensor_name_map, quantize
+from gguf import (MODEL_ARCH, MODEL_ARCH_NAMES, GGMLQuantizationType, GGUFWriter, RopeScalingType, TokenType,
+                  get_tensor_name_map, quantize)
 
 _ARCH = {"llama": MODEL_ARCH.LLAMA, "mistral": MODEL_ARCH.LLAMA, "qwen2": MODEL_ARCH.QWEN2, "qwen3": MODEL_ARCH.QWEN3,
          "mixtral": MODEL_ARCH.LLAMA, "qwen2_moe": MODEL_ARCH.QWEN2MOE, "qwen3_moe": MODEL_ARCH.QWEN3MOE}
@@ -59,6 +61,41 @@ def _add_experts(writer: GGUFWriter, cfg) -> None:
         writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
 
 
+def llama3_rope_factors(cfg, head_dim: int) -> np.ndarray:
+    """The `rope_freqs` tensor llama.cpp's converter writes for Llama 3.1's rope scaling: each
+    frequency's divisor (1 for short wavelengths, `factor` for long ones, smooth between)."""
+    params = cfg.rope_parameters
+    freqs = 1.0 / (params["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    original = params["original_max_position_embeddings"]
+    low, high, factor = params["low_freq_factor"], params["high_freq_factor"], params["factor"]
+    factors = []
+    for wavelen in 2 * np.pi / freqs:
+        if wavelen < original / high:
+            factors.append(1.0)
+        elif wavelen > original / low:
+            factors.append(factor)
+        else:
+            smooth = (original / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def _add_rope_scaling(writer: GGUFWriter, cfg, head_dim: int) -> None:
+    """Rope scaling as the converter writes it: linear and YaRN as metadata, Llama 3.1's as a
+    `rope_freqs` tensor."""
+    params = cfg.rope_parameters
+    kind = params.get("rope_type", "default")
+    if kind == "llama3":
+        writer.add_tensor("rope_freqs.weight", llama3_rope_factors(cfg, head_dim))
+    elif kind in ("linear", "yarn"):
+        writer.add_rope_scaling_type(RopeScalingType.LINEAR if kind == "linear" else RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(params["factor"])
+        if kind == "yarn":
+            writer.add_rope_scaling_orig_ctx_len(params["original_max_position_embeddings"])
+    elif kind != "default":
+        raise ValueError(f"no GGUF form for rope type {kind!r}")
+
+
 def _checkpoint_tensors(hf_model) -> list[tuple[str, torch.Tensor]]:
     """The model's tensors under the Hub's names, as the converter reads them, an MoE layer's
     experts stacked per projection (`mlp.experts.gate_proj.weight` [experts, rows, columns]):
@@ -97,6 +134,7 @@ def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
     writer.add_rope_dimension_count(head_dim)
     writer.add_key_length(head_dim)
     writer.add_vocab_size(cfg.vocab_size)
+    _add_rope_scaling(writer, cfg, head_dim)
     if hasattr(cfg, "num_experts_per_tok"):
         _add_experts(writer, cfg)
     if tokenizer_dir is not None:

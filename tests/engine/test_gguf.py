@@ -36,6 +36,18 @@ CASES = {
     "qwen2_bias_tied": ("Qwen2Config", "Qwen2ForCausalLM",
                         dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3_qknorm": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=32)),
+    # Rope scaling in its three GGUF forms: Llama 3.1's (a rope_freqs tensor), linear and YaRN
+    # (metadata). Original contexts short enough that the prompts' positions reach the scaling.
+    "llama31_rope_freqs": ("LlamaConfig", "LlamaForCausalLM",
+                           dict(num_attention_heads=4, num_key_value_heads=2, rope_theta=500000.0,
+                                rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                                  high_freq_factor=4.0, original_max_position_embeddings=32))),
+    "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM",
+                          dict(num_attention_heads=4, num_key_value_heads=2, rope_scaling=dict(rope_type="linear",
+                                                                                                factor=2.0))),
+    "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM",
+                   dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
     # Mixture of experts, routed as llama.cpp routes each: Mixtral (a llama file with experts,
     # top-2 of 4 renormalised), Qwen2-MoE (gated shared expert, top-2 not renormalised), Qwen3-MoE
     # (renormalised top-2 of 8).
@@ -84,6 +96,8 @@ def test_gguf_file_loads_to_the_hf_model_s_logits(case, tmp_path):
         assert getattr(config, field) == getattr(hf.config, field), field
     for field in MOE_FIELDS:
         assert getattr(config, field, None) == getattr(hf.config, field, None), field
+    if hf.config.rope_parameters["rope_type"] in ("linear", "yarn"):
+        assert config.rope_parameters == hf.config.rope_parameters
     assert config.model_type == hf.config.model_type
     token_lists = prompts(hf.config.vocab_size)
     for got, tokens in zip(pagoda_logits(path, token_lists), token_lists):
@@ -227,6 +241,40 @@ def test_moe_gguf_metadata_pagoda_cannot_serve_is_a_model_load_error(metadata, r
     path = _moe_metadata_file(tmp_path / "moe.gguf", **metadata)
     with pytest.raises(ModelLoadError, match=reason):
         load_hf_config(str(path))
+
+
+@pytest.mark.parametrize("scaling,reason", [
+    (dict(kind="longrope", factor=4.0), "scaling 'longrope'"),
+    (dict(kind="yarn", factor=4.0, attn_factor=0.8), "yarn_attn_factor"),
+    (dict(kind="linear"), "factor None"),
+], ids=["longrope", "yarn-attention-factor", "linear-without-factor"])
+def test_rope_scaling_pagoda_cannot_apply_is_a_model_load_error(scaling, reason, tmp_path):
+    writer = GGUFWriter(str(tmp_path / "rope.gguf"), "llama")
+    writer.add_block_count(1)
+    writer.add_embedding_length(64)
+    writer.add_head_count(4)
+    writer.add_vocab_size(128)
+    writer.add_string("llama.rope.scaling.type", scaling["kind"])
+    if "factor" in scaling:
+        writer.add_rope_scaling_factor(scaling["factor"])
+    if "attn_factor" in scaling:
+        writer.add_float32("llama.rope.scaling.yarn_attn_factor", scaling["attn_factor"])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=reason):
+        load_hf_config(str(tmp_path / "rope.gguf"))
+
+
+def test_rope_frequency_factors_of_the_wrong_length_are_a_model_load_error(tmp_path):
+    hf = random_hf_model("llama31_rope_freqs")
+    path = write_gguf(hf, tmp_path / "model.gguf")
+    config = load_hf_config(str(path))
+    assert len(config.rope_freq_factors) == 8  # head_dim 16 / 2
+    config.rope_freq_factors = config.rope_freq_factors[:5]
+    with pytest.raises(ModelLoadError, match="5 given \\(head_dim 16 needs 8\\)"):
+        load_model(str(path), config, torch.float32, CPU)
 
 
 def test_pagoda_serve_with_a_truncated_gguf_exits_1_with_the_reason(tmp_path):

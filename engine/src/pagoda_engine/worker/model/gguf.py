@@ -6,7 +6,12 @@ name, dequantized to float32 on the CPU when the loader asks for it). The loader
 model through the same weight loaders as safetensors, converting to the serving dtype and moving
 to the device on the way. Dense Llama (Mistral GGUFs say llama too), Qwen2 and Qwen3 files load,
 and so do their mixture-of-experts kinds: Mixtral (a llama file with experts), Qwen2-MoE (with its
-gated shared expert) and Qwen3-MoE. GGUF rope scaling is refused by name.
+gated shared expert) and Qwen3-MoE.
+
+Rotary scaling comes as llama.cpp writes it: linear and YaRN as metadata (`rope.scaling.*`, made
+into the config's `rope_scaling`), Llama 3.1's as a `rope_freqs` tensor of per-dimension
+frequency divisors, which the config carries as `rope_freq_factors` and the rotary embedding
+applies as llama.cpp does (each dimension's frequency divided by its factor).
 
 llama.cpp stacks each layer's experts in one tensor per projection (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, [experts, rows, columns]); `gguf_tensors` hands them out one expert
@@ -110,12 +115,6 @@ def load_gguf_config(file: Path) -> PretrainedConfig:
         raise UnsupportedArchitectureError(f"{file.name} holds a {arch!r} GGUF model; Pagoda loads GGUF files of "
                                            f"{', '.join(GGUF_ARCHITECTURES)} (or the same models as safetensors)")
     tensor_names = {t.name for t in reader.tensors}
-    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
-    if "rope_freqs.weight" in tensor_names:
-        scaling = "llama3 (rope_freqs)"
-    if scaling != "none":
-        raise ModelLoadError(f"{file.name}: rotary-embedding scaling in GGUF files ({scaling}) is not supported "
-                             "yet (load the model's safetensors directory)")
     fields = {ours: _field(reader, f"{arch}.{key}") for key, ours in _CONFIG_KEYS.items()}
     fields = {k: v for k, v in fields.items() if v is not None}
     missing = [f"{arch}.{key}" for key, ours in _CONFIG_KEYS.items()
@@ -138,6 +137,7 @@ def load_gguf_config(file: Path) -> PretrainedConfig:
         if value is not None:
             fields[ours] = int(value)
     fields["tie_word_embeddings"] = "output.weight" not in tensor_names
+    fields.update(_rope_fields(file, reader, arch))
     model_type = GGUF_ARCHITECTURES[arch]
     if arch in _RENORMALISES_TOP_K and (arch != "llama" or _field(reader, "llama.expert_count", 0)):
         model_type = "mixtral" if arch == "llama" else model_type
@@ -146,6 +146,37 @@ def load_gguf_config(file: Path) -> PretrainedConfig:
         return AutoConfig.for_model(model_type, **fields)
     except Exception as e:  # a value of the wrong type in the metadata
         raise ModelLoadError(f"{file.name}: cannot build a config from the GGUF metadata: {e}") from e
+
+
+def _rope_fields(file: Path, reader, arch: str) -> dict:
+    """`rope_scaling` from llama.cpp's `rope.scaling.*` metadata (linear, YaRN), and
+    `rope_freq_factors` from a `rope_freqs` tensor (Llama 3.1's scaling, as the converter writes
+    it); anything else is refused by name rather than served with the wrong positions."""
+    out = {}
+    kind = _field(reader, f"{arch}.rope.scaling.type", "none")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    unsupported = [key for key in ("yarn_ext_factor", "yarn_attn_factor", "yarn_log_multiplier")
+                   if f"{arch}.rope.scaling.{key}" in reader.fields]
+    if kind not in ("none", "linear", "yarn") or (kind != "none" and not factor) or unsupported:
+        raise ModelLoadError(f"{file.name}: rotary-embedding scaling {kind!r} "
+                             f"({', '.join(unsupported) or f'factor {factor}'}) is not supported in GGUF files "
+                             "(linear and YaRN by factor are; or load the model's safetensors directory)")
+    if kind == "linear":
+        out["rope_scaling"] = {"rope_type": "linear", "factor": float(factor)}
+    elif kind == "yarn":
+        scaling = {"rope_type": "yarn", "factor": float(factor)}
+        original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+        if original:
+            scaling["original_max_position_embeddings"] = int(original)
+        for key in ("beta_fast", "beta_slow"):
+            value = _field(reader, f"{arch}.rope.scaling.yarn_{key}")
+            if value is not None:
+                scaling[key] = float(value)
+        out["rope_scaling"] = scaling
+    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if freqs is not None:
+        out["rope_freq_factors"] = [float(x) for x in _dequantize(freqs, None).flatten()]
+    return out
 
 
 def _moe_fields(file: Path, reader, arch: str, tensor_names: set[str], fields: dict) -> dict:
@@ -237,6 +268,8 @@ def gguf_tensors(file: Path, hf_config: PretrainedConfig) -> Iterator[tuple[str,
     permute = _field(reader, "general.architecture") == "llama"
     heads = {"attn_q": hf_config.num_attention_heads, "attn_k": hf_config.num_key_value_heads}
     for tensor in reader.tensors:
+        if tensor.name == "rope_freqs.weight":  # in the config (`rope_freq_factors`), not a weight
+            continue
         layer_tensor = _LAYER_TENSOR.fullmatch(tensor.name)
         kind = layer_tensor[2] if layer_tensor else None
         if kind in _EXPERT_TENSORS and layer_tensor[3] == "weight":

@@ -231,13 +231,15 @@ class RotaryEmbedding(nn.Module):
     """Neox-style rotary embedding (rotate halves) from a precomputed float32 cos/sin cache.
 
     `rope_params` is the Hugging Face `rope_parameters` / `rope_scaling` dict (None = default);
-    supported types are in ROPE_TYPES. `forward(positions, q, k)` rotates q [T, Hq, D] and
+    supported types are in ROPE_TYPES. `freq_factors` (head_dim / 2 of them, from a GGUF file's
+    `rope_freqs`) divide the frequencies dimension by dimension after that, as llama.cpp does. `forward(positions, q, k)` rotates q [T, Hq, D] and
     k [T, Hkv, D] at their absolute positions. The layers hand it to the attention backend, which
     calls it (the reference) or reads `cos_cache` / `sin_cache` in a kernel that rotates while it
     writes K/V (FlashInfer's backend, `attention/rope_kv_triton.py`).
     """
 
-    def __init__(self, head_dim: int, max_position: int, base: float, rope_params: dict | None = None):
+    def __init__(self, head_dim: int, max_position: int, base: float, rope_params: dict | None = None,
+                 freq_factors: list[float] | None = None):
         super().__init__()
         params = dict(rope_params or {})
         rope_type = params.get("rope_type", params.get("type", "default"))
@@ -258,6 +260,11 @@ class RotaryEmbedding(nn.Module):
             max_position = max(max_position, int(original * params["factor"]))
         else:
             raise ModelLoadError(f"rope type {rope_type!r} is not supported (supported: {', '.join(ROPE_TYPES)})")
+        if freq_factors is not None:
+            if len(freq_factors) != head_dim // 2 or min(freq_factors) <= 0:
+                raise ModelLoadError(f"rotary frequency factors: {len(freq_factors)} given (head_dim {head_dim} needs "
+                                     f"{head_dim // 2}), each above 0")
+            inv_freq = inv_freq / torch.tensor(freq_factors, dtype=torch.float32)
         self.head_dim = head_dim
         self.max_position = max_position
         t = torch.arange(max_position, dtype=torch.float32)

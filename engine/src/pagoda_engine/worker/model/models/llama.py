@@ -238,7 +238,8 @@ class DecoderModel(nn.Module):
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, tp_size, tp_rank)
         theta, rope_params = rope_settings(cfg)
         # One cos/sin cache shared by all layers.
-        self.rotary_emb = RotaryEmbedding(head_dim(cfg), max_position, theta, rope_params)
+        self.rotary_emb = RotaryEmbedding(head_dim(cfg), max_position, theta, rope_params,
+                                          getattr(cfg, "rope_freq_factors", None))
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, flags, self.rotary_emb, tp_size, tp_rank, moe, i, expert_parallel, data_parallel)
             if self.start_layer <= i < self.end_layer else MissingLayer()
