@@ -108,6 +108,8 @@ def _checkpoint_tensors(hf_model) -> list[tuple[str, torch.Tensor]]:
                     (name.replace("gate_up_proj", "up_proj.weight"), up)]
         elif name.endswith(".experts.down_proj"):
             out.append((name + ".weight", tensor))
+        elif name.endswith(".shared_expert_gate.weight"):  # [1, hidden] on the Hub, [hidden] in llama.cpp's files
+            out.append((name, tensor.reshape(-1)))
         else:
             out.append((name, tensor))
     return out

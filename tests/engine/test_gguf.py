@@ -129,8 +129,8 @@ def test_quantized_moe_gguf_loads_as_its_weights_round_through_the_quantization(
     token_lists = prompts(hf.config.vocab_size)
     unquantized = reference_logits(hf, token_lists[-1])
     with torch.no_grad():
-        for param in hf.parameters():
-            if param.ndim >= 2:
+        for name, param in hf.named_parameters():
+            if param.ndim >= 2 and not name.endswith("shared_expert_gate.weight"):  # a vector in the file
                 rounded = dequantize(quantize(param.numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
                 param.copy_(torch.from_numpy(rounded.reshape(param.shape)))
     for got, tokens in zip(pagoda_logits(path, token_lists), token_lists):
