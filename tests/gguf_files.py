@@ -115,11 +115,18 @@ def _checkpoint_tensors(hf_model) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
+def _per_expert(name: str, data: np.ndarray) -> list[tuple[str, np.ndarray]]:
+    """A stacked expert tensor (`model.layers.<l>.mlp.experts.<proj>.weight`) as llama.cpp's first
+    Mixtral layout held it: (GGUF name, matrix) per expert."""
+    layer, proj = name.split(".")[2], name.split(".")[-2].removesuffix("_proj")
+    return [(f"blk.{layer}.ffn_{proj}.{e}.weight", expert) for e, expert in enumerate(data)]
+
+
 def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
-               quantization: GGMLQuantizationType = GGMLQuantizationType.F32) -> Path:
+               quantization: GGMLQuantizationType = GGMLQuantizationType.F32, per_expert: bool = False) -> Path:
     """`hf_model` (a transformers model) as a GGUF file at `path`; 2-D weights and stacked experts
     in `quantization` (norms and biases stay F32, as llama.cpp keeps them), a tied lm_head left
-    out."""
+    out; `per_expert`: experts one tensor each, as llama.cpp's converter wrote Mixtral at first."""
     cfg = hf_model.config
     arch = _ARCH[cfg.model_type]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -149,11 +156,13 @@ def write_gguf(hf_model, path: Path, tokenizer_dir: Path | None = None,
             data = llama_cpp_permute(data, cfg.num_attention_heads)
         elif arch == MODEL_ARCH.LLAMA and ".self_attn.k_proj." in name:
             data = llama_cpp_permute(data, cfg.num_key_value_heads)
-        name = gguf_name(name, arch, cfg.num_hidden_layers)
-        if data.ndim >= 2 and quantization != GGMLQuantizationType.F32:
-            writer.add_tensor(name, quantize(data, quantization), raw_dtype=quantization)
-        else:
-            writer.add_tensor(name, np.ascontiguousarray(data))
+        pieces = (_per_expert(name, data) if per_expert and ".experts." in name
+                  else [(gguf_name(name, arch, cfg.num_hidden_layers), data)])
+        for name, data in pieces:
+            if data.ndim >= 2 and quantization != GGMLQuantizationType.F32:
+                writer.add_tensor(name, quantize(data, quantization), raw_dtype=quantization)
+            else:
+                writer.add_tensor(name, np.ascontiguousarray(data))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -116,6 +116,16 @@ def test_quantized_gguf_loads_as_transformers_dequantizes_it(tmp_path):
     assert not torch.allclose(reference_logits(hf, token_lists[-1]), reference_logits(reference, token_lists[-1]))
 
 
+def test_a_mixtral_gguf_file_in_llama_cpp_s_first_per_expert_layout_loads(tmp_path):
+    """Mixtral files converted before llama.cpp stacked the experts: `blk.<l>.ffn_gate.<e>.weight`."""
+    hf = random_hf_model("mixtral_moe")
+    path = write_gguf(hf, tmp_path / "mixtral.gguf", per_expert=True)
+    assert load_hf_config(str(path)).num_local_experts == 4
+    token_lists = prompts(hf.config.vocab_size)
+    for got, tokens in zip(pagoda_logits(path, token_lists), token_lists):
+        assert_logits_close(got, reference_logits(hf, tokens))
+
+
 @pytest.mark.parametrize("case", ["mixtral_moe", "qwen2_moe_shared_expert", "qwen3_moe_normalised"])
 def test_quantized_moe_gguf_loads_as_its_weights_round_through_the_quantization(case, tmp_path):
     """Stacked experts quantized as llama.cpp quantizes them (row blocks), split per expert on load.

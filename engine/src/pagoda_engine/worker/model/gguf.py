@@ -16,7 +16,8 @@ applies as llama.cpp does (each dimension's frequency divided by its factor).
 llama.cpp stacks each layer's experts in one tensor per projection (`ffn_gate_exps`,
 `ffn_up_exps`, `ffn_down_exps`, [experts, rows, columns]); `gguf_tensors` hands them out one expert
 at a time under the Hub's per-expert names (`mlp.experts.<e>.gate_proj.weight`), dequantizing each
-stacked tensor once, so MoE weights take the same loader path as a safetensors checkpoint. The
+stacked tensor once, so MoE weights take the same loader path as a safetensors checkpoint. Mixtral
+files from before the stacking (`blk.<layer>.ffn_gate.<expert>.weight`) load too. The
 routing follows llama.cpp's for each architecture: Mixtral and Qwen3-MoE renormalise the top-k
 weights, Qwen2-MoE does not; every layer has experts, as llama.cpp requires.
 
@@ -81,6 +82,9 @@ _LAYER_TENSORS = {
 # Stacked expert tensors → the Hub's per-expert projection names.
 _EXPERT_TENSORS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+# llama.cpp's first Mixtral layout (files converted before its experts were stacked): one tensor
+# per expert and projection, `blk.<layer>.ffn_gate.<expert>.weight`.
+_EXPERT_TENSOR = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)\.(\d+)\.weight")
 
 
 def open_gguf(file: Path):
@@ -193,11 +197,11 @@ def _moe_fields(file: Path, reader, arch: str, tensor_names: set[str], fields: d
                              "supported")
     ffn = fields.get("intermediate_size")
     num_layers = fields["num_hidden_layers"]
-    moe_layers = sum(f"blk.{i}.ffn_gate_exps.weight" in tensor_names for i in range(num_layers))
+    moe_layers = sum(f"blk.{i}.ffn_gate_exps.weight" in tensor_names or f"blk.{i}.ffn_gate.0.weight" in tensor_names
+                     for i in range(num_layers))
     if moe_layers != num_layers:  # llama.cpp's MoE architectures have experts in every layer
-        raise ModelLoadError(f"{file.name}: experts in {moe_layers} of {num_layers} layers; an MoE GGUF file "
-                             "needs them stacked in every layer (llama.cpp's older per-expert layout: convert it "
-                             "again with a current convert_hf_to_gguf.py)")
+        raise ModelLoadError(f"{file.name}: experts in {moe_layers} of {num_layers} layers; an MoE GGUF file needs "
+                             "them in every layer")
     if arch == "llama":
         return dict(num_local_experts=num_experts, num_experts_per_tok=top_k)
     out = dict(num_experts=num_experts, num_experts_per_tok=top_k, norm_topk_prob=_RENORMALISES_TOP_K[arch],
@@ -213,6 +217,9 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     stem, _, suffix = gguf_name.rpartition(".")
     if stem in _GLOBAL_TENSORS and suffix in ("weight", "bias"):
         return f"{_GLOBAL_TENSORS[stem]}.{suffix}"
+    expert = _EXPERT_TENSOR.fullmatch(gguf_name)
+    if expert:
+        return f"model.layers.{expert[1]}.mlp.experts.{expert[3]}.{expert[2]}_proj.weight"
     match = _LAYER_TENSOR.fullmatch(gguf_name)
     if match and match[2] in _LAYER_TENSORS:
         return f"model.layers.{match[1]}.{_LAYER_TENSORS[match[2]]}.{match[3]}"
