@@ -59,6 +59,10 @@ class ModelConfig:
     # around eager attention for other steps of up to 256 tokens), FULL_DECODE_ONLY (other steps
     # eager), NONE (all eager, as --enforce-eager). None: `resolve_cudagraph_mode` decides.
     cudagraph_mode: str | None = None
+    # Request defaults from the model's generation_config.json (vLLM's --generation-config: auto |
+    # vllm | a directory) and JSON overrides of them (`generation_config.py`).
+    generation_config: str = "auto"
+    override_generation_config: dict | str | None = None
 
 
 @dataclass
@@ -232,6 +236,10 @@ class EngineConfig:
                              f"got {self.parallel.data_parallel_rank}")
         if self.server.api_server_count < 1:
             raise ValueError(f"--api-server-count must be >= 1, got {self.server.api_server_count}")
+        from pagoda_engine.generation_config import check_generation_config_option, parse_override
+
+        check_generation_config_option(self.model.generation_config)
+        self.model.override_generation_config = parse_override(self.model.override_generation_config) or None
         self._validate_nodes()
         self._validate_pacing()
         self._validate_kv_offload()
@@ -336,6 +344,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="FULL_AND_PIECEWISE (default): decode steps replay whole-forward graphs, other "
                         "steps of up to 256 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
                         "only decode steps use graphs; NONE: no graphs (as --enforce-eager)")
+    p.add_argument("--generation-config", default="auto",
+                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) from "
+                        "the model's generation_config.json (auto, the default), none (vllm), or a directory's")
+    p.add_argument("--override-generation-config", default=None,
+                   help='JSON object overriding those defaults, e.g. \'{"temperature": 0.5}\'')
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -23,6 +23,7 @@ from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.errors import InvalidRequestError
+from pagoda_engine.generation_config import default_sampling_params
 from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.structured_outputs import check as check_structured_outputs
@@ -49,12 +50,24 @@ class LLM:
                              "(`pagoda serve --step-launch-pacing`); the offline LLM is handed its requests up front")
         config.scheduler.step_launch_pacing = False  # not None, which a server's core would turn on
         self.core = EngineCore(config)
+        try:
+            self.default_sampling = default_sampling_params(self.core.model_dir, config.model.generation_config,
+                                                            config.model.override_generation_config)
+        except ValueError:
+            self.core.close()
+            raise
         self.tokenizer = load_tokenizer(tokenizer or self.core.model_dir)
         self.processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's recommended
+        settings from its generation_config.json (`generation_config` keyword: auto, vllm or a
+        directory; `override_generation_config`), else SamplingParams()'s, as vLLM's LLM does."""
+        return SamplingParams(**self.default_sampling)
 
     def close(self) -> None:
         """Stop the engine's tensor-parallel worker processes, if any. Idempotent."""
@@ -82,7 +95,7 @@ class LLM:
         An invalid prompt raises InvalidRequestError before anything is queued."""
         prompt_list = _normalize_prompts(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params_list = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
                        else list(sampling_params))
         if len(params_list) != len(prompt_list):

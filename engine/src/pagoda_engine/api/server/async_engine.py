@@ -23,8 +23,9 @@ from pagoda_engine.api.server.core_client import CoreAddresses
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
 from pagoda_engine.api.server.errors import ServiceUnavailableError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
-from pagoda_engine.config import EngineConfig
-from pagoda_engine.errors import EngineDeadError, InvalidRequestError
+from pagoda_engine.config import EngineConfig, ModelConfig
+from pagoda_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
+from pagoda_engine.generation_config import default_sampling_params
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs
 from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
@@ -53,6 +54,8 @@ class AsyncEngine:
                                          on_dead=self._on_dead, attach=attach, client_index=api_server_index)
         self.ready: CoreReady | None = None
         self.tokenizer = None
+        # SamplingParams keywords a request leaves unset take from here (`generation_config.py`).
+        self.default_sampling: dict = {}
         self.processor: OutputProcessor | None = None
         self.metrics: ServerMetrics | None = None
         self.served_model_name = ""
@@ -66,7 +69,7 @@ class AsyncEngine:
         """Start the core processes and load the tokenizer (in parallel: both take seconds).
         Raises ModelLoadError when either fails."""
         loop = asyncio.get_running_loop()
-        tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model.model)
+        tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model)
         try:
             self.ready = await self.client.start()
         except BaseException:
@@ -75,7 +78,7 @@ class AsyncEngine:
                 tokenizer_future.exception()  # the core's error is the one to report; this one is retrieved, not logged
             raise
         try:
-            self.tokenizer = await tokenizer_future
+            self.tokenizer, self.default_sampling = await tokenizer_future
         except BaseException:
             await self.client.shutdown()
             raise
@@ -210,13 +213,19 @@ class AsyncEngine:
         self.abort_all(EngineDeadError(f"The engine core died: {reason}"))
 
 
-def _load_tokenizer(model: str | None):
-    # The path the core resolves: the given one, the default model, or the built-in tiny model
-    # (built once under a file lock, so the two processes never build it twice).
+def _load_tokenizer(config: ModelConfig):
+    """The tokenizer and the request defaults of the model (`generation_config.py`). The path is
+    the one the core resolves: the given one, the default model, or the built-in tiny model (built
+    once under a file lock, so the two processes never build it twice)."""
     from pagoda_engine.api.tokenizer import load_tokenizer
     from pagoda_engine.model_path import resolve_model_path
 
-    return load_tokenizer(resolve_model_path(model))
+    path = resolve_model_path(config.model)
+    try:
+        defaults = default_sampling_params(path, config.generation_config, config.override_generation_config)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from None
+    return load_tokenizer(path), defaults
 
 
 class RequestGroup:

@@ -148,7 +148,9 @@ class _SamplingRequest(_StrictModel):
     priority: int = Field(0, ge=-_INT64, le=_INT64)
     request_id: str | None = Field(None, min_length=1, max_length=256)
 
-    def _sampling_kwargs(self) -> dict[str, Any]:
+    def _sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
+        """SamplingParams keywords: the request's values, and `defaults` (the model's, from its
+        generation config) for the sampling fields it leaves unset."""
         kw: dict[str, Any] = dict(
             n=self.n,
             stop=self.stop,
@@ -164,6 +166,8 @@ class _SamplingRequest(_StrictModel):
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                      "repetition_penalty"):
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 kw[name] = value
         return kw
@@ -218,9 +222,9 @@ class CompletionRequest(_SamplingRequest):
     suffix: str | None = None  # accepted for compatibility; a non-empty suffix is refused
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any]) -> SamplingParams:
         """`max_tokens` is the value after the server fitted it to the context window."""
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self._sampling_kwargs())
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.logprobs, **self._sampling_kwargs(defaults))
 
 
 class ChatContentPartText(_StrictModel):
@@ -305,8 +309,8 @@ class ChatCompletionRequest(_SamplingRequest):
             return None
         return self.top_logprobs or 0
 
-    def to_sampling_params(self, max_tokens: int | None) -> SamplingParams:
-        return SamplingParams(max_tokens=max_tokens, logprobs=self.num_logprobs(), **self._sampling_kwargs())
+    def to_sampling_params(self, max_tokens: int | None, defaults: dict[str, Any]) -> SamplingParams:
+        return SamplingParams(max_tokens=max_tokens, logprobs=self.num_logprobs(), **self._sampling_kwargs(defaults))
 
     def chat_messages(self) -> list[dict[str, Any]]:
         return chat_message_dicts(self.messages)

@@ -226,15 +226,16 @@ class OpenAIServing:
             raise
 
     def _fit_max_tokens(self, requested: int | None, num_prompt_tokens: int, param: str) -> int:
+        """The request's max_tokens, or the room left in the context window; at most the model's
+        max_new_tokens where its generation config sets one (as vLLM caps it)."""
         room = self.engine.max_model_len - num_prompt_tokens
-        if requested is None:
-            return room
-        if requested > room:
+        if requested is not None and requested > room:
             raise BadRequestError(
                 f"This model's maximum context length is {self.engine.max_model_len} tokens. However, you "
                 f"requested {num_prompt_tokens + requested} tokens ({num_prompt_tokens} in the prompt, "
                 f"{requested} for the completion). Please reduce the prompt or {param}.", param=param)
-        return requested
+        cap = self.engine.default_sampling.get("max_tokens")
+        return min(v for v in (room if requested is None else requested, cap) if v is not None)
 
     def _finish_params(self, params: SamplingParams) -> SamplingParams:
         if params.top_k >= self.engine.vocab_size:
@@ -311,7 +312,8 @@ class OpenAIServing:
             else:
                 text, ids, num_tokens = None, list(p), len(p)
             self._check_prompt_ids(ids, num_tokens=num_tokens)
-            params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"))
+            params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"),
+                                            self.engine.default_sampling)
             if req.echo and req.logprobs is not None:
                 params.prompt_logprobs = req.logprobs
             plan.append((text, ids, self._finish_params(params)))
@@ -480,7 +482,8 @@ class OpenAIServing:
         ids, num_tokens = self._encode(text, add_special_tokens=False)
         self._check_prompt_ids(ids, param="messages", num_tokens=num_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-        params = req.to_sampling_params(self._fit_max_tokens(req.requested_max_tokens(), len(ids), param))
+        params = req.to_sampling_params(self._fit_max_tokens(req.requested_max_tokens(), len(ids), param),
+                                        self.engine.default_sampling)
         plan.apply(params)
         params = self._finish_params(params)
         if params.stop:
