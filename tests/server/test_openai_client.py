@@ -128,6 +128,58 @@ def test_logprobs(client, model):
     assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 for t in content)
 
 
+def _hf_prompt_logprobs(ids: list[int]):
+    """transformers' log-softmax at each prompt position of the same tiny model, float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from pagoda_engine.model_path import TINY_MODEL_NAME, resolve_model_path
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model_path(TINY_MODEL_NAME), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_prompt_logprobs_match_transformers(client, model, server):
+    """vLLM's `prompt_logprobs` field: per prompt token (None for the first) its own logprob and the
+    top N there, each with rank and text; on completions per choice, on chat at the top level."""
+    ids = [5, 17, 99, 3, 250, 42]
+    got = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0,
+                                    extra_body={"prompt_logprobs": 2})
+    body = got.choices[0].model_extra["prompt_logprobs"]
+    reference = _hf_prompt_logprobs(ids)
+    assert len(body) == len(ids) and body[0] is None
+    for i, position in enumerate(body[1:], start=1):
+        expected = reference[i - 1]
+        top2 = expected.topk(2).indices.tolist()
+        assert set(map(int, position)) == {ids[i], *top2}
+        for tid, entry in position.items():
+            assert entry["logprob"] == pytest.approx(expected[int(tid)].item(), abs=2e-3)
+            assert entry["rank"] == int((expected > expected[int(tid)]).sum()) + 1
+            text = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": [int(tid)]}).json()["prompt"]
+            assert entry["decoded_token"] == text
+    chat = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          temperature=0, extra_body={"prompt_logprobs": 0})
+    body = chat.model_extra["prompt_logprobs"]
+    assert body[0] is None and len(body) == chat.usage.prompt_tokens
+    assert all(len(position) == 1 and next(iter(position.values()))["logprob"] <= 0 for position in body[1:])
+    plain = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0)
+    assert "prompt_logprobs" not in plain.choices[0].model_extra
+
+
+@pytest.mark.parametrize("value", [-1, 21, "two"])
+def test_bad_prompt_logprobs_are_400(client, model, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="hi", max_tokens=2, extra_body={"prompt_logprobs": value})
+    assert err.value.body["param"] == "prompt_logprobs"
+
+
+def test_prompt_logprobs_are_refused_with_stream(client, model):
+    with pytest.raises(openai.BadRequestError, match="not available when `stream=True`"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       stream=True, extra_body={"prompt_logprobs": 1})
+
+
 def test_seeded_sampling_is_reproducible(client, model):
     def sample(seed):
         return client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=1.0,

@@ -132,6 +132,9 @@ class _SamplingRequest(_StrictModel):
     guided_decoding_backend: str | None = None  # only Pagoda's own (auto, guidance, llguidance)
     guided_whitespace_pattern: str | None = None  # refused: JSON is compact (disable_any_whitespace)
     stop_token_ids: list[TokenId] | None = None
+    # vLLM's: each prompt token's logprob and the top-N at its position, in the response's
+    # `prompt_logprobs` (not with stream=True, as in vLLM).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=1 << 31)
@@ -160,6 +163,7 @@ class _SamplingRequest(_StrictModel):
             min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens,
             seed=self.seed,
+            prompt_logprobs=self.prompt_logprobs,
             logit_bias=self._logit_bias(),
             structured_outputs=self.structured_outputs_params(),
         )

@@ -185,6 +185,8 @@ class OpenAIServing:
                                   "schedules first come, first served.", param="priority")
         if req.stream_options is not None and not req.stream:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
+        if req.prompt_logprobs is not None and req.stream:
+            raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
     def _data_parallel_rank(self, raw: Request) -> int | None:
         """The engine core the client pinned this request to (`X-data-parallel-rank`), or None
@@ -314,8 +316,8 @@ class OpenAIServing:
             self._check_prompt_ids(ids, num_tokens=num_tokens)
             params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"),
                                             self.engine.default_sampling)
-            if req.echo and req.logprobs is not None:
-                params.prompt_logprobs = req.logprobs
+            if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs
+                params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
             plan.append((text, ids, self._finish_params(params)))
         if plan and plan[0][2].stop:
             stop_strings(tuple(plan[0][2].stop))  # built here, off the loop; the detokenizers share it
@@ -364,12 +366,31 @@ class OpenAIServing:
                         self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
                                                       self._prompt_offsets(text, ids))
                     self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, len(prefix))
+                extra = {}
+                if req.prompt_logprobs is not None:
+                    extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
-                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                                                finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                                                   total_tokens=num_prompt + num_generated))
+
+    def _prompt_logprobs(self, ids: list[int], logprobs: list[PositionLogprobs | None] | None,
+                         top_n: int) -> list[dict | None]:
+        """vLLM's `prompt_logprobs` body: per prompt token (None for the first), token id → logprob,
+        rank and text, for the prompt's own token and the `top_n` most likely there. The engine may
+        have computed more of them (echo with a larger `logprobs`): the rest are left out."""
+        body: list[dict | None] = []
+        for token_id, position in zip(ids, logprobs or [None] * len(ids)):
+            if position is None:
+                body.append(None)
+                continue
+            body.append({str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                                    "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                                    else self._token_text(tid)}
+                         for tid, lp in position.items() if tid == token_id or (lp.rank or 0) <= top_n})
+        return body
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
@@ -516,9 +537,12 @@ class OpenAIServing:
                                         stop_reason=c.stop_reason)
                    for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
+        extra = {}
+        if req.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
-                                                      total_tokens=len(ids) + num_generated))
+                                                      total_tokens=len(ids) + num_generated), **extra)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
                        top_n: int) -> ChatLogprobs:
