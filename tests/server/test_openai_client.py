@@ -256,3 +256,38 @@ def test_metrics_have_no_created_series(client, model, server):
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
     assert "pagoda:time_to_first_token_seconds_count" in text
     assert "_created" not in text
+
+
+def test_truncate_prompt_tokens_keeps_the_prompt_s_end(client, model, server):
+    """vLLM's `truncate_prompt_tokens`: the last N tokens, from the left, for text and token-id
+    prompts and chat; -1 keeps as many as leave room for one output token."""
+    ids = [(7 * i) % 400 + 5 for i in range(40)]
+    cut = client.completions.create(model=model, prompt=ids, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 10})
+    alone = client.completions.create(model=model, prompt=ids[-10:], max_tokens=4, temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == 10 and cut.choices[0].text == alone.choices[0].text
+    text = " ".join(["word"] * 600)  # past the server's 512-token context
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model=model, prompt=text, max_tokens=2)
+    fitted = client.completions.create(model=model, prompt=text, max_tokens=1, extra_body={"truncate_prompt_tokens": -1})
+    assert fitted.usage.prompt_tokens == 511
+    kept = client.completions.create(model=model, prompt=text, max_tokens=2, temperature=0, echo=True,
+                                     extra_body={"truncate_prompt_tokens": 5})
+    tokens = httpx.post(f"{server.url}/tokenize", json={"model": model, "prompt": text}).json()["tokens"]
+    tail = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": tokens[-5:]}).json()["prompt"]
+    assert kept.usage.prompt_tokens == 5 and kept.choices[0].text.startswith(tail) and tail.endswith("word")
+    short = client.completions.create(model=model, prompt="The quick", max_tokens=2, temperature=0, echo=True,
+                                      extra_body={"truncate_prompt_tokens": 100})
+    assert short.choices[0].text.startswith("The quick")  # nothing cut: the prompt echoed as sent
+    messages = [{"role": "user", "content": " ".join(["word"] * 600)}]
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 50})
+    assert chat.usage.prompt_tokens == 50
+
+
+@pytest.mark.parametrize("value", [0, 512, 10_000, -2])
+def test_truncate_prompt_tokens_beyond_the_context_is_400(client, model, value):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=model, prompt="hi there", max_tokens=2,
+                                  extra_body={"truncate_prompt_tokens": value})
+    assert err.value.body["param"] == "truncate_prompt_tokens"

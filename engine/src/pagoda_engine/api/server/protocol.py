@@ -135,6 +135,8 @@ class _SamplingRequest(_StrictModel):
     # vLLM's: each prompt token's logprob and the top-N at its position, in the response's
     # `prompt_logprobs` (not with stream=True, as in vLLM).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: keep only the prompt's last N tokens (-1: as many as leave room for one output token).
+    truncate_prompt_tokens: int | None = Field(None, ge=-1, le=1 << 31)
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=1 << 31)

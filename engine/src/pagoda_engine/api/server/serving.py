@@ -150,10 +150,29 @@ class OpenAIServing:
         check_prompt(ids, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len, param=param,
                      num_tokens=num_tokens)
 
-    def _encode(self, text: str, add_special_tokens: bool = True) -> tuple[list[int], int]:
-        # A prompt of max_model_len tokens or more is refused, so more ids than that are never needed.
-        return encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens,
-                           limit=self.engine.max_model_len)
+    def _encode(self, text: str, add_special_tokens: bool = True, keep: int | None = None) -> tuple[list[int], int]:
+        """(ids, how many tokens the text has). Without `keep` a prompt of max_model_len tokens or
+        more is only counted (ids [], it is refused), so more ids than that are never made; with
+        `keep` the ids are the text's last `keep` (the whole text is encoded, bounded by
+        --max-request-body-bytes)."""
+        if keep is None:
+            return encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens,
+                               limit=self.engine.max_model_len)
+        ids = encode_text(self.tokenizer, text, add_special_tokens=add_special_tokens)[0]
+        return ids[-keep:], len(ids)
+
+    def _truncation(self, req) -> int | None:
+        """How many prompt tokens a request keeps (`truncate_prompt_tokens`), or None: all."""
+        keep = req.truncate_prompt_tokens
+        if keep is None:
+            return None
+        if keep == -1:
+            return self.engine.max_model_len - 1
+        if keep == 0 or keep >= self.engine.max_model_len:
+            raise BadRequestError(f"truncate_prompt_tokens value ({keep}) must be -1 or in [1, max_model_len "
+                                  f"({self.engine.max_model_len})), leaving room for output. Please select a "
+                                  "smaller truncation size.", param="truncate_prompt_tokens")
+        return keep
 
     def _check_limits(self, req, num_prompts: int) -> None:
         """Refuse a request that asks for more work than the server's limits allow."""
@@ -308,11 +327,15 @@ class OpenAIServing:
         """(text, ids, params) for each prompt: tokenized, checked, max_tokens fitted. Runs in a
         worker thread (O(prompt length))."""
         plan = []
+        keep = self._truncation(req)
         for p in prompts:
             if isinstance(p, str):
-                text, (ids, num_tokens) = p, self._encode(p)
+                text, (ids, num_tokens) = p, self._encode(p, keep=keep)
+                if keep is not None and num_tokens > keep:
+                    text, num_tokens = None, keep  # cut: echo shows what the model saw, the kept tokens decoded
             else:
-                text, ids, num_tokens = None, list(p), len(p)
+                text, ids = None, list(p)[-keep:] if keep else list(p)
+                num_tokens = len(ids)
             self._check_prompt_ids(ids, num_tokens=num_tokens)
             params = req.to_sampling_params(self._fit_max_tokens(req.max_tokens, len(ids), "max_tokens"),
                                             self.engine.default_sampling)
@@ -500,7 +523,10 @@ class OpenAIServing:
         plan = plan_chat_output(req, self.limits)
         text = render_chat(self.tokenizer, req.chat_messages(), req.add_generation_prompt, self.limits.chat_template,
                            plan.template_tools, req.chat_template_kwargs)
-        ids, num_tokens = self._encode(text, add_special_tokens=False)
+        keep = self._truncation(req)
+        ids, num_tokens = self._encode(text, add_special_tokens=False, keep=keep)
+        if keep is not None:
+            num_tokens = len(ids)
         self._check_prompt_ids(ids, param="messages", num_tokens=num_tokens)
         param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         params = req.to_sampling_params(self._fit_max_tokens(req.requested_max_tokens(), len(ids), param),
