@@ -140,12 +140,23 @@ def test_a_leaderworkerset_group_above_one_pod_asks_for_multi_node_serving():
     assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "1"}) == []
     assert capabilities.requested(parse(), {"LWS_GROUP_SIZE": "2"}) == [(feature, "LWS_GROUP_SIZE=2")]
     assert feature.implemented and capabilities.refusal(parse(), {"LWS_GROUP_SIZE": "2"}) is None
-    # One engine core spans the nodes: data-parallel cores beside it are refused by name.
-    assert capabilities.refusal(parse("--data-parallel-size", "2"), {"LWS_GROUP_SIZE": "2"}) == (
-        "not implemented in this engine yet: data parallelism inside a multi-node engine "
-        "(--data-parallel-size 2 with LWS_GROUP_SIZE=2; scale a multi-node engine out with replicas)")
-    assert "data parallelism inside a multi-node engine" in capabilities.refusal(
-        parse("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2"), {})
+    # Data-parallel engine cores over the nodes (each node its own whole cores) run too.
+    assert capabilities.refusal(parse("--data-parallel-size", "2"), {"LWS_GROUP_SIZE": "2"}) is None
+    assert capabilities.refusal(parse("--data-parallel-size", "2", "--tensor-parallel-size", "2", "--nnodes", "2"),
+                                {}) is None
+
+
+def test_data_parallel_cores_over_nodes_are_placed_by_node():
+    """D cores over N nodes: D / N whole cores a node, from node-rank × D / N; each core's ranks on
+    its node (its own ranks_per_node), reached at --data-parallel-address (default --master-addr)."""
+    leader = parse("--data-parallel-size", "4", "--nnodes", "2", "-tp", "2", "--master-addr", "10.0.0.1").parallel
+    worker = parse("--data-parallel-size", "4", "--nnodes", "2", "-tp", "2", "--master-addr", "10.0.0.1",
+                   "--node-rank", "1", "--headless", "--data-parallel-address", "10.0.0.9").parallel
+    assert leader.data_parallel_across_nodes and list(leader.local_cores) == [0, 1] and leader.ranks_per_node == 2
+    assert list(worker.local_cores) == [2, 3] and worker.dp_address == "10.0.0.9" and leader.dp_address == "10.0.0.1"
+    assert not parse("--data-parallel-size", "4").parallel.data_parallel_across_nodes
+    with pytest.raises(ValueError, match="cannot be used with engine cores on several nodes"):
+        EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, api_server_count=2)
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -155,6 +166,12 @@ def test_a_leaderworkerset_group_above_one_pod_asks_for_multi_node_serving():
     (["--headless"], r"--headless runs a node other than the leader"),
     (["--nnodes", "2", "-tp", "2", "--node-rank", "2", "--headless"], r"--node-rank must be in \[0, 2\)"),
     (["--nnodes", "0"], r"--nnodes must be >= 1"),
+    (["--nnodes", "2", "-dp", "3"], r"--data-parallel-size 3 engine cores cannot be spread evenly over --nnodes 2"),
+    (["--nnodes", "2", "-dp", "4", "--data-parallel-size-local", "1"], r"each of the 2 nodes runs .* = 2 engine cores"),
+    (["--nnodes", "2", "-dp", "4", "--node-rank", "1", "--headless", "--data-parallel-start-rank", "1"],
+     r"node-rank 1 runs engine cores 2 to 3"),
+    (["--nnodes", "2", "-dp", "2", "--data-parallel-rpc-port", "65534"], r"must leave 5 TCP ports"),
+    (["-dp", "2", "--data-parallel-size-local", "1"], r"they need --nnodes > 1"),
 ])
 def test_inconsistent_node_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):

@@ -110,6 +110,12 @@ def test_data_parallel_needs_tensor_times_data_gpus_per_pod():
     assert problems_of(with_spec(body, resources__gpusPerPod=4)) == []
 
 
+def test_engine_cores_over_several_nodes_are_accepted():
+    """data 2 × nodes 2: each pod runs one whole core of tensor 4 (the engine's `dp_nodes`)."""
+    body = with_spec(load_example(LLAMA_70B), topology={"tensor": 4, "data": 2, "nodes": 2})
+    assert problems_of(body) == []
+
+
 def test_what_the_engine_runs_is_not_refused():
     body = with_spec(load_example(TINY), topology={"tensor": 2}, engine={
         "extraArgs": ["--tensor-parallel-size", "2", "--max-num-seqs", "8"], "env": [{"name": "LWS_GROUP_SIZE", "value": "1"}]})
@@ -128,6 +134,11 @@ BAD_SPECS = [
      "topology.tensor: 6 neither divides the model's 8 KV heads (8 / 6 = 1.33) nor is a multiple of them"),
     ("gpus-per-pod-inconsistent", LLAMA_70B, {"topology": {"tensor": 8, "nodes": 1}, "resources": {"gpusPerPod": 4}},
      "topology: tensor 8 × pipeline 1 × data 1 = 8 ranks need 8 GPUs per replica, but resources give gpusPerPod 4 × nodes 1 = 4"),
+    ("data-cores-over-nodes-uneven", LLAMA_70B, {"topology": {"tensor": 2, "data": 2, "nodes": 4}, "resources": {"gpusPerPod": None}},
+     "topology: data 2 engine cores cannot be spread evenly over nodes 4: each pod of the replica runs whole cores"),
+    ("api-servers-with-cores-over-nodes", LLAMA_70B,
+     {"topology": {"tensor": 4, "data": 2, "nodes": 2}, "engine": {"apiServerCount": 2}},
+     "engine: apiServerCount 2 with engine cores on several nodes (data 2 × nodes 2)"),
     ("ranks-over-nodes-uneven", LLAMA_70B, {"topology": {"tensor": 2, "pipeline": 3, "nodes": 4}, "resources": {"gpusPerPod": None}},
      "topology: tensor 2 × pipeline 3 × data 1 = 6 ranks cannot be spread evenly over nodes 4 (6 / 4 = 1.50 GPUs per pod)"),
     ("multinode-ranks-over-pod-gpus", LLAMA_70B, {"topology": {"tensor": 8, "pipeline": 2, "nodes": 2}},

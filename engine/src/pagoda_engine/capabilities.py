@@ -66,9 +66,6 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination(("pipeline-parallel", "data-parallel", "expert-parallel"),
                 "expert parallelism across data-parallel engine cores under pipeline parallelism",
                 hint="expert parallelism across data-parallel engine cores works with tensor parallelism"),
-    # One engine core drives every node's ranks; its data-parallel siblings would need ranks of their own there.
-    Combination(("data-parallel", "multi-node"), "data parallelism inside a multi-node engine",
-                hint="scale a multi-node engine out with replicas"),
 )
 
 BY_KEY = {f.key: f for f in FEATURES}

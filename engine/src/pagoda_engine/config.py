@@ -107,6 +107,9 @@ class SchedulerConfig:
     step_launch_pacing: bool | None = False
 
 
+DEFAULT_DATA_PARALLEL_RPC_PORT = 29550
+
+
 @dataclass
 class ParallelConfig:
     tensor_parallel_size: int = 1
@@ -128,10 +131,39 @@ class ParallelConfig:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT across nodes
     headless: bool = False
+    # Data-parallel engine cores over several nodes (vLLM's flags): with --data-parallel-size D
+    # and --nnodes N each node runs D / N whole cores (each core's ranks on its node), ranks
+    # node_rank × D / N onwards; the leader's API server reaches the other nodes' cores over TCP at
+    # data_parallel_address (default master_addr), ports from data_parallel_rpc_port.
+    data_parallel_size_local: int | None = None
+    data_parallel_start_rank: int | None = None
+    data_parallel_address: str | None = None
+    data_parallel_rpc_port: int = DEFAULT_DATA_PARALLEL_RPC_PORT
+    # This core's ranks use devices from (data_parallel_rank - local_start) × world size; set per
+    # core by whoever spawns it (no flag).
+    data_parallel_local_start: int = 0
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def data_parallel_across_nodes(self) -> bool:
+        """Whole engine cores on each of several nodes, rather than one engine's ranks spread over them."""
+        return self.data_parallel_size > 1 and self.nnodes > 1
+
+    @property
+    def local_cores(self) -> range:
+        """The data-parallel ranks of the cores this node runs."""
+        if not self.data_parallel_across_nodes:
+            return range(self.data_parallel_size)
+        local = self.data_parallel_size // self.nnodes
+        start = self.data_parallel_start_rank if self.data_parallel_start_rank is not None else self.node_rank * local
+        return range(start, start + local)
+
+    @property
+    def dp_address(self) -> str:
+        return self.data_parallel_address or self.master_addr
 
     @property
     def expert_parallel_across_cores(self) -> bool:
@@ -141,7 +173,7 @@ class ParallelConfig:
 
     @property
     def ranks_per_node(self) -> int:
-        return self.world_size // self.nnodes
+        return self.world_size if self.data_parallel_across_nodes else self.world_size // self.nnodes
 
     def store_port(self) -> int:
         """Where the leader's store listens (0: any free port, which only ranks started here can learn)."""
@@ -307,8 +339,13 @@ class EngineConfig:
         if pc.nnodes == 1:
             if pc.headless:
                 raise ValueError("--headless runs a node other than the leader: it needs --nnodes > 1 and --node-rank >= 1")
+            if pc.data_parallel_size_local not in (None, pc.data_parallel_size) or pc.data_parallel_start_rank:
+                raise ValueError("--data-parallel-size-local and --data-parallel-start-rank place engine cores on "
+                                 "several nodes: they need --nnodes > 1")
             return
-        if pc.world_size % pc.nnodes:
+        if pc.data_parallel_across_nodes:
+            self._validate_data_parallel_nodes()
+        elif pc.world_size % pc.nnodes:
             raise ValueError(f"--tensor-parallel-size × --pipeline-parallel-size = {pc.world_size} ranks cannot be "
                              f"spread evenly over --nnodes {pc.nnodes} (each node runs the same number of ranks)")
         if pc.node_rank > 0 and not pc.headless:
@@ -320,6 +357,25 @@ class EngineConfig:
             # vLLM refuses it too: a flag accepted and ignored would hide a mistaken deployment.
             raise ValueError(f"--api-server-count={self.server.api_server_count} cannot be used with --headless "
                              "(no API servers are started in headless mode)")
+
+    def _validate_data_parallel_nodes(self) -> None:
+        pc = self.parallel
+        d, n = pc.data_parallel_size, pc.nnodes
+        if d % n:
+            raise ValueError(f"--data-parallel-size {d} engine cores cannot be spread evenly over --nnodes {n} "
+                             "(each node runs the same number of whole cores)")
+        if pc.data_parallel_size_local is not None and pc.data_parallel_size_local != d // n:
+            raise ValueError(f"--data-parallel-size-local {pc.data_parallel_size_local}: each of the {n} nodes runs "
+                             f"--data-parallel-size {d} / --nnodes {n} = {d // n} engine cores")
+        if pc.data_parallel_start_rank is not None and pc.data_parallel_start_rank != pc.node_rank * (d // n):
+            raise ValueError(f"--data-parallel-start-rank {pc.data_parallel_start_rank}: node-rank {pc.node_rank} runs "
+                             f"engine cores {pc.node_rank * (d // n)} to {(pc.node_rank + 1) * (d // n) - 1}")
+        if not 0 < pc.data_parallel_rpc_port < 65536 - 2 * d:
+            raise ValueError(f"--data-parallel-rpc-port must leave {2 * d + 1} TCP ports from it, got "
+                             f"{pc.data_parallel_rpc_port}")
+        if self.server.api_server_count > 1:
+            raise ValueError(f"--api-server-count={self.server.api_server_count} cannot be used with engine cores on "
+                             "several nodes (one API server reaches them all)")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -394,6 +450,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help=f"the leader's rendezvous port (default: {DEFAULT_MASTER_PORT} across nodes, a free one on one node)")
     p.add_argument("--headless", action="store_true",
                    help="run only this node's ranks, joining the leader at --master-addr/--master-port (no API server)")
+    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
+                   help="with --data-parallel-size D over --nnodes N: engine cores on this node (D / N, the default)")
+    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
+                   help="with cores on several nodes: this node's first core (default node-rank × D / N)")
+    p.add_argument("--data-parallel-address", "-dpa", default=None,
+                   help="with cores on several nodes: the leader's address the other nodes' cores connect to "
+                        "(default --master-addr)")
+    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=DEFAULT_DATA_PARALLEL_RPC_PORT,
+                   help="with cores on several nodes: the leader's first port for them (it listens on 2 × D + 1 ports "
+                        f"from it; default {DEFAULT_DATA_PARALLEL_RPC_PORT})")
     _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0,
                       help="KV tier in host memory (pinned with CUDA), GiB: full prefix-cache pages are copied there "
                            "and loaded back instead of recomputed")

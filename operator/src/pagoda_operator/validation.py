@@ -127,6 +127,9 @@ def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
     if in_extra_args and last[1] > 1 and spec.topology.nodes > 1:
         return [f"engine: extraArgs {last[0]} {last[1]} would reach the headless worker pods too, which run no API "
                 "server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]
+    if count > 1 and spec.topology.data > 1 and spec.topology.nodes > 1:
+        return [f"engine: apiServerCount {count} with engine cores on several nodes (data {spec.topology.data} × nodes "
+                f"{spec.topology.nodes}): one API server reaches the other nodes' cores; keep apiServerCount 1"]
     if count > 1 and cpu is not None and parse_quantity(cpu) < count:
         return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
     return []
@@ -169,6 +172,10 @@ def _check_topology(spec: InferenceServiceSpec) -> list[str]:
         ]
     if given is None and ranks % t.nodes:
         return [f"topology: {shape} cannot be spread evenly over nodes {t.nodes} ({ranks} / {t.nodes} = {ranks / t.nodes:.2f} GPUs per pod)"]
+    if t.data > 1 and t.nodes > 1 and t.data % t.nodes:
+        # Engine cores over several nodes are whole cores: each pod runs data / nodes of them.
+        return [f"topology: data {t.data} engine cores cannot be spread evenly over nodes {t.nodes}: each pod of the "
+                f"replica runs whole cores (data / nodes = {t.data / t.nodes:.2f}); make data a multiple of nodes"]
     return []
 
 

@@ -475,9 +475,11 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
         if pc.data_parallel_master_port is None:
             raise ModelLoadError("expert parallelism across data-parallel engine cores needs the pod's "
                                  "data_parallel_master_port (the API server sets it)")
-        data_parallel = DataParallelRank(pc.data_parallel_size, pc.data_parallel_rank, pc.master_addr,
+        data_parallel = DataParallelRank(pc.data_parallel_size, pc.data_parallel_rank, pc.dp_address,
                                          pc.data_parallel_master_port)
-    executor = Executor(layout, device, device_offset=pc.data_parallel_rank * layout.world_size,
+    # The core's devices on its node: cores on several nodes count from the node's first core.
+    executor = Executor(layout, device, device_offset=(pc.data_parallel_rank - pc.data_parallel_local_start)
+                        * layout.world_size,
                         master_addr=pc.master_addr, master_port=pc.store_port(),
                         spawn_ranks=list(range(1, pc.ranks_per_node)), nnodes=pc.nnodes, data_parallel=data_parallel)
     try:

@@ -183,6 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate) or PAGODA_* numbers
         print(f"pagoda serve: {e}", file=sys.stderr)
         return 2
+    if config.parallel.headless and config.parallel.data_parallel_across_nodes:  # this node's engine cores
+        from pagoda_engine.api.server.dp_nodes import serve_data_parallel_headless
+
+        return serve_data_parallel_headless(config)
     if config.parallel.headless:  # a node other than the leader: only its ranks, no API server
         from pagoda_engine.worker.executor import serve_headless
 

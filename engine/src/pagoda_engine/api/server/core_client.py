@@ -186,6 +186,8 @@ class EngineCoreClient:
         self._names = IpcNames()
         self._addresses = addresses
         self._process: CoreProcess | None = None
+        self._remote: str | None = None  # a core on another node: which (`attach_remote`)
+        self._watcher: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self._profile_replies: collections.deque[asyncio.Future] = collections.deque()  # in request order
 
@@ -204,6 +206,34 @@ class EngineCoreClient:
         this process if the core dies first)."""
         self._bind()
         return await self._handshake(asyncio.get_running_loop().create_future())
+
+    async def attach_remote(self, where: str, timeout_s: float) -> CoreReady:
+        """Wait for a core on another node (`dp_nodes`), `where` naming it, to connect to this
+        client's TCP addresses and report ready within `timeout_s`. Its connection dropping
+        (heartbeats bound the wait) fails the start, or later marks it dead."""
+        from pagoda_engine.api.server.dp_nodes import watch_connection, with_heartbeats
+
+        self._remote = where
+        self._bind()
+        with_heartbeats(self._out)
+        self._in.setsockopt(zmq.LINGER, 2000)  # its ShutdownRequest reaches it after we close
+        loop = asyncio.get_running_loop()
+        lost = loop.create_future()
+
+        def down() -> None:
+            if self.ready is None and not lost.done():
+                lost.set_result(f"{where} disconnected during start-up (its node's log says why)")
+            elif self.ready is not None and not self._stopping:
+                self._mark_dead(f"{where} disconnected (its process or node is gone)")
+
+        self._watcher = asyncio.create_task(watch_connection(self._out, lambda: None, down))
+        timer = loop.call_later(timeout_s, lambda: lost.done() or lost.set_result(
+            f"{where} did not connect and report ready within {timeout_s:g} s (PAGODA_DIST_TIMEOUT_S); "
+            "is its node running `pagoda serve --headless` with the same flags?"))
+        try:
+            return await self._handshake(lost)
+        finally:
+            timer.cancel()
 
     def _bind(self) -> None:
         input_addr, output_addr = self._addresses.client(self.client_index)
@@ -228,7 +258,9 @@ class EngineCoreClient:
         if not first.done():
             first.cancel()
             await self._cleanup()
-            raise ModelLoadError(f"the engine core exited during start-up (exit code {exited.result()})")
+            reason = exited.result()  # an exit code, or what became of a core on another node
+            raise ModelLoadError(reason if isinstance(reason, str) else
+                                 f"the engine core exited during start-up (exit code {reason})")
         message = self._decoder.decode(first.result())
         if isinstance(message, CoreFailed):
             if self._process is not None:
@@ -285,23 +317,27 @@ class EngineCoreClient:
         """Ask the core to exit, wait up to `timeout`, then kill it; an attached client only
         closes its sockets (the launcher stops the core). Idempotent."""
         self._stopping = True
-        if self._process is not None and self._process.is_alive():
+        if (self._process is not None and self._process.is_alive()) or (self._remote and self.dead_reason is None
+                                                                        and self._in is not None):
             try:
                 self._send(ShutdownRequest())
             except zmq.ZMQError:
                 pass
-            await self._process.join(timeout)
+            if self._process is not None:
+                await self._process.join(timeout)
         await self._cleanup()
 
     async def _cleanup(self) -> None:
-        if self._reader is not None:
-            self._reader.cancel()
-            self._reader = None
+        for task in (self._reader, self._watcher):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._reader = self._watcher = None
         if self._process is not None:
             self._process.kill()
         for sock in (self._in, self._out):
             if sock is not None:
-                sock.close(linger=0)
+                sock.close(linger=2000 if sock is self._in and self._remote else 0)
         if self._ctx is not None:
             self._ctx.term()
             self._ctx = None

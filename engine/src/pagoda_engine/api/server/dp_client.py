@@ -59,13 +59,17 @@ class DPEngineCoreClient:
         self.on_outputs = on_outputs
         self.on_refused = on_refused
         self.on_dead = on_dead
+        self.config = config
+        local = config.parallel.local_cores
         self.cores = [
             EngineCoreClient(rank_config(config, rank), on_outputs=lambda out, rank=rank: self._on_outputs(rank, out),
                              on_refused=lambda err, rank=rank: self._on_refused(rank, err),
                              on_dead=lambda reason, rank=rank: self._on_dead(rank, reason),
-                             addresses=attach[rank] if attach else None, client_index=client_index)
+                             addresses=attach[rank] if attach else None if rank in local else _remote_addresses(config, rank),
+                             client_index=client_index)
             for rank in range(self.size)
         ]
+        self._listener = None  # cores on several nodes: the port the other nodes watch (`dp_nodes`)
         self.stats = [SchedulerStats() for _ in range(self.size)]
         self.dead_reason: str | None = None
         self._core_of: dict[str, int] = {}  # core request id → the rank holding it
@@ -77,7 +81,7 @@ class DPEngineCoreClient:
         """Start (or attach to) every core at once; the first core's ready message (they load the same model).
         When one fails, the others are stopped at once (not after their model load) and its
         error raised."""
-        starts = [asyncio.ensure_future(core.attach() if self.attached else core.start()) for core in self.cores]
+        starts = [asyncio.ensure_future(self._start_core(rank)) for rank in range(self.size)]
         try:
             done, _ = await asyncio.wait(starts, return_when=asyncio.FIRST_EXCEPTION)
             failed = next((t.exception() for t in done if t.exception() is not None), None)
@@ -91,8 +95,25 @@ class DPEngineCoreClient:
             raise
         return starts[0].result()
 
+    async def _start_core(self, rank: int) -> CoreReady:
+        core = self.cores[rank]
+        if self.attached:
+            return await core.attach()
+        if rank in self.config.parallel.local_cores:
+            return await core.start()
+        from pagoda_engine.api.server.dp_nodes import LeaderListener
+        from pagoda_engine.envs import dist_timeout_s
+
+        if self._listener is None:
+            self._listener = LeaderListener(self.config)
+        node = rank // len(self.config.parallel.local_cores)
+        return await core.attach_remote(f"the engine core on node-rank {node}", dist_timeout_s())
+
     async def shutdown(self, timeout: float = 10.0) -> None:
         await asyncio.gather(*(core.shutdown(timeout) for core in self.cores))
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
 
     async def profile(self, start: bool, tag: str = "") -> list[str]:
         """Start or stop torch.profiler on every core at once; the paths the cores wrote (a stop).
@@ -174,13 +195,30 @@ def _free_port(host: str) -> int:
 
 
 def lockstep_config(config: EngineConfig) -> EngineConfig:
-    """With experts across the cores, the pod's: where the cores meet, a port picked now."""
-    if config.parallel.expert_parallel_across_cores and config.parallel.data_parallel_master_port is None:
-        return dataclasses.replace(config, parallel=dataclasses.replace(
-            config.parallel, data_parallel_master_port=_free_port(config.parallel.master_addr)))
+    """With experts across the cores, the pod's: where the cores meet, a port picked now (on one
+    node) or the leader's --master-port (cores on several nodes, which must all know it)."""
+    pc = config.parallel
+    if pc.expert_parallel_across_cores and pc.data_parallel_master_port is None:
+        port = pc.store_port() if pc.data_parallel_across_nodes else _free_port(pc.master_addr)
+        return dataclasses.replace(config, parallel=dataclasses.replace(pc, data_parallel_master_port=port))
     return config
 
 
 def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
-    """Core `rank`'s configuration: the pod's, with its data-parallel rank."""
-    return dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, data_parallel_rank=rank))
+    """Core `rank`'s configuration: the pod's, with its data-parallel rank. A core of cores on
+    several nodes is an engine of its node alone (its ranks meet on this host), which finds its
+    siblings at the leader's address."""
+    pc = config.parallel
+    changes: dict = dict(data_parallel_rank=rank)
+    if pc.data_parallel_across_nodes:
+        changes.update(nnodes=1, node_rank=0, headless=False, master_addr="127.0.0.1", master_port=None,
+                       data_parallel_address=pc.dp_address, data_parallel_local_start=pc.local_cores.start)
+    return dataclasses.replace(config, parallel=dataclasses.replace(pc, **changes))
+
+
+def _remote_addresses(config: EngineConfig, rank: int) -> CoreAddresses:
+    """The leader's TCP sockets for core `rank` on another node (`dp_nodes.core_ports`)."""
+    from pagoda_engine.api.server.dp_nodes import core_ports
+
+    requests, outputs = core_ports(config, rank)
+    return CoreAddresses(inputs=(f"tcp://*:{requests}",), outputs=(f"tcp://*:{outputs}",))
