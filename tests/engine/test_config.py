@@ -155,6 +155,14 @@ def test_data_parallel_cores_over_nodes_are_placed_by_node():
     assert leader.data_parallel_across_nodes and list(leader.local_cores) == [0, 1] and leader.ranks_per_node == 2
     assert list(worker.local_cores) == [2, 3] and worker.dp_address == "10.0.0.9" and leader.dp_address == "10.0.0.1"
     assert not parse("--data-parallel-size", "4").parallel.data_parallel_across_nodes
+    # Each core is an engine of its node: its ranks meet on the node, its devices count from the
+    # node's first core, its KV tiers take a share of the node's pod, its siblings are at the leader.
+    from pagoda_engine.api.server.dp_client import rank_config
+
+    core = rank_config(parse("--data-parallel-size", "4", "--nnodes", "2", "-tp", "2", "--master-addr", "10.0.0.1",
+                             "--node-rank", "1", "--headless"), 3).parallel
+    assert (core.data_parallel_rank, core.data_parallel_local_start, core.data_parallel_size_local) == (3, 2, 2)
+    assert (core.nnodes, core.master_addr, core.dp_address) == (1, "127.0.0.1", "10.0.0.1")
     with pytest.raises(ValueError, match="cannot be used with engine cores on several nodes"):
         EngineConfig.from_kwargs(data_parallel_size=2, nnodes=2, api_server_count=2)
 

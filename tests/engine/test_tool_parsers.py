@@ -29,6 +29,16 @@ QWEN3 = ("<think>\nOkay, the user asks for the capital of France. That is Paris.
 QWEN3_TOOL = ('<think>\nI should call the weather tool.\n</think>\n\n<tool_call>\n'
               '{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 R1 = "Okay, 2 + 2: adding two and two gives four.\n</think>\n\nThe answer is 4."
+QWEN3_CODER = ("I'll check both.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco, CA\n"
+               "</parameter>\n<parameter=days>\n3\n</parameter>\n<parameter=metric>\ntrue\n</parameter>\n"
+               "<parameter=hours>\n[9, 12]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
+               "<function=write_file>\n<parameter=path>\n007.txt\n</parameter>\n<parameter=content>\n"
+               "def f():\n    return '<tag> & </parameter'\n\n</parameter>\n</function>\n</tool_call>")
+CODER_TOOLS = {
+    "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                     "metric": {"type": "boolean"}, "hours": {"type": "array"}}},
+    "write_file": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}},
+}
 
 # (spec, output, content, reasoning, [(name, arguments)])
 WELL_FORMED = [
@@ -67,6 +77,15 @@ WELL_FORMED = [
      '{"name":"get_weather","parameters":{"city":"Oslo"}}]', "", "",
      [("get_time", {"zone": "UTC"}), ("get_weather", {"city": "Oslo"})]),
     (ChatOutputSpec(named_function="get_time"), '{"zone":"UTC"}', "", "", [("get_time", {"zone": "UTC"})]),
+    (ChatOutputSpec(tool_parser="qwen3_coder", tool_parameters=CODER_TOOLS), QWEN3_CODER, "I'll check both.\n", "", [
+        ("get_weather", {"city": "San Francisco, CA", "days": 3, "metric": True, "hours": [9, 12]}),
+        ("write_file", {"path": "007.txt", "content": "def f():\n    return '<tag> & </parameter'\n"})]),
+    # A parameter the request's schema does not name stays text, as in vLLM.
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=f>\n<parameter=n>\n7\n</parameter>\n"
+     "<parameter=s>\nhello world\n</parameter>\n</function>\n</tool_call>", "", "", [("f", {"n": "7", "s": "hello world"})]),
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=no_args>\n</function>\n</tool_call> done",
+     "done", "", [("no_args", {})]),
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "Plain answer, a < b.", "Plain answer, a < b.", "", []),
 ]
 
 # (spec, output): whole, each is content text exactly as written (streamed: no exception).
@@ -80,6 +99,9 @@ MALFORMED = [
     (ChatOutputSpec(tool_parser="mistral"), '[TOOL_CALLS][{"name": "f", "arguments": {"a": }}]'),
     (ChatOutputSpec(tool_parser="mistral"), '[TOOL_CALLS]f[ARGS]{"a": 1'),
     (ChatOutputSpec(required=True), '[{"name":"get_time","parameters":{"zone":"U'),
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\nnot a function</tool_call> after"),
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=f>\n<parameter=a>\n1"),  # cut off
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "x <tool_ca"),
 ]
 
 
@@ -172,6 +194,8 @@ LONG = 60_000
     (ChatOutputSpec(required=True), '[{"name":"f","parameters":{"a":"' + "z" * LONG + '"}}]'),
     (ChatOutputSpec(reasoning_parser="deepseek_r1", tool_parser="hermes"), "think " * (LONG // 6) + "</think>ok"),
     (ChatOutputSpec(tool_parser="llama3_json"), " " * LONG + "x"),
+    (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=f>\n<parameter=a>\n" + "q" * LONG
+     + "\n</parameter>\n</function>\n</tool_call>"),
 ])
 def test_parsing_costs_each_piece_its_own_length(spec, text):
     """Fed one character at a time (the worst case for a parser that rescans what it holds), a long
@@ -191,3 +215,17 @@ def test_deepseek_r1_output_shaped_by_a_grammar_needs_its_opening_tag():
     assert (parsed.reasoning, parsed.content) == ("", '{"a": 1}')
     parsed = _run(spec, "<think>hm</think>{}", False, [])
     assert (parsed.reasoning, parsed.content) == ("hm", "{}")
+
+
+@pytest.mark.parametrize("text, schema, value", [
+    ("3", {"type": "integer"}, 3), ("x3", {"type": "integer"}, "x3"), ("2.5", {"type": "number"}, 2.5),
+    ("4.0", {"type": "number"}, 4), ("True", {"type": "boolean"}, True), ("no", {"type": "boolean"}, False),
+    ('{"a": [1]}', {"type": "object"}, {"a": [1]}), ("{'a': 1}", {"type": "object"}, {"a": 1}),
+    ("null", {"type": "integer"}, None), ("null", {"type": "string"}, "null"),
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None), ("7", {"type": "string"}, "7"),
+    ("[1, 2", {"type": "array"}, "[1, 2"), ("7", None, "7"),
+], ids=str)
+def test_qwen3_coder_values_are_typed_by_the_schema_as_vllm_types_them(text, schema, value):
+    from pagoda_engine.api.tool_parsers.qwen3_coder import convert_value
+
+    assert convert_value(text, schema) == value

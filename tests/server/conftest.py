@@ -1,6 +1,7 @@
 """Server tests run `pagoda serve` for real (a subprocess on 127.0.0.1 with the built-in tiny
 model, `--model pagoda-tiny`), one per test module, through the process harness shared with e2e/local and the router."""
 
+import contextlib
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +36,19 @@ def launch(tmp_path: Path, *extra: str) -> Server:
 # The built-in tiny model, named (no --model serves the default SmolLM2); a small KV pool and
 # context: start-up stays fast and every request stays bounded.
 DEFAULT_ARGS = ("--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-model-len", "512", "--max-num-seqs", "64")
+
+
+@contextlib.contextmanager
+def served_client(tmp_path: Path, *args: str, timeout: float = 60):
+    """The official openai client of a `pagoda serve` started with `args` (stopped after)."""
+    import openai
+
+    srv = launch(tmp_path, *args)
+    try:
+        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=timeout) as c:
+            yield c
+    finally:
+        srv.proc.stop()
 
 
 @pytest.fixture(scope="module")

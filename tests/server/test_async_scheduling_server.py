@@ -1,24 +1,19 @@
 """`pagoda serve --async-scheduling` through the official openai client: same greedy text as the
 offline (synchronous) engine, streaming and finish reasons intact."""
 
-import openai
 import pytest
 
 from pagoda_engine.tiny import corpus_text
 
-from conftest import DEFAULT_ARGS, launch
+from conftest import DEFAULT_ARGS, served_client
 
 PROMPTS = ["The quick brown fox", corpus_text()[:200]]
 
 
 @pytest.fixture(scope="module")
 def client(tmp_path_factory):
-    srv = launch(tmp_path_factory.mktemp("serve-async"), *DEFAULT_ARGS, "--async-scheduling")
-    try:
-        with openai.OpenAI(base_url=srv.base_url, api_key="unused", max_retries=0, timeout=60) as c:
-            yield c
-    finally:
-        srv.proc.stop()
+    with served_client(tmp_path_factory.mktemp("serve-async"), *DEFAULT_ARGS, "--async-scheduling") as c:
+        yield c
 
 
 def test_completions_equal_the_synchronous_offline_engine(client):

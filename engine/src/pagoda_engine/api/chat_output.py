@@ -59,6 +59,8 @@ class ChatOutputSpec:
     required: bool = False  # tool_choice required: the output is a JSON array of calls
     single_call: bool = False  # parallel_tool_calls false: calls after the first are dropped
     constrained: bool = False  # structured outputs shape the output from its first token
+    # The request's tools' parameters schemas by function name, for parsers that type values by them.
+    tool_parameters: dict | None = field(default=None, hash=False, compare=False)
 
     @property
     def forced(self) -> bool:
@@ -71,7 +73,8 @@ class ChatOutputSpec:
         elif self.required:
             tools = RequiredToolCallsParser(incremental)
         elif self.tool_parser is not None:
-            tools = TOOL_PARSERS[self.tool_parser](incremental)
+            cls = TOOL_PARSERS[self.tool_parser]
+            tools = cls(incremental, tools=self.tool_parameters) if cls.uses_tool_schemas else cls(incremental)
         # Forced calls are constrained from the first token: there is no reasoning to split off.
         reasoning = (make_reasoning_parser(self.reasoning_parser, self.constrained)
                      if self.reasoning_parser and not self.forced else None)

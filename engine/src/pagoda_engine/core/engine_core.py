@@ -377,11 +377,12 @@ class EngineCore:
 
     def _start_offload(self, spec: KVCacheSpec) -> OffloadManager:
         """The KV tiers below the device pool, on every rank. The sizes are the pod's: with
-        data-parallel engine cores each core takes its share, and its own disk directory."""
+        data-parallel engine cores each core of the pod (of its node, with cores on several
+        nodes) takes its share, and its own disk directory."""
         cc, mc, pc = self.config.cache, self.config.model, self.config.parallel
         specs = self.executor.kv_cache_specs(spec.page_size, spec.dtype)
         page_bytes = sum(s.bytes_per_page() for s in specs)
-        share = 1 / pc.data_parallel_size
+        share = 1 / (pc.data_parallel_size_local or pc.data_parallel_size)
         disk_path = cc.kv_offload_disk_path
         if disk_path is not None and pc.data_parallel_size > 1:
             disk_path = str(Path(disk_path) / f"core-{pc.data_parallel_rank}")

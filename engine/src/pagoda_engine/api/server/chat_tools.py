@@ -59,8 +59,10 @@ def plan_chat_output(req: ChatCompletionRequest, server: ServerConfig) -> ChatOu
     if choice == "auto":
         if not server.enable_auto_tool_choice or server.tool_call_parser is None:
             raise BadRequestError(AUTO_NEEDS_FLAGS, param="tool_choice")
+        parameters = {t.function.name: _parameters(t.function.parameters) for t in req.tools or ()}
         return ChatOutputPlan(tools, ChatOutputSpec(reasoning, tool_parser=server.tool_call_parser,
-                                                    single_call=not req.parallel_tool_calls, constrained=constrained),
+                                                    single_call=not req.parallel_tool_calls, constrained=constrained,
+                                                    tool_parameters=parameters),
                               keep_special_tokens=True)
     if constrained:
         raise BadRequestError("A named or required tool_choice is enforced with structured outputs: it cannot be "

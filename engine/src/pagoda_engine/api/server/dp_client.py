@@ -212,7 +212,8 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     changes: dict = dict(data_parallel_rank=rank)
     if pc.data_parallel_across_nodes:
         changes.update(nnodes=1, node_rank=0, headless=False, master_addr="127.0.0.1", master_port=None,
-                       data_parallel_address=pc.dp_address, data_parallel_local_start=pc.local_cores.start)
+                       data_parallel_address=pc.dp_address, data_parallel_local_start=pc.local_cores.start,
+                       data_parallel_size_local=len(pc.local_cores))
     return dataclasses.replace(config, parallel=dataclasses.replace(pc, **changes))
 
 

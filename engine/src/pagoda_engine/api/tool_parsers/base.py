@@ -105,7 +105,11 @@ class TagSplitter:
 
 
 class ToolParser:
-    """Base of the format parsers: call numbering and ids. Subclasses implement `feed` and `finish`."""
+    """Base of the format parsers: call numbering and ids. Subclasses implement `feed` and `finish`;
+    one that reads the request's tool schemas says so (`uses_tool_schemas`) and takes them as
+    `tools`, each function's parameters schema by name."""
+
+    uses_tool_schemas = False
 
     def __init__(self, incremental: bool):
         self.incremental = incremental
