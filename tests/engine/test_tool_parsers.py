@@ -34,6 +34,8 @@ QWEN3_CODER = ("I'll check both.\n<tool_call>\n<function=get_weather>\n<paramete
                "<parameter=hours>\n[9, 12]\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n"
                "<function=write_file>\n<parameter=path>\n007.txt\n</parameter>\n<parameter=content>\n"
                "def f():\n    return '<tag> & </parameter'\n\n</parameter>\n</function>\n</tool_call>")
+PYTHONIC = ('[get_weather(city="San Francisco, CA", days=3, hours=[9, 12], opts={"unit": "c", "x": None}), '
+            "get_time(zone='UTC'), note(text='it\\'s (nested) [text], \"quoted\"')]")
 CODER_TOOLS = {
     "get_weather": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
                                                      "metric": {"type": "boolean"}, "hours": {"type": "array"}}},
@@ -86,6 +88,11 @@ WELL_FORMED = [
     (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=no_args>\n</function>\n</tool_call> done",
      "done", "", [("no_args", {})]),
     (ChatOutputSpec(tool_parser="qwen3_coder"), "Plain answer, a < b.", "Plain answer, a < b.", "", []),
+    (ChatOutputSpec(tool_parser="pythonic"), PYTHONIC, "", "", [
+        ("get_weather", {"city": "San Francisco, CA", "days": 3, "hours": [9, 12], "opts": {"unit": "c", "x": None}}),
+        ("get_time", {"zone": "UTC"}), ("note", {"text": "it's (nested) [text], \"quoted\""})]),
+    (ChatOutputSpec(tool_parser="pythonic"), "  [f()]  ", "", "", [("f", {})]),
+    (ChatOutputSpec(tool_parser="pythonic"), "The answer is [1, 2].", "The answer is [1, 2].", "", []),
 ]
 
 # (spec, output): whole, each is content text exactly as written (streamed: no exception).
@@ -102,6 +109,12 @@ MALFORMED = [
     (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\nnot a function</tool_call> after"),
     (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=f>\n<parameter=a>\n1"),  # cut off
     (ChatOutputSpec(tool_parser="qwen3_coder"), "x <tool_ca"),
+    (ChatOutputSpec(tool_parser="pythonic"), "[1, 2]"),
+    (ChatOutputSpec(tool_parser="pythonic"), "[]"),
+    (ChatOutputSpec(tool_parser="pythonic"), "[f(a=x)]"),  # not a literal
+    (ChatOutputSpec(tool_parser="pythonic"), "[f(a=1)] and more"),
+    (ChatOutputSpec(tool_parser="pythonic"), '[f(a="1"), g(b='),  # cut off
+    (ChatOutputSpec(tool_parser="pythonic"), "[f(1)]"),  # positional
 ]
 
 
@@ -194,6 +207,7 @@ LONG = 60_000
     (ChatOutputSpec(required=True), '[{"name":"f","parameters":{"a":"' + "z" * LONG + '"}}]'),
     (ChatOutputSpec(reasoning_parser="deepseek_r1", tool_parser="hermes"), "think " * (LONG // 6) + "</think>ok"),
     (ChatOutputSpec(tool_parser="llama3_json"), " " * LONG + "x"),
+    (ChatOutputSpec(tool_parser="pythonic"), '[f(a="' + "p" * LONG + '"), g(b=[' + "1," * (LONG // 2) + "1])]"),
     (ChatOutputSpec(tool_parser="qwen3_coder"), "<tool_call>\n<function=f>\n<parameter=a>\n" + "q" * LONG
      + "\n</parameter>\n</function>\n</tool_call>"),
 ])

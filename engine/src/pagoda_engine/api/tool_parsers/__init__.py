@@ -12,12 +12,14 @@ from pagoda_engine.api.tool_parsers.forced import NamedFunctionParser, RequiredT
 from pagoda_engine.api.tool_parsers.hermes import HermesToolParser
 from pagoda_engine.api.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagoda_engine.api.tool_parsers.mistral import MistralToolParser
+from pagoda_engine.api.tool_parsers.pythonic import PythonicToolParser
 from pagoda_engine.api.tool_parsers.qwen3_coder import Qwen3CoderToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
     "qwen3_coder": Qwen3CoderToolParser,
 }
 
