@@ -291,3 +291,24 @@ def test_truncate_prompt_tokens_beyond_the_context_is_400(client, model, value):
         client.completions.create(model=model, prompt="hi there", max_tokens=2,
                                   extra_body={"truncate_prompt_tokens": value})
     assert err.value.body["param"] == "truncate_prompt_tokens"
+
+
+def test_continue_final_message_leaves_the_assistant_s_start_open(client, model, server):
+    """vLLM's `continue_final_message`: the last (assistant) message is rendered without its end of
+    turn, and the model continues it; with add_generation_prompt it is a 400."""
+    messages = [{"role": "user", "content": "Count with me."}, {"role": "assistant", "content": "One, two,"}]
+    body = {"model": model, "messages": messages, "add_generation_prompt": False, "continue_final_message": True}
+    tokens = httpx.post(f"{server.url}/tokenize", json=body).json()["tokens"]
+    rendered = httpx.post(f"{server.url}/detokenize", json={"model": model, "tokens": tokens}).json()["prompt"]
+    assert rendered.endswith("One, two,") and rendered.count("One, two,") == 1
+    closed = httpx.post(f"{server.url}/tokenize", json={**body, "continue_final_message": False}).json()["tokens"]
+    assert len(closed) > len(tokens)  # the end of turn the open message leaves out
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=6, temperature=0,
+                                          extra_body={"add_generation_prompt": False, "continue_final_message": True})
+    completion = client.completions.create(model=model, prompt=tokens, max_tokens=6, temperature=0)
+    assert chat.choices[0].message.content == completion.choices[0].text
+    assert chat.usage.prompt_tokens == len(tokens)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=model, messages=messages, max_tokens=2,
+                                       extra_body={"continue_final_message": True})
+    assert err.value.body["param"] == "continue_final_message"

@@ -121,13 +121,14 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None,
              add_generation_prompt: bool = True, chat_template: str | None = None, tools: list[dict] | None = None,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation (or a list of them) and generate.
         `tools` and `chat_template_kwargs` reach the template as vLLM's `LLM.chat` passes them."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [apply_chat_template(self.tokenizer, conv, add_generation_prompt=add_generation_prompt,
                                        chat_template=chat_template, tools=tools,
-                                       chat_template_kwargs=chat_template_kwargs) for conv in conversations]
+                                       chat_template_kwargs=chat_template_kwargs,
+                                       continue_final_message=continue_final_message) for conv in conversations]
         return self.generate(prompts, sampling_params)
 
     def _run(self, request_ids: list[str]) -> list[RequestOutput]:

@@ -190,12 +190,14 @@ def apply_chat_template(
     chat_template: str | None = None,
     tools: list[dict[str, Any]] | None = None,
     chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> list[int]:
     """Render a conversation with the model's (or the given) chat template and encode it.
 
     The template itself writes any bos token, so the rendered text is encoded without
     adding special tokens again (vLLM does the same)."""
-    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template, tools, chat_template_kwargs)
+    text = render_chat(tokenizer, messages, add_generation_prompt, chat_template, tools, chat_template_kwargs,
+                       continue_final_message)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
@@ -208,10 +210,14 @@ _RESERVED_TEMPLATE_KWARGS = {"messages", "conversation", "tools", "documents", "
 
 def render_chat(tokenizer, messages: Any, add_generation_prompt: bool = True,
                 chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
-                chat_template_kwargs: dict[str, Any] | None = None) -> str:
+                chat_template_kwargs: dict[str, Any] | None = None, continue_final_message: bool = False) -> str:
     """A conversation as the text the model's (or the given) chat template renders it to.
     `tools` (OpenAI's function tools) and `chat_template_kwargs` (e.g. `enable_thinking`) reach
-    the template as variables."""
+    the template as variables. `continue_final_message` leaves the last message open (no end of
+    turn after it), for the model to continue; it excludes `add_generation_prompt`."""
+    if continue_final_message and add_generation_prompt:
+        raise InvalidRequestError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.",
+                                  param="continue_final_message")
     conversation = validate_messages(messages)
     kwargs = dict(chat_template_kwargs or {})
     reserved = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
@@ -231,6 +237,7 @@ def render_chat(tokenizer, messages: Any, add_generation_prompt: bool = True,
             conversation,
             chat_template=chat_template,
             add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
             tokenize=False,
             tools=tools,
             **kwargs,
@@ -239,4 +246,6 @@ def render_chat(tokenizer, messages: Any, add_generation_prompt: bool = True,
         # Templates reject conversations they cannot render (e.g. roles not alternating), and a
         # template variable of the wrong type (chat_template_kwargs) fails inside a filter.
         raise InvalidRequestError(f"the chat template rejected the messages: {e}", param="messages") from e
+    except ValueError as e:  # continue_final_message: the template did not write the last message as given
+        raise InvalidRequestError(f"cannot continue the final message: {e}", param="continue_final_message") from e
     return text

@@ -21,7 +21,8 @@ connections is noticed within `HEARTBEAT_TIMEOUT_MS`):
   and /health answers 503, as for a local core; a core that never connects fails the start after
   PAGODA_DIST_TIMEOUT_S, naming it;
 - a headless node whose leader goes away (its connection to port P drops), or never comes, stops
-  its cores and exits 1; after the leader's ShutdownRequest its cores exit 0 and so does it.
+  its cores and exits 1; after the leader's ShutdownRequest its cores exit 0 and so does it (the
+  leader's connection may drop first: the cores get `_SHUTDOWN_GRACE_S` to finish).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ logger = logging.getLogger("pagoda_engine.api.server")
 
 HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 10000
+_SHUTDOWN_GRACE_S = 10.0  # the leader's connection dropped: how long its ShutdownRequest may take to stop the cores
 
 
 def core_ports(config: EngineConfig, rank: int) -> tuple[int, int]:
@@ -153,6 +155,10 @@ class _HeadlessNode:
                                      "above); stopping this node", self.pc.node_rank, rank, code)
                         return 1
                 elif leader_gone in done:
+                    # A leader that stopped gracefully sent every core ShutdownRequest first: they
+                    # are on their way out (a loaded machine may take a moment).
+                    if await self._all_exit_cleanly(_SHUTDOWN_GRACE_S):
+                        return 0
                     logger.error("node-rank %d: the leader at %s went away; stopping this node's engine cores",
                                  self.pc.node_rank, self.leader)
                     return 1
@@ -163,3 +169,16 @@ class _HeadlessNode:
             return 0
         finally:
             leader_gone.cancel()
+
+    async def _all_exit_cleanly(self, timeout_s: float) -> bool:
+        """Whether every core still running exits with 0 within `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while self.processes:
+            try:
+                rank, code = await asyncio.wait_for(self.exits.get(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return False
+            del self.processes[rank]
+            if code != 0:
+                return False
+        return True

@@ -299,6 +299,8 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    # vLLM's: the last message (the assistant's start) is left open and the model continues it.
+    continue_final_message: bool = False
     tools: list[ChatCompletionTool] | None = Field(None, min_length=1)
     # None: "auto" when tools are given, else "none" (OpenAI's and vLLM's default).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -371,6 +373,7 @@ class TokenizeRequest(_StrictModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[ChatCompletionTool] | None = Field(None, min_length=1)  # shown to the chat template
     chat_template_kwargs: dict[str, Any] | None = None
 

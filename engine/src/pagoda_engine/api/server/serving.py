@@ -294,7 +294,8 @@ class OpenAIServing:
             if req.prompt is not None:
                 return encode_text(self.tokenizer, req.prompt, add_special_tokens=req.add_special_tokens)[0]
             text = render_chat(self.tokenizer, chat_message_dicts(req.messages), req.add_generation_prompt,
-                               self.limits.chat_template, template_tools(req.tools), req.chat_template_kwargs)
+                               self.limits.chat_template, template_tools(req.tools), req.chat_template_kwargs,
+                               req.continue_final_message)
             return encode_text(self.tokenizer, text, add_special_tokens=False)[0]
 
         ids = await asyncio.to_thread(run)
@@ -522,7 +523,7 @@ class OpenAIServing:
             raise BadRequestError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         plan = plan_chat_output(req, self.limits)
         text = render_chat(self.tokenizer, req.chat_messages(), req.add_generation_prompt, self.limits.chat_template,
-                           plan.template_tools, req.chat_template_kwargs)
+                           plan.template_tools, req.chat_template_kwargs, req.continue_final_message)
         keep = self._truncation(req)
         ids, num_tokens = self._encode(text, add_special_tokens=False, keep=keep)
         if keep is not None:
