@@ -9,6 +9,8 @@ graceful stop of the leader stops the node with 0."""
 from __future__ import annotations
 
 import asyncio
+import random
+import socket
 
 import httpx
 import pytest
@@ -24,10 +26,31 @@ ARGS = ("--num-kv-pages", "64", "--max-model-len", "256", "--data-parallel-size"
         "--master-addr", "127.0.0.1")
 
 
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive ports free now (the leader listens on 2 × D + 1 from
+    --data-parallel-rpc-port)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(10000, 30000)  # below the ephemeral ports other tests are handed
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
 class Nodes:
     def __init__(self, tmp_path, model: str, *extra: str, env: dict | None = None):
         self.port = free_port()
-        rpc = free_port()
+        rpc = free_ports(5)
         flags = ["serve", "--model", model, *ARGS, "--master-port", str(free_port()), "--data-parallel-rpc-port",
                  str(rpc), *extra]
         self.leader = start_pagoda([*flags, "--host", "127.0.0.1", "--port", str(self.port)], tmp_path / "leader.log",
@@ -111,7 +134,7 @@ def test_the_leader_going_away_stops_the_node(tmp_path, stop, code):
 def test_a_node_that_never_comes_fails_the_leader_naming_it(tmp_path):
     port = free_port()
     leader = start_pagoda(["serve", "--model", "pagoda-tiny", *ARGS, "--master-port", str(free_port()),
-                           "--data-parallel-rpc-port", str(free_port()), "--host", "127.0.0.1", "--port", str(port)],
+                           "--data-parallel-rpc-port", str(free_ports(5)), "--host", "127.0.0.1", "--port", str(port)],
                           tmp_path / "leader.log", env={"PAGODA_DIST_TIMEOUT_S": "5"})
     try:
         assert leader.popen.wait(120) == 1
