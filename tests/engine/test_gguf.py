@@ -25,6 +25,14 @@ from pagoda_engine.model_path import TINY_MODEL_NAME, resolve_model_path
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from random_weights import randomise
 from test_model_vs_hf import BASE, CPU, PagedRunner, assert_logits_close, reference_logits
+from test_model_vs_hf import CASES as HF_CASES
+
+
+def _moe_sizes_for_q8(case: str, **overrides):
+    """test_model_vs_hf's MoE case with expert sizes that are multiples of 32 (Q8_0 blocks fit their rows)."""
+    config_cls, model_cls, base = HF_CASES[case]
+    return config_cls, model_cls, {**base, "moe_intermediate_size": 64, **overrides}
+
 
 # name → (config class, model class, overrides): GQA 6 over 2 and plain multi-head Llama (the q/k
 # permutation with each head count), tied and untied embeddings, Qwen2's q/k/v bias, Qwen3's q/k norm.
@@ -48,20 +56,14 @@ CASES = {
     "qwen3_yarn": ("Qwen3Config", "Qwen3ForCausalLM",
                    dict(num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                         rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=64))),
-    # Mixture of experts, routed as llama.cpp routes each: Mixtral (a llama file with experts,
-    # top-2 of 4 renormalised), Qwen2-MoE (gated shared expert, top-2 not renormalised), Qwen3-MoE
-    # (renormalised top-2 of 8).
-    "mixtral_moe": ("MixtralConfig", "MixtralForCausalLM",
-                    dict(num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe_shared_expert": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
-                                dict(num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
-                                     moe_intermediate_size=64, shared_expert_intermediate_size=96,
-                                     norm_topk_prob=False)),
-    "qwen3_moe_normalised": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                             dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
-                                  num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)),
+    # Mixture of experts, as in test_model_vs_hf, routed as llama.cpp routes each: Mixtral (a llama
+    # file with experts), Qwen2-MoE (gated shared expert, not renormalised; every layer with
+    # experts, as llama.cpp's files have them), Qwen3-MoE (renormalised).
+    "mixtral_moe": HF_CASES["mixtral_moe"],
+    "qwen2_moe_shared_expert": _moe_sizes_for_q8("qwen2_moe_shared_expert", shared_expert_intermediate_size=96,
+                                                 mlp_only_layers=[]),
+    "qwen3_moe_normalised": _moe_sizes_for_q8("qwen3_moe_normalised"),
 }
-# (Expert sizes are multiples of 32, so Q8_0 blocks fit their rows.)
 MOE_FIELDS = ("num_local_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
               "shared_expert_intermediate_size", "norm_topk_prob")
 PROMPT_LENGTHS = (1, 6, 29)
