@@ -191,6 +191,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None
     drain_timeout_s: float = 30.0
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
     # API server processes sharing the listening socket, each connected to every engine core
     # (vLLM's --api-server-count; `api.server.launcher`). 1: the one process serves and owns the cores.
     api_server_count: int = 1

@@ -54,6 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="report usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     add_api_server_count_arg(parser)
     add_request_limit_args(parser)
     add_chat_output_args(parser)

@@ -397,8 +397,17 @@ class OpenAIServing:
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                  usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                                  total_tokens=num_prompt + num_generated))
+                                  usage=self._usage(num_prompt, num_generated,
+                                                    sum(out.num_cached_tokens for out in finals.values())))
+
+    def _usage(self, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
+        """The usage block; with --enable-prompt-tokens-details, how many prompt tokens the prefix
+        cache (any tier) served, as vLLM reports them."""
+        extra = {}
+        if self.limits.enable_prompt_tokens_details:
+            extra["prompt_tokens_details"] = {"cached_tokens": num_cached}
+        return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
+                         total_tokens=num_prompt + num_generated, **extra)
 
     def _prompt_logprobs(self, ids: list[int], logprobs: list[PositionLogprobs | None] | None,
                          top_n: int) -> list[dict | None]:
@@ -465,6 +474,7 @@ class OpenAIServing:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
         num_prompt = sum(len(ids) for _, ids, _ in plan)
+        cached: dict[str, int] = {}  # prompt's request id -> its tokens the prefix cache served
         # Chunks without logprobs, echo or running usage come from byte templates.
         frames = (_StreamFrames(request_id, created, self.model_name, chat=False)
                   if req.logprobs is None and not req.echo and not continuous else None)
@@ -473,6 +483,7 @@ class OpenAIServing:
                 sse = []  # the frames of every output that has arrived: one write
                 for out in outs:
                     i = index_of[out.request_id]
+                    cached[out.request_id] = max(cached.get(out.request_id, 0), out.num_cached_tokens)
                     text, ids, _ = plan[i]
                     for c in out.outputs:  # DELTA: only the choices this step changed, with what it added
                         num_generated += len(c.token_ids)
@@ -500,15 +511,13 @@ class OpenAIServing:
                             choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
                                                       finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                         if continuous:
-                            chunk.usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                                    total_tokens=num_prompt + num_generated)
+                            chunk.usage = self._usage(num_prompt, num_generated, sum(cached.values()))
                         sse.append(_sse(chunk).encode())
                 yield b"".join(sse)  # never empty: every output has a choice
             if include_usage:
                 yield _sse(CompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
-                                    total_tokens=num_prompt + num_generated)))
+                    usage=self._usage(num_prompt, num_generated, sum(cached.values()))))
         except Exception as e:  # the status line went out already: report in-band
             yield _sse_error(e)
         finally:
@@ -568,8 +577,7 @@ class OpenAIServing:
         if req.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
-                                      usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
-                                                      total_tokens=len(ids) + num_generated), **extra)
+                                      usage=self._usage(len(ids), num_generated, out.num_cached_tokens), **extra)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
                        top_n: int) -> ChatLogprobs:
@@ -593,6 +601,7 @@ class OpenAIServing:
         called: set[int] = set()  # choices that have streamed a tool call
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         continuous = include_usage and req.stream_options.continuous_usage_stats
+        num_cached = 0  # prompt tokens the prefix cache served
         try:
             # The first chunk of each choice carries the role, as OpenAI's do.
             for i in range(req.n):
@@ -604,6 +613,7 @@ class OpenAIServing:
                       if not req.logprobs and not continuous else None)
             async for outs in group.batches():
                 sse = []  # the frames of every output that has arrived: one write
+                num_cached = max([num_cached, *(out.num_cached_tokens for out in outs)])
                 for c in (c for out in outs for c in out.outputs):  # DELTA: the choices a step changed
                     num_generated += len(c.token_ids)
                     if frames is not None and c.parsed is None:
@@ -624,16 +634,14 @@ class OpenAIServing:
                                                                                     c.index in called, plan),
                                                   stop_reason=c.stop_reason)])
                     if continuous:
-                        chunk.usage = UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
-                                                total_tokens=len(ids) + num_generated)
+                        chunk.usage = self._usage(len(ids), num_generated, num_cached)
                     sse.append(_sse(chunk).encode())
                 if sse:
                     yield b"".join(sse)
             if include_usage:
                 yield _sse(ChatCompletionStreamResponse(
                     id=request_id, created=created, model=self.model_name, choices=[],
-                    usage=UsageInfo(prompt_tokens=len(ids), completion_tokens=num_generated,
-                                    total_tokens=len(ids) + num_generated)))
+                    usage=self._usage(len(ids), num_generated, num_cached)))
         except Exception as e:
             yield _sse_error(e)
         finally:
