@@ -179,7 +179,9 @@ def test_data_parallel_cores_over_nodes_are_placed_by_node():
     (["--nnodes", "2", "-dp", "4", "--node-rank", "1", "--headless", "--data-parallel-start-rank", "1"],
      r"node-rank 1 runs engine cores 2 to 3"),
     (["--nnodes", "2", "-dp", "2", "--data-parallel-rpc-port", "65534"], r"must leave 5 TCP ports"),
-    (["-dp", "2", "--data-parallel-size-local", "1"], r"they need --nnodes > 1"),
+    (["-dp", "2", "--data-parallel-size-local", "1"], r"--data-parallel-size-local place .* they need"),
+    (["--nnodes", "2", "-tp", "2", "--data-parallel-rpc-port", "4000"], r"--data-parallel-rpc-port place engine cores"),
+    (["-dp", "2", "--data-parallel-address", "10.0.0.1"], r"--data-parallel-address place engine cores"),
 ])
 def test_inconsistent_node_flags_are_clear_errors(flags, message):
     with pytest.raises(ValueError, match=message):

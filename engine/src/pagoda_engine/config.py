@@ -337,12 +337,19 @@ class EngineConfig:
             raise ValueError(f"--node-rank must be in [0, {pc.nnodes}) for --nnodes {pc.nnodes}, got {pc.node_rank}")
         if pc.master_port is not None and not 0 < pc.master_port < 65536:
             raise ValueError(f"--master-port must be a TCP port, got {pc.master_port}")
+        if not pc.data_parallel_across_nodes:
+            # These only place engine cores on several nodes: given without that, they would do nothing.
+            given = [flag for flag, asked in (
+                ("--data-parallel-size-local", pc.data_parallel_size_local not in (None, pc.data_parallel_size)),
+                ("--data-parallel-start-rank", bool(pc.data_parallel_start_rank)),
+                ("--data-parallel-address", pc.data_parallel_address is not None),
+                ("--data-parallel-rpc-port", pc.data_parallel_rpc_port != DEFAULT_DATA_PARALLEL_RPC_PORT)) if asked]
+            if given:
+                raise ValueError(f"{', '.join(given)} place engine cores on several nodes: they need "
+                                 "--data-parallel-size > 1 and --nnodes > 1")
         if pc.nnodes == 1:
             if pc.headless:
                 raise ValueError("--headless runs a node other than the leader: it needs --nnodes > 1 and --node-rank >= 1")
-            if pc.data_parallel_size_local not in (None, pc.data_parallel_size) or pc.data_parallel_start_rank:
-                raise ValueError("--data-parallel-size-local and --data-parallel-start-rank place engine cores on "
-                                 "several nodes: they need --nnodes > 1")
             return
         if pc.data_parallel_across_nodes:
             self._validate_data_parallel_nodes()
