@@ -165,6 +165,12 @@ def test_prompt_logprobs_match_transformers(client, model, server):
     assert all(len(position) == 1 and next(iter(position.values()))["logprob"] <= 0 for position in body[1:])
     plain = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0)
     assert "prompt_logprobs" not in plain.choices[0].model_extra
+    # Echo with logprobs 1 beside prompt_logprobs 3: each gets its own count (the prompt token, and 1 or 3 more).
+    both = client.completions.create(model=model, prompt=ids, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                                     extra_body={"prompt_logprobs": 3})
+    echoed = both.choices[0].logprobs.top_logprobs[1:len(ids)]
+    assert all(1 <= len(top) <= 2 for top in echoed)
+    assert all(3 <= len(position) <= 4 for position in both.choices[0].model_extra["prompt_logprobs"][1:])
 
 
 @pytest.mark.parametrize("value", [-1, 21, "two"])

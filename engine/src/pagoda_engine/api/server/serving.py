@@ -387,8 +387,9 @@ class OpenAIServing:
                 if req.logprobs is not None:
                     logprobs = CompletionLogprobs()
                     if req.echo:
-                        self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
-                                                      self._prompt_offsets(text, ids))
+                        self._add_completion_logprobs(logprobs, ids, self._top_of_prompt(ids, out.prompt_logprobs,
+                                                                                          req.logprobs),
+                                                      0, self._prompt_offsets(text, ids))
                     self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, len(prefix))
                 extra = {}
                 if req.prompt_logprobs is not None:
@@ -409,21 +410,24 @@ class OpenAIServing:
         return UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated,
                          total_tokens=num_prompt + num_generated, **extra)
 
+    @staticmethod
+    def _top_of_prompt(ids: list[int], logprobs: list[PositionLogprobs | None] | None,
+                       top_n: int) -> list[PositionLogprobs | None]:
+        """Each prompt position's own token and the `top_n` most likely there: the engine computed
+        as many as the larger of `logprobs` (echo) and `prompt_logprobs` asked, each gets its own."""
+        return [None if position is None else
+                {tid: lp for tid, lp in position.items() if tid == token_id or (lp.rank or 0) <= top_n}
+                for token_id, position in zip(ids, logprobs or [None] * len(ids))]
+
     def _prompt_logprobs(self, ids: list[int], logprobs: list[PositionLogprobs | None] | None,
                          top_n: int) -> list[dict | None]:
         """vLLM's `prompt_logprobs` body: per prompt token (None for the first), token id → logprob,
-        rank and text, for the prompt's own token and the `top_n` most likely there. The engine may
-        have computed more of them (echo with a larger `logprobs`): the rest are left out."""
-        body: list[dict | None] = []
-        for token_id, position in zip(ids, logprobs or [None] * len(ids)):
-            if position is None:
-                body.append(None)
-                continue
-            body.append({str(tid): {"logprob": lp.logprob, "rank": lp.rank,
-                                    "decoded_token": lp.decoded_token if lp.decoded_token is not None
-                                    else self._token_text(tid)}
-                         for tid, lp in position.items() if tid == token_id or (lp.rank or 0) <= top_n})
-        return body
+        rank and text, for the prompt's own token and the `top_n` most likely there."""
+        return [None if position is None else
+                {str(tid): {"logprob": lp.logprob, "rank": lp.rank,
+                            "decoded_token": lp.decoded_token if lp.decoded_token is not None else self._token_text(tid)}
+                 for tid, lp in position.items()}
+                for position in self._top_of_prompt(ids, logprobs, top_n)]
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)
@@ -500,8 +504,9 @@ class OpenAIServing:
                             echoed.add(choice_index)
                             prefix = self._echo_text(text, ids)
                             if logprobs is not None:
-                                self._add_completion_logprobs(logprobs, ids, out.prompt_logprobs, 0,
-                                                              self._prompt_offsets(text, ids))
+                                self._add_completion_logprobs(
+                                    logprobs, ids, self._top_of_prompt(ids, out.prompt_logprobs, req.logprobs), 0,
+                                    self._prompt_offsets(text, ids))
                         start = text_len.get(choice_index, 0) + len(prefix)
                         if logprobs is not None:
                             self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, start)
