@@ -144,12 +144,12 @@ def start(self):
     spawned.set()
     raise KeyboardInterrupt
 
-def load_tokenizer(model):
+def load_tokenizer_and_defaults(config):
     spawned.wait(60)
     raise RuntimeError("not needed")
 
 core_client.CoreProcess.start = start
-async_engine._load_tokenizer = load_tokenizer
+async_engine._load_tokenizer_and_defaults = load_tokenizer_and_defaults
 parser = argparse.ArgumentParser()
 api_server.add_arguments(parser)
 sys.exit(api_server.run(parser.parse_args(["--model", "pagoda-tiny", "--host", "127.0.0.1", "--port", "0"])))

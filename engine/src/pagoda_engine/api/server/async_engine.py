@@ -69,7 +69,7 @@ class AsyncEngine:
         """Start the core processes and load the tokenizer (in parallel: both take seconds).
         Raises ModelLoadError when either fails."""
         loop = asyncio.get_running_loop()
-        tokenizer_future = loop.run_in_executor(None, _load_tokenizer, self.config.model)
+        tokenizer_future = loop.run_in_executor(None, _load_tokenizer_and_defaults, self.config.model)
         try:
             self.ready = await self.client.start()
         except BaseException:
@@ -213,7 +213,7 @@ class AsyncEngine:
         self.abort_all(EngineDeadError(f"The engine core died: {reason}"))
 
 
-def _load_tokenizer(config: ModelConfig):
+def _load_tokenizer_and_defaults(config: ModelConfig):
     """The tokenizer and the request defaults of the model (`generation_config.py`). The path is
     the one the core resolves: the given one, the default model, or the built-in tiny model (built
     once under a file lock, so the two processes never build it twice)."""

@@ -60,13 +60,18 @@ class DPEngineCoreClient:
         self.on_refused = on_refused
         self.on_dead = on_dead
         self.config = config
-        local = config.parallel.local_cores
+
+        def addresses(rank: int) -> CoreAddresses | None:
+            """A launcher's core's, a core on another node's (TCP), or None: `start()` makes its own."""
+            if attach:
+                return attach[rank]
+            return None if rank in config.parallel.local_cores else _remote_addresses(config, rank)
+
         self.cores = [
             EngineCoreClient(rank_config(config, rank), on_outputs=lambda out, rank=rank: self._on_outputs(rank, out),
                              on_refused=lambda err, rank=rank: self._on_refused(rank, err),
                              on_dead=lambda reason, rank=rank: self._on_dead(rank, reason),
-                             addresses=attach[rank] if attach else None if rank in local else _remote_addresses(config, rank),
-                             client_index=client_index)
+                             addresses=addresses(rank), client_index=client_index)
             for rank in range(self.size)
         ]
         self._listener = None  # cores on several nodes: the port the other nodes watch (`dp_nodes`)
