@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pagoda_engine.bench.multiturn import working_set_pages
+from pagoda_engine.bench.multiturn import load_summary, working_set_pages
 from pagoda_engine.cli import main
 
 
@@ -31,8 +31,19 @@ def test_m1_smoke_run_on_cpu(tmp_path, capsys):
     for name in ("ttft_first_turn_ms", "ttft_later_turns_ms"):
         assert 0 < r[name]["p50"] <= r[name]["p99"]
     assert r["output_tokens_per_s"] > 0
+    # Every turn's prompt and its tokens but the last went through the engine's steps.
+    assert r["steps"] >= 3 * 8 and r["mean_tokens_per_step"] * r["steps"] >= 3 * (64 + 16 + 7)
+    assert r["wall_ms_per_step"] > 0
     cpu = r["hit_rates"]["cpu"]
     assert cpu["hit_tokens"] > 0 and 0 < cpu["hit_rate"] <= 1  # later turns found their context in host memory
     assert r["hit_rates"]["device"]["hit_rate"] > 0
     printed = capsys.readouterr().out
     assert "TTFT later turns" in printed and "hit rate cpu" in printed
+
+
+def test_load_summary_averages_the_sampled_gauges():
+    samples = [{"running": 2.0, "waiting": 1.0, "kv_usage": 0.5}, {"running": 4.0, "waiting": 0.0, "kv_usage": 0.9},
+               {"running": 6.0, "waiting": 3.0, "kv_usage": 1.0}]
+    assert load_summary(samples) == {"samples": 3, "running_mean": 4.0, "running_p25_p50_p75": [3.0, 4.0, 5.0],
+                                     "waiting_mean": 1.33, "kv_usage_mean": 0.8}
+    assert load_summary([])["running_mean"] is None

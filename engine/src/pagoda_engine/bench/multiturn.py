@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import math
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -47,6 +48,7 @@ from pagoda_engine.bench.serve import (
 )
 
 M1_OUTPUT_LEN = 256
+_LOAD_SAMPLE_S = 0.25  # how often the run reads the server's running/waiting/KV-usage gauges
 _ID_WORD = re.compile(r"<(\d+)>")
 TIERS = ("cpu", "disk", "remote")
 
@@ -150,20 +152,64 @@ async def _user(client, url: str, model: str, conv: _Conversation, offsets: list
     return results
 
 
-async def _drive(base_url: str, model: str, vocab: int, args: argparse.Namespace) -> tuple[list, list, float]:
+# What `_sample_load` reads from the server's /metrics while the turns run.
+_LOAD_GAUGES = {"pagoda:num_requests_running": "running", "pagoda:num_requests_waiting": "waiting",
+                "pagoda:kv_cache_usage_perc": "kv_usage"}
+
+
+async def _sample_load(client: httpx.AsyncClient, base_url: str, every_s: float, samples: list[dict]) -> None:
+    """Until cancelled: the server's running and waiting requests and its KV pool's usage (summed
+    over engines; usage averaged), every `every_s` seconds. What M1's throughput is made of: a
+    pool that holds few conversations at once runs small decode batches."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    while True:
+        try:
+            text = (await client.get(f"{base_url}/metrics")).text
+        except httpx.HTTPError:
+            text = ""
+        sample: dict[str, list[float]] = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name in _LOAD_GAUGES:
+                    sample.setdefault(_LOAD_GAUGES[s.name], []).append(s.value)
+        if sample:
+            samples.append({"running": sum(sample.get("running", [0.0])), "waiting": sum(sample.get("waiting", [0.0])),
+                            "kv_usage": statistics.fmean(sample.get("kv_usage", [0.0]))})
+        await asyncio.sleep(every_s)
+
+
+def load_summary(samples: list[dict]) -> dict:
+    """Means (and the running count's quartiles) of `_sample_load`'s samples; None each without any."""
+    if not samples:
+        return {"samples": 0, "running_mean": None, "running_p25_p50_p75": None, "waiting_mean": None,
+                "kv_usage_mean": None}
+    running = [s["running"] for s in samples]
+    return {"samples": len(samples), "running_mean": round(statistics.fmean(running), 2),
+            "running_p25_p50_p75": [float(x) for x in np.percentile(running, [25, 50, 75])],
+            "waiting_mean": round(statistics.fmean(s["waiting"] for s in samples), 2),
+            "kv_usage_mean": round(statistics.fmean(s["kv_usage"] for s in samples), 4)}
+
+
+async def _drive(base_url: str, model: str, vocab: int, args: argparse.Namespace) -> tuple[list, list, float, list]:
     rng = np.random.default_rng(0)
     convs = [_Conversation(rng, vocab, args) for _ in range(args.users)]
     offsets = arrival_offsets(args.users * args.turns, args.request_rate)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    samples: list[dict] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        sampler = asyncio.create_task(_sample_load(client, base_url, _LOAD_SAMPLE_S, samples))
         t0 = time.perf_counter()
-        per_user = await asyncio.gather(*[
-            _user(client, f"{base_url}/v1/completions", model, conv, offsets[u::args.users], t0, args.output_len)
-            for u, conv in enumerate(convs)])
+        try:
+            per_user = await asyncio.gather(*[
+                _user(client, f"{base_url}/v1/completions", model, conv, offsets[u::args.users], t0, args.output_len)
+                for u, conv in enumerate(convs)])
+        finally:
+            sampler.cancel()
         duration = time.perf_counter() - t0
     first = [r[0] for r in per_user if r]
     later = [x for r in per_user for x in r[1:]]
-    return first, later, duration
+    return first, later, duration, samples
 
 
 def run_multiturn(args: argparse.Namespace) -> dict:
@@ -203,7 +249,7 @@ def run_multiturn(args: argparse.Namespace) -> dict:
             print(f"device pool: {pool} pages; working set {pages} pages ({pages / pool:.1f} x the pool); "
                   f"CPU tier {args.kv_offload_cpu_gb:g} GiB")
         before = _metrics(base_url)
-        first, later, duration = asyncio.run(_drive(base_url, model, _vocab_size(args), args))
+        first, later, duration, samples = asyncio.run(_drive(base_url, model, _vocab_size(args), args))
         after = _metrics(base_url)
     finally:
         if server is not None:
@@ -226,6 +272,11 @@ def run_multiturn(args: argparse.Namespace) -> dict:
         "ttft_first_turn_ms": _percentiles([r.ttft for r in first if r.ok]),
         "ttft_later_turns_ms": _percentiles([r.ttft for r in later if r.ok]),
         "hit_rates": _hit_rates(before, after),
+        # The engine's batches: steps (vLLM's iteration_tokens histogram) and the sampled gauges.
+        "steps": int(steps := delta("pagoda:iteration_tokens_total_count")),
+        "wall_ms_per_step": round(1e3 * duration / steps, 3) if steps else None,  # idle time included
+        "mean_tokens_per_step": round(delta("pagoda:iteration_tokens_total_sum") / steps, 2) if steps else None,
+        "load": load_summary(samples),
         "host_device_bytes_per_s": round(moved / duration, 1),
         "load_bytes_per_s": round(delta("pagoda:kv_offload_loaded_bytes_total{cpu}") / load_s, 1) if load_s else None,
         "pinned_copy_bandwidth_Bps": bandwidth,
@@ -246,6 +297,15 @@ def _print(r: dict) -> None:
         if s["p50"] is not None:
             print(f"TTFT {label:12s} ms: p50 {s['p50']:.2f}   p99 {s['p99']:.2f}")
     print(f"output tokens/s: {r['output_tokens_per_s']:,.1f}")
+    load = r["load"]
+    if r["steps"]:
+        print(f"engine steps: {r['steps']:,} ({r['wall_ms_per_step']:.2f} ms of the run's wall time each, "
+              f"idle time included), {r['mean_tokens_per_step']:.1f} tokens each on average")
+    if load["samples"]:
+        p25, p50, p75 = load["running_p25_p50_p75"]
+        print(f"running requests: mean {load['running_mean']:.2f} (p25 / p50 / p75 {p25:g} / {p50:g} / {p75:g}); "
+              f"waiting: mean {load['waiting_mean']:.2f}; KV pool in use: mean {100 * load['kv_usage_mean']:.1f} % "
+              f"({load['samples']} samples of the server's gauges)")
     for tier, h in r["hit_rates"].items():
         rate = "n/a" if h["hit_rate"] is None else f"{100 * h['hit_rate']:.1f} %"
         print(f"hit rate {tier:7s}: {rate} ({h['hit_tokens']:,} of {h['queried_tokens']:,} tokens looked up there)")

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from pagoda_engine.bench.floor import StepRecorder, measure_matmul_flops, model_costs, run_floor
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
 from pagoda_engine.core.engine_core import EngineCore
@@ -299,17 +300,47 @@ def run_throughput(args) -> dict:
         return run_data_parallel(args, "throughput")
     core, wl, info, env, roof = _prepare(args, "throughput")
     profiler = _StepProfiler(args.profile, *(args.profile_steps or (300, 10))) if args.profile else None
-    r = _drive(core, wl, "bench", profiler)
+    recorder = StepRecorder(core.scheduler)
+    try:
+        r = _drive(core, wl, "bench", profiler)
+    finally:
+        recorder.remove()
     figures, lines = throughput_summary(wl, r["elapsed_s"], r["mean_tpot_s"])
+    floor = _workload_floor(core, recorder.steps, roof["copy_bandwidth_Bps"], r["elapsed_s"], wl.num_output_tokens)
     result = {
         "bench": "throughput", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
         **figures, "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
+        "workload_floor": floor,
     }
     _print_roofline(roof)
     print(f"{wl.num_requests} requests in {r['elapsed_s']:.2f} s ({r['steps']} steps, "
           f"{r['num_preemptions']} preemptions)")
     print("\n".join(lines))
+    if floor:
+        print(f"workload floor: {floor['floor_s']:.2f} s ({floor['output_tokens_per_s']:,.1f} output tokens/s; "
+              f"{floor['memory_bound_s']:.2f} s of it bound by bytes) at the measured "
+              f"{floor['copy_bandwidth_Bps'] / 1e12:.2f} TB/s and {floor['matmul_flops'] / 1e12:.0f} TFLOP/s bf16 "
+              f"matmul, over the run's own {floor['steps']} steps; this run took {floor['of_floor']:.3f} x the floor")
     return result
+
+
+def _workload_floor(core: EngineCore, steps: list, bandwidth: float | None, elapsed_s: float,
+                    output_tokens: int) -> dict | None:
+    """The run's floor (`bench.floor`) on this device; None off CUDA or across several ranks
+    (the model here is one rank's share)."""
+    if bandwidth is None or core.config.parallel.world_size > 1:
+        return None
+    flops = measure_matmul_flops(core.device, core.dtype)
+    if flops is None:
+        return None
+    spec = core.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
+    costs = model_costs(core.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
+                        spec.bytes_per_page() // spec.page_size)
+    floor = run_floor(costs, steps, bandwidth, flops)
+    return {**{k: round(v, 6) if isinstance(v, float) else v for k, v in floor.items()},
+            "copy_bandwidth_Bps": bandwidth, "matmul_flops": flops,
+            "output_tokens_per_s": round(output_tokens / floor["floor_s"], 1),
+            "of_floor": round(elapsed_s / floor["floor_s"], 4)}
 
 
 def run_latency(args) -> dict:
