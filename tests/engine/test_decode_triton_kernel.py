@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -41,9 +42,10 @@ def _inputs(lens: list[int], heads: tuple[int, int, int], page_size: int, seed: 
     return q, cache, csr
 
 
-def _run(decode, q, cache, csr) -> torch.Tensor:
+def _run(decode, q, cache, csr, order=None) -> torch.Tensor:
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=DEVICE)
-    decode(q, *cache.unbind(1), *(a.to(DEVICE) for a in csr), out)
+    extra = () if order is None else (torch.as_tensor(order, dtype=torch.int32).to(DEVICE),)
+    decode(q, *cache.unbind(1), *(a.to(DEVICE) for a in csr), *extra, out=out)
     return out
 
 
@@ -80,8 +82,18 @@ def test_large_batch_kernel_matches_float32_attention(page_size):
     lens = [1, page_size - 1, page_size, page_size + 1, block, block + 1, 2 * block + 7, 150]
     q, cache, csr = _inputs(lens, heads, page_size, seed=page_size)
     decode = kernels.LargeBatchDecode(*heads, page_size)
-    torch.testing.assert_close(_run(decode, q, cache, csr).float(), reference_decode(q, cache, *csr, page_size),
-                               atol=2e-2, rtol=2e-2)
+    want = reference_decode(q, cache, *csr, page_size)
+    longest_first = kernels.longest_first(lens)
+    torch.testing.assert_close(_run(decode, q, cache, csr, longest_first).float(), want, atol=2e-2, rtol=2e-2)
+    # Any order of the programs writes the same rows.
+    shuffled = list(range(len(lens)))
+    random.Random(page_size).shuffle(shuffled)
+    torch.testing.assert_close(_run(decode, q, cache, csr, shuffled), _run(decode, q, cache, csr, longest_first))
+
+
+def test_longest_first_orders_requests_by_length_ties_in_batch_order():
+    assert kernels.longest_first([5, 900, 5, 17, 900]).tolist() == [1, 4, 3, 0, 2]
+    assert kernels.longest_first([7]).dtype == np.int32
 
 
 def test_heads_the_kernels_do_not_serve_are_refused():

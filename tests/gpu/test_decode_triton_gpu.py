@@ -113,7 +113,13 @@ def test_large_batch_kernel_matches_float32_attention(heads, page_size):
     and its mean error at most FlashInfer's tensor-core decode's on the same inputs."""
     import flashinfer
 
-    from pagoda_engine.worker.attention.decode_triton import LARGE_BATCH, LARGE_BLOCK_N, LARGE_CONTEXT, LargeBatchDecode
+    from pagoda_engine.worker.attention.decode_triton import (
+        LARGE_BATCH,
+        LARGE_BLOCK_N,
+        LARGE_CONTEXT,
+        LargeBatchDecode,
+        longest_first,
+    )
 
     num_qo, num_kv, head_dim = heads
     rng = random.Random(num_qo * page_size + head_dim)
@@ -131,7 +137,8 @@ def test_large_batch_kernel_matches_float32_attention(heads, page_size):
         q = qkv[:, :num_qo * head_dim].view(size, num_qo, head_dim)
         want = reference_decode(q, cache, indptr, indices, last, page_size)
         out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=CUDA)
-        decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), out)
+        order = torch.from_numpy(longest_first(lens)).to(CUDA)
+        decode(q, *cache.unbind(1), indptr.to(CUDA), indices.to(CUDA), last.to(CUDA), order, out)
         torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=True)
         wrapper.plan(indptr, indices, last, num_qo, num_kv, head_dim, page_size, q_data_type=torch.bfloat16,

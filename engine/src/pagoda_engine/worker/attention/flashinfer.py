@@ -249,6 +249,8 @@ class FlashInferBackend(AttentionBackend):
         kernel = self._triton_kernel(nd, batch.seq_lens[:nd]) if nd else None
         if kernel is not None and (not num_prefill_tokens or kernel is self._large_decode):
             csr = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
+            if kernel is self._large_decode:
+                csr = (*csr, decode_triton.longest_first(batch.seq_lens[:nd]))
             triton = (kernel, tuple(torch.from_numpy(a).pin_memory().to(self.device, non_blocking=True) for a in csr))
         elif nd:
             indptr, indices, last = page_table_csr(batch.page_tables[:nd], batch.seq_lens[:nd], s.page_size)
@@ -292,6 +294,7 @@ class FlashInferBackend(AttentionBackend):
             indices=torch.zeros(max_bs * max_pages_per_seq, dtype=torch.int32, device=dev),
             last_page_len=torch.ones(max_bs, dtype=torch.int32, device=dev),
             slots=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            order=torch.zeros(max_bs, dtype=torch.int32, device=dev),  # the large-batch kernel's program order
         )
         b = self._graph_bufs
         for bs in batch_sizes:
@@ -339,6 +342,8 @@ class FlashInferBackend(AttentionBackend):
         if triton:  # the kernel reads the CSR straight from the graph buffers
             kernel = self._small_decode if padded_size <= decode_triton.MAX_BATCH else self._large_decode
             csr = (_to_device(indptr, b["indptr"]), device_indices, _to_device(last, b["last_page_len"]))
+            if kernel is self._large_decode:  # padding rows (one token) go last
+                csr = (*csr, _to_device(decode_triton.longest_first(batch.seq_lens + [1] * pad), b["order"]))
             triton_step = (kernel, csr)
         else:
             self._graph_wrappers[padded_size].plan(
@@ -379,7 +384,7 @@ class FlashInferBackend(AttentionBackend):
         pages = self._kv_views[layer_id]
         if st.triton is not None:
             kernel, csr = st.triton
-            kernel(q[:nd], *pages, *csr, out[:nd])
+            kernel(q[:nd], *pages, *csr, out=out[:nd])
             if st.num_prefill_tokens:
                 st.run(self.prefill_wrapper, q[nd:], pages, out[nd:])
         elif not st.num_prefill_tokens:
