@@ -104,3 +104,18 @@ def test_heads_the_kernels_do_not_serve_are_refused():
             kernels.LargeBatchDecode(*heads, 16)
         with pytest.raises(ValueError, match="groups of up to"):
             kernels.SmallBatchDecode(2, *heads, 16, DEVICE)
+
+
+@pytest.mark.parametrize("longest_first", [True, False])
+def test_decode_attention_bench_runs_the_large_batch_kernel_in_either_order(longest_first):
+    """`bench.decode_attention` times the large-batch kernel through a wrapper-like `run`: its
+    page table and order on the device, the same output as the kernel called directly."""
+    from pagoda_engine.bench.decode_attention import TritonDecode
+
+    heads, lens = (8, 2, 64), [3, 70, 17, 140]
+    q, cache, csr = _inputs(lens, heads, 16, seed=5)
+    runner = TritonDecode("triton-large", csr, heads, 16, longest_first=longest_first)
+    got = runner.run(q, cache)
+    torch.testing.assert_close(got.float(), reference_decode(q, cache, *csr, 16), atol=2e-2, rtol=2e-2)
+    order = runner.csr[3].tolist()
+    assert order == (kernels.longest_first(lens).tolist() if longest_first else [0, 1, 2, 3])

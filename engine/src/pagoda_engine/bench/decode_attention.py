@@ -1,9 +1,13 @@
-"""`python -m pagoda_engine.bench.decode_attention`: FlashInfer's ways of attending one new token
-per request over a paged KV cache, at serving batch sizes, each as µs per layer and the KV
-bandwidth it reaches beside the GPU's measured copy bandwidth. The engine's way is the first row
-(`BatchDecodeWithPagedKVCacheWrapper` on tensor cores, FA2); the others are what it could use
-instead: the same with split-KV off or planned as a CUDA graph plans it, FA3, CUDA cores, and the
-prefill wrapper given one query token per request.
+"""`python -m pagoda_engine.bench.decode_attention`: the ways of attending one new token per
+request over a paged KV cache, at serving batch sizes, each as µs per layer and the KV bandwidth
+it reaches beside the GPU's measured copy bandwidth. The engine's ways: FlashInfer's
+`BatchDecodeWithPagedKVCacheWrapper` on tensor cores (FA2; the first column), and the Triton
+kernels of `worker/attention/decode_triton.py` where they serve (one or two requests of up to
+`SHORT_CONTEXT` tokens; `LARGE_BATCH` requests or more of up to `LARGE_CONTEXT`, started longest
+first; also run here outside those ranges, and in batch order, for comparison). The others are
+what it could use instead: FlashInfer's decode with split-KV off or planned as a CUDA graph plans
+it, FA3, CUDA cores, and the prefill wrapper given one query token per request. `--min-len 100
+--max-len 2048` gives contexts as spread as N1's, where the large-batch kernel's order matters.
 
 Pages are scattered over the pool as a long-running server's are; every layer has a cache of its
 own, so small batches do not read from L2."""
@@ -27,6 +31,9 @@ VARIANTS = {
     "decode CUDA cores": ("decode", dict(use_tensor_cores=False), {}),
     "prefill fa2, 1 token": ("prefill", dict(backend="fa2"), {}),
     "prefill fa3, 1 token": ("prefill", dict(backend="fa3"), {}),
+    "triton small batch": ("triton-small", {}, {}),
+    "triton large batch, longest first": ("triton-large", {}, dict(longest_first=True)),
+    "triton large batch, batch order": ("triton-large", {}, dict(longest_first=False)),
 }
 LAYERS = 6
 
@@ -40,7 +47,38 @@ def _page_table(lens: list[int], page_size: int, num_pages: int, rng: np.random.
     return torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last)
 
 
+class TritonDecode:
+    """A `decode_triton` kernel with its page table on the device, run as a FlashInfer wrapper is
+    (`run(q, cache)`); the large-batch one started in `longest_first` order or in batch order."""
+
+    def __init__(self, kind: str, table, heads, page_size: int, longest_first: bool = True):
+        from pagoda_engine.worker.attention import decode_triton
+
+        indptr, _, last = table
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.csr = tuple(a.to(dev) for a in table)
+        batch = len(last)
+        if kind == "triton-small":
+            self.kernel = decode_triton.SmallBatchDecode(batch, *heads, page_size, dev)
+        else:
+            self.kernel = decode_triton.LargeBatchDecode(*heads, page_size)
+            lens = ((indptr[1:] - indptr[:-1] - 1) * page_size + last).tolist()
+            order = decode_triton.longest_first(lens) if longest_first else np.arange(batch, dtype=np.int32)
+            self.csr = (*self.csr, torch.from_numpy(order).to(dev))
+        self.out = None
+
+    def run(self, q: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        if self.out is None or self.out.shape != q.shape:
+            self.out = torch.empty_like(q)
+        self.kernel(q, *cache.unbind(1), *self.csr, out=self.out)
+        return self.out
+
+
 def _wrapper(kind: str, kw: dict, plan_kw: dict, table, heads, page_size: int, workspace, num_pages: int):
+    if kind.startswith("triton"):
+        if kind == "triton-small" and len(table[2]) > 2:
+            raise ValueError("the small-batch kernel serves one or two requests")
+        return TritonDecode(kind, table, heads, page_size, **plan_kw)
     import flashinfer
 
     indptr, indices, last = table
