@@ -58,8 +58,8 @@ class TritonDecode:
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.csr = tuple(a.to(dev) for a in table)
         batch = len(last)
-        if kind == "triton-small":
-            self.kernel = decode_triton.SmallBatchDecode(batch, *heads, page_size, dev)
+        if kind == "triton-small":  # it refuses more requests than the engine gives it
+            self.kernel = decode_triton.SmallBatchDecode(decode_triton.MAX_BATCH, *heads, page_size, dev)
         else:
             self.kernel = decode_triton.LargeBatchDecode(*heads, page_size)
             lens = ((indptr[1:] - indptr[:-1] - 1) * page_size + last).tolist()
@@ -76,8 +76,6 @@ class TritonDecode:
 
 def _wrapper(kind: str, kw: dict, plan_kw: dict, table, heads, page_size: int, workspace, num_pages: int):
     if kind.startswith("triton"):
-        if kind == "triton-small" and len(table[2]) > 2:
-            raise ValueError("the small-batch kernel serves one or two requests")
         return TritonDecode(kind, table, heads, page_size, **plan_kw)
     import flashinfer
 

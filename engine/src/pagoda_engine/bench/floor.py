@@ -10,7 +10,7 @@ actually made (`StepRecorder`): each step takes at least the longer of
   count under uniform routing, which dummy weights give; trained routers concentrate tokens on
   fewer experts, so their floor is lower), plus the K/V it reads (each row's context, once) and
   writes (its new tokens);
-- its floating-point work over a measured bf16 matmul rate: two per weight per token for the
+- its floating-point work over a measured bf16 matmul rate (`offline.measure_matmul_flops`): two per weight per token for the
   dense layers and the k experts, the LM head for each row that samples, and attention's QK and
   PV products over each new token's context.
 `floor / measured` is then the share of the device's limits the run reached. Activations, norms,
@@ -22,10 +22,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-
-# The square matmul that measures the device's bf16 rate (`measure_matmul_flops`).
-_MATMUL_SIZE = 8192
-
 
 @dataclass
 class ModelCosts:
@@ -43,17 +39,19 @@ class ModelCosts:
     attn_flops_per_pair: int = 0  # one query token against one context token, all layers (QK and PV)
 
 
+def unique_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, weights that share storage (tied embeddings) once."""
+    return list({p.data_ptr(): p for p in model.parameters()}.values())
+
+
 def model_costs(model: torch.nn.Module, num_layers: int, num_qo_heads: int, head_dim: int,
                 kv_bytes_per_token: int) -> ModelCosts:
     """`model`'s costs from its parameters (tied weights once) and its attention's shape."""
     from pagoda_engine.worker.model.moe import FusedMoE
 
-    seen, total_bytes, total_params = set(), 0, 0
-    for p in model.parameters():
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total_bytes += p.numel() * p.element_size()
-            total_params += p.numel()
+    params = unique_parameters(model)
+    total_bytes = sum(p.numel() * p.element_size() for p in params)
+    total_params = sum(p.numel() for p in params)
     moe = [m for m in model.modules() if isinstance(m, FusedMoE)]
     expert_bytes = expert_params = 0
     if moe:
@@ -135,23 +133,3 @@ class StepRecorder:
 
     def remove(self) -> None:
         del self.scheduler.schedule  # the instance attribute goes; the class's method shows again
-
-
-def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, iters: int = 20) -> float | None:
-    """The device's bf16 matmul rate (FLOP/s) on a large square product; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    n = _MATMUL_SIZE
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        a @ b
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
-    del a, b
-    torch.cuda.empty_cache()
-    return 2 * n ** 3 * iters / seconds

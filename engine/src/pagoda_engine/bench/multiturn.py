@@ -90,15 +90,20 @@ def measure_pinned_bandwidth(nbytes: int = 1 << 30, iters: int = 10, to_device: 
     return bw
 
 
-def _metrics(base_url: str) -> dict[str, float]:
-    """The server's counters summed over engines: name{tier} → value."""
+def _metric_samples(text: str):
+    """(name{tier} or name, value) of every sample of a /metrics page, one per engine."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{base_url}/metrics", timeout=30).text):
+    for family in text_string_to_metric_families(text):
         for s in family.samples:
-            key = f"{s.name}{{{s.labels['tier']}}}" if "tier" in s.labels else s.name
-            out[key] = out.get(key, 0.0) + s.value
+            yield f"{s.name}{{{s.labels['tier']}}}" if "tier" in s.labels else s.name, s.value
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    """The server's counters summed over engines: name{tier} → value."""
+    out: dict[str, float] = {}
+    for key, value in _metric_samples(httpx.get(f"{base_url}/metrics", timeout=30).text):
+        out[key] = out.get(key, 0.0) + value
     return out
 
 
@@ -161,18 +166,15 @@ async def _sample_load(client: httpx.AsyncClient, base_url: str, every_s: float,
     """Until cancelled: the server's running and waiting requests and its KV pool's usage (summed
     over engines; usage averaged), every `every_s` seconds. What M1's throughput is made of: a
     pool that holds few conversations at once runs small decode batches."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     while True:
         try:
             text = (await client.get(f"{base_url}/metrics")).text
         except httpx.HTTPError:
             text = ""
         sample: dict[str, list[float]] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name in _LOAD_GAUGES:
-                    sample.setdefault(_LOAD_GAUGES[s.name], []).append(s.value)
+        for key, value in _metric_samples(text):
+            if key in _LOAD_GAUGES:
+                sample.setdefault(_LOAD_GAUGES[key], []).append(value)
         if sample:
             samples.append({"running": sum(sample.get("running", [0.0])), "waiting": sum(sample.get("waiting", [0.0])),
                             "kv_usage": statistics.fmean(sample.get("kv_usage", [0.0]))})

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from pagoda_engine.bench.floor import StepRecorder, measure_matmul_flops, model_costs, run_floor
+from pagoda_engine.bench.floor import StepRecorder, model_costs, run_floor, unique_parameters
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
 from pagoda_engine.core.engine_core import EngineCore
@@ -50,33 +50,45 @@ def environment() -> dict:
     return env
 
 
+def _device_seconds(fn, iters: int, warmup: int = 3) -> float:
+    """Seconds `iters` calls of `fn` take on the current CUDA device, after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, iters: int = 20) -> float | None:
     """Device memory bandwidth in bytes/s from a large device-to-device copy (bytes read + written)."""
     if device.type != "cuda":
         return None
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        dst.copy_(src)
-    end.record()
-    end.synchronize()
-    seconds = start.elapsed_time(end) / 1e3
+    seconds = _device_seconds(lambda: dst.copy_(src), iters)
     del src, dst
     torch.cuda.empty_cache()
     return 2 * nbytes * iters / seconds
 
 
+def measure_matmul_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16, iters: int = 20,
+                         n: int = 8192) -> float | None:
+    """The device's matmul rate (FLOP/s) on a large square product; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    seconds = _device_seconds(lambda: a @ b, iters)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2 * n ** 3 * iters / seconds
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
-    seen, total = set(), 0
-    for p in model.parameters():  # tied weights once
-        if p.data_ptr() not in seen:
-            seen.add(p.data_ptr())
-            total += p.numel() * p.element_size()
-    return total
+    return sum(p.numel() * p.element_size() for p in unique_parameters(model))  # tied weights once
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
