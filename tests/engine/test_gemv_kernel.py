@@ -65,3 +65,24 @@ def test_experts_gemv_matches_the_reference_loop(num_tokens, hidden, inter):
                                        torch.where(local, ids, 0))
     got = moe._experts_gemv(x, w13, w2, weights, ids)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("rows", [2, 5, 16])
+@pytest.mark.parametrize("n,k", [(64, 128), (70, 136), (33, 512)])
+def test_few_row_kernel_matches_a_float32_product(rows, n, k):
+    """`_rows_kernel` (two to MAX_ROWS rows), plain with a bias and gated, with K tiles that do and
+    do not divide K, a column block cut short, and the rows a strided view (every other row of a
+    wider tensor, as a sliced activation is). float16: the interpreter multiplies bfloat16 tiles
+    as their raw bits (the GPU tests cover bfloat16)."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    w = (torch.randn(n, k, generator=gen) * k ** -0.5).half()
+    wide = torch.randn(rows, 2 * k, generator=gen).half()
+    x = wide[:, :k]  # rows 2k apart
+    b = torch.randn(n, generator=gen).half()
+    expected = x.float() @ w.float().T
+    torch.testing.assert_close(kernels.gemv(x, w).float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.gemv(x, w, b).float(), expected + b.float(), rtol=1e-2, atol=1e-2)
+    w13 = torch.cat([w, w.flip(0)])  # gate rows over up rows
+    gate, up = (x.float() @ w13.float().T).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w13).float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
+

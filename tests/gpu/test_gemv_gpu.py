@@ -1,6 +1,7 @@
-"""The one-row matrix-vector kernels (`model/gemv_triton.py`) against float32 products of the same
-bf16/fp16 weights, at Llama-3.1-8B's and Qwen3-30B-A3B's projection shapes and uneven ones; the
-layers' switch (one CUDA row takes them, two rows take `F.linear`); and a CUDA-graph replay."""
+"""The matrix-vector kernels (`model/gemv_triton.py`), one row and a few, against float32 products of
+the same bf16/fp16 weights, at Llama-3.1-8B's and Qwen3-30B-A3B's projection shapes and uneven ones;
+the layers' switch (one CUDA row or a few take them, more rows take `F.linear`); and a CUDA-graph
+replay."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ SHAPES = {  # (N, K)
     "qwen3-moe router": (128, 2048),
     "qwen3-moe lm head": (151936, 2048),
     "uneven": (1001, 1032),
+    "uneven tall": (1031, 1032),
     "one column": (1, 2048),
 }
 
@@ -53,10 +55,43 @@ def test_gated_gemv_is_silu_of_gate_times_up(inter, hidden):
     _close(gemv_silu_and_mul(x, w), F.silu(gate) * up)
 
 
-def test_layers_take_the_kernel_for_one_row_only():
-    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul
+@pytest.mark.parametrize("rows", [2, 6, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", ["llama q/k/v", "llama down", "qwen3-moe q/k/v", "qwen3-moe lm head", "uneven tall"])
+def test_few_rows_match_a_float32_product(shape, dtype, rows):
+    """The few-row kernel (`_rows_kernel`) with and without a bias, the rows a strided view."""
+    from pagoda_engine.worker.model.gemv_triton import gemv, linear_applies
+
+    n, k = SHAPES[shape]
+    w = (torch.randn(n, k, device=CUDA) * k ** -0.5).to(dtype)
+    x = torch.randn(rows, 2 * k, device=CUDA).to(dtype)[:, k:]
+    b = torch.randn(n, device=CUDA).to(dtype)
+    assert linear_applies(x, w)
+    _close(gemv(x, w), x.float() @ w.float().T)
+    _close(gemv(x, w, b), x.float() @ w.float().T + b.float())
+
+
+@pytest.mark.parametrize("rows", [2, 6, 16])
+@pytest.mark.parametrize("inter,hidden", [(14336, 4096), (520, 1032)])
+def test_gated_few_rows_are_silu_of_gate_times_up(inter, hidden, rows):
+    from pagoda_engine.worker.model.gemv_triton import gemv_silu_and_mul
+
+    w = (torch.randn(2 * inter, hidden, device=CUDA) * hidden ** -0.5).bfloat16()
+    x = torch.randn(rows, hidden, device=CUDA).bfloat16() * 2
+    gate, up = (x.float() @ w.float().T).chunk(2, dim=-1)
+    _close(gemv_silu_and_mul(x, w), F.silu(gate) * up)
+
+
+def test_layers_take_the_kernels_for_few_rows_only():
+    """One row: the one-row kernel; two to MAX_ROWS against a weight of ROWS_MIN_N rows or more:
+    the few-row kernel; more rows, or fewer weight rows: `F.linear`."""
+    from pagoda_engine.worker.model.gemv_triton import MAX_ROWS, ROWS_MIN_N, gemv, gemv_silu_and_mul
     from pagoda_engine.worker.model.layers import GatedMLP, LinearBase, linear
 
+    tall = torch.randn(ROWS_MIN_N, 512, device=CUDA).bfloat16()
+    many = torch.randn(MAX_ROWS + 1, 512, device=CUDA).bfloat16()
+    assert torch.equal(linear(many[:5], tall), gemv(many[:5], tall))
+    assert torch.equal(linear(many, tall), F.linear(many, tall))
     w = torch.randn(256, 512, device=CUDA).bfloat16()
     x = torch.randn(2, 512, device=CUDA).bfloat16()
     assert torch.equal(linear(x[:1], w), gemv(x[:1], w))
@@ -76,11 +111,12 @@ def test_layers_take_the_kernel_for_one_row_only():
     _close(proj(x[:1]), F.linear(x[:1].float(), proj.weight.float(), proj.bias.float()))
 
 
-def test_gemv_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("rows", [1, 8])
+def test_gemv_replays_in_a_cuda_graph(rows):
     from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul
 
     w = torch.randn(2048, 1024, device=CUDA).bfloat16()
-    x = torch.randn(1, 1024, device=CUDA).bfloat16()
+    x = torch.randn(rows, 1024, device=CUDA).bfloat16()
     gemv(x, w), gemv_silu_and_mul(x, w)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

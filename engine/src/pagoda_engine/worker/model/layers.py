@@ -109,10 +109,11 @@ class RMSNorm(nn.Module):
 
 
 def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
-    """The Triton matrix-vector module when x is one half-precision CUDA row it serves
-    (`gemv_triton.linear_applies`), else None: `F.linear` runs, and CPU results stay bit-identical."""
+    """The Triton matrix-vector module when x is one half-precision CUDA row, or a few, that it
+    serves (`gemv_triton.linear_applies`), else None: `F.linear` runs, and CPU results stay
+    bit-identical."""
     global _GEMV
-    if not x.is_cuda or x.shape[0] != 1 or _fused_kernels(x) is None:
+    if not x.is_cuda or _fused_kernels(x) is None:
         return None
     if _GEMV is None:  # imported on first use: Triton is there only where CUDA is
         from pagoda_engine.worker.model import gemv_triton
@@ -122,7 +123,7 @@ def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear`; a batch-1 decode's row on CUDA takes the matrix-vector kernel (`gemv_triton`)."""
+    """`F.linear`; a small decode batch's rows on CUDA take the matrix-vector kernels (`gemv_triton`)."""
     gemv = _gemv_kernels(x, weight)
     return gemv.gemv(x, weight, bias) if gemv is not None else F.linear(x, weight, bias)
 
@@ -580,7 +581,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
         gemv = _gemv_kernels(x, gate_up.weight) if gate_up.bias is None else None
-        if gemv is not None:  # one row: gate, up and the activation in one kernel
+        if gemv is not None:  # a few rows: gate, up and the activation in one kernel
             return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight))
         return self.down_proj(self.act(gate_up(x)))
 
