@@ -12,8 +12,9 @@ L2-cold weights, µs (cuBLAS → here):
 
 For two to MAX_ROWS (16) rows, against weights of at least ROWS_MIN_N rows, `_rows_kernel` streams
 each weight tile once and multiplies it by all the rows on the tensor cores (padded to 16); on an
-H100 at Llama-3.1-8B's shapes, 2-16 rows, µs (cuBLAS → here): q/k/v 20.8 → 19.5, gate+up with the
-activation kernel after it 85.7 → 81.2, down 43.6 → 42.4, LM head 378 → 348.
+H100 at Llama-3.1-8B's shapes, 6 rows (2-16 within about 1 µs), µs (cuBLAS → here): q/k/v 20.2 →
+19.3, output 15.8 → 13.9, gate+up with the activation kernel after it 86.0 → 80.4, down 43.9 → 42.1,
+LM head 379 → 346.
 
 `gemv(x, w, bias)` is `F.linear` for x of one row (or a few). `gemv_silu_and_mul(x, w)` is the gated MLP's
 first half in one kernel: w stacks the gate rows over the up rows (as `MergedColumnParallelLinear`
