@@ -81,8 +81,9 @@ ROWS_MIN_N = 1024
 def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """One half-precision CUDA row, or up to MAX_ROWS (each contiguous) against at least
     ROWS_MIN_N weight rows, against a row-major weight of the same dtype."""
-    return (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
-            and x.dim() == 2 and (x.shape[0] == 1 or (1 < x.shape[0] <= MAX_ROWS and weight.shape[0] >= ROWS_MIN_N))
+    # The row count first: every projection of every step asks, and most have more rows.
+    return (x.dim() == 2 and (x.shape[0] == 1 or (1 < x.shape[0] <= MAX_ROWS and weight.shape[0] >= ROWS_MIN_N))
+            and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
             and x.stride(-1) == 1 and weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0)
 
 
@@ -212,8 +213,8 @@ def norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     them, and on an H100 that made the few-row kernel twice as slow as the norm kernel and the
     projection apart.)"""
     k = x.shape[-1]
-    return (x.shape[0] == 1 and linear_applies(x, weight) and k <= NORM_MAX_K and x.is_contiguous() and norm_weight.dtype == x.dtype
-            and norm_weight.is_contiguous() and norm_weight.shape == (k,)
+    return (x.shape[0] == 1 and linear_applies(x, weight) and k <= NORM_MAX_K and x.is_contiguous()
+            and norm_weight.dtype == x.dtype and norm_weight.is_contiguous() and norm_weight.shape == (k,)
             and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
                                       and residual.is_contiguous())))
 

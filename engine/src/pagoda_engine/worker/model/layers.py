@@ -113,13 +113,14 @@ def _gemv_kernels(x: torch.Tensor, weight: torch.Tensor):
     serves (`gemv_triton.linear_applies`), else None: `F.linear` runs, and CPU results stay
     bit-identical."""
     global _GEMV
-    if not x.is_cuda or _fused_kernels(x) is None:
+    if not x.is_cuda:
         return None
     if _GEMV is None:  # imported on first use: Triton is there only where CUDA is
         from pagoda_engine.worker.model import gemv_triton
 
         _GEMV = gemv_triton
-    return _GEMV if _GEMV.linear_applies(x, weight) else None
+    # `linear_applies` first: it turns away a prefill's rows at its first test.
+    return _GEMV if _GEMV.linear_applies(x, weight) and _fused_kernels(x) is not None else None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
