@@ -37,8 +37,9 @@ def test_m1_smoke_run_on_cpu(tmp_path, capsys):
     cpu = r["hit_rates"]["cpu"]
     assert cpu["hit_tokens"] > 0 and 0 < cpu["hit_rate"] <= 1  # later turns found their context in host memory
     assert r["hit_rates"]["device"]["hit_rate"] > 0
+    assert r["cpu_loads"] > 0 and r["cpu_load_landed_ms_mean"] >= 0
     printed = capsys.readouterr().out
-    assert "TTFT later turns" in printed and "hit rate cpu" in printed
+    assert "TTFT later turns" in printed and "hit rate cpu" in printed and "loads from the CPU tier" in printed
 
 
 def test_load_summary_averages_the_sampled_gauges():

@@ -605,6 +605,52 @@ def test_a_prefix_in_host_memory_is_admitted_in_the_step_that_loads_it(reference
         assert_no_leaks(llm)
 
 
+def test_a_host_memory_load_that_would_hold_up_other_requests_joins_the_next_schedule(reference, monkeypatch):
+    """Copies that would outlast a good part of the step (`_copy_outlasts_step`, forced here: on
+    the CPU nothing is timed) are not awaited by the step that starts them while other requests
+    run in it: the request joins on the next schedule, once the poll has landed its pages, with
+    them as prefix hits and the tokens of a run without tiers. With nothing else running it
+    joins at once, as any host-memory load."""
+    from pagoda_engine.messages import EngineCoreRequest
+
+    prompts = _prompts(6, 100, seed=8)
+    expected = _tokens(reference.generate(prompts[:2], GREEDY))
+    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
+        llm.generate(prompts, GREEDY)
+        core = llm.core
+        core.wait_for_offload()
+        offload = core.kv.offload
+        monkeypatch.setattr(offload, "_copy_outlasts_step", lambda num_pages: True)
+        core.add_request(EngineCoreRequest("alone", prompts[0], SamplingParams(temperature=0, max_tokens=12)))
+        core.step()
+        alone = core.scheduler.requests["alone"]
+        assert alone.num_cached_tokens == 96 and (alone.num_output_tokens or alone.num_output_placeholders)
+        core.add_request(EngineCoreRequest("joins", prompts[1], GREEDY))
+        core.step()  # "alone" decodes; the load of "joins" runs beside that step
+        joins = core.scheduler.requests["joins"]
+        assert offload.is_loading("joins") and joins.status.name == "WAITING"
+        core.step()  # the poll lands it; this step waits for its copies
+        assert not offload.is_loading("joins") and joins.status.name == "RUNNING"
+        assert joins.num_cached_tokens == 96
+        while core.has_unfinished_requests():
+            core.step()
+        assert [alone.output_token_ids[:8], joins.output_token_ids] == expected
+        core.wait_for_offload()
+        assert_no_leaks(llm)
+
+
+def test_a_host_memory_load_is_deferred_only_when_its_copies_would_take_half_a_small_step():
+    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
+        offload = llm.core.kv.offload
+        assert not offload._copy_outlasts_step(10_000)  # nothing timed on the CPU
+        offload._rank_copies = [[50e9, 1.0, 0.0, 0.0]]  # loads timed at 50 GB/s
+        assert not offload._copy_outlasts_step(10_000)  # no small step measured yet
+        offload._small_step_s = 0.008
+        half_step_pages = 0.004 * 50e9 / offload.page_bytes
+        assert offload._copy_outlasts_step(int(half_step_pages) + 1)
+        assert not offload._copy_outlasts_step(int(half_step_pages) - 1)
+
+
 @pytest.mark.parametrize("tier, message", [
     ({"kv_offload_cpu_gb": 1e-9}, r"--kv-offload-cpu-gb 1e-09 holds no page \(\d+ bytes each\)"),
     ({"kv_offload_disk_gb": 1e-9}, r"--kv-offload-disk-gb 1e-09 holds no page \(\d+ bytes each\)"),

@@ -9,9 +9,10 @@ back in front of everything that arrived after them (`_queue_key`).
 KV offload tiers: a waiting request whose prefix continues below the device (CPU, disk, Redis)
 has its pages loaded (`KVCacheManager.load_from_tiers`). Pages from host memory count as prefix
 hits at once: the request is admitted in the same schedule, and the step waits on the device for
-their copies. Pages from disk or Redis are read first: while they travel the request is passed
-over and the requests behind it go ahead; once they have arrived it is admitted with them as
-prefix hits. A preempted request's full pages went down to the tiers when
+their copies (unless other requests run in it and the copies would hold it up: then the request
+is admitted on the next schedule, as below). Pages from disk or Redis are read first: while they
+travel the request is passed over and the requests behind it go ahead; once they have arrived it
+is admitted with them as prefix hits. A preempted request's full pages went down to the tiers when
 they filled, so it resumes by loading them instead of recomputing.
 
 Admission (`kv_growth_reservation`, on by default): a waiting request is admitted only if, after
@@ -203,7 +204,7 @@ class Scheduler:
                 need = -(-req.num_tokens // self.kv.page_size) - len(computed_pages) + growth
                 if self.kv.num_free_pages - need < reserved:
                     break
-            computed_pages = self.kv.load_from_tiers(req, computed_pages)
+            computed_pages = self.kv.load_from_tiers(req, computed_pages, overlapped=bool(out.scheduled))
             if computed_pages is None:
                 continue  # its prefix comes up from disk or Redis
             num_cached = len(computed_pages) * self.kv.page_size

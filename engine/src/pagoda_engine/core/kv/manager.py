@@ -3,7 +3,8 @@
 With KV offload tiers (`offload`, set by the engine core) every page registered in the prefix
 cache is queued to go down, and a waiting request whose prefix continues below the device is
 loaded before it is admitted (`load_from_tiers`): from host memory within the step that admits
-it, from disk or Redis before a later one."""
+it (or before the next one, when the copies would hold up other requests' step), from disk or
+Redis before a later one."""
 
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ class KVCacheManager:
         if missed is not None:
             self.offload.record_lookup(missed)
 
-    def load_from_tiers(self, req: Request, device_hits: list[Page]) -> list[Page] | None:
+    def load_from_tiers(self, req: Request, device_hits: list[Page], overlapped: bool = False) -> list[Page] | None:
         """Load the pages of `req`'s prefix that follow its device hits from the offload tiers.
         Returns the request's prefix hits on the device after it: `device_hits`, extended by the
         pages that landed at once (CPU tier: their copies finish on the device before the next
@@ -75,7 +76,8 @@ class KVCacheManager:
         admission after it does not look below the device again. A prefix that starts on disk
         or in Redis is split instead where the pool holds it: the request is admitted at once,
         computes it up to a cut (`split_limit`, `compute_limit`) and joins there the pages that
-        loaded meanwhile."""
+        loaded meanwhile. `overlapped`: other requests run in the step being scheduled, so a
+        host-memory load that would hold it up waits for a later one (`OffloadManager.start_load`)."""
         if self.offload is None or not self.enable_caching or req.sampling_params.prompt_logprobs is not None:
             return device_hits
         if self.offload.has_loaded(req.request_id):
@@ -86,7 +88,7 @@ class KVCacheManager:
         num_other_pages = -(-req.num_tokens // self.page_size) - len(device_hits) - len(lookup)
         if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages):
             return device_hits  # admitted now: it computes its prefix's front while the rest loads
-        if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup):
+        if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup, overlapped):
             # What was found but not loaded is recomputed: the tiers' misses, counted on admission.
             self.tier_misses[req.request_id] = lookup.missed()
             return device_hits

@@ -12,12 +12,14 @@ disk, then Redis in one round trip), as far as the pages run unbroken; `start_lo
 pages for them and asks every rank to fill them (`Worker.kv_offload_load`). Pages that all come
 from host memory land at once: they are registered in the prefix cache and the request is
 admitted in the same schedule, while every rank's next step waits on the device for the copies
-(a read from host memory cannot fail). Otherwise the request waits (other requests keep
+(a read from host memory cannot fail). Other loads make the request wait (other requests keep
 running); once every rank has finished (`poll`), the leading pages that arrived intact on every
 rank are registered in the prefix cache and the request is admitted on a later schedule like
-any prefix hit. Until then it keeps them (and its device hits) held, so
-that the requests admitted meanwhile cannot evict them; when the pool runs short, those holds
-are the first thing given up (`release_held`), before any running request is preempted. A page
+any prefix hit. So does a host-memory load whose copies would hold up a step of other requests
+(`_copy_outlasts_step`: they take half a decode step or more): the step in flight and the next
+one run on beside the copies. Until then the request keeps its pages (and its device hits)
+held, so that the requests admitted meanwhile cannot evict them; when the pool runs short, those
+holds are the first thing given up (`release_held`), before any running request is preempted. A page
 that failed (corrupt, truncated, another fingerprint, Redis gone) and all after it are
 recomputed instead. Every page a load or store holds is given back when it finishes or is
 released, whatever happened, so the pool never leaks. Pages that came up from disk or Redis
@@ -77,6 +79,9 @@ _PROBE_EVERY = 4
 # (loads there vary 2 x, and a late one costs the wait at the cut, `split_ready`).
 _LOAD_SAMPLES = 8
 _LOAD_SAMPLE_MIN_PAGES = 16
+# A host-memory load whose copies take at least this share of a small step is not awaited by the
+# step it is started with (`_copy_outlasts_step`).
+_DEFER_STEP_SHARE = 0.5
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
 
@@ -314,7 +319,7 @@ class OffloadManager:
             self.counters[tier].miss_tokens += (queried - hits) * self.page_size
             queried -= hits
 
-    def start_load(self, request_id: str, device_hits: list[Page], lookup: Lookup) -> bool:
+    def start_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, overlapped: bool = False) -> bool:
         """Take device pages for `lookup`'s pages and start filling them; False (nothing taken)
         when the pool has too few free pages.
 
@@ -324,12 +329,16 @@ class OffloadManager:
         with `awaited`), so the request is admitted in this very schedule instead of a step or
         two after its copies are seen done. Host memory cannot fail a read, so all of them
         arrive. Pages from disk or Redis are read by threads that may fail: the request waits
-        for them (`is_loading`) and is admitted on a later schedule."""
+        for them (`is_loading`) and is admitted on a later schedule. So does a CPU-tier load
+        `overlapped` by other requests' work in this step whose copies would hold that step up
+        (`_copy_outlasts_step`): its copies run beside the step in flight and the next one,
+        the first poll after them lands it, and the step after that poll waits for what is left."""
         if not self.pool.has_room(device_hits, len(lookup)):
             return False
         self.pool.touch(device_hits)
         self.record_lookup(lookup)
-        at_once = all(tier == CPU for tier in lookup.tiers)
+        at_once = (all(tier == CPU for tier in lookup.tiers)
+                   and not (overlapped and self._copy_outlasts_step(len(lookup))))
         load_id, load = self._load(request_id, lookup.hashes, lookup.tiers, at_once)
         load.held[:0] = device_hits
         if at_once:
@@ -337,6 +346,18 @@ class OffloadManager:
         else:
             self._loading[request_id] = load_id
         return True
+
+    def _copy_outlasts_step(self, num_pages: int) -> bool:
+        """Whether copying `num_pages` up from host memory, at the speed the ranks timed on the
+        device so far, takes `_DEFER_STEP_SHARE` of a small step or more (False before either
+        was measured, and without CUDA). Awaited by the step it is started with, such a load
+        holds up every running request: it starts while the step in flight has part of its
+        time left, and the copies outlast that."""
+        copies = self.copy_stats()
+        if not copies or not copies[0] or self._small_step_s is None:
+            return False
+        seconds = num_pages * self.page_bytes / self.world_size * copies[1] / copies[0]
+        return seconds >= _DEFER_STEP_SHARE * self._small_step_s
 
     def start_split_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, num_new_pages: int) -> bool:
         """Compute the front of `lookup`'s pages while the rest loads: the request is admitted
