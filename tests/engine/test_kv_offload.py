@@ -312,9 +312,16 @@ def test_the_cpu_tier_keeps_a_stored_prompt_tail_oldest(reference):
         assert_no_leaks(llm)
 
 
-def test_preempted_requests_resume_from_cpu_tier(reference):
+@pytest.mark.parametrize("deferred", [False, True], ids=["loads-at-once", "loads-deferred"])
+def test_preempted_requests_resume_from_cpu_tier(reference, deferred, monkeypatch):
     # Long generations in a pool too small for all of them: requests are preempted, and their full
-    # pages come back from host memory instead of being recomputed.
+    # pages come back from host memory instead of being recomputed; also when every load beside
+    # other requests' steps lands a schedule later (`_copy_outlasts_step`, forced).
+    from pagoda_engine.core.kv.offload.manager import OffloadManager
+
+    deferrals = []
+    if deferred:  # asked only for loads beside other requests' work: each one is deferred
+        monkeypatch.setattr(OffloadManager, "_copy_outlasts_step", lambda self, num_pages: not deferrals.append(1))
     prompts = _prompts(4, 60, seed=3)
     params = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
     expected = _tokens(reference.generate(prompts, params))
@@ -322,6 +329,7 @@ def test_preempted_requests_resume_from_cpu_tier(reference):
         got = _tokens(llm.generate(prompts, params))
         assert llm.core.scheduler.num_preemptions > 0
         assert _tier(llm, "cpu").loaded_bytes > 0
+        assert bool(deferrals) == deferred
         assert_no_leaks(llm)
     assert got == expected
 
@@ -433,6 +441,28 @@ def test_request_aborted_while_its_prefix_loads_leaves_no_page_held(tmp_path):
         core.abort_requests(["again"])
         core.wait_for_offload()
         assert not core.has_unfinished_requests()
+        assert_no_leaks(llm)
+
+
+def test_request_aborted_while_its_deferred_host_memory_load_lands_leaves_no_page_held(monkeypatch):
+    from pagoda_engine.messages import EngineCoreRequest
+
+    prompts = _prompts(6, 100, seed=9)
+    with LLM(kv_offload_cpu_gb=CPU_GB, **SMALL_POOL) as llm:
+        llm.generate(prompts, GREEDY)
+        core = llm.core
+        core.wait_for_offload()
+        monkeypatch.setattr(core.kv.offload, "_copy_outlasts_step", lambda num_pages: True)
+        core.add_request(EngineCoreRequest("busy", prompts[5], SamplingParams(temperature=0, max_tokens=6)))
+        core.step()
+        core.add_request(EngineCoreRequest("again", prompts[0], GREEDY))
+        core.step()
+        assert core.kv.offload.is_loading("again")
+        core.abort_requests(["again"])
+        while core.has_unfinished_requests():
+            core.step()
+        core.wait_for_offload()
+        assert not core.kv.offload.has_loaded("again")
         assert_no_leaks(llm)
 
 
