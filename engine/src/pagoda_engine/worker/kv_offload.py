@@ -13,12 +13,14 @@ completion is read from CUDA events when the core polls. A store runs behind the
 wrote its pages (its stream waits for the compute stream). A load's host→device copy starts at
 once, beside the step in flight; only its scatter into the device pages waits for the work
 queued on the compute stream when the load started (a page the load fills may have been freed
-under a step still in flight). A load from the CPU tier is awaited by the next step: before it
-runs, the compute stream waits for the load's event (`wait_for_loads`), so the core admits the
-request in the step it schedules the load with. A load from disk or Redis is read by the thread
-pool; the first `poll` after its read queues its copies and reports it loaded, and the next step
-waits for those copies on the device the same way (stores too: a page that just landed may be
-copied down at once), so a load never waits for a second poll.
+under a step still in flight). A load from the CPU tier is usually awaited by the next step
+(`awaited`): before it runs, the compute stream waits for the load's event (`wait_for_loads`), so
+the core admits the request in the step it schedules the load with. A load from disk or Redis is
+read by the thread pool; the first `poll` after its read queues its copies and reports it loaded,
+and the next step waits for those copies on the device the same way (stores too: a page that
+just landed may be copied down at once), so a load never waits for a second poll. A CPU-tier
+load the core chose not to await (it would hold up other requests' step) takes that path too:
+the first `poll` after it started reports it, its copies already queued.
 Device staging is allocated on the copying stream and dropped once its copies are queued (the
 caching allocator hands that memory only to later work of the same stream), so at most one
 chunk of staging (`_LOAD_STAGING_BYTES`, `_STORE_STAGING_BYTES`) is live per stream: a load up
