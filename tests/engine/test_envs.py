@@ -21,7 +21,7 @@ SECONDS = {"PAGODA_TP_START_TIMEOUT_S": (envs.tp_start_timeout_s, 900.0),
            "PAGODA_KV_REMOTE_BACKOFF_S": (remote_backoff_s, 5.0)}
 COUNTS = {"PAGODA_CPU_THREADS": (envs.cpu_threads, None),
           "PAGODA_KV_REMOTE_READ_CONNECTIONS": (remote_read_connections, 4)}
-ALL = [*SECONDS, *COUNTS, "PAGODA_TP_JOIN_TIMEOUT_S"]
+ALL = [*SECONDS, *COUNTS, "PAGODA_TP_JOIN_TIMEOUT_S", "PAGODA_PDL"]
 
 
 @pytest.fixture(autouse=True)
@@ -55,6 +55,18 @@ def test_a_bad_count_is_refused_by_name(monkeypatch, name, value):
         COUNTS[name][0]()
 
 
+def test_the_pdl_switch_is_on_by_default_and_takes_only_0_or_1(monkeypatch):
+    assert envs.programmatic_dependent_launch() is True
+    monkeypatch.setenv("PAGODA_PDL", "0")
+    assert envs.programmatic_dependent_launch() is False
+    monkeypatch.setenv("PAGODA_PDL", "1")
+    assert envs.programmatic_dependent_launch() is True
+    for value in ("yes", "true", "2", ""):
+        monkeypatch.setenv("PAGODA_PDL", value)
+        with pytest.raises(InvalidEnvironmentError, match=f"^PAGODA_PDL must be 0 or 1, got {value!r}$"):
+            envs.programmatic_dependent_launch()
+
+
 def test_the_join_timeout_reads_its_older_name_only_when_the_new_one_is_unset(monkeypatch):
     monkeypatch.setenv("PAGODA_TP_JOIN_TIMEOUT_S", "40")
     assert envs.dist_timeout_s() == 40.0
@@ -77,6 +89,7 @@ def _pagoda(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     ("PAGODA_TP_JOIN_TIMEOUT_S", "nan", "a number of seconds > 0"),
     ("PAGODA_TP_COLLECTIVE_TIMEOUT_S", "inf", "a number of seconds > 0"),
     ("PAGODA_CPU_THREADS", "-1", "a whole number >= 1"),
+    ("PAGODA_PDL", "yes", "0 or 1"),
 ])
 def test_pagoda_serve_stops_on_a_bad_value_before_anything_starts(name, value, must_be):
     out = _pagoda("serve", "--model", "pagoda-tiny", "--device", "cpu", env={name: value})

@@ -2,7 +2,7 @@
 one: `env_seconds` (a finite number of seconds > 0) or `env_count` (a whole number >= 1). A value
 that is not one (not a number, zero or negative, nan or inf, empty) is refused with an
 `InvalidEnvironmentError` naming the variable and what it must be, never crashes on a bare
-ValueError nor is bent into range.
+ValueError nor is bent into range. `env_switch` reads an on/off switch: "1" or "0", nothing else.
 
 Each is read when used, never at import: every `pagoda` verb imports the modules that use them.
 `pagoda serve` reads them all first (`check_environment`), so a bad value stops it, exit 2,
@@ -55,6 +55,16 @@ def env_count(name: str, default: int | None) -> int | None:
     return count
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """On ("1") or off ("0") from `name`, `default` when it is not set."""
+    found = _raw((name,))
+    if found is None:
+        return default
+    if found[1] not in ("0", "1"):
+        raise InvalidEnvironmentError(f"{name} must be 0 or 1, got {found[1]!r}")
+    return found[1] == "1"
+
+
 def tp_start_timeout_s() -> float:
     """How long a worker rank may take to start: spawning, importing torch and loading a shard of
     a large checkpoint."""
@@ -78,11 +88,17 @@ def cpu_threads() -> int | None:
     return env_count("PAGODA_CPU_THREADS", None)
 
 
+def programmatic_dependent_launch() -> bool:
+    """The engine's Triton kernels start while the kernel before them ends, on GPUs that can
+    (`worker/pdl.py`); PAGODA_PDL=0 turns it off."""
+    return env_switch("PAGODA_PDL", True)
+
+
 def check_environment() -> None:
     """Read every number above and the KV store's, so that a bad one is refused at start-up rather
     than when (and in whichever process) it is first used."""
     from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
-    for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, remote_read_connections,
-                 remote_timeout_s, remote_backoff_s):
+    for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, programmatic_dependent_launch,
+                 remote_read_connections, remote_timeout_s, remote_backoff_s):
         read()

@@ -16,13 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
+
 _CHUNK = 8192
 _BLOCK = 1024
 
 
 @triton.jit
 def _gumbel_max_kernel(logits_ptr, row_stride, inv_temp_ptr, seed_ptr, best_val_ptr, best_idx_ptr,
-                       vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+                       vocab_size, num_chunks, CHUNK: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     seed = tl.load(seed_ptr + row)
@@ -64,6 +69,6 @@ def gumbel_max_sample(logits: torch.Tensor, seeds: torch.Tensor, temperature: to
                     else torch.ones(num_rows, dtype=torch.float32, device=logits.device))
         _gumbel_max_kernel[(num_rows, num_chunks)](
             logits, logits.stride(0), inv_temp, seeds, best_val, best_idx, vocab_size, num_chunks,
-            CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4)
+            CHUNK=_CHUNK, BLOCK=_BLOCK, num_warps=4, **pdl.launch(logits.device))
     # argmax returns the first maximum: among equal scores the lowest chunk, hence the lowest id.
     return best_idx.gather(1, best_val.argmax(dim=1, keepdim=True)).squeeze(1).long()

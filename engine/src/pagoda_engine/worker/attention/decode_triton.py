@@ -45,6 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
+
 MAX_SPLITS = 32  # slices a request's tokens may make; the launch grid's last dimension
 BLOCK_G = 16  # rows of a KV head's query group in the tensor-core tiles (grouped-query groups up to 16)
 BLOCK_N = 64  # tokens a program reads in one round of loads
@@ -105,7 +107,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
                    stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_P2: tl.constexpr, BLOCK_G: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                   MAX_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+                   MAX_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -177,10 +182,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
 def _large_batch_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_ptr, order_ptr, sm_scale_log2,
                         stride_qb, stride_qh, stride_ob, stride_oh, stride_kp, stride_kt, stride_kh,
                         GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr):
+                        PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """Program (h, i): the query heads of KV head h of request b = order[i] over all of its tokens.
     The GPU starts programs in grid order (h fastest), so `order` longest first starts the longest
     requests first and leaves the short ones to fill the end of the step."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
     first_page = tl.load(indptr_ptr + b)
@@ -247,7 +255,7 @@ class SmallBatchDecode:
             k_pages.stride(0), k_pages.stride(1), k_pages.stride(2),
             NUM_KV_HEADS=self.num_kv_heads, GROUP=self.group, GROUP_P2=self.group_p2, BLOCK_G=BLOCK_G,
             HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size, BLOCK_N=BLOCK_N, MAX_SPLITS=MAX_SPLITS,
-            MERGE_CHUNK=self.merge_chunk, num_warps=NUM_WARPS, num_stages=1)
+            MERGE_CHUNK=self.merge_chunk, num_warps=NUM_WARPS, num_stages=1, **pdl.launch(q.device))
 
 
 def longest_first(seq_lens) -> np.ndarray:
@@ -277,4 +285,5 @@ class LargeBatchDecode:
             q, k_pages, v_pages, out, indptr, indices, last_page_len, order, self.sm_scale_log2,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_pages.stride(0), k_pages.stride(1),
             k_pages.stride(2), GROUP=self.group, BLOCK_G=BLOCK_G, HEAD_DIM=self.head_dim, PAGE_SIZE=self.page_size,
-            BLOCK_N=LARGE_BLOCK_N, STAGES=LARGE_STAGES, num_warps=NUM_WARPS, num_stages=LARGE_STAGES)
+            BLOCK_N=LARGE_BLOCK_N, STAGES=LARGE_STAGES, num_warps=NUM_WARPS, num_stages=LARGE_STAGES,
+            **pdl.launch(q.device))

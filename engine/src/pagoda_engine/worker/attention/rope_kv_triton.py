@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
 from pagoda_engine.worker.attention.base import scatter_kv, split_slots
 
 
@@ -58,9 +59,13 @@ def _rope_kv_write_kernel(
     cache_stride_page, cache_stride_kv, cache_stride_slot, cache_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (t, 0) writes token t's K and V, program (t, 1) normalises and rotates its q: two
     # programs per token halve the chain of dependent loads and stores a small decode batch waits on.
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     d = tl.arange(0, HALF_P2)
     d_ok = d < HALF
@@ -143,7 +148,7 @@ def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
             HALF_P2=triton.next_power_of_2(head_dim // 2), PAGE_SIZE=cache.shape[2], ROTATE=rotate, NORM=norm,
-            num_warps=4)
+            num_warps=4, **pdl.launch(q.device))
     return q
 
 

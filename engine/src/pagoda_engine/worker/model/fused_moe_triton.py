@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
 from pagoda_engine.worker.model.gemv_triton import dot_rows
 from pagoda_engine.worker.model.layers import SiluAndMul
 
@@ -43,12 +44,15 @@ def _grouped_gemm_kernel(
     N, K, num_pairs, rows_per_a, max_padded, num_local,
     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
     MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """C[pair, :] = A[pair // rows_per_a, :] @ B[expert(pair)]^T (× weight[pair]) for the pairs of
     one block; B is [experts, N, K]. With SILU_AND_MUL, B is [experts, 2N, K] (gate rows, then up
     rows) and C[pair, :] = silu(gate) × up, each product rounded to C's dtype first, as the
     separate SiLU-and-mul kernel sees them."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # Grouped ordering over the static grid (GROUP_M row blocks share each B tile while it is in
     # L2); blocks past the padded length of this routing do nothing.
@@ -100,9 +104,12 @@ def _grouped_gemm_kernel(
 
 @triton.jit
 def _route_kernel(logits_ptr, weights_ptr, ids_ptr, num_experts, stride_row,
-                  TOP_K: tl.constexpr, EXPERTS_POW2: tl.constexpr, RENORMALIZE: tl.constexpr):
+                  TOP_K: tl.constexpr, EXPERTS_POW2: tl.constexpr, RENORMALIZE: tl.constexpr, PDL: tl.constexpr):
     """One token's routing in one program: softmax over its experts in float32, the top k in
     descending order, optionally renormalised (`moe.select_experts` in torch is the reference)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, EXPERTS_POW2)
     x = tl.load(logits_ptr + row * stride_row + offs, mask=offs < num_experts, other=-float("inf")).to(tl.float32)
@@ -133,7 +140,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     if num_tokens:
         _route_kernel[(num_tokens,)](router_logits, weights, ids, num_experts, router_logits.stride(0), TOP_K=top_k,
                                      EXPERTS_POW2=triton.next_power_of_2(num_experts), RENORMALIZE=renormalize,
-                                     num_warps=1 if num_experts <= 128 else 4)
+                                     num_warps=1 if num_experts <= 128 else 4, **pdl.launch(router_logits.device))
     return weights, ids
 
 
@@ -162,12 +169,15 @@ def _configs(num_tokens: int) -> tuple[dict, dict]:
 @triton.jit(do_not_specialize=_PER_STEP + ["block_m"])
 def _align_per_bucket_kernel(ids_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr, num_pairs, num_buckets,
                              block_m, PAIRS: tl.constexpr, MIN_BLOCK_M: tl.constexpr, MAX_BLOCK_M: tl.constexpr,
-                             BUCKETS_POW2: tl.constexpr):
+                             BUCKETS_POW2: tl.constexpr, PDL: tl.constexpr):
     """`align_by_expert` for up to PAIRS pairs in one launch of one program per bucket. Each
     program reads every pair's bucket and counts them all (so it knows where every bucket's run
     starts: no second launch, no atomics), then writes its own run: its pairs in order, the
     sentinel `num_pairs` in the padding, and its bucket as the expert of each of its blocks.
     `block_m` is not a compile-time constant, so one compiled kernel serves every tile size."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     bucket = tl.program_id(0)
     offs = tl.arange(0, PAIRS)
     ids = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=BUCKETS_POW2 - 1).to(tl.int32)
@@ -269,7 +279,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int
             raise ValueError(f"block_m {block_m} is outside [{_MIN_BLOCK_M}, {_MAX_BLOCK_M}]")
         _align_per_bucket_kernel[(num_experts,)](flat, sorted_pairs, block_experts, num_padded, num_pairs, num_experts,
                                                  block_m, PAIRS=PER_BUCKET_MAX_PAIRS, MIN_BLOCK_M=_MIN_BLOCK_M,
-                                                 MAX_BLOCK_M=_MAX_BLOCK_M, BUCKETS_POW2=buckets_pow2, num_warps=8)
+                                                 MAX_BLOCK_M=_MAX_BLOCK_M, BUCKETS_POW2=buckets_pow2, num_warps=8,
+                                                 **pdl.launch(flat.device))
         return sorted_pairs, block_experts, num_padded
     # A prefill's thousands of pairs: count and place them with a grid of programs each.
     sorted_pairs.fill_(num_pairs)  # the padding's sentinel
@@ -325,17 +336,20 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
         a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
         N, K, num_pairs, rows_per_a, sorted_pairs.numel(), b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, **cfg,
+        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, **cfg, **pdl.launch(a.device),
     )
 
 
 @triton.jit
 def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
                          stride_xm, stride_we, stride_wn, stride_am,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """A few tokens: for one (token, slot) pair, act[pair, cols] = silu(gate) × up over one block
     of the expert's I columns, read straight from the expert's rows (no alignment, no padding),
     with the one-row kernels' `dot_rows`."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     pair = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < I
@@ -354,13 +368,17 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
 @triton.jit
 def _down_gemv_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, N, num_local,
                       stride_am, stride_we, stride_wn, stride_om,
-                      K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PDL: tl.constexpr):
     """A few tokens: out[token, cols] = Σ over its slots of weight × down(act[pair]), for one block
     of the hidden columns: the down projection and the combine in one pass. The slots' products
     go into one set of BLOCK_K-wide float32 partial sums (each activation scaled by its slot's
     weight first), summed once at the end. No branches: a slot whose expert another rank holds
     masks its rows off (its activation row is zeros), so the unrolled slots' reads can all be in
     flight at once."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -405,13 +423,15 @@ def _experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     block_n, block_k, warps = GATE_UP_GEMV_CONFIG
     _gate_up_gemv_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
         x, w13, act, ids, inter, num_local, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=hidden, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=warps)
+        K=hidden, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=warps,
+        **pdl.launch(x.device))
     out = torch.empty(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
     block_n, block_k, warps = DOWN_GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else DOWN_GEMV_CONFIG
     _down_gemv_kernel[(num_tokens, triton.cdiv(w2.shape[1], block_n))](
         act, w2, out, ids, topk_weights.flatten(), w2.shape[1], num_local,
         act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=warps)
+        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=warps,
+        **pdl.launch(x.device))
     return out
 
 
@@ -449,8 +469,12 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 
 @triton.jit
-def _combine_kernel(down_ptr, out_ptr, N, stride_dm, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr):
+def _combine_kernel(down_ptr, out_ptr, N, stride_dm, stride_om, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                    PDL: tl.constexpr):
     """out[token, cols] = the sum of the token's TOP_K rows of `down`, in float32, rounded once."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = cols < N
@@ -471,5 +495,5 @@ def _combine(down: torch.Tensor, num_tokens: int, top_k: int) -> torch.Tensor:
     out = torch.empty(num_tokens, n, dtype=down.dtype, device=down.device)
     block = min(COMBINE_BLOCK_N, triton.next_power_of_2(n))
     _combine_kernel[(num_tokens, triton.cdiv(n, block))](down, out, n, down.stride(0), out.stride(0), TOP_K=top_k,
-                                                          BLOCK_N=block, num_warps=4)
+                                                          BLOCK_N=block, num_warps=4, **pdl.launch(down.device))
     return out

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
+
 
 @triton.jit
 def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -56,8 +58,12 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
 
 @triton.jit
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 PDL: tl.constexpr):
     """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -95,10 +101,14 @@ def _columns_per_program(gated: bool) -> int:
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr):
+                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
+                 PDL: tl.constexpr):
     """`_gemv_kernel` for M (≤ M_PAD) rows: each program takes BLOCK_N output columns of every row,
     streaming its weight rows over K once in BLOCK_K-wide tiles, each multiplied on the tensor
     cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ms = tl.arange(0, M_PAD)
@@ -138,7 +148,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), weight.stride(0), K=k,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=ROWS_PAD,
-        num_warps=4, num_stages=stages)
+        num_warps=4, num_stages=stages, **pdl.launch(x.device))
     return y
 
 
@@ -152,7 +162,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n:
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, n, weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        **pdl.launch(x.device))
     return y
 
 
@@ -169,12 +180,13 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, stride_wn, eps,
                          K: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GATED: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr):
+                         GATED: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr,
+                         PDL: tl.constexpr):
     """h = x (+ res); y[cols] = rmsnorm(h) · w[cols] (+ b[cols]), GATED as `_gemv_kernel`. Every
     program loads the whole row and its weight rows at once, normalises the row as FlashInfer's
     RMSNorm does (float32, times the weight, rounded once to the dtype) and takes the dot
     products; program 0 also writes h (the new residual stream) and, WRITE_NORMED, the
-    normalised row."""
+    normalised row. Under PDL the weight rows are loaded before the wait for the kernel before."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -184,6 +196,9 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_pt
     w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
     if GATED:
         w_up = tl.load(w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     h = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
     if HAS_RES:
         h += tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -242,5 +257,5 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
         x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight, y,
         res_out, normed if normed is not None else x, n, weight.stride(0), eps, K=k, K_P2=k_p2,
         HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated, WRITE_NORMED=normed_out,
-        BLOCK_N=block_n, num_warps=4 if k_p2 <= 4096 else 8)
+        BLOCK_N=block_n, num_warps=4 if k_p2 <= 4096 else 8, **pdl.launch(x.device))
     return (y, res_out, normed) if normed_out else (y, res_out)

@@ -12,13 +12,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pagoda_engine.worker import pdl
+
 # Measured faster than FlashInfer up to here (H100, 14,336 wide: 1 row 1.2 vs 3.7 us, 256 rows 3.8 vs 5.6).
 MAX_ROWS = 256
 _BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -35,5 +40,5 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty((rows, d), dtype=x.dtype, device=x.device)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(d, _BLOCK))](x, out, d, x.stride(0), out.stride(0), BLOCK=_BLOCK,
-                                                             num_warps=4)
+                                                             num_warps=4, **pdl.launch(x.device))
     return out
