@@ -1,7 +1,8 @@
 """Programmatic dependent launch (`worker/pdl.py`): on a Hopper GPU the engine's Triton kernels are
 launched with it, and chains of dependent kernels captured in a CUDA graph (each kernel reading
 what the one before it wrote, as a decode step's layers do) give the same bits with it as without
-it: the kernels that load weights before their wait (the folded norm and projection) and the MoE
+it: the kernels that load weights before their wait (the one-row projections, the folded norm and
+projection) and the MoE
 layer's chain of routing, alignment, grouped GEMMs or matrix-vector experts, and combine."""
 
 from __future__ import annotations
@@ -71,6 +72,25 @@ def _norm_projection_chain():
     return chain
 
 
+def _projection_chain(k: int, gated: bool):
+    """One-row projections (`gemv`, which loads its first weight tile before the wait), each reading
+    the row the one before wrote: K = 1,032 (one tile, masked) and 4,104 (three, the last masked)."""
+    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul
+
+    gen = torch.Generator(device=CUDA).manual_seed(k)
+    rows = 2 * k if gated else k
+    weights = [(torch.randn(rows, k, device=CUDA, generator=gen) * k ** -0.5).bfloat16() for _ in range(32)]
+    x = torch.randn(1, k, device=CUDA, generator=gen).bfloat16()
+
+    def chain():
+        h = x
+        for weight in weights:
+            h = gemv_silu_and_mul(h, weight) * 4 if gated else gemv(h, weight)
+        return (h,)
+
+    return chain
+
+
 def _moe_chain(num_tokens: int):
     from pagoda_engine.worker.model.fused_moe_triton import fused_experts, route
 
@@ -92,9 +112,15 @@ def _moe_chain(num_tokens: int):
     return chain
 
 
-@pytest.mark.parametrize("chain", ["norm+projection", "moe, 3 tokens", "moe, 64 tokens", "moe, 300 tokens"])
+CHAINS = ["norm+projection", "projection 1032", "projection 4104", "gated projection 1032", "moe, 3 tokens",
+          "moe, 64 tokens", "moe, 300 tokens"]
+
+
+@pytest.mark.parametrize("chain", CHAINS)
 def test_dependent_chains_in_a_graph_give_the_same_bits_with_and_without_pdl(monkeypatch, chain):
-    make = {"norm+projection": _norm_projection_chain, "moe, 3 tokens": lambda: _moe_chain(3),
+    make = {"norm+projection": _norm_projection_chain, "projection 1032": lambda: _projection_chain(1032, False),
+            "projection 4104": lambda: _projection_chain(4104, False),
+            "gated projection 1032": lambda: _projection_chain(1032, True), "moe, 3 tokens": lambda: _moe_chain(3),
             "moe, 64 tokens": lambda: _moe_chain(64), "moe, 300 tokens": lambda: _moe_chain(300)}[chain]
     _with_pdl(monkeypatch, False)
     expected = _replayed(make())

@@ -360,7 +360,7 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
     x_row = x_ptr + (pair // top_k) * stride_xm
     gate_rows = w13_ptr + expert * stride_we + cols[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
-    g, u = dot_rows(x_row, gate_rows, up_rows, col_mask, K, True, BLOCK_N, BLOCK_K)
+    g, u = dot_rows(x_row, gate_rows, up_rows, col_mask, K, True, BLOCK_N, BLOCK_K, gate_rows, up_rows, False)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + pair * stride_am + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
 

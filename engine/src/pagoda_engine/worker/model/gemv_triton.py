@@ -34,12 +34,29 @@ from pagoda_engine.worker import pdl
 
 
 @triton.jit
+def first_rows(rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The first BLOCK_K-wide tile of the weight rows (and of the up rows when GATED; else the
+    first again), loaded as `dot_rows` loads it: a kernel under PDL loads it before its wait."""
+    ks = tl.arange(0, BLOCK_K)
+    if BLOCK_K <= K:
+        mask = col_mask[:, None]
+    else:
+        mask = col_mask[:, None] & (ks[None, :] < K)
+    w = tl.load(rows + ks[None, :], mask=mask, other=0.0)
+    up = w
+    if GATED:
+        up = tl.load(up_rows + ks[None, :], mask=mask, other=0.0)
+    return w, up
+
+
+@triton.jit
 def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr):
+             BLOCK_K: tl.constexpr, w_first, up_first, HAS_FIRST: tl.constexpr):
     """(rows · x_row, up_rows · x_row) in float32 for BLOCK_N weight rows (pointers [BLOCK_N, 1];
     masked by col_mask) over K; the second is zeros unless GATED. BLOCK_K-wide partial sums, summed
     once at the end; K is a compile-time constant, so the loop unrolls and its loads can all be in
-    flight. Also the MoE experts' gate+up kernel (`fused_moe_triton`)."""
+    flight. With HAS_FIRST the first tile is `first_rows`' (loaded earlier), the same values in the
+    same sums. Also the MoE experts' gate+up kernel (`fused_moe_triton`)."""
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in tl.static_range(0, K, BLOCK_K):
@@ -50,9 +67,14 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
         else:
             a = tl.load(x_row + ks, mask=ks < K, other=0.0).to(tl.float32)[None, :]
             mask = col_mask[:, None] & (ks[None, :] < K)
-        acc += tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
-        if GATED:
-            acc_up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
+        if HAS_FIRST and k == 0:
+            acc += w_first.to(tl.float32) * a
+            if GATED:
+                acc_up += up_first.to(tl.float32) * a
+        else:
+            acc += tl.load(rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
+            if GATED:
+                acc_up += tl.load(up_rows + ks[None, :], mask=mask, other=0.0).to(tl.float32) * a
     return tl.sum(acc, axis=1), tl.sum(acc_up, axis=1)
 
 
@@ -60,15 +82,19 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
 def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                  PDL: tl.constexpr):
-    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
+    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
-    y, up = dot_rows(x_ptr, rows, up_rows, col_mask, K, GATED, BLOCK_N, BLOCK_K)
+    w_first = rows
+    up_first = rows
+    if PDL:
+        w_first, up_first = first_rows(rows, up_rows, col_mask, K, GATED, BLOCK_K)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    y, up = dot_rows(x_ptr, rows, up_rows, col_mask, K, GATED, BLOCK_N, BLOCK_K, w_first, up_first, PDL)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
