@@ -85,7 +85,8 @@ def _projection_chain(k: int, gated: bool):
     def chain():
         h = x
         for weight in weights:
-            h = gemv_silu_and_mul(h, weight) * 4 if gated else gemv(h, weight)
+            h = gemv_silu_and_mul(h, weight) if gated else gemv(h, weight)
+            h = h / h.float().square().mean().sqrt().to(h.dtype)  # each layer's row at unit scale
         return (h,)
 
     return chain
