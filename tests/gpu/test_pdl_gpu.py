@@ -92,6 +92,26 @@ def _projection_chain(k: int, gated: bool):
     return chain
 
 
+def _few_rows_chain(m: int, k: int, gated: bool):
+    """The few-row kernel (2-16 rows; its first weight tile is loaded before the wait), chained."""
+    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul, linear_applies
+
+    gen = torch.Generator(device=CUDA).manual_seed(m * k)
+    rows = 2 * k if gated else k
+    weights = [(torch.randn(rows, k, device=CUDA, generator=gen) * k ** -0.5).bfloat16() for _ in range(32)]
+    x = torch.randn(m, k, device=CUDA, generator=gen).bfloat16()
+    assert linear_applies(x, weights[0])
+
+    def chain():
+        h = x
+        for weight in weights:
+            h = gemv_silu_and_mul(h, weight) if gated else gemv(h, weight)
+            h = h / h.float().square().mean().sqrt().to(h.dtype)
+        return (h,)
+
+    return chain
+
+
 def _moe_chain(num_tokens: int):
     from pagoda_engine.worker.model.fused_moe_triton import fused_experts, route
 
@@ -113,15 +133,17 @@ def _moe_chain(num_tokens: int):
     return chain
 
 
-CHAINS = ["norm+projection", "projection 1032", "projection 4104", "gated projection 1032", "moe, 3 tokens",
-          "moe, 64 tokens", "moe, 300 tokens"]
+CHAINS = ["norm+projection", "projection 1032", "projection 4104", "gated projection 1032", "6 rows 2048",
+          "16 rows 1032", "gated 6 rows 2048", "moe, 3 tokens", "moe, 64 tokens", "moe, 300 tokens"]
 
 
 @pytest.mark.parametrize("chain", CHAINS)
 def test_dependent_chains_in_a_graph_give_the_same_bits_with_and_without_pdl(monkeypatch, chain):
     make = {"norm+projection": _norm_projection_chain, "projection 1032": lambda: _projection_chain(1032, False),
             "projection 4104": lambda: _projection_chain(4104, False),
-            "gated projection 1032": lambda: _projection_chain(1032, True), "moe, 3 tokens": lambda: _moe_chain(3),
+            "gated projection 1032": lambda: _projection_chain(1032, True),
+            "6 rows 2048": lambda: _few_rows_chain(6, 2048, False), "16 rows 1032": lambda: _few_rows_chain(16, 1032, False),
+            "gated 6 rows 2048": lambda: _few_rows_chain(6, 2048, True), "moe, 3 tokens": lambda: _moe_chain(3),
             "moe, 64 tokens": lambda: _moe_chain(64), "moe, 300 tokens": lambda: _moe_chain(300)}[chain]
     _with_pdl(monkeypatch, False)
     expected = _replayed(make())

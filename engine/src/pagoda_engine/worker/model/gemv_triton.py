@@ -131,10 +131,9 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
                  PDL: tl.constexpr):
     """`_gemv_kernel` for M (≤ M_PAD) rows: each program takes BLOCK_N output columns of every row,
     streaming its weight rows over K once in BLOCK_K-wide tiles, each multiplied on the tensor
-    cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous. Under PDL the
+    first weight tile is loaded before the wait for the kernel before (the first step of the loop,
+    peeled: the same products in the same order)."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ms = tl.arange(0, M_PAD)
@@ -143,7 +142,23 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
+    k_start = 0
+    if PDL:
+        ks = tl.arange(0, BLOCK_K)
+        k_mask = ks < K
+        w_mask = col_mask[:, None] & k_mask[None, :]
+        w_first = tl.load(rows + ks[None, :], mask=w_mask, other=0.0)
+        up_first = w_first
+        if GATED:
+            up_first = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(w_first, xt)
+        if GATED:
+            acc_up += tl.dot(up_first, xt)
+        k_start = BLOCK_K
+    for k in range(k_start, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
