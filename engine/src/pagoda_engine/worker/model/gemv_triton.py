@@ -128,12 +128,13 @@ def _columns_per_program(gated: bool) -> int:
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, HAS_BIAS: tl.constexpr,
                  GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 PDL: tl.constexpr):
+                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """`_gemv_kernel` for M (≤ M_PAD) rows: each program takes BLOCK_N output columns of every row,
     streaming its weight rows over K once in BLOCK_K-wide tiles, each multiplied on the tensor
-    cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous. Under PDL the
-    first weight tile is loaded before the wait for the kernel before (the first step of the loop,
-    peeled: the same products in the same order)."""
+    cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous. Under PDL with
+    PREFETCH the first weight tile is loaded before the wait for the kernel before (the first step
+    of the loop, peeled: the same products in the same order); it takes a pipeline stage's worth
+    of shared memory more, which 256-wide tiles in five stages do not have."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ms = tl.arange(0, M_PAD)
@@ -143,7 +144,10 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     k_start = 0
-    if PDL:
+    if PDL and not PREFETCH:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    if PDL and PREFETCH:
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < K
         w_mask = col_mask[:, None] & k_mask[None, :]
@@ -189,7 +193,7 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), weight.stride(0), K=k,
         HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=ROWS_PAD,
-        num_warps=4, num_stages=stages, **pdl.launch(x.device))
+        num_warps=4, num_stages=stages, PREFETCH=block_k <= 128, **pdl.launch(x.device))
     return y
 
 
