@@ -17,7 +17,7 @@ Llama-3.1-8B and from 2.746 to 2.512 ms at Qwen3-30B-A3B (benchmarks.md, twenty-
 Each kernel that takes part has a `PDL: tl.constexpr` parameter that puts the wait in, and is
 launched with `**launch(device)`, which sets it and Triton's `launch_pdl` together (a wait without
 the launch attribute is a no-op; the attribute without the wait would be a race, so the two never
-come apart). Off on GPUs before Hopper, with a Triton older than 3.4, and with PAGODA_PDL=0."""
+come apart). Off on GPUs before Hopper, on ROCm, with a Triton older than 3.4, and with PAGODA_PDL=0."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def launch(device: torch.device) -> dict:
 
 @functools.cache
 def _keywords(device_type: str, device_index: int | None) -> dict:
-    if device_type != "cuda" or not envs.programmatic_dependent_launch():
+    # ROCm builds of torch call their GPUs "cuda" too; PDL is NVIDIA's (Triton's `tl.extra.cuda`).
+    if device_type != "cuda" or torch.version.hip is not None or not envs.programmatic_dependent_launch():
         return _OFF
     import triton
 
