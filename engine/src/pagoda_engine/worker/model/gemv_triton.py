@@ -148,15 +148,11 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if PDL and PREFETCH:
-        ks = tl.arange(0, BLOCK_K)
-        k_mask = ks < K
-        w_mask = col_mask[:, None] & k_mask[None, :]
-        w_first = tl.load(rows + ks[None, :], mask=w_mask, other=0.0)
-        up_first = w_first
-        if GATED:
-            up_first = tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0)
+        w_first, up_first = first_rows(rows, up_rows, col_mask, K, GATED, BLOCK_K)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
+        ks = tl.arange(0, BLOCK_K)
+        k_mask = ks < K
         xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         acc += tl.dot(w_first, xt)
         if GATED:
