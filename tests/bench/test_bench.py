@@ -4,6 +4,7 @@ reports figures consistent with what it generated."""
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 
 import pytest
@@ -100,6 +101,30 @@ def test_latency_run_reports_time_per_token(tiny_model, tmp_path):
     assert len(result["iterations"]) == 2
     # median_e2e_s is rounded to 0.1 ms, so allow that much (spread over 6 tokens) besides 1%.
     assert result["ms_per_output_token"] == pytest.approx(result["median_e2e_s"] / 6 * 1e3, rel=0.01, abs=0.05 / 6 + 1e-3)
+
+
+@pytest.mark.parametrize("bench", ["throughput", "latency"])
+def test_timed_runs_leave_the_start_up_heap_to_the_collector_only_after(tiny_model, monkeypatch, bench):
+    """The timed runs go with the heap frozen (as a core process's), and the process gets it back."""
+    from pagoda_engine.bench import offline
+
+    before = gc.get_freeze_count()
+    frozen_while = {}
+    drive = offline._drive
+
+    def recording(core, wl, tag, profiler=None):
+        frozen_while[tag] = gc.get_freeze_count()
+        return drive(core, wl, tag, profiler)
+
+    monkeypatch.setattr(offline, "_drive", recording)
+    size = ["--num-prompts", "2"] if bench == "throughput" else ["--num-iters", "1"]
+    assert main(["bench", bench, "--model", tiny_model, "--dtype", "float32", "--input-len", "8",
+                 "--output-len", "4", *size]) == 0
+    timed = "bench" if bench == "throughput" else "iter0"
+    assert frozen_while[timed] > before
+    if bench == "latency":
+        assert frozen_while["warmup-run"] == before
+    assert gc.get_freeze_count() == before
 
 
 def test_invalid_sizes_are_refused(tiny_model, capsys):
