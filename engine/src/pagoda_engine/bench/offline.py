@@ -23,6 +23,7 @@ from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.messages import EngineCoreRequest
+from pagoda_engine.processes import freeze_gc_heap
 from pagoda_engine.sampling_params import SamplingParams
 
 
@@ -299,8 +300,7 @@ def _heap_frozen():
     collection otherwise walks torch's and transformers' objects in this process: 100-250 ms with
     the device idle (an N1 run on an H200, 2026-11-27). Worker ranks of a tensor- or
     pipeline-parallel run are not frozen."""
-    gc.collect()
-    gc.freeze()
+    freeze_gc_heap()
     try:
         yield
     finally:

@@ -144,13 +144,12 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
     acc = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_N, M_PAD), dtype=tl.float32)
     k_start = 0
-    if PDL and not PREFETCH:
+    if PDL:
+        if PREFETCH:
+            w_first, up_first = first_rows(rows, up_rows, col_mask, K, GATED, BLOCK_K)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if PDL and PREFETCH:
-        w_first, up_first = first_rows(rows, up_rows, col_mask, K, GATED, BLOCK_K)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
