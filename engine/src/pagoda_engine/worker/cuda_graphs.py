@@ -37,7 +37,6 @@ from typing import Protocol
 import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
-from pagoda_engine.worker.compile_ahead import compile_ahead
 
 
 # Steps of more tokens run eagerly: their kernels outlast the launches. On an H100 with
@@ -176,18 +175,12 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.replays = 0
-        dummies = {bs: AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
-                                      slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device), num_decodes=bs)
-                   for bs in self.batch_sizes}
-        with torch.inference_mode(), compile_ahead(device, "the decode graphs") as ahead:
-            for bs in reversed(self.batch_sizes) if ahead else ():
-                for variant in attn.graph_variants(bs):
-                    attn.plan_graph_decode(dummies[bs], bs, variant)
-                    self._forward(bs)
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
-                dummy = dummies[bs]
+                dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
+                                       slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
+                                       num_decodes=bs)
                 for variant in attn.graph_variants(bs):
                     key = (bs, attn.plan_graph_decode(dummy, bs, variant))
                     self._forward(bs)  # warm-up: lazy inits stay out of the graph
@@ -302,10 +295,6 @@ class PiecewiseGraphs:
         # The last segment's hidden states (on a pipeline stage other than the last, what it sends on), per size.
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run
-        with torch.inference_mode(), compile_ahead(device, "the piecewise graphs") as ahead:
-            for size in reversed(self.token_sizes) if ahead else ():
-                for i in range(num_segments):
-                    self.buffers.segment(i, size)
         with torch.inference_mode():
             # Largest first: the smaller sizes reuse the pool memory the largest one reserved.
             for size in reversed(self.token_sizes):
