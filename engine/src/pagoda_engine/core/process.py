@@ -273,7 +273,7 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
     try:
         try:
             # No automatic collections while start-up builds the heap: each full one walked all of it
-            # (four took 0.7 s of an H100 server's start); one collection before the freeze below.
+            # (four took 0.77-0.84 s of a fresh H100 server's start); one collection before the freeze below.
             gc.disable()
             from pagoda_engine.core.engine_core import EngineCore
 
