@@ -56,6 +56,7 @@ from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
+from pagoda_engine.worker.compile_ahead import triton_cache_is_empty
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
 from pagoda_engine.worker.kv_offload import OffloadSetup
@@ -148,6 +149,9 @@ class EngineCore:
         self.served_model_name = mc.served_model_name or served_model_name(mc.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
+        # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
+        # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
+        self.compile_ahead = self.device.type == "cuda" and triton_cache_is_empty()
         if self.device.type == "cuda":
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
@@ -250,12 +254,13 @@ class EngineCore:
                          if self.cudagraph_mode == "FULL_AND_PIECEWISE" else 0)
             self.runner.capture_cuda_graphs(
                 resolve_cudagraph_capture_size(config.scheduler.max_num_seqs, mc.max_cudagraph_capture_size),
-                self.max_model_len, piecewise)
+                self.max_model_len, piecewise, compile_first=self.compile_ahead)
             self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             pw = self.runner.piecewise_graphs
-            logger.info("captured CUDA graphs in %.1fs, taking %.0f MiB: decode batch sizes %s; piecewise token "
-                        "counts %s", time.monotonic() - t1, self.cuda_graph_bytes / 2**20,
-                        self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
+            logger.info("captured CUDA graphs in %.1fs%s, taking %.0f MiB: decode batch sizes %s; piecewise token "
+                        "counts %s", time.monotonic() - t1,
+                        " (Triton's cache was empty: their kernels compiled ahead)" if self.compile_ahead else "",
+                        self.cuda_graph_bytes / 2**20, self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
         # pod's other cores in lockstep with them (each runs the same warm-up).
         if self.device.type == "cuda":

@@ -37,6 +37,7 @@ from typing import Protocol
 import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
+from pagoda_engine.worker.compile_ahead import compile_ahead
 
 
 # Steps of more tokens run eagerly: their kernels outlast the launches. On an H100 with
@@ -159,7 +160,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, model: torch.nn.Module, attn: AttentionBackend, device: torch.device,
-                 batch_sizes: list[int], max_pages_per_seq: int, pool: tuple):
+                 batch_sizes: list[int], max_pages_per_seq: int, pool: tuple, compile_first: bool = False):
         if not hasattr(attn, "plan_graph_decode"):
             raise ValueError(f"attention backend {attn.name!r} cannot run in CUDA graphs")
         self.model, self.attn = model, attn
@@ -175,12 +176,18 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self.outputs: dict[tuple[int, bool], torch.Tensor] = {}
         self.replays = 0
+        dummies = {bs: AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
+                                      slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device), num_decodes=bs)
+                   for bs in self.batch_sizes}
+        with torch.inference_mode(), compile_ahead(device, "the decode graphs", compile_first) as ahead:
+            for bs in reversed(self.batch_sizes) if ahead else ():
+                for variant in attn.graph_variants(bs):
+                    attn.plan_graph_decode(dummies[bs], bs, variant)
+                    self._forward(bs)
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
-                dummy = AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
-                                       slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device),
-                                       num_decodes=bs)
+                dummy = dummies[bs]
                 for variant in attn.graph_variants(bs):
                     key = (bs, attn.plan_graph_decode(dummy, bs, variant))
                     self._forward(bs)  # warm-up: lazy inits stay out of the graph
@@ -284,7 +291,7 @@ class PiecewiseGraphs:
     between the replays, planned for the real batch."""
 
     def __init__(self, model: PiecewiseModel, attn: AttentionBackend, device: torch.device, token_sizes: list[int],
-                 pool: tuple):
+                 pool: tuple, compile_first: bool = False):
         self.attn = attn
         self.token_sizes = sorted(token_sizes)
         self.max_tokens = self.token_sizes[-1]
@@ -295,6 +302,10 @@ class PiecewiseGraphs:
         # The last segment's hidden states (on a pipeline stage other than the last, what it sends on), per size.
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run
+        with torch.inference_mode(), compile_ahead(device, "the piecewise graphs", compile_first) as ahead:
+            for size in reversed(self.token_sizes) if ahead else ():
+                for i in range(num_segments):
+                    self.buffers.segment(i, size)
         with torch.inference_mode():
             # Largest first: the smaller sizes reuse the pool memory the largest one reserved.
             for size in reversed(self.token_sizes):

@@ -346,9 +346,10 @@ class Executor:
         """`Worker.profile_run` on every rank at once (its collectives need them all); rank 0's logits."""
         return self.call("profile_run", backend, spec, num_tokens, num_rows)
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
+                       compile_first: bool = False) -> None:
         with _starting():
-            self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes)
+            self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes, compile_first)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
         """The step's forward on every rank; rank 0's hidden states (None under pipeline parallelism)."""

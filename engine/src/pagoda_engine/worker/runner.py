@@ -121,13 +121,15 @@ class ModelRunner:
     def piecewise_graphs(self) -> PiecewiseGraphs | None:
         return self.executor.piecewise
 
-    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, max_piecewise_tokens: int) -> None:
+    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, max_piecewise_tokens: int,
+                            compile_first: bool = False) -> None:
         """Capture, on every rank, the decode forward at the batch sizes of
         `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
         forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`. Other steps
-        run eagerly."""
+        run eagerly. `compile_first`: the graphs' Triton kernels compile ahead (`compile_ahead`)."""
         piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
-        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise)
+        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise,
+                                     compile_first)
 
     def warm_up_sampler(self) -> None:
         """Draw once along each of the sampler's paths before the engine reports ready (on the

@@ -214,19 +214,23 @@ class Worker:
     def kv_offload_poll(self) -> OffloadEvents:
         return self.offload.poll()
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
+                       compile_first: bool = False) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
         empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
         captures the same sizes in the same order: the all-reduces inside pair up across ranks,
         and every pipeline stage picks the same graph and padded size for a step (its own layers'
-        forward; the transfers between stages stay outside: `execute_model`)."""
+        forward; the transfers between stages stay outside: `execute_model`). `compile_first`:
+        compile the graphs' Triton kernels ahead, several at once (`compile_ahead`); the core
+        decides it for every rank."""
         if self.tp_group is not None and self.tp_group.stages_on_host:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
-        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool)
+        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
+                                   compile_first)
         if piecewise_sizes:
-            self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool)
+            self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool, compile_first)
 
     def graph_replays(self) -> dict[str, int]:
         """How many steps this rank ran as decode graphs and as piecewise graphs."""

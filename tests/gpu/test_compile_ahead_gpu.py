@@ -1,0 +1,95 @@
+"""`worker/compile_ahead.py`: inside the block, Triton launches compile (on a thread pool) and do
+not run, each variant once; after it, the real launches find every variant compiled and run it; a
+variant whose compile fails is left for its real launch, which raises. An engine started on an
+empty Triton cache compiles its graphs' kernels ahead and gives the same tokens as one started on
+the cache that start filled, which does not."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from gpu_support import CUDA, LLM_DEFAULTS, random_prompts, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+
+@triton.jit
+def _fill_kernel(out_ptr, n, VALUE: tl.constexpr, BLOCK: tl.constexpr):
+    tl.static_assert(VALUE < 100, "VALUE must stay under 100")
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, tl.full((BLOCK,), VALUE, tl.float32), mask=offs < n)
+
+
+def _compiled_variants() -> int:
+    device = torch.cuda.current_device()
+    caches = _fill_kernel.device_caches.get(device)
+    return 0 if caches is None else len(caches[0])
+
+
+def test_launches_inside_compile_and_do_not_run_then_run_compiled(caplog):
+    from pagoda_engine.worker.compile_ahead import compile_ahead
+
+    out = torch.full((3, 1000), -1.0, device=CUDA)
+    before = _compiled_variants()
+    with caplog.at_level(logging.INFO), compile_ahead(torch.device(CUDA), "the test") as ahead:
+        assert ahead
+        for i, value in enumerate((1, 2, 3, 1, 2)):  # the last two: variants submitted already
+            _fill_kernel[(4,)](out[i % 3], 1000, VALUE=value, BLOCK=256)
+    assert "compiled 3 Triton kernel variant(s) ahead of the test" in caplog.text
+    torch.cuda.synchronize()
+    assert bool((out == -1).all()), "a kernel ran inside the block"
+    assert _compiled_variants() == before + 3
+    for i, value in enumerate((1, 2, 3)):
+        _fill_kernel[(4,)](out[i], 1000, VALUE=value, BLOCK=256)
+    torch.cuda.synchronize()
+    assert _compiled_variants() == before + 3, "a real launch compiled again"
+    assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0], device=CUDA)[:, None].expand(3, 1000))
+
+
+def test_a_failed_compile_is_raised_by_the_real_launch():
+    from pagoda_engine.worker.compile_ahead import compile_ahead
+
+    out = torch.zeros(256, device=CUDA)
+    with compile_ahead(torch.device(CUDA), "the test"):
+        _fill_kernel[(1,)](out, 256, VALUE=500, BLOCK=256)  # fails its static assert: no error here
+    with pytest.raises(Exception, match="VALUE must stay under 100"):
+        _fill_kernel[(1,)](out, 256, VALUE=500, BLOCK=256)
+
+
+_START_AND_GENERATE = """
+import json, sys
+from pagoda_engine import LLM, SamplingParams
+llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
+outputs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+print(json.dumps({"compile_ahead": llm.core.compile_ahead, "decode_replays": llm.core.runner.graphs.replays,
+                  "tokens": [o.outputs[0].token_ids for o in outputs]}))
+"""
+
+
+def _start_and_generate(model_dir, cache_dir, prompts) -> dict:
+    """A fresh process's engine with Triton's cache in `cache_dir`: what it decided, and its greedy tokens."""
+    env = {**os.environ, "TRITON_CACHE_DIR": str(cache_dir)}
+    done = subprocess.run([sys.executable, "-c", _START_AND_GENERATE, str(model_dir), json.dumps(LLM_DEFAULTS),
+                           json.dumps(prompts)], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_an_engine_on_an_empty_cache_compiles_ahead_and_gives_the_tokens_of_a_warm_start(gpu_model_dir, tmp_path):
+    prompts = random_prompts(5, [3, 17, 40, 64, 101])
+    fresh = _start_and_generate(gpu_model_dir, tmp_path / "triton-cache", prompts)
+    assert fresh["compile_ahead"] is True
+    assert any((tmp_path / "triton-cache").iterdir()), "the first start left Triton's cache empty"
+    warm = _start_and_generate(gpu_model_dir, tmp_path / "triton-cache", prompts)
+    assert warm["compile_ahead"] is False
+    assert fresh["decode_replays"] > 0 and warm["decode_replays"] > 0
+    assert fresh["tokens"] == warm["tokens"]
