@@ -31,8 +31,10 @@ def asc_server(request, tmp_path_factory):
     dp = request.param
     profiler = {"profiler": "torch", "torch_profiler_dir": str(tmp_path_factory.mktemp("traces")),
                 "torch_profiler_with_stack": False}
-    srv = launch(tmp_path_factory.mktemp(f"serve-asc-dp{dp}"), *DEFAULT_ARGS, "--api-server-count", "2",
-                 "--data-parallel-size", str(dp), "--profiler-config", json.dumps(profiler))
+    # --max-model-len 2048 (the tiny model's): a stream long enough that it cannot end while a test
+    # sends its request id again through the other API process.
+    srv = launch(tmp_path_factory.mktemp(f"serve-asc-dp{dp}"), *DEFAULT_ARGS, "--max-model-len", "2048",
+                 "--api-server-count", "2", "--data-parallel-size", str(dp), "--profiler-config", json.dumps(profiler))
     srv.dp = dp
     wait_for_every_api_server(srv.url)
     yield srv
@@ -224,7 +226,7 @@ def test_a_refusal_and_an_abort_reach_only_the_api_server_that_sent_the_request(
 
     async def run() -> int:
         for attempt in range(1, 41):
-            body = {"model": MODEL, "prompt": "Long story", "max_tokens": 400, "ignore_eos": True,
+            body = {"model": MODEL, "prompt": "Long story", "max_tokens": 2000, "ignore_eos": True,
                     "request_id": f"shared-{attempt}"}
             pin = {"X-data-parallel-rank": "0"}  # with two cores: the same core sees both
             async with (httpx.AsyncClient(timeout=60, headers=pin) as first,
