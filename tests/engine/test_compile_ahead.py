@@ -1,6 +1,7 @@
 """`worker/compile_ahead.py` off CUDA: the block is told not to run its compile-only pass, and
-Triton's launch is left as it was; the engine core's question, whether Triton's cache is empty
-(the GPU side: tests/gpu/test_compile_ahead_gpu.py)."""
+Triton's launch is left as it was; the engine core's question, whether Triton's cache is empty;
+the pool of compile processes, which compiles for a GPU without one (the GPU side:
+tests/gpu/test_compile_ahead_gpu.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 from pagoda_engine.worker.compile_ahead import compile_ahead, triton_cache_is_empty
+from pagoda_engine.worker.compile_worker import CompileJob
 
 
 def test_off_cuda_the_block_is_skipped_and_launches_stay_launches():
@@ -61,3 +63,53 @@ def test_a_cache_manager_of_its_own_is_never_taken_for_empty(cache_env):
     assert triton_cache_is_empty()
     monkeypatch.setenv("TRITON_REMOTE_CACHE_BACKEND", "triton.runtime.cache:RedisRemoteCacheBackend")
     assert not triton_cache_is_empty()
+
+
+def _silu_and_mul_job(block: int) -> CompileJob:
+    from triton.backends.compiler import GPUTarget
+
+    signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d": "i32", "x_stride": "i32", "out_stride": "i32",
+                 "BLOCK": "constexpr", "PDL": "constexpr"}
+    return CompileJob("pagoda_engine.worker.model.silu_and_mul_triton", "_silu_and_mul_kernel", signature,
+                      {"BLOCK": block, "PDL": False}, {}, {}, GPUTarget("cuda", 90, 32))
+
+
+def test_the_pool_compiles_into_the_cache_that_a_launch_then_loads(monkeypatch, tmp_path):
+    """No GPU is needed to compile for one: the pool's processes compile a variant of a shipped
+    kernel for Hopper into Triton's cache, and the same variant compiled in this process is then a
+    cache hit (what the engine's own launch does after `compile_ahead`)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from pagoda_engine.worker.compile_ahead import CompilePool
+    from pagoda_engine.worker.compile_worker import jit_function
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pool = CompilePool(2)
+    try:
+        assert pool.compile([_silu_and_mul_job(256), _silu_and_mul_job(512), _silu_and_mul_job(1024)]) == []
+    finally:
+        pool.close()
+    assert all(proc.returncode == 0 for proc in pool.procs)
+    assert len(list(tmp_path.iterdir())) == 3
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    job = _silu_and_mul_job(512)
+    triton.compile(ASTSource(jit_function(job.module, job.qualname), job.signature, job.constexprs, job.attrs),
+                   target=job.target, options=job.options)
+    assert hits == [True]
+
+
+def test_a_variant_the_pool_cannot_compile_is_reported_not_raised(monkeypatch, tmp_path):
+    from dataclasses import replace
+
+    from pagoda_engine.worker.compile_ahead import CompilePool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    pool = CompilePool(1)
+    try:
+        errors = pool.compile([replace(_silu_and_mul_job(256), qualname="_no_such_kernel"), _silu_and_mul_job(256)])
+    finally:
+        pool.close()
+    assert len(errors) == 1 and "_no_such_kernel" in errors[0] and "AttributeError" in errors[0]
+    assert len(list(tmp_path.iterdir())) == 1  # the good variant still compiled

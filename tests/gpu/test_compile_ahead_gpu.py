@@ -1,6 +1,7 @@
-"""`worker/compile_ahead.py`: inside the block, Triton launches compile (on a thread pool) and do
-not run, each variant once; after it, the real launches find every variant compiled and run it; a
-variant whose compile fails is left for its real launch, which raises. An engine started on an
+"""`worker/compile_ahead.py`: inside the block, Triton launches note their variants and do not
+run; on leaving it a pool of processes compiles each variant once into Triton's cache; after it,
+the real launches load every variant from there and run it; a variant whose compile fails is left
+for its real launch, which raises. An engine started on an
 empty Triton cache compiles its graphs' kernels ahead and gives the same tokens as one started on
 the cache that start filled, which does not."""
 
@@ -29,38 +30,41 @@ def _fill_kernel(out_ptr, n, VALUE: tl.constexpr, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.full((BLOCK,), VALUE, tl.float32), mask=offs < n)
 
 
-def _compiled_variants() -> int:
-    device = torch.cuda.current_device()
-    caches = _fill_kernel.device_caches.get(device)
-    return 0 if caches is None else len(caches[0])
-
-
-def test_launches_inside_compile_and_do_not_run_then_run_compiled(caplog):
-    from pagoda_engine.worker.compile_ahead import compile_ahead
+def test_launches_inside_note_their_variants_and_do_not_run_then_load_them_compiled(caplog, monkeypatch):
+    """Inside the block nothing runs; on leaving it the pool compiles each variant once (two
+    launches repeat one); after it, each real launch loads its variant from Triton's cache
+    instead of compiling it, and runs it."""
+    from pagoda_engine.worker.compile_ahead import compile_ahead, stop_compile_pool
 
     out = torch.full((3, 1000), -1.0, device=CUDA)
-    before = _compiled_variants()
-    with caplog.at_level(logging.INFO), compile_ahead(torch.device(CUDA), "the test") as ahead:
-        assert ahead
-        for i, value in enumerate((1, 2, 3, 1, 2)):  # the last two: variants submitted already
-            _fill_kernel[(4,)](out[i % 3], 1000, VALUE=value, BLOCK=256)
+    try:
+        with caplog.at_level(logging.INFO), compile_ahead(torch.device(CUDA), "the test", workers=2) as ahead:
+            assert ahead
+            for i, value in enumerate((11, 12, 13, 11, 12)):
+                _fill_kernel[(4,)](out[i % 3], 1000, VALUE=value, BLOCK=256)
+            torch.cuda.synchronize()
+            assert bool((out == -1).all()), "a kernel ran inside the block"
+    finally:
+        stop_compile_pool()
     assert "compiled 3 Triton kernel variant(s) ahead of the test" in caplog.text
-    torch.cuda.synchronize()
-    assert bool((out == -1).all()), "a kernel ran inside the block"
-    assert _compiled_variants() == before + 3
-    for i, value in enumerate((1, 2, 3)):
+    hits = []
+    monkeypatch.setattr(triton.knobs.compilation, "listener", lambda **kw: hits.append(kw["cache_hit"]))
+    for i, value in enumerate((11, 12, 13)):
         _fill_kernel[(4,)](out[i], 1000, VALUE=value, BLOCK=256)
     torch.cuda.synchronize()
-    assert _compiled_variants() == before + 3, "a real launch compiled again"
-    assert torch.equal(out, torch.tensor([1.0, 2.0, 3.0], device=CUDA)[:, None].expand(3, 1000))
+    assert hits == [True, True, True], "a real launch compiled its variant again"
+    assert torch.equal(out, torch.tensor([11.0, 12.0, 13.0], device=CUDA)[:, None].expand(3, 1000))
 
 
 def test_a_failed_compile_is_raised_by_the_real_launch():
-    from pagoda_engine.worker.compile_ahead import compile_ahead
+    from pagoda_engine.worker.compile_ahead import compile_ahead, stop_compile_pool
 
     out = torch.zeros(256, device=CUDA)
-    with compile_ahead(torch.device(CUDA), "the test"):
-        _fill_kernel[(1,)](out, 256, VALUE=500, BLOCK=256)  # fails its static assert: no error here
+    try:
+        with compile_ahead(torch.device(CUDA), "the test", workers=1):
+            _fill_kernel[(1,)](out, 256, VALUE=500, BLOCK=256)  # fails its static assert: no error here
+    finally:
+        stop_compile_pool()
     with pytest.raises(Exception, match="VALUE must stay under 100"):
         _fill_kernel[(1,)](out, 256, VALUE=500, BLOCK=256)
 

@@ -56,7 +56,8 @@ from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
-from pagoda_engine.worker.compile_ahead import triton_cache_is_empty
+from pagoda_engine.worker.compile_ahead import (compile_workers, start_compile_pool, stop_compile_pool,
+                                                 triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
 from pagoda_engine.worker.kv_offload import OffloadSetup
@@ -151,7 +152,12 @@ class EngineCore:
         self.device = resolve_device(mc.device)
         # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
         # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
-        self.compile_ahead = self.device.type == "cuda" and triton_cache_is_empty()
+        self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
+                              and triton_cache_is_empty())
+        if self.compile_ahead:  # its processes import torch and Triton while the model loads
+            pc = config.parallel
+            start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
+                                               * pc.data_parallel_size))
         if self.device.type == "cuda":
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
@@ -183,6 +189,8 @@ class EngineCore:
         except BaseException:
             self.executor.close()  # TP workers must not outlive a failed start
             raise
+        finally:
+            stop_compile_pool()  # the graphs are captured (or will not be)
 
     def _init_with_model(self, t0: float) -> None:
         """Everything that needs the loaded model: limits, the KV pool, scheduler, runner, CUDA graphs."""

@@ -1,25 +1,27 @@
-"""Compile the Triton kernels a forward will launch, several at once, before running it, when
-nothing is compiled yet.
+"""Compile the Triton kernels a forward will launch, in several processes at once, before running
+it, when nothing is compiled yet.
 
 On a fresh machine (an empty Triton cache) the first launch of each kernel variant compiles it,
-one after the other on the engine's thread. Capturing Llama-3.1-8B's CUDA graphs on an H100
-compiled fourteen variants that way, 5.1-5.6 s of a 35-37 s start; compiled ahead, the capture
-took 6 s less (benchmarks.md, twenty-fourth session). `compile_ahead()` runs a block of code with
-every Triton launch turned into a compile submitted to a pool of threads (Triton's
-`AsyncCompileMode`: its code generation runs outside the GIL and `ptxas` in processes of its
-own), and waits for them all on leaving the block. The kernels are not run; torch's own
-operations in the block are. Run the same forward again afterwards, for real: each launch finds
-its kernel compiled.
+one after the other on the engine's thread: capturing Llama-3.1-8B's CUDA graphs on an H100
+compiled fourteen variants that way, 6-7 s of the capture. `compile_ahead()` runs a block of code
+with every Triton launch turned into a note of the variant it needs; the kernels are not run,
+torch's own operations in the block are. On leaving the block, the variants compile in a pool of
+processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads,
+as in the twenty-fourth session's version, overlapped little more than `ptxas`) into Triton's
+on-disk cache. Run the same forward again afterwards, for real: each launch loads its kernel
+from the cache, as on a warm start.
 
-The pass is one more forward at every graph size. With Triton's cache warm (a restarted process
-on the same node, or a `compileCache` claim an earlier pod filled) there is nothing to compile
-and it only costs: 4 s of Qwen3-30B-A3B's start on an H200. So the engine core asks
-`triton_cache_is_empty()` once, when it starts and before anything compiled, and every rank
-follows its answer (their forwards' collectives must pair up).
+The pass is one more forward at every graph size, and the pool's processes import torch and
+Triton (started early, `start_compile_pool`, while the engine loads and measures). With Triton's
+cache warm (a restarted container on the same emptyDir, or a `compileCache` claim an earlier pod
+filled) there is nothing to compile and the pass only costs: 4 s of Qwen3-30B-A3B's start on an
+H200. So the engine core asks `triton_cache_is_empty()` once, when it starts and before anything
+compiled, and every rank follows its answer (their forwards' collectives must pair up).
 
 Only for code whose host side never reads what a Triton kernel writes (a forward that a CUDA graph
-captures cannot), since inside the block those outputs keep whatever the memory held. A compile
-that fails here is left for the real launch, which raises it where it belongs.
+captures cannot), since inside the block those outputs keep whatever the memory held. A variant
+the pool cannot compile (a kernel defined inside a function, or a failing compile) is left for the
+real launch, which compiles it or raises where it belongs.
 """
 
 from __future__ import annotations
@@ -27,11 +29,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import pickle
+import queue
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
+
+from pagoda_engine.worker.compile_worker import CompileJob
 
 logger = logging.getLogger(__name__)
 
@@ -56,45 +64,136 @@ def triton_cache_is_empty() -> bool:
         return False
 
 
+class CompilePool:
+    """Processes of `compile_worker`, started at once; each imports torch and Triton meanwhile."""
+
+    def __init__(self, workers: int):
+        self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda_engine.worker.compile_worker"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(workers)]
+        for proc in self.procs:
+            with contextlib.suppress(OSError):  # one that died at once fails its jobs instead
+                pickle.dump(sys.path, proc.stdin)
+                proc.stdin.flush()
+        self._ready = [False] * workers
+
+    def compile(self, jobs: list[CompileJob]) -> list[str]:
+        """Compile every job; the errors of those that failed (a worker that died fails its job)."""
+        todo: queue.SimpleQueue[CompileJob] = queue.SimpleQueue()
+        for job in jobs:
+            todo.put(job)
+        errors: list[str] = []
+
+        def feed(i: int) -> None:  # one thread per process: each waits on its pipes, without the GIL
+            proc = self.procs[i]
+            try:
+                if not self._ready[i]:
+                    self._ready[i] = pickle.load(proc.stdout) == "ready"
+                while True:
+                    try:
+                        job = todo.get_nowait()
+                    except queue.Empty:
+                        return
+                    pickle.dump(job, proc.stdin)
+                    proc.stdin.flush()
+                    if (error := pickle.load(proc.stdout)) is not None:
+                        errors.append(f"{job.module}.{job.qualname}: {error}")
+            except (EOFError, OSError, pickle.UnpicklingError) as e:
+                errors.append(f"compile worker {proc.pid} ended ({type(e).__name__}); its variants compile at launch")
+
+        with ThreadPoolExecutor(max_workers=len(self.procs), thread_name_prefix="triton-compile") as threads:
+            list(threads.map(feed, range(len(self.procs))))
+        return errors
+
+    def close(self) -> None:
+        for proc in self.procs:
+            with contextlib.suppress(OSError):
+                proc.stdin.close()  # the worker exits at the end of its input
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+_pool: CompilePool | None = None
+
+
+def compile_workers(ranks_on_node: int = 1) -> int:
+    """How many compile processes one rank starts: half the CPUs it may use, shared with the
+    node's other ranks, at most 8 (each holds torch, a few hundred MB)."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // (2 * ranks_on_node)))
+
+
+def start_compile_pool(workers: int) -> None:
+    """Start the pool now, so that its processes have imported torch and Triton by the time
+    `compile_ahead` needs them (it starts one itself otherwise)."""
+    global _pool
+    if _pool is None:
+        _pool = CompilePool(workers)
+
+
+def stop_compile_pool() -> None:
+    """Its processes exit (after the CUDA graphs are captured: nothing compiles ahead later)."""
+    global _pool
+    if _pool is not None:
+        _pool.close()
+        _pool = None
+
+
 @contextlib.contextmanager
-def compile_ahead(device: torch.device, what: str, enabled: bool = True) -> Iterator[bool]:
-    """Inside: Triton launches compile on a thread pool instead of running; on leaving, every
-    compile has ended. Yields False (and changes nothing) when not `enabled`, off CUDA or without
-    Triton's async compile mode: run the block's code only when it yields True. `what` names the
-    block in the log."""
+def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers: int | None = None) -> Iterator[bool]:
+    """Inside: Triton launches note the variants they need instead of running; on leaving, those
+    variants are compiled into Triton's cache by the pool (`start_compile_pool`'s, or one of
+    `workers` processes started here and kept for the next block). Yields False (and changes
+    nothing) when not `enabled`, or off CUDA or Triton: run the block's code only when it yields
+    True. `what` names the block in the log."""
     if not enabled or device.type != "cuda":
         yield False
         return
     try:
-        from triton.runtime import _async_compile
         from triton.runtime.jit import JITFunction
     except ImportError:
         yield False
         return
     launch, do_compile = JITFunction.run, JITFunction._do_compile
-    submitted: dict[tuple, object] = {}
+    wanted: dict[tuple, CompileJob | None] = {}
 
-    def compile_only(self, *args, grid, warmup, **kwargs):
+    def note_only(self, *args, grid, warmup, **kwargs):
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
-    def submit_once(self, key, signature, device, *rest):
-        # A variant enters Triton's in-memory cache only when the block ends; until then every
-        # launch of it would hash its source again to find the same submission.
-        once = (self, device, key)
-        if once not in submitted:
-            submitted[once] = do_compile(self, key, signature, device, *rest)
-        return submitted[once]
+    def note(self, key, signature, device, constexprs, options, attrs, warmup):
+        if (self, device, key) not in wanted:
+            wanted[self, device, key] = _job(self, device, signature, constexprs, options, attrs)
+        return None  # `run` returns at once: nothing is compiled here, nothing launched
 
     started = time.monotonic()
-    mode = None
-    with ThreadPoolExecutor(max_workers=max(1, min(16, len(os.sched_getaffinity(0)))),
-                            thread_name_prefix="triton-compile") as pool:
-        JITFunction.run, JITFunction._do_compile = compile_only, submit_once
-        try:
-            with _async_compile.AsyncCompileMode(pool, ignore_errors=True) as mode:
-                yield True
-        finally:
-            JITFunction.run, JITFunction._do_compile = launch, do_compile
-    if mode is not None:
-        logger.info("compiled %d Triton kernel variant(s) ahead of %s in %.1fs", len(mode.future_kernels), what,
-                    time.monotonic() - started)
+    JITFunction.run, JITFunction._do_compile = note_only, note
+    try:
+        yield True
+    finally:
+        JITFunction.run, JITFunction._do_compile = launch, do_compile
+    jobs = [job for job in wanted.values() if job is not None]
+    if not jobs:
+        return
+    start_compile_pool(workers or compile_workers())
+    errors = _pool.compile(jobs)
+    for error in errors:
+        logger.warning("compiling ahead: %s", error)
+    logger.info("compiled %d Triton kernel variant(s) ahead of %s in %.1fs (%d process(es)%s)", len(jobs) - len(errors),
+                what, time.monotonic() - started, len(_pool.procs),
+                f"; {len(wanted) - len(jobs)} left for their launch" if len(wanted) > len(jobs) else "")
+
+
+def _job(fn, device, signature, constexprs, options, attrs) -> CompileJob | None:
+    """The pool's job for a variant, or None for a kernel a process of its own cannot import."""
+    qualname = fn.fn.__qualname__
+    if "<locals>" in qualname:
+        return None
+    job = CompileJob(fn.module, qualname, signature, constexprs, attrs, dict(options.__dict__),
+                     fn.device_caches[device][2])
+    try:
+        pickle.dumps(job)
+    except Exception:
+        return None
+    return job

@@ -52,6 +52,7 @@ from pagoda_engine import envs
 from pagoda_engine.processes import die_with_parent, freeze_gc_heap, set_torch_threads
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
+from pagoda_engine.worker.compile_ahead import compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -227,10 +228,16 @@ class Worker:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
-        self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
-                                   compile_first)
-        if piecewise_sizes:
-            self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool, compile_first)
+        if compile_first:  # rank 0's engine core started its pool already
+            start_compile_pool(compile_workers(self.layout.world_size))
+        try:
+            self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
+                                       compile_first)
+            if piecewise_sizes:
+                self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool,
+                                                 compile_first)
+        finally:
+            stop_compile_pool()
 
     def graph_replays(self) -> dict[str, int]:
         """How many steps this rank ran as decode graphs and as piecewise graphs."""
