@@ -150,14 +150,6 @@ class EngineCore:
         self.served_model_name = mc.served_model_name or served_model_name(mc.model)
         self.hf_config = load_hf_config(self.model_dir)
         self.device = resolve_device(mc.device)
-        # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
-        # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
-        self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
-                              and triton_cache_is_empty())
-        if self.compile_ahead:  # its processes import torch and Triton while the model loads
-            pc = config.parallel
-            start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
-                                               * pc.data_parallel_size))
         if self.device.type == "cuda":
             set_torch_threads("cuda")
         if config.scheduler.async_scheduling is None:  # the command line's default: on with CUDA
@@ -180,15 +172,24 @@ class EngineCore:
             raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
                                  f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
         self._profile: ProfileSession | None = None
+        # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
+        # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
+        self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
+                              and graphs_unavailable(config, self.dist_backend) is None and triton_cache_is_empty())
+        if self.compile_ahead:  # its processes import torch and Triton while the model loads
+            pc = config.parallel
+            start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
+                                               * pc.data_parallel_size))
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
-        # Under TP this starts the worker ranks; self.model is rank 0's shard.
-        self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device)
         try:
-            self._init_with_model(t0)
-        except BaseException:
-            self.executor.close()  # TP workers must not outlive a failed start
-            raise
+            # Under TP this starts the worker ranks; self.model is rank 0's shard.
+            self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device)
+            try:
+                self._init_with_model(t0)
+            except BaseException:
+                self.executor.close()  # TP workers must not outlive a failed start
+                raise
         finally:
             stop_compile_pool()  # the graphs are captured (or will not be)
 
