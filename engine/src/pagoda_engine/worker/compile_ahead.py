@@ -68,8 +68,10 @@ class CompilePool:
     """Processes of `compile_worker`, started at once; each imports torch and Triton meanwhile."""
 
     def __init__(self, workers: int):
+        # This process's import path, so that `-m` finds the engine wherever this process found it.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda_engine.worker.compile_worker"],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE) for _ in range(workers)]
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for _ in range(workers)]
         for proc in self.procs:
             with contextlib.suppress(OSError):  # one that died at once fails its jobs instead
                 pickle.dump(sys.path, proc.stdin)
