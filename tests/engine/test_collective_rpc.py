@@ -196,3 +196,15 @@ def test_one_rank_runs_the_same_worker_in_process():
         executor.call("fail_on", 0)
     assert executor.worker_pids == []
     executor.close()
+
+
+def test_worker_ranks_start_without_automatic_collections_until_told():
+    """A worker rank's process pauses Python's collector for its start-up (`processes.pause_collections_for_start_up`)
+    until `resume_collections`; rank 0, in this process, is left as it is."""
+    executor = start(2)
+    try:
+        assert executor.collective_rpc("collector_enabled") == [True, False]
+        executor.collective_rpc("resume_collections")
+        assert executor.collective_rpc("collector_enabled") == [True, True]
+    finally:
+        executor.close()

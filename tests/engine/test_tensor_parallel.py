@@ -77,6 +77,12 @@ def tp1_llm(gqa_dir):
     return LLM(str(gqa_dir), num_kv_pages=128)
 
 
+def test_a_started_engine_has_its_worker_ranks_collect_again(tp_llm):
+    """Worker ranks start with Python's collector paused; the engine turns it back on once it has
+    started (the offline LLM does not freeze their heaps, so without that they would never collect)."""
+    assert tp_llm.core.executor.collective_rpc("collector_enabled") == [True, True]
+
+
 def test_tp2_greedy_equals_tp1_and_hf_generate_with_chunked_prefill(tp_llm, tp1_llm, gqa_dir):
     assert tp_llm.core.executor.tp_size == 2 and len(tp_llm.core.executor.worker_pids) == 1
     # Each rank holds half the heads: rank 0's shard has 2 query heads and 1 KV head per page.

@@ -187,6 +187,8 @@ class EngineCore:
             self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device)
             try:
                 self._init_with_model(t0)
+                # Started: ranks that paused their collector for start-up turn it back on.
+                self.executor.collective_rpc("resume_collections")
             except BaseException:
                 self.executor.close()  # TP workers must not outlive a failed start
                 raise

@@ -30,7 +30,6 @@ closed connections), and they fail instead of waiting for it.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import signal
@@ -46,7 +45,7 @@ from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineC
                                     EngineCoreRequest, ProfileReply, ProfileRequest, ShutdownRequest, StartDPWave,
                                     ToCore, make_decoder, make_encoder)
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError
-from pagoda_engine.processes import die_with_parent
+from pagoda_engine.processes import die_with_parent, pause_collections_for_start_up
 
 logger = logging.getLogger(__name__)
 
@@ -272,16 +271,13 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
     code = 0
     try:
         try:
-            # No automatic collections while start-up builds the heap: each full one walked all of it
-            # (four took 0.77-0.84 s of a fresh H100 server's start); one collection before the freeze below.
-            gc.disable()
+            pause_collections_for_start_up()  # the ranks' back on at the end of EngineCore's start
             from pagoda_engine.core.engine_core import EngineCore
 
             core = EngineCore(config)
             # This process and its worker ranks serve this engine alone: what start-up made
             # stays, out of the collector's reach (the offline LLM leaves its user's process alone).
             core.executor.collective_rpc("freeze_gc_heap")
-            gc.enable()
         except Exception as e:
             logger.error("engine core failed to start: %s", e)
             loop.send(CoreFailed(error_type=type(e).__name__, message=str(e)))

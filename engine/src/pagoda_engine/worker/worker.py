@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import gc
 import hashlib
 import importlib
 import logging
@@ -49,7 +50,8 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
-from pagoda_engine.processes import die_with_parent, freeze_gc_heap, set_torch_threads
+from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
+                                     resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_workers, start_compile_pool, stop_compile_pool
@@ -174,6 +176,15 @@ class Worker:
     def freeze_gc_heap(self) -> None:
         """Start-up is over on this rank: its objects leave the collector's reach (`processes.freeze_gc_heap`)."""
         freeze_gc_heap()
+
+    def resume_collections(self) -> None:
+        """The engine has started: automatic collections again on a rank whose process paused
+        them for its start-up (a worker rank's, an engine core's; `processes.resume_collections`)."""
+        resume_collections()
+
+    def collector_enabled(self) -> bool:
+        """Whether Python's collector runs automatically on this rank."""
+        return gc.isenabled()
 
     def parameter_names(self) -> list[str]:
         """The names of this rank's weights (which layers its stage holds)."""
@@ -472,6 +483,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--parent-pid", type=int, default=None, help="exit when this process exits")
     parser.add_argument("--log-level", type=int, default=logging.INFO)
     args = parser.parse_args(argv)
+    pause_collections_for_start_up()  # until the engine core's `resume_collections`
     if args.parent_pid is not None:
         die_with_parent(args.parent_pid)
     # The core owns shutdown; a Ctrl-C reaching the whole process group must not kill us mid-step.
