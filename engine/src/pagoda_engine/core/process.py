@@ -271,7 +271,7 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
     code = 0
     try:
         try:
-            pause_collections_for_start_up()  # the ranks' back on at the end of EngineCore's start
+            pause_collections_for_start_up()  # back on at the end of EngineCore's start (`resume_collections`)
             from pagoda_engine.core.engine_core import EngineCore
 
             core = EngineCore(config)

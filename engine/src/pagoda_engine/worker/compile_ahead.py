@@ -72,10 +72,6 @@ class CompilePool:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda_engine.worker.compile_worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for _ in range(workers)]
-        for proc in self.procs:
-            with contextlib.suppress(OSError):  # one that died at once fails its jobs instead
-                pickle.dump(sys.path, proc.stdin)
-                proc.stdin.flush()
         self._ready = [False] * workers
 
     def compile(self, jobs: list[CompileJob]) -> list[str]:

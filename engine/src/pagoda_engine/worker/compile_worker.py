@@ -1,9 +1,10 @@
 """One process of `compile_ahead`'s pool: compiles the Triton kernel variants it is sent into
 Triton's on-disk cache, where the engine's own launches then find them.
 
-`python -m pagoda_engine.worker.compile_worker`, spoken to over its stdin and stdout in pickles:
-first the parent's `sys.path` in; "ready" out once Triton and torch are imported; then, for each
-`CompileJob` in, None out when the variant is in the cache, or the error as a string. It exits
+`python -m pagoda_engine.worker.compile_worker` (started with the parent's import path as
+PYTHONPATH), spoken to over its stdin and stdout in pickles: "ready" out once Triton and torch are
+imported; then, for each `CompileJob` in, None out when the variant is in the cache, or the error
+as a string. It exits
 when its stdin closes (the parent is done, or gone). A process of its own, not a thread: Triton's
 compiler holds the GIL for most of a compile, so threads compile one variant at a time."""
 
@@ -55,7 +56,6 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "wb", buffering=0)
     os.dup2(2, 1)
     inp = sys.stdin.buffer
-    sys.path[:] = pickle.load(inp)
     import torch  # noqa: F401  (the kernels' modules import it: loaded while the engine starts)
     import triton  # noqa: F401
 
