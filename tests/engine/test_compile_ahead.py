@@ -46,6 +46,22 @@ def test_a_cache_holding_one_kernel_is_not_empty(cache_env):
     monkeypatch, tmp_path = cache_env
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     (tmp_path / "Q3PYZ2ABCDEF").mkdir()
+    (tmp_path / "Q3PYZ2ABCDEF" / "_fill_kernel.json").write_text("{}")
+    assert not triton_cache_is_empty()
+
+
+def test_the_driver_module_alone_or_a_key_not_written_yet_is_no_kernel(cache_env):
+    """The pool's processes build Triton's driver module (`cuda_utils`) as they start, and Triton
+    makes a key's directory when it first looks it up: neither is a compiled kernel."""
+    monkeypatch, tmp_path = cache_env
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    (tmp_path / "DRIVERKEY").mkdir()
+    (tmp_path / "DRIVERKEY" / "cuda_utils.cpython-311-x86_64-linux-gnu.so").write_bytes(b"")
+    (tmp_path / "LOOKEDUPKEY").mkdir()
+    (tmp_path / "WRITINGKEY" / "tmp.pid_7_abc").mkdir(parents=True)
+    assert triton_cache_is_empty()
+    (tmp_path / "KERNELKEY").mkdir()
+    (tmp_path / "KERNELKEY" / "_silu_and_mul_kernel.cubin").write_bytes(b"")
     assert not triton_cache_is_empty()
 
 
@@ -54,6 +70,7 @@ def test_triton_home_places_the_cache_under_it(cache_env):
     monkeypatch.setenv("TRITON_HOME", str(tmp_path))
     assert triton_cache_is_empty()
     (tmp_path / ".triton" / "cache" / "Q3PYZ2ABCDEF").mkdir(parents=True)
+    (tmp_path / ".triton" / "cache" / "Q3PYZ2ABCDEF" / "_fill_kernel.cubin").write_bytes(b"")
     assert not triton_cache_is_empty()
 
 
@@ -124,3 +141,19 @@ def test_a_variant_the_pool_cannot_compile_is_reported_not_raised(monkeypatch, t
         pool.close()
     assert len(errors) == 1 and "_no_such_kernel" in errors[0] and "AttributeError" in errors[0]
     assert len(list(tmp_path.iterdir())) == 1  # the good variant still compiled
+
+
+def test_an_engine_core_process_without_a_gpu_starts_no_pool_early(monkeypatch, tmp_path):
+    """`core.process` starts the pool before its imports only where the CUDA driver shows a GPU
+    (asked through the driver library, without torch): not on this machine, nor with --device cpu."""
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.core.process import _start_compile_pool_early
+    from pagoda_engine.worker import compile_ahead
+    from pagoda_engine.worker.compile_worker import cuda_capability
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # empty
+    if cuda_capability() is not None:
+        pytest.skip("this machine has a GPU")
+    for device in ("auto", "cpu"):
+        _start_compile_pool_early(EngineConfig.from_kwargs(model="pagoda-tiny", device=device))
+        assert compile_ahead._pool is None

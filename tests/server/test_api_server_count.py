@@ -157,8 +157,20 @@ def test_concurrent_streams_get_one_process_greedy_tokens_from_both_api_servers(
 
     results = asyncio.run(run())
     assert all(finish == "length" for _, finish, _ in results)
-    served_by = [who for _, _, who in results]
-    assert set(served_by) == {"0", "1"}, served_by  # both API processes answered some of them
+    served_by = {who for _, _, who in results}
+
+    async def one_more():
+        async with openai.AsyncOpenAI(base_url=asc_server.base_url, api_key="none", max_retries=0,
+                                      timeout=300) as client:
+            return await _stream(client, PROMPTS[0], 12)
+
+    extra = 0  # the processes share one listening socket: on a loaded machine one may accept a whole burst
+    while served_by != {"0", "1"} and extra < 30:
+        _, finish, who = asyncio.run(one_more())
+        assert finish == "length"
+        served_by.add(who)
+        extra += 1
+    assert served_by == {"0", "1"}, served_by  # both API processes answered some of them
 
     async def reference():
         async with openai.AsyncOpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300) as client:
@@ -180,17 +192,17 @@ def test_concurrent_streams_get_one_process_greedy_tokens_from_both_api_servers(
                                       ("pagoda:generation_tokens_total", {}), ("pagoda:prompt_tokens_total", {}),
                                       ("pagoda:iteration_tokens_total_sum", {}))}
         steps_done = sum(delta["pagoda:iteration_tokens_total_sum"]) >= (sum(delta["pagoda:prompt_tokens_total"])
-                                                                         + len(PROMPTS) * 11)
+                                                                         + (len(PROMPTS) + extra) * 11)
         if steps_done or time.monotonic() > deadline:
             break
         time.sleep(0.1)
     # Every request counted once, whichever API process served it and scrape answered.
-    assert sum(delta["pagoda:request_success_total"]) == len(PROMPTS)
-    assert sum(delta["pagoda:generation_tokens_total"]) == len(PROMPTS) * 12
+    assert sum(delta["pagoda:request_success_total"]) == len(PROMPTS) + extra
+    assert sum(delta["pagoda:generation_tokens_total"]) == (len(PROMPTS) + extra) * 12
     # Each step's tokens once (not once per API process): each prompt token, and every output
     # token but the last, was scheduled in some step.
     assert sum(delta["pagoda:iteration_tokens_total_sum"]) == (sum(delta["pagoda:prompt_tokens_total"])
-                                                               + len(PROMPTS) * 11)
+                                                               + (len(PROMPTS) + extra) * 11)
     if dp == 2:
         assert all(n > 0 for n in delta["pagoda:request_success_total"]), delta  # both cores served
 

@@ -175,11 +175,14 @@ class EngineCore:
         # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
         # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
         self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
+                              and mc.attention_backend != "torch"
                               and graphs_unavailable(config, self.dist_backend) is None and triton_cache_is_empty())
         if self.compile_ahead:  # its processes import torch and Triton while the model loads
             pc = config.parallel
             start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
                                                * pc.data_parallel_size))
+        else:
+            stop_compile_pool()  # one the engine core process may have started before it knew (`core.process`)
         torch.manual_seed(mc.seed)
         t0 = time.monotonic()
         try:
@@ -247,7 +250,7 @@ class EngineCore:
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
         t1 = time.monotonic()
-        self.runner.warm_up_sampler()
+        self.runner.warm_up_sampler(compile_first=self.compile_ahead)
         logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t1)
         self.cuda_graph_bytes = 0  # device memory the graphs took, beyond the KV budget
         graphs_possible = (self.device.type == "cuda" and not mc.enforce_eager
@@ -258,6 +261,9 @@ class EngineCore:
             graphs_possible = False
         self.cudagraph_mode = (resolve_cudagraph_mode(mc.cudagraph_mode)
                                if graphs_possible else "NONE")
+        if self.compile_ahead and not self.cuda_graphs:  # e.g. the torch attention backend
+            self.executor.collective_rpc("stop_compile_pool")
+            self.compile_ahead = False
         if self.cuda_graphs:
             t1 = time.monotonic()
             free_before, _ = torch.cuda.mem_get_info(self.device)
@@ -267,11 +273,16 @@ class EngineCore:
                 resolve_cudagraph_capture_size(config.scheduler.max_num_seqs, mc.max_cudagraph_capture_size),
                 self.max_model_len, piecewise, compile_first=self.compile_ahead)
             self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
-            pw = self.runner.piecewise_graphs
-            logger.info("captured CUDA graphs in %.1fs%s, taking %.0f MiB: decode batch sizes %s; piecewise token "
-                        "counts %s", time.monotonic() - t1,
-                        " (Triton's cache was empty: their kernels compiled ahead)" if self.compile_ahead else "",
-                        self.cuda_graph_bytes / 2**20, self.runner.graphs.batch_sizes, pw.token_sizes if pw else "none")
+            pw, dg = self.runner.piecewise_graphs, self.runner.graphs
+            split = f"decode {dg.seconds[0]:.1f}s compiling ahead + {dg.seconds[1]:.1f}s" if self.compile_ahead else \
+                f"decode {dg.seconds[1]:.1f}s"
+            if pw is not None:
+                split += (f", piecewise {pw.seconds[0]:.1f}s + {pw.seconds[1]:.1f}s" if self.compile_ahead
+                          else f", piecewise {pw.seconds[1]:.1f}s")
+            logger.info("captured CUDA graphs in %.1fs (%s%s), taking %.0f MiB: decode batch sizes %s; piecewise token "
+                        "counts %s", time.monotonic() - t1, split,
+                        "; Triton's cache was empty: their kernels compiled ahead" if self.compile_ahead else "",
+                        self.cuda_graph_bytes / 2**20, dg.batch_sizes, pw.token_sizes if pw else "none")
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
         # pod's other cores in lockstep with them (each runs the same warm-up).
         if self.device.type == "cuda":
@@ -459,7 +470,8 @@ class EngineCore:
         with torch.inference_mode():
             rows = min(sc.max_num_seqs, num_tokens)
             # On every TP rank at once (its collectives need them all); rank 0's peak stands for all.
-            logits = self.executor.profile_run(self.config.model.attention_backend, spec, num_tokens, rows)
+            logits = self.executor.profile_run(self.config.model.attention_backend, spec, num_tokens, rows,
+                                               compile_first=self.compile_ahead)
             # The sampler holds about three logits-sized float32 tensors at once (logits, probs, noise).
             probs = torch.softmax(logits, dim=-1)
             noise = torch.empty_like(probs).exponential_()

@@ -247,6 +247,22 @@ class CoreLoop:
             self.send(EngineCoreOutputs(outputs=[], stats=self.core.get_stats()))
 
 
+def _start_compile_pool_early(config: EngineConfig) -> None:
+    """Before this process imports torch: start the pool of Triton compile processes where the
+    engine will very likely compile ahead (a GPU, CUDA graphs, an empty Triton cache), so that
+    they import torch and Triton alongside this process instead of after it. `EngineCore` makes
+    the exact decision and stops the pool where it decides otherwise."""
+    mc, pc = config.model, config.parallel
+    if mc.device == "cpu" or mc.enforce_eager or mc.cudagraph_mode == "NONE" or mc.attention_backend == "torch":
+        return
+    from pagoda_engine.worker.compile_ahead import compile_workers, start_compile_pool, triton_cache_is_empty
+    from pagoda_engine.worker.compile_worker import cuda_capability
+
+    if cuda_capability() is not None and triton_cache_is_empty():
+        start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
+                                           * pc.data_parallel_size))
+
+
 def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: list[str], parent_pid: int,
                     log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing target). Exits 0 after a ShutdownRequest, 1 on failure.
@@ -272,6 +288,7 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
     try:
         try:
             pause_collections_for_start_up()  # back on at the end of EngineCore's start (`resume_collections`)
+            _start_compile_pool_early(config)
             from pagoda_engine.core.engine_core import EngineCore
 
             core = EngineCore(config)

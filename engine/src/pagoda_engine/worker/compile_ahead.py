@@ -8,20 +8,24 @@ with every Triton launch turned into a note of the variant it needs; the kernels
 torch's own operations in the block are. On leaving the block, the variants compile in a pool of
 processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads,
 as in the twenty-fourth session's version, overlapped little more than `ptxas`) into Triton's
-on-disk cache. Run the same forward again afterwards, for real: each launch loads its kernel
-from the cache, as on a warm start.
+on-disk cache, with their launchers. Run the same code again afterwards, for real: each launch
+loads its kernel from the cache, as on a warm start.
 
-The pass is one more forward at every graph size, and the pool's processes import torch and
-Triton (started early, `start_compile_pool`, while the engine loads and measures). With Triton's
-cache warm (a restarted container on the same emptyDir, or a `compileCache` claim an earlier pod
-filled) there is nothing to compile and the pass only costs: 4 s of Qwen3-30B-A3B's start on an
-H200. So the engine core asks `triton_cache_is_empty()` once, when it starts and before anything
-compiled, and every rank follows its answer (their forwards' collectives must pair up).
+The engine runs three such blocks: the profile step with the sampler's draws
+(`Worker.profile_run`), the sampler alone (cache hits after the first, or where no profile step
+runs) and the graphs' forwards at every size (`DecodeGraphs`, `PiecewiseGraphs`). Each is one
+more forward, and the pool's processes import torch and Triton: the engine core process starts
+the pool before its own imports (`core.process`), and the workers warm their compiler up while the
+engine loads. With Triton's cache warm (a restarted container on the same emptyDir, or a
+`compileCache` claim an earlier pod filled) there is nothing to compile and the blocks only cost:
+4 s of Qwen3-30B-A3B's start on an H200. So the engine core asks `triton_cache_is_empty()` once,
+when it starts and before anything compiled, and every rank follows its answer (their forwards'
+collectives must pair up).
 
 Only for code whose host side never reads what a Triton kernel writes (a forward that a CUDA graph
-captures cannot), since inside the block those outputs keep whatever the memory held. A variant
-the pool cannot compile (a kernel defined inside a function, or a failing compile) is left for the
-real launch, which compiles it or raises where it belongs.
+captures cannot; the eager profile step does not either), since inside the block those outputs keep
+whatever the memory held. A variant the pool cannot compile (a kernel defined inside a function,
+or a failing compile) is left for the real launch, which compiles it or raises where it belongs.
 """
 
 from __future__ import annotations
@@ -33,22 +37,26 @@ import pickle
 import queue
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-
-import torch
+from typing import TYPE_CHECKING
 
 from pagoda_engine.worker.compile_worker import CompileJob
+
+if TYPE_CHECKING:
+    import torch  # not imported here: the engine core process starts the pool before importing torch
 
 logger = logging.getLogger(__name__)
 
 
 def triton_cache_is_empty() -> bool:
-    """True when Triton's on-disk kernel cache holds nothing: its directory (TRITON_CACHE_DIR, or
-    .triton/cache under TRITON_HOME or the home directory) is missing or empty. False where
-    Triton is absent, or a cache manager of its own (TRITON_CACHE_MANAGER, a remote backend) may
-    hold kernels this process cannot see."""
+    """True when Triton's on-disk kernel cache holds no kernel: its directory (TRITON_CACHE_DIR,
+    or .triton/cache under TRITON_HOME or the home directory) is missing, empty, or holds only
+    Triton's driver module (which the pool's processes build as they start). False where Triton
+    is absent, or a cache manager of its own (TRITON_CACHE_MANAGER, a remote backend) may hold
+    kernels this process cannot see."""
     try:
         from triton import knobs
     except ImportError:
@@ -57,11 +65,23 @@ def triton_cache_is_empty() -> bool:
         return False
     try:
         with os.scandir(knobs.cache.dir) as entries:
-            return next(entries, None) is None
+            return all(_holds_only_driver_module(entry.path) for entry in entries)
     except FileNotFoundError:
         return True
     except OSError:
         return False
+
+
+def _holds_only_driver_module(path: str) -> bool:
+    """One entry of Triton's cache (a directory per key): whether it holds no kernel, only the
+    driver's C module (`cuda_utils`, `hip_utils`), which every process that launches a kernel
+    builds or loads, or nothing yet (Triton makes a key's directory when it first looks the key
+    up, and writes each file through a `tmp.pid_*` directory inside it)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return all(name.startswith(("cuda_utils", "hip_utils", "tmp.pid_")) for name in names)
 
 
 class CompilePool:
@@ -102,10 +122,18 @@ class CompilePool:
             list(threads.map(feed, range(len(self.procs))))
         return errors
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Its processes exit; `wait=False`: without waiting for them here (each takes tenths of
+        a second to tear torch down), a daemon thread reaps them."""
         for proc in self.procs:
             with contextlib.suppress(OSError):
                 proc.stdin.close()  # the worker exits at the end of its input
+        if wait:
+            self._reap()
+        else:
+            threading.Thread(target=self._reap, name="triton-compile-reaper", daemon=True).start()
+
+    def _reap(self) -> None:
         for proc in self.procs:
             try:
                 proc.wait(timeout=5)
@@ -132,10 +160,11 @@ def start_compile_pool(workers: int) -> None:
 
 
 def stop_compile_pool() -> None:
-    """Its processes exit (after the CUDA graphs are captured: nothing compiles ahead later)."""
+    """Its processes exit, unwaited for (after the CUDA graphs are captured: nothing compiles ahead
+    later)."""
     global _pool
     if _pool is not None:
-        _pool.close()
+        _pool.close(wait=False)
         _pool = None
 
 

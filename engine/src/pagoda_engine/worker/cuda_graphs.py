@@ -31,6 +31,7 @@ transfer before the next replay; host-staged gloo transfers are synchronous).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -179,11 +180,13 @@ class DecodeGraphs:
         dummies = {bs: AttentionBatch(query_lens=[1] * bs, seq_lens=[1] * bs, page_tables=[[0]] * bs,
                                       slot_mapping=torch.zeros(bs, dtype=torch.int64, device=device), num_decodes=bs)
                    for bs in self.batch_sizes}
+        started = time.monotonic()
         with torch.inference_mode(), compile_ahead(device, "the decode graphs", compile_first) as ahead:
             for bs in reversed(self.batch_sizes) if ahead else ():
                 for variant in attn.graph_variants(bs):
                     attn.plan_graph_decode(dummies[bs], bs, variant)
                     self._forward(bs)
+        compiled = time.monotonic()
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
             for bs in reversed(self.batch_sizes):
@@ -197,6 +200,8 @@ class DecodeGraphs:
                         self.outputs[key] = self._forward(bs)
                     self.graphs[key] = graph
         torch.cuda.synchronize()
+        # Seconds spent compiling ahead (0 without it) and capturing.
+        self.seconds = (compiled - started if ahead else 0.0, time.monotonic() - compiled)
 
     def _forward(self, bs: int) -> torch.Tensor:
         received = self.received.view(bs) if self.received is not None else None
@@ -302,10 +307,12 @@ class PiecewiseGraphs:
         # The last segment's hidden states (on a pipeline stage other than the last, what it sends on), per size.
         self.outputs: dict[int, torch.Tensor] = {}
         self.replays = 0  # steps run
+        started = time.monotonic()
         with torch.inference_mode(), compile_ahead(device, "the piecewise graphs", compile_first) as ahead:
             for size in reversed(self.token_sizes) if ahead else ():
                 for i in range(num_segments):
                     self.buffers.segment(i, size)
+        compiled = time.monotonic()
         with torch.inference_mode():
             # Largest first: the smaller sizes reuse the pool memory the largest one reserved.
             for size in reversed(self.token_sizes):
@@ -321,6 +328,7 @@ class PiecewiseGraphs:
                 self.graphs[size] = graphs
                 self.outputs[size] = out
         torch.cuda.synchronize()
+        self.seconds = (compiled - started if ahead else 0.0, time.monotonic() - compiled)  # as DecodeGraphs'
 
     def fits(self, batch: AttentionBatch) -> bool:
         return batch.num_tokens <= self.max_tokens

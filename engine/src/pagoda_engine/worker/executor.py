@@ -342,9 +342,10 @@ class Executor:
             self.collective_rpc("init_kv_cache", backend, spec, num_pages)
         return self.worker.attn
 
-    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
+    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int,
+                    compile_first: bool = False) -> torch.Tensor:
         """`Worker.profile_run` on every rank at once (its collectives need them all); rank 0's logits."""
-        return self.call("profile_run", backend, spec, num_tokens, num_rows)
+        return self.call("profile_run", backend, spec, num_tokens, num_rows, compile_first)
 
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
                        compile_first: bool = False) -> None:

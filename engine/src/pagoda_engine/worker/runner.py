@@ -131,13 +131,14 @@ class ModelRunner:
         self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise,
                                      compile_first)
 
-    def warm_up_sampler(self) -> None:
+    def warm_up_sampler(self, compile_first: bool = False) -> None:
         """Draw once along each of the sampler's paths before the engine reports ready (on the
         last pipeline stage too, which samples under pipeline parallelism): the first requests
-        must not wait for a kernel's JIT compile."""
-        warm_up_sampler(self.sampler, self.vocab_size, next(self.model.parameters()).dtype, self.device)
+        must not wait for a kernel's JIT compile. `compile_first`: its Triton kernels compile
+        ahead, several at once (`sampling.warm_up_sampler`)."""
+        warm_up_sampler(self.sampler, self.vocab_size, next(self.model.parameters()).dtype, self.device, compile_first)
         if self.executor.layout.pp > 1:
-            self.executor.collective_rpc("warm_up_sampler")
+            self.executor.collective_rpc("warm_up_sampler", compile_first)
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""

@@ -37,6 +37,7 @@ import torch
 from pagoda_engine.core.request import Request
 from pagoda_engine.messages import Logprob, TokenLogprobs
 from pagoda_engine.sampling_params import SamplingParams
+from pagoda_engine.worker.compile_ahead import compile_ahead
 
 _MASK64 = (1 << 64) - 1
 
@@ -434,9 +435,27 @@ class CudaSampler(Sampler):
         return tokens.long()
 
 
-def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+def warm_up_sampler(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device,
+                    compile_first: bool = False) -> None:
     """Draw once along each of the sampler's paths (greedy, plain temperature, top-p): Triton's
-    Gumbel-max kernel takes seconds to compile on a cold cache, which no request should wait for."""
+    Gumbel-max kernel takes seconds to compile on a cold cache, which no request should wait for.
+    `compile_first`: its variants (one per logits dtype) compile ahead, at once
+    (`note_sampler_kernels`; cache hits where the profile step's pass compiled them)."""
+    if compile_first:
+        with compile_ahead(torch.device(device), "the sampler") as ahead:
+            if ahead:
+                note_sampler_kernels(vocab_size, dtype, device)
+    _draw_each_path(sampler, vocab_size, dtype, device)
+
+
+def note_sampler_kernels(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Inside a `compile_ahead` block: the warm-up's draws by a sampler of their own (the engine's
+    draws no random numbers for this), so that the block notes the sampler's Triton variants. Its
+    tokens are whatever the skipped kernels' outputs held; nothing reads them."""
+    _draw_each_path(make_sampler(0, device), vocab_size, dtype, device)
+
+
+def _draw_each_path(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
     reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
     logits = torch.zeros(len(reqs), vocab_size, dtype=dtype, device=device)

@@ -54,7 +54,7 @@ from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_coll
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.compile_ahead import compile_workers, start_compile_pool, stop_compile_pool
+from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -63,7 +63,8 @@ from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispa
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.profiler import RankProfiler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
-from pagoda_engine.worker.sampling import Sampler, SamplingBatch, make_sampler, warm_up_sampler
+from pagoda_engine.worker.sampling import (Sampler, SamplingBatch, make_sampler, note_sampler_kernels,
+                                          warm_up_sampler)
 
 logger = logging.getLogger(__name__)
 
@@ -167,11 +168,11 @@ class Worker:
         if self.dp_dispatch is not None:
             attach_dp_dispatch(self.model, self.dp_dispatch)
 
-    def warm_up_sampler(self) -> None:
+    def warm_up_sampler(self, compile_first: bool = False) -> None:
         """The sampling rank of the last pipeline stage compiles its sampler's kernels (see
         `sampling.warm_up_sampler`)."""
         if self.sampler is not None:
-            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device)
+            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device, compile_first)
 
     def freeze_gc_heap(self) -> None:
         """Start-up is over on this rank: its objects leave the collector's reach (`processes.freeze_gc_heap`)."""
@@ -249,6 +250,10 @@ class Worker:
                                                  compile_first)
         finally:
             stop_compile_pool()
+
+    def stop_compile_pool(self) -> None:
+        """No graphs will be captured: the pool the profile step started goes now."""
+        stop_compile_pool()
 
     def graph_replays(self) -> dict[str, int]:
         """How many steps this rank ran as decode graphs and as piecewise graphs."""
@@ -363,10 +368,26 @@ class Worker:
         self.pp_group.send(out, self.coordinates.pp_rank + 1)
         return None
 
-    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
+    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int,
+                    compile_first: bool = False) -> torch.Tensor:
         """The largest step the scheduler can form, for measuring peak memory: `num_tokens` new
         tokens of one sequence through the attention backend (over a scratch pool of just enough
-        pages), then the logits of the last `num_rows` of them, which it returns."""
+        pages), then the logits of the last `num_rows` of them, which it returns. `compile_first`
+        (the core decides it for every rank, as for `capture_graphs`): the step's Triton kernels,
+        and the sampler's where this rank samples, compile ahead, several at once
+        (`compile_ahead`); the pool stays for the graphs' capture."""
+        if compile_first:
+            start_compile_pool(compile_workers(self.layout.world_size))
+            with torch.inference_mode(), compile_ahead(self.device, "the profile step and the sampler") as ahead:
+                if ahead:
+                    logits = self._profile_forward(backend, spec, num_tokens, num_rows)
+                    if self.rank == 0 or self.sampler is not None:  # where `warm_up_sampler` runs
+                        note_sampler_kernels(self.model.vocab_size, self.dtype, self.device)
+                    del logits
+                    self.hidden = None  # not counted in the real step's peak
+        return self._profile_forward(backend, spec, num_tokens, num_rows)
+
+    def _profile_forward(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
         page_size = spec.page_size
         scratch_pages = -(-num_tokens // page_size) + 1  # + the null page
         scratch = get_attention_backend(backend, self.kv_cache_spec(page_size, spec.dtype), scratch_pages, self.device)
