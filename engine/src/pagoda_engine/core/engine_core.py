@@ -172,8 +172,9 @@ class EngineCore:
             raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
                                  f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
         self._profile: ProfileSession | None = None
-        # Asked before anything compiled: a fresh node's kernels compile ahead of the graph
-        # capture, several at once; a warm cache's would cost a forward per graph size for nothing.
+        # Asked before anything compiled: a fresh node's kernels compile ahead of the profile step,
+        # the sampler's warm-up and the graph capture, several at once; on a warm cache that
+        # would cost a forward per graph size for nothing.
         self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
                               and mc.attention_backend != "torch"
                               and graphs_unavailable(config, self.dist_backend) is None and triton_cache_is_empty())

@@ -240,7 +240,7 @@ class Worker:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
-        if compile_first:  # rank 0's engine core started its pool already
+        if compile_first:  # started already by the profile step, or by rank 0's engine core
             start_compile_pool(compile_workers(self.layout.world_size))
         try:
             self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
