@@ -157,3 +157,93 @@ def test_an_engine_core_process_without_a_gpu_starts_no_pool_early(monkeypatch, 
     for device in ("auto", "cpu"):
         _start_compile_pool_early(EngineConfig.from_kwargs(model="pagoda-tiny", device=device))
         assert compile_ahead._pool is None
+
+
+def test_submitted_jobs_compile_before_the_pool_is_waited_for(monkeypatch, tmp_path):
+    """`compile_ahead` submits each variant as its launch notes it: the processes compile it while
+    the block goes on, not only once it has ended."""
+    import time
+
+    from pagoda_engine.worker.compile_ahead import CompilePool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pool = CompilePool(2)
+    try:
+        pool.submit(_silu_and_mul_job(256))
+        pool.submit(_silu_and_mul_job(512))
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(list(tmp_path.iterdir())) == 2, "nothing compiled before wait()"
+        assert pool.wait() == []
+        pool.submit(_silu_and_mul_job(1024))  # a second round on the same processes
+        assert pool.wait() == []
+    finally:
+        pool.close()
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_the_jobs_of_a_dead_worker_go_to_the_others_or_fail_where_none_is_left(monkeypatch, tmp_path):
+    from pagoda_engine.worker.compile_ahead import CompilePool
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    pool = CompilePool(2)
+    try:
+        pool.procs[0].kill()
+        pool.procs[0].wait()
+        errors = pool.compile([_silu_and_mul_job(256), _silu_and_mul_job(512)])
+        assert len(errors) == 1 and f"compile worker {pool.procs[0].pid} ended" in errors[0], errors
+        assert len(list(tmp_path.iterdir())) == 2  # the other process compiled both
+        pool.procs[1].kill()
+        pool.procs[1].wait()
+        errors = pool.compile([_silu_and_mul_job(1024)])
+        assert any("_silu_and_mul_kernel: no compile worker left" in e for e in errors), errors
+    finally:
+        pool.close()
+
+
+_NOTE_IN_A_BLOCK = """
+import logging, os, sys, time, types
+import torch
+from triton.backends.compiler import GPUTarget
+from pagoda_engine.worker.compile_ahead import compile_ahead, stop_compile_pool
+from pagoda_engine.worker.compile_worker import jit_function
+logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(message)s")
+fn = jit_function("pagoda_engine.worker.model.silu_and_mul_triton", "_silu_and_mul_kernel")
+fn.device_caches[0] = ({}, {}, GPUTarget("cuda", 90, 32), None, None)  # what a GPU's first launch sets up
+signature = {"x_ptr": "*bf16", "out_ptr": "*bf16", "d": "i32", "x_stride": "i32", "out_stride": "i32",
+             "BLOCK": "constexpr", "PDL": "constexpr"}
+cache = os.environ["TRITON_CACHE_DIR"]
+try:
+    with compile_ahead(torch.device("cuda", 0), "a test", workers=1) as ahead:
+        assert ahead
+        for _ in range(2):  # what two launches of one variant call: noted once
+            assert fn._do_compile("k", signature, 0, {"BLOCK": 256, "PDL": False}, types.SimpleNamespace(), {}, False) is None
+        deadline = time.monotonic() + 120
+        while not os.listdir(cache) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print("in the block:", len(os.listdir(cache)))
+finally:
+    stop_compile_pool()
+print("after:", len(os.listdir(cache)))
+"""
+
+
+def test_a_noted_variant_compiles_once_while_the_block_goes_on(tmp_path):
+    """Inside `compile_ahead`, Triton's compile step (`JITFunction._do_compile`, which a launch
+    calls on a miss) only notes the variant and hands it to the pool, once per variant; the pool
+    compiles it before the block ends. What a GPU's launch would call, called here (another
+    process: tests run this one's kernels under Triton's interpreter)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    done = subprocess.run([sys.executable, "-c", _NOTE_IN_A_BLOCK], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "in the block: 1" in done.stdout, done.stdout
+    assert "compiled 1 Triton kernel variant(s) ahead of a test" in done.stdout, done.stdout
+    assert "after: 1" in done.stdout

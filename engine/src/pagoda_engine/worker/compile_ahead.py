@@ -5,11 +5,12 @@ On a fresh machine (an empty Triton cache) the first launch of each kernel varia
 one after the other on the engine's thread: capturing Llama-3.1-8B's CUDA graphs on an H100
 compiled fourteen variants that way, 6-7 s of the capture. `compile_ahead()` runs a block of code
 with every Triton launch turned into a note of the variant it needs; the kernels are not run,
-torch's own operations in the block are. On leaving the block, the variants compile in a pool of
+torch's own operations in the block are. Each variant goes, as soon as it is noted, to a pool of
 processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads,
-as in the twenty-fourth session's version, overlapped little more than `ptxas`) into Triton's
-on-disk cache, with their launchers. Run the same code again afterwards, for real: each launch
-loads its kernel from the cache, as on a warm start.
+as in the twenty-fourth session's version, overlapped little more than `ptxas`) that compile it,
+with its launcher, into Triton's on-disk cache while the block goes on; leaving the block waits
+for them. Run the same code again afterwards, for real: each launch loads its kernel from the
+cache, as on a warm start.
 
 The engine runs three such blocks: the profile step with the sampler's draws
 (`Worker.profile_run`), the sampler alone (cache hits after the first, or where no profile step
@@ -40,7 +41,6 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 from pagoda_engine.worker.compile_worker import CompileJob
@@ -85,7 +85,9 @@ def _holds_only_driver_module(path: str) -> bool:
 
 
 class CompilePool:
-    """Processes of `compile_worker`, started at once; each imports torch and Triton meanwhile."""
+    """Processes of `compile_worker`, started at once; each imports torch and Triton meanwhile.
+    Jobs are `submit`ted as they come (a process takes the next as soon as it is free and ready)
+    and `wait` collects them, so that compiles run while the code that notes them goes on."""
 
     def __init__(self, workers: int):
         # This process's import path, so that `-m` finds the engine wherever this process found it.
@@ -93,34 +95,60 @@ class CompilePool:
         self.procs = [subprocess.Popen([sys.executable, "-m", "pagoda_engine.worker.compile_worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for _ in range(workers)]
         self._ready = [False] * workers
+        self._ended = [False] * workers
+        self._todo: queue.SimpleQueue[CompileJob | None] = queue.SimpleQueue()  # None: a feeder's end
+        self._feeders: list[threading.Thread] = []
+        self._errors: list[str] = []
+
+    def submit(self, job: CompileJob) -> None:
+        if not self._feeders:  # one thread per process: each waits on its pipes and the queue, without the GIL
+            self._feeders = [threading.Thread(target=self._feed, args=(i,), name="triton-compile", daemon=True)
+                             for i, ended in enumerate(self._ended) if not ended]
+            for feeder in self._feeders:
+                feeder.start()
+        self._todo.put(job)
+
+    def wait(self) -> list[str]:
+        """Wait for every job submitted so far; the errors of those that failed (the jobs of a
+        worker that died go to the others, or fail where none is left)."""
+        for _ in self._feeders:
+            self._todo.put(None)
+        for feeder in self._feeders:
+            feeder.join()
+        self._feeders = []
+        while True:  # the end markers of feeders whose process died, and jobs no process was left for
+            try:
+                job = self._todo.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._errors.append(f"{job.module}.{job.qualname}: no compile worker left")
+        errors, self._errors = self._errors, []
+        return errors
 
     def compile(self, jobs: list[CompileJob]) -> list[str]:
-        """Compile every job; the errors of those that failed (a worker that died fails its job)."""
-        todo: queue.SimpleQueue[CompileJob] = queue.SimpleQueue()
+        """Compile every job; the errors of those that failed."""
         for job in jobs:
-            todo.put(job)
-        errors: list[str] = []
+            self.submit(job)
+        return self.wait()
 
-        def feed(i: int) -> None:  # one thread per process: each waits on its pipes, without the GIL
-            proc = self.procs[i]
-            try:
-                if not self._ready[i]:
-                    self._ready[i] = pickle.load(proc.stdout) == "ready"
-                while True:
-                    try:
-                        job = todo.get_nowait()
-                    except queue.Empty:
-                        return
-                    pickle.dump(job, proc.stdin)
-                    proc.stdin.flush()
-                    if (error := pickle.load(proc.stdout)) is not None:
-                        errors.append(f"{job.module}.{job.qualname}: {error}")
-            except (EOFError, OSError, pickle.UnpicklingError) as e:
-                errors.append(f"compile worker {proc.pid} ended ({type(e).__name__}); its variants compile at launch")
-
-        with ThreadPoolExecutor(max_workers=len(self.procs), thread_name_prefix="triton-compile") as threads:
-            list(threads.map(feed, range(len(self.procs))))
-        return errors
+    def _feed(self, i: int) -> None:
+        proc, job = self.procs[i], None
+        try:
+            if not self._ready[i]:
+                self._ready[i] = pickle.load(proc.stdout) == "ready"
+            while (job := self._todo.get()) is not None:
+                pickle.dump(job, proc.stdin)
+                proc.stdin.flush()
+                if (error := pickle.load(proc.stdout)) is not None:
+                    self._errors.append(f"{job.module}.{job.qualname}: {error}")
+                job = None
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            self._ended[i] = True
+            if job is not None:
+                self._todo.put(job)  # another process takes it
+            self._errors.append(f"compile worker {proc.pid} ended ({type(e).__name__}); its variants compile at "
+                                "launch")
 
     def close(self, wait: bool = True) -> None:
         """Its processes exit; `wait=False`: without waiting for them here (each takes tenths of
@@ -170,11 +198,11 @@ def stop_compile_pool() -> None:
 
 @contextlib.contextmanager
 def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers: int | None = None) -> Iterator[bool]:
-    """Inside: Triton launches note the variants they need instead of running; on leaving, those
-    variants are compiled into Triton's cache by the pool (`start_compile_pool`'s, or one of
-    `workers` processes started here and kept for the next block). Yields False (and changes
-    nothing) when not `enabled`, or off CUDA or Triton: run the block's code only when it yields
-    True. `what` names the block in the log."""
+    """Inside: Triton launches note the variants they need instead of running, and the pool
+    (`start_compile_pool`'s, or one of `workers` processes started here and kept for the next
+    block) compiles each into Triton's cache meanwhile; leaving waits for it. Yields False (and
+    changes nothing) when not `enabled`, or off CUDA or Triton: run the block's code only when it
+    yields True. `what` names the block in the log."""
     if not enabled or device.type != "cuda":
         yield False
         return
@@ -185,13 +213,17 @@ def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers
         return
     launch, do_compile = JITFunction.run, JITFunction._do_compile
     wanted: dict[tuple, CompileJob | None] = {}
+    start_compile_pool(workers or compile_workers())
+    pool = _pool
 
     def note_only(self, *args, grid, warmup, **kwargs):
         return launch(self, *args, grid=grid, warmup=True, **kwargs)
 
     def note(self, key, signature, device, constexprs, options, attrs, warmup):
         if (self, device, key) not in wanted:
-            wanted[self, device, key] = _job(self, device, signature, constexprs, options, attrs)
+            wanted[self, device, key] = job = _job(self, device, signature, constexprs, options, attrs)
+            if job is not None:
+                pool.submit(job)  # compiles while the block goes on
         return None  # `run` returns at once: nothing is compiled here, nothing launched
 
     started = time.monotonic()
@@ -200,16 +232,15 @@ def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers
         yield True
     finally:
         JITFunction.run, JITFunction._do_compile = launch, do_compile
-    jobs = [job for job in wanted.values() if job is not None]
-    if not jobs:
+        errors = pool.wait()
+    jobs = sum(job is not None for job in wanted.values())
+    if not wanted:
         return
-    start_compile_pool(workers or compile_workers())
-    errors = _pool.compile(jobs)
     for error in errors:
         logger.warning("compiling ahead: %s", error)
-    logger.info("compiled %d Triton kernel variant(s) ahead of %s in %.1fs (%d process(es)%s)", len(jobs) - len(errors),
-                what, time.monotonic() - started, len(_pool.procs),
-                f"; {len(wanted) - len(jobs)} left for their launch" if len(wanted) > len(jobs) else "")
+    logger.info("compiled %d Triton kernel variant(s) ahead of %s in %.1fs (%d process(es)%s)", jobs - len(errors),
+                what, time.monotonic() - started, len(pool.procs),
+                f"; {len(wanted) - jobs} left for their launch" if len(wanted) > jobs else "")
 
 
 def _job(fn, device, signature, constexprs, options, attrs) -> CompileJob | None:

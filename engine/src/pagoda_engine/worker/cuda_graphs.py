@@ -182,7 +182,9 @@ class DecodeGraphs:
                    for bs in self.batch_sizes}
         started = time.monotonic()
         with torch.inference_mode(), compile_ahead(device, "the decode graphs", compile_first) as ahead:
-            for bs in reversed(self.batch_sizes) if ahead else ():
+            # Smallest first: the few-row sizes hold most of the distinct kernel variants, which
+            # then compile while the rest of the pass runs.
+            for bs in self.batch_sizes if ahead else ():
                 for variant in attn.graph_variants(bs):
                     attn.plan_graph_decode(dummies[bs], bs, variant)
                     self._forward(bs)
@@ -309,7 +311,7 @@ class PiecewiseGraphs:
         self.replays = 0  # steps run
         started = time.monotonic()
         with torch.inference_mode(), compile_ahead(device, "the piecewise graphs", compile_first) as ahead:
-            for size in reversed(self.token_sizes) if ahead else ():
+            for size in self.token_sizes if ahead else ():  # smallest first, as `DecodeGraphs`
                 for i in range(num_segments):
                     self.buffers.segment(i, size)
         compiled = time.monotonic()
