@@ -188,6 +188,8 @@ class DecodeGraphs:
                 for variant in attn.graph_variants(bs):
                     attn.plan_graph_decode(dummies[bs], bs, variant)
                     self._forward(bs)
+        if ahead:  # the pass's activations, cached at growing sizes, go back before the capture
+            torch.cuda.empty_cache()
         compiled = time.monotonic()
         with torch.inference_mode():
             # Largest first: the smaller graphs reuse the pool memory the largest one reserved.
@@ -314,6 +316,8 @@ class PiecewiseGraphs:
             for size in self.token_sizes if ahead else ():  # smallest first, as `DecodeGraphs`
                 for i in range(num_segments):
                     self.buffers.segment(i, size)
+        if ahead:
+            torch.cuda.empty_cache()
         compiled = time.monotonic()
         with torch.inference_mode():
             # Largest first: the smaller sizes reuse the pool memory the largest one reserved.
