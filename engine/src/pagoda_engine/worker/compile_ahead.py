@@ -147,8 +147,7 @@ class CompilePool:
             self._ended[i] = True
             if job is not None:
                 self._todo.put(job)  # another process takes it
-            self._errors.append(f"compile worker {proc.pid} ended ({type(e).__name__}); its variants compile at "
-                                "launch")
+            self._errors.append(f"compile worker {proc.pid} ended ({type(e).__name__})")
 
     def close(self, wait: bool = True) -> None:
         """Its processes exit; `wait=False`: without waiting for them here (each takes tenths of
