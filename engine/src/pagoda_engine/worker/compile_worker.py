@@ -11,7 +11,7 @@ so threads compile one variant at a time.
 What a fresh process would pay on its first job is paid before "ready", while the engine still
 loads: a first compile costs 0.4-0.9 s more than the next ones (the compiler's own start), so the
 worker compiles a small kernel of its own first, into a cache directory of its own that it then
-deletes (the engine's cache must stay empty until the engine has asked whether it is).
+deletes (the engine's cache must hold no kernel until the engine has asked whether it does).
 
 A variant's first launch needs two things from the cache: the kernel's binary and its launcher, a
 small C extension per argument signature that Triton builds with the host's C compiler (0.3-0.5 s
