@@ -56,8 +56,8 @@ from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.attention.base import KVCacheSpec
-from pagoda_engine.worker.compile_ahead import (compile_workers, start_compile_pool, stop_compile_pool,
-                                                 triton_cache_is_empty)
+from pagoda_engine.worker.compile_ahead import (engine_compile_workers, settings_allow_compile_ahead,
+                                                 start_compile_pool, stop_compile_pool, triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
 from pagoda_engine.worker.kv_offload import OffloadSetup
@@ -175,13 +175,10 @@ class EngineCore:
         # Asked before anything compiled: a fresh node's kernels compile ahead of the profile step,
         # the sampler's warm-up and the graph capture, several at once; on a warm cache that
         # would cost a forward per graph size for nothing.
-        self.compile_ahead = (self.device.type == "cuda" and not mc.enforce_eager and mc.cudagraph_mode != "NONE"
-                              and mc.attention_backend != "torch"
+        self.compile_ahead = (self.device.type == "cuda" and settings_allow_compile_ahead(config)
                               and graphs_unavailable(config, self.dist_backend) is None and triton_cache_is_empty())
         if self.compile_ahead:  # its processes import torch and Triton while the model loads
-            pc = config.parallel
-            start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
-                                               * pc.data_parallel_size))
+            start_compile_pool(engine_compile_workers(config))
         else:
             stop_compile_pool()  # one the engine core process may have started before it knew (`core.process`)
         torch.manual_seed(mc.seed)
@@ -275,11 +272,12 @@ class EngineCore:
                 self.max_model_len, piecewise, compile_first=self.compile_ahead)
             self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
             pw, dg = self.runner.piecewise_graphs, self.runner.graphs
-            split = f"decode {dg.seconds[0]:.1f}s compiling ahead + {dg.seconds[1]:.1f}s" if self.compile_ahead else \
-                f"decode {dg.seconds[1]:.1f}s"
-            if pw is not None:
-                split += (f", piecewise {pw.seconds[0]:.1f}s + {pw.seconds[1]:.1f}s" if self.compile_ahead
-                          else f", piecewise {pw.seconds[1]:.1f}s")
+
+            def took(graphs) -> str:  # (compiling ahead +) capturing
+                ahead, capture = graphs.seconds
+                return f"{ahead:.1f}s compiling ahead + {capture:.1f}s" if self.compile_ahead else f"{capture:.1f}s"
+
+            split = f"decode {took(dg)}" + (f", piecewise {took(pw)}" if pw is not None else "")
             logger.info("captured CUDA graphs in %.1fs (%s%s), taking %.0f MiB: decode batch sizes %s; piecewise token "
                         "counts %s", time.monotonic() - t1, split,
                         "; Triton's cache was empty: their kernels compiled ahead" if self.compile_ahead else "",

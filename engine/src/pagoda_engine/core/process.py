@@ -252,15 +252,13 @@ def _start_compile_pool_early(config: EngineConfig) -> None:
     engine will very likely compile ahead (a GPU, CUDA graphs, an empty Triton cache), so that
     they import torch and Triton alongside this process instead of after it. `EngineCore` makes
     the exact decision and stops the pool where it decides otherwise."""
-    mc, pc = config.model, config.parallel
-    if mc.device == "cpu" or mc.enforce_eager or mc.cudagraph_mode == "NONE" or mc.attention_backend == "torch":
-        return
-    from pagoda_engine.worker.compile_ahead import compile_workers, start_compile_pool, triton_cache_is_empty
+    from pagoda_engine.worker.compile_ahead import (engine_compile_workers, settings_allow_compile_ahead,
+                                                     start_compile_pool, triton_cache_is_empty)
     from pagoda_engine.worker.compile_worker import cuda_capability
 
-    if cuda_capability() is not None and triton_cache_is_empty():
-        start_compile_pool(compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size
-                                           * pc.data_parallel_size))
+    if (config.model.device != "cpu" and settings_allow_compile_ahead(config) and cuda_capability() is not None
+            and triton_cache_is_empty()):
+        start_compile_pool(engine_compile_workers(config))
 
 
 def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: list[str], parent_pid: int,

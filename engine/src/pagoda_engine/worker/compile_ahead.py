@@ -48,6 +48,8 @@ from pagoda_engine.worker.compile_worker import CompileJob
 if TYPE_CHECKING:
     import torch  # not imported here: the engine core process starts the pool before importing torch
 
+    from pagoda_engine.config import EngineConfig
+
 logger = logging.getLogger(__name__)
 
 
@@ -176,6 +178,20 @@ def compile_workers(ranks_on_node: int = 1) -> int:
     """How many compile processes one rank starts: half the CPUs it may use, shared with the
     node's other ranks, at most 8 (each holds torch, a few hundred MB)."""
     return max(1, min(8, len(os.sched_getaffinity(0)) // (2 * ranks_on_node)))
+
+
+def settings_allow_compile_ahead(config: EngineConfig) -> bool:
+    """Whether the engine's settings let it capture CUDA graphs through Triton kernels, the first
+    condition of compiling ahead (the engine core adds its device, the parallel setup and the
+    cache's state; `core.process` asks early, before it knows them all)."""
+    mc = config.model
+    return not mc.enforce_eager and mc.cudagraph_mode != "NONE" and mc.attention_backend != "torch"
+
+
+def engine_compile_workers(config: EngineConfig) -> int:
+    """`compile_workers` for an engine core's own pool: its node's ranks are every core's."""
+    pc = config.parallel
+    return compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size * pc.data_parallel_size)
 
 
 def start_compile_pool(workers: int) -> None:
