@@ -39,3 +39,9 @@ class ProbeWorker(Worker):
     def sleep(self, seconds: float, on_rank: int) -> None:
         if self.rank == on_rank:
             time.sleep(seconds)
+
+    def compile_pool_processes(self) -> list[int]:
+        """The pids of this rank's Triton compile pool (`start_compile_pool`), [] without one."""
+        from pagoda_engine.worker import compile_ahead
+
+        return [proc.pid for proc in compile_ahead._pool.procs] if compile_ahead._pool is not None else []

@@ -184,7 +184,10 @@ def test_submitted_jobs_compile_before_the_pool_is_waited_for(monkeypatch, tmp_p
     assert len(list(tmp_path.iterdir())) == 3
 
 
-def test_the_jobs_of_a_dead_worker_go_to_the_others_or_fail_where_none_is_left(monkeypatch, tmp_path):
+def test_the_jobs_of_a_dead_worker_go_to_the_others_or_fail_where_none_is_left(monkeypatch, tmp_path, caplog):
+    """A worker's end is logged, not counted as a failed job: its jobs still compile elsewhere."""
+    import logging
+
     from pagoda_engine.worker.compile_ahead import CompilePool
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
@@ -193,8 +196,10 @@ def test_the_jobs_of_a_dead_worker_go_to_the_others_or_fail_where_none_is_left(m
     try:
         pool.procs[0].kill()
         pool.procs[0].wait()
-        errors = pool.compile([_silu_and_mul_job(256), _silu_and_mul_job(512)])
-        assert len(errors) == 1 and f"compile worker {pool.procs[0].pid} ended" in errors[0], errors
+        with caplog.at_level(logging.WARNING, logger="pagoda_engine.worker.compile_ahead"):
+            errors = pool.compile([_silu_and_mul_job(256), _silu_and_mul_job(512)])
+        assert errors == []
+        assert f"compile worker {pool.procs[0].pid} ended" in caplog.text
         assert len(list(tmp_path.iterdir())) == 2  # the other process compiled both
         pool.procs[1].kill()
         pool.procs[1].wait()
@@ -247,3 +252,19 @@ def test_a_noted_variant_compiles_once_while_the_block_goes_on(tmp_path):
     assert "in the block: 1" in done.stdout, done.stdout
     assert "compiled 1 Triton kernel variant(s) ahead of a test" in done.stdout, done.stdout
     assert "after: 1" in done.stdout
+
+
+@pytest.mark.parametrize("flags, ranks_here", [
+    (dict(), 1),
+    (dict(tensor_parallel_size=2, data_parallel_size=4), 8),  # four cores of two ranks on one node
+    (dict(tensor_parallel_size=4, nnodes=2), 2),  # one engine's ranks over two nodes
+    (dict(tensor_parallel_size=2, data_parallel_size=4, nnodes=2), 4),  # two whole cores a node
+])
+def test_each_rank_s_pool_is_sized_for_the_ranks_on_its_node(monkeypatch, flags, ranks_here):
+    """Every rank of every core on a node starts a pool: half the node's CPUs shared among them."""
+    from pagoda_engine.config import EngineConfig
+    from pagoda_engine.worker import compile_ahead
+
+    monkeypatch.setattr(compile_ahead.os, "sched_getaffinity", lambda pid: set(range(32)))
+    config = EngineConfig.from_kwargs(model="pagoda-tiny", **flags)
+    assert compile_ahead.engine_compile_workers(config) == min(8, 32 // (2 * ranks_here))

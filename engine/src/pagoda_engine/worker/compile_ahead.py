@@ -98,21 +98,24 @@ class CompilePool:
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env) for _ in range(workers)]
         self._ready = [False] * workers
         self._ended = [False] * workers
-        self._todo: queue.SimpleQueue[CompileJob | None] = queue.SimpleQueue()  # None: a feeder's end
+        # (job, its pickle) to compile; None: a feeder's end.
+        self._todo: queue.SimpleQueue[tuple[CompileJob, bytes] | None] = queue.SimpleQueue()
         self._feeders: list[threading.Thread] = []
         self._errors: list[str] = []
 
-    def submit(self, job: CompileJob) -> None:
+    def submit(self, job: CompileJob, pickled: bytes | None = None) -> None:
+        """Compile `job` (`pickled`: its pickle, where the caller made one already) as soon as a
+        process is free."""
         if not self._feeders:  # one thread per process: each waits on its pipes and the queue, without the GIL
             self._feeders = [threading.Thread(target=self._feed, args=(i,), name="triton-compile", daemon=True)
                              for i, ended in enumerate(self._ended) if not ended]
             for feeder in self._feeders:
                 feeder.start()
-        self._todo.put(job)
+        self._todo.put((job, pickled if pickled is not None else pickle.dumps(job)))
 
     def wait(self) -> list[str]:
-        """Wait for every job submitted so far; the errors of those that failed (the jobs of a
-        worker that died go to the others, or fail where none is left)."""
+        """Wait for every job submitted so far; the errors of those that failed. The jobs of a
+        worker that died go to the others (its end is logged), or fail where none is left."""
         for _ in self._feeders:
             self._todo.put(None)
         for feeder in self._feeders:
@@ -120,11 +123,11 @@ class CompilePool:
         self._feeders = []
         while True:  # the end markers of feeders whose process died, and jobs no process was left for
             try:
-                job = self._todo.get_nowait()
+                item = self._todo.get_nowait()
             except queue.Empty:
                 break
-            if job is not None:
-                self._errors.append(f"{job.module}.{job.qualname}: no compile worker left")
+            if item is not None:
+                self._errors.append(f"{item[0].module}.{item[0].qualname}: no compile worker left")
         errors, self._errors = self._errors, []
         return errors
 
@@ -135,21 +138,22 @@ class CompilePool:
         return self.wait()
 
     def _feed(self, i: int) -> None:
-        proc, job = self.procs[i], None
+        proc, item = self.procs[i], None
         try:
             if not self._ready[i]:
                 self._ready[i] = pickle.load(proc.stdout) == "ready"
-            while (job := self._todo.get()) is not None:
-                pickle.dump(job, proc.stdin)
+            while (item := self._todo.get()) is not None:
+                proc.stdin.write(item[1])
                 proc.stdin.flush()
                 if (error := pickle.load(proc.stdout)) is not None:
-                    self._errors.append(f"{job.module}.{job.qualname}: {error}")
-                job = None
+                    self._errors.append(f"{item[0].module}.{item[0].qualname}: {error}")
+                item = None
         except (EOFError, OSError, pickle.UnpicklingError) as e:
             self._ended[i] = True
-            if job is not None:
-                self._todo.put(job)  # another process takes it
-            self._errors.append(f"compile worker {proc.pid} ended ({type(e).__name__})")
+            if item is not None:
+                self._todo.put(item)  # another process takes it
+            logger.warning("compiling ahead: compile worker %d ended (%s); its jobs go to the others", proc.pid,
+                           type(e).__name__)
 
     def close(self, wait: bool = True) -> None:
         """Its processes exit; `wait=False`: without waiting for them here (each takes tenths of
@@ -189,9 +193,10 @@ def settings_allow_compile_ahead(config: EngineConfig) -> bool:
 
 
 def engine_compile_workers(config: EngineConfig) -> int:
-    """`compile_workers` for an engine core's own pool: its node's ranks are every core's."""
+    """`compile_workers` for each rank of an engine: the ranks that share its node are its own
+    there (a multi-node engine's are spread evenly) times the data-parallel cores the node runs."""
     pc = config.parallel
-    return compile_workers(pc.tensor_parallel_size * pc.pipeline_parallel_size * pc.data_parallel_size)
+    return compile_workers(pc.ranks_per_node * len(pc.local_cores))
 
 
 def start_compile_pool(workers: int) -> None:
@@ -227,7 +232,7 @@ def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers
         yield False
         return
     launch, do_compile = JITFunction.run, JITFunction._do_compile
-    wanted: dict[tuple, CompileJob | None] = {}
+    wanted: dict[tuple, tuple[CompileJob, bytes] | None] = {}
     start_compile_pool(workers or compile_workers())
     pool = _pool
 
@@ -238,7 +243,7 @@ def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers
         if (self, device, key) not in wanted:
             wanted[self, device, key] = job = _job(self, device, signature, constexprs, options, attrs)
             if job is not None:
-                pool.submit(job)  # compiles while the block goes on
+                pool.submit(*job)  # compiles while the block goes on
         return None  # `run` returns at once: nothing is compiled here, nothing launched
 
     started = time.monotonic()
@@ -258,15 +263,15 @@ def compile_ahead(device: torch.device, what: str, enabled: bool = True, workers
                 f"; {len(wanted) - jobs} left for their launch" if len(wanted) > jobs else "")
 
 
-def _job(fn, device, signature, constexprs, options, attrs) -> CompileJob | None:
-    """The pool's job for a variant, or None for a kernel a process of its own cannot import."""
+def _job(fn, device, signature, constexprs, options, attrs) -> tuple[CompileJob, bytes] | None:
+    """The pool's job for a variant and its pickle, or None for a kernel a process of its own
+    cannot import."""
     qualname = fn.fn.__qualname__
     if "<locals>" in qualname:
         return None
     job = CompileJob(fn.module, qualname, signature, constexprs, attrs, dict(options.__dict__),
                      fn.device_caches[device][2])
     try:
-        pickle.dumps(job)
+        return job, pickle.dumps(job)
     except Exception:
         return None
-    return job

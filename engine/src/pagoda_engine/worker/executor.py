@@ -460,9 +460,10 @@ def _divisors(n: int) -> str:
 
 
 def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype,
-                    device: torch.device) -> Executor:
+                    device: torch.device, compile_processes: int = 0) -> Executor:
     """Start the engine's ranks, join their groups and load every rank's shard (rank 0's here,
-    while the workers load theirs)."""
+    while the workers load theirs). `compile_processes`: every rank starts that many Triton
+    compile processes first (`compile_ahead`), which import while the weights load."""
     mc = config.model
     tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     check_tensor_parallel(hf_config, tp_size)
@@ -486,6 +487,8 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
                         spawn_ranks=list(range(1, pc.ranks_per_node)), nnodes=pc.nnodes, data_parallel=data_parallel)
     try:
         with _starting():
+            if compile_processes:
+                executor.collective_rpc("start_compile_pool", compile_processes)
             executor.collective_rpc("init_distributed")
             executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed, partition)
     except BaseException:

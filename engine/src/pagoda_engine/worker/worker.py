@@ -54,7 +54,7 @@ from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_coll
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
+from pagoda_engine.worker.compile_ahead import compile_ahead, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -240,8 +240,6 @@ class Worker:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
-        if compile_first:  # started already by the profile step, or by rank 0's engine core
-            start_compile_pool(compile_workers(self.layout.world_size))
         try:
             self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
                                        compile_first)
@@ -251,8 +249,14 @@ class Worker:
         finally:
             stop_compile_pool()
 
+    def start_compile_pool(self, processes: int) -> None:
+        """Start this rank's compile processes now, before the weights load (`create_executor`),
+        so that they have imported torch and Triton by the profile step (`compile_ahead` keeps
+        them to the graphs' capture)."""
+        start_compile_pool(processes)
+
     def stop_compile_pool(self) -> None:
-        """No graphs will be captured: the pool the profile step started goes now."""
+        """No graphs will be captured: the pool started for the profile step goes now."""
         stop_compile_pool()
 
     def graph_replays(self) -> dict[str, int]:
@@ -377,7 +381,6 @@ class Worker:
         and the sampler's where this rank samples, compile ahead, several at once
         (`compile_ahead`); the pool stays for the graphs' capture."""
         if compile_first:
-            start_compile_pool(compile_workers(self.layout.world_size))
             with torch.inference_mode(), compile_ahead(self.device, "the profile step and the sampler") as ahead:
                 if ahead:
                     logits = self._profile_forward(backend, spec, num_tokens, num_rows)
