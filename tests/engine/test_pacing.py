@@ -175,3 +175,70 @@ def test_pacing_on_cpu_is_refused_by_name(model_dir, async_scheduling):
 def test_pacing_in_the_offline_llm_is_refused_by_name(model_dir):
     with pytest.raises(ValueError, match=r"the offline LLM is handed its requests up front"):
         LLM(str(model_dir), num_kv_pages=64, async_scheduling=True, step_launch_pacing=True)
+
+
+# --- after steps with prompt tokens ------------------------------------------------------------
+def test_the_prompt_lead_follows_the_host_of_prompt_launches_and_its_slack():
+    pacer = LaunchPacer()
+    assert pacer.prompt_lead() is None  # no launch of a step with prompt tokens seen yet
+    pacer.observe_prompt_host(0.010)
+    assert pacer.prompt_lead() == pytest.approx(0.010 + pacer.prompt_slack)
+    for _ in range(50):
+        pacer.observe_prompt_host(0.010)
+        pacer.observe_prompt_host(0.030)  # a host whose launches vary is given more time
+    assert pacer.prompt_lead() > 0.030
+    slack = pacer.prompt_slack
+    pacer.prompt_launched(late=True)
+    assert pacer.prompt_slack == pytest.approx(2 * slack) and pacer.prompt_late_launches == 1
+    for _ in range(20):
+        pacer.prompt_launched(late=True)
+    assert pacer.prompt_slack == pytest.approx(0.020)  # capped
+    assert pacer.prompt_paced_launches == 21
+
+
+def _arrivals_during_prompt_steps(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
+    """A long request decodes while short requests (a 20-token prompt, two tokens out) arrive
+    every three quarters of a step, so that most steps have prompt tokens. For each arrival during
+    a step with prompt tokens, how many steps after it the request was first scheduled in."""
+    core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
+    if pacing:
+        core.pacer = LaunchPacer()
+    log: list = []
+    simulate_device(core, log, DEVICE_STEP_S)
+    sent: dict[str, float] = {}
+    with core_loop_sockets(core, f"prompt-pacing-{pacing}") as sockets:
+        sockets.send_request("long", [5, 6, 7], max_tokens=200)
+        sockets.thread.start()
+        time.sleep(3 * DEVICE_STEP_S)
+        for i in range(12):
+            sent[f"short-{i}"] = time.monotonic()
+            sockets.send_request(f"short-{i}", list(range(10, 30)), max_tokens=2)
+            time.sleep(0.75 * DEVICE_STEP_S)
+        time.sleep(3 * DEVICE_STEP_S)
+        sockets.send(ShutdownRequest())
+        sockets.thread.join(10)
+    waits = []
+    for rid, at in sent.items():
+        on_device = next(step for step in log if step["start"] <= at < step["end"])
+        if on_device["prompt"]:
+            first = next(i for i, step in enumerate(log) if rid in step["request_ids"])
+            waits.append(first - log.index(on_device))
+    return waits, core
+
+
+def test_with_pacing_an_arrival_during_a_prompt_step_joins_the_next_step(model_dir):
+    waits, core = _arrivals_during_prompt_steps(model_dir, pacing=True)
+    try:
+        assert len(waits) >= 6, waits
+        assert waits.count(1) >= len(waits) - 2, waits  # a loaded machine may miss a deadline now and then
+        assert core.pacer.prompt_paced_launches > 0
+    finally:
+        core.close()
+
+
+def test_without_pacing_an_arrival_during_a_prompt_step_waits_a_step_more(model_dir):
+    waits, core = _arrivals_during_prompt_steps(model_dir, pacing=False)
+    try:
+        assert len(waits) >= 6 and set(waits) == {2}, waits
+    finally:
+        core.close()
