@@ -1,7 +1,6 @@
 """A simulated device for an `EngineCore` on CPU, for tests of what the core does while steps run
 on a GPU (step launch pacing, early publishing): each step takes a fixed device time, starting
-when the step before it ends; its `ended` event fires then, its progress (when the launch asks
-for it) tells its rest, and reading its tokens waits for it.
+when the step before it ends; its `ended` event fires then, and reading its tokens waits for it.
 A step with prompt tokens can also be given a slow host launch (a sleep before each layer's
 attention), as an eager GPU step of a long prompt has."""
 
@@ -18,27 +17,14 @@ class SimulatedEvent:
         return time.monotonic() >= self.at
 
 
-class SimulatedProgress:
-    """`runner.StepProgress` of a step that runs from `start` to `end`: its rest, once it has begun."""
-
-    def __init__(self, start: float, end: float):
-        self.start, self.end = start, end
-
-    def remaining_s(self) -> float | None:
-        now = time.monotonic()
-        return None if now < self.start else max(0.0, self.end - now)
-
-
 def simulate_device(core: EngineCore, log: list, step_s: float, prompt_layer_host_s: float = 0.0) -> None:
     """Give `core`'s runner the device. `log` gets, per step, a dict: launch_start, launch_end (host),
-    start, end (device), request_ids, prompt (whether it has prompt tokens) and slow (whether the
-    launch was given the slow host time)."""
+    start, end (device), request_ids and slow (whether the launch was given the slow host time)."""
     runner, free_at = core.runner, [0.0]
     launch = runner.launch
 
-    def launch_on_device(sched, prev=None, layer_hook=None, progress=False):
-        prompt = any(s.num_new_tokens > 1 for s in sched.scheduled)
-        slow = prompt_layer_host_s > 0 and prompt
+    def launch_on_device(sched, prev=None, layer_hook=None):
+        slow = prompt_layer_host_s > 0 and any(s.num_new_tokens > 1 for s in sched.scheduled)
 
         def hook(layer_id: int) -> None:
             if slow:
@@ -52,9 +38,8 @@ def simulate_device(core: EngineCore, log: list, step_s: float, prompt_layer_hos
         start = max(launch_end, free_at[0])
         free_at[0] = end = start + step_s
         step.ended = SimulatedEvent(end)
-        step.progress = SimulatedProgress(start, end) if progress else None
         log.append(dict(launch_start=launch_start, launch_end=launch_end, start=start, end=end,
-                        request_ids=[s.request.request_id for s in sched.scheduled], prompt=prompt, slow=slow))
+                        request_ids=[s.request.request_id for s in sched.scheduled], slow=slow))
         resolve = step.resolve
 
         def resolve_on_device():

@@ -236,7 +236,6 @@ class EngineCore:
         # it wherever no step is in flight on a device to time.
         self.pacer = LaunchPacer() if config.scheduler.step_launch_pacing else None
         self._paced = False  # the core's loop waited for `launch_delay` before this step
-        self._paced_by_prompt = False  # ... while a step with prompt tokens ran
         # Where outputs go as soon as a step has ended, before the step after it is launched in
         # full (`publish_early`); None: with the step after it.
         self._early_sink: Callable[[EngineCoreOutputs], None] | None = None
@@ -375,10 +374,6 @@ class EngineCore:
         if pacer is not None and pacer.paced_launches:
             logger.info("step launch pacing: %d paced launches, %d found the device idle (slack %.2f ms)",
                         pacer.paced_launches, pacer.late_launches, pacer.slack * 1e3)
-        if pacer is not None and pacer.prompt_paced_launches:
-            logger.info("step launch pacing after steps with prompt tokens: %d paced launches, %d ended after "
-                        "the step before them (slack %.2f ms)", pacer.prompt_paced_launches,
-                        pacer.prompt_late_launches, pacer.prompt_slack * 1e3)
         if getattr(self, "early_publishes", 0):
             logger.info("early publishing: %d steps' outputs left during the next step's launch", self.early_publishes)
         self.executor.close()
@@ -645,26 +640,18 @@ class EngineCore:
         sched = self.scheduler.schedule()
         prev_launched = self._launched_at
         paced, self._paced = self._paced, False
-        paced_by_prompt, self._paced_by_prompt = self._paced_by_prompt, False
         pacer = self.pacer
         if not sched.is_empty:
             decode = pacer is not None and _decode_only(sched)
-            prompt = pacer is not None and not decode
             if paced and decode and prev is not None:
                 pacer.launched(late=bool(prev.has_ended()))
             early = None
             if prev is not None and self._early_sink is not None and prev.ended is not None:
                 early = _EarlyPublish(self, prev, sched, prev_launched)
-            # A step with prompt tokens records how far it has got, to pace the launch after it.
-            self._in_flight = self.runner.launch(sched, prev, layer_hook=early, progress=prompt)
+            self._in_flight = self.runner.launch(sched, prev, layer_hook=early)
             self._launched_at = time.monotonic()
-            host_s = self._launched_at - started - (early.spent_s if early is not None else 0.0)
             if decode:
-                pacer.observe_host(host_s)
-            elif prompt:
-                pacer.observe_prompt_host(host_s)
-            if paced_by_prompt and prev is not None:
-                pacer.prompt_launched(late=bool(early is not None and early.published or prev.has_ended()))
+                pacer.observe_host(self._launched_at - started - (early.spent_s if early is not None else 0.0))
             if early is not None and early.published:
                 prev = None  # resolved, applied and published between two of this step's layers
             else:
@@ -694,15 +681,12 @@ class EngineCore:
 
     def launch_delay(self) -> float:
         """Seconds the core's loop may go on reading its input before the next `step()` (step
-        launch pacing, `core.pacing`): until the step in flight is about to end, so that a
-        request arriving meanwhile joins the next step. 0: step now (pacing off, no step in
-        flight, requests waiting, or no prediction yet)."""
+        launch pacing, `core.pacing`): until the decode step in flight is about to end, so that a
+        request arriving meanwhile joins the next step. 0: step now (pacing off, no decode step
+        in flight, requests waiting, or no prediction yet)."""
         step = self._in_flight
-        if self.pacer is None or step is None or step.has_ended() is not False:
-            return 0.0
-        if not _decode_only(step.sched):
-            return self._delay_after_prompt_step(step)
-        if self.scheduler.waiting:
+        if (self.pacer is None or step is None or self.scheduler.waiting or not _decode_only(step.sched)
+                or step.has_ended() is not False):
             return 0.0
         lead = self.pacer.lead(len(step.sched.scheduled))
         if lead is None:
@@ -711,23 +695,6 @@ class EngineCore:
         if delay <= 0.0:
             return 0.0
         self._paced = True
-        return delay
-
-    def _delay_after_prompt_step(self, step: LaunchedStep) -> float:
-        """`launch_delay` while a step with prompt tokens runs: read off its `StepProgress`, until
-        its rest is down to the host's time to launch the next step (`LaunchPacer.prompt_lead`),
-        in waits of at most `_PROMPT_RECHECK_S` (the estimate firms up as layers end). Requests
-        waiting do not cut it short, as they do a decode step's: the step after this one starts on
-        the device when this one ends however early it is launched, so the later launch only takes
-        in more of the prompts that arrive meanwhile, and this step's end is measured, not guessed."""
-        lead = self.pacer.prompt_lead()
-        if step.progress is None or lead is None:
-            return 0.0
-        left = step.progress.remaining_s()
-        delay = _PROMPT_RECHECK_S if left is None else min(left - lead, _PROMPT_RECHECK_S)
-        if delay <= 0.0:
-            return 0.0
-        self._paced_by_prompt = True
         return delay
 
     def _step_with_batch_queue(self) -> EngineCoreOutputs:
@@ -819,11 +786,6 @@ class _EarlyPublish:
         core._early_sink(EngineCoreOutputs(outputs=core._resolve_in_flight(self.prev, self.prev_launched)))
         core.early_publishes += 1
         self.spent_s = time.monotonic() - started
-
-
-# While a step with prompt tokens runs, the core's loop asks again this often how long it has left
-# (`_delay_after_prompt_step`): one of its layers lasts about 1-5 ms on an H100.
-_PROMPT_RECHECK_S = 0.002
 
 
 def _decode_only(sched: SchedulerOutput) -> bool:

@@ -18,7 +18,6 @@ with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,37 +60,6 @@ class RunnerOutput:
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
-class StepProgress:
-    """How far the device has got with a step, read on the host while it runs: a timing event
-    recorded before each layer's attention as the step is launched (rank 0's stream). From the
-    layers done so far, the time the rest will take (step launch pacing after a step with prompt
-    tokens, `EngineCore.launch_delay`)."""
-
-    def __init__(self) -> None:
-        self.events: list[torch.cuda.Event] = []
-        self._done = 0  # events known to have completed
-        self._seen_at = 0.0  # when the host saw the last of them complete
-
-    def mark(self, layer_id: int) -> None:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        self.events.append(event)
-
-    def remaining_s(self) -> float | None:
-        """Device seconds the step has left: its layers not yet begun, at the mean time of those
-        done, less the time since the host saw the last one begin. None before two have begun."""
-        events, done = self.events, self._done
-        while done < len(events) and events[done].query():
-            done += 1
-        if done > self._done:
-            self._done, self._seen_at = done, time.monotonic()
-        if done < 2:
-            return None
-        per_layer_s = events[0].elapsed_time(events[done - 1]) / 1e3 / (done - 1)
-        # Layers done-1 .. the last, each about one layer's time (the last's includes the LM head).
-        return (len(events) - done + 1) * per_layer_s - (time.monotonic() - self._seen_at)
-
-
 @dataclass
 class LaunchedStep:
     """A step queued on the device whose sampled tokens the host has not read yet. Under pipeline
@@ -104,7 +72,6 @@ class LaunchedStep:
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     sample_later: Callable[[], PendingSample] | None = None
     ended: torch.cuda.Event | None = None  # after rank 0's work for the step (with `ModelRunner.record_ends`)
-    progress: StepProgress | None = None  # its layers' start on the device (`launch(progress=True)`, on CUDA)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -242,20 +209,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None,
-               layer_hook: Callable[[int], None] | None = None, progress: bool = False) -> LaunchedStep:
+               layer_hook: Callable[[int], None] | None = None) -> LaunchedStep:
         """Queue the step on the device; `prev` is the step in flight (async scheduling).
         `layer_hook`: the attention backend calls it with the layer's index before each layer's
-        attention while this step's forward is launched (once its inputs are prepared), on rank 0.
-        `progress`: on CUDA, record the step's `StepProgress` too (at the same points)."""
+        attention while this step's forward is launched (once its inputs are prepared), on rank 0."""
         inputs = self.prepare(sched, prev)
-        marks = StepProgress() if progress and self.device.type == "cuda" else None
-        if marks is not None:
-            hook = layer_hook
-
-            def layer_hook(layer_id: int) -> None:
-                marks.mark(layer_id)
-                if hook is not None:
-                    hook(layer_id)
         self.attn.layer_hook = layer_hook
         try:
             self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
@@ -283,7 +241,7 @@ class ModelRunner:
             ended = torch.cuda.Event()
             ended.record()
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs, sample_later=sample_later, ended=ended, progress=marks)
+                            prompt_logprobs=prompt_logprobs, sample_later=sample_later, ended=ended)
 
     def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
         def resolve() -> PendingSample:
