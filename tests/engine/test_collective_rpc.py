@@ -211,11 +211,11 @@ def test_worker_ranks_start_without_automatic_collections_until_told():
 
 
 def test_every_rank_starts_and_stops_its_compile_pool_when_told(three_ranks):
-    """What `create_executor` sends before the weights load on a fresh GPU node (`compile_processes`):
-    each rank starts that many compile processes of its own, sized by the engine core for the
-    node's ranks (`engine_compile_workers`), not by the rank."""
+    """What `create_executor` sends before the weights load on a fresh GPU node (`compile_ahead`):
+    each rank starts compile processes of its own, its share of its node's CPUs among the ranks on
+    the node (`compile_ahead.ranks_on_node`; here so many that the share is the least, one)."""
     try:
-        three_ranks.collective_rpc("start_compile_pool", 1)
+        three_ranks.collective_rpc("start_compile_pool", 10_000)
         pools = three_ranks.collective_rpc("compile_pool_processes")
         assert [len(p) for p in pools] == [1, 1, 1]
         assert len({pid for p in pools for pid in p}) == 3  # one each, not one shared

@@ -267,4 +267,5 @@ def test_each_rank_s_pool_is_sized_for_the_ranks_on_its_node(monkeypatch, flags,
 
     monkeypatch.setattr(compile_ahead.os, "sched_getaffinity", lambda pid: set(range(32)))
     config = EngineConfig.from_kwargs(model="pagoda-tiny", **flags)
+    assert compile_ahead.ranks_on_node(config) == ranks_here
     assert compile_ahead.engine_compile_workers(config) == min(8, 32 // (2 * ranks_here))

@@ -186,7 +186,7 @@ class EngineCore:
         try:
             # Under TP this starts the worker ranks; self.model is rank 0's shard.
             self.executor = create_executor(config, self.model_dir, self.hf_config, self.dtype, self.device,
-                                            compile_processes=engine_compile_workers(config) if self.compile_ahead else 0)
+                                            compile_ahead=self.compile_ahead)
             try:
                 self._init_with_model(t0)
                 # Started: ranks that paused their collector for start-up turn it back on.

@@ -192,11 +192,16 @@ def settings_allow_compile_ahead(config: EngineConfig) -> bool:
     return not mc.enforce_eager and mc.cudagraph_mode != "NONE" and mc.attention_backend != "torch"
 
 
-def engine_compile_workers(config: EngineConfig) -> int:
-    """`compile_workers` for each rank of an engine: the ranks that share its node are its own
-    there (a multi-node engine's are spread evenly) times the data-parallel cores the node runs."""
+def ranks_on_node(config: EngineConfig) -> int:
+    """The ranks that share a node with each of the engine's: its own there (a multi-node engine's
+    are spread evenly) times the data-parallel cores the node runs."""
     pc = config.parallel
-    return compile_workers(pc.ranks_per_node * len(pc.local_cores))
+    return pc.ranks_per_node * len(pc.local_cores)
+
+
+def engine_compile_workers(config: EngineConfig) -> int:
+    """`compile_workers` for the engine core's rank."""
+    return compile_workers(ranks_on_node(config))
 
 
 def start_compile_pool(workers: int) -> None:

@@ -47,6 +47,7 @@ from pagoda_engine import envs
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
+from pagoda_engine.worker.compile_ahead import ranks_on_node
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
 from pagoda_engine.worker.sampling import SamplingBatch
@@ -460,10 +461,11 @@ def _divisors(n: int) -> str:
 
 
 def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype,
-                    device: torch.device, compile_processes: int = 0) -> Executor:
+                    device: torch.device, compile_ahead: bool = False) -> Executor:
     """Start the engine's ranks, join their groups and load every rank's shard (rank 0's here,
-    while the workers load theirs). `compile_processes`: every rank starts that many Triton
-    compile processes first (`compile_ahead`), which import while the weights load."""
+    while the workers load theirs). `compile_ahead`: every rank first starts its Triton compile
+    processes (`compile_ahead.start_compile_pool`, its share of its node's CPUs), which import while
+    the weights load."""
     mc = config.model
     tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     check_tensor_parallel(hf_config, tp_size)
@@ -487,8 +489,8 @@ def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedC
                         spawn_ranks=list(range(1, pc.ranks_per_node)), nnodes=pc.nnodes, data_parallel=data_parallel)
     try:
         with _starting():
-            if compile_processes:
-                executor.collective_rpc("start_compile_pool", compile_processes)
+            if compile_ahead:
+                executor.collective_rpc("start_compile_pool", ranks_on_node(config))
             executor.collective_rpc("init_distributed")
             executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed, partition)
     except BaseException:

@@ -54,7 +54,7 @@ from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_coll
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.compile_ahead import compile_ahead, start_compile_pool, stop_compile_pool
+from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -249,11 +249,11 @@ class Worker:
         finally:
             stop_compile_pool()
 
-    def start_compile_pool(self, processes: int) -> None:
+    def start_compile_pool(self, ranks_on_node: int) -> None:
         """Start this rank's compile processes now, before the weights load (`create_executor`),
         so that they have imported torch and Triton by the profile step (`compile_ahead` keeps
-        them to the graphs' capture)."""
-        start_compile_pool(processes)
+        them to the graphs' capture): its share of this node's CPUs among `ranks_on_node` ranks."""
+        start_compile_pool(compile_workers(ranks_on_node))
 
     def stop_compile_pool(self) -> None:
         """No graphs will be captured: the pool started for the profile step goes now."""
