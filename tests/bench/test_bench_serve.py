@@ -56,7 +56,7 @@ def test_s1_against_a_running_server(server_url, tiny_model, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert (r["completed"], r["failed"], r["errors"]) == (12, 0, [])
     assert (r["input_tokens"], r["output_tokens"]) == (12 * 24, 12 * 6)  # the server's own usage counts
-    assert r["standard_workload"] is False and r["server_startup_s"] is None
+    assert r["standard_workload"] is False and r["server_startup_s"] is None and r["server_http"] is None
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = r[name]
         assert 0 < s["p50"] <= s["p99"], (name, s)
@@ -124,6 +124,8 @@ def test_starts_and_stops_its_own_server(tiny_model, tmp_path, monkeypatch):
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["completed"] == 4 and r["output_tokens"] == 12 and r["server_startup_s"] > 0
+    # The engine's dependencies: the fast event loop and HTTP parser, recorded with the figures.
+    assert r["server_http"]["event_loop"].startswith("uvloop ") and r["server_http"]["http_parser"].startswith("httptools ")
     assert r["model"] == "no-tokenizer"  # served under the directory's name, not the cache path
     if Path("/proc/self/stat").exists():  # the API process's CPU clock, read from /proc
         assert r["cpu"]["api_cpu_s"] > 0
@@ -365,3 +367,19 @@ def test_a_bad_profile_window_is_refused(tiny_model, window):
         main(["bench", "serve", "--base-url", "http://127.0.0.1:9", "--model", tiny_model, "--profile",
               "--profile-window", window])
     assert exc.value.code == 2
+
+
+def test_the_http_stack_names_the_fallbacks_where_the_fast_parts_are_missing(monkeypatch):
+    import importlib
+
+    from pagoda_engine.api.server import api_server
+
+    real = importlib.import_module
+
+    def without_them(name, *args):
+        if name in ("uvloop", "httptools"):
+            raise ImportError(name)
+        return real(name, *args)
+
+    monkeypatch.setattr(api_server.importlib, "import_module", without_them)
+    assert api_server.http_stack() == {"event_loop": "asyncio", "http_parser": "h11"}

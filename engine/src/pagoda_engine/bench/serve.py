@@ -58,7 +58,7 @@ import httpx
 import msgspec
 import numpy as np
 
-from pagoda_engine.api.server.api_server import add_api_server_count_arg, run_event_loop
+from pagoda_engine.api.server.api_server import add_api_server_count_arg, http_stack, run_event_loop
 from pagoda_engine.bench.workloads import fixed_lengths
 from pagoda_engine.envs import env_seconds
 
@@ -717,6 +717,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     vocab = _vocab_size(args)
     server = None
     startup_s = None
+    server_http = None  # what the server started here serves on (it shares this environment)
     base_url = (args.base_url or "").rstrip("/")
     from pagoda_engine.api.tokenizer import has_tokenizer
     from pagoda_engine.model_path import resolve_model_path
@@ -733,6 +734,7 @@ def run_serve(args: argparse.Namespace) -> dict:
         args.model = with_token_tokenizer(args.model, byte_level=tokenizer == "bytes")
         server = LaunchedServer(args)
         startup_s = round(server.start(), 2)
+        server_http = http_stack()
         base_url = server.url
     try:
         model = args.served_model or _served_model(base_url)
@@ -740,7 +742,8 @@ def run_serve(args: argparse.Namespace) -> dict:
               f"output tokens, Poisson arrivals at {', '.join(f'{r:g}' for r in rates)} req/s) against "
               f"{base_url} (model {model!r}) ===")
         if startup_s is not None:
-            print(f"started `pagoda serve` ({args.model}): ready in {startup_s} s")
+            print(f"started `pagoda serve` ({args.model}): ready in {startup_s} s, on the {server_http['event_loop']} "
+                  f"event loop and the {server_http['http_parser']} HTTP parser")
         if json_schema:
             print(f"every request carries a JSON schema of {args.json_schema_fields} fields (response_format)")
         # The API process's CPU clock: the process started here, when it serves alone (with
@@ -770,7 +773,7 @@ def run_serve(args: argparse.Namespace) -> dict:
             server.stop()
     common = {"bench": "serve", "workload": "S1",
               "standard_workload": args.num_prompts is None and args.input_len is None and args.output_len is None,
-              "base_url": args.base_url, "model": model, "server_startup_s": startup_s,
+              "base_url": args.base_url, "model": model, "server_startup_s": startup_s, "server_http": server_http,
               "json_schema_fields": args.json_schema_fields}
     if len(runs) == 1:
         _print_profiles(runs)
