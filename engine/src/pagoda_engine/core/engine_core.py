@@ -177,7 +177,9 @@ class EngineCore:
         # would cost a forward per graph size for nothing.
         self.compile_ahead = (self.device.type == "cuda" and settings_allow_compile_ahead(config)
                               and graphs_unavailable(config, self.dist_backend) is None and triton_cache_is_empty())
-        if self.compile_ahead:  # its processes import torch and Triton while the model loads
+        # Rank 0's pool, before the other ranks start (theirs: `create_executor`); its processes
+        # import torch and Triton while the model loads.
+        if self.compile_ahead:
             start_compile_pool(engine_compile_workers(config))
         else:
             stop_compile_pool()  # one the engine core process may have started before it knew (`core.process`)

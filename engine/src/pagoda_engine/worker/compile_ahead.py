@@ -16,8 +16,8 @@ The engine runs three such blocks: the profile step with the sampler's draws
 (`Worker.profile_run`), the sampler alone (cache hits after the first, or where no profile step
 runs) and the graphs' forwards at every size (`DecodeGraphs`, `PiecewiseGraphs`). Each is one
 more forward, and the pool's processes import torch and Triton: the engine core process starts
-the pool before its own imports (`core.process`), and the workers warm their compiler up while the
-engine loads. With Triton's cache warm (a restarted container on the same emptyDir, or a
+its pool before its own imports (`core.process`), every other rank its own before the weights load
+(`create_executor`), and the processes warm their compiler up while the engine loads. With Triton's cache warm (a restarted container on the same emptyDir, or a
 `compileCache` claim an earlier pod filled) there is nothing to compile and the blocks only cost:
 4 s of Qwen3-30B-A3B's start on an H200. So the engine core asks `triton_cache_is_empty()` once,
 when it starts and before anything compiled, and every rank follows its answer (their forwards'

@@ -256,7 +256,7 @@ class Worker:
         start_compile_pool(compile_workers(ranks_on_node))
 
     def stop_compile_pool(self) -> None:
-        """No graphs will be captured: the pool started for the profile step goes now."""
+        """No graphs will be captured: the pool started before the weights loaded goes now."""
         stop_compile_pool()
 
     def graph_replays(self) -> dict[str, int]:
