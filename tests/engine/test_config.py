@@ -63,10 +63,18 @@ def test_bad_cudagraph_mode_flag_is_refused_by_the_parser(capsys):
     ("block_size", 12, "block_size"),
     ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
     ("max_num_seqs", 0, "max_num_seqs"),
+    ("long_prefill_token_threshold", -1, "long_prefill_token_threshold must be >= 0"),
 ])
 def test_bad_values_name_the_option(option, value, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig.from_kwargs(**{option: value})
+
+
+def test_long_prefill_token_threshold_flag_reaches_the_scheduler_and_defaults_to_no_cap():
+    assert parse().scheduler.long_prefill_token_threshold == 0
+    assert parse("--long-prefill-token-threshold", "512").scheduler.long_prefill_token_threshold == 512
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        parse("--long-prefill-token-threshold", "-5")
 
 
 def test_unknown_option_is_a_type_error():

@@ -57,6 +57,28 @@ def test_top_k_one_equals_greedy(llm):
     assert [o.outputs[0].token_ids for o in greedy] == [o.outputs[0].token_ids for o in top1]
 
 
+def test_prompts_spread_over_steps_by_long_prefill_token_threshold_give_the_same_tokens(llm, model_dir):
+    # Every prompt here is longer than 3 tokens, so each is prefilled 3 tokens a step, side by
+    # side with the others' chunks and decodes: greedy tokens and prompt logprobs stay the same.
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    prompts = ["The quick brown fox jumps over the lazy dog", "Once upon a time there was", "héllo 日本語 again"]
+    whole = llm.generate(prompts, params)
+    spread = LLM(str(model_dir), num_kv_pages=256, long_prefill_token_threshold=3)
+    try:
+        assert spread.core.scheduler.config.long_prefill_token_threshold == 3
+        chunked = spread.generate(prompts, params)
+    finally:
+        spread.core.close()
+    assert [o.outputs[0].token_ids for o in chunked] == [o.outputs[0].token_ids for o in whole]
+    for a, b in zip(chunked, whole):
+        assert len(a.prompt_token_ids) > 3
+        assert [None if d is None else sorted(d) for d in a.prompt_logprobs] == \
+               [None if d is None else sorted(d) for d in b.prompt_logprobs]
+        for da, db in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:]):
+            for tok in da:
+                assert abs(da[tok].logprob - db[tok].logprob) < 1e-4
+
+
 def test_n_sequences_and_logprobs(llm):
     out = llm.generate("Once upon a time", SamplingParams(n=3, temperature=1.0, max_tokens=6, seed=7, logprobs=2, ignore_eos=True,
                                                           prompt_logprobs=1))[0]

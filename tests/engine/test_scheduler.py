@@ -12,10 +12,12 @@ from pagoda_engine.messages import EngineCoreEventType as Ev
 from pagoda_engine.sampling_params import SamplingParams
 
 
-def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256, reserve=True):
+def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_len=256, reserve=True,
+           long_prefill=0):
     kv = KVCacheManager(num_pages, page_size)
     return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, policy=policy,
-                                     kv_growth_reservation=reserve), kv, max_len)
+                                     kv_growth_reservation=reserve, long_prefill_token_threshold=long_prefill),
+                     kv, max_len)
 
 
 def _req(rid, n, max_tokens=8, priority=0):
@@ -59,6 +61,33 @@ def test_long_prompt_is_chunked_and_mixed_with_decodes():
     assert kinds == {"short": 1, "long": 7}
     out = _run_step(s)
     assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "long": 7}
+
+
+def test_long_prefill_token_threshold_caps_each_prompt_in_a_step_and_leaves_decodes_alone():
+    # vLLM's long_prefill_token_threshold: every prompt, waiting or part-way, takes at most 5
+    # tokens a step; the budget (16) then holds several prompts' chunks beside the decodes.
+    s = _sched(budget=16, long_prefill=5)
+    s.add_request(_req("short", 3, max_tokens=6))
+    out = _run_step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 3}  # under the cap
+    s.add_request(_req("a", 12))
+    s.add_request(_req("b", 7))
+    s.add_request(_req("c", 9))
+    out = _run_step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "a": 5, "b": 5, "c": 5}
+    out = _run_step(s)  # a and c part-way (running), b's last 2 tokens
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "a": 5, "b": 2, "c": 4}
+    assert [x.completes_sequence for x in out.scheduled] == [True, False, True, True]
+    out = _run_step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "a": 2, "b": 1, "c": 1}
+    # Without the cap the same arrivals fill the budget in arrival order, a whole prompt at a time.
+    s = _sched(budget=16)
+    s.add_request(_req("short", 3, max_tokens=6))
+    _run_step(s)
+    for rid, n in (("a", 12), ("b", 7), ("c", 9)):
+        s.add_request(_req(rid, n))
+    out = _run_step(s)
+    assert {x.request.request_id: x.num_new_tokens for x in out.scheduled} == {"short": 1, "a": 12, "b": 3}
 
 
 def test_preemption_recomputes_newest_request_when_pages_run_out():

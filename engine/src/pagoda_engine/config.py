@@ -91,6 +91,10 @@ class SchedulerConfig:
     # None: vLLM's default for the device (`default_max_num_seqs`), set when the engine core starts.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
+    # A prompt's tokens in one step, at most (vLLM's long_prefill_token_threshold; 0: only the
+    # budget bounds it). Lower, a long prompt spreads over several steps beside the decodes:
+    # shorter steps, so a lower inter-token tail under load, for a later first token of its own.
+    long_prefill_token_threshold: int = 0
     policy: str = "fcfs"  # fcfs | priority
     # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
     # hides the host's per-step work behind the GPU's; one extra token per finished request.
@@ -250,6 +254,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.scheduler.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be >= 1")
+        if self.scheduler.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
         if self.scheduler.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be fcfs or priority, got {self.scheduler.policy!r}")
         if self.model.load_format not in ("auto", "dummy", "safetensors"):
@@ -424,6 +430,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="most sequences in one step (default, as vLLM's: 1024 on GPUs of 70 GiB or more other "
                         "than the A100, else 256)")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
+                   help="at most this many of one prompt's tokens in a step (0: only --max-num-batched-tokens "
+                        "bounds them): a long prompt spreads over several steps, each also running the decodes, "
+                        "for a lower inter-token latency tail under load and a later first token for that prompt")
     p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap scheduling of the next step with the current one on the device "

@@ -1,7 +1,8 @@
 """One token-budget loop: running requests first, then waiting ones, no prefill/decode phases.
 
 Every request has `num_computed_tokens` and simply advances: a decode asks for 1 token, a prompt
-for the rest of its prompt (chunked to fit the budget). When pages run out, the lowest-priority
+for the rest of its prompt (chunked to fit the budget, and to `long_prefill_token_threshold`
+tokens a step where that is set, as vLLM's V1 scheduler). When pages run out, the lowest-priority
 running request (the newest, under FCFS) is preempted: its pages are freed (they stay in the prefix
 cache) and it goes back to the front of the waiting queue to be recomputed. Preempted requests go
 back in front of everything that arrived after them (`_queue_key`).
@@ -155,6 +156,7 @@ class Scheduler:
     def schedule(self, skip_in_flight: bool = False) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        chunk_cap = self.config.long_prefill_token_threshold or budget  # one prompt's tokens in this step
         self.kv.poll_offload()
 
         # 1. Running requests: decodes and unfinished prompt chunks. Never starved by new arrivals.
@@ -164,7 +166,7 @@ class Scheduler:
             limit = self.kv.compute_limit(req)  # a split load's cut, short of max_model_len; else None
             end = self.max_model_len if limit is None else limit
             num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
-                          end - req.num_computed_tokens)
+                          end - req.num_computed_tokens, chunk_cap)
             if num_new <= 0 or (req.num_output_placeholders and (skip_in_flight or self._placeholder_is_last(req))):
                 i += 1
                 continue
@@ -209,7 +211,7 @@ class Scheduler:
                 continue  # its prefix comes up from disk or Redis
             num_cached = len(computed_pages) * self.kv.page_size
             limit = self.kv.split_limit(req)  # a split load's cut, short of the prompt's end; else None
-            num_new = min((req.num_tokens if limit is None else limit) - num_cached, budget)
+            num_new = min((req.num_tokens if limit is None else limit) - num_cached, budget, chunk_cap)
             if not self.kv.allocate_slots(req, num_new, computed_pages) and not (
                     self.kv.release_loaded_pages(but=req) and self.kv.allocate_slots(req, num_new, computed_pages)):
                 self.kv.give_up_split(req)  # nothing was taken: a split load started for it is given up
