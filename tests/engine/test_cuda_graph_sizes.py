@@ -3,7 +3,8 @@ captured at, and when a segment's q, k and v can be copied out as the projection
 
 import torch
 
-from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS, _fused_projection, graph_batch_sizes, piecewise_token_sizes
+from pagoda_engine.worker.cuda_graphs import (MAX_PIECEWISE_TOKENS, _fused_projection, drop_slow_sizes,
+                                              graph_batch_sizes, piecewise_token_sizes, sizes_to_measure)
 
 
 def test_piecewise_sizes_end_at_the_step_budget():
@@ -19,6 +20,37 @@ def test_piecewise_sizes_rise_and_pad_little_at_the_bottom():
     # From 16 tokens up a step pads by at most half its tokens (the padding is GEMM rows that cost
     # little when they read the weights anyway).
     assert all(b <= 2 * a for a, b in zip(sizes[1:], sizes[2:]))
+
+
+def test_piecewise_candidates_above_256_tokens_are_32_apart_and_measured():
+    sizes = piecewise_token_sizes(512)
+    assert sizes[sizes.index(256):] == [256, 288, 320, 352, 384, 416, 448, 480, 512]
+    assert sizes_to_measure(sizes) == [288, 320, 352, 384, 416, 448, 480, 512]
+    assert sizes_to_measure(piecewise_token_sizes(300)) == [288, 300]
+    assert sizes_to_measure(piecewise_token_sizes(200)) == []
+
+
+def test_a_size_some_larger_one_runs_as_fast_is_left_out():
+    # A layer's GEMMs in µs, as an H100 runs Llama-3.1-8B's: cuBLAS is slow at 288, 416, 448
+    # and 480 rows; 512 costs less than 448 and 480, and as much as 416's neighbours.
+    cost = {288: 280, 320: 265, 352: 287, 384: 288, 416: 330, 448: 452, 480: 324, 512: 317}
+    sizes = piecewise_token_sizes(512)
+    kept = drop_slow_sizes(sizes, cost)
+    assert kept == [8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 352, 384, 512]
+    # Every step still has a size to pad to, and the padded size never costs more than the
+    # candidate it would have taken before.
+    for tokens in range(1, 513):
+        before = next(s for s in sizes if s >= tokens)
+        after = next(s for s in kept if s >= tokens)
+        assert after >= before and cost.get(after, 0) <= cost.get(before, float("inf"))
+
+
+def test_the_largest_size_and_sizes_without_a_cost_always_stay():
+    sizes = [8, 256, 288, 320]
+    assert drop_slow_sizes(sizes, {288: 10.0, 320: 99.0}) == [8, 256, 288, 320]  # the largest stays, however dear
+    assert drop_slow_sizes(sizes, {288: 50.0, 320: 40.0}) == [8, 256, 320]
+    assert drop_slow_sizes(sizes, {320: 40.0}) == [8, 256, 288, 320]  # 288 was not measured
+    assert drop_slow_sizes(sizes, {}) == sizes
 
 
 def test_decode_graph_sizes_cover_every_batch_up_to_the_largest():

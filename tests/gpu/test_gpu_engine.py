@@ -118,6 +118,32 @@ def test_piecewise_graphs_give_the_eager_greedy_tokens(gpu_model_dir):
     assert any(tokens not in piecewise.token_sizes for tokens, _ in steps), steps  # padded ones
 
 
+def test_piecewise_graphs_above_256_tokens_are_measured_and_give_the_eager_greedy_tokens(gpu_model_dir):
+    """With a 512-token budget the steps of 257-512 tokens replay piecewise graphs too, at the
+    sizes the start-up's GEMM timing kept (`drop_slow_sizes`; 512, the largest, always), and
+    change nothing."""
+    from pagoda_engine.worker.cuda_graphs import piecewise_token_sizes
+
+    prompts = random_prompts(9, [270, 300, 420, 500])
+    eager = make_llm(gpu_model_dir, enforce_eager=True, max_num_batched_tokens=512)
+    want = greedy_tokens(eager, prompts, 16)
+    del eager
+    llm = make_llm(gpu_model_dir, max_num_batched_tokens=512)
+    piecewise = llm.core.runner.piecewise_graphs
+    sizes = piecewise.token_sizes
+    assert sizes[-1] == 512 and set(sizes) <= set(piecewise_token_sizes(512)) and 256 in sizes
+    steps = []
+    replay = piecewise.run
+
+    def recording_run(input_ids, positions, batch):
+        steps.append(batch.num_tokens)
+        return replay(input_ids, positions, batch)
+
+    piecewise.run = recording_run
+    assert greedy_tokens(llm, prompts, 16) == want
+    assert any(tokens > 256 for tokens in steps), steps
+
+
 def test_piecewise_forward_matches_the_eager_forward(gpu_model_dir):
     """One mixed step (a decode over 100 cached tokens and a fresh 37-token prompt, padded to 48)
     through the piecewise graphs and through the eager forward: the same hidden states."""

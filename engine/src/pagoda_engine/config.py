@@ -56,7 +56,7 @@ class ModelConfig:
     # DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE (vLLM's name and default).
     max_cudagraph_capture_size: int | None = None
     # vLLM's modes: FULL_AND_PIECEWISE (whole-forward graphs for decode steps, piecewise graphs
-    # around eager attention for other steps of up to 256 tokens), FULL_DECODE_ONLY (other steps
+    # around eager attention for other steps of up to 512 tokens), FULL_DECODE_ONLY (other steps
     # eager), NONE (all eager, as --enforce-eager). None: `resolve_cudagraph_mode` decides.
     cudagraph_mode: str | None = None
     # Request defaults from the model's generation_config.json (vLLM's --generation-config: auto |
@@ -412,7 +412,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         f"at most {DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE})")
     p.add_argument("--cudagraph-mode", type=str.upper, default=None, choices=CUDAGRAPH_MODES,
                    help="FULL_AND_PIECEWISE (default): decode steps replay whole-forward graphs, other "
-                        "steps of up to 256 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
+                        "steps of up to 512 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
                         "only decode steps use graphs; NONE: no graphs (as --enforce-eager)")
     p.add_argument("--generation-config", default="auto",
                    help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) from "

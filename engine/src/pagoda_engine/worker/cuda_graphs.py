@@ -5,10 +5,11 @@ device time whenever the batch is small. Two kinds, as vLLM's FULL_AND_PIECEWISE
 - `DecodeGraphs` captures the whole forward of all-decode batches, attention included, once per
   batch size; a step pads to the next captured size and replays.
 - `PiecewiseGraphs` serves every other step of up to `MAX_PIECEWISE_TOKENS` tokens (prefill
-  chunks, decodes mixed with them): each stretch of the forward between two attention calls (a
-  segment, `run_segment`) is a graph, captured once per token count; attention runs eagerly
-  between them, planned for the real batch, because its work depends on every request's
-  lengths. Longer steps run eagerly: their kernels outlast the launches.
+  chunks, decodes mixed with them), at sizes that skip the row counts cuBLAS runs slowly
+  (`drop_slow_sizes`, measured on the device before the capture): each stretch of the forward
+  between two attention calls (a segment, `run_segment`) is a graph, captured once per token
+  count; attention runs eagerly between them, planned for the real batch, because its work
+  depends on every request's lengths. Longer steps run eagerly: their kernels outlast the launches.
 The split lives here, not in the model: a model offers its embedding, its layers' halves around
 attention and its final norm (`PiecewiseModel`), the same code its eager forward runs, so a new
 architecture gets piecewise graphs by writing its layers in two halves.
@@ -39,20 +40,76 @@ import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.compile_ahead import compile_ahead
+from pagoda_engine.worker.model.layers import LinearBase, linear
 
 
 # Steps of more tokens run eagerly: their kernels outlast the launches. On an H100 with
-# Llama-3.1-8B an eager step takes 10-12 ms to launch; 64 decodes with a 256-token chunk take
-# 11 ms on the GPU, and a 400-token step padded to 448 ran 3 ms slower than eagerly.
-MAX_PIECEWISE_TOKENS = 256
+# Llama-3.1-8B an eager step takes 11-17 ms to launch (more on slow hosts): a 512-token chunk ran
+# 11 ms on the GPU, a 1,024-token one 21 ms (benchmarks.md, twenty-eighth session).
+MAX_PIECEWISE_TOKENS = 512
+# Above this many tokens the candidate sizes are 32 apart, and a candidate is captured only where
+# no larger one runs the layer's GEMMs as fast (`drop_slow_sizes`): cuBLAS picks a slow kernel at
+# some row counts (an H100 runs Llama-3.1-8B's gate/up projection at 448 rows in 293 µs, at 488-512
+# in 161 µs), and a step padded past such a size is faster, not slower.
+_FIXED_SIZES_UP_TO = 256
+_CANDIDATE_STRIDE = 32
 
 
 def piecewise_token_sizes(max_tokens: int) -> list[int]:
-    """Token counts the piecewise graphs are captured at, up to `max_tokens`: a step pads to the
-    next one. Finer steps at the bottom, where padding is relatively dearest; GEMMs of up to a
-    few hundred rows cost about the same whatever their row count (they read the weights)."""
+    """Token counts the piecewise graphs may be captured at, up to `max_tokens`: a step pads to
+    the next one. Finer steps at the bottom, where padding is relatively dearest; GEMMs of up to a
+    few hundred rows cost about the same whatever their row count (they read the weights). Those
+    above `_FIXED_SIZES_UP_TO` are candidates that `drop_slow_sizes` may leave out."""
     sizes = [8, 16, 32, 48, 64, 96, 128, 160, 192, 224, 256]
+    sizes += list(range(_FIXED_SIZES_UP_TO + _CANDIDATE_STRIDE, MAX_PIECEWISE_TOKENS + 1, _CANDIDATE_STRIDE))
     return [s for s in sizes if s < max_tokens] + [max_tokens]
+
+
+def sizes_to_measure(sizes: list[int]) -> list[int]:
+    """The sizes `drop_slow_sizes` needs a cost for: those above `_FIXED_SIZES_UP_TO` tokens."""
+    return [s for s in sizes if s > _FIXED_SIZES_UP_TO]
+
+
+def drop_slow_sizes(sizes: list[int], cost: dict[int, float]) -> list[int]:
+    """`sizes` less each candidate above `_FIXED_SIZES_UP_TO` tokens that some larger one runs at
+    no more `cost` (a step of that many tokens then pads further, for less); the largest stays, so
+    the graphs still reach as far. Sizes without a cost stay."""
+    kept, cheapest_above = [], float("inf")
+    for i, size in enumerate(reversed(sizes)):
+        c = cost.get(size)
+        if i == 0 or size <= _FIXED_SIZES_UP_TO or c is None or c < cheapest_above:
+            kept.append(size)
+        if c is not None:
+            cheapest_above = min(cheapest_above, c)
+    return kept[::-1]
+
+
+def linear_row_costs(model: torch.nn.Module, sizes: list[int], device: torch.device,
+                     repeats: int = 5) -> dict[int, float]:
+    """Device µs of one decoder layer's dense projections (its `LinearBase` modules' weights, this
+    rank's shards, through `layers.linear` and no collective) at each of `sizes` rows: the median
+    of `repeats` runs after one warm-up. What `drop_slow_sizes` compares."""
+    weights = [m.weight for m in model.layers[0].modules() if isinstance(m, LinearBase)]
+    if not weights:
+        return {}
+    inputs = {w.shape[1]: torch.randn(max(sizes), w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    costs = {}
+    with torch.inference_mode():
+        for size in sizes:
+            def run():
+                for w in weights:
+                    linear(inputs[w.shape[1]][:size], w)
+            run()
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                run()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3)
+            costs[size] = sorted(times)[len(times) // 2]
+    return costs
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:

@@ -353,6 +353,11 @@ class Executor:
         with _starting():
             self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes, compile_first)
 
+    def piecewise_row_costs(self, sizes: list[int]) -> list[dict[int, float]]:
+        """Every rank's `Worker.piecewise_row_costs`."""
+        with _starting():
+            return self.collective_rpc("piecewise_row_costs", sizes)
+
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
         """The step's forward on every rank; rank 0's hidden states (None under pipeline parallelism)."""
         return self.call("execute_model", input_ids, positions, batch)

@@ -11,13 +11,15 @@ tensor on the device, so nothing waits for the host.
 
 On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
 next larger batch size (`cuda_graphs.DecodeGraphs`, owned by each rank's `Worker`, so that every
-tensor-parallel rank and pipeline stage replays its own); other steps of up to 256 tokens replay piecewise graphs
-with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`); longer steps and
-`--enforce-eager` run eagerly.
+tensor-parallel rank and pipeline stage replays its own); other steps of up to 512 tokens replay
+piecewise graphs with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`, at sizes
+that skip the row counts cuBLAS runs slowly on this device); longer steps and `--enforce-eager`
+run eagerly.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -29,7 +31,8 @@ from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda_engine.messages import TokenLogprobs
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
-from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, graph_batch_sizes, piecewise_token_sizes
+from pagoda_engine.worker.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, drop_slow_sizes, graph_batch_sizes,
+                                              piecewise_token_sizes, sizes_to_measure)
 from pagoda_engine.worker.executor import Executor
 from pagoda_engine.worker.rpc import aligned_numel
 from pagoda_engine.worker.sampling import (
@@ -39,6 +42,8 @@ from pagoda_engine.worker.sampling import (
     compute_prompt_logprobs,
     warm_up_sampler,
 )
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -125,9 +130,21 @@ class ModelRunner:
                             compile_first: bool = False) -> None:
         """Capture, on every rank, the decode forward at the batch sizes of
         `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
-        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`. Other steps
+        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`, less those
+        whose GEMMs some larger one runs as fast on every rank (`drop_slow_sizes`). Other steps
         run eagerly. `compile_first`: the graphs' Triton kernels compile ahead (`compile_ahead`)."""
         piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
+        measured = sizes_to_measure(piecewise)
+        if len(measured) > 1:
+            per_rank = self.executor.piecewise_row_costs(measured)
+            cost = {size: max(costs[size] for costs in per_rank) for size in measured
+                    if all(size in costs for costs in per_rank)}  # a rank without dense projections has none
+            kept = drop_slow_sizes(piecewise, cost)
+            dropped = sorted(set(piecewise) - set(kept))
+            if dropped:
+                logger.info("piecewise graphs: left out %s tokens (a layer's GEMMs: %s µs; a larger size is as fast)",
+                            dropped, ", ".join(f"{s}: {cost[s]:.0f}" for s in measured if s in cost))
+            piecewise = kept
         self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise,
                                      compile_first)
 

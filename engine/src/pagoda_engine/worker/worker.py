@@ -55,7 +55,7 @@ from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_coll
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
-from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, stage_forward
+from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
@@ -248,6 +248,11 @@ class Worker:
                                                  compile_first)
         finally:
             stop_compile_pool()
+
+    def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
+        """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
+        (`linear_row_costs`): the runner leaves out the piecewise sizes cuBLAS runs slowly."""
+        return linear_row_costs(self.model, sizes, self.device)
 
     def start_compile_pool(self, ranks_on_node: int) -> None:
         """Start this rank's compile processes now, before the weights load (`create_executor`),
