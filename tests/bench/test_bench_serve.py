@@ -57,6 +57,7 @@ def test_s1_against_a_running_server(server_url, tiny_model, tmp_path, capsys):
     assert (r["completed"], r["failed"], r["errors"]) == (12, 0, [])
     assert (r["input_tokens"], r["output_tokens"]) == (12 * 24, 12 * 6)  # the server's own usage counts
     assert r["standard_workload"] is False and r["server_startup_s"] is None and r["server_http"] is None
+    assert r["server_flags"] is None  # a server started elsewhere: its flags are not known here
     for name in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         s = r[name]
         assert 0 < s["p50"] <= s["p99"], (name, s)
@@ -127,6 +128,11 @@ def test_starts_and_stops_its_own_server(tiny_model, tmp_path, monkeypatch):
     # The engine's dependencies: the fast event loop and HTTP parser, recorded with the figures.
     assert r["server_http"]["event_loop"].startswith("uvloop ") and r["server_http"]["http_parser"].startswith("httptools ")
     assert r["model"] == "no-tokenizer"  # served under the directory's name, not the cache path
+    # The flags that shape its steps, as started (None: the engine's own choice for the device).
+    assert r["server_flags"] == {"max_num_seqs": None, "max_num_batched_tokens": 8192,
+                                 "long_prefill_token_threshold": 0, "async_scheduling": None,
+                                 "step_launch_pacing": None, "cudagraph_mode": None, "enable_prefix_caching": True,
+                                 "api_server_count": 1}
     if Path("/proc/self/stat").exists():  # the API process's CPU clock, read from /proc
         assert r["cpu"]["api_cpu_s"] > 0
         assert r["cpu"]["api_cpu_ms_per_token"] == pytest.approx(r["cpu"]["api_cpu_s"] * 1e3 / 12, rel=0.01)

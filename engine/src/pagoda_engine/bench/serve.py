@@ -621,6 +621,12 @@ def _byte_level_tokenizer(vocab_size: int, eos_ids: list[int]):
     return PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=next(iter(specials.values()), None))
 
 
+# The flags of a server started here that shape its steps, recorded with its figures
+# (`--output-json`'s "server_flags"; None where the engine decides, as the command line's default).
+_RECORDED_FLAGS = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold", "async_scheduling",
+                   "step_launch_pacing", "cudagraph_mode", "enable_prefix_caching", "api_server_count")
+
+
 class LaunchedServer:
     """`pagoda serve` in a process of its own (spawned: the engine starts CUDA in it)."""
 
@@ -718,6 +724,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     server = None
     startup_s = None
     server_http = None  # what the server started here serves on (it shares this environment)
+    server_flags = None  # the step-shaping flags it was started with (None where the engine decides)
     base_url = (args.base_url or "").rstrip("/")
     from pagoda_engine.api.tokenizer import has_tokenizer
     from pagoda_engine.model_path import resolve_model_path
@@ -735,6 +742,7 @@ def run_serve(args: argparse.Namespace) -> dict:
         server = LaunchedServer(args)
         startup_s = round(server.start(), 2)
         server_http = http_stack()
+        server_flags = {name: getattr(args, name) for name in _RECORDED_FLAGS if hasattr(args, name)}
         base_url = server.url
     try:
         model = args.served_model or _served_model(base_url)
@@ -774,6 +782,7 @@ def run_serve(args: argparse.Namespace) -> dict:
     common = {"bench": "serve", "workload": "S1",
               "standard_workload": args.num_prompts is None and args.input_len is None and args.output_len is None,
               "base_url": args.base_url, "model": model, "server_startup_s": startup_s, "server_http": server_http,
+              "server_flags": server_flags,
               "json_schema_fields": args.json_schema_fields}
     if len(runs) == 1:
         _print_profiles(runs)
