@@ -105,14 +105,7 @@ def test_piecewise_graphs_give_the_eager_greedy_tokens(gpu_model_dir):
     llm = make_llm(gpu_model_dir, max_num_batched_tokens=48)
     piecewise = llm.core.runner.piecewise_graphs
     assert piecewise.token_sizes == [8, 16, 32, 48]
-    steps = []
-    replay = piecewise.run
-
-    def recording_run(input_ids, positions, batch):
-        steps.append((batch.num_tokens, batch.num_decodes))
-        return replay(input_ids, positions, batch)
-
-    piecewise.run = recording_run
+    steps = _record_steps(piecewise)
     assert greedy_tokens(llm, prompts, 24) == want
     assert any(0 < decodes and tokens > decodes for tokens, decodes in steps), steps  # mixed steps
     assert any(tokens not in piecewise.token_sizes for tokens, _ in steps), steps  # padded ones
@@ -132,16 +125,22 @@ def test_piecewise_graphs_above_256_tokens_are_measured_and_give_the_eager_greed
     piecewise = llm.core.runner.piecewise_graphs
     sizes = piecewise.token_sizes
     assert sizes[-1] == 512 and set(sizes) <= set(piecewise_token_sizes(512)) and 256 in sizes
+    steps = _record_steps(piecewise)
+    assert greedy_tokens(llm, prompts, 16) == want
+    assert any(tokens > 256 for tokens, _ in steps), steps
+
+
+def _record_steps(piecewise) -> list[tuple[int, int]]:
+    """(tokens, decodes) of every step `piecewise` replays from now on, in a list filled as they run."""
     steps = []
     replay = piecewise.run
 
     def recording_run(input_ids, positions, batch):
-        steps.append(batch.num_tokens)
+        steps.append((batch.num_tokens, batch.num_decodes))
         return replay(input_ids, positions, batch)
 
     piecewise.run = recording_run
-    assert greedy_tokens(llm, prompts, 16) == want
-    assert any(tokens > 256 for tokens in steps), steps
+    return steps
 
 
 def test_piecewise_forward_matches_the_eager_forward(gpu_model_dir):

@@ -742,7 +742,7 @@ def run_serve(args: argparse.Namespace) -> dict:
         server = LaunchedServer(args)
         startup_s = round(server.start(), 2)
         server_http = http_stack()
-        server_flags = {name: getattr(args, name) for name in _RECORDED_FLAGS if hasattr(args, name)}
+        server_flags = {name: getattr(args, name) for name in _RECORDED_FLAGS}
         base_url = server.url
     try:
         model = args.served_model or _served_model(base_url)
