@@ -77,6 +77,12 @@ def test_long_prefill_token_threshold_flag_reaches_the_scheduler_and_defaults_to
         parse("--long-prefill-token-threshold", "-5")
 
 
+def test_a_non_integer_long_prefill_token_threshold_is_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse("--long-prefill-token-threshold", "abc")
+    assert "--long-prefill-token-threshold: invalid int value: 'abc'" in capsys.readouterr().err
+
+
 def test_unknown_option_is_a_type_error():
     with pytest.raises(TypeError, match="max_cuda_graph_size"):
         EngineConfig.from_kwargs(max_cuda_graph_size=8)
