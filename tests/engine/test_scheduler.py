@@ -3,6 +3,7 @@ lifecycle events."""
 
 import random
 import time
+import zlib
 
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.request import Request, RequestStatus
@@ -21,7 +22,10 @@ def _sched(num_pages=64, page_size=4, budget=16, max_seqs=8, policy="fcfs", max_
 
 
 def _req(rid, n, max_tokens=8, priority=0):
-    return Request(request_id=rid, prompt_token_ids=[(hash(rid) + i) % 50 + 1 for i in range(n)],
+    # crc32, not hash(): str hashes change with PYTHONHASHSEED, and two prompts that happen to start
+    # alike share prefix-cache pages, which changes how many tokens a step schedules.
+    base = zlib.crc32(rid.encode())
+    return Request(request_id=rid, prompt_token_ids=[(base + i) % 50 + 1 for i in range(n)],
                    sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True), priority=priority)
 
 
