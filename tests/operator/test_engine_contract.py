@@ -20,7 +20,9 @@ and engine.env. (The schema has no quantization field yet; when it gains one, ad
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import io
 import itertools
 import re
 from pathlib import Path
@@ -316,3 +318,80 @@ def test_a_remote_tier_on_a_unix_socket_reaches_the_engine_as_written():
     assert_operator_and_engine_agree(body)
     config = engine_start(engine_containers(r.render(body, check(body).spec))["engine"])[0]
     assert config.cache.kv_offload_remote_url == "unix:///run/redis/redis.sock?db=1"
+
+
+class _Refusing(argparse.ArgumentParser):
+    def error(self, message):
+        raise ValueError(message)
+
+
+def _pagoda_serve_takes(words: list[str]) -> bool:
+    """Whether `pagoda serve`'s own parser (help included, as the CLI builds it) takes these
+    words after a rendered command line."""
+    parser = _Refusing(prog="pagoda serve")
+    api_server.add_arguments(parser)
+    rendered = _engine_args(_children("llama-3.1-8b.yaml"))
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            parser.parse_args(rendered + words)
+    except (ValueError, SystemExit):  # SystemExit: -h printed the help
+        return False
+    return True
+
+
+def _shortest_abbreviation(flag: str) -> str | None:
+    """The shortest prefix of a long flag that argparse reads as that flag alone, if shorter."""
+    long_flags = [f for f in ENGINE_PARSER._option_string_actions if f.startswith("--")] + ["--help"]
+    for end in range(3, len(flag)):
+        if [f for f in long_flags if f.startswith(flag[:end])] == [flag]:
+            return flag[:end]
+    return None
+
+
+def _extra_args_cases() -> list[list[str]]:
+    """For every flag of `pagoda serve`: words it takes (its value apart or joined, a unique
+    abbreviation) and words it refuses (no value, a value of another type, not one of its choices,
+    a value given to a switch); then unknown flags, stray words, help and ambiguous prefixes."""
+    cases = []
+    for action in ENGINE_PARSER._actions:
+        for flag in action.option_strings:
+            short = _shortest_abbreviation(flag) if flag.startswith("--") else None
+            if action.nargs == 0:
+                cases += [[flag], [f"{flag}=1"], ["--max-num-seqs", "8", flag]] + ([[short]] if short else [])
+                continue
+            good = action.choices[0].lower() if action.choices else {int: "2", float: "0.5"}.get(action.type, "x")
+            cases += [[flag, good], [f"{flag}={good}"], [flag], [flag, "--max-num-seqs", "8"]]
+            cases += [[short, good]] if short else []
+            if action.type in (int, float):
+                cases += [[flag, "two"], [flag, "-1"]]
+            if action.choices:
+                cases += [[flag, "no-such-choice"]]
+    return cases + [["--no-such-flag"], ["--max-num-seqz", "8"], ["stray"], ["--max-num-seqs", "8", "9"], ["-h"],
+                    ["--help"], ["--he"], ["--max"], ["--", "--max-num-seqs", "8"], ["-tp2"], ["-"], []]
+
+
+def test_extra_args_are_refused_by_the_operator_exactly_when_pagoda_serve_would_refuse_them():
+    cases = _extra_args_cases()
+    outcomes = []
+    for words in cases:
+        problems = engine_capabilities.extra_args_problems(words)
+        assert all(p.startswith("engine.extraArgs: ") for p in problems), problems
+        takes = _pagoda_serve_takes(words)
+        assert (not problems) == takes, (words, problems)
+        outcomes.append(takes)
+    assert len(cases) > 300 and outcomes.count(False) > 100 and outcomes.count(True) > 100  # both sides tried
+
+
+@pytest.mark.parametrize("words, problem", [
+    (["--max-num-seqz", "8"], "engine.extraArgs: pagoda serve has no flag --max-num-seqz (did you mean --max-num-seqs?)"),
+    (["--long-prefill-token-threshold", "a lot"],
+     "engine.extraArgs: argument --long-prefill-token-threshold: invalid int value: 'a lot'"),
+    (["--cudagraph-mode", "piecewise"], "engine.extraArgs: argument --cudagraph-mode: invalid choice: 'PIECEWISE' "
+                                        "(choose from 'FULL_AND_PIECEWISE', 'FULL_DECODE_ONLY', 'NONE')"),
+    (["--help"], "engine.extraArgs: --help prints the help and exits: the pod would exit at once, and restart"),
+    (["--max-num-seqs", "8", "9"], "engine.extraArgs: '9' is neither a flag of pagoda serve nor the value of one"),
+])
+def test_a_spec_whose_extra_args_pagoda_serve_would_refuse_is_not_validated_and_says_why(words, problem):
+    checked = check(with_spec(load_example("llama-3.1-8b.yaml"), engine__extraArgs=words))
+    assert checked.problems == [problem]
+    assert not checked.renderable  # a fault of the spec, not a feature the engine lacks

@@ -325,6 +325,23 @@ def test_an_invalid_spec_is_reported_and_creates_nothing(cluster):
     assert conds["Validated"]["observedGeneration"] == 2
 
 
+def test_extra_args_pagoda_serve_would_refuse_are_reported_and_create_nothing(cluster):
+    # A typo in a GitOps manifest's flags: Validated=False naming the flag, not a crash-looping pod.
+    apiserver, _ = cluster
+    body = load_example("llama-3.1-8b.yaml")
+    body["metadata"] = {"name": "flag-typo", "namespace": NS}
+    body["spec"]["engine"]["extraArgs"] = ["--long-prefil-token-treshold", "512"]
+    create(apiserver, body)
+    conds = wait_for("Validated=False", lambda: conditions(get(apiserver, IS, "flag-typo") or {}).get("Validated")
+                     and conditions(get(apiserver, IS, "flag-typo")))
+    assert (conds["Validated"]["status"], conds["Validated"]["reason"]) == ("False", "InvalidSpec")
+    assert ("engine.extraArgs: pagoda serve has no flag --long-prefil-token-treshold (did you mean "
+            "--long-prefill-token-threshold?)") in conds["Validated"]["message"]
+    assert children_of(apiserver, "flag-typo") == {}
+    patch_spec(apiserver, "flag-typo", {"engine": {"extraArgs": ["--long-prefill-token-threshold", "512"]}})
+    wait_for("children after the fix", lambda: len(children_of(apiserver, "flag-typo")) == TINY_CHILDREN)
+
+
 def test_a_valid_service_turned_invalid_keeps_its_children(cluster):
     apiserver, _ = cluster
     ready_service(apiserver, "typo")

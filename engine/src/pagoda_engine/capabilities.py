@@ -138,7 +138,8 @@ def refusal(config: Any, environ: Mapping[str, str]) -> str | None:
 
 def as_json() -> str:
     """The table as the operator reads it: each feature with every flag (aliases included) that
-    asks for it, as `pagoda serve` spells them, and the combinations refused."""
+    asks for it, as `pagoda serve` spells them, the combinations refused, and every flag
+    `pagoda serve` takes (`serve_flags`)."""
     import argparse
 
     from pagoda_engine.config import add_engine_args
@@ -152,7 +153,34 @@ def as_json() -> str:
         for f in FEATURES
     ]
     combinations = [{"keys": list(c.keys), "title": c.title, "hint": c.hint} for c in COMBINATIONS]
-    return json.dumps({"features": table, "combinations": combinations}, indent=2) + "\n"
+    return json.dumps({"features": table, "combinations": combinations, "serve_flags": serve_flags()}, indent=2) + "\n"
+
+
+# How the operator's mirror converts a flag's value (`serve_flags`): argparse's `type`, by name.
+# Any other type converts from any string here; the engine checks the value itself at start-up.
+_VALUE_TYPES = {None: "str", str: "str", int: "int", float: "float", str.upper: "upper", str.lower: "lower"}
+
+
+def serve_flags() -> list[dict[str, Any]]:
+    """Every flag `pagoda serve` takes, as argparse reads it: its spellings, how many values
+    follow it (0 for a switch), their type (`_VALUE_TYPES`) and choices. The operator builds the
+    same parser from these and checks a spec's engine.extraArgs with it, so that a flag the engine
+    would refuse (unknown, missing its value, not a number, not one of its choices) gives
+    Validated=False instead of a crash-looping pod. Help (-h) is left out: it prints and exits."""
+    import argparse
+
+    from pagoda_engine.api.server.api_server import add_arguments
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    rows = []
+    for action in parser._actions:
+        if not action.option_strings:
+            raise ValueError(f"pagoda serve takes a positional argument ({action.dest}): serve_flags cannot describe it")
+        rows.append({"flags": list(action.option_strings), "nargs": action.nargs,
+                     "type": None if action.nargs == 0 else _VALUE_TYPES.get(action.type, "any"),
+                     "choices": list(action.choices) if action.choices is not None else None})
+    return rows
 
 
 if __name__ == "__main__":  # python -m pagoda_engine.capabilities FILE: write the operator's copy

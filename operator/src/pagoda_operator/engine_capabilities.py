@@ -10,9 +10,13 @@ refuse is refused here first, with the engine's reason).
 
 from __future__ import annotations
 
+import argparse
+import difflib
+import functools
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 from pagoda_operator.spec import InferenceServiceSpec
 
@@ -38,15 +42,15 @@ class EngineCombination:
     hint: str = ""
 
 
-def _load_table() -> tuple[tuple[EngineFeature, ...], tuple[EngineCombination, ...]]:
+def _load_table() -> tuple[tuple[EngineFeature, ...], tuple[EngineCombination, ...], tuple[dict[str, Any], ...]]:
     table = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
     features = tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])})
                      for row in table["features"])
     combinations = tuple(EngineCombination(**{**row, "keys": tuple(row["keys"])}) for row in table["combinations"])
-    return features, combinations
+    return features, combinations, tuple(table["serve_flags"])
 
 
-ENGINE_FEATURES, ENGINE_COMBINATIONS = _load_table()
+ENGINE_FEATURES, ENGINE_COMBINATIONS, SERVE_FLAGS = _load_table()
 BY_KEY = {f.key: f for f in ENGINE_FEATURES}
 TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
 
@@ -110,4 +114,66 @@ def unsupported(spec: InferenceServiceSpec) -> list[str]:
             fields = " with ".join(where_asked[k] for k in combination.keys)
             hint = f" ({combination.hint})" if combination.hint else ""
             problems.append(f"{fields} asks for {combination.title}, which Pagoda's engine does not implement yet{hint}")
+    return problems
+
+
+class _Refused(Exception):
+    """What `pagoda serve`'s parser would exit with."""
+
+
+class _ServeParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Refused(message)
+
+
+class _Help(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise _Refused(f"{option_string} prints the help and exits: the pod would exit at once, and restart")
+
+
+# The engine's value types by the table's names (pagoda_engine.capabilities._VALUE_TYPES); "any":
+# a type of the engine's own, which it checks at start-up.
+_VALUE_TYPES = {"str": str, "int": int, "float": float, "upper": str.upper, "lower": str.lower, "any": str}
+
+
+@functools.cache
+def _serve_parser() -> _ServeParser:
+    """`pagoda serve`'s parser, rebuilt from the table: the same spellings, abbreviations, value
+    counts, types and choices, so it takes and refuses the same command lines."""
+    parser = _ServeParser(prog="pagoda serve", add_help=False, allow_abbrev=True)
+    parser.add_argument("-h", "--help", action=_Help, nargs=0)
+    for i, row in enumerate(SERVE_FLAGS):
+        if row["nargs"] == 0:
+            parser.add_argument(*row["flags"], dest=f"flag{i}", action="store_true")
+        else:
+            parser.add_argument(*row["flags"], dest=f"flag{i}", nargs=row["nargs"], type=_VALUE_TYPES[row["type"]],
+                                choices=row["choices"])
+    return parser
+
+
+def extra_args_problems(extra_args: list[str]) -> list[str]:
+    """Why `pagoda serve` would refuse these engine.extraArgs (they follow the operator's own
+    flags, each complete with its value, so they parse alone as they would there): an unknown
+    flag, a flag without its value, a value of the wrong type or not one of the flag's choices, a
+    word that is no flag's value, -h. Empty when it would take them. The value's range is the
+    engine's own check, at start-up."""
+    try:
+        _, rest = _serve_parser().parse_known_args(list(extra_args))
+    except _Refused as e:
+        return [f"engine.extraArgs: {e}"]
+    problems = []
+    known = [flag for row in SERVE_FLAGS for flag in row["flags"]]
+    after_unknown_flag = False
+    for word in rest:
+        name = word.split("=", 1)[0]
+        if name == "--":
+            problems.append("engine.extraArgs: '--' ends the flags, and pagoda serve takes no other arguments")
+        elif not name.startswith("-") or name == "-":
+            if not after_unknown_flag:  # else it is most likely that flag's value: one problem, not two
+                problems.append(f"engine.extraArgs: {word!r} is neither a flag of pagoda serve nor the value of one")
+        else:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(f"engine.extraArgs: pagoda serve has no flag {name}{hint}")
+        after_unknown_flag = name.startswith("-") and name != "--" and "=" not in word
     return problems

@@ -90,6 +90,7 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_kv_cache(spec),
         *_check_node_fit(spec),
         *_check_router(spec),
+        *engine_capabilities.extra_args_problems(spec.engine.extra_args),
         *_check_api_servers(spec),
         *_check_compile_cache(spec),
     ]
@@ -119,8 +120,7 @@ def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
         try:
             extra_count = int(value)  # what the engine's parser does with it (argparse's type=int)
         except (TypeError, ValueError):
-            return [f"engine: extraArgs {written} needs a whole number of API server processes, got "
-                    f"{'nothing' if value is None else repr(value)}"]
+            return []  # no whole number: the flags' check reports it (engine_capabilities.extra_args_problems)
         if extra_count < 1:
             return [f"engine: extraArgs {written} {extra_count}: a pod needs at least 1 API server process"]
         last = (written, extra_count)  # the engine's parser keeps the last
