@@ -1,4 +1,5 @@
-"""What the engine the operator deploys can run, and which spec fields ask for what.
+"""What the engine the operator deploys can run, which spec fields ask for what, and which flags
+`pagoda serve` takes (engine.extraArgs are parsed with a copy of its parser: `extra_args_problems`).
 
 The engine's capability table (pagoda_engine.capabilities) is the truth. The operator cannot
 import the engine (its image has no torch), so it reads a copy generated from that table,
