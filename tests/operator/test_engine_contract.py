@@ -370,16 +370,50 @@ def _extra_args_cases() -> list[list[str]]:
                     ["--help"], ["--he"], ["--max"], ["--", "--max-num-seqs", "8"], ["-tp2"], ["-"], []]
 
 
-def test_extra_args_are_refused_by_the_operator_exactly_when_pagoda_serve_would_refuse_them():
+def test_extra_args_are_refused_by_the_operators_parser_exactly_when_pagoda_serves_would_refuse_them():
     cases = _extra_args_cases()
     outcomes = []
     for words in cases:
-        problems = engine_capabilities.extra_args_problems(words)
+        problems = engine_capabilities.extra_args_parse_problems(words)
         assert all(p.startswith("engine.extraArgs: ") for p in problems), problems
         takes = _pagoda_serve_takes(words)
         assert (not problems) == takes, (words, problems)
         outcomes.append(takes)
     assert len(cases) > 300 and outcomes.count(False) > 100 and outcomes.count(True) > 100  # both sides tried
+
+
+def _engine_configures(words: list[str]) -> bool:
+    """Whether the engine parses these words after a rendered command line and its EngineConfig
+    takes the values (its own bounds)."""
+    try:
+        config_from_args(ENGINE_PARSER.parse_args(_engine_args(_children("llama-3.1-8b.yaml")) + words))
+    except ValueError:
+        return False
+    return True
+
+
+def _bound_cases() -> list[tuple[list[str], bool]]:
+    """(words, inside the bounds) at and just past every bound of the table, each flag alone."""
+    cases = []
+    for row in engine_capabilities.SERVE_FLAGS:
+        bounds, flag = row["bounds"] or {}, row["flags"][0]
+        step = 1 if row["type"] == "int" else 0.01
+        for key, inside, outside in (("min", 0, -step), ("above", step, 0), ("max", 0, step)):
+            if key in bounds:
+                cases += [([flag, f"{bounds[key] + inside:g}"], True), ([flag, f"{bounds[key] + outside:g}"], False)]
+    return cases
+
+
+def test_every_bound_the_operator_checks_is_the_engines_own():
+    cases = _bound_cases()
+    assert len(cases) >= 2 * 20  # every bound of FLAG_BOUNDS and the request limits, both sides
+    for words, inside in cases:
+        assert _engine_configures(words) == inside, words  # the engine's EngineConfig.validate agrees
+        problems = engine_capabilities.extra_args_problems(words)
+        assert (not problems) == inside, (words, problems)
+        if not inside:  # one problem, naming the flag and its bound
+            assert len(problems) == 1 and re.fullmatch(rf"engine\.extraArgs: {words[0]} \S+: must be (>=|>|<=) \S+",
+                                                       problems[0]), problems
 
 
 @pytest.mark.parametrize("words, problem", [
@@ -390,6 +424,8 @@ def test_extra_args_are_refused_by_the_operator_exactly_when_pagoda_serve_would_
                                         "(choose from 'FULL_AND_PIECEWISE', 'FULL_DECODE_ONLY', 'NONE')"),
     (["--help"], "engine.extraArgs: --help prints the help and exits: the pod would exit at once, and restart"),
     (["--max-num-seqs", "8", "9"], "engine.extraArgs: '9' is neither a flag of pagoda serve nor the value of one"),
+    (["--long-prefill-token-threshold", "-1"], "engine.extraArgs: --long-prefill-token-threshold -1: must be >= 0"),
+    (["--gpu-memory-utilization", "1.2"], "engine.extraArgs: --gpu-memory-utilization 1.2: must be <= 1"),
 ])
 def test_a_spec_whose_extra_args_pagoda_serve_would_refuse_is_not_validated_and_says_why(words, problem):
     checked = check(with_spec(load_example("llama-3.1-8b.yaml"), engine__extraArgs=words))

@@ -393,7 +393,7 @@ def test_a_shared_compile_cache_is_for_gpu_engines_and_the_only_place_of_tritons
     (["--api-server-count=two"], ["engine.extraArgs: argument --api-server-count/-asc: invalid int value: 'two'"]),
     (["--api-server-count", "1.5"], ["engine.extraArgs: argument --api-server-count/-asc: invalid int value: '1.5'"]),
     (["--max-num-seqs", "8", "-asc"], ["engine.extraArgs: argument --api-server-count/-asc: expected one argument"]),
-    (["--api-server-count=0"], ["engine: extraArgs --api-server-count 0: a pod needs at least 1 API server process"]),
+    (["--api-server-count=0"], ["engine.extraArgs: --api-server-count 0: must be >= 1"]),
 ])
 def test_extra_args_api_server_count_on_several_nodes_is_refused_only_above_one(extra_args, expected):
     body = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=extra_args)

@@ -156,6 +156,27 @@ def as_json() -> str:
     return json.dumps({"features": table, "combinations": combinations, "serve_flags": serve_flags()}, indent=2) + "\n"
 
 
+# The bounds EngineConfig.validate puts on single numeric flags (its own checks stay the truth:
+# tests/operator/test_engine_contract.py proves every bound here against them), copied into
+# `serve_flags` so that the operator refuses an engine.extraArgs value out of them before a pod
+# starts. "min"/"max": inclusive; "above": exclusive. `pagoda serve`'s request limits are >= 1 too.
+FLAG_BOUNDS: dict[str, dict[str, float]] = {
+    "--gpu-memory-utilization": {"above": 0, "max": 1},
+    "--max-num-seqs": {"min": 1},
+    "--max-num-batched-tokens": {"min": 1},
+    "--long-prefill-token-threshold": {"min": 0},
+    "--max-cudagraph-capture-size": {"min": 1},
+    "--tensor-parallel-size": {"min": 1},
+    "--pipeline-parallel-size": {"min": 1},
+    "--data-parallel-size": {"min": 1},
+    "--nnodes": {"min": 1},
+    "--master-port": {"above": 0, "max": 65535},
+    "--api-server-count": {"min": 1},
+    "--num-gpu-blocks-override": {"min": 2},
+    "--kv-offload-cpu-gb": {"min": 0},
+    "--kv-offload-disk-gb": {"min": 0},
+}
+
 # How the operator's mirror converts a flag's value (`serve_flags`): argparse's `type`, by name.
 # Any other type converts from any string here; the engine checks the value itself at start-up.
 _VALUE_TYPES = {None: "str", str: "str", int: "int", float: "float", str.upper: "upper", str.lower: "lower"}
@@ -163,23 +184,30 @@ _VALUE_TYPES = {None: "str", str: "str", int: "int", float: "float", str.upper: 
 
 def serve_flags() -> list[dict[str, Any]]:
     """Every flag `pagoda serve` takes, as argparse reads it: its spellings, how many values
-    follow it (0 for a switch), their type (`_VALUE_TYPES`) and choices. The operator builds the
-    same parser from these and checks a spec's engine.extraArgs with it, so that a flag the engine
-    would refuse (unknown, missing its value, not a number, not one of its choices) gives
-    Validated=False instead of a crash-looping pod. Help (-h) is left out: it prints and exits."""
+    follow it (0 for a switch), their type (`_VALUE_TYPES`), choices and bounds (`FLAG_BOUNDS`).
+    The operator builds the same parser from these and checks a spec's engine.extraArgs with it,
+    so that a flag the engine would refuse (unknown, missing its value, not a number, not one of
+    its choices, out of its bounds) gives Validated=False instead of a crash-looping pod. Help
+    (-h) is left out: it prints and exits."""
     import argparse
 
     from pagoda_engine.api.server.api_server import add_arguments
+    from pagoda_engine.config import REQUEST_LIMIT_FLAGS
 
     parser = argparse.ArgumentParser(add_help=False)
     add_arguments(parser)
+    bounds = {**FLAG_BOUNDS, **{flag: {"min": 1} for flag in REQUEST_LIMIT_FLAGS}}
     rows = []
     for action in parser._actions:
         if not action.option_strings:
             raise ValueError(f"pagoda serve takes a positional argument ({action.dest}): serve_flags cannot describe it")
         rows.append({"flags": list(action.option_strings), "nargs": action.nargs,
                      "type": None if action.nargs == 0 else _VALUE_TYPES.get(action.type, "any"),
-                     "choices": list(action.choices) if action.choices is not None else None})
+                     "choices": list(action.choices) if action.choices is not None else None,
+                     "bounds": next((bounds[f] for f in action.option_strings if f in bounds), None)})
+    unknown = set(bounds) - {f for row in rows for f in row["flags"]}
+    if unknown:
+        raise ValueError(f"FLAG_BOUNDS names flags pagoda serve does not take: {sorted(unknown)}")
     return rows
 
 

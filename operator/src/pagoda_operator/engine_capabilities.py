@@ -153,15 +153,28 @@ def _serve_parser() -> _ServeParser:
 
 
 def extra_args_problems(extra_args: list[str]) -> list[str]:
-    """Why `pagoda serve` would refuse these engine.extraArgs (they follow the operator's own
-    flags, each complete with its value, so they parse alone as they would there): an unknown
+    """Why `pagoda serve` would refuse these engine.extraArgs: what its parser refuses
+    (`extra_args_parse_problems`), else a value out of its flag's bounds. Empty when it would take
+    them. Checks across flags (e.g. --node-rank against --nnodes) stay the engine's, at start-up."""
+    parsed, problems = _parse_extra_args(extra_args)
+    if parsed is None or problems:
+        return problems
+    return [f"engine.extraArgs: {SERVE_FLAGS[i]['flags'][0]} {value}: {fault}" for i, value, fault in _out_of_bounds(parsed)]
+
+
+def extra_args_parse_problems(extra_args: list[str]) -> list[str]:
+    """Why `pagoda serve`'s parser would refuse these engine.extraArgs (they follow the operator's
+    own flags, each complete with its value, so they parse alone as they would there): an unknown
     flag, a flag without its value, a value of the wrong type or not one of the flag's choices, a
-    word that is no flag's value, -h. Empty when it would take them. The value's range is the
-    engine's own check, at start-up."""
+    word that is no flag's value, -h."""
+    return _parse_extra_args(extra_args)[1]
+
+
+def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
     try:
-        _, rest = _serve_parser().parse_known_args(list(extra_args))
+        parsed, rest = _serve_parser().parse_known_args(list(extra_args))
     except _Refused as e:
-        return [f"engine.extraArgs: {e}"]
+        return None, [f"engine.extraArgs: {e}"]
     problems = []
     known = [flag for row in SERVE_FLAGS for flag in row["flags"]]
     after_unknown_flag = False
@@ -177,4 +190,21 @@ def extra_args_problems(extra_args: list[str]) -> list[str]:
             hint = f" (did you mean {close[0]}?)" if close else ""
             problems.append(f"engine.extraArgs: pagoda serve has no flag {name}{hint}")
         after_unknown_flag = name.startswith("-") and name != "--" and "=" not in word
-    return problems
+    return parsed, problems
+
+
+def _out_of_bounds(parsed: argparse.Namespace) -> list[tuple[int, Any, str]]:
+    """(row, value, why) for every flag given a value outside its bounds (the table's "bounds":
+    "min" and "max" inclusive, "above" exclusive)."""
+    faults = []
+    for i, row in enumerate(SERVE_FLAGS):
+        value, bounds = getattr(parsed, f"flag{i}", None), row.get("bounds") or {}
+        if value is None or not bounds:
+            continue
+        if "min" in bounds and value < bounds["min"]:
+            faults.append((i, value, f"must be >= {bounds['min']:g}"))
+        elif "above" in bounds and value <= bounds["above"]:
+            faults.append((i, value, f"must be > {bounds['above']:g}"))
+        elif "max" in bounds and value > bounds["max"]:
+            faults.append((i, value, f"must be <= {bounds['max']:g}"))
+    return faults

@@ -103,7 +103,8 @@ class Engine:
     seed: int | None = prop(None, doc="Sampling seed.", minimum=0)
     api_server_count: int = prop(1, doc="API server processes in each engine pod (`--api-server-count`), sharing its port and every engine core: tokenization, detokenization and streaming spread over this many CPU cores. Give the pod at least as many CPUs (resources.cpu).", minimum=1, maximum=64)
     extra_args: list[str] = prop(doc="More `pagoda serve` flags, appended as given; checked against its flags "
-                                     "(unknown flags, missing values, wrong types and choices are refused).",
+                                     "(unknown flags, missing values, wrong types or choices and values out of range "
+                                     "are refused).",
                                  factory=list)
     env: list[FreeForm] = prop(doc="Extra environment variables (Kubernetes EnvVar objects).", factory=list)
     startup_timeout_seconds: int | None = prop(None, doc="Time a pod may take to load the model before it is restarted; default sized from the model (30 min or more for 70B).", minimum=60)

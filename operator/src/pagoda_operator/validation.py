@@ -122,7 +122,7 @@ def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
         except (TypeError, ValueError):
             return []  # no whole number: the flags' check reports it (engine_capabilities.extra_args_problems)
         if extra_count < 1:
-            return [f"engine: extraArgs {written} {extra_count}: a pod needs at least 1 API server process"]
+            return []  # below the flag's bound: reported there too
         last = (written, extra_count)  # the engine's parser keeps the last
     if in_extra_args and last[1] > 1 and spec.topology.nodes > 1:
         return [f"engine: extraArgs {last[0]} {last[1]} would reach the headless worker pods too, which run no API "
