@@ -401,18 +401,35 @@ def _bound_cases() -> list[tuple[list[str], bool]]:
         for key, inside, outside in (("min", 0, -step), ("above", step, 0), ("max", 0, step)):
             if key in bounds:
                 cases += [([flag, f"{bounds[key] + inside:g}"], True), ([flag, f"{bounds[key] + outside:g}"], False)]
+        if bounds.get("power_of_two"):
+            cases += [([flag, "1"], True), ([flag, "32"], True), ([flag, "24"], False), ([flag, "0"], False)]
     return cases
+
+
+# Numeric flags the engine refuses at -1 or 0 only for want of their companions (they place engine
+# cores on several nodes: --data-parallel-size and --nnodes above 1), a check across flags.
+_CHECKED_WITH_COMPANIONS = {"--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-rpc-port"}
+
+
+def test_every_numeric_flag_the_engine_bounds_alone_has_its_bounds_in_the_table():
+    """FLAG_BOUNDS is complete at the low end: a numeric flag without bounds there takes -1 and 0
+    in the engine's EngineConfig, or is refused only for its companions."""
+    unbounded = [row["flags"][0] for row in engine_capabilities.SERVE_FLAGS
+                 if row["type"] in ("int", "float") and not row["bounds"]]
+    assert "--max-model-len" in unbounded and "--max-num-seqs" not in unbounded  # the rows were read
+    refused = [(flag, value) for flag in unbounded for value in ("-1", "0") if not _engine_configures([flag, value])]
+    assert {flag for flag, _ in refused} <= _CHECKED_WITH_COMPANIONS, refused
 
 
 def test_every_bound_the_operator_checks_is_the_engines_own():
     cases = _bound_cases()
-    assert len(cases) >= 2 * 20  # every bound of FLAG_BOUNDS and the request limits, both sides
+    assert len(cases) >= 2 * 22  # every bound of FLAG_BOUNDS and the request limits, both sides
     for words, inside in cases:
         assert _engine_configures(words) == inside, words  # the engine's EngineConfig.validate agrees
         problems = engine_capabilities.extra_args_problems(words)
         assert (not problems) == inside, (words, problems)
         if not inside:  # one problem, naming the flag and its bound
-            assert len(problems) == 1 and re.fullmatch(rf"engine\.extraArgs: {words[0]} \S+: must be (>=|>|<=) \S+",
+            assert len(problems) == 1 and re.fullmatch(rf"engine\.extraArgs: {words[0]} \S+: must be ((>=|>|<=) \S+|a power of two)",
                                                        problems[0]), problems
 
 

@@ -159,8 +159,10 @@ def as_json() -> str:
 # The bounds EngineConfig.validate puts on single numeric flags (its own checks stay the truth:
 # tests/operator/test_engine_contract.py proves every bound here against them), copied into
 # `serve_flags` so that the operator refuses an engine.extraArgs value out of them before a pod
-# starts. "min"/"max": inclusive; "above": exclusive. `pagoda serve`'s request limits are >= 1 too.
+# starts. "min"/"max": inclusive; "above": exclusive; "power_of_two". `pagoda serve`'s request
+# limits are >= 1 too.
 FLAG_BOUNDS: dict[str, dict[str, float]] = {
+    "--block-size": {"power_of_two": 1},
     "--gpu-memory-utilization": {"above": 0, "max": 1},
     "--max-num-seqs": {"min": 1},
     "--max-num-batched-tokens": {"min": 1},
@@ -170,6 +172,7 @@ FLAG_BOUNDS: dict[str, dict[str, float]] = {
     "--pipeline-parallel-size": {"min": 1},
     "--data-parallel-size": {"min": 1},
     "--nnodes": {"min": 1},
+    "--node-rank": {"min": 0},  # and below --nnodes: the engine's check across the two
     "--master-port": {"above": 0, "max": 65535},
     "--api-server-count": {"min": 1},
     "--num-gpu-blocks-override": {"min": 2},

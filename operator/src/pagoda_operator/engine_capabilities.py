@@ -195,13 +195,15 @@ def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None,
 
 def _out_of_bounds(parsed: argparse.Namespace) -> list[tuple[int, Any, str]]:
     """(row, value, why) for every flag given a value outside its bounds (the table's "bounds":
-    "min" and "max" inclusive, "above" exclusive)."""
+    "min" and "max" inclusive, "above" exclusive, "power_of_two")."""
     faults = []
     for i, row in enumerate(SERVE_FLAGS):
         value, bounds = getattr(parsed, f"flag{i}", None), row.get("bounds") or {}
         if value is None or not bounds:
             continue
-        if "min" in bounds and value < bounds["min"]:
+        if bounds.get("power_of_two") and (value < 1 or value & (value - 1)):
+            faults.append((i, value, "must be a power of two"))
+        elif "min" in bounds and value < bounds["min"]:
             faults.append((i, value, f"must be >= {bounds['min']:g}"))
         elif "above" in bounds and value <= bounds["above"]:
             faults.append((i, value, f"must be > {bounds['above']:g}"))
