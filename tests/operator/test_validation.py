@@ -394,6 +394,11 @@ def test_a_shared_compile_cache_is_for_gpu_engines_and_the_only_place_of_tritons
     (["--api-server-count", "1.5"], ["engine.extraArgs: argument --api-server-count/-asc: invalid int value: '1.5'"]),
     (["--max-num-seqs", "8", "-asc"], ["engine.extraArgs: argument --api-server-count/-asc: expected one argument"]),
     (["--api-server-count=0"], ["engine.extraArgs: --api-server-count 0: must be >= 1"]),
+    # The engine's parser takes any spelling: the short flag and an unambiguous abbreviation reach the workers too.
+    (["-asc", "2"], ["engine: extraArgs --api-server-count 2 would reach the headless worker pods too, which run no "
+                     "API server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]),
+    (["--api-server=3"], ["engine: extraArgs --api-server-count 3 would reach the headless worker pods too, which run "
+                          "no API server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]),
 ])
 def test_extra_args_api_server_count_on_several_nodes_is_refused_only_above_one(extra_args, expected):
     body = with_spec(load_example("llama-3.1-70b-multinode.yaml"), engine__extraArgs=extra_args)

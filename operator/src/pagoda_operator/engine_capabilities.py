@@ -170,6 +170,17 @@ def extra_args_parse_problems(extra_args: list[str]) -> list[str]:
     return _parse_extra_args(extra_args)[1]
 
 
+def extra_arg_value(extra_args: list[str], flag: str) -> Any:
+    """The value `pagoda serve` would take for `flag` (any of its spellings, the last one given
+    winning, as argparse does) from these engine.extraArgs; None when they do not give it or do
+    not parse (`extra_args_problems` says why)."""
+    parsed, problems = _parse_extra_args(extra_args)
+    if parsed is None or problems:
+        return None
+    (i,) = [i for i, row in enumerate(SERVE_FLAGS) if flag in row["flags"]]
+    return getattr(parsed, f"flag{i}")
+
+
 def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
     try:
         parsed, rest = _serve_parser().parse_known_args(list(extra_args))

@@ -113,37 +113,19 @@ def _check_api_servers(spec: InferenceServiceSpec) -> list[str]:
     processes only makes them take turns. A count in engine.extraArgs reaches every pod, the
     headless workers of a multi-node replica too, which run no API server and refuse above 1."""
     count, cpu = spec.engine.api_server_count, spec.resources.cpu
-    in_extra_args = _api_server_counts(spec.engine.extra_args)
-    if count > 1 and in_extra_args:
+    # What the engine's parser takes from extraArgs (a bad or missing value: extra_args_problems says so).
+    in_extra_args = engine_capabilities.extra_arg_value(spec.engine.extra_args, "--api-server-count")
+    if count > 1 and in_extra_args is not None:
         return ["engine: apiServerCount and extraArgs --api-server-count both set the API server processes; keep one"]
-    for written, value in in_extra_args:
-        try:
-            extra_count = int(value)  # what the engine's parser does with it (argparse's type=int)
-        except (TypeError, ValueError):
-            return []  # no whole number: the flags' check reports it (engine_capabilities.extra_args_problems)
-        if extra_count < 1:
-            return []  # below the flag's bound: reported there too
-        last = (written, extra_count)  # the engine's parser keeps the last
-    if in_extra_args and last[1] > 1 and spec.topology.nodes > 1:
-        return [f"engine: extraArgs {last[0]} {last[1]} would reach the headless worker pods too, which run no API "
-                "server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]
+    if in_extra_args is not None and in_extra_args > 1 and spec.topology.nodes > 1:
+        return [f"engine: extraArgs --api-server-count {in_extra_args} would reach the headless worker pods too, which "
+                "run no API server and refuse a count above 1; set apiServerCount instead (the leader's alone)"]
     if count > 1 and spec.topology.data > 1 and spec.topology.nodes > 1:
         return [f"engine: apiServerCount {count} with engine cores on several nodes (data {spec.topology.data} × nodes "
                 f"{spec.topology.nodes}): one API server reaches the other nodes' cores; keep apiServerCount 1"]
     if count > 1 and cpu is not None and parse_quantity(cpu) < count:
         return [f"engine: apiServerCount {count} needs at least {count} CPUs per pod, but resources.cpu is {cpu}"]
     return []
-
-
-def _api_server_counts(extra_args: list[str]) -> list[tuple[str, str | None]]:
-    """Each `--api-server-count N`, `--api-server-count=N` (or `-asc`) in extraArgs: the flag as
-    written and its value (None: none follows), in order."""
-    found = []
-    for i, arg in enumerate(extra_args):
-        flag, joined, value = arg.partition("=")
-        if flag in ("--api-server-count", "-asc"):
-            found.append((flag, value if joined else (extra_args[i + 1] if i + 1 < len(extra_args) else None)))
-    return found
 
 
 def _check_model(spec: InferenceServiceSpec) -> list[str]:
