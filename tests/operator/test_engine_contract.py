@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import functools
 import io
 import itertools
 import re
@@ -325,15 +326,22 @@ class _Refusing(argparse.ArgumentParser):
         raise ValueError(message)
 
 
+# `pagoda serve`'s own parser, help included, as the CLI builds it.
+SERVE_PARSER = _Refusing(prog="pagoda serve")
+api_server.add_arguments(SERVE_PARSER)
+
+
+@functools.cache
+def _rendered_args() -> tuple[str, ...]:
+    """The command line the operator renders for llama-3.1-8b.yaml, which extraArgs follow."""
+    return tuple(_engine_args(_children("llama-3.1-8b.yaml")))
+
+
 def _pagoda_serve_takes(words: list[str]) -> bool:
-    """Whether `pagoda serve`'s own parser (help included, as the CLI builds it) takes these
-    words after a rendered command line."""
-    parser = _Refusing(prog="pagoda serve")
-    api_server.add_arguments(parser)
-    rendered = _engine_args(_children("llama-3.1-8b.yaml"))
+    """Whether `pagoda serve`'s own parser takes these words after a rendered command line."""
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            parser.parse_args(rendered + words)
+            SERVE_PARSER.parse_args([*_rendered_args(), *words])
     except (ValueError, SystemExit):  # SystemExit: -h printed the help
         return False
     return True
@@ -386,7 +394,7 @@ def _engine_configures(words: list[str]) -> bool:
     """Whether the engine parses these words after a rendered command line and its EngineConfig
     takes the values (its own bounds)."""
     try:
-        config_from_args(ENGINE_PARSER.parse_args(_engine_args(_children("llama-3.1-8b.yaml")) + words))
+        config_from_args(ENGINE_PARSER.parse_args([*_rendered_args(), *words]))
     except ValueError:
         return False
     return True
