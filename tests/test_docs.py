@@ -1,0 +1,103 @@
+"""The documents under docs/ cannot drift from the code they describe: docs/serving.md names every
+flag of `pagoda serve` and no flag it does not have, and docs/operator.md's field reference is the
+one `pagoda-operator docs` renders from the InferenceService schema."""
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from pagoda_engine.cli import build_parser
+from pagoda_operator import docs as operator_docs
+
+ROOT = Path(__file__).resolve().parents[1]
+SERVING = ROOT / "docs" / "serving.md"
+OPERATOR = ROOT / "docs" / "operator.md"
+
+
+def _verb(name: str) -> argparse.ArgumentParser:
+    [subparsers] = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return subparsers.choices[name]
+
+
+def _all_flags(parser: argparse.ArgumentParser) -> set[str]:
+    """Every option string of `parser` and of its subcommands."""
+    flags = set()
+    for action in parser._actions:
+        flags |= set(action.option_strings)
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                flags |= _all_flags(sub)
+    return flags
+
+
+def _serve_flags() -> set[str]:
+    return _all_flags(_verb("serve")) - {"-h", "--help"}
+
+
+def _flag_table_rows(text: str) -> list[list[str]]:
+    """The cells of every table row in docs/serving.md whose first cell names flags."""
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("| `-"):
+            rows.append([cell.strip() for cell in re.split(r"(?<!\\)\|", line.strip())[1:-1]])
+    return rows
+
+
+def _flags_in(text: str) -> set[str]:
+    return set(re.findall(r"(?<![^\s`(,\[])(--?[a-z][a-z0-9]*(?:-[a-z0-9]+)*)", text))
+
+
+def test_serving_md_lists_every_serve_flag_in_its_tables():
+    documented = {flag for row in _flag_table_rows(SERVING.read_text()) for flag in _flags_in(row[0])}
+    missing = sorted(_serve_flags() - documented)
+    assert not missing, f"flags of `pagoda serve` missing from the tables of docs/serving.md: {missing}"
+
+
+def test_serving_md_names_no_flag_pagoda_serve_lacks():
+    """Flags anywhere in the text: `pagoda serve`'s, or those of the router and bench commands it
+    shows, or vLLM's in the last column."""
+    text = SERVING.read_text()
+    rows = _flag_table_rows(text)
+    vllm_column = {flag for row in rows for flag in _flags_in(row[-1])}
+    prose = "\n".join(line for line in text.splitlines() if not line.startswith("| `-"))
+    named = {flag for row in rows for flag in _flags_in(" ".join(row[:-1]))} | _flags_in(prose)
+    other_commands = _all_flags(_verb("route")) | _all_flags(_verb("bench"))
+    unknown = sorted(named - _serve_flags() - other_commands - vllm_column)
+    assert not unknown, f"docs/serving.md names flags `pagoda serve` does not have: {unknown}"
+    assert len(rows) >= 50 and all(len(row) == 4 for row in rows), "every flag row: flag | default | what | vLLM"
+
+
+def test_operator_md_reference_is_the_generated_one():
+    assert operator_docs.is_current(OPERATOR), "docs/operator.md is stale: run `pagoda-operator docs docs/operator.md`"
+
+
+def test_operator_md_reference_covers_every_spec_field():
+    text = OPERATOR.read_text()
+    for path, field in (("spec.kvCache.tiers[]", "secretRef"), ("spec.engine", "extraArgs"),
+                        ("spec.resources", "gpuMemoryGiB"), ("status", "conditions")):
+        section = text[text.index(f"### `{path}`"):]
+        section = section[:section.index("\n### ", 1)] if "\n### " in section[1:] else section
+        assert f"| `{field}` |" in section, (path, field)
+
+
+def test_operator_docs_check_fails_on_a_stale_file_and_write_repairs_it(tmp_path):
+    stale = tmp_path / "operator.md"
+    stale.write_text(f"# prose kept\n\n{operator_docs.BEGIN}\n| old | table |\n{operator_docs.END}\n\nmore prose\n")
+    cli = [sys.executable, "-m", "pagoda_operator.cli", "docs"]
+    check = subprocess.run([*cli, "--check", str(stale)], capture_output=True, text=True)
+    assert check.returncode == 1 and "stale" in check.stderr
+    assert subprocess.run([*cli, str(stale)], capture_output=True).returncode == 0
+    text = stale.read_text()
+    assert text.startswith("# prose kept\n") and text.endswith("\nmore prose\n") and "| old |" not in text
+    assert "| `maxReplicas` | integer | **required** | ≥ 1 |" in text
+    assert subprocess.run([*cli, "--check", str(stale)]).returncode == 0
+
+
+def test_operator_docs_refuses_a_file_without_markers(tmp_path):
+    plain = tmp_path / "plain.md"
+    plain.write_text("# no markers\n")
+    out = subprocess.run([sys.executable, "-m", "pagoda_operator.cli", "docs", str(plain)], capture_output=True, text=True)
+    assert out.returncode == 2 and "no generated section" in out.stderr
+    assert plain.read_text() == "# no markers\n"
