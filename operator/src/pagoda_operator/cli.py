@@ -1,4 +1,4 @@
-"""`pagoda-operator render | run | crds`: the operator's command line.
+"""`pagoda-operator render | run | crds | docs`: the operator's command line.
 
 render  print the manifests the operator would apply for InferenceService file(s), as a YAML
         stream, or the validation problems on stderr with exit status 1
