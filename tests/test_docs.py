@@ -101,3 +101,26 @@ def test_operator_docs_refuses_a_file_without_markers(tmp_path):
     out = subprocess.run([sys.executable, "-m", "pagoda_operator.cli", "docs", str(plain)], capture_output=True, text=True)
     assert out.returncode == 2 and "no generated section" in out.stderr
     assert plain.read_text() == "# no markers\n"
+
+
+def test_benchmarks_md_defines_the_workloads_bench_runs():
+    """docs/benchmarks.md's workload table gives T1, N1 and L1 as `pagoda bench` builds them."""
+    from pagoda_engine.bench.workloads import build_workload
+
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert text.index("## Current figures") < text.index("## Workloads") < text.index("## History")
+    rows = {line.split("|")[1].strip(): line for line in text.splitlines() if line.startswith("| T1 |")
+            or line.startswith("| N1 |") or line.startswith("| L1 |")}
+    t1, l1, n1 = (build_workload(name, 32000) for name in ("T1", "L1", "N1"))
+    assert f"{t1.num_requests:,} requests × {len(t1.prompts[0]):,} in × {t1.output_lens[0]} out" in rows["T1"]
+    assert f"one request, {len(l1.prompts[0])} in, {l1.output_lens[0]} out" in rows["L1"]
+    lengths = [len(p) for p in n1.prompts] + n1.output_lens
+    assert f"{n1.num_requests} requests" in rows["N1"] and min(lengths) >= 100 and max(lengths) <= 1024
+    assert "uniform in [100, 1,024]" in rows["N1"]
+
+
+def test_documents_label_history_by_date_not_session_number():
+    ordinal = re.compile(r"\b(\w+(st|nd|rd|th)|first|second|third|fifth|eighth|ninth|twelfth)[ -]session", re.I)
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        found = ordinal.search(path.read_text())
+        assert found is None, f"{path.name}: {found[0]!r}: label it by date or commit"
