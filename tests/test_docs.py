@@ -98,7 +98,8 @@ def test_operator_docs_check_fails_on_a_stale_file_and_write_repairs_it(tmp_path
 def test_operator_docs_refuses_a_file_without_markers(tmp_path):
     plain = tmp_path / "plain.md"
     plain.write_text("# no markers\n")
-    out = subprocess.run([sys.executable, "-m", "pagoda_operator.cli", "docs", str(plain)], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "-m", "pagoda_operator.cli", "docs", str(plain)],
+                         capture_output=True, text=True)
     assert out.returncode == 2 and "no generated section" in out.stderr
     assert plain.read_text() == "# no markers\n"
 

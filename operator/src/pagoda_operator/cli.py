@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("docs", help="write the InferenceService field reference generated from the schema")
     p.add_argument("file", type=Path, nargs="?", default=None,
-                   help="Markdown file whose generated section is rewritten (docs/operator.md); omitted: print the section")
+                   help="Markdown file whose generated section is rewritten (docs/operator.md); "
+                        "omitted: print the section")
     p.add_argument("--check", action="store_true", help="only check the file is up to date (exit 1 if stale)")
     p.set_defaults(func=cmd_docs)
     return parser
