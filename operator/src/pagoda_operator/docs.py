@@ -22,7 +22,7 @@ END = "<!-- END GENERATED -->"
 
 
 def _without_none(tp: Any) -> Any:
-    """`X` for `X | None`, else `tp`."""
+    """`X` for `X | None`, else `tp` (as `schema` reads optional fields)."""
     args = [arg for arg in typing.get_args(tp) if arg is not type(None)]
     return args[0] if type(None) in typing.get_args(tp) and len(args) == 1 else tp
 
@@ -88,12 +88,12 @@ def _cell(text: str) -> str:
     return " ".join(text.split()).replace("|", "\\|")
 
 
-def _tables(cls: type, path: str, doc: str) -> list[str]:
+def _tables(cls: type, path: str) -> list[str]:
     """The table of `cls`'s fields under `path`, then those of the objects it holds."""
     hints = typing.get_type_hints(cls)
-    lines = [f"### `{path}`", "", _cell(doc or (cls.__doc__ or "")), "",
+    lines = [f"### `{path}`", "", _cell(cls.__doc__ or ""), "",
              "| field | type | default | bounds | description |", "|---|---|---|---|---|"]
-    nested: list[tuple[type, str, str]] = []
+    nested: list[tuple[type, str]] = []
     for field in dataclasses.fields(cls):
         name = json_name(field)
         tp = hints[field.name]
@@ -101,17 +101,16 @@ def _tables(cls: type, path: str, doc: str) -> list[str]:
                      f"| {_cell(field.metadata.get('doc') or '')} |")
         inner, in_list = _object_class(tp)
         if inner is not None:
-            nested.append((inner, f"{path}.{name}[]" if in_list else f"{path}.{name}", inner.__doc__ or ""))
+            nested.append((inner, f"{path}.{name}[]" if in_list else f"{path}.{name}"))
     out = lines + [""]
-    for inner, child, inner_doc in nested:
-        out += _tables(inner, child, inner_doc)
+    for inner, child in nested:
+        out += _tables(inner, child)
     return out
 
 
 def render_reference() -> str:
     """The generated part of docs/operator.md, markers included."""
-    body = _tables(s.InferenceServiceSpec, "spec", s.InferenceServiceSpec.__doc__ or "")
-    body += _tables(s.InferenceServiceStatus, "status", s.InferenceServiceStatus.__doc__ or "")
+    body = _tables(s.InferenceServiceSpec, "spec") + _tables(s.InferenceServiceStatus, "status")
     return "\n".join([BEGIN, "", *body, END]) + "\n"
 
 
