@@ -55,6 +55,26 @@ def test_serving_md_lists_every_serve_flag_in_its_tables():
     assert not missing, f"flags of `pagoda serve` missing from the tables of docs/serving.md: {missing}"
 
 
+def test_serving_md_defaults_are_the_parsers():
+    """Where the default cell is a plain value (not prose such as "measured" or "on with CUDA"
+    for a default the engine decides), it is the parser's default."""
+    actions = {flag: action for action in _verb("serve")._actions for flag in action.option_strings}
+    checked = 0
+    for row in _flag_table_rows(SERVING.read_text()):
+        action = actions[sorted(_flags_in(row[0]))[0]]
+        word = re.match(r"`?([\w.]+)`?(?:\s|$)", row[1])
+        if action.default is None or word is None:
+            continue
+        if isinstance(action.default, bool):
+            assert word[1] == ("on" if action.default else "off"), (row[0], row[1], action.default)
+        elif isinstance(action.default, (int, float)):
+            assert float(word[1]) == action.default, (row[0], row[1], action.default)
+        else:
+            assert word[1] == action.default, (row[0], row[1], action.default)
+        checked += 1
+    assert checked >= 25
+
+
 def test_serving_md_names_no_flag_pagoda_serve_lacks():
     """Flags anywhere in the text: `pagoda serve`'s, or those of the router and bench commands it
     shows, or vLLM's in the last column."""
