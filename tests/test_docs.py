@@ -145,3 +145,14 @@ def test_documents_label_history_by_date_not_session_number():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         found = ordinal.search(path.read_text())
         assert found is None, f"{path.name}: {found[0]!r}: label it by date or commit"
+
+
+def test_serving_md_lists_every_pagoda_environment_variable_the_code_reads():
+    """Every `PAGODA_*` name the engine and operator spell out is in docs/serving.md, and the
+    document names no other."""
+    in_code = set()
+    for source in [*(ROOT / "engine" / "src").rglob("*.py"), *(ROOT / "operator" / "src").rglob("*.py")]:
+        in_code |= set(re.findall(r"""["'](PAGODA_[A-Z0-9_]+)["']""", source.read_text()))
+    in_doc = set(re.findall(r"\bPAGODA_[A-Z0-9_]+\b", SERVING.read_text()))
+    assert in_code - in_doc == set(), f"PAGODA_* variables missing from docs/serving.md: {sorted(in_code - in_doc)}"
+    assert in_doc - in_code == set(), f"docs/serving.md names variables no code reads: {sorted(in_doc - in_code)}"
