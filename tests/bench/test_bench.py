@@ -1,4 +1,4 @@
-"""`pagoda bench`: the workloads are exactly ARCHITECTURE §6's, and a run on the tiny CPU model
+"""`pagoda bench`: the workloads are exactly docs/benchmarks.md's, and a run on the tiny CPU model
 reports figures consistent with what it generated."""
 
 from __future__ import annotations

@@ -24,7 +24,8 @@ def kubectl() -> str:
     if path is None:
         pytest.skip("kubectl is not installed (Debian package kubernetes-client; `make setup` installs it)")
     # kubectl 1.20 (Debian bookworm's kubernetes-client) bundles kustomize v2, which predates
-    # directories in `resources` and `patches`; the README asks for kubectl >= 1.27 (kustomize v5).
+    # directories in `resources` and `patches`; kustomize v5 comes with kubectl 1.27 (the README asks
+    # for 1.29, the chart's kubeVersion).
     result = subprocess.run([path, "version", "--client", "-o", "json"], capture_output=True, text=True, timeout=30)
     version = json.loads(result.stdout or "{}").get("kustomizeVersion", "") if result.returncode == 0 else ""
     major = re.match(r"v(\d+)\.", version)

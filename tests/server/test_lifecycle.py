@@ -159,7 +159,7 @@ sys.exit(api_server.run(parser.parse_args(["--model", "pagoda-tiny", "--host", "
 def test_the_engine_core_is_spawned_before_torch_is_imported():
     """The engine core's start-up (imports, model, KV sizing, graphs) is the path to ready; the API
     process spawns it first. Importing torch (and numpy) in the API process before the spawn cost a
-    fresh H100 machine 6 s of start to ready (benchmarks.md, sixteenth session)."""
+    fresh H100 machine 6 s of start to ready (docs/benchmarks.md, 2026-11-25)."""
     proc = subprocess.run([sys.executable, "-c", _SPAWN_PROBE], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 130, proc.stderr  # the probe's stop: interrupted while starting
     assert "imported before the spawn: []" in proc.stdout, proc.stdout + proc.stderr

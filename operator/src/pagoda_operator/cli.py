@@ -1,9 +1,10 @@
-"""`pagoda-operator render | run | crds`: the operator's command line.
+"""`pagoda-operator render | run | crds | docs`: the operator's command line.
 
 render  print the manifests the operator would apply for InferenceService file(s), as a YAML
         stream, or the validation problems on stderr with exit status 1
 run     start the operator (kopf) in or out of a cluster
 crds    write the CRD YAML generated from the schema (crds/ and the chart's crds/)
+docs    write the InferenceService field reference generated from the schema (docs/operator.md)
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from pagoda_operator import crd
+from pagoda_operator import crd, docs
 from pagoda_operator.render import Images, render
 from pagoda_operator.spec import API_VERSION, KIND
 from pagoda_operator.validation import check
@@ -94,6 +95,27 @@ def cmd_crds(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_docs(args: argparse.Namespace) -> int:
+    if args.check and args.file is None:
+        print("pagoda-operator docs: --check needs the file to check, e.g. docs/operator.md", file=sys.stderr)
+        return 2
+    if args.file is None:
+        sys.stdout.write(docs.render_reference())
+        return 0
+    try:
+        if args.check:
+            if docs.is_current(args.file):
+                return 0
+            print(f"stale: {args.file} (run `pagoda-operator docs {args.file}`)", file=sys.stderr)
+            return 1
+        if docs.write(args.file):
+            print(args.file)
+        return 0
+    except (OSError, ValueError) as e:
+        print(f"pagoda-operator docs: {args.file}: {e}", file=sys.stderr)
+        return 2
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pagoda_operator import handlers  # kopf and the Kubernetes client only when running
 
@@ -134,6 +156,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chart", type=Path, default=None, help="the Helm chart's crds/ directory")
     p.add_argument("--check", action="store_true", help="only check the files are up to date (exit 1 if stale)")
     p.set_defaults(func=cmd_crds)
+
+    p = sub.add_parser("docs", help="write the InferenceService field reference generated from the schema")
+    p.add_argument("file", type=Path, nargs="?", default=None,
+                   help="Markdown file whose generated section is rewritten (docs/operator.md); "
+                        "omitted: print the section")
+    p.add_argument("--check", action="store_true", help="only check the file is up to date (exit 1 if stale)")
+    p.set_defaults(func=cmd_docs)
     return parser
 
 

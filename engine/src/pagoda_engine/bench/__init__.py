@@ -1,4 +1,4 @@
-"""`pagoda bench throughput | latency | serve | multiturn | kv-share`: the benchmarks of ARCHITECTURE §6.
+"""`pagoda bench throughput | latency | serve | multiturn | kv-share`: the workloads of docs/benchmarks.md.
 
     pagoda bench throughput --workload T1     # 1000 x 1024 in x 512 out: output and total tok/s
     pagoda bench throughput --workload N1     # 256 requests, lengths uniform in [100, 1024]

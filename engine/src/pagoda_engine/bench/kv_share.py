@@ -96,7 +96,7 @@ def add_kv_share_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--redis-io-threads", type=int, default=1, metavar="N",
                    help="--io-threads of the redis-server started here (default 1: the main thread only). On a "
                         "2-core machine 4 I/O threads did not measurably speed up the engines' reads (python -m "
-                        "pagoda_engine.bench.remote_read --io-threads 1 4 measures a machine; benchmarks.md)")
+                        "pagoda_engine.bench.remote_read --io-threads 1 4 measures a machine; docs/benchmarks.md)")
     p.add_argument("--redis-shards", type=int, default=1, metavar="N",
                    help="redis-servers started here; the engines' remote tier is sharded over them (their URLs, "
                         "comma-separated, in --kv-offload-remote-url): one Redis serves a read from one thread")

@@ -1,4 +1,4 @@
-"""`pagoda bench serve`: workload S1 of ARCHITECTURE §6 — the OpenAI server under a Poisson load.
+"""`pagoda bench serve`: workload S1 of docs/benchmarks.md — the OpenAI server under a Poisson load.
 
 Requests (1024-token token-id prompts, 128 output tokens, temperature 1.0, `ignore_eos`,
 streamed) arrive with exponential gaps at `--request-rate` per second (`inf`: all at once), each

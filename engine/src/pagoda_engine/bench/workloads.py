@@ -1,4 +1,4 @@
-"""The benchmark workloads of ARCHITECTURE §6, as token-id prompts (no tokenizer, no download).
+"""The benchmark workloads of docs/benchmarks.md, as token-id prompts (no tokenizer, no download).
 
 Every workload draws from `numpy.random.default_rng(0)`, so the same name always gives the same
 requests. Sampling is temperature 1.0 with `ignore_eos`: every request produces exactly its
