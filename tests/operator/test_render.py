@@ -279,6 +279,10 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
     svc = out[("Service", "llama-70b-engine")]["spec"]
     assert svc["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert svc["publishNotReadyAddresses"] is True
+    # Exposed through the Ingress, it asks clients for keys from the Secret the example names.
+    router = out[("Deployment", "llama-70b")]["spec"]["template"]["spec"]
+    assert router["containers"][0]["args"][-2:] == ["--api-key-file", "/etc/pagoda/api-keys"]
+    assert {"name": "api-keys", "secret": {"secretName": "llama-70b-client-keys"}} in router["volumes"]
     ingress = out[("Ingress", "llama-70b")]
     assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/proxy-read-timeout": "600"}
     assert ingress["spec"] == {
