@@ -446,6 +446,26 @@ def test_the_internal_key_is_created_once_owned_and_handed_to_engines_and_router
     assert internal_key(other) != key
 
 
+def test_a_refused_internal_key_degrades_and_starts_no_pods(cluster, monkeypatch):
+    """Without its key the engines could not start (their env references it): nothing is applied,
+    and the Degraded condition says why (here an installation whose RBAC lacks secrets/create)."""
+    apiserver, _ = cluster
+    create_for_real = kube.create
+
+    async def refuse_this_key(client, manifest, field_manager):
+        if manifest["metadata"]["name"] == "locked-internal-key":
+            raise kube.KubeError(403, 'Forbidden secrets is forbidden: cannot create resource "secrets"')
+        return await create_for_real(client, manifest, field_manager)
+
+    monkeypatch.setattr(kube, "create", refuse_this_key)
+    create(apiserver, tiny("locked"))
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "locked") or {}).get("Degraded")
+                     and conditions(get(apiserver, IS, "locked")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ApplyFailed")
+    assert conds["Degraded"]["message"].startswith("Secret locked-internal-key: 403: Forbidden")
+    assert children_of(apiserver, "locked") == {}
+
+
 def test_network_policies_go_when_the_spec_turns_them_off(cluster):
     apiserver, _ = cluster
     create(apiserver, tiny("open"))

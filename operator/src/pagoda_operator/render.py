@@ -95,7 +95,8 @@ WRITABLE_DIRS = {
     CACHE_DIR: "emptyDir `cache`, engine containers: XDG_CACHE_HOME (the Hugging Face hub), PAGODA_CACHE_DIR, "
                "TORCHINDUCTOR_CACHE_DIR; on GPUs also TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE, CUDA_CACHE_PATH",
     "/dev/shm": "memory emptyDir `shm`, engine containers: NCCL's and PyTorch's shared memory between processes",
-    MODELS_DIR: "emptyDir or claim `model-cache`: written by the model-download init container, read-only to the engine",
+    MODELS_DIR: "an hf:// model's `model-cache` (emptyDir, or the download's claim): written by the model-download "
+                "init container, read-only to the engine (as a pvc:// model's `model`)",
     KV_DISK_DIR: "the disk KV tier's volume `kv-disk`, when the spec has one",
     SHARED_COMPILE_CACHE_DIR: "engine.compileCache.persistentVolumeClaim's claim, when the spec names one",
 }
