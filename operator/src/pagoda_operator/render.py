@@ -792,7 +792,9 @@ def render_network_policies(body: dict[str, Any], peers: NetworkPeers) -> list[d
     operator and Prometheus, on the HTTP port, and from each other on any port: the multi-node
     rendezvous, NCCL and KV transfers pick their ports at run time. The router takes it from any
     pod of the cluster (clients, the ingress controller). Kubelet probes are not filtered: traffic
-    from a pod's own node is always allowed."""
+    from a pod's own node is always allowed. Policies add up: a source these leave out (an ingress
+    controller on the host network, which arrives from node addresses) needs a policy of the
+    cluster's own beside them."""
     name = body["metadata"]["name"]
 
     def http() -> list[dict[str, Any]]:  # fresh per rule: shared lists come out as YAML anchors
