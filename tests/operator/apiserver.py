@@ -57,6 +57,8 @@ RESOURCES = {
     ("apps", "v1", "deployments"): ("Deployment", {"status", "scale"}),
     ("policy", "v1", "poddisruptionbudgets"): ("PodDisruptionBudget", {"status"}),
     ("networking.k8s.io", "v1", "ingresses"): ("Ingress", {"status"}),
+    ("networking.k8s.io", "v1", "networkpolicies"): ("NetworkPolicy", set()),
+    ("", "v1", "secrets"): ("Secret", set()),
     ("autoscaling", "v2", "horizontalpodautoscalers"): ("HorizontalPodAutoscaler", {"status"}),
 }
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}

@@ -13,7 +13,7 @@ import yaml
 
 from pagoda_operator import crd
 from tests.operator.apiserver import BackgroundApiServer
-from tests.operator.support import load_example, write_kubeconfig
+from tests.operator.support import EXAMPLES_DIR, load_example, write_kubeconfig
 from tests.operator.test_operator_kmock import NS, TINY_CHILDREN, children_of, conditions, create, get, wait_for
 
 CLI = [sys.executable, "-m", "pagoda_operator.cli"]
@@ -70,3 +70,21 @@ def test_render_reports_a_file_without_an_inference_service(tmp_path):
     path.write_text("apiVersion: v1\nkind: ConfigMap\nmetadata: {name: x}\n")
     result = subprocess.run([*CLI, "render", "-f", str(path)], capture_output=True, text=True)
     assert result.returncode == 2 and "no InferenceService (pagoda.dev/v1alpha1)" in result.stderr
+
+
+@pytest.mark.parametrize("verb", [["render", "-f", str(EXAMPLES_DIR / "tiny-cpu.yaml")], ["run", "--standalone"]], ids=["render", "run"])
+def test_a_bad_network_peer_setting_stops_the_command_naming_the_variable(verb):
+    env = {**os.environ, "PAGODA_PROMETHEUS_POD_SELECTOR": "app.kubernetes.io/name"}  # no =value
+    result = subprocess.run([*CLI, *verb], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 2, result.stderr
+    assert result.stdout == ""
+    assert f"pagoda-operator {verb[0]}: PAGODA_PROMETHEUS_POD_SELECTOR: 'app.kubernetes.io/name' is not a label equality" in result.stderr
+
+
+def test_render_uses_the_installations_network_peers():
+    env = {**os.environ, "POD_NAMESPACE": "ops", "PAGODA_PROMETHEUS_NAMESPACE_SELECTOR": "team=obs"}
+    result = subprocess.run([*CLI, "render", "-f", str(EXAMPLES_DIR / "tiny-cpu.yaml")], capture_output=True, text=True, env=env,
+                            check=True)
+    (policy,) = [d for d in yaml.safe_load_all(result.stdout) if d["kind"] == "NetworkPolicy" and d["metadata"]["name"] == "tiny-engine"]
+    peers = [peer for rule in policy["spec"]["ingress"] for peer in rule["from"] if "namespaceSelector" in peer]
+    assert [p["namespaceSelector"]["matchLabels"] for p in peers] == [{"kubernetes.io/metadata.name": "ops"}, {"team": "obs"}]

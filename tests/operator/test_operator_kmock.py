@@ -4,6 +4,7 @@ apiserver.py): what it creates, updates and writes, and what it leaves alone."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import threading
@@ -24,8 +25,10 @@ IS = ("pagoda.dev", "v1alpha1", "inferenceservices")
 DEPLOYMENTS = ("apps", "v1", "deployments")
 TIMEOUT = 60  # generous: CI runs this beside heavy tests on 2 cores; waits end as soon as met
 # What the tiny example becomes: engine ConfigMap, Service, Deployment and PDB; router Service and
-# Deployment; the router's ServiceAccount, Role and RoleBinding.
-TINY_CHILDREN = 9
+# Deployment; the router's ServiceAccount, Role and RoleBinding; the engine's and the router's
+# NetworkPolicy.
+TINY_CHILDREN = 11
+SECRETS = ("", "v1", "secrets")
 
 
 class Operator:
@@ -144,7 +147,8 @@ def children_of(apiserver: BackgroundApiServer, name: str) -> dict[tuple[str, st
         for group, version, plural in [("", "v1", "configmaps"), ("", "v1", "services"), DEPLOYMENTS,
                                        ("policy", "v1", "poddisruptionbudgets"), ("networking.k8s.io", "v1", "ingresses"),
                                        ("", "v1", "serviceaccounts"), ("rbac.authorization.k8s.io", "v1", "roles"),
-                                       ("rbac.authorization.k8s.io", "v1", "rolebindings")]:
+                                       ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+                                       ("networking.k8s.io", "v1", "networkpolicies")]:
             for child in apiserver.api.names(group, version, plural, NS):
                 if child in (name, f"{name}-engine", f"{name}-router"):
                     obj = apiserver.api.get(group, version, plural, NS, child)
@@ -198,6 +202,7 @@ def test_applying_an_inference_service_creates_its_children_with_owner_reference
     children = wait_for("children", lambda: len(children_of(apiserver, "tiny")) == TINY_CHILDREN and children_of(apiserver, "tiny"))
     assert sorted(children) == [
         ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
+        ("NetworkPolicy", "tiny"), ("NetworkPolicy", "tiny-engine"),
         ("PodDisruptionBudget", "tiny-engine"), ("Role", "tiny-router"), ("RoleBinding", "tiny-router"),
         ("Service", "tiny"), ("Service", "tiny-engine"), ("ServiceAccount", "tiny-router"),
     ]
@@ -392,7 +397,8 @@ def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
     children = wait_for("pruned children", lambda: (("Ingress", "pruned") not in children_of(apiserver, "pruned")
                                                     and ("Deployment", "pruned-engine") not in children_of(apiserver, "pruned")
                                                     and children_of(apiserver, "pruned")))
-    assert sorted(children) == [("ConfigMap", "pruned-engine"), ("Deployment", "pruned"), ("PodDisruptionBudget", "pruned-engine"),
+    assert sorted(children) == [("ConfigMap", "pruned-engine"), ("Deployment", "pruned"),
+                                ("NetworkPolicy", "pruned"), ("NetworkPolicy", "pruned-engine"), ("PodDisruptionBudget", "pruned-engine"),
                                 ("Role", "pruned-router"), ("RoleBinding", "pruned-router"),
                                 ("Service", "pruned"), ("Service", "pruned-engine"), ("ServiceAccount", "pruned-router")]
     deletes = sorted(w.path for w in apiserver.api.writes if w.method == "DELETE")
@@ -401,6 +407,74 @@ def test_children_the_spec_no_longer_asks_for_are_deleted(cluster):
     conds = wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "pruned")).get("Degraded", {}).get("status") == "False"
                      and conditions(get(apiserver, IS, "pruned")))
     assert conds["Validated"]["status"] == "True"
+
+
+def internal_key(secret: dict) -> str:
+    """The key a Secret holds: in data (base64) as the API server keeps it, or in stringData as
+    written (the emulator does not convert)."""
+    if "api-key" in (secret.get("data") or {}):
+        return base64.b64decode(secret["data"]["api-key"]).decode()
+    return secret["stringData"]["api-key"]
+
+
+def test_the_internal_key_is_created_once_owned_and_handed_to_engines_and_router(cluster):
+    apiserver, _ = cluster
+    uid = create(apiserver, tiny("keyed"))["metadata"]["uid"]
+    children = wait_for("children", lambda: len(children_of(apiserver, "keyed")) == TINY_CHILDREN and children_of(apiserver, "keyed"))
+    secret = get(apiserver, SECRETS, "keyed-internal-key")
+    assert secret["metadata"]["ownerReferences"] == [{
+        "apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "keyed", "uid": uid,
+        "controller": True, "blockOwnerDeletion": True}]
+    key = internal_key(secret)
+    assert len(key) >= 43  # 32 random bytes, base64url
+    ref = {"secretKeyRef": {"name": "keyed-internal-key", "key": "api-key"}}
+    (engine,) = children[("Deployment", "keyed-engine")]["spec"]["template"]["spec"]["containers"]
+    (router,) = children[("Deployment", "keyed")]["spec"]["template"]["spec"]["containers"]
+    assert {"name": "PAGODA_API_KEY", "valueFrom": ref} in engine["env"]
+    assert {"name": "PAGODA_BACKEND_API_KEY", "valueFrom": ref} in router["env"]
+
+    # Reconciles after a spec change keep the key: rotating it would break the running pods.
+    version = secret["metadata"]["resourceVersion"]
+    patch_spec(apiserver, "keyed", {"engine": {"maxNumSeqs": 8}})
+    wait_for("generation 2 reconciled", lambda: status_of(apiserver, "keyed").get("observedGeneration") == 2)
+    secret = get(apiserver, SECRETS, "keyed-internal-key")
+    assert (secret["metadata"]["resourceVersion"], internal_key(secret)) == (version, key)
+    assert [w for w in apiserver.api.writes if "/secrets" in w.path and w.changed] != []  # the one create
+    # Every service has a key of its own.
+    create(apiserver, tiny("keyed-too"))
+    other = wait_for("the second key", lambda: get(apiserver, SECRETS, "keyed-too-internal-key"))
+    assert internal_key(other) != key
+
+
+def test_a_refused_internal_key_degrades_and_starts_no_pods(cluster, monkeypatch):
+    """Without its key the engines could not start (their env references it): nothing is applied,
+    and the Degraded condition says why (here an installation whose RBAC lacks secrets/create)."""
+    apiserver, _ = cluster
+    create_for_real = kube.create
+
+    async def refuse_this_key(client, manifest, field_manager):
+        if manifest["metadata"]["name"] == "locked-internal-key":
+            raise kube.KubeError(403, 'Forbidden secrets is forbidden: cannot create resource "secrets"')
+        return await create_for_real(client, manifest, field_manager)
+
+    monkeypatch.setattr(kube, "create", refuse_this_key)
+    create(apiserver, tiny("locked"))
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "locked") or {}).get("Degraded")
+                     and conditions(get(apiserver, IS, "locked")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "ApplyFailed")
+    assert conds["Degraded"]["message"].startswith("Secret locked-internal-key: 403: Forbidden")
+    assert children_of(apiserver, "locked") == {}
+
+
+def test_network_policies_go_when_the_spec_turns_them_off(cluster):
+    apiserver, _ = cluster
+    create(apiserver, tiny("open"))
+    children = wait_for("children", lambda: len(children_of(apiserver, "open")) == TINY_CHILDREN and children_of(apiserver, "open"))
+    assert children[("NetworkPolicy", "open-engine")]["spec"]["podSelector"] == {"matchLabels": {
+        "app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "open", "app.kubernetes.io/component": "engine"}}
+    patch_spec(apiserver, "open", {"networkPolicy": False})
+    children = wait_for("no policies", lambda: len(children_of(apiserver, "open")) == TINY_CHILDREN - 2 and children_of(apiserver, "open"))
+    assert "NetworkPolicy" not in {kind for kind, _ in children}
 
 
 def test_replicas_set_through_the_scale_subresource_reach_the_engine(cluster):

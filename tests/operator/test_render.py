@@ -87,6 +87,7 @@ def test_tiny_cpu_example():
     out = rendered(body)
     assert sorted(out) == [
         ("ConfigMap", "tiny-engine"), ("Deployment", "tiny"), ("Deployment", "tiny-engine"),
+        ("NetworkPolicy", "tiny"), ("NetworkPolicy", "tiny-engine"),
         ("PodDisruptionBudget", "tiny-engine"), ("Role", "tiny-router"), ("RoleBinding", "tiny-router"),
         ("Service", "tiny"), ("Service", "tiny-engine"), ("ServiceAccount", "tiny-router"),
     ]
@@ -106,7 +107,17 @@ def test_tiny_cpu_example():
     ]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
-    assert "env" not in c
+    # The router's key to the engines, and the caches on the cache volume (the root filesystem is read-only).
+    assert c["env"] == [
+        {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "tiny-internal-key", "key": "api-key"}}},
+        {"name": "XDG_CACHE_HOME", "value": "/var/cache/pagoda"},
+        {"name": "PAGODA_CACHE_DIR", "value": "/var/cache/pagoda/pagoda"},
+        {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/var/cache/pagoda/torchinductor"},
+    ]
+    assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}
+    assert pod["spec"]["securityContext"] == {"runAsNonRoot": True, "runAsUser": 10001, "runAsGroup": 10001, "fsGroup": 10001,
+                                              "fsGroupChangePolicy": "OnRootMismatch", "seccompProfile": {"type": "RuntimeDefault"}}
     assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "10"]}}}
     # The tiny model: the 10-minute floor of the startup budget.
     assert c["startupProbe"] == {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10, "failureThreshold": 60, "timeoutSeconds": 5}
@@ -115,10 +126,14 @@ def test_tiny_cpu_example():
     assert pod["spec"]["volumes"] == [
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
         {"name": "config", "configMap": {"name": "tiny-engine"}},
+        {"name": "cache", "emptyDir": {"sizeLimit": "4Gi"}},
+        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
     ]
     assert c["volumeMounts"] == [
         {"name": "shm", "mountPath": "/dev/shm"},
         {"name": "config", "mountPath": "/etc/pagoda", "readOnly": True},
+        {"name": "cache", "mountPath": "/var/cache/pagoda"},
+        {"name": "tmp", "mountPath": "/tmp"},
     ]
     assert "initContainers" not in pod["spec"] and "tolerations" not in pod["spec"]
     assert pod["spec"]["terminationGracePeriodSeconds"] == 60
@@ -130,6 +145,10 @@ def test_tiny_cpu_example():
     (rc,) = router["containers"]
     assert rc["command"] == ["pagoda", "route"]
     assert rc["args"] == ["--k8s-service", "default/tiny-engine", "--policy", "round-robin", "--port", "8000"]
+    assert rc["env"] == [{"name": "PAGODA_BACKEND_API_KEY", "valueFrom": {"secretKeyRef": {"name": "tiny-internal-key", "key": "api-key"}}}]
+    assert rc["securityContext"] == c["securityContext"] and router["securityContext"] == pod["spec"]["securityContext"]
+    assert router["volumes"] == [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}]
+    assert rc["volumeMounts"] == [{"name": "tmp", "mountPath": "/tmp"}]
     assert router["serviceAccountName"] == "tiny-router"
     assert out[("Service", "tiny")]["spec"]["ports"] == [{"name": "http", "port": 8000, "targetPort": "http", "protocol": "TCP"}]
     assert out[("PodDisruptionBudget", "tiny-engine")]["spec"]["maxUnavailable"] == 1
@@ -201,9 +220,11 @@ def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
         "DOWNLOAD_TIMEOUT_SECONDS": "3600",
         "DOWNLOAD_RETRIES": "3",
         "HF_HUB_DISABLE_TELEMETRY": "1",
+        "HF_HOME": "/tmp/huggingface",
         "HF_TOKEN": {"secretKeyRef": {"name": "hf-token", "key": "token"}},
     }
-    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}]
+    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
+    assert init["securityContext"] == c["securityContext"]
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
     assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
     sm = out[("ServiceMonitor", "llama-8b")]
@@ -239,8 +260,13 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
             {"name": "LWS_WORKER_INDEX", "valueFrom": {"fieldRef": {"fieldPath": "metadata.labels['leaderworkerset.sigs.k8s.io/worker-index']"}}},
             {"name": "LWS_GROUP_SIZE", "value": "2"},
             {"name": "LWS_LEADER_ADDRESS", "value": "llama-70b-engine-$(LWS_GROUP_INDEX).llama-70b-engine.default"},
+            {"name": "PAGODA_API_KEY", "valueFrom": {"secretKeyRef": {"name": "llama-70b-internal-key", "key": "api-key"}}},
+            {"name": "XDG_CACHE_HOME", "value": "/var/cache/pagoda"},
+            {"name": "PAGODA_CACHE_DIR", "value": "/var/cache/pagoda/pagoda"},
+            {"name": "TORCHINDUCTOR_CACHE_DIR", "value": "/var/cache/pagoda/torchinductor"},
             {"name": "TRITON_CACHE_DIR", "value": "/var/cache/pagoda/triton"},
             {"name": "FLASHINFER_WORKSPACE_BASE", "value": "/var/cache/pagoda/flashinfer"},
+            {"name": "CUDA_CACHE_PATH", "value": "/var/cache/pagoda/nv"},
         ]
     # A 70B model gets at least 30 minutes to start; workers serve no HTTP and have no probes.
     probe = leader["startupProbe"]
@@ -253,6 +279,10 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
     svc = out[("Service", "llama-70b-engine")]["spec"]
     assert svc["selector"]["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
     assert svc["publishNotReadyAddresses"] is True
+    # Exposed through the Ingress, it asks clients for keys from the Secret the example names.
+    router = out[("Deployment", "llama-70b")]["spec"]["template"]["spec"]
+    assert router["containers"][0]["args"][-2:] == ["--api-key-file", "/etc/pagoda/api-keys"]
+    assert {"name": "api-keys", "secret": {"secretName": "llama-70b-client-keys"}} in router["volumes"]
     ingress = out[("Ingress", "llama-70b")]
     assert ingress["metadata"]["annotations"] == {"nginx.ingress.kubernetes.io/proxy-read-timeout": "600"}
     assert ingress["spec"] == {
@@ -285,7 +315,8 @@ def test_tiers_and_autoscaling_example():
     ]
     # The Redis password from its Secret, never in the pod spec.
     assert c["env"][0] == {"name": "PAGODA_KV_REMOTE_PASSWORD", "valueFrom": {"secretKeyRef": {"name": "kv-redis", "key": "password"}}}
-    assert [e["name"] for e in c["env"]] == ["PAGODA_KV_REMOTE_PASSWORD", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE"]
+    assert [e["name"] for e in c["env"]] == ["PAGODA_KV_REMOTE_PASSWORD", "PAGODA_API_KEY", "XDG_CACHE_HOME", "PAGODA_CACHE_DIR",
+                                             "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASHINFER_WORKSPACE_BASE", "CUDA_CACHE_PATH"]
     # The engine's own 32Gi plus the 64Gi cpu tier, as request and limit.
     assert c["resources"]["requests"]["memory"] == c["resources"]["limits"]["memory"] == "96Gi"
     pod = deploy["spec"]["template"]["spec"]
@@ -358,8 +389,8 @@ def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod(compile_
     body = load_example("llama-3.1-8b.yaml")
     pod = _engine_pod(with_spec(body, engine__compileCache=compile_cache) if compile_cache else body)
     c = engine_container(pod)
-    assert {"name": "compile-cache", "emptyDir": {"sizeLimit": "4Gi"}} in pod["spec"]["volumes"]
-    assert {"name": "compile-cache", "mountPath": "/var/cache/pagoda"} in c["volumeMounts"]
+    assert {"name": "cache", "emptyDir": {"sizeLimit": "4Gi"}} in pod["spec"]["volumes"]
+    assert {"name": "cache", "mountPath": "/var/cache/pagoda"} in c["volumeMounts"]
     shared = [v for v in pod["spec"]["volumes"] if v["name"] == "compile-cache-shared"]
     assert shared == ([shared_volume] if shared_volume else [])
     if shared_volume:
@@ -367,6 +398,7 @@ def test_gpu_engines_keep_compiled_kernels_across_restarts_in_their_pod(compile_
     env = {e["name"]: e.get("value") for e in c["env"]}
     assert env["TRITON_CACHE_DIR"] == triton_dir
     assert env["FLASHINFER_WORKSPACE_BASE"] == "/var/cache/pagoda/flashinfer"
+    assert env["CUDA_CACHE_PATH"] == "/var/cache/pagoda/nv"
     _validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "cc"}, "template": pod})
 
 
@@ -374,10 +406,9 @@ def test_a_users_own_compile_cache_wins_and_cpu_engines_get_none():
     own = engine_container(_engine_pod(with_spec(load_example("llama-3.1-8b.yaml"),
                                                  engine__env=[{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}])))
     assert [e for e in own["env"] if e["name"] == "TRITON_CACHE_DIR"] == [{"name": "TRITON_CACHE_DIR", "value": "/data/triton"}]
-    # A CPU engine compiles no GPU kernels.
-    cpu = _engine_pod(load_example("tiny-cpu.yaml"))
-    assert "compile-cache" not in {v["name"] for v in cpu["spec"]["volumes"]}
-    assert "env" not in engine_container(cpu)
+    # A CPU engine compiles no GPU kernels: its cache volume holds the CPU libraries' caches only.
+    cpu = engine_container(_engine_pod(load_example("tiny-cpu.yaml")))
+    assert [e["name"] for e in cpu["env"]] == ["PAGODA_API_KEY", "XDG_CACHE_HOME", "PAGODA_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR"]
 
 
 def test_engine_config_change_changes_the_pod_template_hash_and_nothing_else_does():
@@ -402,7 +433,7 @@ def test_models_from_a_pvc_and_a_file_path():
     pod = f[("Deployment", "llama-8b-engine")]["spec"]["template"]
     c = engine_container(pod)
     assert c["args"][c["args"].index("--model") + 1] == "/opt/models/llama"
-    assert [v["name"] for v in pod["spec"]["volumes"]] == ["shm", "config", "compile-cache"]
+    assert [v["name"] for v in pod["spec"]["volumes"]] == ["shm", "config", "cache", "tmp"]
 
 
 def test_render_command_prints_the_manifests(tmp_path):
@@ -411,11 +442,12 @@ def test_render_command_prints_the_manifests(tmp_path):
         capture_output=True, text=True, check=True,
     )
     docs = list(yaml.safe_load_all(result.stdout))
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Deployment", "PodDisruptionBudget", "Service",
-                                         "ServiceAccount", "Role", "RoleBinding", "Deployment"]
+    # The NetworkPolicies first: no pod runs before they protect it.
+    assert [d["kind"] for d in docs] == ["NetworkPolicy", "NetworkPolicy", "ConfigMap", "Service", "Deployment", "PodDisruptionBudget",
+                                         "Service", "ServiceAccount", "Role", "RoleBinding", "Deployment"]
     assert {d["metadata"]["namespace"] for d in docs} == {"team-a"}
     assert docs[-1]["spec"]["template"]["spec"]["containers"][0]["args"][1] == "team-a/tiny-engine"
-    assert docs[7]["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "team-a"}]
+    assert docs[9]["subjects"] == [{"kind": "ServiceAccount", "name": "tiny-router", "namespace": "team-a"}]
     assert "&id" not in result.stdout, "YAML anchors: children share a dict"
     assert "ownerReferences" not in docs[0]["metadata"]  # no uid before the object exists
 

@@ -75,6 +75,9 @@ BAD_VALUES = [
     ({"monitoring": {"podMonitor": {"enabled": "yes"}}}, "/monitoring/podMonitor/enabled"),
     ({"monitoring": {"podMonitor": {"interval": "soon"}}}, "/monitoring/podMonitor/interval"),
     ({"monitoring": {"grafanaDashboard": {"enabled": "yes"}}}, "/monitoring/grafanaDashboard/enabled"),
+    ({"networkPolicy": {"prometheus": {"podSelector": {"app": "not valid!"}}}}, "/networkPolicy/prometheus/podSelector/app"),
+    ({"networkPolicy": {"prometheus": {"namespaceSelector": {"bad key!": "x"}}}}, "'bad key!'"),
+    ({"networkPolicy": {"egress": True}}, "/networkPolicy"),
     ({"typo": True}, "typo"),
 ]
 

@@ -99,6 +99,21 @@ def test_runs_as_a_non_root_user(dockerfile: Path):
     assert user.isdigit() and int(user) >= 1000, "use a numeric uid so runAsNonRoot can verify it"
 
 
+@pytest.mark.parametrize("dockerfile", ["engine.Dockerfile", "engine-cpu.Dockerfile"])
+def test_engine_images_run_as_the_user_of_the_operators_pods_and_own_its_volumes(dockerfile: str):
+    """The operator's engine and router pods run as RUN_AS_UID/RUN_AS_GID (runAsNonRoot needs the
+    image's USER numeric); the directories its volumes are mounted at belong to that user."""
+    render = pytest.importorskip("pagoda_operator.render", reason="the operator package is not installed")
+    instructions = parse_dockerfile(IMAGES / dockerfile)
+    user = [i.args for i in instructions if i.keyword == "USER"][-1]
+    assert user == f"{render.RUN_AS_UID}:{render.RUN_AS_GID}"
+    setup = next(i.args for i in instructions if i.keyword == "RUN" and "useradd" in i.args)
+    assert f"--uid {render.RUN_AS_UID}" in setup
+    for directory in (render.MODELS_DIR, render.CACHE_DIR):
+        assert re.search(rf"mkdir -p [^&]*{re.escape(directory)}\b", setup), directory
+        assert re.search(rf"chown pagoda:pagoda [^&]*{re.escape(directory)}\b", setup), directory
+
+
 @pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=lambda p: p.name)
 def test_copy_sources_exist_and_reach_the_build_context(dockerfile: Path):
     copies = [i for i in parse_dockerfile(dockerfile) if i.keyword in {"COPY", "ADD"}]

@@ -26,6 +26,9 @@ EXTRA_GRANTS = {
     ("pagoda.dev", "inferenceservices/finalizers"): {"update"},  # ownerReferences with blockOwnerDeletion
     ("", "events"): {"create"},  # kopf.event
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf follows CRDs
+    # handlers.ensure_internal_key: create-once, an AlreadyExists answer meaning it is there; never
+    # read, so the operator holds no right to read any Secret.
+    ("", "secrets"): {"create"},
 }
 # Only when watching chosen namespaces: kopf lists and follows namespaces to find them.
 NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}
@@ -57,8 +60,10 @@ def emitted_kinds() -> set[tuple[str, str]]:
 
 
 def plural(kind: str) -> str:
-    """The resource name of a built-in or well-known kind (all of ours follow English -s/-es)."""
+    """The resource name of a built-in or well-known kind (all of ours follow English -s/-es/-ies)."""
     lower = kind.lower()
+    if lower.endswith("y"):
+        return lower[:-1] + "ies"
     return lower + ("es" if lower.endswith("s") else "s")
 
 
@@ -141,6 +146,19 @@ def test_no_wildcards_or_escalation_anywhere(installed):
         for field in ("apiGroups", "resources"):
             assert "*" not in rule[field], rule
         assert not FORBIDDEN_VERBS & set(rule["verbs"]), rule
+
+
+def test_the_internal_key_secret_is_created_and_never_read(installed):
+    """The operator creates each service's internal-key Secret (handlers.ensure_internal_key) and
+    nothing more: no rule anywhere lets it read a Secret of any namespace."""
+    body, _ = _tiny()
+    secret = render.render_internal_key_secret(body, "k")
+    key = (group_of(secret["apiVersion"]), plural(secret["kind"]))
+    assert key == ("", "secrets")
+    assert operator_grants(installed)[key] == {"create"}
+    for rule in rules_of(installed):
+        if "secrets" in rule["resources"]:
+            assert rule["verbs"] == ["create"], rule
 
 
 def test_crd_subresources_are_the_ones_granted(inferenceservice_crd):

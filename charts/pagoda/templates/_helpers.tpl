@@ -37,3 +37,12 @@ app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end -}}
+
+{{/* A label map as the selector string "k=v,k2=v2" (keys in order); {} gives "". */}}
+{{- define "pagoda.labelSelector" -}}
+{{- $terms := list -}}
+{{- range $key, $value := . -}}
+{{- $terms = append $terms (printf "%s=%s" $key $value) -}}
+{{- end -}}
+{{- join "," $terms -}}
+{{- end -}}

@@ -16,7 +16,7 @@ from pathlib import Path
 import yaml
 
 from pagoda_operator import crd, docs
-from pagoda_operator.render import Images, render
+from pagoda_operator.render import Images, NetworkPeers, render
 from pagoda_operator.spec import API_VERSION, KIND
 from pagoda_operator.validation import check
 
@@ -53,6 +53,9 @@ def cmd_render(args: argparse.Namespace) -> int:
         print(f"pagoda-operator render: no {KIND} ({API_VERSION}) in {args.filename}", file=sys.stderr)
         return 2
     images = Images.from_env()
+    peers = _network_peers("render")
+    if peers is None:
+        return 2
     manifests: list[dict] = []
     failed = False
     for body in services:
@@ -71,7 +74,7 @@ def cmd_render(args: argparse.Namespace) -> int:
                 print(f"  - {problem}", file=sys.stderr)
             failed = True
             continue
-        manifests += render(body, checked.spec, images)
+        manifests += render(body, checked.spec, images, peers)
     if failed:
         return 1
     sys.stdout.write(dump_manifests(manifests))
@@ -116,8 +119,21 @@ def cmd_docs(args: argparse.Namespace) -> int:
         return 2
 
 
+def _network_peers(verb: str) -> NetworkPeers | None:
+    """The installation's NetworkPolicy peers from the environment; None (said on stderr) when a
+    variable holds no valid value."""
+    try:
+        return NetworkPeers.from_env()
+    except ValueError as e:
+        print(f"pagoda-operator {verb}: {e}", file=sys.stderr)
+        return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from pagoda_operator import handlers  # kopf and the Kubernetes client only when running
+
+    if _network_peers("run") is None:
+        return 2  # refused before it starts, not at each reconcile
 
     return handlers.run_operator(
         namespaces=args.namespace or [],

@@ -1,8 +1,9 @@
 """kopf wiring: when to reconcile an InferenceService, and the reconcile itself.
 
 reconcile (create, update, resume; and a slow timer while an optional CRD is missing):
-  validate → if invalid: Validated=False, nothing applied → else server-side apply every child
-  the renderer returns (optional kinds only when their CRD is served) → status from the children.
+  validate → if invalid: Validated=False, nothing applied → else create the internal-key Secret
+  if absent (`ensure_internal_key`), server-side apply every child the renderer returns (optional
+  kinds only when their CRD is served) → status from the children.
 Children the spec no longer asks for are deleted (pruned) after a successful apply.
 A child Deployment/LeaderWorkerSet changing (pods becoming ready) refreshes the owner's status.
 Deletion needs no handler: every child has an owner reference, the garbage collector removes it.
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import secrets
 from typing import Any
 
 import kopf
@@ -56,6 +58,7 @@ OPTIONAL_KINDS = {
     ),
 }
 MISSING_CRD_RECHECK_SECONDS = 60
+INTERNAL_KEY_BYTES = 32  # of randomness in the router's key to the engines (256 bits)
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
 
@@ -65,6 +68,10 @@ def _now() -> str:
 
 def _images(memo: Any) -> r.Images:
     return getattr(memo, "images", None) or r.Images.from_env()
+
+
+def _peers(memo: Any) -> r.NetworkPeers:
+    return getattr(memo, "peers", None) or r.NetworkPeers.from_env()
 
 
 async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
@@ -123,9 +130,15 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
     if not checked.ok:
         logger.warning("InferenceService %s/%s is invalid: %s", namespace, name, "; ".join(checked.problems))
     else:
-        rendered = r.render(body, checked.spec, _images(memo))
+        rendered = r.render(body, checked.spec, _images(memo), _peers(memo))
         served = {key: await kube.served(client, *key, namespace) for key in OPTIONAL_KINDS}
-        for manifest in rendered:
+        try:
+            if await ensure_internal_key(client, body):
+                logger.info("created the Secret %s", r.internal_key_secret_name(name))
+        except kube.KubeError as e:
+            apply_failed = True
+            degraded.append(("ApplyFailed", f"Secret {r.internal_key_secret_name(name)}: {e}"))
+        for manifest in ([] if apply_failed else rendered):
             key = (manifest["apiVersion"], manifest["kind"])
             if not served.get(key, True):
                 degraded.append(OPTIONAL_KINDS[key])
@@ -153,6 +166,14 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
         # The API server refused a child (quota, admission, RBAC): retried with a delay; the
         # Degraded condition already says why.
         raise kopf.TemporaryError("applying children failed; see the Degraded condition", delay=30)
+
+
+async def ensure_internal_key(client: AsyncClient, body: dict[str, Any]) -> bool:
+    """The Secret <name>-internal-key, with a random key, when it does not exist yet (True: made
+    now): created once, an existing one kept, so reconciles never rotate the key; made before the
+    pods that read it; owned by the InferenceService, so the garbage collector removes it with it."""
+    secret = r.render_internal_key_secret(body, secrets.token_urlsafe(INTERNAL_KEY_BYTES))
+    return await kube.create(client, secret, FIELD_MANAGER)
 
 
 async def prune(client: AsyncClient, body: dict[str, Any], rendered: list[dict[str, Any]], served: dict[tuple[str, str], bool]) -> None:

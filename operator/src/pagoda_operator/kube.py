@@ -1,6 +1,6 @@
 """The operator's calls to the Kubernetes API that kopf does not make (kopf watches and posts
-Events): server-side apply of children and of the status, reads, prunes, the scale write, and
-whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
+Events): server-side apply of children and of the status, the create-once of the internal-key
+Secret, reads, prunes, the scale write, and whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
 reconciler and the autoscaler; `pagoda route` watches EndpointSlices with the same library.
 
 Why lightkube, of the maintained async clients on PyPI (kr8s, kubernetes_asyncio, lightkube): it
@@ -82,6 +82,19 @@ async def apply(client: AsyncClient, manifest: dict[str, Any], field_manager: st
                            field_manager=field_manager, force=True)
     except httpx2.HTTPStatusError as e:
         raise _refused(e) from None
+
+
+async def create(client: AsyncClient, manifest: dict[str, Any], field_manager: str) -> bool:
+    """Create the object unless one of its name exists: True when created, False when it was
+    there already, left as it is (nothing is read, so this needs no permission to read it)."""
+    obj = kind_of(manifest["apiVersion"], manifest["kind"]).from_dict(manifest)
+    try:
+        await client.create(obj, namespace=manifest["metadata"].get("namespace"), field_manager=field_manager)
+    except httpx2.HTTPStatusError as e:
+        if e.response.status_code == 409:
+            return False
+        raise _refused(e) from None
+    return True
 
 
 async def apply_status(client: AsyncClient, namespace: str, name: str, status: dict[str, Any],

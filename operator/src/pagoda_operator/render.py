@@ -14,10 +14,26 @@ InferenceService `<name>` and all in its namespace:
   ServiceAccount, Role, RoleBinding <name>-router
                                     the router's identity: read the EndpointSlices of this
                                     namespace, nothing else (its discovery of engine replicas)
+  NetworkPolicy <name>-engine, <name>
+                                    unless spec.networkPolicy is false: who may reach the engine
+                                    pods (`render_network_policies`) and the router pods
   Ingress <name>                    when spec.router.ingress is set
   ServiceMonitor <name>             when spec.monitoring.serviceMonitor (Prometheus operator)
   ScaledObject / HorizontalPodAutoscaler <name>
                                     when spec.autoscaling.driver is keda / hpa (the autoscaler's)
+
+Not rendered (it holds a random value, and rendering is pure): Secret <name>-internal-key, the
+key the router presents to the engines, created once by the handler (`render_internal_key_secret`
+builds it from the key it is given). Engines read it as PAGODA_API_KEY, the router as
+PAGODA_BACKEND_API_KEY; spec.router.apiKeySecretRef's Secret, the clients' keys, is mounted into
+the router at API_KEYS_DIR and passed as --api-key-file.
+
+Every pod passes the Kubernetes "restricted" Pod Security Standard: it runs as the images' user
+(RUN_AS_UID / RUN_AS_GID, also fsGroup), without privilege escalation, with every capability
+dropped, under the runtime's default seccomp profile and on a read-only root filesystem
+(`POD_SECURITY_CONTEXT`, `CONTAINER_SECURITY_CONTEXT`; `_restricted` applies the latter to every
+container, init containers included). What the processes write goes to emptyDirs (WRITABLE_DIRS
+lists them) and to the volumes of the spec's model and KV tiers.
 
 The engine command-line contract used here (vLLM's flag names): --model --served-model-name
 --dtype --max-model-len --load-format --tensor-parallel-size --pipeline-parallel-size
@@ -31,10 +47,12 @@ and for KV tiers (Pagoda's own) --kv-offload-cpu-gb (added to the pod's memory),
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,14 +70,60 @@ MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"  # --kv-offload-disk-path: the disk tier's volume is mounted here
 KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's password, from spec's secretRef
-# GPU engines: the kernels Triton and FlashInfer compile at start-up (seconds of a cold start) go to
-# an emptyDir here, which outlives the container, so an engine that restarts in its pod (a crash,
-# an OOM kill, a failed liveness probe) loads them instead of compiling them again.
-COMPILE_CACHE_DIR = "/var/cache/pagoda"
-COMPILE_CACHE_SIZE_LIMIT = "4Gi"
+# Engines run on a read-only root filesystem: the caches their libraries keep under $HOME by
+# default go to an emptyDir at CACHE_DIR instead, named by these variables (one the spec's
+# engine.env sets wins). The emptyDir outlives the container, so an engine that restarts in its pod
+# (a crash, an OOM kill, a failed liveness probe) loads the kernels Triton and FlashInfer compiled
+# at start-up (seconds of a cold start) instead of compiling them again.
+CACHE_DIR = "/var/cache/pagoda"
+CACHE_SIZE_LIMIT = "4Gi"
+CACHE_ENV = (
+    ("XDG_CACHE_HOME", CACHE_DIR),  # ~/.cache users: the Hugging Face hub (HF_HOME), torch hub
+    ("PAGODA_CACHE_DIR", f"{CACHE_DIR}/pagoda"),  # the built-in tiny model, the GGUF tokenizers Pagoda builds
+    ("TORCHINDUCTOR_CACHE_DIR", f"{CACHE_DIR}/torchinductor"),  # torch.compile's kernels
+)
 # With engine.compileCache.persistentVolumeClaim, Triton's cache moves to that claim, shared by every
 # pod of the service; FlashInfer's JIT builds stay on the pod's emptyDir.
 SHARED_COMPILE_CACHE_DIR = "/var/cache/pagoda-shared"
+TMP_DIR = "/tmp"
+ENGINE_TMP_SIZE_LIMIT = "1Gi"
+ROUTER_TMP_SIZE_LIMIT = "64Mi"
+# Every place a rendered container may write (the root filesystem is read-only), and who writes there.
+WRITABLE_DIRS = {
+    TMP_DIR: "emptyDir `tmp`, every container: Python's tempfile (the engine's core sockets and "
+             "metrics files), nvcc's and Triton's scratch files, the download's temporary files",
+    CACHE_DIR: "emptyDir `cache`, engine containers: XDG_CACHE_HOME (the Hugging Face hub), PAGODA_CACHE_DIR, "
+               "TORCHINDUCTOR_CACHE_DIR; on GPUs also TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE, CUDA_CACHE_PATH",
+    "/dev/shm": "memory emptyDir `shm`, engine containers: NCCL's and PyTorch's shared memory between processes",
+    MODELS_DIR: "an hf:// model's `model-cache` (emptyDir, or the download's claim): written by the model-download "
+                "init container, read-only to the engine (as a pvc:// model's `model`)",
+    KV_DISK_DIR: "the disk KV tier's volume `kv-disk`, when the spec has one",
+    SHARED_COMPILE_CACHE_DIR: "engine.compileCache.persistentVolumeClaim's claim, when the spec names one",
+}
+# The images' user (images/*.Dockerfile: useradd --uid 10001); fsGroup makes the emptyDirs and
+# claims writable by it.
+RUN_AS_UID = 10001
+RUN_AS_GID = 10001
+POD_SECURITY_CONTEXT = {
+    "runAsNonRoot": True,
+    "runAsUser": RUN_AS_UID,
+    "runAsGroup": RUN_AS_GID,
+    "fsGroup": RUN_AS_GID,
+    # A model claim holds thousands of files: change their group only when the volume's root
+    # is not the pods' already, not on every mount.
+    "fsGroupChangePolicy": "OnRootMismatch",
+    "seccompProfile": {"type": "RuntimeDefault"},
+}
+CONTAINER_SECURITY_CONTEXT = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+# Keys (the contract with `pagoda serve` and `pagoda route`).
+INTERNAL_KEY_SECRET_KEY = "api-key"
+ENGINE_API_KEY_ENV = "PAGODA_API_KEY"
+ROUTER_BACKEND_API_KEY_ENV = "PAGODA_BACKEND_API_KEY"
+API_KEYS_DIR = "/etc/pagoda/api-keys"  # the router's client keys: spec.router.apiKeySecretRef's Secret
 PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
 STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
@@ -82,6 +146,7 @@ CHILD_KINDS = [
     (f"{LWS_GROUP}/v1", "LeaderWorkerSet"),
     ("policy/v1", "PodDisruptionBudget"),
     ("networking.k8s.io/v1", "Ingress"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     # spec.autoscaling.driver keda | hpa (rendered by pagoda_operator.autoscaler.scaledobjects)
     ("keda.sh/v1alpha1", "ScaledObject"),
@@ -105,6 +170,57 @@ class Images:
         )
 
 
+# Who may reach engine pods besides the service's own (`render_network_policies`). The operator's
+# pods carry these labels in the Helm chart and kustomize (app.kubernetes.io/name is the chart's
+# name); a future endpoint picker of the service is a pod of that component.
+OPERATOR_POD_LABELS = {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/component": "operator"}
+ENDPOINT_PICKER_COMPONENT = "endpoint-picker"
+# Kubernetes labels every namespace with its name (since 1.22).
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
+_LABEL_KEY = r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?"
+_LABEL_VALUE = r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?"
+
+
+def parse_label_selector(variable: str, text: str) -> dict[str, str]:
+    """"k=v,k2=v2" → matchLabels; "" → {} (everything). Raises ValueError naming `variable`."""
+    out: dict[str, str] = {}
+    for term in filter(None, (t.strip() for t in text.split(","))):
+        key, eq, value = term.partition("=")
+        key, value = key.strip(), value.strip()
+        if not eq or not re.fullmatch(_LABEL_KEY, key) or not re.fullmatch(_LABEL_VALUE, value) or len(value) > 63:
+            raise ValueError(f"{variable}: {term!r} is not a label equality such as app.kubernetes.io/name=prometheus "
+                             f"(expected key=value[,key=value...])")
+        out[key] = value
+    return out
+
+
+@dataclass(frozen=True)
+class NetworkPeers:
+    """Who, set per installation, may reach engine pods: the operator's namespace
+    (PAGODA_OPERATOR_NAMESPACE, else POD_NAMESPACE, which the chart sets) and Prometheus's
+    namespace and pods, as label selectors "k=v[,k=v]" (PAGODA_PROMETHEUS_NAMESPACE_SELECTOR,
+    PAGODA_PROMETHEUS_POD_SELECTOR; empty: any). A cluster fact, not a service's: one setting for
+    every InferenceService."""
+
+    operator_namespace: str = "pagoda-system"
+    prometheus_namespace_labels: tuple[tuple[str, str], ...] = ((NAMESPACE_NAME_LABEL, "monitoring"),)
+    prometheus_pod_labels: tuple[tuple[str, str], ...] = (("app.kubernetes.io/name", "prometheus"),)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> "NetworkPeers":
+        """Raises ValueError naming the variable that holds no valid value."""
+        env = os.environ if env is None else env
+        namespace = env.get("PAGODA_OPERATOR_NAMESPACE") or env.get("POD_NAMESPACE") or cls.operator_namespace
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", namespace):
+            raise ValueError(f"PAGODA_OPERATOR_NAMESPACE: {namespace!r} is not a namespace name")
+        selectors = {}
+        for variable, field in (("PAGODA_PROMETHEUS_NAMESPACE_SELECTOR", "prometheus_namespace_labels"),
+                                ("PAGODA_PROMETHEUS_POD_SELECTOR", "prometheus_pod_labels")):
+            if env.get(variable) is not None:
+                selectors[field] = tuple(parse_label_selector(variable, env[variable]).items())
+        return cls(operator_namespace=namespace, **selectors)
+
+
 # --- names (labels and owner references: children.py) ---------------------------------------
 
 
@@ -115,6 +231,11 @@ def engine_name(name: str) -> str:
 def router_account_name(name: str) -> str:
     """The router's ServiceAccount, and the Role and RoleBinding that give it its rights."""
     return f"{name}-router"
+
+
+def internal_key_secret_name(name: str) -> str:
+    """The Secret holding the key the router presents to the engines (made by the handler)."""
+    return f"{name}-internal-key"
 
 
 def engine_selector(name: str) -> str:
@@ -271,14 +392,29 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         if tier.type == "disk":
             volumes.append({"name": "kv-disk", **_kv_disk_source(tier)})
             mounts.append({"name": "kv-disk", "mountPath": KV_DISK_DIR})
-    if sizing.gpus_per_pod(spec):
-        volumes.append({"name": "compile-cache", "emptyDir": {"sizeLimit": COMPILE_CACHE_SIZE_LIMIT}})
-        mounts.append({"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR})
-        claim = shared_compile_cache_claim(spec)
-        if claim is not None:
-            volumes.append({"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": claim}})
-            mounts.append({"name": "compile-cache-shared", "mountPath": SHARED_COMPILE_CACHE_DIR})
+    # The root filesystem is read-only: the caches (`_cache_env`) and temporary files go here.
+    volumes += [{"name": "cache", "emptyDir": {"sizeLimit": CACHE_SIZE_LIMIT}}, _tmp_volume(ENGINE_TMP_SIZE_LIMIT)]
+    mounts.append({"name": "cache", "mountPath": CACHE_DIR})
+    claim = shared_compile_cache_claim(spec)
+    if claim is not None and sizing.gpus_per_pod(spec):
+        volumes.append({"name": "compile-cache-shared", "persistentVolumeClaim": {"claimName": claim}})
+        mounts.append({"name": "compile-cache-shared", "mountPath": SHARED_COMPILE_CACHE_DIR})
     return volumes, mounts
+
+
+def _tmp_volume(size_limit: str) -> dict[str, Any]:
+    """The emptyDir every container of the pod mounts at TMP_DIR (`_restricted`)."""
+    return {"name": "tmp", "emptyDir": {"sizeLimit": size_limit}}
+
+
+def _restricted(container: dict[str, Any]) -> dict[str, Any]:
+    """Every container the renderer emits goes through here: the "restricted" Pod Security
+    Standard's settings (with POD_SECURITY_CONTEXT on its pod), and the pod's `tmp` emptyDir at
+    TMP_DIR, the one place a process may expect to write on a read-only root filesystem."""
+    mounts = container.get("volumeMounts", [])
+    if not any(m["mountPath"] == TMP_DIR for m in mounts):
+        mounts = [*mounts, {"name": "tmp", "mountPath": TMP_DIR}]
+    return {**container, "volumeMounts": mounts, "securityContext": copy.deepcopy(CONTAINER_SECURITY_CONTEXT)}
 
 
 def _kv_disk_source(tier: KVTier) -> dict[str, Any]:
@@ -323,6 +459,8 @@ def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any
         {"name": "DOWNLOAD_TIMEOUT_SECONDS", "value": str(dl.timeout_seconds)},
         {"name": "DOWNLOAD_RETRIES", "value": str(dl.retries)},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        # The root filesystem is read-only: the hub's own files (its Xet chunk cache) go to /tmp.
+        {"name": "HF_HOME", "value": f"{TMP_DIR}/huggingface"},
     ]
     if dl.token_secret_ref is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
@@ -356,17 +494,27 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
         if tier.type == "remote" and tier.secret_ref is not None:
             env.append({"name": KV_REMOTE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                 "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
+    # The router's key to the engines (`pagoda serve` reads it when --api-key is not given).
+    env.append({"name": ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+        "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}})
     user = [dict(v) for v in spec.engine.env]
-    if sizing.gpus_per_pod(spec):  # the compile cache's volume (`_engine_volumes`), unless the user moved it
-        env += [{"name": k, "value": v} for k, v in _compile_cache_env(spec) if k not in {e.get("name") for e in user}]
+    # The cache volume (`_engine_volumes`), unless the user placed a cache elsewhere.
+    env += [{"name": k, "value": v} for k, v in _cache_env(spec) if k not in {e.get("name") for e in user}]
     return env + user
 
 
-def _compile_cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
-    """Where Triton and FlashInfer keep their compiled kernels (`_engine_volumes` mounts both)."""
+def _cache_env(spec: InferenceServiceSpec) -> tuple[tuple[str, str], ...]:
+    """Where the engine's libraries keep their caches, all on the volumes `_engine_volumes` mounts:
+    CACHE_ENV, and on GPUs Triton's and FlashInfer's compiled kernels and the CUDA driver's JIT
+    cache of PTX kernels."""
+    if not sizing.gpus_per_pod(spec):
+        return CACHE_ENV
     shared = shared_compile_cache_claim(spec) is not None
-    return (("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else COMPILE_CACHE_DIR}/triton"),
-            ("FLASHINFER_WORKSPACE_BASE", f"{COMPILE_CACHE_DIR}/flashinfer"))
+    return CACHE_ENV + (
+        ("TRITON_CACHE_DIR", f"{SHARED_COMPILE_CACHE_DIR if shared else CACHE_DIR}/triton"),
+        ("FLASHINFER_WORKSPACE_BASE", f"{CACHE_DIR}/flashinfer"),
+        ("CUDA_CACHE_PATH", f"{CACHE_DIR}/nv"),
+    )
 
 
 def _tolerations(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
@@ -417,12 +565,16 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         container["livenessProbe"] = _probe("/health", 15, 4, 10)
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
+        "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
         "terminationGracePeriodSeconds": spec.engine.termination_grace_period_seconds,
         "containers": [container],
         "volumes": volumes,
     }
     if (spec.model.uri or "").startswith("hf://"):
         pod_spec["initContainers"] = [_download_container(spec, image)]
+    for key in ("initContainers", "containers"):
+        if key in pod_spec:
+            pod_spec[key] = [_restricted(c) for c in pod_spec[key]]
     if spec.resources.node_selector:
         pod_spec["nodeSelector"] = dict(spec.resources.node_selector)
     tolerations = _tolerations(spec)
@@ -525,22 +677,35 @@ def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
 def router_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
-    return ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}", "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
+    args = ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}", "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
+    if spec.router.api_key_secret_ref is not None:
+        args += ["--api-key-file", API_KEYS_DIR]
+    return args
 
 
 def render_router_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
     name = body["metadata"]["name"]
+    volumes = [_tmp_volume(ROUTER_TMP_SIZE_LIMIT)]
     container = {
         "name": "router",
         "image": spec.router.image or images.engine_cpu,
         "command": ["pagoda", "route"],
         "args": router_args(body, spec),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        # The key it presents to the engines, on its polls and on every request it forwards.
+        "env": [{"name": ROUTER_BACKEND_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}}],
         "readinessProbe": _probe("/health", 5, 3, 5),
         "livenessProbe": _probe("/health", 15, 4, 10),
         "resources": {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", "5"]}}},
     }
+    keys = spec.router.api_key_secret_ref
+    if keys is not None:
+        # Mounted whole, not through subPath: kubelet swaps the files of a rotated Secret in
+        # place, and the router re-reads them without a restart.
+        volumes.append({"name": "api-keys", "secret": {"secretName": keys.name}})
+        container["volumeMounts"] = [{"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True}]
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -552,8 +717,10 @@ def render_router_deployment(body: dict[str, Any], spec: InferenceServiceSpec, i
                 "metadata": {"labels": labels(name, "router")},
                 "spec": {
                     "serviceAccountName": router_account_name(name),
+                    "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
                     "terminationGracePeriodSeconds": 30,
-                    "containers": [container],
+                    "containers": [_restricted(container)],
+                    "volumes": volumes,
                 },
             },
         },
@@ -617,6 +784,67 @@ def render_ingress(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": ingress_spec}
 
 
+# --- network policies -------------------------------------------------------------------------
+
+
+def render_network_policies(body: dict[str, Any], peers: NetworkPeers) -> list[dict[str, Any]]:
+    """Engine pods take traffic only from the service's router (and endpoint picker) pods, the
+    operator and Prometheus, on the HTTP port, and from each other on any port: the multi-node
+    rendezvous, NCCL and KV transfers pick their ports at run time. The router takes it from any
+    pod of the cluster (clients, the ingress controller). Kubelet probes are not filtered: traffic
+    from a pod's own node is always allowed. Policies add up: a source these leave out (an ingress
+    controller on the host network, which arrives from node addresses) needs a policy of the
+    cluster's own beside them."""
+    name = body["metadata"]["name"]
+
+    def http() -> list[dict[str, Any]]:  # fresh per rule: shared lists come out as YAML anchors
+        return [{"protocol": "TCP", "port": ENGINE_PORT}]
+
+    engine_ingress = [
+        {"from": [{"podSelector": {"matchLabels": selector_labels(name, component)}}
+                  for component in ("router", ENDPOINT_PICKER_COMPONENT)], "ports": http()},
+        {"from": [
+            {"namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: peers.operator_namespace}},
+             "podSelector": {"matchLabels": dict(OPERATOR_POD_LABELS)}},
+            {"namespaceSelector": {"matchLabels": dict(peers.prometheus_namespace_labels)},
+             "podSelector": {"matchLabels": dict(peers.prometheus_pod_labels)}},
+        ], "ports": http()},
+        {"from": [{"podSelector": {"matchLabels": selector_labels(name, "engine")}}]},
+    ]
+    engine = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(body, engine_name(name), "engine"),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, "engine")},
+                 "policyTypes": ["Ingress"], "ingress": engine_ingress},
+    }
+    router = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(body, name, "router"),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, "router")},
+                 "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}]},
+    }
+    return [engine, router]
+
+
+# --- keys ---------------------------------------------------------------------------------------
+
+
+def render_internal_key_secret(body: dict[str, Any], api_key: str) -> dict[str, Any]:
+    """The Secret <name>-internal-key holding `api_key`, which the handler draws at random and
+    creates once (not part of `render`, which stays pure); owned, so it goes with its service."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_metadata(body, internal_key_secret_name(name), "engine"),
+        "type": "Opaque",
+        "stringData": {INTERNAL_KEY_SECRET_KEY: api_key},
+    }
+
+
 def render_service_monitor(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return {
@@ -631,14 +859,18 @@ def render_service_monitor(body: dict[str, Any], spec: InferenceServiceSpec) -> 
     }
 
 
-def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | None = None) -> list[dict[str, Any]]:
+def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | None = None,
+           peers: NetworkPeers | None = None) -> list[dict[str, Any]]:
     """Every child of a validated InferenceService, in the order they are applied."""
     images = images or Images()
+    peers = peers or NetworkPeers()
     workload = (
         render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
         else render_engine_deployment(body, spec, images)
     )
-    out = [
+    # The policies first: no engine pod runs before they protect it.
+    out = render_network_policies(body, peers) if spec.network_policy else []
+    out += [
         render_engine_configmap(body, spec, images),
         render_engine_service(body, spec),
         workload,

@@ -212,6 +212,13 @@ class Ingress:
 
 
 @dataclass
+class SecretRef:
+    """A Secret in the InferenceService's namespace, as a whole."""
+
+    name: str = prop(doc="Secret name.", pattern=DNS_SUBDOMAIN_PATTERN)
+
+
+@dataclass
 class Router:
     """The OpenAI endpoint in front of the replicas (`pagoda route`)."""
 
@@ -219,6 +226,7 @@ class Router:
     replicas: int = prop(1, doc="Router pods.", minimum=1)
     image: str | None = prop(None, doc="Router image; default: the operator's engine-cpu image.")
     ingress: Ingress | None = prop(None, doc="Expose the router through an Ingress.")
+    api_key_secret_ref: SecretRef | None = prop(None, doc="Clients' API keys: every key of this Secret is a file of keys, one per line; requests to /v1/* need `Authorization: Bearer <key>` with one of them (401 otherwise). Mounted into the router, so keys rotate without a restart. Omitted: the router takes requests without a key.")
 
 
 @dataclass
@@ -242,6 +250,7 @@ class InferenceServiceSpec:
     autoscaling: Autoscaling | None = prop(None, doc="Prometheus-driven autoscaling.")
     router: Router = prop(doc="The router.", factory=Router)
     monitoring: Monitoring = prop(doc="Prometheus scraping.", factory=Monitoring)
+    network_policy: bool = prop(True, doc="Create NetworkPolicies: engine pods accept traffic only from this service's router (and endpoint picker) pods, each other, the operator and Prometheus (both set where the operator is installed); the router from anywhere in the cluster. false: none (the cluster's own policies apply).")
 
 
 # --- status (written by the operator; declared here for the CRD schema) -----------------------

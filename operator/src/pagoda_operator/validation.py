@@ -93,7 +93,21 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *engine_capabilities.extra_args_problems(spec.engine.extra_args),
         *_check_api_servers(spec),
         *_check_compile_cache(spec),
+        *_check_engine_key(spec),
     ]
+
+
+def _check_engine_key(spec: InferenceServiceSpec) -> list[str]:
+    """The engines' key is the operator's: from the Secret <name>-internal-key, which the router
+    presents too. A key of the user's own would lock the router out (401 on every request)."""
+    problems = []
+    if any(e.get("name") == "PAGODA_API_KEY" for e in spec.engine.env):
+        problems.append("engine.env: PAGODA_API_KEY is set by the operator (the router's key to the engines, from the "
+                        "Secret <name>-internal-key); remove it, and give clients keys with router.apiKeySecretRef")
+    if engine_capabilities.extra_arg_value(spec.engine.extra_args, "--api-key") is not None:
+        problems.append("engine.extraArgs: --api-key would replace the key the router presents to the engines; remove it, "
+                        "and give clients keys with router.apiKeySecretRef")
+    return problems
 
 
 def _check_compile_cache(spec: InferenceServiceSpec) -> list[str]:
