@@ -170,7 +170,13 @@ def _core_of_two(rank: int, port: int, arch: str, results) -> None:
     x = torch.randn(CORE_TOKENS[rank], HIDDEN, generator=torch.Generator().manual_seed(rank))
     with torch.no_grad():
         moe.dp_dispatch.begin_forward(x.shape[0])
-        results.put((rank, moe.experts.first, moe(x)))
+        out = moe(x)
+    # Plain numbers, not the tensor: a tensor crosses the queue as shared memory that the parent
+    # fetches from this process, which may have exited by then (FileNotFoundError in
+    # multiprocessing's resource_sharer). float32 -> Python float -> float32 is exact.
+    results.put((rank, moe.experts.first, out.tolist()))
+    results.close()
+    results.join_thread()  # the result has left this process
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe"])  # routed experts and the shared one
@@ -194,7 +200,7 @@ def test_expert_parallel_across_two_cores_gives_each_core_the_whole_layers_outpu
     for rank in (0, 1):
         x = torch.randn(CORE_TOKENS[rank], HIDDEN, generator=torch.Generator().manual_seed(rank))
         with torch.no_grad():
-            torch.testing.assert_close(got[rank][1], whole(x), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(torch.tensor(got[rank][1]), whole(x), rtol=1e-5, atol=1e-5)
 
 
 def test_select_experts_renormalises_only_when_asked():

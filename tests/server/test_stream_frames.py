@@ -1,4 +1,4 @@
-"""The streamed chunks the server writes from byte templates (`_StreamFrames`) are the bytes the
+"""The streamed chunks the server writes from byte templates (`StreamFrames`) are the bytes the
 pydantic response models give, and a request group's batches keep every output, in order."""
 
 import asyncio
@@ -9,7 +9,7 @@ from pagoda_engine.api.outputs import RequestOutput
 from pagoda_engine.api.server.async_engine import RequestGroup
 from pagoda_engine.api.server.protocol import (ChatCompletionStreamResponse, ChatStreamChoice, CompletionChoice,
                                                CompletionStreamResponse, DeltaMessage)
-from pagoda_engine.api.server.serving import _sse, _StreamFrames
+from pagoda_engine.api.server.sse import StreamFrames, sse_frame
 
 TEXTS = ["", "hello", ' quote " and \\ backslash', "tab\tnew\nline\r", "\x00\x01\x1f\x7f", "é ü 中文 🦀",
          "\u2028\u2029", "</script>", "\ud7ff\ue000"]
@@ -18,11 +18,11 @@ ENDINGS = [(None, None), ("length", None), ("stop", "\n\n"), ("stop", 128001), (
 
 @pytest.mark.parametrize("request_id,model", [("cmpl-abc", "tiny"), ('odd "id" é', "models/with\\slash")])
 def test_completion_frames_are_the_models_bytes(request_id, model):
-    frames = _StreamFrames(request_id, 1700000000, model, chat=False)
+    frames = StreamFrames(request_id, 1700000000, model, chat=False)
     for text in TEXTS:
         for index in (0, 3, 17):
             for finish_reason, stop_reason in ENDINGS:
-                want = _sse(CompletionStreamResponse(
+                want = sse_frame(CompletionStreamResponse(
                     id=request_id, created=1700000000, model=model,
                     choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason,
                                               stop_reason=stop_reason)])).encode()
@@ -31,11 +31,11 @@ def test_completion_frames_are_the_models_bytes(request_id, model):
 
 @pytest.mark.parametrize("request_id,model", [("chatcmpl-abc", "tiny"), ('odd "id" é', "models/with\\slash")])
 def test_chat_frames_are_the_models_bytes(request_id, model):
-    frames = _StreamFrames(request_id, 1700000000, model, chat=True)
+    frames = StreamFrames(request_id, 1700000000, model, chat=True)
     for text in TEXTS:
         for index in (0, 5):
             for finish_reason, stop_reason in ENDINGS:
-                want = _sse(ChatCompletionStreamResponse(
+                want = sse_frame(ChatCompletionStreamResponse(
                     id=request_id, created=1700000000, model=model,
                     choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=text),
                                               finish_reason=finish_reason, stop_reason=stop_reason)])).encode()

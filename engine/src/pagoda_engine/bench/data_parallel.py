@@ -20,8 +20,8 @@ import statistics
 import time
 
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
-from pagoda_engine.bench.offline import (_is_standard, environment, latency_summary, mean_tpot_of_complete_run,
-                                         process_age_s, throughput_summary)
+from pagoda_engine.bench.report import (environment, is_standard_workload, latency_summary, mean_tpot_of_complete_run,
+                                        process_age_s, throughput_summary)
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import EngineConfig, config_from_args
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest
@@ -118,7 +118,7 @@ class DataParallelDriver:
 
 
 def _mean_tpot_s(wl: Workload, run: _Run) -> float | None:
-    """The run's mean time per output token, once it is checked complete (`offline.mean_tpot_of_complete_run`)."""
+    """The run's mean time per output token, once it is checked complete (`report.mean_tpot_of_complete_run`)."""
     return mean_tpot_of_complete_run(wl, run.num_out, run.first_token, run.finished)
 
 
@@ -159,7 +159,8 @@ async def _run(args, title: str) -> dict:
         print("roofline: not measured (the weights are in the engine cores' processes)")
         await driver.warm_up()
         params = [wl.sampling_params(i) for i in range(wl.num_requests)]
-        base = {"bench": title, "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info}
+        base = {"bench": title, "workload": wl.name, "standard_workload": is_standard_workload(args), "env": env,
+                **info}
         if title == "throughput":
             return _throughput_result(wl, base, *await driver.drive(wl.prompts, params, "bench"), driver)
         return await _latency(wl, base, params, driver, args.num_iters)

@@ -2,8 +2,8 @@
 
 Owns the timing (throughput: wall time from the first request added to the last token; latency:
 time to first token and end-to-end time of one stream), the roofline (weight bytes ÷ a measured
-device-to-device copy bandwidth), the start-to-ready time, and the report: figures, settings,
-GPU and versions, printed and returned as a dict.
+device-to-device copy bandwidth), the start-to-ready time, and the result: figures (`report`),
+settings, GPU and versions, printed and returned as a dict.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-import platform
 import statistics
 import sys
 import time
@@ -19,38 +18,14 @@ import time
 import torch
 
 from pagoda_engine.bench.floor import StepRecorder, model_costs, run_floor, unique_parameters
+from pagoda_engine.bench.report import (environment, is_standard_workload, latency_summary, mean_tpot_of_complete_run,
+                                        process_age_s, throughput_summary)
 from pagoda_engine.bench.workloads import Workload, build_workload
 from pagoda_engine.config import config_from_args
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.processes import freeze_gc_heap
 from pagoda_engine.sampling_params import SamplingParams
-
-
-def process_age_s() -> float | None:
-    """Seconds since this process started (Linux), so start-to-ready includes the imports."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
-        with open("/proc/uptime") as f:
-            uptime = float(f.read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def environment() -> dict:
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / (1 << 30), 1)
-    try:
-        import flashinfer
-
-        env["flashinfer"] = flashinfer.__version__
-    except ImportError:
-        env["flashinfer"] = None
-    return env
 
 
 def _device_seconds(fn, iters: int, warmup: int = 3) -> float:
@@ -219,54 +194,6 @@ def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | N
             "num_preemptions": core.scheduler.num_preemptions}
 
 
-def mean_tpot_of_complete_run(wl: Workload, num_out: dict[str, int], first_token: dict[str, float],
-                              finished: dict[str, float]) -> float | None:
-    """The mean time per output token after each request's first, once the run is checked to have
-    produced every token and finished every request of `wl` (RuntimeError otherwise). `num_out`:
-    tokens per request; `first_token` and `finished`: when each got its first and its last."""
-    produced = sum(num_out.values())
-    if produced != wl.num_output_tokens or len(finished) != wl.num_requests:
-        raise RuntimeError(f"workload {wl.name}: produced {produced} of {wl.num_output_tokens} output tokens, "
-                           f"{len(finished)} of {wl.num_requests} requests finished")
-    tpots = [(finished[r] - first_token[r]) / (n - 1) for r, n in num_out.items() if n > 1]
-    return statistics.fmean(tpots) if tpots else None
-
-
-def throughput_summary(wl: Workload, elapsed_s: float, mean_tpot_s: float | None) -> tuple[dict, list[str]]:
-    """A throughput run's figures (the result's fields) and the lines that report them."""
-    out_tps = wl.num_output_tokens / elapsed_s
-    total_tps = (wl.num_output_tokens + wl.num_input_tokens) / elapsed_s
-    fields = {
-        "num_requests": wl.num_requests, "input_tokens": wl.num_input_tokens, "output_tokens": wl.num_output_tokens,
-        "elapsed_s": round(elapsed_s, 6), "requests_per_s": round(wl.num_requests / elapsed_s, 3),
-        "output_tokens_per_s": round(out_tps, 1), "total_tokens_per_s": round(total_tps, 1),
-        "mean_time_per_output_token_ms": round(mean_tpot_s * 1e3, 3) if mean_tpot_s else None,
-    }
-    lines = [f"output tokens/s: {out_tps:,.1f}   total tokens/s: {total_tps:,.1f}   "
-             f"requests/s: {fields['requests_per_s']}"]
-    if mean_tpot_s:
-        lines.append(f"mean time per output token (per request, after its first): {mean_tpot_s * 1e3:.2f} ms")
-    return fields, lines
-
-
-def latency_summary(runs: list[dict], out_len: int, roofline_ms_per_token: float | None = None
-                    ) -> tuple[dict, list[str]]:
-    """A latency benchmark's figures over its timed runs (each with e2e_s, ttft_s and tpot_s; the
-    medians) and the lines that report them, against the roofline when it was measured;
-    `out_len`: output tokens per run."""
-    e2e = statistics.median(x["e2e_s"] for x in runs)
-    tpot = statistics.median(x["tpot_s"] for x in runs)
-    ttft = statistics.median(x["ttft_s"] for x in runs)
-    fields = {"iterations": runs, "median_e2e_s": round(e2e, 4), "median_ttft_ms": round(ttft * 1e3, 2),
-              "ms_per_output_token": round(e2e / out_len * 1e3, 3), "ms_per_decode_token": round(tpot * 1e3, 3)}
-    lines = [f"end to end: {e2e:.3f} s for {out_len} output tokens (median of {len(runs)}); TTFT {ttft * 1e3:.1f} ms",
-             f"time per output token: {e2e / out_len * 1e3:.3f} ms (end to end / output tokens); "
-             f"decode only: {tpot * 1e3:.3f} ms"]
-    if roofline_ms_per_token:
-        lines.append(f"vs roofline: {e2e / out_len * 1e3 / roofline_ms_per_token:.3f} x")
-    return fields, lines
-
-
 def _roofline(core: EngineCore) -> dict:
     wbytes = bytes_read_per_token(core.model)
     bw = measure_copy_bandwidth(core.device)
@@ -307,10 +234,6 @@ def _heap_frozen():
         gc.unfreeze()
 
 
-def _is_standard(args) -> bool:
-    return args.num_prompts is None and args.input_len is None and args.output_len is None
-
-
 def _prepare(args, title: str) -> tuple[EngineCore, Workload, dict, dict, dict]:
     """Engine up, workload built, header printed, roofline measured, kernels warm."""
     core, info = _build(args)
@@ -338,7 +261,7 @@ def run_throughput(args) -> dict:
     figures, lines = throughput_summary(wl, r["elapsed_s"], r["mean_tpot_s"])
     floor = _workload_floor(core, recorder.steps, roof["copy_bandwidth_Bps"], r["elapsed_s"], wl.num_output_tokens)
     result = {
-        "bench": "throughput", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
+        "bench": "throughput", "workload": wl.name, "standard_workload": is_standard_workload(args), "env": env, **info,
         **figures, "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
         "workload_floor": floor,
     }
@@ -393,7 +316,7 @@ def run_latency(args) -> dict:
     out_len = wl.output_lens[0]
     figures, lines = latency_summary(runs, out_len, roof["roofline_ms_per_token"])
     result = {
-        "bench": "latency", "workload": wl.name, "standard_workload": _is_standard(args), "env": env, **info,
+        "bench": "latency", "workload": wl.name, "standard_workload": is_standard_workload(args), "env": env, **info,
         **figures, "roofline": roof,
     }
     _print_roofline(roof)

@@ -32,7 +32,10 @@ from pagoda_engine.api.server.protocol import (
     TokenizeResponse,
     streamed_or,
 )
-from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
+from pagoda_engine.api.server.serving_chat import OpenAIServingChat
+from pagoda_engine.api.server.serving_completion import OpenAIServingCompletion
+from pagoda_engine.api.server.serving_engine import ClientDisconnected, OpenAIServing
+from pagoda_engine.api.server.serving_tokenization import OpenAIServingTokenization
 from pagoda_engine.profiler import ProfilerStateError
 
 # Paths a client needs the API key for; /health, /metrics and /version stay open for probes
@@ -45,6 +48,9 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     app.router.route_class = bounded_json_route(engine.config.server.max_request_body_bytes)
     app.state.engine = engine
     serving = OpenAIServing(engine)
+    tokenization = OpenAIServingTokenization(engine)
+    completion = OpenAIServingCompletion(engine)
+    chat = OpenAIServingChat(engine)
     install_exception_handlers(app)
 
     if api_key:
@@ -79,16 +85,16 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize", response_model=TokenizeResponse)
     async def tokenize(req: TokenizeRequest) -> TokenizeResponse:
-        return await serving.tokenize(req)
+        return await tokenization.tokenize(req)
 
     @app.post("/detokenize", response_model=DetokenizeResponse)
     async def detokenize(req: DetokenizeRequest) -> DetokenizeResponse:
-        return await serving.detokenize(req)
+        return await tokenization.detokenize(req)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={200: streamed_or(CompletionResponse)})
     async def completions(req: CompletionRequest, raw: Request):
         try:
-            return await serving.create_completion(req, raw)
+            return await completion.create_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; the request was aborted
 
@@ -96,7 +102,7 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
               responses={200: streamed_or(ChatCompletionResponse)})
     async def chat_completions(req: ChatCompletionRequest, raw: Request):
         try:
-            return await serving.create_chat_completion(req, raw)
+            return await chat.create_chat_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)
 

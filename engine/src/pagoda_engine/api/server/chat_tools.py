@@ -12,7 +12,7 @@ for its prompt, its decoding and the parsing of its output (vLLM's rules):
 - `parallel_tool_calls: false` caps "required" at one call (the schema's `maxItems`); under
   "auto" only the first call the model writes is returned.
 
-Runs in the request's worker thread (`OpenAIServing._chat_plan`): building a schema is O(tools).
+Runs in the request's worker thread (`OpenAIServingChat._chat_plan`): building a schema is O(tools).
 """
 
 from __future__ import annotations
