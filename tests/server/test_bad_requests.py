@@ -2,6 +2,9 @@
 survives all of them, and the API key is enforced."""
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -214,3 +217,10 @@ def test_profile_routes_are_absent_without_a_profiler_config(http):
     for route in ("/start_profile", "/stop_profile"):
         r = http.post(route)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_an_empty_pagoda_api_key_stops_the_server_before_it_loads_anything():
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", *DEFAULT_ARGS],
+                         env={**os.environ, "PAGODA_API_KEY": " \n"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "PAGODA_API_KEY is set but empty: give the key, or unset it" in out.stderr
