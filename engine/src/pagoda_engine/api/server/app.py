@@ -32,6 +32,7 @@ from pagoda_engine.api.server.protocol import (
     streamed_or,
 )
 from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
+from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.profiler import ProfilerStateError
 
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
@@ -79,6 +80,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             return await serving.create_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; the request was aborted
+        except InvalidRequestError as e:
+            raise req.as_sent(e) from None
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: streamed_or(ChatCompletionResponse)})
@@ -87,6 +90,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             return await serving.create_chat_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)
+        except InvalidRequestError as e:
+            raise req.as_sent(e) from None
 
     if engine.config.profiler_config.enabled:
         _add_profile_routes(app, engine)
