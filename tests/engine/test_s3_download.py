@@ -188,3 +188,33 @@ def test_a_prefix_with_nothing_under_it_is_refused(s3, tmp_path):
 def test_bad_arguments_exit_2_naming_them(tmp_path, uri, flags, words):
     out = run(tmp_path / "model", {}, uri, *flags)
     assert out.returncode == 2 and words in out.stderr, out.stderr
+
+
+def test_the_operators_init_container_downloads_where_its_engine_reads(s3, tmp_path):
+    """The init container exactly as the operator renders it for an s3:// model and a Secret of
+    the store's keys (the cache volume at a directory of this machine): the model lands at the
+    engine's --model."""
+    from pagoda_operator import render
+    from pagoda_operator.validation import check
+    from tests.operator.support import load_example, with_spec
+
+    body = with_spec(load_example("llama-3.1-8b.yaml"), model__uri=f"s3://{BUCKET}/{PREFIX}",
+                     model__download={"s3SecretRef": {"name": "store"}})
+    pod = render.engine_pod_template(body, check(body).spec, render.Images.from_env({}))
+    (init,) = pod["spec"]["initContainers"]
+    (engine,) = pod["spec"]["containers"]
+    secret = {k: s3["env"][k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL")}
+    env = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/dev/null", "AWS_SHARED_CREDENTIALS_FILE": "/dev/null"}
+    for var in init["env"]:
+        ref = var["valueFrom"]["secretKeyRef"]
+        assert ref["name"] == "store" and (ref["key"] in secret or ref.get("optional")), var
+        if ref["key"] in secret:
+            env[var["name"]] = secret[ref["key"]]
+    cache = str(tmp_path / "cache")
+    local = lambda arg: cache + arg[len(render.MODELS_DIR):] if arg.startswith(render.MODELS_DIR + "/") else arg  # noqa: E731
+    assert init["command"][:3] == ["python", "-m", "pagoda_engine.s3_download"]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    out = subprocess.run([sys.executable, *init["command"][1:3], *map(local, init["command"][3:])], env={**base, **env},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert_model_in(Path(local(engine["args"][engine["args"].index("--model") + 1])))
