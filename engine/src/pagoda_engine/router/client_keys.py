@@ -17,6 +17,8 @@ import logging
 import time
 from pathlib import Path
 
+from pagoda_engine.api.server.api_keys import bearer_token
+
 log = logging.getLogger("pagoda.router")
 
 
@@ -98,8 +100,8 @@ class ClientKeys:
     def accepts(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header value carries one of the keys as a Bearer token."""
         self._refresh()
-        scheme, _, token = (authorization or "").partition(" ")
-        return scheme.lower() == "bearer" and _digest(token.strip()) in self._keys
+        token = bearer_token(authorization)
+        return token is not None and _digest(token) in self._keys
 
     def __len__(self) -> int:
         return len(self._keys)

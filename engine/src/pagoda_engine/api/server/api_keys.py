@@ -19,10 +19,16 @@ from pagoda_engine.api.server.errors import error_response
 PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/start_profile", "/stop_profile", "/router/")
 
 
+def bearer_token(authorization: str | None) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (the scheme in any case), else None."""
+    scheme, _, token = (authorization or "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else None
+
+
 def bearer_matches(key: str) -> Callable[[str | None], bool]:
     """A check that accepts the `Authorization` header `Bearer <key>`, in constant time."""
-    expected = f"Bearer {key}".encode()
-    return lambda authorization: secrets.compare_digest((authorization or "").encode(), expected)
+    expected = key.encode()
+    return lambda authorization: secrets.compare_digest((bearer_token(authorization) or "").encode(), expected)
 
 
 def require_api_key(app: FastAPI, accepts: Callable[[str | None], bool]) -> None:
