@@ -11,15 +11,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import boto3
 import pytest
 
 from pagoda_engine.s3_download import Destination, RemoteFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "e2e" / "local"))
 from pagoda_e2e import Proc, free_port  # noqa: E402  (the process harness of e2e/local)
-
-boto3 = pytest.importorskip("boto3")
-pytest.importorskip("moto.server")
 
 BUCKET = "models"
 PREFIX = "org/tiny-model"

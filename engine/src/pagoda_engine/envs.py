@@ -116,8 +116,8 @@ def backend_api_key() -> str | None:
 
 
 def check_environment() -> None:
-    """Read every number above and the KV store's, so that a bad one is refused at start-up rather
-    than when (and in whichever process) it is first used."""
+    """Read every number above, the API key and the KV store's numbers, so that a bad one is refused
+    at start-up rather than when (and in whichever process) it is first used."""
     from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
     for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, programmatic_dependent_launch,

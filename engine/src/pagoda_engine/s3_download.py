@@ -42,9 +42,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+import boto3
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
 log = logging.getLogger("pagoda.s3_download")
 
-EXIT_FAILED, EXIT_USAGE, EXIT_REFUSED = 1, 2, 3
+EXIT_FAILED, EXIT_REFUSED = 1, 3  # and argparse's 2 for bad arguments
 CHUNK_BYTES = 8 * 1024 * 1024
 STATE_DIR = ".pagoda-s3"
 _PLAIN_MD5 = re.compile(r"^[0-9a-f]{32}$")
@@ -155,8 +159,6 @@ def _client_error(e) -> Exception:
 
 def download_file(client, bucket: str, f: RemoteFile, dest: Destination, deadline: float) -> int:
     """Fetch `f` (the rest of it, when a part is on disk), check it, put it in place. The bytes fetched."""
-    from botocore.exceptions import ClientError
-
     part = dest.part_path(f)
     part.touch()
     have = part.stat().st_size
@@ -206,8 +208,6 @@ def download_file(client, bucket: str, f: RemoteFile, dest: Destination, deadlin
 def download(client, uri: str, dest_dir: Path, parallel: int = 4, attempt_timeout_s: float = 3600.0) -> dict:
     """One attempt at the whole model: what was skipped, fetched and resumed."""
     bucket, prefix = parse_s3_uri(uri)
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
-
     deadline = time.monotonic() + attempt_timeout_s
     try:
         files = list_files(client, bucket, prefix)
@@ -233,20 +233,17 @@ def download(client, uri: str, dest_dir: Path, parallel: int = 4, attempt_timeou
                 errors.append(e)
             except BotoCoreError as e:
                 errors.append(DownloadFailed(f"{type(e).__name__}: {e}"))
-    refused = [e for e in errors if isinstance(e, DownloadRefused)]
-    if refused or errors:
-        raise (refused or errors)[0]
+    if errors:  # a refusal first: no retry would fix it
+        raise next((e for e in errors if isinstance(e, DownloadRefused)), errors[0])
     dest.clear_parts()
     return {"files": len(files), "skipped": len(files) - len(todo), "fetched_bytes": fetched}
 
 
-def make_client(retries: int):
-    """An S3 client configured from the environment (see the module docstring)."""
-    import boto3
-    from botocore.config import Config
-
+def make_client():
+    """An S3 client configured from the environment (see the module docstring). botocore retries
+    each request a little itself (throttling, a 5xx); `main` retries whole attempts, resuming."""
     custom_endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    config = Config(retries={"max_attempts": retries + 1, "mode": "standard"}, connect_timeout=10, read_timeout=60,
+    config = Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=10, read_timeout=60,
                     s3={"addressing_style": "path"} if custom_endpoint else {})
     return boto3.session.Session().client("s3", config=config)
 
@@ -270,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
                              ("--attempt-timeout", args.attempt_timeout, 1)):
         if value < low:
             parser.error(f"{flag} must be >= {low}, got {value}")
-    client = make_client(args.retries)
+    client = make_client()
     for attempt in range(args.retries + 1):
         try:
             result = download(client, args.uri, Path(args.dest), args.parallel, args.attempt_timeout)

@@ -35,6 +35,7 @@ from pagoda_engine.api.server.serving import ClientDisconnected, OpenAIServing
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.profiler import ProfilerStateError
 
+
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     """The app over a running `engine`; `api_key` (--api-key, else PAGODA_API_KEY, else none)
     guards the API (`api_keys.PROTECTED_PREFIXES`)."""

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_engine.api.chat_output import ChatOutputSpec
-from pagoda_engine.api.tool_parsers import TOOL_PARSERS
 from pagoda_engine.api.server.errors import BadRequestError
 from pagoda_engine.api.server.protocol import ChatCompletionRequest, NamedToolChoice
+from pagoda_engine.api.tool_parsers import TOOL_PARSERS
 from pagoda_engine.config import ServerConfig
 from pagoda_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
