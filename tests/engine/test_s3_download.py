@@ -1,14 +1,19 @@
 """`python -m pagoda_engine.s3_download` (the init container of an s3:// model) against a real S3
 server on this machine: moto in server mode, started once for the module, with authentication
 on (only the access key made in its IAM may read), and the downloader run as the init container
-runs it, a process configured by AWS_* variables."""
+runs it, a process configured by AWS_* variables. An interruption is a real one: a proxy that
+breaks the connection mid-file, or the part file an interrupted run leaves."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import re
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import boto3
@@ -109,6 +114,73 @@ def test_a_fresh_download_lands_every_file_below_the_prefix(s3, tmp_path):
     again = run(tmp_path / "model", s3["env"])
     assert again.returncode == 0, again.stderr
     assert f"done: {len(FILES)} files ({len(FILES)} complete already), 0 bytes fetched" in again.stdout
+
+
+class CuttingProxy:
+    """A TCP proxy in front of the S3 server that breaks the connection carrying the first GET of
+    `key`, `after` bytes into its response: a network failure mid-file."""
+
+    def __init__(self, upstream_port: int, key: str, after: int):
+        self.upstream_port, self.needle, self.after = upstream_port, f"GET /{BUCKET}/{key}".encode(), after
+        self.cut = threading.Event()
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self.upstream_port))
+            budget = {"left": None}  # bytes of response this connection may still pass, once it is the one to cut
+            threading.Thread(target=self._requests, args=(client, server, budget), daemon=True).start()
+            threading.Thread(target=self._responses, args=(server, client, budget), daemon=True).start()
+
+    def _requests(self, client, server, budget) -> None:
+        with contextlib.suppress(OSError):
+            while data := client.recv(65536):
+                if self.needle in data and not self.cut.is_set():
+                    self.cut.set()
+                    budget["left"] = self.after
+                server.sendall(data)
+
+    def _responses(self, server, client, budget) -> None:
+        with contextlib.suppress(OSError):
+            while data := server.recv(65536):
+                if budget["left"] is not None:
+                    data = data[:budget["left"]]
+                    budget["left"] -= len(data)
+                client.sendall(data)
+                if budget["left"] == 0:
+                    break
+        for sock in (client, server):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_download_broken_mid_file_resumes_from_the_bytes_it_kept(s3, tmp_path):
+    size = len(FILES["model.safetensors"])
+    proxy = CuttingProxy(int(s3["endpoint"].rsplit(":", 1)[1]), f"{PREFIX}/model.safetensors", after=10 * MIB)
+    try:
+        out = run(tmp_path / "model", {**s3["env"], "AWS_ENDPOINT_URL": f"http://127.0.0.1:{proxy.port}"},
+                  f"s3://{BUCKET}/{PREFIX}", "--parallel", "1")
+    finally:
+        proxy.close()
+    assert proxy.cut.is_set()
+    assert out.returncode == 0, out.stderr
+    assert "attempt 1 failed" in out.stdout
+    # what arrived before the break (10 MiB less the response's headers) stayed on disk; the
+    # second attempt asked for the rest only
+    kept = int(re.search(rf"model.safetensors: resuming at (\d+) of {size} bytes", out.stdout)[1])
+    assert 10 * MIB - 4096 < kept < 10 * MIB
+    assert f"done: {len(FILES)} files ({len(FILES) - 1} complete already), {size - kept} bytes fetched" in out.stdout
+    assert_model_in(tmp_path / "model")
 
 
 def test_an_interrupted_download_resumes_from_the_bytes_on_disk(s3, tmp_path):

@@ -258,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="seconds one attempt may take; the next resumes where it stopped (default 3600)")
     parser.add_argument("--parallel", type=int, default=4, help="files fetched at once (default 4)")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="pagoda s3: %(message)s", stream=sys.stdout)
+    logging.basicConfig(level=logging.WARNING, format="pagoda s3: %(message)s", stream=sys.stdout)
+    log.setLevel(logging.INFO)  # this module's progress; boto3's own INFO lines are noise here
     try:
         parse_s3_uri(args.uri)
     except ValueError as e:
