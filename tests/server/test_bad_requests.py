@@ -2,6 +2,9 @@
 survives all of them, and the API key is enforced."""
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -214,3 +217,54 @@ def test_profile_routes_are_absent_without_a_profiler_config(http):
     for route in ("/start_profile", "/stop_profile"):
         r = http.post(route)
         assert r.status_code == 404 and r.json()["error"]["code"] == "not_found"
+
+
+def test_an_empty_pagoda_api_key_stops_the_server_before_it_loads_anything():
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", *DEFAULT_ARGS],
+                         env={**os.environ, "PAGODA_API_KEY": " \n"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "PAGODA_API_KEY is set but empty: give the key, or unset it" in out.stderr
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "text/json", None])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+def test_a_body_not_declared_as_json_is_a_415(http, route, content_type):
+    body = {"prompt": "x", "max_tokens": 1, "messages": [{"role": "user", "content": "x"}]}
+    headers = {} if content_type is None else {"Content-Type": content_type}
+    r = http.post(route, content=json.dumps(body), headers=headers)
+    assert r.status_code == 415, r.text
+    sent = "the request has no Content-Type" if content_type is None else f"the request's Content-Type is '{content_type}'"
+    assert r.json() == {"error": {
+        "message": f"Unsupported Media Type: Only 'application/json' is allowed ({sent}; send "
+                   "`Content-Type: application/json`).",
+        "type": "invalid_request_error", "param": None, "code": "unsupported_media_type"}}
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=utf-8", "Application/JSON",
+                                          "application/vnd.api+json"])
+def test_a_body_declared_as_json_is_read(http, content_type):
+    r = http.post("/v1/completions", content=json.dumps({"prompt": "x", "max_tokens": 1}),
+                  headers={"Content-Type": content_type})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("constraint, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "frobnicate"}}, "guided_json"),
+    ({"guided_json": "{not json"}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
+    ({"guided_grammar": "start: missing_rule"}, "guided_grammar"),
+    ({"structured_outputs": {"json": {"type": "frobnicate"}}}, "structured_outputs.json"),
+])
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+def test_a_bad_constraint_is_reported_under_the_field_the_client_sent(http, route, constraint, param):
+    body = {"prompt": "x", "max_tokens": 1, **constraint}
+    if route.endswith("chat/completions"):
+        body = {"messages": [{"role": "user", "content": "x"}], **{k: v for k, v in body.items() if k != "prompt"}}
+    r = http.post(route, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param, error
+    assert param in error["message"] and ("structured_outputs" in error["message"]) == param.startswith(
+        "structured_outputs"), error

@@ -154,7 +154,9 @@ def test_lark_grammar_output_parses(client, field):
 
 @pytest.mark.parametrize("body,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
-     "structured_outputs.json"),
+     "response_format.json_schema.schema"),
+    ({"guided_json": {"type": "frobnicate"}}, "guided_json"),
+    ({"guided_regex": "(unclosed"}, "guided_regex"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema"),
     ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
     ({"structured_outputs": {"grammar": "start: missing_rule"}}, "structured_outputs.grammar"),

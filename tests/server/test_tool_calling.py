@@ -255,8 +255,13 @@ def test_auto_tool_choice_without_the_flags_is_a_400(tmp_path):
     srv = launch(tmp_path, *ARGS)
     try:
         r = httpx.post(f"{srv.base_url}/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 4})
-        assert r.status_code == 400 and r.json()["error"]["message"] == (
-            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set')
+        error = r.json()["error"]
+        assert (r.status_code, error["param"], error["type"]) == (400, "tool_choice", "invalid_request_error")
+        # vLLM's words first, then the flags to add and the parsers to choose from
+        assert error["message"].startswith(
+            '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set: start the '
+            'server with --enable-auto-tool-choice --tool-call-parser PARSER'), error
+        assert "hermes | llama3_json | mistral" in error["message"], error
         # tool_choice none and required need no parser.
         r = httpx.post(f"{srv.base_url}/chat/completions", json={"messages": ASK, "tools": TOOLS, "max_tokens": 4,
                                                                   "tool_choice": "none"})

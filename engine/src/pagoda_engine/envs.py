@@ -94,11 +94,32 @@ def programmatic_dependent_launch() -> bool:
     return env_switch("PAGODA_PDL", True)
 
 
+def _key(name: str) -> str | None:
+    found = _raw((name,))
+    if found is None:
+        return None
+    key = found[1].strip()  # a Secret made from a file often ends in a newline no header can carry
+    if not key:
+        raise InvalidEnvironmentError(f"{name} is set but empty: give the key, or unset it")
+    return key
+
+
+def api_key() -> str | None:
+    """The key `pagoda serve` requires on its API when --api-key is not given (vLLM reads
+    VLLM_API_KEY the same way); None: no key."""
+    return _key("PAGODA_API_KEY")
+
+
+def backend_api_key() -> str | None:
+    """The key `pagoda route` sends the engines when --backend-api-key is not given."""
+    return _key("PAGODA_BACKEND_API_KEY")
+
+
 def check_environment() -> None:
-    """Read every number above and the KV store's, so that a bad one is refused at start-up rather
-    than when (and in whichever process) it is first used."""
+    """Read every number above, the API key and the KV store's numbers, so that a bad one is refused
+    at start-up rather than when (and in whichever process) it is first used."""
     from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
     for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, programmatic_dependent_launch,
-                 remote_read_connections, remote_timeout_s, remote_backoff_s):
+                 api_key, remote_read_connections, remote_timeout_s, remote_backoff_s):
         read()

@@ -267,6 +267,8 @@ def model_path(spec: InferenceServiceSpec) -> str | None:
     scheme, rest = uri.split("://", 1)
     if scheme == "hf":
         return f"{MODELS_DIR}/{rest.split('@', 1)[0]}"
+    if scheme == "s3":
+        return f"{MODELS_DIR}/{rest.strip('/')}"  # bucket/prefix, where the init container puts it
     if scheme == "pvc":
         _, _, path = rest.partition("/")
         return f"{MODELS_DIR}/{path}".rstrip("/") if path else MODELS_DIR
@@ -375,7 +377,7 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
     ]
     uri = spec.model.uri or ""
-    if uri.startswith("hf://"):
+    if uri.startswith(DOWNLOADED_SCHEMES):
         dl = spec.model.download
         source = (
             {"persistentVolumeClaim": {"claimName": dl.cache_claim_name}}
@@ -433,6 +435,9 @@ def _kv_disk_source(tier: KVTier) -> dict[str, Any]:
     return {"emptyDir": {"sizeLimit": size}}
 
 
+# Models an init container downloads into the model-cache volume (`_download_container`).
+DOWNLOADED_SCHEMES = ("hf://", "s3://")
+
 DOWNLOAD_SCRIPT = """\
 attempt=0
 until timeout "$DOWNLOAD_TIMEOUT_SECONDS" hf download "$MODEL_REPO" --revision "$MODEL_REVISION" --local-dir "$MODEL_DIR"; do
@@ -447,32 +452,46 @@ done
 """
 
 
+# The keys of model.download.s3SecretRef, each the environment variable of that name: the two
+# credentials are required, the rest optional (`pagoda_engine.s3_download` reads them through boto3).
+S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "AWS_SESSION_TOKEN": True,
+                  "AWS_ENDPOINT_URL": True, "AWS_REGION": True}
+
+
 def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
-    """Init container fetching an hf:// model into the cache volume; files already there are
-    kept, so a restart resumes instead of starting over."""
-    repo, _, revision = spec.model.uri[len("hf://"):].partition("@")
+    """Init container fetching an hf:// or s3:// model into the cache volume; files already there
+    are kept, so a restart resumes instead of starting over."""
+    uri = spec.model.uri
     dl = spec.model.download
-    env = [
-        {"name": "MODEL_REPO", "value": repo},
-        {"name": "MODEL_REVISION", "value": revision or "main"},
-        {"name": "MODEL_DIR", "value": f"{MODELS_DIR}/{repo}"},
-        {"name": "DOWNLOAD_TIMEOUT_SECONDS", "value": str(dl.timeout_seconds)},
-        {"name": "DOWNLOAD_RETRIES", "value": str(dl.retries)},
-        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
-        # The root filesystem is read-only: the hub's own files (its Xet chunk cache) go to /tmp.
-        {"name": "HF_HOME", "value": f"{TMP_DIR}/huggingface"},
-    ]
-    if dl.token_secret_ref is not None:
-        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
-            "name": dl.token_secret_ref.name, "key": dl.token_secret_ref.key}}})
-    container = {
-        "name": "model-download",
-        "image": image,
-        "command": ["sh", "-c", DOWNLOAD_SCRIPT],
-        "env": env,
-        "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}},
-        "volumeMounts": [{"name": "model-cache", "mountPath": MODELS_DIR}],
-    }
+    container: dict[str, Any] = {"name": "model-download", "image": image}
+    if uri.startswith("s3://"):
+        container["command"] = ["python", "-m", "pagoda_engine.s3_download", uri, model_path(spec),
+                                "--retries", str(dl.retries), "--attempt-timeout", str(dl.timeout_seconds)]
+        if dl.s3_secret_ref is not None:  # else boto3 finds the pod's service-account role
+            container["env"] = [{"name": key, "valueFrom": {"secretKeyRef": {
+                "name": dl.s3_secret_ref.name, "key": key, **({"optional": True} if optional else {})}}}
+                for key, optional in S3_SECRET_KEYS.items()]
+        # The downloader's last line says why it failed (refused credentials, no such bucket):
+        # the pod's status shows it as the init container's termination message.
+        container["terminationMessagePolicy"] = "FallbackToLogsOnError"
+    else:
+        repo, _, revision = uri[len("hf://"):].partition("@")
+        env = [
+            {"name": "MODEL_REPO", "value": repo},
+            {"name": "MODEL_REVISION", "value": revision or "main"},
+            {"name": "MODEL_DIR", "value": f"{MODELS_DIR}/{repo}"},
+            {"name": "DOWNLOAD_TIMEOUT_SECONDS", "value": str(dl.timeout_seconds)},
+            {"name": "DOWNLOAD_RETRIES", "value": str(dl.retries)},
+            {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+            # The root filesystem is read-only: the hub's own files (its Xet chunk cache) go to /tmp.
+            {"name": "HF_HOME", "value": f"{TMP_DIR}/huggingface"},
+        ]
+        if dl.token_secret_ref is not None:
+            env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": dl.token_secret_ref.name, "key": dl.token_secret_ref.key}}})
+        container.update({"command": ["sh", "-c", DOWNLOAD_SCRIPT], "env": env})
+    container["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
+    container["volumeMounts"] = [{"name": "model-cache", "mountPath": MODELS_DIR}]
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
@@ -570,7 +589,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "containers": [container],
         "volumes": volumes,
     }
-    if (spec.model.uri or "").startswith("hf://"):
+    if (spec.model.uri or "").startswith(DOWNLOADED_SCHEMES):
         pod_spec["initContainers"] = [_download_container(spec, image)]
     for key in ("initContainers", "containers"):
         if key in pod_spec:

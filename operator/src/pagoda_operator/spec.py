@@ -22,7 +22,8 @@ SINGULAR = "inferenceservice"
 SHORT_NAMES = ["pis"]  # KServe owns `isvc`
 CATEGORIES = ["pagoda"]
 
-MODEL_URI_PATTERN = r"^(hf://[^/@\s]+/[^@\s]+(@[^\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*)$"
+MODEL_URI_PATTERN = (r"^(hf://[^/@\s]+/[^@\s]+(@[^\s]+)?|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/[^\s]*)?|file:///[^\s]*"
+                     r"|s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[^\s]*)?)$")
 DNS_LABEL_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_SUBDOMAIN_PATTERN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
 
@@ -33,6 +34,13 @@ class SecretKeyRef:
 
     name: str = prop(doc="Secret name.", pattern=DNS_SUBDOMAIN_PATTERN)
     key: str = prop("token", doc="Key in the Secret (default token).")
+
+
+@dataclass
+class SecretRef:
+    """A Secret in the InferenceService's namespace, all of its keys."""
+
+    name: str = prop(doc="Secret name.", pattern=DNS_SUBDOMAIN_PATTERN)
 
 
 @dataclass
@@ -52,11 +60,12 @@ class ModelArchitecture:
 
 @dataclass
 class ModelDownload:
-    """How an hf:// model is fetched by the engine pod's init container."""
+    """How an hf:// or s3:// model is fetched by the engine pod's init container."""
 
     timeout_seconds: int = prop(3600, doc="Time limit of one download attempt (default 3600).", minimum=60)
     retries: int = prop(3, doc="Attempts after the first one fails (default 3).", minimum=0, maximum=20)
-    token_secret_ref: SecretKeyRef | None = prop(None, doc="Hugging Face token (gated models), passed as HF_TOKEN.")
+    token_secret_ref: SecretKeyRef | None = prop(None, doc="hf:// only: Hugging Face token (gated models), passed as HF_TOKEN.")
+    s3_secret_ref: SecretRef | None = prop(None, doc="s3:// only: Secret with the keys AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY and, optionally, AWS_SESSION_TOKEN, AWS_ENDPOINT_URL (any S3-compatible store: MinIO, Ceph, R2, ...) and AWS_REGION. Omitted: the pod's service account (the namespace's default one), e.g. its IAM role through EKS IRSA or Pod Identity.")
     cache_claim_name: str | None = prop(None, doc="PersistentVolumeClaim that caches the download across restarts; default: an emptyDir.", pattern=DNS_LABEL_PATTERN)
     cache_size_limit: Quantity | None = prop(None, doc="Size limit of the emptyDir cache.")
 
@@ -65,14 +74,14 @@ class ModelDownload:
 class Model:
     """The model to serve."""
 
-    uri: str | None = prop(None, doc="hf://org/name[@revision], pvc://claim/path or file:///path (a path in the image or on the node). Omitted: only with builtinTiny: true.", pattern=MODEL_URI_PATTERN)
+    uri: str | None = prop(None, doc="hf://org/name[@revision], s3://bucket/prefix (every object below the prefix; see download.s3SecretRef), pvc://claim/path or file:///path (a path in the image or on the node). Omitted: only with builtinTiny: true.", pattern=MODEL_URI_PATTERN)
     builtin_tiny: bool = prop(False, doc="Serve the engine's built-in tiny random-weight model (tests, demos) instead of a uri.")
     name: str | None = prop(None, doc="Name clients use in the OpenAI API (default: the InferenceService name).")
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = prop("auto", doc="Weight and activation dtype (auto: the model config's).")
     max_model_len: int | None = prop(None, doc="Longest sequence (prompt + output) in tokens; default: the model's.", minimum=16)
     load_format: Literal["auto", "safetensors", "dummy"] = prop("auto", doc="dummy: random weights from the config (benchmarks).")
     architecture: ModelArchitecture | None = prop(None, doc="Model shape hints for validation.")
-    download: ModelDownload = prop(doc="hf:// download settings.", factory=ModelDownload)
+    download: ModelDownload = prop(doc="hf:// and s3:// download settings.", factory=ModelDownload)
 
 
 @dataclass

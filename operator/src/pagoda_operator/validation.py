@@ -151,6 +151,12 @@ def _check_model(spec: InferenceServiceSpec) -> list[str]:
         where = " on GPU" if spec.resources.gpus_per_pod != 0 else ""
         return [f"model.uri: required{where} (without it there is only the engine's built-in tiny model with random "
                 "weights); set model.uri, or model.builtinTiny: true to serve the tiny model on purpose"]
+    scheme = (spec.model.uri or "").partition("://")[0]
+    dl = spec.model.download
+    if dl.s3_secret_ref is not None and scheme != "s3":
+        return ["model.download.s3SecretRef: only an s3:// model is downloaded with it; remove it or use an s3:// uri"]
+    if dl.token_secret_ref is not None and scheme != "hf":
+        return ["model.download.tokenSecretRef: only an hf:// model is downloaded with it; remove it or use an hf:// uri"]
     return []
 
 

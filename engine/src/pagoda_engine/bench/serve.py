@@ -183,6 +183,13 @@ class RequestResult:
         return self.done - self.sent
 
 
+def api_key_headers() -> dict[str, str]:
+    """`Authorization: Bearer $OPENAI_API_KEY` when it is set (as vLLM's benchmark sends it), for
+    a server or router that requires a key."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 async def _one_request(client: httpx.AsyncClient, url: str, body: dict, delay: float, t0: float,
                        keep_text: bool = False) -> RequestResult:
     await asyncio.sleep(max(0.0, t0 + delay - time.perf_counter()))
@@ -211,9 +218,10 @@ async def _one_stream(url: str, body: dict, delay: float, t0: float) -> RequestR
     parts = urlsplit(url)
     payload = msgspec.json.encode(body)
     writer = None
+    auth = "".join(f"{k}: {v}\r\n" for k, v in api_key_headers().items())
     try:
         reader, writer = await asyncio.open_connection(parts.hostname, parts.port or 80)
-        writer.write(f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nContent-Type: application/json\r\n{auth}"
                      f"Accept: text/event-stream\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
                      .encode() + payload)
         head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
@@ -466,7 +474,7 @@ async def _drive(base_url: str, model: str, prompts: list[list[int]], output_len
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     extra = ({"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": json_schema}}}
              if json_schema else {})
-    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits, headers=api_key_headers()) as client:
         if json_schema:
             # Untimed: the server compiles the schema once (and builds its grammar tokenizer), as
             # a service serving it all day did long ago.
@@ -689,7 +697,7 @@ def cpu_costs(api_cpu_s: float | None, client_cpu_s: float, summary: dict) -> di
 
 
 def _served_model(base_url: str) -> str:
-    models = httpx.get(f"{base_url}/v1/models", timeout=30).json()["data"]
+    models = httpx.get(f"{base_url}/v1/models", timeout=30, headers=api_key_headers()).json()["data"]
     if not models:
         raise RuntimeError(f"{base_url}/v1/models lists no model")
     return models[0]["id"]

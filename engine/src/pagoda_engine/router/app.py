@@ -22,14 +22,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
-from pagoda_engine import __version__
+from pagoda_engine import __version__, envs
+from pagoda_engine.api.server.api_keys import require_api_key
 from pagoda_engine.api.server.bodies import bounded_json_route
 from pagoda_engine.api.server.errors import ERROR_RESPONSES, ModelNotFoundError, install_exception_handlers
 from pagoda_engine.api.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse, streamed_or)
 from pagoda_engine.config import ServerConfig
+from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
+from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
@@ -59,7 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-page-chars", type=int, default=64,
                         help="prefix-aware: characters per hashed prompt page (about 16 tokens)")
     parser.add_argument("--backend-api-key", default=None,
-                        help="bearer token the router's own polls send to engines started with --api-key")
+                        help="the engines' key (their --api-key or PAGODA_API_KEY), sent as `Authorization: Bearer` "
+                             "on every request and poll instead of the client's (default: PAGODA_BACKEND_API_KEY)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="require `Authorization: Bearer <key>` on /v1/* with a key from PATH: a file of keys, "
+                             "one per line, or a directory (a mounted Secret) whose files hold them; re-read when "
+                             "it changes (default: no key)")
     max_body = ServerConfig.max_request_body_bytes
     parser.add_argument("--max-request-body-bytes", type=int, default=max_body,
                         help=f"largest request body accepted, as `pagoda serve` (default {max_body})")
@@ -85,6 +93,11 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--prefix-page-chars must be >= 1")
     if args.max_request_body_bytes < 1:
         raise BackendConfigError("--max-request-body-bytes must be >= 1")
+    if args.backend_api_key is None:
+        args.backend_api_key = envs.backend_api_key()
+    elif not args.backend_api_key.strip():
+        raise BackendConfigError("--backend-api-key is empty: give the engines' key, or leave the flag out")
+    args.client_keys = ClientKeys(args.api_key_file) if args.api_key_file is not None else None
 
 
 def _prompt_text(req: BaseModel) -> str | None:
@@ -122,7 +135,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         policy = make_policy(args.policy, load_factor=args.prefix_load_factor) if wants_prefix \
             else make_policy(args.policy)
         router = Router(pool, policy, metrics, client,
-                        QueueConfig(args.queue_size, args.queue_timeout, args.retry_after))
+                        QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
+                        backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None)
         state["router"], state["pool"] = router, pool
         watcher = None
         if args.backend_urls is not None:
@@ -145,6 +159,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
     app = FastAPI(title="Pagoda router", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
     app.router.route_class = bounded_json_route(args.max_request_body_bytes)
     install_exception_handlers(app)
+    if args.client_keys is not None:
+        require_api_key(app, args.client_keys.accepts)
     page_chars = args.prefix_page_chars
 
     def check_model(model: str | None) -> None:
@@ -213,7 +229,7 @@ def run(args: argparse.Namespace) -> int:
     prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape
     try:
         _validate_args(args)
-    except BackendConfigError as e:
+    except (BackendConfigError, ClientKeyError, InvalidEnvironmentError) as e:
         print(f"pagoda route: error: {e}", file=sys.stderr)
         return 2
     import uvicorn
@@ -221,6 +237,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args)
     source = ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}"
     log.info("routing %s over %s on %s:%d", args.policy, source, args.host, args.port)
+    if args.client_keys is not None:
+        log.info("clients need one of the %d key(s) of --api-key-file %s", len(args.client_keys), args.api_key_file)
     started = time.monotonic()
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False,
                 timeout_graceful_shutdown=30)

@@ -177,11 +177,12 @@ class BackendPool:
     # ---- polling ----
     async def poll_one(self, backend: Backend) -> None:
         try:
-            health = await self.client.get(f"{backend.url}/health", timeout=self.poll_timeout)
+            health = await self.client.get(f"{backend.url}/health", timeout=self.poll_timeout, headers=self.headers)
             ok = health.status_code == 200
             error = None if ok else f"/health answered {health.status_code}"
             if ok:
-                metrics = await self.client.get(f"{backend.url}/metrics", timeout=self.poll_timeout)
+                metrics = await self.client.get(f"{backend.url}/metrics", timeout=self.poll_timeout,
+                                                headers=self.headers)
                 if metrics.status_code == 200:
                     for name, value in parse_engine_metrics(metrics.text).items():
                         setattr(backend, name, value)

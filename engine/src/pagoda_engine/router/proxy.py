@@ -41,14 +41,21 @@ class QueueConfig:
 
 
 class Router:
+    """`backend_api_key`: sent to the engines as `Authorization: Bearer`, in place of the client's;
+    without it the client's header goes on only when `forward_client_key` (the router checks no
+    keys of its own, so the client's key is for the engines)."""
+
     def __init__(self, pool: BackendPool, policy, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 queue: QueueConfig):
+                 queue: QueueConfig, backend_api_key: str | None = None, forward_client_key: bool = True):
         self.pool = pool
         self.policy = policy
         self.metrics = metrics
         self.client = client
         self.queue = queue
         self.held = 0
+        self._drop_request = _DROP_REQUEST if forward_client_key and not backend_api_key \
+            else _DROP_REQUEST | {"authorization"}
+        self._added_headers = [("authorization", f"Bearer {backend_api_key}")] if backend_api_key else []
         if isinstance(policy, PrefixAware):
             pool.on_remove(policy.forget)
 
@@ -110,7 +117,7 @@ class Router:
         held = await self._hold_until_ready(model)
         if held is not None:
             return held, None
-        fwd_headers = [(k, v) for k, v in headers.items() if k.lower() not in _DROP_REQUEST]
+        fwd_headers = [(k, v) for k, v in headers.items() if k.lower() not in self._drop_request] + self._added_headers
         tried: set[str] = set()
         last_error = "no backend is ready"
         for attempt in range(2):

@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
+                        help="require `Authorization: Bearer <key>` on /v1/* (default: PAGODA_API_KEY, else no key)")
     parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
                         help="seconds in-flight requests get to finish after SIGTERM")
     parser.add_argument("--enable-prompt-tokens-details", action="store_true",

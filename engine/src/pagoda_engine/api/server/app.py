@@ -10,12 +10,11 @@ the core is ready.
 
 from __future__ import annotations
 
-import secrets
-
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from pagoda_engine import __version__
+from pagoda_engine import __version__, envs
+from pagoda_engine.api.server.api_keys import bearer_matches, require_api_key
 from pagoda_engine.api.server.async_engine import AsyncEngine
 from pagoda_engine.api.server.bodies import bounded_json_route
 from pagoda_engine.api.server.errors import ERROR_RESPONSES, error_response, install_exception_handlers
@@ -36,14 +35,13 @@ from pagoda_engine.api.server.serving_chat import OpenAIServingChat
 from pagoda_engine.api.server.serving_completion import OpenAIServingCompletion
 from pagoda_engine.api.server.serving_engine import ClientDisconnected, OpenAIServing
 from pagoda_engine.api.server.serving_tokenization import OpenAIServingTokenization
+from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.profiler import ProfilerStateError
-
-# Paths a client needs the API key for; /health, /metrics and /version stay open for probes
-# and Prometheus (vLLM does the same).
-_PROTECTED_PREFIXES = ("/v1/", "/tokenize", "/detokenize", "/start_profile", "/stop_profile")
 
 
 def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
+    """The app over a running `engine`; `api_key` (--api-key, else PAGODA_API_KEY, else none)
+    guards the API (`api_keys.PROTECTED_PREFIXES`)."""
     app = FastAPI(title="Pagoda engine server", version=__version__, responses=ERROR_RESPONSES)
     app.router.route_class = bounded_json_route(engine.config.server.max_request_body_bytes)
     app.state.engine = engine
@@ -53,17 +51,9 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     chat = OpenAIServingChat(engine)
     install_exception_handlers(app)
 
+    api_key = api_key or envs.api_key()
     if api_key:
-        expected = f"Bearer {api_key}".encode()
-
-        @app.middleware("http")
-        async def check_api_key(request: Request, call_next):
-            if request.url.path.startswith(_PROTECTED_PREFIXES) and request.method != "OPTIONS":
-                given = request.headers.get("authorization", "").encode()
-                if not secrets.compare_digest(given, expected):
-                    return error_response(401, "Missing or invalid API key: send `Authorization: Bearer <key>`.",
-                                          code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-            return await call_next(request)
+        require_api_key(app, bearer_matches(api_key))
 
     @app.get("/health")
     async def health() -> Response:
@@ -97,6 +87,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             return await completion.create_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)  # nobody is listening; the request was aborted
+        except InvalidRequestError as e:
+            raise req.as_sent(e) from None
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
               responses={200: streamed_or(ChatCompletionResponse)})
@@ -105,6 +97,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
             return await chat.create_chat_completion(req, raw)
         except ClientDisconnected:
             return Response(status_code=499)
+        except InvalidRequestError as e:
+            raise req.as_sent(e) from None
 
     if engine.config.profiler_config.enabled:
         _add_profile_routes(app, engine)

@@ -1,8 +1,9 @@
-"""How the HTTP servers (the engine server and the router) read a request body: bounded in
-size (--max-request-body-bytes) and parsed as strict JSON, so that nothing a client sends can
-give a 500 or reach a handler as text no tokenizer, log or response could encode.
+"""How the HTTP servers (the engine server and the router) read a request body: declared as JSON
+(else 415, as vLLM answers), bounded in size (--max-request-body-bytes) and parsed as strict
+JSON, so that nothing a client sends can give a 500 or reach a handler as text no tokenizer, log
+or response could encode.
 
-`bounded_json_route(limit)` is the FastAPI route class that does both for every route of an app.
+`bounded_json_route(limit)` is the FastAPI route class that does all three for every route of an app.
 """
 
 from __future__ import annotations
@@ -29,6 +30,19 @@ def decode_json_body(body: bytes) -> Any:
         raise json.JSONDecodeError(message, "", 0) from None
 
 
+def check_json_content_type(content_type: str | None) -> None:
+    """Refuse, with a 415 in vLLM's words, a body not declared as JSON (`text/plain`, a form, no
+    Content-Type at all): FastAPI would hand it on as bytes, and the client would hear that its
+    JSON object is not one. `application/<anything>+json` is JSON, as FastAPI reads it."""
+    media_type = (content_type or "").split(";", 1)[0].strip().lower()
+    kind, _, subtype = media_type.partition("/")
+    if kind == "application" and (subtype == "json" or subtype.endswith("+json")):
+        return
+    sent = f"the request's Content-Type is {content_type!r}" if content_type else "the request has no Content-Type"
+    raise HTTPException(415, f"Unsupported Media Type: Only 'application/json' is allowed ({sent}; send "
+                             f"`Content-Type: application/json`).")
+
+
 async def read_bounded_body(request: Request, max_body_bytes: int) -> bytes:
     """The request's body, refused with a 400 naming --max-request-body-bytes as soon as it is
     known to be larger (from Content-Length, or while it streams in), never buffered whole."""
@@ -47,8 +61,9 @@ async def read_bounded_body(request: Request, max_body_bytes: int) -> bytes:
 
 
 def bounded_json_route(max_body_bytes: int) -> type[APIRoute]:
-    """A route class whose requests have a bounded body and parse it as strict JSON
-    (`decode_json_body`): what a client sends can give a 400, never a 500."""
+    """A route class whose requests declare their body as JSON (`check_json_content_type`), have
+    a bounded body and parse it as strict JSON (`decode_json_body`): what a client sends can give
+    a 4xx, never a 500."""
 
     class BoundedJSONRequest(Request):
         async def body(self) -> bytes:
@@ -66,8 +81,11 @@ def bounded_json_route(max_body_bytes: int) -> type[APIRoute]:
     class BoundedJSONRoute(APIRoute):
         def get_route_handler(self):
             handler = super().get_route_handler()
+            takes_body = self.body_field is not None
 
             async def bounded_handler(request: Request) -> Response:
+                if takes_body:
+                    check_json_content_type(request.headers.get("content-type"))
                 return await handler(BoundedJSONRequest(request.scope, request.receive))
 
             return bounded_handler

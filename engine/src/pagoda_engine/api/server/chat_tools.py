@@ -23,10 +23,14 @@ from typing import Any
 from pagoda_engine.api.chat_output import ChatOutputSpec
 from pagoda_engine.api.server.errors import BadRequestError
 from pagoda_engine.api.server.protocol import ChatCompletionRequest, NamedToolChoice
+from pagoda_engine.api.tool_parsers import TOOL_PARSERS
 from pagoda_engine.config import ServerConfig
 from pagoda_engine.sampling_params import SamplingParams, StructuredOutputsParams
 
-AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+# vLLM's sentence first, word for word (clients match on it), then how to act on it.
+AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set: start '
+                    'the server with --enable-auto-tool-choice --tool-call-parser PARSER, PARSER the format the model '
+                    f'writes tool calls in ({" | ".join(TOOL_PARSERS)}), or send tool_choice "none" or "required"')
 
 
 @dataclass

@@ -4,7 +4,8 @@ One shape, `{"error": {"message", "type", "param", "code"}}`, for:
   - request bodies that fail to parse or validate (pydantic / FastAPI) -> 400,
   - typed errors raised by handlers (`APIError` and its subclasses, and the engine's
     `InvalidRequestError` / `EngineDeadError`),
-  - Starlette's own HTTP errors (unknown route 404, wrong method 405),
+  - Starlette's own HTTP errors (unknown route 404, wrong method 405) and the route class's
+    (`bodies.py`: a body too large 400, not JSON 415),
   - anything unexpected -> 500 (logged; the message does not leak internals),
 and the same object as one SSE frame when a stream fails after its headers went out.
 
@@ -42,7 +43,7 @@ class ErrorResponse(BaseModel):
 
 
 # The error statuses an OpenAI route documents in its OpenAPI schema (502-504: the router's).
-ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 502, 503, 504)}
+ERROR_RESPONSES = {status: {"model": ErrorResponse} for status in (400, 401, 404, 415, 502, 503, 504)}
 
 
 class APIError(Exception):
@@ -184,7 +185,7 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}.get(exc.status_code)
         return JSONResponse(error_body(str(exc.detail), type, None, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 

@@ -197,9 +197,7 @@ class _SamplingRequest(_StrictModel):
         if self.guided_whitespace_pattern is not None:
             raise InvalidRequestError("guided_whitespace_pattern is not supported: JSON is emitted compact, "
                                       "without free whitespace", param="guided_whitespace_pattern")
-        asked = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, name) is not None]
-        if self.response_format is not None and self.response_format.type == "text":
-            asked.remove("response_format")  # free text: no constraint
+        asked = self._constraint_fields()
         if len(asked) > 1:
             raise InvalidRequestError(f"give at most one output constraint; got {', '.join(asked)}", param=asked[0])
         if not asked:
@@ -209,6 +207,28 @@ class _SamplingRequest(_StrictModel):
         if asked[0] == "structured_outputs":
             return self.structured_outputs.to_params()
         return StructuredOutputsParams(**{_GUIDED[asked[0]]: getattr(self, asked[0])})
+
+    def _constraint_fields(self) -> list[str]:
+        """The fields of this request that ask for an output constraint."""
+        asked = [name for name in ("response_format", "structured_outputs", *_GUIDED) if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type == "text":
+            asked.remove("response_format")  # free text: no constraint
+        return asked
+
+    def as_sent(self, error: InvalidRequestError) -> InvalidRequestError:
+        """`error` naming the field the client sent. The engine checks every constraint as
+        `structured_outputs.<kind>`, whichever field carried it: a schema sent as
+        `response_format.json_schema.schema` or `guided_json` is reported under that name."""
+        asked = self._constraint_fields()
+        param = error.param or ""
+        if len(asked) != 1 or asked[0] == "structured_outputs" or not param.startswith("structured_outputs"):
+            return error
+        if asked[0] == "response_format":
+            sent = "response_format.json_schema.schema" if self.response_format.type == "json_schema" \
+                else "response_format"
+        else:
+            sent = asked[0]
+        return InvalidRequestError(error.message.replace(param, sent), param=sent)
 
     def _response_format_params(self) -> StructuredOutputsParams:
         fmt = self.response_format
