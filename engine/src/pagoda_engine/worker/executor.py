@@ -59,6 +59,7 @@ from pagoda_engine.config import EngineConfig, resolve_cudagraph_capture_size
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
 from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpec, SamplingBatch
 from pagoda_engine.processes import set_torch_threads
+from pagoda_engine.worker.attention import flashinfer_available
 from pagoda_engine.worker.attention.base import AttentionBackend
 from pagoda_engine.worker.compile_ahead import (engine_compile_workers, ranks_on_node, settings_allow_compile_ahead,
                                                  start_compile_pool, stop_compile_pool, triton_cache_is_empty)
@@ -654,16 +655,9 @@ def probe_device(name: str) -> DeviceFacts:
         return DeviceFacts(device=str(device), kind=device.type, steps_run_ahead=False, first_steps_pay_once=False,
                            collectives=dist_backend(device.type))
     props = torch.cuda.get_device_properties(device)
-    try:
-        from pagoda_engine.worker.attention import _flashinfer_backend
-
-        _flashinfer_backend()
-        graph_attention = True
-    except ImportError:
-        graph_attention = False
     return DeviceFacts(device=str(device), kind="cuda", steps_run_ahead=True, first_steps_pay_once=True,
                        total_memory=props.total_memory, name=props.name, collectives=dist_backend("cuda"),
-                       graph_attention=graph_attention)
+                       graph_attention=flashinfer_available())
 
 
 def create_executor(config: EngineConfig, model_dir: str) -> Executor:

@@ -15,6 +15,16 @@ def _flashinfer_backend():
     return FlashInferBackend
 
 
+def flashinfer_available() -> bool:
+    """Whether the FlashInfer backend imports here ("auto" picks it on CUDA then): the one backend
+    whose decode steps replay CUDA graphs (`plan_graph_decode`)."""
+    try:
+        _flashinfer_backend()
+    except ImportError:
+        return False
+    return True
+
+
 def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: torch.device) -> AttentionBackend:
     """"torch": the reference backend (any device); "flashinfer": FlashInfer kernels (CUDA);
     "auto": FlashInfer on CUDA when it imports, else the reference."""
@@ -37,4 +47,4 @@ def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: 
     return TorchRefBackend(spec, num_pages, device)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "flashinfer_available", "get_attention_backend"]
