@@ -196,7 +196,7 @@ def test_tensor_parallel_async_equals_single_rank_sync(model_dir, hf_tokens):
                                                      (False, {"pipeline_parallel_size": 2})],
                          ids=["sync", "async", "async-pool-of-176-tokens", "two-pipeline-stages"])
 def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
-    """A CUDA engine runs warm-up requests before it serves (`EngineCore._warm_up_steps`; CPU
+    """A CUDA engine runs warm-up requests before it serves (`core.warm_up.warm_up_steps`; CPU
     engines skip them, so they are run by hand here): afterwards no request, page in use, KV
     offload or prefix-cache count of theirs remains, and the tokens users get, random ones of
     unseeded requests included, are those of an engine that never warmed up. A pool smaller than

@@ -42,9 +42,9 @@ class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
     name: str = "base"
-    # Called with the layer's index at the start of `forward` while the runner launches a step
-    # that asked for it (`ModelRunner.launch`): there the engine core may publish the step before
-    # this one, between two of this one's layers.
+    # Called with the layer's index at the start of `forward` while rank 0 launches a step that
+    # asked for it (`Executor.execute_model`'s `layer_hook`): there the engine core may publish
+    # the step before this one, between two of this one's layers.
     layer_hook: Callable[[int], None] | None = None
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):
