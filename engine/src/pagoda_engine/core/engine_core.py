@@ -30,6 +30,7 @@ from pagoda_engine.config import EngineConfig, resolve_for_device
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.in_flight import StepsInFlight
 from pagoda_engine.core.kv.offload.setup import start_offload
+from pagoda_engine.core.kv.sizing import num_kv_pages
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.core.step_runner import RunnerOutput, StepRunner
@@ -114,12 +115,7 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = read_eos_token_ids(self.model_dir, executor.hf_config)
         spec = executor.kv_cache_spec(cc.block_size)
-        self.num_kv_pages = cc.num_gpu_blocks_override or cc.num_kv_pages or self._measure_num_pages()
-        pages_per_seq = -(-self.max_model_len // cc.block_size)
-        if cc.num_gpu_blocks_override is not None and cc.num_gpu_blocks_override < pages_per_seq + 1:
-            raise ModelLoadError(f"--num-gpu-blocks-override {cc.num_gpu_blocks_override} holds fewer pages than one "
-                                 f"sequence of max_model_len {self.max_model_len} needs ({pages_per_seq} + the null "
-                                 "page); raise it or lower --max-model-len")
+        self.num_kv_pages = num_kv_pages(config, executor, self.max_model_len)
         self.attn = executor.init_kv_cache(config.model.attention_backend, spec, self.num_kv_pages)
         self.num_layers = spec.num_layers  # rank 0's (its pipeline stage's)
         self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
@@ -192,20 +188,6 @@ class EngineCore:
         if wanted > limit:
             raise ModelLoadError(f"max_model_len {wanted} exceeds the model's max_position_embeddings {limit}")
         return wanted
-
-    def _measure_num_pages(self) -> int:
-        """The pages every rank's memory holds (`Executor.determine_num_kv_pages`), at most as many
-        as max_num_seqs sequences of max_model_len can use; ModelLoadError below one sequence."""
-        cc, sc = self.config.cache, self.config.scheduler
-        pages_per_seq = -(-self.max_model_len // cc.block_size)
-        useful = sc.max_num_seqs * pages_per_seq + 1  # more than this can never be used
-        num_pages = min(self.executor.determine_num_kv_pages(self.config, self.max_model_len), useful)
-        if num_pages < pages_per_seq + 1:
-            raise ModelLoadError(
-                f"the KV pool fits {max(num_pages - 1, 0)} pages ({max(num_pages - 1, 0) * cc.block_size} tokens), "
-                f"fewer than one sequence of max_model_len {self.max_model_len} needs ({pages_per_seq} pages); "
-                "lower --max-model-len or raise --gpu-memory-utilization")
-        return int(num_pages)
 
     # --- requests -----------------------------------------------------------------------------
     def validate(self, req: EngineCoreRequest) -> None:
