@@ -37,7 +37,7 @@ class DeviceFacts:
     total_memory: int = 0  # bytes of device memory (0: host memory, not sized here)
     name: str = ""  # the device's name ("NVIDIA H200")
     collectives: str = "gloo"  # the ranks' process groups' backend (`parallel_state.dist_backend`)
-    # The attention backend "auto" picks here can replay CUDA graphs (FlashInfer imports).
+    # The attention backend "auto" picks here can replay CUDA graphs (FlashInfer is installed).
     graph_attention: bool = False
 
 

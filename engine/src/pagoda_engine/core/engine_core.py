@@ -136,18 +136,14 @@ class EngineCore:
                         "scheduling", self.in_flight.max_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, self.attn.name)
-        executor.compile_or_warm_up(config, self.max_model_len)
+        # What the ranks replay: `config.resolve_for_device`'s mode, NONE where they run eagerly.
+        self.cudagraph_mode = executor.compile_or_warm_up(config, self.max_model_len)
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
         # pod's other cores in lockstep with them (each runs the same warm-up).
         if self.device_facts.first_steps_pay_once:
             t1 = time.monotonic()
             warm_up_steps(self)
             logger.info("warm-up steps took %.1fs", time.monotonic() - t1)
-
-    @property
-    def cudagraph_mode(self) -> str:
-        """The CUDA graphs this engine replays (`config.resolve_for_device`): NONE where it runs eagerly."""
-        return self.config.model.cudagraph_mode
 
     @property
     def cuda_graphs(self) -> bool:

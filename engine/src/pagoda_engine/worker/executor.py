@@ -439,10 +439,12 @@ class Executor:
             self.collective_rpc("init_kv_cache", backend, spec, num_pages)
         return self.worker.attn
 
-    def compile_or_warm_up(self, config: EngineConfig, max_model_len: int) -> None:
+    def compile_or_warm_up(self, config: EngineConfig, max_model_len: int) -> str:
         """After `init_kv_cache`, before the first step: the sampling rank draws along each of its
         sampler's paths, and every rank captures its CUDA graphs where the config's
-        cudagraph_mode asks for them; the compile pools go afterwards."""
+        cudagraph_mode asks for them; the compile pools go afterwards. Returns the cudagraph mode
+        the ranks run: NONE where the attention backend cannot replay graphs (FlashInfer
+        installed but failing to import, so that "auto" took the reference backend)."""
         t0 = time.monotonic()
         with _starting():
             if self.layout.pp > 1:
@@ -451,11 +453,14 @@ class Executor:
                 self.worker.warm_up_sampler()
         logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t0)
         mode = config.model.cudagraph_mode
+        if mode != "NONE" and not hasattr(self.worker.attn, "plan_graph_decode"):
+            logger.warning("attention backend %s cannot run in CUDA graphs: they are off", self.worker.attn.name)
+            mode = "NONE"
         if mode == "NONE":
             if self.compile_ahead:
                 with _starting():
                     self.collective_rpc("stop_compile_pool")
-            return
+            return mode
         t0 = time.monotonic()
         free_before, _ = torch.cuda.mem_get_info(self.device)
         piecewise = min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens) if mode == "FULL_AND_PIECEWISE" else 0
@@ -474,6 +479,7 @@ class Executor:
                     "counts %s", time.monotonic() - t0, split,
                     "; Triton's cache was empty: their kernels compiled ahead" if self.compile_ahead else "",
                     self.cuda_graph_bytes / 2**20, dg.batch_sizes, pw.token_sizes if pw else "none")
+        return mode
 
     def _capture_graphs(self, max_batch_size: int, max_pages_per_seq: int, max_piecewise_tokens: int) -> None:
         """Capture, on every rank, the decode forward at the batch sizes of

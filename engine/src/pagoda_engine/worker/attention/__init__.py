@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
@@ -16,13 +18,10 @@ def _flashinfer_backend():
 
 
 def flashinfer_available() -> bool:
-    """Whether the FlashInfer backend imports here ("auto" picks it on CUDA then): the one backend
-    whose decode steps replay CUDA graphs (`plan_graph_decode`)."""
-    try:
-        _flashinfer_backend()
-    except ImportError:
-        return False
-    return True
+    """Whether FlashInfer is installed ("auto" picks its backend on CUDA then): the one backend
+    whose decode steps replay CUDA graphs (`plan_graph_decode`). Found without importing it, so
+    that nothing touches a GPU before the executor has picked the process's device."""
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: torch.device) -> AttentionBackend:
