@@ -103,8 +103,8 @@ def test_each_stage_holds_only_its_layers_weights_and_kv_pages(pp_llm):
     assert {"model.norm.weight", "lm_head.weight"} <= last and "model.embed_tokens.weight" not in last
     specs = pp_llm.core.executor.kv_cache_specs(16, pp_llm.core.dtype)
     assert [s.num_layers for s in specs] == [2, 1]
-    assert len(pp_llm.core.attn.kv_caches) == 2
-    assert pp_llm.core.attn.kv_caches[0].shape[0] == pp_llm.core.num_kv_pages
+    assert len(pp_llm.core.executor.attn.kv_caches) == 2
+    assert pp_llm.core.executor.attn.kv_caches[0].shape[0] == pp_llm.core.num_kv_pages
 
 
 def test_prefix_cache_hit_under_pp2_gives_same_tokens(pp_llm):

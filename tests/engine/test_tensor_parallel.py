@@ -88,7 +88,7 @@ def test_tp2_greedy_equals_tp1_and_hf_generate_with_chunked_prefill(tp_llm, tp1_
     # Each rank holds half the heads: rank 0's shard has 2 query heads and 1 KV head per page.
     attn = tp_llm.core.executor.model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert tp_llm.core.attn.kv_caches[0].shape[3] == 1
+    assert tp_llm.core.executor.attn.kv_caches[0].shape[3] == 1
     tp2 = [o.outputs[0].token_ids for o in tp_llm.generate(PROMPTS, _greedy())]
     tp1 = [o.outputs[0].token_ids for o in tp1_llm.generate(PROMPTS, _greedy())]
     assert tp2 == tp1

@@ -26,7 +26,7 @@ def hf_reference(gpu_model_dir):
 
 def test_flashinfer_is_the_automatic_choice(gpu_model_dir):
     llm = make_llm(gpu_model_dir)
-    assert llm.core.attn.name == "flashinfer"
+    assert llm.core.executor.attn.name == "flashinfer"
     assert llm.core.executor.graphs is not None
 
 

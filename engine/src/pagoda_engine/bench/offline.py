@@ -124,7 +124,7 @@ def _build(args) -> tuple[EngineCore, dict]:
     sc, cc, mc = core.config.scheduler, core.config.cache, core.config.model
     settings = {
         "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
-        "device": str(core.device), "attention_backend": core.attn.name, "cuda_graphs": core.cuda_graphs,
+        "device": str(core.device), "attention_backend": core.executor.attn.name, "cuda_graphs": core.cuda_graphs,
         "cudagraph_mode": core.cudagraph_mode,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "async_scheduling": sc.async_scheduling,

@@ -116,7 +116,7 @@ class EngineCore:
         self.eos_token_ids = read_eos_token_ids(self.model_dir, executor.hf_config)
         spec = executor.kv_cache_spec(cc.block_size)
         self.num_kv_pages = num_kv_pages(config, executor, self.max_model_len)
-        self.attn = executor.init_kv_cache(config.model.attention_backend, spec, self.num_kv_pages)
+        attention = executor.init_kv_cache(config.model.attention_backend, spec, self.num_kv_pages)
         self.num_layers = spec.num_layers  # rank 0's (its pipeline stage's)
         self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
         if config.kv_offload_enabled:
@@ -135,7 +135,7 @@ class EngineCore:
             logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
                         "scheduling", self.in_flight.max_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
-                    cc.block_size, self.kv_capacity_tokens, self.attn.name)
+                    cc.block_size, self.kv_capacity_tokens, attention)
         # What the ranks replay: `config.resolve_for_device`'s mode, NONE where they run eagerly.
         self.cudagraph_mode = executor.compile_or_warm_up(config, self.max_model_len)
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the

@@ -30,13 +30,17 @@ from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
 from pagoda_engine.executor_types import AttentionBatch, aligned_numel, host_to_device
 from pagoda_engine.messages import TokenLogprobs
-from pagoda_engine.worker.executor import Executor, PendingSample, StepEnd
+from pagoda_engine.worker.executor import ArrivingSample, Executor, PendingSample, StepEnd
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepInputs:
+    """One step's batch: what every rank gets (the input ids, positions and sample rows on the
+    device, and the attention plan's `AttentionBatch`), and what the core keeps of it (the batch
+    order, the requests that sample, the prompt-logprob spans)."""
+
     order: list[ScheduledRequest]  # batch order: decodes first
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -62,7 +66,7 @@ class LaunchedStep:
 
     sched: SchedulerOutput
     sample_reqs: list[Request]
-    sample: PendingSample | None
+    sample: PendingSample | ArrivingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
     ended: StepEnd | None = None  # after rank 0's work for the step (with `StepRunner.record_ends`)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)

@@ -433,11 +433,12 @@ class Executor:
                     num_tokens, non_torch / _GiB, budget / _GiB)
         return max(0, budget)
 
-    def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> AttentionBackend:
-        """Create every rank's attention backend (`spec` is per rank); rank 0's."""
+    def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> str:
+        """Create every rank's attention backend (`spec` is per rank) over `num_pages` pages; the
+        backend's name ("auto" picks one)."""
         with _starting():
             self.collective_rpc("init_kv_cache", backend, spec, num_pages)
-        return self.worker.attn
+        return self.worker.attn.name
 
     def compile_or_warm_up(self, config: EngineConfig, max_model_len: int) -> str:
         """After `init_kv_cache`, before the first step: the sampling rank draws along each of its
