@@ -97,7 +97,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    # None: vLLM's default for the device (`default_max_num_seqs`), set when the engine core starts.
+    # None: vLLM's default for the device (`default_max_num_seqs`), set by `resolve_for_device`.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     # A prompt's tokens in one step, at most (vLLM's long_prefill_token_threshold; 0: only the
@@ -116,7 +116,7 @@ class SchedulerConfig:
     # to end rather than as soon as it is launched, so that requests arriving meanwhile join it
     # (core.pacing). None (the command line's default): on where it applies, a CUDA engine core
     # with async scheduling, no pipeline parallelism and no experts across data-parallel cores
-    # (EngineCore decides); the offline LLM and benchmarks are handed their requests up front.
+    # (`resolve_for_device` decides); the offline LLM and benchmarks are handed their requests up front.
     step_launch_pacing: bool | None = False
 
 
