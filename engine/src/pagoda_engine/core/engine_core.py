@@ -27,8 +27,8 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 from pagoda_engine.config import EngineConfig, resolve_for_device
-from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.in_flight import StepsInFlight
+from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.setup import start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
 from pagoda_engine.core.request import Request
