@@ -130,7 +130,8 @@ class EngineCore:
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         # Async scheduling's step in flight, or pipeline parallelism's batch queue (a batch per stage).
-        self.in_flight = StepsInFlight(self, config.scheduler.step_launch_pacing, config.parallel.pipeline_parallel_size)
+        self.in_flight = StepsInFlight(self, config.scheduler.step_launch_pacing,
+                                       config.parallel.pipeline_parallel_size)
         if self.in_flight.max_batches > 1 and config.scheduler.async_scheduling:
             logger.info("pipeline parallelism keeps %d batches in flight (the batch queue) instead of async "
                         "scheduling", self.in_flight.max_batches)

@@ -8,8 +8,8 @@ with every Triton launch turned into a note of the variant it needs; the kernels
 torch's own operations in the block are. Each variant goes, as soon as it is noted, to a pool of
 processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads
 overlap little more than `ptxas`) that compile it, with its launcher, into Triton's on-disk cache
-while the block goes on; leaving the block waits for them. Run the same code again afterwards, for real: each launch loads its kernel from the
-cache, as on a warm start.
+while the block goes on; leaving the block waits for them. Run the same code again afterwards,
+for real: each launch loads its kernel from the cache, as on a warm start.
 
 The engine runs three such blocks: the profile step with the sampler's draws
 (`Worker.profile_run`), the sampler alone (cache hits after the first, or where no profile step

@@ -464,7 +464,8 @@ class Executor:
             return mode
         t0 = time.monotonic()
         free_before, _ = torch.cuda.mem_get_info(self.device)
-        piecewise = min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens) if mode == "FULL_AND_PIECEWISE" else 0
+        piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
+                     if mode == "FULL_AND_PIECEWISE" else 0)
         self._capture_graphs(resolve_cudagraph_capture_size(config.scheduler.max_num_seqs,
                                                             config.model.max_cudagraph_capture_size),
                              -(-max_model_len // config.cache.block_size), piecewise)

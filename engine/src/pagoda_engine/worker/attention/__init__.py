@@ -46,4 +46,5 @@ def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: 
     return TorchRefBackend(spec, num_pages, device)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "flashinfer_available", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "flashinfer_available",
+           "get_attention_backend"]
