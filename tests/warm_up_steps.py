@@ -1,5 +1,7 @@
-"""The warm-up an engine core runs before it serves (`EngineCore._warm_up_steps`; CPU engines skip
-it, so tests run it by hand), with the token count of every step it launched."""
+"""The warm-up an engine core runs before it serves (`core.warm_up.warm_up_steps`; CPU engines
+skip it, so tests run it by hand), with the token count of every step it launched."""
+
+from pagoda_engine.core.warm_up import warm_up_steps
 
 
 def warm_up_step_tokens(core) -> list[int]:
@@ -12,7 +14,7 @@ def warm_up_step_tokens(core) -> list[int]:
 
     core.runner.launch = counting_launch
     try:
-        core._warm_up_steps()
+        warm_up_steps(core)
     finally:
         del core.runner.launch
     return step_tokens

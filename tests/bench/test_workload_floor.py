@@ -130,8 +130,8 @@ def test_throughput_bench_reports_the_floor_of_its_own_steps(monkeypatch):
                                                num_kv_pages=64))
     steps = [StepShape([(0, 20, True)]), StepShape([(20, 1, True)])]
     result = offline._workload_floor(core, steps, bandwidth=1e9, elapsed_s=2.0, output_tokens=2)
-    spec = core.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
-    costs = floor_module.model_costs(core.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
+    spec = core.executor.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
+    costs = floor_module.model_costs(core.executor.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
                                      spec.bytes_per_page() // spec.page_size)
     want = run_floor(costs, steps, 1e9, 1e9)["floor_s"]
     assert result["floor_s"] == pytest.approx(want, abs=1e-6) and result["steps"] == 2

@@ -5,7 +5,7 @@ same tokens, finish and stop reasons, logprobs, and no page left behind."""
 import pytest
 
 from pagoda_engine import LLM, SamplingParams
-from pagoda_engine.core.engine_core import _WARM_UP_PROMPT_LENS
+from pagoda_engine.core.warm_up import WARM_UP_PROMPT_LENS
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.tiny import build_tiny_model
 
@@ -147,7 +147,7 @@ def test_outputs_come_one_step_late_and_steps_overlap(model_dir):
     core = llm.core
     core.add_request(EngineCoreRequest(request_id="a", prompt_token_ids=PROMPTS[2], sampling_params=_greedy()))
     assert core.step().outputs == []
-    assert core._in_flight is not None
+    assert core.in_flight.step is not None
     req = core.scheduler.requests["a"]
     assert req.num_output_placeholders == 1 and req.num_output_tokens == 0
     out = core.step().outputs
@@ -196,7 +196,7 @@ def test_tensor_parallel_async_equals_single_rank_sync(model_dir, hf_tokens):
                                                      (False, {"pipeline_parallel_size": 2})],
                          ids=["sync", "async", "async-pool-of-176-tokens", "two-pipeline-stages"])
 def test_warm_up_steps_leave_no_trace(model_dir, async_scheduling, pool):
-    """A CUDA engine runs warm-up requests before it serves (`EngineCore._warm_up_steps`; CPU
+    """A CUDA engine runs warm-up requests before it serves (`core.warm_up.warm_up_steps`; CPU
     engines skip them, so they are run by hand here): afterwards no request, page in use, KV
     offload or prefix-cache count of theirs remains, and the tokens users get, random ones of
     unseeded requests included, are those of an engine that never warmed up. A pool smaller than
@@ -218,7 +218,7 @@ def _warm_up_and_check(warm: LLM, prompts, params, expected) -> None:
     # Its long prompt and the short one first, then a prompt of each size class alone (as long
     # as the long prompt at most): every configuration of every kernel has run before users come.
     long_len = step_tokens[0] - 16
-    assert {n for n in _WARM_UP_PROMPT_LENS if n <= long_len} <= set(step_tokens[1:])
+    assert {n for n in WARM_UP_PROMPT_LENS if n <= long_len} <= set(step_tokens[1:])
     assert not core.scheduler.requests and not core.has_unfinished_requests()
     assert core.kv.offload is offload and sum(t.stored_bytes for t in offload.stats()) == 0
     assert (core.kv.prefix_queries, core.kv.prefix_hits) == (0, 0)

@@ -144,18 +144,19 @@ def test_a_variant_the_pool_cannot_compile_is_reported_not_raised(monkeypatch, t
 
 
 def test_an_engine_core_process_without_a_gpu_starts_no_pool_early(monkeypatch, tmp_path):
-    """`core.process` starts the pool before its imports only where the CUDA driver shows a GPU
-    (asked through the driver library, without torch): not on this machine, nor with --device cpu."""
+    """The engine core process starts the pool before its imports (`start_compile_pool_early`)
+    only where the CUDA driver shows a GPU (asked through the driver library, without torch): not
+    on this machine, nor with --device cpu."""
     from pagoda_engine.config import EngineConfig
-    from pagoda_engine.core.process import _start_compile_pool_early
     from pagoda_engine.worker import compile_ahead
+    from pagoda_engine.worker.compile_ahead import start_compile_pool_early
     from pagoda_engine.worker.compile_worker import cuda_capability
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # empty
     if cuda_capability() is not None:
         pytest.skip("this machine has a GPU")
     for device in ("auto", "cpu"):
-        _start_compile_pool_early(EngineConfig.from_kwargs(model="pagoda-tiny", device=device))
+        start_compile_pool_early(EngineConfig.from_kwargs(model="pagoda-tiny", device=device))
         assert compile_ahead._pool is None
 
 

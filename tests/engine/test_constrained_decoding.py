@@ -15,11 +15,12 @@ from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.request import Request
+from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import Scheduler
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.sampling_params import StructuredOutputsParams
 from pagoda_engine.structured_outputs import CompileCache, GrammarCompiler, RequestGrammar, check
-from pagoda_engine.worker.sampling import Sampler, SamplingBatch, apply_token_bitmask
+from pagoda_engine.worker.sampling import Sampler, apply_token_bitmask
 
 SCHEMA = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 100, "maximum": 999},
@@ -229,7 +230,7 @@ def test_sampler_applies_bias_after_the_mask_and_before_greedy():
     vocab = 64
     req = Request(request_id="r", prompt_token_ids=[1], sampling_params=SamplingParams(
         temperature=0, logit_bias={5: 50.0, 6: 60.0}))
-    batch = SamplingBatch.from_requests([req], vocab, torch.device("cpu"))
+    batch = sampling_batch([req], vocab, torch.device("cpu"))
     logits = torch.zeros(1, vocab)
     assert Sampler().sample(logits, batch).token_ids == [6]
     batch.grammar_rows = torch.tensor([0])

@@ -88,7 +88,7 @@ def _steps_to_join(model_dir, pacing: bool) -> tuple[list[int], EngineCore]:
     scheduled in (1: the next step)."""
     core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
     if pacing:
-        core.pacer = LaunchPacer()
+        core.in_flight.pacer = LaunchPacer()
     log: list = []
     simulate_device(core, log, DEVICE_STEP_S)
     sent: dict[str, float] = {}
@@ -124,7 +124,7 @@ def test_with_pacing_an_arrival_joins_the_next_step(model_dir):
     try:
         assert len(waits) == 8
         assert waits.count(1) >= 6, waits  # a loaded machine may miss a deadline now and then
-        assert core.pacer.paced_launches > 0
+        assert core.in_flight.pacer.paced_launches > 0
     finally:
         core.close()
 
@@ -133,7 +133,7 @@ def test_without_pacing_an_arrival_waits_a_step_more(model_dir):
     waits, core = _steps_to_join(model_dir, pacing=False)
     try:
         assert len(waits) == 8 and set(waits) == {2}, waits
-        assert core.pacer is None
+        assert core.in_flight.pacer is None
     finally:
         core.close()
 
@@ -141,7 +141,7 @@ def test_without_pacing_an_arrival_waits_a_step_more(model_dir):
 def test_pacing_is_off_by_default_and_never_delays_then(model_dir):
     core = EngineCore(EngineConfig.from_kwargs(model=str(model_dir), num_kv_pages=64, async_scheduling=True))
     try:
-        assert core.pacer is None and core.launch_delay() == 0.0
+        assert core.in_flight.pacer is None and core.launch_delay() == 0.0
     finally:
         core.close()
 
@@ -153,12 +153,13 @@ def test_a_servers_default_paces_only_where_a_step_runs_on_a_gpu(model_dir):
                                       step_launch_pacing=None)
     core = EngineCore(config)
     try:
-        assert config.scheduler.step_launch_pacing is False and core.pacer is None
+        assert core.config.scheduler.step_launch_pacing is False and core.in_flight.pacer is None
+        assert config.scheduler.step_launch_pacing is None  # resolved into the core's copy, not the caller's
     finally:
         core.close()
     llm = LLM(str(model_dir), num_kv_pages=64, async_scheduling=True, step_launch_pacing=None)
     try:
-        assert llm.core.config.scheduler.step_launch_pacing is False and llm.core.pacer is None
+        assert llm.core.config.scheduler.step_launch_pacing is False and llm.core.in_flight.pacer is None
     finally:
         llm.close()
 

@@ -103,8 +103,8 @@ def test_each_stage_holds_only_its_layers_weights_and_kv_pages(pp_llm):
     assert {"model.norm.weight", "lm_head.weight"} <= last and "model.embed_tokens.weight" not in last
     specs = pp_llm.core.executor.kv_cache_specs(16, pp_llm.core.dtype)
     assert [s.num_layers for s in specs] == [2, 1]
-    assert len(pp_llm.core.attn.kv_caches) == 2
-    assert pp_llm.core.attn.kv_caches[0].shape[0] == pp_llm.core.num_kv_pages
+    assert len(pp_llm.core.executor.attn.kv_caches) == 2
+    assert pp_llm.core.executor.attn.kv_caches[0].shape[0] == pp_llm.core.num_kv_pages
 
 
 def test_prefix_cache_hit_under_pp2_gives_same_tokens(pp_llm):
@@ -152,7 +152,7 @@ def test_pp2_times_tp2_gives_one_process_tokens(three_layer_dir, expected):
         params = _stage_params(llm)
         # Ranks 0, 1 are the first stage's TP ranks, 2, 3 the last stage's.
         assert [_layers_of(p) for p in params] == [{0, 1}, {0, 1}, {2}, {2}]
-        assert llm.core.model.model.layers[0].self_attn.num_heads == 2  # half the 4 heads
+        assert llm.core.executor.model.model.layers[0].self_attn.num_heads == 2  # half the 4 heads
         assert _tokens(llm, PROMPTS) == expected
 
 
@@ -193,12 +193,12 @@ def test_a_dead_stage_fails_the_next_step_with_a_clear_error(three_layer_dir):
 
 def test_the_batch_queue_keeps_one_batch_per_stage_in_flight(pp_llm, expected):
     core = pp_llm.core
-    assert core.max_concurrent_batches == 2
+    assert core.in_flight.max_batches == 2
     depths = []
     launch = core.runner.launch
 
     def recording_launch(sched, prev=None):
-        depths.append(len(core._batch_queue))  # batches already in flight when this one launches
+        depths.append(len(core.in_flight.batch_queue))  # batches already in flight when this one launches
         return launch(sched, prev)
 
     core.runner.launch = recording_launch
@@ -207,7 +207,7 @@ def test_the_batch_queue_keeps_one_batch_per_stage_in_flight(pp_llm, expected):
     finally:
         del core.runner.launch
     assert max(depths) == 1  # a second batch launched while the first was still in flight
-    assert not core._batch_queue and core.kv.num_free_pages == core.kv.pool.num_pages - 1
+    assert not core.in_flight.batch_queue and core.kv.num_free_pages == core.kv.pool.num_pages - 1
 
 
 def test_preemption_under_pp2_gives_same_tokens(three_layer_dir, expected):

@@ -14,8 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pagoda_engine.config import EngineConfig
-from pagoda_engine.core.engine_core import graphs_unavailable
+from pagoda_engine.config import EngineConfig, graphs_unavailable
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.tiny import build_tiny_model
 from pagoda_engine.worker.attention import AttentionBatch

@@ -10,11 +10,10 @@ import pytest
 import torch
 
 from pagoda_engine.core.request import Request
-
+from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.sampling import (
     Sampler,
-    SamplingBatch,
     apply_penalties_and_masks,
     apply_top_k_top_p,
     compute_prompt_logprobs,
@@ -32,7 +31,7 @@ def req(prompt=(1, 2, 3), output=(), eos=(), rid="r", **params) -> Request:
 
 
 def sample(reqs, logits, seed=0, device=CPU):
-    batch = SamplingBatch.from_requests(reqs, logits.shape[1], device)
+    batch = sampling_batch(reqs, logits.shape[1], device)
     return Sampler(seed).sample(logits.to(device), batch)
 
 
@@ -54,7 +53,7 @@ def test_greedy_is_argmax():
 
 
 def test_all_greedy_batch_builds_no_sampling_tensors():
-    batch = SamplingBatch.from_requests([req(temperature=0.0) for _ in range(4)], V, CPU)
+    batch = sampling_batch([req(temperature=0.0) for _ in range(4)], V, CPU)
     assert batch.all_greedy
     assert batch.random_rows is None and batch.temperature is None
     assert batch.output_counts is None and batch.min_tokens_rows is None
@@ -222,7 +221,7 @@ def seeded_run(seed, position, others, sampler_seed=0, num_steps=12):
         rows.insert(position, target)
         logits = rand_logits(len(rows), seed=1000 + step)
         logits[position] = rand_logits(1, seed=step)[0]
-        out = sampler.sample(logits, SamplingBatch.from_requests(rows, V, CPU))
+        out = sampler.sample(logits, sampling_batch(rows, V, CPU))
         target.output_token_ids.append(out.token_ids[position])
     return target.output_token_ids
 
@@ -240,9 +239,9 @@ def test_seeded_request_resumes_identically_after_preemption():
     # Recompute after preemption: the request comes back with the outputs it already had, and the
     # engine's other randomness has moved on; the next token must be the same as without preemption.
     target = req(rid="target", seed=7, temperature=1.0, top_p=0.95, output=full[:6])
-    Sampler(123).sample(rand_logits(4), SamplingBatch.from_requests([req(temperature=1.0)] * 4, V, CPU))
+    Sampler(123).sample(rand_logits(4), sampling_batch([req(temperature=1.0)] * 4, V, CPU))
     logits = rand_logits(1, seed=6)
-    out = Sampler(99).sample(logits, SamplingBatch.from_requests([target], V, CPU))
+    out = Sampler(99).sample(logits, sampling_batch([target], V, CPU))
     assert out.token_ids == [full[6]]
 
 
@@ -254,7 +253,7 @@ def test_unseeded_rows_vary_with_the_sampler_seed():
     assert sample(reqs, logits, seed=1).token_ids != a
     # The engine generator moves on between steps.
     sampler = Sampler(0)
-    batch = SamplingBatch.from_requests(reqs, V, CPU)
+    batch = sampling_batch(reqs, V, CPU)
     assert sampler.sample(logits, batch).token_ids != sampler.sample(logits, batch).token_ids
 
 
@@ -264,7 +263,7 @@ def test_penalties_follow_the_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 1.0]])
     r = req(prompt=[0, 1], output=[2, 2, 3], repetition_penalty=2.0, frequency_penalty=0.5,
             presence_penalty=0.25)
-    got = apply_penalties_and_masks(logits, SamplingBatch.from_requests([r], 6, CPU))
+    got = apply_penalties_and_masks(logits, sampling_batch([r], 6, CPU))
     # Repetition on tokens seen anywhere (0, 1 in the prompt; 2, 3 in the output): positive / 2,
     # negative * 2. Frequency: 0.5 per output occurrence. Presence: 0.25 once per output token.
     want = torch.tensor([[2.0 / 2, -1.0 * 2, 0.5 / 2 - 0.5 * 2 - 0.25, 3.0 / 2 - 0.5 * 1 - 0.25, -2.0, 1.0]])
@@ -275,20 +274,20 @@ def test_penalties_follow_the_formulas():
 def test_penalties_follow_the_request_from_step_to_step():
     logits = torch.zeros(1, 6)
     r = req(prompt=[0], presence_penalty=1.0, repetition_penalty=2.0)
-    before = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    before = apply_penalties_and_masks(logits + 1, sampling_batch([r], 6, CPU))
     torch.testing.assert_close(before, torch.tensor([[0.5, 1, 1, 1, 1, 1]]))
     r.output_token_ids.append(4)
-    after = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    after = apply_penalties_and_masks(logits + 1, sampling_batch([r], 6, CPU))
     torch.testing.assert_close(after, torch.tensor([[0.5, 1, 1, 1, 0.5 - 1.0, 1]]))
     r.prompt_token_ids = [2]  # a new prompt list is read afresh
-    again = apply_penalties_and_masks(logits + 1, SamplingBatch.from_requests([r], 6, CPU))
+    again = apply_penalties_and_masks(logits + 1, sampling_batch([r], 6, CPU))
     torch.testing.assert_close(again, torch.tensor([[1, 1, 0.5, 1, 0.5 - 1.0, 1]]))
 
 
 def test_penalties_are_per_row():
     logits = rand_logits(3, vocab=6)
     rows = [req(output=[1, 1]), req(output=[1, 1], frequency_penalty=1.0), req(temperature=0.0)]
-    got = apply_penalties_and_masks(logits, SamplingBatch.from_requests(rows, 6, CPU))
+    got = apply_penalties_and_masks(logits, sampling_batch(rows, 6, CPU))
     want = logits.clone()
     want[1, 1] -= 2.0
     torch.testing.assert_close(got, want)
@@ -377,7 +376,7 @@ def test_mixed_batch_in_one_call():
         req(rid="min_p", temperature=0.7, min_p=0.2, logprobs=0),
     ]
     logits[4, 1] = 100.0  # EOS is the argmax, but masked
-    batch = SamplingBatch.from_requests(rows, V, CPU)
+    batch = sampling_batch(rows, V, CPU)
     out = Sampler(0).sample(logits, batch)
 
     processed = apply_penalties_and_masks(logits, batch)
@@ -390,14 +389,14 @@ def test_mixed_batch_in_one_call():
     assert [lp is not None for lp in out.logprobs] == [False, False, False, True, False, True]
     assert len(out.logprobs[3].top) == 2 and out.logprobs[5].top == []
     # The seeded row does not care about the rest of the batch.
-    alone = Sampler(77).sample(logits[1:2], SamplingBatch.from_requests([rows[1]], V, CPU))
+    alone = Sampler(77).sample(logits[1:2], sampling_batch([rows[1]], V, CPU))
     assert alone.token_ids == [out.token_ids[1]]
 
 
 def test_out_of_vocabulary_prompt_ids_are_ignored_by_penalties():
     logits = torch.ones(1, 4)
     r = req(prompt=[2, 9], repetition_penalty=2.0)  # 9 is past a 4-token LM head
-    got = apply_penalties_and_masks(logits, SamplingBatch.from_requests([r], 4, CPU))
+    got = apply_penalties_and_masks(logits, sampling_batch([r], 4, CPU))
     torch.testing.assert_close(got, torch.tensor([[1.0, 1.0, 0.5, 1.0]]))
 
 

@@ -86,9 +86,9 @@ def test_a_started_engine_has_its_worker_ranks_collect_again(tp_llm):
 def test_tp2_greedy_equals_tp1_and_hf_generate_with_chunked_prefill(tp_llm, tp1_llm, gqa_dir):
     assert tp_llm.core.executor.tp_size == 2 and len(tp_llm.core.executor.worker_pids) == 1
     # Each rank holds half the heads: rank 0's shard has 2 query heads and 1 KV head per page.
-    attn = tp_llm.core.model.model.layers[0].self_attn
+    attn = tp_llm.core.executor.model.model.layers[0].self_attn
     assert (attn.num_heads, attn.num_kv_heads) == (2, 1)
-    assert tp_llm.core.attn.kv_caches[0].shape[3] == 1
+    assert tp_llm.core.executor.attn.kv_caches[0].shape[3] == 1
     tp2 = [o.outputs[0].token_ids for o in tp_llm.generate(PROMPTS, _greedy())]
     tp1 = [o.outputs[0].token_ids for o in tp1_llm.generate(PROMPTS, _greedy())]
     assert tp2 == tp1
@@ -130,7 +130,7 @@ def test_close_ends_workers_and_a_four_kv_head_model_matches(tmp_path):
     expected = hf_greedy(model_dir, prompts, NEW_TOKENS)
     assert _tp1_greedy(model_dir, prompts) == expected
     with LLM(str(model_dir), num_kv_pages=64, tensor_parallel_size=2) as llm:
-        assert llm.core.model.model.layers[0].self_attn.num_kv_heads == 2
+        assert llm.core.executor.model.model.layers[0].self_attn.num_kv_heads == 2
         pids = llm.core.executor.worker_pids
         assert not any(_gone(p) for p in pids)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, _greedy())] == expected

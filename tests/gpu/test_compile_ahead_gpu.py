@@ -87,7 +87,7 @@ build._build = lambda name, *a, **kw: built.append(name) or build_module(name, *
 llm = LLM(sys.argv[1], **json.loads(sys.argv[2]))
 started = {"compiled": list(compiled), "built": list(built)}
 outputs = llm.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
-print(json.dumps({"compile_ahead": llm.core.compile_ahead, "decode_replays": llm.core.runner.graphs.replays,
+print(json.dumps({"compile_ahead": llm.core.executor.compile_ahead, "decode_replays": llm.core.executor.graphs.replays,
                   "tokens": [o.outputs[0].token_ids for o in outputs], "start": started,
                   "served": {"compiled": compiled[len(started["compiled"]):], "built": built[len(started["built"]):]}}))
 """

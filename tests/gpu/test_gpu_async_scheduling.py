@@ -40,7 +40,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(gpu_model_dir, engine_kwa
     results = []
     for async_scheduling in (False, True):
         llm = make_llm(gpu_model_dir, async_scheduling=async_scheduling, **engine_kwargs)
-        assert llm.core.runner.graphs is not None
+        assert llm.core.executor.graphs is not None
         outs = llm.generate(prompts, params)
         results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].logprobs) for o in outs])
         kv = llm.core.kv
@@ -92,7 +92,7 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
                                                async_scheduling=None, step_launch_pacing=None))
     got: dict[str, list[int]] = {}
     try:
-        assert core.config.scheduler.async_scheduling and core.pacer is not None
+        assert core.config.scheduler.async_scheduling and core.in_flight.pacer is not None
         with core_loop_sockets(core, "gpu-early") as sockets:
             sockets.send_request("r0", prompts[0], params)
             sockets.thread.start()
@@ -107,7 +107,7 @@ def test_a_served_core_paces_and_publishes_early_with_the_offline_tokens(tmp_pat
                     sent += 1
             sockets.send(ShutdownRequest())
             sockets.thread.join(10)
-        assert core.early_publishes > 0  # (the tiny model's decode steps are too short to pace)
+        assert core.in_flight.early_publishes > 0  # (the tiny model's decode steps are too short to pace)
     finally:
         core.close()
     for i, (want_ids, want_lps) in enumerate(want):

@@ -26,8 +26,8 @@ def hf_reference(gpu_model_dir):
 
 def test_flashinfer_is_the_automatic_choice(gpu_model_dir):
     llm = make_llm(gpu_model_dir)
-    assert llm.core.attn.name == "flashinfer"
-    assert llm.core.runner.graphs is not None
+    assert llm.core.executor.attn.name == "flashinfer"
+    assert llm.core.executor.graphs is not None
 
 
 def test_bf16_logits_match_transformers(gpu_model_dir, hf_reference):
@@ -74,20 +74,20 @@ def test_dummy_batches_between_requests_change_nothing(gpu_model_dir):
 def test_cuda_graphs_on_and_off_give_identical_greedy_tokens(gpu_model_dir):
     prompts = random_prompts(5, [4, 17, 30, 31, 64])  # 5 decodes pad to the graph of 8
     eager = make_llm(gpu_model_dir, enforce_eager=True)
-    assert eager.core.runner.graphs is None
+    assert eager.core.executor.graphs is None
     want = greedy_tokens(eager, prompts, 32)
     # Alone, a request decodes through the one-row matrix-vector kernels: sums in another order
     # than a batch's GEMMs, so its own eager tokens are the reference.
     want_alone = greedy_tokens(eager, prompts[:1], 32)
     del eager
     graphs = make_llm(gpu_model_dir)
-    assert graphs.core.runner.graphs is not None and 8 in graphs.core.runner.graphs.batch_sizes
+    assert graphs.core.executor.graphs is not None and 8 in graphs.core.executor.graphs.batch_sizes
     assert greedy_tokens(graphs, prompts, 32) == want
     assert greedy_tokens(graphs, prompts[:1], 32) == want_alone  # batch of one: the graph of 1
     del graphs
     # Decode batches above --max-cudagraph-capture-size run eagerly (5 > 4), smaller ones replay.
     capped = make_llm(gpu_model_dir, max_cudagraph_capture_size=4)
-    assert capped.core.runner.graphs.batch_sizes == [1, 2, 4]
+    assert capped.core.executor.graphs.batch_sizes == [1, 2, 4]
     assert greedy_tokens(capped, prompts, 32) == want
 
 
@@ -99,11 +99,11 @@ def test_piecewise_graphs_give_the_eager_greedy_tokens(gpu_model_dir):
     want = greedy_tokens(eager, prompts, 24)
     del eager
     decode_only = make_llm(gpu_model_dir, cudagraph_mode="FULL_DECODE_ONLY", max_num_batched_tokens=48)
-    assert decode_only.core.runner.piecewise_graphs is None
+    assert decode_only.core.executor.piecewise is None
     assert greedy_tokens(decode_only, prompts, 24) == want
     del decode_only
     llm = make_llm(gpu_model_dir, max_num_batched_tokens=48)
-    piecewise = llm.core.runner.piecewise_graphs
+    piecewise = llm.core.executor.piecewise
     assert piecewise.token_sizes == [8, 16, 32, 48]
     steps = _record_steps(piecewise)
     assert greedy_tokens(llm, prompts, 24) == want
@@ -122,7 +122,7 @@ def test_piecewise_graphs_above_256_tokens_are_measured_and_give_the_eager_greed
     want = greedy_tokens(eager, prompts, 16)
     del eager
     llm = make_llm(gpu_model_dir, max_num_batched_tokens=512)
-    piecewise = llm.core.runner.piecewise_graphs
+    piecewise = llm.core.executor.piecewise
     sizes = piecewise.token_sizes
     assert sizes[-1] == 512 and set(sizes) <= set(piecewise_token_sizes(512)) and 256 in sizes
     steps = _record_steps(piecewise)
@@ -159,15 +159,15 @@ def test_kv_pool_is_sized_by_measurement(gpu_model_dir):
     # 1,024 sequences of 2,048 tokens would need 2 GiB of this model's pages: more than the budget.
     llm = LLM(str(gpu_model_dir), dtype="bfloat16", gpu_memory_utilization=utilization, max_num_seqs=1024)
     core = llm.core
-    page_bytes = core.model.kv_cache_spec(16, torch.bfloat16).bytes_per_page()
+    page_bytes = core.executor.model.kv_cache_spec(16, torch.bfloat16).bytes_per_page()
     assert 0 < core.kv_capacity_tokens < 1024 * core.max_model_len, core.kv_capacity_tokens
     assert core.num_kv_pages * page_bytes > (256 << 20), core.num_kv_pages  # most of the spare GiB went to pages
     free_after, _ = torch.cuda.mem_get_info()
     used = total - free_after
     # CUDA graphs are captured after the pool is sized and come on top; the core measures them.
-    print(f"graphs took {core.cuda_graph_bytes >> 20} MiB; used {used >> 20} MiB of a {int(utilization * total) >> 20} MiB budget")
-    assert 0 < core.cuda_graph_bytes <= (256 << 20), core.cuda_graph_bytes
-    assert used <= utilization * total + core.cuda_graph_bytes + (64 << 20), (used, utilization * total)
+    print(f"graphs took {core.executor.cuda_graph_bytes >> 20} MiB; used {used >> 20} MiB of a {int(utilization * total) >> 20} MiB budget")
+    assert 0 < core.executor.cuda_graph_bytes <= (256 << 20), core.executor.cuda_graph_bytes
+    assert used <= utilization * total + core.executor.cuda_graph_bytes + (64 << 20), (used, utilization * total)
     assert greedy_tokens(llm, random_prompts(6, [10]), 4)[0]
 
 

@@ -9,8 +9,9 @@ import torch
 
 from gpu_support import requires_gpu
 from pagoda_engine.core.request import Request
+from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.sampling_params import SamplingParams
-from pagoda_engine.worker.sampling import CudaSampler, SamplingBatch, make_sampler
+from pagoda_engine.worker.sampling import CudaSampler, make_sampler
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -26,7 +27,7 @@ def requests(n: int, **params) -> list[Request]:
 
 def draw(sampler, logits_row: torch.Tensor, n: int = ROWS, **params) -> torch.Tensor:
     reqs = requests(n, **params)
-    batch = SamplingBatch.from_requests(reqs, logits_row.shape[-1], logits_row.device)
+    batch = sampling_batch(reqs, logits_row.shape[-1], logits_row.device)
     return torch.tensor(sampler.sample(logits_row.expand(n, logits_row.shape[-1]).contiguous(), batch).token_ids)
 
 
@@ -102,7 +103,7 @@ def test_seeded_plain_row_keeps_its_token_whatever_shares_the_batch(logits):
     for others in neighbours:
         reqs = others[:2] + [seeded] + others[2:]
         at = reqs.index(seeded)
-        batch = SamplingBatch.from_requests(reqs, VOCAB, CUDA)
+        batch = sampling_batch(reqs, VOCAB, CUDA)
         for dtype in (torch.float32, torch.bfloat16):
             tokens.append(sampler.sample(exact.to(dtype).expand(len(reqs), VOCAB).contiguous(), batch).token_ids[at])
     assert len(set(tokens)) == 1, tokens
@@ -115,6 +116,6 @@ def test_seeded_rows_do_not_depend_on_their_position(logits):
     tokens = []
     for position in (0, 3, 7):
         reqs = others[:position] + [seeded] + others[position:]
-        batch = SamplingBatch.from_requests(reqs, VOCAB, CUDA)
+        batch = sampling_batch(reqs, VOCAB, CUDA)
         tokens.append(sampler.sample(logits.expand(len(reqs), VOCAB).contiguous(), batch).token_ids[position])
     assert len(set(tokens)) == 1

@@ -39,7 +39,7 @@ def test_constrained_and_free_rows_in_graph_replayed_steps(gpu_model_dir):
     results = []
     for async_scheduling in (False, True):
         llm = make_llm(gpu_model_dir, async_scheduling=async_scheduling)
-        assert llm.core.runner.graphs is not None
+        assert llm.core.executor.graphs is not None
         outs = llm.generate(prompts, params)
         texts = [o.outputs[0].text for o in outs]
         for i in (2, 3):

@@ -49,8 +49,8 @@ def test_greedy_tokens_match_transformers_with_the_fused_qk_norm(qwen3):
     run the fused kernel with the layers' norms."""
     model_dir, reference = qwen3
     with make_llm(model_dir) as llm:
-        assert llm.core.attn.name == "flashinfer"
-        assert llm.core.runner.graphs is not None and llm.core.runner.piecewise_graphs is not None
+        assert llm.core.executor.attn.name == "flashinfer"
+        assert llm.core.executor.graphs is not None and llm.core.executor.piecewise is not None
         check_greedy_tokens_against(llm, reference, random_prompts(2, [5, 33, 64, 100]))
 
 

@@ -47,13 +47,13 @@ def test_tp2_bf16_flashinfer_logprobs_match_tp1_and_kv_is_measured(gpu_model_dir
     with make_llm(gpu_model_dir, tensor_parallel_size=2, num_kv_pages=None, gpu_memory_utilization=0.5,
                   cudagraph_mode="FULL_AND_PIECEWISE") as tp2:
         core = tp2.core
-        assert core.attn.name == "flashinfer" and core.device == torch.device("cuda", 0)
+        assert core.executor.attn.name == "flashinfer" and core.device == torch.device("cuda", 0)
         # Decode CUDA graphs on both ranks (NCCL all-reduces captured inside); the small steps replay them.
-        assert core.cuda_graphs and core.runner.graphs is not None and 16 in core.runner.graphs.batch_sizes
+        assert core.cuda_graphs and core.executor.graphs is not None and 16 in core.executor.graphs.batch_sizes
         # The first step, all four prompts (190 tokens), replays the piecewise graphs of 192 tokens on both ranks.
-        assert 192 in core.runner.piecewise_graphs.token_sizes
+        assert 192 in core.executor.piecewise.token_sizes
         # 2 KV heads over 2 ranks: one per rank, in every page of both pools.
-        assert core.attn.kv_caches[0].shape[3] == 1
+        assert core.executor.attn.kv_caches[0].shape[3] == 1
         assert core.num_kv_pages > 256  # measured, not the test default
         pids = core.executor.worker_pids
         out = greedy(tp2, logprobs=3)

@@ -4,10 +4,19 @@ mapping from command-line flags (vLLM's names) to them."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING
 
 from pagoda_engine import capabilities
+from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
+
+if TYPE_CHECKING:
+    from pagoda_engine.executor_types import DeviceFacts
+
+logger = logging.getLogger(__name__)
 
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
@@ -88,7 +97,7 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    # None: vLLM's default for the device (`default_max_num_seqs`), set when the engine core starts.
+    # None: vLLM's default for the device (`default_max_num_seqs`), set by `resolve_for_device`.
     max_num_seqs: int | None = None
     max_num_batched_tokens: int = 8192
     # A prompt's tokens in one step, at most (vLLM's long_prefill_token_threshold; 0: only the
@@ -107,7 +116,7 @@ class SchedulerConfig:
     # to end rather than as soon as it is launched, so that requests arriving meanwhile join it
     # (core.pacing). None (the command line's default): on where it applies, a CUDA engine core
     # with async scheduling, no pipeline parallelism and no experts across data-parallel cores
-    # (EngineCore decides); the offline LLM and benchmarks are handed their requests up front.
+    # (`resolve_for_device` decides); the offline LLM and benchmarks are handed their requests up front.
     step_launch_pacing: bool | None = False
 
 
@@ -536,3 +545,56 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])
     return EngineConfig.from_kwargs(**kwargs)
+
+
+def graphs_unavailable(config: EngineConfig, collectives: str) -> str | None:
+    """Why an engine on CUDA whose attention backend can run in CUDA graphs must still run
+    eagerly, or None (then every rank, every pipeline stage included, captures them);
+    `collectives`: its process groups' backend (`parallel_state.dist_backend`)."""
+    pc = config.parallel
+    if pc.expert_parallel_across_cores:
+        # Every core would have to replay the same graph size and kind at each step (vLLM pads
+        # to the largest core's batch and agrees on the mode first): not built yet.
+        return "expert parallelism across data-parallel engine cores runs eagerly"
+    if pc.tensor_parallel_size > 1 and collectives == "gloo":
+        # The pipeline's send/recv stay outside the graphs; the all-reduces are inside them.
+        return ("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) runs eagerly: its all-reduces pass "
+                "through host memory, which a CUDA graph cannot capture")
+    return None
+
+
+def resolve_for_device(config: EngineConfig, facts: DeviceFacts) -> EngineConfig:
+    """`config` with the defaults that depend on rank 0's device (`facts`, which the executor
+    reports: `worker.executor.probe_device`) made explicit; `config` itself is left as it is. The
+    engine core starts from this, in the server's core process and under the offline `LLM` alike:
+    - async_scheduling None (the command line's default): on where steps run ahead of the host;
+    - step_launch_pacing None: on wherever it applies (async scheduling, steps that run ahead, no
+      pipeline parallelism, no experts across data-parallel cores); asked for where steps do not
+      run ahead: ModelLoadError;
+    - max_num_seqs None: vLLM's default for the device (`default_max_num_seqs`);
+    - device: the one `--device` names ("auto": what it found);
+    - cudagraph_mode: the mode asked for (`resolve_cudagraph_mode`) where CUDA graphs can run
+      (a GPU, an attention backend that replays them, not --enforce-eager, `graphs_unavailable`),
+      else NONE."""
+    mc, sc, pc = config.model, dataclasses.replace(config.scheduler), config.parallel
+    if sc.async_scheduling is None:
+        sc.async_scheduling = facts.steps_run_ahead
+    if sc.step_launch_pacing is None:
+        sc.step_launch_pacing = bool(facts.steps_run_ahead and sc.async_scheduling and pc.pipeline_parallel_size == 1
+                                     and not pc.expert_parallel_across_cores)
+    if sc.step_launch_pacing and not facts.steps_run_ahead:
+        raise ModelLoadError(f"--step-launch-pacing times steps running on a GPU; on {facts.kind} a step has ended "
+                             f"by the time it is launched")
+    if sc.max_num_seqs is None:
+        sc.max_num_seqs = default_max_num_seqs(facts.kind, facts.total_memory, facts.name)
+        logger.info("max_num_seqs %d (the default on %s)", sc.max_num_seqs, facts.device)
+    graph_attention = mc.attention_backend == "flashinfer" or (mc.attention_backend == "auto" and facts.graph_attention)
+    cudagraph_mode = "NONE"
+    if facts.kind == "cuda" and not mc.enforce_eager and graph_attention:
+        eager_reason = graphs_unavailable(config, facts.collectives)
+        if eager_reason is not None:
+            logger.warning("%s: CUDA graphs are off", eager_reason)
+        else:
+            cudagraph_mode = resolve_cudagraph_mode(mc.cudagraph_mode)
+    return dataclasses.replace(config, scheduler=sc,
+                               model=dataclasses.replace(mc, device=facts.device, cudagraph_mode=cudagraph_mode))

@@ -48,7 +48,7 @@ class LLM:
         if config.scheduler.step_launch_pacing:
             raise ValueError("step_launch_pacing times a server's steps to the requests arriving on its socket "
                              "(`pagoda serve --step-launch-pacing`); the offline LLM is handed its requests up front")
-        config.scheduler.step_launch_pacing = False  # not None, which a server's core would turn on
+        config.scheduler.step_launch_pacing = False  # not None, which `resolve_for_device` turns on on a GPU
         self.core = EngineCore(config)
         try:
             self.default_sampling = default_sampling_params(self.core.model_dir, config.model.generation_config,

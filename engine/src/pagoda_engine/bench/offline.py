@@ -99,7 +99,7 @@ def _build(args) -> tuple[EngineCore, dict]:
     sc, cc, mc = core.config.scheduler, core.config.cache, core.config.model
     settings = {
         "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
-        "device": str(core.device), "attention_backend": core.attn.name, "cuda_graphs": core.cuda_graphs,
+        "device": str(core.device), "attention_backend": core.executor.attn.name, "cuda_graphs": core.cuda_graphs,
         "cudagraph_mode": core.cudagraph_mode,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "async_scheduling": sc.async_scheduling,
@@ -195,9 +195,9 @@ def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | N
 
 
 def _roofline(core: EngineCore) -> dict:
-    wbytes = bytes_read_per_token(core.model)
+    wbytes = bytes_read_per_token(core.executor.model)
     bw = measure_copy_bandwidth(core.device)
-    return {"weight_bytes": weight_bytes(core.model), "bytes_read_per_token": wbytes, "copy_bandwidth_Bps": bw,
+    return {"weight_bytes": weight_bytes(core.executor.model), "bytes_read_per_token": wbytes, "copy_bandwidth_Bps": bw,
             "roofline_ms_per_token": wbytes / bw * 1e3 if bw else None}
 
 
@@ -286,8 +286,8 @@ def _workload_floor(core: EngineCore, steps: list, bandwidth: float | None, elap
     flops = measure_matmul_flops(core.device, core.dtype)
     if flops is None:
         return None
-    spec = core.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
-    costs = model_costs(core.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
+    spec = core.executor.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
+    costs = model_costs(core.executor.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
                         spec.bytes_per_page() // spec.page_size)
     floor = run_floor(costs, steps, bandwidth, flops)
     return {**{k: round(v, 6) if isinstance(v, float) else v for k, v in floor.items()},

@@ -89,7 +89,8 @@ def main() -> None:
     add_arguments(parser)
     args = parser.parse_args(["latency", "--max-num-seqs", "256"])
     core, _ = _build(args)
-    executor, attn, model = core.runner.executor, core.attn, core.model
+    executor = core.executor
+    attn, model = executor.attn, executor.model
     sizes = executor.piecewise.token_sizes if executor.piecewise else []
     print(f"GPU {torch.cuda.get_device_name()}; piecewise graphs at {sizes} tokens")
 

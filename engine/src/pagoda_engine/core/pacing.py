@@ -1,5 +1,5 @@
 """When to schedule the next step under async scheduling, so that a request arriving while a
-decode step runs joins the step that follows it (`EngineCore.launch_delay`,
+decode step runs joins the step that follows it (`StepsInFlight.launch_delay`,
 `--step-launch-pacing`).
 
 Async scheduling schedules and launches step N+1 as soon as step N is launched, so that the host's

@@ -247,20 +247,6 @@ class CoreLoop:
             self.send(EngineCoreOutputs(outputs=[], stats=self.core.get_stats()))
 
 
-def _start_compile_pool_early(config: EngineConfig) -> None:
-    """Before this process imports torch: start the pool of Triton compile processes where the
-    engine will very likely compile ahead (a GPU, CUDA graphs, an empty Triton cache), so that
-    they import torch and Triton alongside this process instead of after it. `EngineCore` makes
-    the exact decision and stops the pool where it decides otherwise."""
-    from pagoda_engine.worker.compile_ahead import (engine_compile_workers, settings_allow_compile_ahead,
-                                                     start_compile_pool, triton_cache_is_empty)
-    from pagoda_engine.worker.compile_worker import cuda_capability
-
-    if (config.model.device != "cpu" and settings_allow_compile_ahead(config) and cuda_capability() is not None
-            and triton_cache_is_empty()):
-        start_compile_pool(engine_compile_workers(config))
-
-
 def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: list[str], parent_pid: int,
                     log_level: int = logging.INFO) -> None:
     """Process entry point (multiprocessing target). Exits 0 after a ShutdownRequest, 1 on failure.
@@ -286,7 +272,10 @@ def run_engine_core(config: EngineConfig, input_addrs: list[str], output_addrs: 
     try:
         try:
             pause_collections_for_start_up()  # back on at the end of EngineCore's start (`resume_collections`)
-            _start_compile_pool_early(config)
+            # Before torch is imported: the executor's own decision comes later (`create_executor`).
+            from pagoda_engine.worker.compile_ahead import start_compile_pool_early
+
+            start_compile_pool_early(config)
             from pagoda_engine.core.engine_core import EngineCore
 
             core = EngineCore(config)

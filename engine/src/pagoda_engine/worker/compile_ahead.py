@@ -6,22 +6,22 @@ one after the other on the engine's thread: capturing Llama-3.1-8B's CUDA graphs
 compiled fourteen variants that way, 6-7 s of the capture. `compile_ahead()` runs a block of code
 with every Triton launch turned into a note of the variant it needs; the kernels are not run,
 torch's own operations in the block are. Each variant goes, as soon as it is noted, to a pool of
-processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads,
-as in the twenty-fourth session's version, overlapped little more than `ptxas`) that compile it,
-with its launcher, into Triton's on-disk cache while the block goes on; leaving the block waits
-for them. Run the same code again afterwards, for real: each launch loads its kernel from the
-cache, as on a warm start.
+processes (`compile_worker`: Triton's compiler holds the GIL for most of a compile, so threads
+overlap little more than `ptxas`) that compile it, with its launcher, into Triton's on-disk cache
+while the block goes on; leaving the block waits for them. Run the same code again afterwards,
+for real: each launch loads its kernel from the cache, as on a warm start.
 
 The engine runs three such blocks: the profile step with the sampler's draws
 (`Worker.profile_run`), the sampler alone (cache hits after the first, or where no profile step
 runs) and the graphs' forwards at every size (`DecodeGraphs`, `PiecewiseGraphs`). Each is one
 more forward, and the pool's processes import torch and Triton: the engine core process starts
-its pool before its own imports (`core.process`), every other rank its own before the weights load
-(`create_executor`), and the processes warm their compiler up while the engine loads. With Triton's cache warm (a restarted container on the same emptyDir, or a
-`compileCache` claim an earlier pod filled) there is nothing to compile and the blocks only cost:
-4 s of Qwen3-30B-A3B's start on an H200. So the engine core asks `triton_cache_is_empty()` once,
-when it starts and before anything compiled, and every rank follows its answer (their forwards'
-collectives must pair up).
+its pool before its own imports (`start_compile_pool_early`), every other rank its own before the
+weights load (`create_executor`), and the processes warm their compiler up while the engine loads.
+With Triton's cache warm (a restarted container on the same emptyDir, or a `compileCache` claim an
+earlier pod filled) there is nothing to compile and the blocks only cost: 4 s of Qwen3-30B-A3B's
+start on an H200. So `create_executor` asks `triton_cache_is_empty()` once, when the engine starts
+and before anything compiled, and every rank follows its answer (`Worker.compile_ahead`: their
+forwards' collectives must pair up).
 
 Only for code whose host side never reads what a Triton kernel writes (a forward that a CUDA graph
 captures cannot; the eager profile step does not either), since inside the block those outputs keep
@@ -186,8 +186,8 @@ def compile_workers(ranks_on_node: int = 1) -> int:
 
 def settings_allow_compile_ahead(config: EngineConfig) -> bool:
     """Whether the engine's settings let it capture CUDA graphs through Triton kernels, the first
-    condition of compiling ahead (the engine core adds its device, the parallel setup and the
-    cache's state; `core.process` asks early, before it knows them all)."""
+    condition of compiling ahead (`create_executor` adds the device and the cache's state;
+    `start_compile_pool_early` asks before it knows them all)."""
     mc = config.model
     return not mc.enforce_eager and mc.cudagraph_mode != "NONE" and mc.attention_backend != "torch"
 
@@ -200,8 +200,20 @@ def ranks_on_node(config: EngineConfig) -> int:
 
 
 def engine_compile_workers(config: EngineConfig) -> int:
-    """`compile_workers` for the engine core's rank."""
+    """`compile_workers` for rank 0 (in the engine core's process)."""
     return compile_workers(ranks_on_node(config))
+
+
+def start_compile_pool_early(config: EngineConfig) -> None:
+    """In the engine core process, before it imports torch: start the pool where the engine will
+    very likely compile ahead (a GPU, CUDA graphs, an empty Triton cache), so that its processes
+    import torch and Triton alongside this process instead of after it. `create_executor` makes
+    the exact decision and stops the pool where it decides otherwise."""
+    from pagoda_engine.worker.compile_worker import cuda_capability
+
+    if (config.model.device != "cpu" and settings_allow_compile_ahead(config) and cuda_capability() is not None
+            and triton_cache_is_empty()):
+        start_compile_pool(engine_compile_workers(config))
 
 
 def start_compile_pool(workers: int) -> None:

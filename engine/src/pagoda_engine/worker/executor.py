@@ -2,6 +2,15 @@
 of every rank's `Worker` (`worker.py`) and returns their results; `call` runs one in lockstep on
 every rank and returns rank 0's (a step's hot path: the workers do not reply).
 
+This module is the engine core's one way into `worker/` (with `compile_ahead`'s early pool
+start): the core sees plain data (`executor_types`) and these calls, never the device itself.
+Start-up, as vLLM V1's: `probe_device` (the facts the config's defaults are resolved from),
+`create_executor` (ranks, weights, and the one decision whether to compile Triton kernels
+ahead), `determine_num_kv_pages` (a profile step on a GPU), `init_kv_cache`, then
+`compile_or_warm_up` (the sampler's warm-up and the CUDA graphs' capture). A step:
+`execute_model`, then `prompt_logprobs` and `sample` for its rows, and `mark_step_end` where the
+core times steps.
+
 Rank 0's Worker lives here, in the engine core's process, and is called directly; with one rank
 that is all there is. Under tensor parallelism the other ranks are worker processes: started
 here (fresh interpreters, `python -c`, so a script that makes an `LLM` at top level needs no
@@ -35,7 +44,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -44,17 +55,31 @@ from transformers import PretrainedConfig
 
 import pagoda_engine
 from pagoda_engine import envs
-from pagoda_engine.config import EngineConfig
+from pagoda_engine.config import EngineConfig, resolve_cudagraph_capture_size
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
-from pagoda_engine.worker.compile_ahead import ranks_on_node
+from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpec, SamplingBatch
+from pagoda_engine.processes import set_torch_threads
+from pagoda_engine.worker.attention import flashinfer_available
+from pagoda_engine.worker.attention.base import AttentionBackend
+from pagoda_engine.worker.compile_ahead import (engine_compile_workers, ranks_on_node, settings_allow_compile_ahead,
+                                                 start_compile_pool, stop_compile_pool, triton_cache_is_empty)
+from pagoda_engine.worker.cuda_graphs import (MAX_PIECEWISE_TOKENS, drop_slow_sizes, graph_batch_sizes,
+                                              piecewise_token_sizes, sizes_to_measure)
+from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
-from pagoda_engine.worker.sampling import SamplingBatch
+from pagoda_engine.worker.sampling import PendingSample, SamplerOutput, compute_prompt_logprobs
 from pagoda_engine.worker.worker import Arriving, load_worker_class, worker_method
+
+# What the engine core may name of its executor's side, beside `Executor` and `create_executor`:
+# the sampled tokens of a launched step, still on the device or on their way (both `resolve()`), and
+# the marker of a step's end (`query()`: whether the device has finished it).
+__all__ = ["ArrivingSample", "DeviceFacts", "Executor", "PendingSample", "StepEnd", "create_executor",
+           "probe_device"]
 
 logger = logging.getLogger(__name__)
 
+_GiB = 1 << 30
 _LOG_MISSING_EVERY_S = 30
 DEFAULT_WORKER_CLS = "pagoda_engine.worker.worker:Worker"
 
@@ -103,6 +128,12 @@ class Executor:
         elif layout.world_size > 1 and device.type != "cpu":
             raise ModelLoadError(f"tensor parallelism runs on cuda or cpu, not {device}")
         self.device = device
+        # Set by `create_executor`: the model's config and compute dtype, and whether every rank
+        # compiles its Triton kernels ahead (until the graphs are captured).
+        self.hf_config: PretrainedConfig | None = None
+        self.dtype: torch.dtype | None = None
+        self.compile_ahead = False
+        self.cuda_graph_bytes = 0  # device memory the CUDA graphs took, beyond the KV budget
         self.closed = False
         self.hellos: dict[int, Hello] = {}
         self._processes: dict[int, subprocess.Popen] = {}
@@ -304,10 +335,11 @@ class Executor:
                          f"of {self.layout.world_size})" for node, ranks in by_node.items())
 
     def close(self) -> None:
-        """Stop the worker ranks; idempotent."""
+        """Stop the worker ranks (and rank 0's compile pool, after a failed start); idempotent."""
         if self.closed:
             return
         self.closed = True
+        stop_compile_pool()
         if self.layout.world_size > 1:
             self._finalizer()
 
@@ -337,30 +369,152 @@ class Executor:
     def piecewise(self):
         return self.worker.piecewise
 
-    def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> AttentionBackend:
-        """Create every rank's attention backend (`spec` is per rank); rank 0's."""
+    @property
+    def vocab_size(self) -> int:
+        return self.worker.model.vocab_size
+
+    @property
+    def max_position_embeddings(self) -> int:
+        """The model's own context limit (it already accounts for a sliding window shorter than it)."""
+        return self.worker.model.max_position_embeddings
+
+    def kv_cache_spec(self, page_size: int) -> KVCacheSpec:
+        """Rank 0's KV page layout (its stage's layers, its share of the heads)."""
+        return self.worker.kv_cache_spec(page_size, self.dtype)
+
+    def determine_num_kv_pages(self, config: EngineConfig, max_model_len: int) -> int:
+        """How many KV pages every rank can hold (the same on every rank, so the tightest rank
+        sets it): on a GPU what `gpu_memory_utilization` leaves after the peak of a profile step
+        (`_free_gpu_bytes`); on CPU `cpu_kv_cache_gb`. Under pipeline parallelism the stages'
+        pages differ (their layer counts do), and on a GPU so do their weights: rank 0's profile
+        stands for every rank's activations, each rank's own weights are counted."""
+        cc = config.cache
+        specs = self.kv_cache_specs(cc.block_size, self.dtype)
+        if self.device.type != "cuda":
+            return min(int(cc.cpu_kv_cache_gb * _GiB) // s.bytes_per_page() for s in specs)
+        budget = self._free_gpu_bytes(config, max_model_len)
+        if self.shares_devices:
+            # Ranks on one GPU (gloo): all their pages come out of its one budget, in which the
+            # other ranks' weights and activations are already counted (outside this process).
+            return budget // sum(s.bytes_per_page() for s in specs)
+        weights = self.collective_rpc("weight_bytes")
+        return min(max(budget - (w - weights[0]), 0) // s.bytes_per_page() for w, s in zip(weights, specs))
+
+    def _free_gpu_bytes(self, config: EngineConfig, max_model_len: int) -> int:
+        """Bytes the KV pages may take: gpu_memory_utilization × total − the peak of one profile step.
+
+        The profile step is the largest the scheduler can form: max_num_batched_tokens new tokens
+        through the configured attention backend (over a scratch pool of just enough pages),
+        then logits and sampling scratch for max_num_seqs rows. Its peak covers weights,
+        activations, attention workspace and sampler temporaries; CUDA graphs, captured later, reuse
+        one pool sized by the largest decode batch (far smaller than this step)."""
+        cc, sc = config.cache, config.scheduler
+        num_tokens = min(sc.max_num_batched_tokens, max_model_len)
+        spec = self.kv_cache_spec(cc.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            rows = min(sc.max_num_seqs, num_tokens)
+            # On every rank at once (its collectives need them all); rank 0's peak stands for all.
+            logits = self.call("profile_run", config.model.attention_backend, spec, num_tokens, rows)
+            # The sampler holds about three logits-sized float32 tensors at once (logits, probs, noise).
+            probs = torch.softmax(logits, dim=-1)
+            noise = torch.empty_like(probs).exponential_()
+            del probs, noise, logits
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.empty_cache()
+        # Memory that is not torch's (CUDA context, cuBLAS and NCCL workspaces, other processes).
+        free, total = torch.cuda.mem_get_info()
+        non_torch = max(0, total - free - torch.cuda.memory_reserved())
+        budget = int(cc.gpu_memory_utilization * total) - peak - non_torch
+        logger.info("KV sizing: %.2f GiB total × %.2f − %.2f GiB peak (profile step of %d tokens) − %.2f GiB "
+                    "outside torch = %.2f GiB for pages", total / _GiB, cc.gpu_memory_utilization, peak / _GiB,
+                    num_tokens, non_torch / _GiB, budget / _GiB)
+        return max(0, budget)
+
+    def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> str:
+        """Create every rank's attention backend (`spec` is per rank) over `num_pages` pages; the
+        backend's name ("auto" picks one)."""
         with _starting():
             self.collective_rpc("init_kv_cache", backend, spec, num_pages)
-        return self.worker.attn
+        return self.worker.attn.name
 
-    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int,
-                    compile_first: bool = False) -> torch.Tensor:
-        """`Worker.profile_run` on every rank at once (its collectives need them all); rank 0's logits."""
-        return self.call("profile_run", backend, spec, num_tokens, num_rows, compile_first)
-
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
-                       compile_first: bool = False) -> None:
+    def compile_or_warm_up(self, config: EngineConfig, max_model_len: int) -> str:
+        """After `init_kv_cache`, before the first step: the sampling rank draws along each of its
+        sampler's paths, and every rank captures its CUDA graphs where the config's
+        cudagraph_mode asks for them; the compile pools go afterwards. Returns the cudagraph mode
+        the ranks run: NONE where the attention backend cannot replay graphs (FlashInfer
+        installed but failing to import, so that "auto" took the reference backend)."""
+        t0 = time.monotonic()
         with _starting():
-            self.collective_rpc("capture_graphs", batch_sizes, max_pages_per_seq, piecewise_sizes, compile_first)
+            if self.layout.pp > 1:
+                self.collective_rpc("warm_up_sampler")
+            else:
+                self.worker.warm_up_sampler()
+        logger.info("sampler warm-up (kernel compiles) took %.1fs", time.monotonic() - t0)
+        mode = config.model.cudagraph_mode
+        if mode != "NONE" and not hasattr(self.worker.attn, "plan_graph_decode"):
+            logger.warning("attention backend %s cannot run in CUDA graphs: they are off", self.worker.attn.name)
+            mode = "NONE"
+        if mode == "NONE":
+            if self.compile_ahead:
+                with _starting():
+                    self.collective_rpc("stop_compile_pool")
+            return mode
+        t0 = time.monotonic()
+        free_before, _ = torch.cuda.mem_get_info(self.device)
+        piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
+                     if mode == "FULL_AND_PIECEWISE" else 0)
+        self._capture_graphs(resolve_cudagraph_capture_size(config.scheduler.max_num_seqs,
+                                                            config.model.max_cudagraph_capture_size),
+                             -(-max_model_len // config.cache.block_size), piecewise)
+        self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
+        pw, dg = self.piecewise, self.graphs
 
-    def piecewise_row_costs(self, sizes: list[int]) -> list[dict[int, float]]:
-        """Every rank's `Worker.piecewise_row_costs`."""
+        def took(graphs) -> str:  # (compiling ahead +) capturing
+            ahead, capture = graphs.seconds
+            return f"{ahead:.1f}s compiling ahead + {capture:.1f}s" if self.compile_ahead else f"{capture:.1f}s"
+
+        split = f"decode {took(dg)}" + (f", piecewise {took(pw)}" if pw is not None else "")
+        logger.info("captured CUDA graphs in %.1fs (%s%s), taking %.0f MiB: decode batch sizes %s; piecewise token "
+                    "counts %s", time.monotonic() - t0, split,
+                    "; Triton's cache was empty: their kernels compiled ahead" if self.compile_ahead else "",
+                    self.cuda_graph_bytes / 2**20, dg.batch_sizes, pw.token_sizes if pw else "none")
+        return mode
+
+    def _capture_graphs(self, max_batch_size: int, max_pages_per_seq: int, max_piecewise_tokens: int) -> None:
+        """Capture, on every rank, the decode forward at the batch sizes of
+        `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
+        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`, less those
+        whose GEMMs some larger one runs as fast on every rank (`drop_slow_sizes`). Other steps
+        run eagerly."""
+        piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
+        measured = sizes_to_measure(piecewise)
         with _starting():
-            return self.collective_rpc("piecewise_row_costs", sizes)
+            if len(measured) > 1:
+                per_rank = self.collective_rpc("piecewise_row_costs", measured)
+                cost = {size: max(costs[size] for costs in per_rank) for size in measured
+                        if all(size in costs for costs in per_rank)}  # a rank without dense projections has none
+                kept = drop_slow_sizes(piecewise, cost)
+                dropped = sorted(set(piecewise) - set(kept))
+                if dropped:
+                    logger.info("piecewise graphs: left out %s tokens (a layer's GEMMs: %s µs; a larger size is as "
+                                "fast)", dropped, ", ".join(f"{s}: {cost[s]:.0f}" for s in measured if s in cost))
+                piecewise = kept
+            self.collective_rpc("capture_graphs", graph_batch_sizes(max_batch_size), max_pages_per_seq, piecewise)
 
-    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor | None:
-        """The step's forward on every rank; rank 0's hidden states (None under pipeline parallelism)."""
-        return self.call("execute_model", input_ids, positions, batch)
+    def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                      layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """The step's forward on every rank; rank 0's hidden states (None under pipeline
+        parallelism). `layer_hook`: rank 0's attention backend calls it with each layer's index
+        before that layer's attention, while the forward is launched."""
+        attn = self.worker.attn
+        attn.layer_hook = layer_hook
+        try:
+            return self.call("execute_model", input_ids, positions, batch)
+        finally:
+            attn.layer_hook = None
 
     def execute_dummy_batch(self) -> None:
         """Experts across cores: one dummy token through every rank's model (`Worker.execute_dummy_batch`)."""
@@ -376,10 +530,26 @@ class Executor:
         """float32 logits for these rows (token indices) of the last step's hidden states, on rank 0."""
         return self.call("compute_logits", rows)
 
-    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> Arriving:
-        """Pipeline parallelism: the last stage samples these rows (`Worker.sample`); pass the
-        result to `wait` for (token ids, logprobs) on rank 0."""
-        return self.call("sample", rows, batch)
+    def prompt_logprobs(self, rows: torch.Tensor, target_ids: torch.Tensor, num_top: int) -> list:
+        """The logprobs (`TokenLogprobs`) of `target_ids`, the prompt tokens that follow these rows
+        of the last step, with `num_top` top tokens each (read back: a sync)."""
+        return compute_prompt_logprobs(self.compute_logits(rows), target_ids, num_top)
+
+    def sample(self, rows: torch.Tensor, batch: SamplingBatch) -> PendingSample | ArrivingSample:
+        """A token for each of these rows of the last step's hidden states, drawn on the device
+        (nothing is read back: `resolve()` does). Under pipeline parallelism the last stage draws
+        them (`Worker.sample`) and sends them to rank 0, so that the core can launch the next
+        batch while they are on their way."""
+        if self.layout.pp > 1:
+            return ArrivingSample(self, self.call("sample", rows, batch), batch.num_logprobs)
+        return self.worker.sampler.sample_on_device(self.compute_logits(rows), batch)
+
+    def mark_step_end(self) -> StepEnd:
+        """A marker behind everything rank 0 has launched so far: `query()` says whether the device
+        has got past it (step launch pacing and early publishing time the steps by it)."""
+        ended = torch.cuda.Event()
+        ended.record()
+        return ended
 
     def wait(self, arriving: Arriving):
         """What another stage is sending rank 0; a stage that died meanwhile raises EngineDeadError."""
@@ -389,6 +559,24 @@ class Executor:
     def kv_cache_specs(self, page_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
         """Every rank's KV page layout (under pipeline parallelism the stages' layer counts differ)."""
         return self.collective_rpc("kv_cache_spec", page_size, dtype)
+
+
+class StepEnd(Protocol):
+    """An event recorded behind a step's work on the device (`Executor.mark_step_end`)."""
+
+    def query(self) -> bool: ...
+
+
+class ArrivingSample:
+    """Pipeline parallelism: a step's tokens (and logprobs) that the last stage is sending rank 0;
+    `resolve` waits for them, as `PendingSample.resolve` does for tokens still on the device."""
+
+    def __init__(self, executor: Executor, arriving: Arriving, num_logprobs: list[int | None]):
+        self.executor, self.arriving, self.num_logprobs = executor, arriving, num_logprobs
+
+    def resolve(self) -> SamplerOutput:
+        token_ids, raw_logprobs = self.executor.wait(self.arriving)
+        return PendingSample(token_ids=token_ids, num_logprobs=self.num_logprobs, raw_logprobs=raw_logprobs).resolve()
 
 
 @contextlib.contextmanager
@@ -465,12 +653,69 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
-def create_executor(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype,
-                    device: torch.device, compile_ahead: bool = False) -> Executor:
-    """Start the engine's ranks, join their groups and load every rank's shard (rank 0's here,
-    while the workers load theirs). `compile_ahead`: every rank first starts its Triton compile
-    processes (`compile_ahead.start_compile_pool`, its share of its node's CPUs), which import while
-    the weights load."""
+def probe_device(name: str) -> DeviceFacts:
+    """Rank 0's device for `--device` ("auto": CUDA where there is one, else CPU), and what the
+    engine core needs to know about it. ModelLoadError for cuda without a CUDA device."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name)
+    if device.type != "cuda":
+        return DeviceFacts(device=str(device), kind=device.type, steps_run_ahead=False, first_steps_pay_once=False,
+                           collectives=dist_backend(device.type))
+    props = torch.cuda.get_device_properties(device)
+    return DeviceFacts(device=str(device), kind="cuda", steps_run_ahead=True, first_steps_pay_once=True,
+                       total_memory=props.total_memory, name=props.name, collectives=dist_backend("cuda"),
+                       graph_attention=flashinfer_available())
+
+
+def create_executor(config: EngineConfig, model_dir: str) -> Executor:
+    """Start the engine's ranks on the config's device, join their groups and load every rank's
+    shard (rank 0's here, while the workers load theirs). `config` is resolved for the device
+    (`config.resolve_for_device`).
+
+    Here the engine decides, once for every rank, whether to compile its Triton kernels ahead
+    (`compile_ahead`): on a fresh node (an empty Triton cache, asked before anything compiled)
+    whose ranks will capture CUDA graphs through Triton kernels. Then every rank first starts its
+    compile processes (its share of its node's CPUs), which import torch and Triton while the
+    weights load; on a warm cache that would cost a forward per graph size for nothing."""
+    mc, pc = config.model, config.parallel
+    hf_config = load_hf_config(model_dir)
+    device = torch.device(mc.device)
+    if device.type == "cuda":
+        set_torch_threads("cuda")
+    dtype = resolve_dtype(mc.dtype, hf_config, device)
+    ranks = pc.ranks_per_node  # the leader's share; every other node checks its own
+    # Over gloo (PAGODA_DIST_BACKEND=gloo) the ranks may share GPUs; NCCL needs one each.
+    if device.type == "cuda" and ranks > torch.cuda.device_count() and dist_backend("cuda") == "nccl":
+        raise ModelLoadError(f"--tensor-parallel-size × --pipeline-parallel-size / --nnodes = {ranks} needs "
+                             f"{ranks} GPUs, but this machine shows {torch.cuda.device_count()}")
+    compile_ahead = (device.type == "cuda" and mc.cudagraph_mode != "NONE" and settings_allow_compile_ahead(config)
+                     and triton_cache_is_empty())
+    # Rank 0's pool, before the other ranks start; its processes import torch and Triton while the
+    # model loads. Without it, one the engine core process may have started before it knew goes
+    # (`start_compile_pool_early`).
+    if compile_ahead:
+        start_compile_pool(engine_compile_workers(config))
+    else:
+        stop_compile_pool()
+    torch.manual_seed(mc.seed)
+    t0 = time.monotonic()
+    try:
+        executor = _start_ranks(config, model_dir, hf_config, dtype, device, compile_ahead)
+    except BaseException:
+        stop_compile_pool()
+        raise
+    executor.hf_config, executor.dtype, executor.compile_ahead = hf_config, dtype, compile_ahead
+    logger.info("loaded %s in %.1fs (%s, %s)", model_dir, time.monotonic() - t0, dtype, executor.device)
+    if executor.device.type == "cpu":
+        set_torch_threads("cpu", sum(p.numel() for p in executor.model.parameters()))
+    return executor
+
+
+def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype,
+                 device: torch.device, compile_ahead: bool) -> Executor:
+    """The executor of the engine's ranks, each with its shard loaded (and its compile pool
+    started first with `compile_ahead`)."""
     mc = config.model
     tp_size, pp_size = config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size
     check_tensor_parallel(hf_config, tp_size)

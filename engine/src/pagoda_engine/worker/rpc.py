@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from pagoda_engine.executor_types import aligned_numel
+
 _RUN_KEY = "pagoda/run"
 
 
@@ -128,19 +130,6 @@ def _by_dtype(specs: list[tuple[tuple[int, ...], torch.dtype]]) -> dict[torch.dt
     for i, (_, dtype) in enumerate(specs):
         groups.setdefault(dtype, []).append(i)
     return groups
-
-
-# Triton specialises kernels on their pointers' 16-byte alignment: a tensor packed after another
-# in one buffer (a step's positions after an odd number of int64 input ids) would make the first
-# step of each parity compile a second variant, on a live step.
-ALIGN_BYTES = 16
-
-
-def aligned_numel(numel: int, dtype: torch.dtype) -> int:
-    """`numel` rounded up to whole `ALIGN_BYTES` of `dtype`: where the next tensor packed into the
-    same buffer may start."""
-    per = max(1, ALIGN_BYTES // dtype.itemsize)
-    return -(-numel // per) * per
 
 
 def broadcast_tensors(group, tensors: list[torch.Tensor], device: torch.device) -> None:

@@ -14,8 +14,9 @@ by `(seed, number of output tokens so far)` alone, so its tokens do not depend o
 share the batch, on its position, or on whether it was preempted and recomputed. Unseeded rows use
 the sampler's engine-wide generator.
 
-`SamplingBatch.from_requests` turns the Python-side requests into per-row tensors once per step
-(copied without waiting for the device, which may still run the step before);
+The engine core turns its requests into per-row tensors once per step (`executor_types.SamplingBatch`,
+built by `core.sampling_batch`, copied without waiting for the device, which may still run the
+step before);
 `Sampler.sample` is then a fixed sequence of whole-batch tensor ops (no loops over the vocabulary).
 `Sampler.sample_on_device` stops before the host reads anything, for async scheduling.
 Everything is plain torch on whatever device the logits live on. The GPU seam is two methods:
@@ -28,35 +29,15 @@ stays shared.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from pagoda_engine.core.request import Request
+from pagoda_engine.executor_types import MASK64, SamplingBatch, splitmix64, to_device
 from pagoda_engine.messages import Logprob, TokenLogprobs
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.worker.compile_ahead import compile_ahead
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64's finaliser over uint64 values (wrapping arithmetic, as in the reference)."""
-    with np.errstate(over="ignore"):
-        x = x + np.uint64(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return x ^ (x >> np.uint64(31))
-
-
-def step_seed(seed: int, step: int) -> int:
-    """The generator seed of a seeded request at its `step`-th output token. A fixed mixing function
-    (not Python's `hash`), so the same request samples the same tokens in every process and release."""
-    mixed = _splitmix64(np.array([seed & _MASK64], dtype=np.uint64)) ^ np.uint64(step & _MASK64)
-    return int(_splitmix64(mixed)[0])
-
 
 SEED_MASK = (1 << 63) - 1  # seeds are int64 on the device: 63 random bits
 
@@ -66,184 +47,8 @@ def row_seeds(stream_seed: int, first_draw: int, num_rows: int) -> np.ndarray:
     stream (splitmix64 of the stream seed plus the draw number: distinct, well-mixed keys)."""
     draws = np.arange(first_draw, first_draw + num_rows, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        draws += np.uint64(stream_seed & _MASK64)
-    return (_splitmix64(draws) & np.uint64(SEED_MASK)).astype(np.int64)
-
-
-@dataclass
-class SamplingBatch:
-    """One step's sampling inputs as per-row tensors on the logits' device. Row i is request i.
-
-    Fields that a step does not need are None, and the sampler skips the work they stand for.
-    """
-
-    num_rows: int
-    vocab_size: int
-    device: torch.device
-    # Greedy vs random. `random_rows` indexes the non-greedy rows; the per-row sampling tensors
-    # below are for those rows only, in that order.
-    all_greedy: bool
-    all_random: bool  # no greedy row: the random rows are all rows, in order
-    random_rows: torch.Tensor | None  # int64 [R]
-    temperature: torch.Tensor | None  # float32 [R], None when every random row's temperature is 1
-    min_p: torch.Tensor | None  # float32 [R], None when no random row uses min_p
-    top_k: torch.Tensor | None  # int64 [R] in 1..V (V = off), None when no random row uses top_k
-    max_top_k: int  # the largest top_k in use (0 = none), known on the host without a device sync
-    top_p: torch.Tensor | None  # float32 [R], None when no random row uses top_p
-    filtered: list[bool]  # per random row: it uses top_k, top_p or min_p
-    # Seeded random rows: (index into the random rows, seed for this step). Empty = all unseeded.
-    seeded: list[tuple[int, int]]
-    # Penalties over all rows, None when no row has any.
-    repetition_penalty: torch.Tensor | None  # float32 [B]
-    frequency_penalty: torch.Tensor | None  # float32 [B]
-    presence_penalty: torch.Tensor | None  # float32 [B]
-    output_counts: torch.Tensor | None  # float32 [B, V]: occurrences of each token in the output
-    seen_mask: torch.Tensor | None  # bool [B, V]: token occurs in prompt or output
-    # min_tokens: logits[min_tokens_rows[j], min_tokens_ids[j]] = -inf. None when nothing is masked.
-    min_tokens_rows: torch.Tensor | None  # int64 [M]
-    min_tokens_ids: torch.Tensor | None  # int64 [M]
-    # Logprobs: per row the number of top logprobs wanted, None for rows that want none.
-    num_logprobs: list[int | None]
-    # Structured outputs: the constrained rows and their allowed tokens (bit t of row j's words:
-    # token t allowed), int32 [G, ceil(V / 32)] filled by their grammars on the host. None: no row.
-    grammar_rows: torch.Tensor | None = None  # int64 [G]
-    grammar_bitmask: torch.Tensor | None = None  # int32 [G, W]
-    # logit_bias: logits[logit_bias_rows[j], logit_bias_ids[j]] += logit_bias_values[j]. None: no row.
-    logit_bias_rows: torch.Tensor | None = None  # int64 [L]
-    logit_bias_ids: torch.Tensor | None = None  # int64 [L]
-    logit_bias_values: torch.Tensor | None = None  # float32 [L]
-
-    @property
-    def needs_logprobs(self) -> bool:
-        return any(n is not None for n in self.num_logprobs)
-
-    @property
-    def only_draw_reads_logits(self) -> bool:
-        """No logprobs, penalties, masks or biases: nothing but the draw itself reads the logits."""
-        return (not self.needs_logprobs and self.repetition_penalty is None and self.min_tokens_rows is None
-                and self.grammar_rows is None and self.logit_bias_rows is None)
-
-    @classmethod
-    def from_requests(cls, reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
-        device = torch.device(device)
-        params = [r.sampling_params for r in reqs]
-        num_rows = len(reqs)
-        num_logprobs = [p.logprobs for p in params]
-
-        random_idx = [i for i, p in enumerate(params) if not p.greedy]
-        all_greedy = not random_idx
-        random_rows = temperature = min_p = top_k = top_p = None
-        max_top_k = 0
-        seeded: list[tuple[int, int]] = []
-        filtered: list[bool] = []
-        if not all_greedy:
-            rparams = [params[i] for i in random_idx]
-            filtered = [0 < p.top_k < vocab_size or p.top_p < 1.0 or p.min_p > 0 for p in rparams]
-            random_rows = _to_device(random_idx, torch.int64, device)
-            if any(p.temperature != 1.0 for p in rparams):  # dividing by 1 changes nothing: skip it
-                temperature = _to_device([p.temperature for p in rparams], torch.float32, device)
-            if any(p.min_p > 0 for p in rparams):
-                min_p = _to_device([p.min_p for p in rparams], torch.float32, device)
-            row_top_k = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in rparams]
-            max_top_k = max((k for k in row_top_k if k < vocab_size), default=0)
-            if max_top_k:
-                top_k = _to_device(row_top_k, torch.int64, device)
-            if any(p.top_p < 1.0 for p in rparams):
-                top_p = _to_device([p.top_p for p in rparams], torch.float32, device)
-            # The output index counts tokens still in flight (async scheduling).
-            seeded = [(j, step_seed(params[i].seed, reqs[i].num_output_tokens + reqs[i].num_output_placeholders))
-                      for j, i in enumerate(random_idx) if params[i].seed is not None]
-
-        repetition = frequency = presence = output_counts = seen_mask = None
-        if any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-               for p in params):
-            repetition = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=device)
-            frequency = torch.tensor([p.frequency_penalty for p in params], dtype=torch.float32, device=device)
-            presence = torch.tensor([p.presence_penalty for p in params], dtype=torch.float32, device=device)
-            outputs = _flat_token_index([np.array(r.output_token_ids, dtype=np.int64) for r in reqs],
-                                        vocab_size, device)
-            output_counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-            output_counts.index_add_(0, outputs, torch.ones(outputs.shape, dtype=torch.float32, device=device))
-            output_counts = output_counts.view(num_rows, vocab_size)
-            seen_mask = output_counts > 0
-            seen_mask.view(-1)[_flat_token_index([_prompt_array(r) for r in reqs], vocab_size, device)] = True
-
-        mask_rows: list[int] = []
-        mask_ids: list[int] = []
-        for i, (r, p) in enumerate(zip(reqs, params)):
-            if r.num_output_tokens + r.num_output_placeholders < p.min_tokens:
-                # vLLM masks `all_stop_token_ids`: the stop token ids plus every EOS id, ignore_eos or
-                # not (an EOS sampled under ignore_eos would not stop, but vLLM still keeps it out).
-                ids = {t for t in (*p.stop_token_ids, *r.eos_token_ids) if 0 <= t < vocab_size}
-                mask_rows.extend([i] * len(ids))
-                mask_ids.extend(sorted(ids))
-        min_tokens_rows = min_tokens_ids = None
-        if mask_rows:
-            min_tokens_rows = _to_device(mask_rows, torch.int64, device)
-            min_tokens_ids = _to_device(mask_ids, torch.int64, device)
-
-        grammar_rows = grammar_bitmask = None
-        grammar_idx = [i for i, r in enumerate(reqs) if r.grammar is not None]
-        if grammar_idx:
-            from pagoda_engine.structured_outputs import fill_bitmask
-
-            grammar_rows = _to_device(grammar_idx, torch.int64, device)
-            grammar_bitmask = _to_device(fill_bitmask([reqs[i].grammar for i in grammar_idx], vocab_size),
-                                         torch.int32, device)
-
-        bias_rows, bias_ids, bias_values = [], [], []
-        for i, p in enumerate(params):
-            for token_id, bias in (p.logit_bias or {}).items():
-                if token_id < vocab_size:
-                    bias_rows.append(i)
-                    bias_ids.append(token_id)
-                    bias_values.append(bias)
-        logit_bias_rows = logit_bias_ids = logit_bias_values = None
-        if bias_rows:
-            logit_bias_rows = _to_device(bias_rows, torch.int64, device)
-            logit_bias_ids = _to_device(bias_ids, torch.int64, device)
-            logit_bias_values = _to_device(bias_values, torch.float32, device)
-
-        return cls(num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=all_greedy,
-                   all_random=len(random_idx) == num_rows,
-                   random_rows=random_rows, temperature=temperature, min_p=min_p, top_k=top_k,
-                   max_top_k=max_top_k, top_p=top_p, filtered=filtered,
-                   seeded=seeded, repetition_penalty=repetition, frequency_penalty=frequency,
-                   presence_penalty=presence, output_counts=output_counts, seen_mask=seen_mask,
-                   min_tokens_rows=min_tokens_rows, min_tokens_ids=min_tokens_ids, num_logprobs=num_logprobs,
-                   grammar_rows=grammar_rows, grammar_bitmask=grammar_bitmask, logit_bias_rows=logit_bias_rows,
-                   logit_bias_ids=logit_bias_ids, logit_bias_values=logit_bias_values)
-
-
-def _to_device(values: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A host list (or array) as a tensor on `device`. On CUDA through pinned memory and a
-    non-blocking copy: a plain copy would wait for every kernel queued before it (a whole step,
-    under async scheduling)."""
-    t = torch.from_numpy(values) if isinstance(values, np.ndarray) else torch.tensor(values, dtype=dtype)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t
-
-
-# Each request's prompt as an array, made on its first penalised step: converting a long prompt
-# from a Python list again on every step would cost more than the penalties themselves. A request's
-# prompt list is never edited in place; a new list (or length) makes a new array.
-_prompt_arrays: weakref.WeakKeyDictionary[Request, tuple[list[int], np.ndarray]] = weakref.WeakKeyDictionary()
-
-
-def _prompt_array(req: Request) -> np.ndarray:
-    cached = _prompt_arrays.get(req)
-    if cached is None or cached[0] is not req.prompt_token_ids or len(cached[1]) != len(req.prompt_token_ids):
-        cached = _prompt_arrays[req] = (req.prompt_token_ids, np.array(req.prompt_token_ids, dtype=np.int64))
-    return cached[1]
-
-
-def _flat_token_index(token_arrays: list[np.ndarray], vocab_size: int, device: torch.device) -> torch.Tensor:
-    """int64 [N]: `row * V + token_id` for every token of every row, for indexing a flattened [B, V]
-    tensor; one host-to-device copy for the whole batch. Ids outside the vocabulary (a tokenizer
-    larger than the LM head) are left out."""
-    ids = np.concatenate(token_arrays) if token_arrays else np.zeros(0, dtype=np.int64)
-    rows = np.repeat(np.arange(len(token_arrays), dtype=np.int64), [len(a) for a in token_arrays])
-    valid = (ids >= 0) & (ids < vocab_size)
-    return torch.from_numpy(rows[valid] * vocab_size + ids[valid]).to(device)
+        draws += np.uint64(stream_seed & MASK64)
+    return (splitmix64(draws) & np.uint64(SEED_MASK)).astype(np.int64)
 
 
 @dataclass
@@ -297,7 +102,7 @@ class Sampler:
         gen = self._generators.get(device)
         if gen is None:
             gen = torch.Generator(device=device)
-            gen.manual_seed(self.seed & _MASK64)
+            gen.manual_seed(self.seed & MASK64)
             self._generators[device] = gen
         return gen
 
@@ -397,7 +202,7 @@ class CudaSampler(Sampler):
             return gumbel_max_sample(logits, seeds, batch.temperature)
         tokens = self._sample_filtered(logits, batch)
         if plain:
-            rows = _to_device(plain, torch.int64, logits.device)
+            rows = to_device(plain, torch.int64, logits.device)
             temperature = batch.temperature[rows] if batch.temperature is not None else None
             tokens[rows] = gumbel_max_sample(logits[rows], seeds, temperature)
         return tokens
@@ -457,10 +262,9 @@ def note_sampler_kernels(vocab_size: int, dtype: torch.dtype, device: torch.devi
 
 def _draw_each_path(sampler: Sampler, vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
     paths = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.7), SamplingParams(top_p=0.9)]
-    reqs = [Request(request_id=f"warm-up-{i}", prompt_token_ids=[0], sampling_params=p) for i, p in enumerate(paths)]
-    logits = torch.zeros(len(reqs), vocab_size, dtype=dtype, device=device)
-    for rows in (reqs[:1], reqs[1:2], reqs):  # all greedy, all plain, mixed
-        sampler.sample(logits[:len(rows)], SamplingBatch.from_requests(rows, vocab_size, device))
+    logits = torch.zeros(len(paths), vocab_size, dtype=dtype, device=device)
+    for rows in (paths[:1], paths[1:2], paths):  # all greedy, all plain, mixed
+        sampler.sample(logits[:len(rows)], SamplingBatch.from_params(rows, vocab_size, device))
 
 
 def make_sampler(seed: int, device: torch.device) -> Sampler:

@@ -111,6 +111,10 @@ class Worker:
         self.piecewise: PiecewiseGraphs | None = None
         self.offload: KVOffloader | None = None
         self.profiler: RankProfiler | None = None
+        # This rank compiles its Triton kernels ahead, several at once, before the profile step,
+        # the sampler's warm-up and the graphs' capture (`compile_ahead`): the executor decides it
+        # for every rank (`start_compile_pool`), until the graphs are captured.
+        self.compile_ahead = False
         self.serving = True
 
     @property
@@ -161,18 +165,19 @@ class Worker:
                                 data_parallel=(self.data_parallel.size, self.data_parallel.rank)
                                 if self.data_parallel else (1, 0))
         self.dtype = dtype
-        if self.layout.pp > 1 and self.is_last_stage and self.coordinates.tp_rank == 0:
+        if self.is_last_stage and self.coordinates.tp_rank == 0:  # rank 0 without pipeline parallelism
             self.sampler = make_sampler(seed, self.device)
         if self.tp_group is not None:
             attach_tp_group(self.model, self.tp_group)
         if self.dp_dispatch is not None:
             attach_dp_dispatch(self.model, self.dp_dispatch)
 
-    def warm_up_sampler(self, compile_first: bool = False) -> None:
-        """The sampling rank of the last pipeline stage compiles its sampler's kernels (see
-        `sampling.warm_up_sampler`)."""
+    def warm_up_sampler(self) -> None:
+        """The sampling rank (rank 0, or the last pipeline stage's first) draws once along each of
+        its sampler's paths, so that the first requests do not wait for a kernel's JIT compile
+        (`sampling.warm_up_sampler`; compiled ahead with this rank's `compile_ahead`)."""
         if self.sampler is not None:
-            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device, compile_first)
+            warm_up_sampler(self.sampler, self.model.vocab_size, self.dtype, self.device, self.compile_ahead)
 
     def freeze_gc_heap(self) -> None:
         """Start-up is over on this rank: its objects leave the collector's reach (`processes.freeze_gc_heap`)."""
@@ -227,27 +232,26 @@ class Worker:
     def kv_offload_poll(self) -> OffloadEvents:
         return self.offload.poll()
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
-                       compile_first: bool = False) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
         empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
         captures the same sizes in the same order: the all-reduces inside pair up across ranks,
         and every pipeline stage picks the same graph and padded size for a step (its own layers'
-        forward; the transfers between stages stay outside: `execute_model`). `compile_first`:
-        compile the graphs' Triton kernels ahead, several at once (`compile_ahead`); the core
-        decides it for every rank."""
+        forward; the transfers between stages stay outside: `execute_model`). With this rank's
+        `compile_ahead` the graphs' Triton kernels compile ahead, several at once; the pool goes
+        afterwards."""
         if self.tp_group is not None and self.tp_group.stages_on_host:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
         pool = torch.cuda.graph_pool_handle()
         try:
             self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
-                                       compile_first)
+                                       self.compile_ahead)
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool,
-                                                 compile_first)
+                                                 self.compile_ahead)
         finally:
-            stop_compile_pool()
+            self.stop_compile_pool()
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
@@ -257,12 +261,15 @@ class Worker:
     def start_compile_pool(self, ranks_on_node: int) -> None:
         """Start this rank's compile processes now, before the weights load (`create_executor`),
         so that they have imported torch and Triton by the profile step (`compile_ahead` keeps
-        them to the graphs' capture): its share of this node's CPUs among `ranks_on_node` ranks."""
+        them to the graphs' capture): its share of this node's CPUs among `ranks_on_node` ranks.
+        From here on this rank compiles ahead (`compile_ahead`)."""
         start_compile_pool(compile_workers(ranks_on_node))
+        self.compile_ahead = True
 
     def stop_compile_pool(self) -> None:
-        """No graphs will be captured: the pool started before the weights loaded goes now."""
+        """No more compiling ahead (the graphs are captured, or none will be): the pool goes."""
         stop_compile_pool()
+        self.compile_ahead = False
 
     def graph_replays(self) -> dict[str, int]:
         """How many steps this rank ran as decode graphs and as piecewise graphs."""
@@ -377,19 +384,17 @@ class Worker:
         self.pp_group.send(out, self.coordinates.pp_rank + 1)
         return None
 
-    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int,
-                    compile_first: bool = False) -> torch.Tensor:
+    def profile_run(self, backend: str, spec: KVCacheSpec, num_tokens: int, num_rows: int) -> torch.Tensor:
         """The largest step the scheduler can form, for measuring peak memory: `num_tokens` new
         tokens of one sequence through the attention backend (over a scratch pool of just enough
-        pages), then the logits of the last `num_rows` of them, which it returns. `compile_first`
-        (the core decides it for every rank, as for `capture_graphs`): the step's Triton kernels,
-        and the sampler's where this rank samples, compile ahead, several at once
-        (`compile_ahead`); the pool stays for the graphs' capture."""
-        if compile_first:
+        pages), then the logits of the last `num_rows` of them, which it returns. With this rank's
+        `compile_ahead` the step's Triton kernels, and the sampler's where this rank samples,
+        compile ahead, several at once; the pool stays for the graphs' capture."""
+        if self.compile_ahead:
             with torch.inference_mode(), compile_ahead(self.device, "the profile step and the sampler") as ahead:
                 if ahead:
                     logits = self._profile_forward(backend, spec, num_tokens, num_rows)
-                    if self.rank == 0 or self.sampler is not None:  # where `warm_up_sampler` runs
+                    if self.sampler is not None:  # where `warm_up_sampler` runs
                         note_sampler_kernels(self.model.vocab_size, self.dtype, self.device)
                     del logits
                     self.hidden = None  # not counted in the real step's peak

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
@@ -13,6 +15,13 @@ def _flashinfer_backend():
     from pagoda_engine.worker.attention.flashinfer import FlashInferBackend  # needs the flashinfer package and CUDA
 
     return FlashInferBackend
+
+
+def flashinfer_available() -> bool:
+    """Whether FlashInfer is installed ("auto" picks its backend on CUDA then): the one backend
+    whose decode steps replay CUDA graphs (`plan_graph_decode`). Found without importing it, so
+    that nothing touches a GPU before the executor has picked the process's device."""
+    return importlib.util.find_spec("flashinfer") is not None
 
 
 def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: torch.device) -> AttentionBackend:
@@ -37,4 +46,5 @@ def get_attention_backend(name: str, spec: KVCacheSpec, num_pages: int, device: 
     return TorchRefBackend(spec, num_pages, device)
 
 
-__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "get_attention_backend"]
+__all__ = ["AttentionBackend", "AttentionBatch", "KVCacheSpec", "BACKENDS", "flashinfer_available",
+           "get_attention_backend"]

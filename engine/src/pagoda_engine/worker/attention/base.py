@@ -1,4 +1,4 @@
-"""The attention backend interface: the runner plans once per step, each layer calls forward.
+"""The attention backend interface: a rank plans once per step, each layer calls forward.
 
 A backend owns the paged KV cache: per layer one tensor `[num_pages, 2, page_size, num_kv_heads,
 head_dim]` (FlashInfer's "NHD" layout). Page 0 is the reserved null page; no request owns it.
@@ -8,47 +8,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-
-@dataclass
-class AttentionBatch:
-    """CPU-side metadata for one step, built by the runner.
-
-    Requests are in batch order and their new tokens are concatenated in that order. The first
-    `num_decodes` requests are decodes (query_len == 1 with at least one cached token before it);
-    the rest are prefill chunks (which may start after cached tokens: prefix hits, chunked prefill).
-    """
-
-    query_lens: list[int]  # new tokens per request in this step
-    seq_lens: list[int]  # tokens in the cache after this step (cached + new), per request
-    page_tables: list[list[int]]  # page ids per request, covering at least seq_len tokens
-    slot_mapping: torch.Tensor  # int64 [num_tokens], on the device: page * page_size + offset per new token
-    num_decodes: int = 0
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(self.query_lens)
-
-    @property
-    def num_reqs(self) -> int:
-        return len(self.query_lens)
-
-
-@dataclass
-class KVCacheSpec:
-    num_layers: int
-    num_kv_heads: int  # per TP rank
-    num_qo_heads: int  # per TP rank
-    head_dim: int
-    page_size: int
-    dtype: torch.dtype
-
-    def bytes_per_page(self) -> int:
-        return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+from pagoda_engine.executor_types import AttentionBatch, KVCacheSpec
 
 
 class Rotary(Protocol):
@@ -78,9 +42,9 @@ class AttentionBackend(ABC):
     """Paged attention over one KV pool. `plan` once per step, then `forward` once per layer."""
 
     name: str = "base"
-    # Called with the layer's index at the start of `forward` while the runner launches a step
-    # that asked for it (`ModelRunner.launch`): there the engine core may publish the step before
-    # this one, between two of this one's layers.
+    # Called with the layer's index at the start of `forward` while rank 0 launches a step that
+    # asked for it (`Executor.execute_model`'s `layer_hook`): there the engine core may publish
+    # the step before this one, between two of this one's layers.
     layer_hook: Callable[[int], None] | None = None
 
     def __init__(self, spec: KVCacheSpec, num_pages: int, device: torch.device):

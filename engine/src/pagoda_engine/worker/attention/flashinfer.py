@@ -31,7 +31,7 @@ import flashinfer  # ImportError here makes `get_attention_backend("auto")` fall
 import numpy as np
 import torch
 
-from pagoda_engine.worker.attention import decode_triton
+import pagoda_engine.worker.attention.decode_triton as decode_triton
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, KVCacheSpec, Rotary
 from pagoda_engine.worker.attention.rope_kv_triton import rope_and_write_kv
 

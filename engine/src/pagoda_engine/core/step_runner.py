@@ -1,20 +1,18 @@
-"""Batch → tensors → model → sampled tokens, for one step.
+"""Batch → tensors → the executor's ranks → sampled tokens, for one step: the engine core's side.
 
 The runner turns the scheduler's decision into flat, ragged tensors (input ids, positions, slot
-mapping) plus the attention backend's CPU-side plan, runs the model once, and samples one token
-for every request whose known tokens are now all computed. Decodes go first in the batch.
+mapping) plus the attention backend's plan (`AttentionBatch`) and the sampling rows
+(`SamplingBatch`), has every rank run the model once (`Executor.execute_model`), and samples one
+token for every request whose known tokens are now all computed. Decodes go first in the batch.
+The ranks see only those plain descriptions and tensors (`executor_types`), never a request.
 
 `launch` queues a step and returns it unresolved (`LaunchedStep`); `execute` is launch + resolve.
 Under async scheduling the next step is launched before the last one is resolved: a decode whose
 input token is still in flight (an output placeholder) reads it from the previous step's sampled
 tensor on the device, so nothing waits for the host.
 
-On CUDA, steps that are all decodes replay a CUDA graph of the model's forward captured at the
-next larger batch size (`cuda_graphs.DecodeGraphs`, owned by each rank's `Worker`, so that every
-tensor-parallel rank and pipeline stage replays its own); other steps of up to 512 tokens replay
-piecewise graphs with attention run eagerly between them (`cuda_graphs.PiecewiseGraphs`, at sizes
-that skip the row counts cuBLAS runs slowly on this device); longer steps and `--enforce-eager`
-run eagerly.
+Which steps replay CUDA graphs is each rank's choice (`worker.cuda_graphs`): the same on every
+rank, from the step's shape.
 """
 
 from __future__ import annotations
@@ -26,28 +24,23 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagoda_engine.core.request import Request
 from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda_engine.executor_types import AttentionBatch, aligned_numel, host_to_device
 from pagoda_engine.messages import TokenLogprobs
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
-from pagoda_engine.worker.cuda_graphs import (DecodeGraphs, PiecewiseGraphs, drop_slow_sizes, graph_batch_sizes,
-                                              piecewise_token_sizes, sizes_to_measure)
-from pagoda_engine.worker.executor import Executor
-from pagoda_engine.worker.rpc import aligned_numel
-from pagoda_engine.worker.sampling import (
-    PendingSample,
-    Sampler,
-    SamplingBatch,
-    compute_prompt_logprobs,
-    warm_up_sampler,
-)
+from pagoda_engine.worker.executor import ArrivingSample, Executor, PendingSample, StepEnd
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass
 class StepInputs:
+    """One step's batch: what every rank gets (the input ids, positions and sample rows on the
+    device, and the attention plan's `AttentionBatch`), and what the core keeps of it (the batch
+    order, the requests that sample, the prompt-logprob spans)."""
+
     order: list[ScheduledRequest]  # batch order: decodes first
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -68,15 +61,14 @@ class RunnerOutput:
 @dataclass
 class LaunchedStep:
     """A step queued on the device whose sampled tokens the host has not read yet. Under pipeline
-    parallelism the last stage samples, and its tokens may still be on their way: `sample_later` then
+    parallelism the last stage samples, and its tokens may still be on their way: `sample` then
     reads them once they are here (at `resolve`)."""
 
     sched: SchedulerOutput
     sample_reqs: list[Request]
-    sample: PendingSample | None
+    sample: PendingSample | ArrivingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
-    sample_later: Callable[[], PendingSample] | None = None
-    ended: torch.cuda.Event | None = None  # after rank 0's work for the step (with `ModelRunner.record_ends`)
+    ended: StepEnd | None = None  # after rank 0's work for the step (with `StepRunner.record_ends`)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
     def sample_row(self, req: Request) -> int:
@@ -92,8 +84,6 @@ class LaunchedStep:
     def resolve(self) -> RunnerOutput:
         """Wait for the step and read its tokens (and logprobs) back."""
         out = RunnerOutput(prompt_logprobs=self.prompt_logprobs)
-        if self.sample_later is not None:
-            self.sample, self.sample_later = self.sample_later(), None
         if self.sample is not None:
             result = self.sample.resolve()
             for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
@@ -103,59 +93,18 @@ class LaunchedStep:
         return out
 
 
-class ModelRunner:
-    def __init__(self, model: torch.nn.Module, attn: AttentionBackend, kv: KVCacheManager,
-                 sampler: Sampler, device: torch.device, executor: Executor, record_ends: bool = False):
-        self.model = model
-        self.attn = attn
-        self.kv = kv
-        self.sampler = sampler
-        self.device = device
-        self.page_size = kv.page_size
-        self.vocab_size = model.vocab_size
-        # Runs the forward and LM head on every rank (rank 0 in this process).
+class StepRunner:
+    """Builds each step's inputs from the scheduler's output and launches it on the executor's
+    ranks (rank 0 in this process): the forward, prompt logprobs where asked, then the sample."""
+
+    def __init__(self, executor: Executor, kv: KVCacheManager, vocab_size: int, record_ends: bool = False):
         self.executor = executor
+        self.kv = kv
+        self.device = executor.device
+        self.page_size = kv.page_size
+        self.vocab_size = vocab_size
         # Each step records `LaunchedStep.ended` (step launch pacing and early publishing read it).
         self.record_ends = record_ends
-
-    @property
-    def graphs(self) -> DecodeGraphs | None:
-        return self.executor.graphs
-
-    @property
-    def piecewise_graphs(self) -> PiecewiseGraphs | None:
-        return self.executor.piecewise
-
-    def capture_cuda_graphs(self, max_batch_size: int, max_model_len: int, max_piecewise_tokens: int,
-                            compile_first: bool = False) -> None:
-        """Capture, on every rank, the decode forward at the batch sizes of
-        `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
-        forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`, less those
-        whose GEMMs some larger one runs as fast on every rank (`drop_slow_sizes`). Other steps
-        run eagerly. `compile_first`: the graphs' Triton kernels compile ahead (`compile_ahead`)."""
-        piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
-        measured = sizes_to_measure(piecewise)
-        if len(measured) > 1:
-            per_rank = self.executor.piecewise_row_costs(measured)
-            cost = {size: max(costs[size] for costs in per_rank) for size in measured
-                    if all(size in costs for costs in per_rank)}  # a rank without dense projections has none
-            kept = drop_slow_sizes(piecewise, cost)
-            dropped = sorted(set(piecewise) - set(kept))
-            if dropped:
-                logger.info("piecewise graphs: left out %s tokens (a layer's GEMMs: %s µs; a larger size is as fast)",
-                            dropped, ", ".join(f"{s}: {cost[s]:.0f}" for s in measured if s in cost))
-            piecewise = kept
-        self.executor.capture_graphs(graph_batch_sizes(max_batch_size), -(-max_model_len // self.page_size), piecewise,
-                                     compile_first)
-
-    def warm_up_sampler(self, compile_first: bool = False) -> None:
-        """Draw once along each of the sampler's paths before the engine reports ready (on the
-        last pipeline stage too, which samples under pipeline parallelism): the first requests
-        must not wait for a kernel's JIT compile. `compile_first`: its Triton kernels compile
-        ahead, several at once (`sampling.warm_up_sampler`)."""
-        warm_up_sampler(self.sampler, self.vocab_size, next(self.model.parameters()).dtype, self.device, compile_first)
-        if self.executor.layout.pp > 1:
-            self.executor.collective_rpc("warm_up_sampler", compile_first)
 
     def prepare(self, sched: SchedulerOutput, prev: LaunchedStep | None = None) -> StepInputs:
         """`prev`: the step still in flight, whose sampled tokens feed this step's placeholder decodes."""
@@ -206,9 +155,7 @@ class ModelRunner:
         span = aligned_numel(t, torch.int64)
         pad = [0] * (span - t)
         host = torch.tensor(ids + pad + pos + pad + slots + pad + sample_rows + fed_at + fed_from, dtype=torch.int64)
-        if self.device.type == "cuda":
-            host = host.pin_memory()
-        dev = host.to(self.device, non_blocking=True)
+        dev = host_to_device(host, self.device)
         rest = 3 * span
         input_ids = dev[:t]
         if f:
@@ -218,9 +165,6 @@ class ModelRunner:
         return StepInputs(order=order, input_ids=input_ids, positions=dev[span:span + t], attn_batch=attn_batch,
                           sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
 
-    def run_model(self, inputs: StepInputs) -> torch.Tensor:
-        return self.executor.execute_model(inputs.input_ids, inputs.positions, inputs.attn_batch)
-
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.launch(sched).resolve()
 
@@ -228,43 +172,28 @@ class ModelRunner:
     def launch(self, sched: SchedulerOutput, prev: LaunchedStep | None = None,
                layer_hook: Callable[[int], None] | None = None) -> LaunchedStep:
         """Queue the step on the device; `prev` is the step in flight (async scheduling).
-        `layer_hook`: the attention backend calls it with the layer's index before each layer's
-        attention while this step's forward is launched (once its inputs are prepared), on rank 0."""
+        `layer_hook`: rank 0's attention backend calls it with the layer's index before each
+        layer's attention while this step's forward is launched (once its inputs are prepared)."""
         inputs = self.prepare(sched, prev)
-        self.attn.layer_hook = layer_hook
-        try:
-            self.run_model(inputs)  # the hidden states stay on the ranks: compute_logits picks rows of them
-        finally:
-            self.attn.layer_hook = None
+        # The hidden states stay on the ranks: the logits are computed from rows of them.
+        self.executor.execute_model(inputs.input_ids, inputs.positions, inputs.attn_batch, layer_hook=layer_hook)
         prompt_logprobs = {}
         # Prompt logprobs are read back here (a sync): such steps are not overlapped.
         for rid, (first, count) in inputs.prompt_logprob_spans.items():
             req = next(s.request for s in inputs.order if s.request.request_id == rid)
             start = req.num_computed_tokens
             targets = torch.tensor(req.prompt_token_ids[start + 1:start + 1 + count], device=self.device)
-            logits = self.executor.compute_logits(torch.arange(first, first + count, device=self.device))
-            prompt_logprobs[rid] = compute_prompt_logprobs(logits, targets, req.sampling_params.prompt_logprobs)
-        sample = sample_later = None
+            prompt_logprobs[rid] = self.executor.prompt_logprobs(torch.arange(first, first + count, device=self.device),
+                                                                 targets, req.sampling_params.prompt_logprobs)
+        sample = None
         if inputs.sample_reqs:
-            batch = SamplingBatch.from_requests(inputs.sample_reqs, self.vocab_size, self.device)
-            if self.executor.layout.pp > 1:
-                # The last stage samples; its tokens are read when they arrive, so that the core
-                # can launch the next batch meanwhile (the batch queue).
-                sample_later = self._sampled_by_last_stage(self.executor.sample(inputs.sample_rows, batch), batch)
-            else:
-                sample = self.sampler.sample_on_device(self.executor.compute_logits(inputs.sample_rows), batch)
-        ended = None
-        if self.record_ends:
-            ended = torch.cuda.Event()
-            ended.record()
+            # Under pipeline parallelism the last stage samples; its tokens are read when they
+            # arrive, so that the core can launch the next batch meanwhile (the batch queue).
+            sample = self.executor.sample(inputs.sample_rows,
+                                          sampling_batch(inputs.sample_reqs, self.vocab_size, self.device))
+        ended = self.executor.mark_step_end() if self.record_ends else None
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs, sample_later=sample_later, ended=ended)
-
-    def _sampled_by_last_stage(self, arriving, batch: SamplingBatch) -> Callable[[], PendingSample]:
-        def resolve() -> PendingSample:
-            token_ids, raw_logprobs = self.executor.wait(arriving)
-            return PendingSample(token_ids=token_ids, num_logprobs=batch.num_logprobs, raw_logprobs=raw_logprobs)
-        return resolve
+                            prompt_logprobs=prompt_logprobs, ended=ended)
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

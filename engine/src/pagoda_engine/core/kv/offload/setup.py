@@ -1,0 +1,43 @@
+"""Sizing the KV offload tiers of one engine core (`start_offload`): how many pages its host memory
+and disk shares hold, under which fingerprint its ranks store them, and the manager that runs them
+(`manager.OffloadManager`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.core.kv.block_pool import BlockPool
+from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
+from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.worker.executor import Executor
+from pagoda_engine.worker.kv_offload import OffloadSetup
+from pagoda_engine.worker.kv_stores import HEADER_BYTES
+
+_GiB = 1 << 30
+
+
+def start_offload(config: EngineConfig, executor: Executor, pool: BlockPool, model_dir: str) -> OffloadManager:
+    """The KV tiers below the device pool, on every rank. The sizes are the pod's: with
+    data-parallel engine cores each core of the pod (of its node, with cores on several nodes)
+    takes its share, and its own disk directory."""
+    cc, mc, pc = config.cache, config.model, config.parallel
+    spec = executor.kv_cache_spec(cc.block_size)
+    specs = executor.kv_cache_specs(spec.page_size, spec.dtype)
+    page_bytes = sum(s.bytes_per_page() for s in specs)
+    share = 1 / (pc.data_parallel_size_local or pc.data_parallel_size)
+    disk_path = cc.kv_offload_disk_path
+    if disk_path is not None and pc.data_parallel_size > 1:
+        disk_path = str(Path(disk_path) / f"core-{pc.data_parallel_rank}")
+    layout = (f"{executor.hf_config.num_hidden_layers} layers, {spec.num_kv_heads * pc.tensor_parallel_size} "
+              f"kv heads x {spec.head_dim}, [page, 2, token, head, dim]")
+    setup = OffloadSetup(kv_fingerprint(model_dir, mc.load_format, mc.seed, str(executor.dtype), cc.block_size, layout),
+                         num_cpu_slots=int(cc.kv_offload_cpu_gb * share * _GiB) // page_bytes,
+                         disk_path=disk_path, remote_url=cc.kv_offload_remote_url)
+    if cc.kv_offload_cpu_gb > 0 and setup.num_cpu_slots == 0:
+        raise ModelLoadError(f"--kv-offload-cpu-gb {cc.kv_offload_cpu_gb} holds no page ({page_bytes} bytes each)")
+    disk_pages = int(cc.kv_offload_disk_gb * share * _GiB) // (page_bytes + HEADER_BYTES * len(specs))
+    if cc.kv_offload_disk_path is not None and disk_pages == 0:
+        raise ModelLoadError(f"--kv-offload-disk-gb {cc.kv_offload_disk_gb} holds no page ({page_bytes} bytes each)")
+    return OffloadManager(pool, cc.block_size, executor, setup, disk_pages, page_bytes,
+                          split_loads=cc.kv_offload_split_loads)
