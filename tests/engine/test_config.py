@@ -58,12 +58,15 @@ def test_bad_cudagraph_mode_flag_is_refused_by_the_parser(capsys):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("max_cudagraph_capture_size", 0, "max_cudagraph_capture_size"),
-    ("cudagraph_mode", "FULL", "cudagraph_mode must be one of FULL_AND_PIECEWISE"),
-    ("block_size", 12, "block_size"),
-    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
-    ("max_num_seqs", 0, "max_num_seqs"),
-    ("long_prefill_token_threshold", -1, "long_prefill_token_threshold must be >= 0"),
+    ("max_cudagraph_capture_size", 0, "--max-cudagraph-capture-size must be >= 1, got 0"),
+    ("cudagraph_mode", "FULL", "--cudagraph-mode must be one of FULL_AND_PIECEWISE"),
+    ("block_size", 12, "--block-size must be a power of two, got 12"),
+    ("gpu_memory_utilization", 1.5, r"--gpu-memory-utilization must be <= 1, got 1.5"),
+    ("gpu_memory_utilization", 0, r"--gpu-memory-utilization must be > 0, got 0"),
+    ("max_num_seqs", 0, "--max-num-seqs must be >= 1"),
+    ("long_prefill_token_threshold", -1, r"--long-prefill-token-threshold must be >= 0 \(0: no cap\)"),
+    ("dtype", "int4", "--dtype must be one of auto, bfloat16"),
+    ("tool_call_parser", "nope", r"invalid tool call parser: nope \(choose from \{ hermes, "),
 ])
 def test_bad_values_name_the_option(option, value, message):
     with pytest.raises(ValueError, match=message):
@@ -73,7 +76,7 @@ def test_bad_values_name_the_option(option, value, message):
 def test_long_prefill_token_threshold_flag_reaches_the_scheduler_and_defaults_to_no_cap():
     assert parse().scheduler.long_prefill_token_threshold == 0
     assert parse("--long-prefill-token-threshold", "512").scheduler.long_prefill_token_threshold == 512
-    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold"):
         parse("--long-prefill-token-threshold", "-5")
 
 
@@ -204,7 +207,8 @@ def test_inconsistent_node_flags_are_clear_errors(flags, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-gpu-blocks-override", "1"], r"--num-gpu-blocks-override must be >= 2"),
-    (["--kv-offload-cpu-gb", "-1"], r"--kv-offload-cpu-gb and --kv-offload-disk-gb must be >= 0"),
+    (["--kv-offload-cpu-gb", "-1"], r"--kv-offload-cpu-gb must be >= 0, got -1.0"),
+    (["--kv-offload-disk-gb", "-1"], r"--kv-offload-disk-gb must be >= 0, got -1.0"),
     (["--kv-offload-cpu-gb", "4", "--no-enable-prefix-caching"], r"they need --enable-prefix-caching"),
     (["--kv-offload-disk-gb", "10"], r"--kv-offload-disk-gb needs --kv-offload-disk-path"),
     (["--kv-offload-remote-url", "http://kv:6379"], r"--kv-offload-remote-url: 'http://kv:6379' is not redis://"),

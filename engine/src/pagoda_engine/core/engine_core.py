@@ -60,8 +60,8 @@ from pagoda_engine.worker.compile_ahead import (engine_compile_workers, settings
                                                  start_compile_pool, stop_compile_pool, triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import MAX_PIECEWISE_TOKENS
 from pagoda_engine.worker.executor import create_executor
-from pagoda_engine.worker.kv_offload import OffloadSetup
-from pagoda_engine.worker.kv_stores import HEADER_BYTES
+from pagoda_engine.kv_tiers import HEADER_BYTES, OffloadSetup
+from pagoda_engine.worker.kv_stores import remote_store
 from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.worker.parallel_state import dist_backend
 from pagoda_engine.worker.runner import LaunchedStep, ModelRunner, RunnerOutput
@@ -426,7 +426,7 @@ class EngineCore:
         if cc.kv_offload_disk_path is not None and disk_pages == 0:
             raise ModelLoadError(f"--kv-offload-disk-gb {cc.kv_offload_disk_gb} holds no page ({page_bytes} bytes each)")
         return OffloadManager(self.kv.pool, cc.block_size, self.executor, setup, disk_pages, page_bytes,
-                              split_loads=cc.kv_offload_split_loads)
+                              split_loads=cc.kv_offload_split_loads, open_remote=remote_store)
 
     def _measure_num_pages(self, spec: KVCacheSpec) -> int:
         cc, sc = self.config.cache, self.config.scheduler
