@@ -67,7 +67,7 @@ class Flag:
     help: str | None = None
     name: str | None = None  # the long spelling, when it is not --<field-name>
     aliases: tuple[str, ...] = ()  # vLLM's short spellings (-tp)
-    # How the command line's word becomes the value (default: the field's type); "a switch" for bools.
+    # How the command line's word becomes the value; default: the field's type (a bool field is a switch).
     type: Callable[[str], Any] | None = None
     choices: tuple[str, ...] | None = None
     # False: the parser takes any word and `validate` refuses one outside `choices` with `invalid`
@@ -509,14 +509,17 @@ def value_fault(flag: Flag, value: Any) -> str | None:
     nothing is (None, a flag's "not given", always passes)."""
     if value is None or isinstance(value, bool):
         return None
-    if flag.choices is not None and isinstance(value, str):
+    if flag.choices is not None:
         if value in flag.choices:
             return None
         if flag.invalid is not None:
             return flag.invalid.format(value=value, choices=", ".join(flag.choices))
         return f"must be one of {', '.join(flag.choices)}"
-    if not isinstance(value, (int, float)):
+    bounded = (flag.min, flag.max, flag.above) != (None, None, None) or flag.power_of_two
+    if not bounded:
         return None
+    if not isinstance(value, (int, float)):
+        return "must be a number"
     why = f" ({flag.why})" if flag.why else ""
     if flag.power_of_two and (value < 1 or int(value) & (int(value) - 1)):
         return f"must be a power of two{why}"
