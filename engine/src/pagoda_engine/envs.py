@@ -1,12 +1,12 @@
 """Every PAGODA_* environment variable the engine reads, each through a function of its own
-here (no other module reads one), and the one way to read a number: `env_seconds` (a finite number of seconds > 0) or `env_count` (a whole number >= 1). A value
-that is not one (not a number, zero or negative, nan or inf, empty) is refused with an
-`InvalidEnvironmentError` naming the variable and what it must be, never crashes on a bare
-ValueError nor is bent into range. `env_switch` reads an on/off switch: "1" or "0", nothing else.
+here (no other module reads one), and the one way to read a number: `env_seconds` (a finite
+number of seconds > 0) or `env_count` (a whole number >= 1). A value that is not one (not a
+number, zero or negative, nan or inf, empty) is refused with an `InvalidEnvironmentError` naming
+the variable and what it must be, never crashes on a bare ValueError nor is bent into range. `env_switch` reads an on/off switch: "1" or "0", nothing else.
 
 Each is read when used, never at import: every `pagoda` verb imports the modules that use them.
-`pagoda serve` reads them all first (`check_environment`), so a bad value stops it, exit 2,
-before anything starts."""
+`pagoda serve` reads every number first (`check_environment`), so a bad value stops it, exit 2,
+before anything starts. A base module: it imports no layer of the engine."""
 
 from __future__ import annotations
 
