@@ -11,8 +11,9 @@ environment (exit 2 naming what is wrong), binds the listening port before any m
   bound socket (`api.server.launcher`);
 - else one process: the engine core(s), then the HTTP server on the bound socket (`api.server.api_server`).
 
-The package's entry module: it may import any layer, and none imports it (`pagoda bench serve`
-starts a `pagoda serve` of its own through it). Torch-free at import: layers load in `run`.
+The package's entry module: it may import any layer, and no layer imports it (only `pagoda bench
+serve`, another verb, which starts a `pagoda serve` of its own through it). Torch-free at import,
+since the operator builds `pagoda serve`'s parser from it: the layers load in `run`.
 """
 
 from __future__ import annotations
