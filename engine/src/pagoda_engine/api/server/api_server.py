@@ -2,8 +2,8 @@
 (`pagoda serve`'s flags and which processes it runs: `pagoda_engine.serve`).
 
 Order matters for Kubernetes probes and for clients: the port, bound before anything loads, opens
-(listens) only after the core has loaded the model and reported its KV capacity, and on SIGTERM the server stops accepting,
-lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
+(listens) only after the core has loaded the model and reported its KV capacity, and on SIGTERM
+the server stops accepting, lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
 stops the core process, and exits 0.
 
 With `--api-server-count N` > 1 the launcher (`api.server.launcher`) starts the cores and N API
@@ -37,14 +37,14 @@ class _DrainingServer(uvicorn.Server):
     reaches the whole process group. The one process of a server without a launcher says where
     it listens, as uvicorn does for an address it binds itself (it is silent on a socket given)."""
 
-    def __init__(self, config: uvicorn.Config, on_exit, ignore_sigint: bool = False):
+    def __init__(self, config: uvicorn.Config, on_exit, under_launcher: bool = False):
         super().__init__(config)
         self._on_exit = on_exit
         self._draining = False
-        self._ignore_sigint = ignore_sigint
+        self._under_launcher = under_launcher
 
     def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGINT and self._ignore_sigint:
+        if sig == signal.SIGINT and self._under_launcher:
             return
         if not self._draining:
             self._draining = True
@@ -54,7 +54,7 @@ class _DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets=sockets)
-        if sockets and self.started and not self._ignore_sigint:
+        if sockets and self.started and not self._under_launcher:
             self._log_started_message(sockets)
 
 
@@ -121,7 +121,7 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
                                lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False,
                                headers=headers)
     server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())),
-                             ignore_sigint=api_server_index is not None)
+                             under_launcher=api_server_index is not None)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
     # place that is a no-op, and the process stops the core and exits 0. (Before this point the
     # default handlers apply: SIGTERM during model loading simply ends the process, and the
