@@ -149,6 +149,30 @@ def test_a_taken_port_is_refused_at_once_naming_the_address_before_any_model_loa
     assert "KV cache capacity" not in out.stdout and "engine core" not in out.stderr.lower()
 
 
+def test_a_port_another_server_listens_on_first_while_the_model_loads_is_a_clear_error():
+    """The port is bound before the model loads but listened on after; a server that bound it too
+    (both with SO_REUSEADDR, as uvicorn binds) and listens first wins it: exit 3, naming the address."""
+    import socket
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", "pagoda-tiny", "--host",
+                                 "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        seen = []
+        for line in proc.stderr:  # the engine core's first words: the port was bound before it started
+            seen.append(line)
+            if "pagoda_engine.core" in line:
+                break
+        other.listen()
+        out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, "".join(seen) + err
+    assert "KV cache capacity" in out  # it got as far as the listen
+    assert f"pagoda serve: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+
+
 # `pagoda serve` up to the moment it spawns its engine core, with the spawn replaced by a report of
 # the heavy libraries imported so far (the tokenizer's thread, which imports transformers beside the
 # core's start-up, is held until then).

@@ -22,6 +22,7 @@ import sys
 from typing import Awaitable, TypeVar
 
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
@@ -129,6 +130,15 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
+        if sock is not None:
+            try:
+                # Here, not in the event loop: uvloop does not report a listen() that fails (another
+                # server bound the port too, both with SO_REUSEADDR, and listened first).
+                sock.listen(uv_config.backlog)
+            except OSError as e:
+                print(f"pagoda serve: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
+                      file=sys.stderr, flush=True)
+                return STARTUP_FAILURE
         await server.serve(sockets=None if sock is None else [sock])
     finally:
         for task in drain_tasks:
