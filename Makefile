@@ -9,7 +9,7 @@ APT_PKGS := prometheus kubernetes-client redis-server
 PYTEST_ARGS ?= -n 2
 SMOLLM2_VERSION := 0.1.2
 
-.PHONY: setup serve test test-gpu bench crds capabilities e2e-local e2e-cluster images deploy clean
+.PHONY: setup serve test test-gpu bench crds e2e-local e2e-cluster images deploy clean
 
 setup: $(STAMP)
 
@@ -57,10 +57,6 @@ bench: setup
 
 crds: setup
 	$(BIN)/pagoda-operator crds --out crds --chart charts/pagoda/crds
-
-# The operator's copy of the engine's capability table (it cannot import the engine).
-capabilities: setup
-	$(BIN)/python -m pagoda_engine.capabilities operator/src/pagoda_operator/engine_capabilities.json
 
 e2e-local: setup
 	$(BIN)/python -m pytest -q -m e2e e2e/local

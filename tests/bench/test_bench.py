@@ -135,7 +135,7 @@ def test_invalid_sizes_are_refused(tiny_model, capsys):
 @pytest.mark.parametrize("bench", ["throughput", "latency", "serve"])
 def test_invalid_engine_flags_are_refused_before_any_engine_starts(tiny_model, capsys, bench):
     assert main(["bench", bench, "--model", tiny_model, "--data-parallel-size", "0"]) == 2
-    assert "pagoda bench: data_parallel_size must be >= 1" in capsys.readouterr().err
+    assert "pagoda bench: --data-parallel-size must be >= 1, got 0" in capsys.readouterr().err
 
 
 def test_profile_records_the_chosen_steps(tiny_model, tmp_path, capsys):

@@ -12,7 +12,7 @@ import redis
 
 from pagoda_engine.bench import remote_read
 from pagoda_engine.cli import main
-from pagoda_engine.worker.kv_stores import remote_read_connections
+from pagoda_engine.envs import kv_remote_read_connections
 
 REDIS_SERVER = shutil.which("redis-server")
 
@@ -26,7 +26,7 @@ def test_kv_share_remote_hits_come_from_redis_and_recomputes_find_nothing(tmp_pa
     assert rc == 0
     r = json.loads(out.read_text())
     assert r["valid"] and r["completed"] == 6
-    assert "2 I/O threads" in r["redis"] and r["remote_read_connections"] == remote_read_connections()
+    assert "2 I/O threads" in r["redis"] and r["remote_read_connections"] == kv_remote_read_connections()
     assert r["redis_shards"] == 2 and len(r["redis_url"].split(",")) == 2
     runs = {kind: [x for x in r["runs"] if x["kind"] == kind] for kind in ("recompute", "remote_hit", "computed_on_a")}
     assert [len(v) for v in runs.values()] == [2, 2, 2]

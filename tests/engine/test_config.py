@@ -1,14 +1,19 @@
-"""Engine flags map onto EngineConfig, bad values fail at start with the option's name, and the
-capability table names real flags, hides those of features not implemented yet and refuses them."""
+"""Engine flags map onto EngineConfig, bad values fail at start with the option's name, the flag
+contract (each field's `Flag`) is the one place parsers and checks read, the base modules import
+no layer, and the capability table names real flags, hides those of features not implemented
+yet and refuses them."""
 
 import argparse
+import ast
 from dataclasses import fields
+from pathlib import Path
 
 import pytest
 
 from pagoda_engine import capabilities, cli
-from pagoda_engine.config import (EngineConfig, add_engine_args, config_from_args, default_max_num_seqs,
-                                  resolve_cudagraph_capture_size, resolve_cudagraph_mode)
+from pagoda_engine.config import (ENGINE_SECTIONS, REASONING_PARSER_NAMES, TOOL_CALL_PARSER_NAMES, EngineConfig,
+                                  add_engine_args, config_from_args, default_max_num_seqs, flagged_fields, flags_by_dest,
+                                  resolve_cudagraph_capture_size, resolve_cudagraph_mode, value_fault)
 
 
 def parse(*argv: str) -> EngineConfig:
@@ -58,12 +63,15 @@ def test_bad_cudagraph_mode_flag_is_refused_by_the_parser(capsys):
 
 
 @pytest.mark.parametrize("option, value, message", [
-    ("max_cudagraph_capture_size", 0, "max_cudagraph_capture_size"),
-    ("cudagraph_mode", "FULL", "cudagraph_mode must be one of FULL_AND_PIECEWISE"),
-    ("block_size", 12, "block_size"),
-    ("gpu_memory_utilization", 1.5, "gpu_memory_utilization"),
-    ("max_num_seqs", 0, "max_num_seqs"),
-    ("long_prefill_token_threshold", -1, "long_prefill_token_threshold must be >= 0"),
+    ("max_cudagraph_capture_size", 0, "--max-cudagraph-capture-size must be >= 1, got 0"),
+    ("cudagraph_mode", "FULL", "--cudagraph-mode must be one of FULL_AND_PIECEWISE"),
+    ("block_size", 12, "--block-size must be a power of two, got 12"),
+    ("gpu_memory_utilization", 1.5, r"--gpu-memory-utilization must be <= 1, got 1.5"),
+    ("gpu_memory_utilization", 0, r"--gpu-memory-utilization must be > 0, got 0"),
+    ("max_num_seqs", 0, "--max-num-seqs must be >= 1"),
+    ("long_prefill_token_threshold", -1, r"--long-prefill-token-threshold must be >= 0 \(0: no cap\)"),
+    ("dtype", "int4", "--dtype must be one of auto, bfloat16"),
+    ("tool_call_parser", "nope", r"invalid tool call parser: nope \(choose from \{ hermes, "),
 ])
 def test_bad_values_name_the_option(option, value, message):
     with pytest.raises(ValueError, match=message):
@@ -73,7 +81,7 @@ def test_bad_values_name_the_option(option, value, message):
 def test_long_prefill_token_threshold_flag_reaches_the_scheduler_and_defaults_to_no_cap():
     assert parse().scheduler.long_prefill_token_threshold == 0
     assert parse("--long-prefill-token-threshold", "512").scheduler.long_prefill_token_threshold == 512
-    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+    with pytest.raises(ValueError, match="--long-prefill-token-threshold"):
         parse("--long-prefill-token-threshold", "-5")
 
 
@@ -204,7 +212,8 @@ def test_inconsistent_node_flags_are_clear_errors(flags, message):
 
 @pytest.mark.parametrize("flags, message", [
     (["--num-gpu-blocks-override", "1"], r"--num-gpu-blocks-override must be >= 2"),
-    (["--kv-offload-cpu-gb", "-1"], r"--kv-offload-cpu-gb and --kv-offload-disk-gb must be >= 0"),
+    (["--kv-offload-cpu-gb", "-1"], r"--kv-offload-cpu-gb must be >= 0, got -1.0"),
+    (["--kv-offload-disk-gb", "-1"], r"--kv-offload-disk-gb must be >= 0, got -1.0"),
     (["--kv-offload-cpu-gb", "4", "--no-enable-prefix-caching"], r"they need --enable-prefix-caching"),
     (["--kv-offload-disk-gb", "10"], r"--kv-offload-disk-gb needs --kv-offload-disk-path"),
     (["--kv-offload-remote-url", "http://kv:6379"], r"--kv-offload-remote-url: 'http://kv:6379' is not redis://"),
@@ -260,3 +269,76 @@ def test_refusal_names_every_missing_feature_in_table_order():
         assert "KV offload tiers on local disk (--kv-offload-disk-path /kv, --kv-offload-disk-gb 100.0)" in refusal
     # Defaults, and what the engine implements, ask for nothing it lacks.
     assert capabilities.refusal(parse("--tensor-parallel-size", "2", "--pipeline-parallel-size", "1"), {"LWS_GROUP_SIZE": "1"}) is None
+
+
+PACKAGE = Path(cli.__file__).parent
+LAYERS = ("api", "core", "worker", "router", "bench")
+
+
+def _engine_imports(path: Path) -> set[str]:
+    """Every pagoda_engine module `path` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagoda_engine"):
+            names |= {node.module} if node.module != "pagoda_engine" else {f"pagoda_engine.{a.name}" for a in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {a.name for a in node.names if a.name.startswith("pagoda_engine")}
+    return names
+
+
+@pytest.mark.parametrize("module", ["config", "capabilities", "envs", "messages", "sampling_params", "errors",
+                                    "kv_tiers", "generation_config", "profiler"])
+def test_a_base_module_imports_no_layer(module):
+    imported = _engine_imports(PACKAGE / f"{module}.py")
+    assert imported <= {f"pagoda_engine.{m}" for m in ("config", "capabilities", "envs", "messages", "sampling_params",
+                                                        "errors", "kv_tiers", "generation_config", "profiler")}, imported
+
+
+def test_the_core_s_offload_manager_imports_no_worker_module():
+    imported = _engine_imports(PACKAGE / "core" / "kv" / "offload" / "manager.py")
+    assert "pagoda_engine.kv_tiers" in imported  # the imports were read
+    assert not [m for m in imported if m.startswith("pagoda_engine.worker")], imported
+
+
+def test_no_layer_imports_the_entry_module():
+    offenders = [str(path.relative_to(PACKAGE)) for layer in LAYERS for path in (PACKAGE / layer).rglob("*.py")
+                 if "pagoda_engine.serve" in _engine_imports(path) and layer != "bench"]
+    assert offenders == []
+
+
+def test_the_parser_names_of_the_contract_are_the_parsers_the_server_has():
+    from pagoda_engine.api.reasoning_parsers import REASONING_PARSERS
+    from pagoda_engine.api.tool_parsers import TOOL_PARSERS
+
+    assert tuple(TOOL_PARSERS) == TOOL_CALL_PARSER_NAMES
+    assert tuple(REASONING_PARSERS) == REASONING_PARSER_NAMES
+
+
+def test_every_default_is_inside_its_own_flag_s_contract():
+    config = EngineConfig()
+    for section in vars(config).values():
+        for f in fields(section):
+            flag = f.metadata.get("flag")
+            if flag is not None:
+                assert value_fault(flag, getattr(section, f.name)) is None, f.name
+    parse()  # and the command line's defaults
+
+
+def test_the_parser_is_built_from_the_contract():
+    """Every flagged field has its flag, with the Flag's spellings and choices, and its bounds are
+    what EngineConfig.validate enforces (at the bound, and just past it)."""
+    actions = {action.dest: action for action in _engine_parser()._actions}
+    engine_fields = [(f, flag) for _, f, flag in flagged_fields(*ENGINE_SECTIONS, EngineConfig)]
+    assert len(engine_fields) > 40
+    for f, flag in engine_fields:
+        action = actions[f.name]
+        # A switch on by default also takes its --no- form.
+        assert tuple(action.option_strings)[:len(flag.spellings(f.name))] == flag.spellings(f.name)
+        if flag.choices_in_parser and flag.choices is not None:
+            assert tuple(action.choices) == flag.choices
+    bounded = {dest: flag for dest, flag in flags_by_dest().items() if flag.min is not None}
+    assert "tensor_parallel_size" in bounded and "max_chat_messages" in bounded
+    for dest, flag in bounded.items():
+        EngineConfig.from_kwargs(**{dest: flag.min, **({"nnodes": 1} if dest == "node_rank" else {})})
+        with pytest.raises(ValueError, match=f"{flag.spellings(dest)[0]} must be >= "):
+            EngineConfig.from_kwargs(**{dest: flag.min - 1})

@@ -12,15 +12,14 @@ import pytest
 
 from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
-from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
 
 SECONDS = {"PAGODA_TP_START_TIMEOUT_S": (envs.tp_start_timeout_s, 900.0),
            "PAGODA_DIST_TIMEOUT_S": (envs.dist_timeout_s, 300.0),
            "PAGODA_TP_COLLECTIVE_TIMEOUT_S": (envs.tp_collective_timeout_s, 600.0),
-           "PAGODA_KV_REMOTE_TIMEOUT_S": (remote_timeout_s, 1.0),
-           "PAGODA_KV_REMOTE_BACKOFF_S": (remote_backoff_s, 5.0)}
+           "PAGODA_KV_REMOTE_TIMEOUT_S": (envs.kv_remote_timeout_s, 1.0),
+           "PAGODA_KV_REMOTE_BACKOFF_S": (envs.kv_remote_backoff_s, 5.0)}
 COUNTS = {"PAGODA_CPU_THREADS": (envs.cpu_threads, None),
-          "PAGODA_KV_REMOTE_READ_CONNECTIONS": (remote_read_connections, 4)}
+          "PAGODA_KV_REMOTE_READ_CONNECTIONS": (envs.kv_remote_read_connections, 4)}
 ALL = [*SECONDS, *COUNTS, "PAGODA_TP_JOIN_TIMEOUT_S", "PAGODA_PDL"]
 
 
@@ -101,3 +100,22 @@ def test_pagoda_serve_stops_on_a_bad_value_before_anything_starts(name, value, m
 def test_other_verbs_do_not_read_them_at_import():
     out = _pagoda("route", "--help", env={name: "abc" for name in ALL})
     assert out.returncode == 0, out.stderr
+
+
+def test_only_envs_reads_the_environment_for_a_pagoda_variable():
+    """Every PAGODA_* variable is read through a function of `envs`, so one module lists them all."""
+    import pathlib
+    import re
+
+    package = pathlib.Path(envs.__file__).parent
+    sources = {path: path.read_text() for path in package.rglob("*.py") if path.name != "envs.py"}
+    # Constants naming a variable: PAGODA_* ones, wherever defined.
+    names = {m for text in sources.values() for m in re.findall(r"^(\w+) = \"PAGODA_", text, re.M)}
+    names |= {name for name in vars(envs) if name.endswith("_ENV")}
+    readers = re.compile(r"os\.environ\.get\(|os\.getenv\(|os\.environ\[[^]=]*\](?!\s*=)")
+    offenders = []
+    for path, text in sources.items():
+        for number, line in enumerate(text.splitlines(), 1):
+            if readers.search(line) and ("PAGODA_" in line or any(re.search(rf"\b{n}\b", line) for n in names)):
+                offenders.append(f"{path.relative_to(package)}:{number}: {line.strip()}")
+    assert offenders == []

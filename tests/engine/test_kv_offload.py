@@ -16,9 +16,10 @@ import torch
 
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.core.kv.offload.index import TierIndex
-from pagoda_engine.worker.kv_offload import CPU, DISK, KVOffloader, OffloadSetup
 from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.kv_tiers import CPU, DISK, OffloadSetup
 from pagoda_engine.tiny import default_model_dir
+from pagoda_engine.worker.kv_offload import KVOffloader
 
 # The built-in tiny Llama (4 query heads over 2 KV heads: tensor parallelism of 2 splits it).
 MODEL = str(default_model_dir())

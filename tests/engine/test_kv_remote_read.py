@@ -19,9 +19,11 @@ import numpy as np
 import pytest
 import torch
 
+from pagoda_engine import envs, kv_tiers
+from pagoda_engine.kv_tiers import HEADER_BYTES, REMOTE, OffloadSetup
 from pagoda_engine.worker import kv_stores
-from pagoda_engine.worker.kv_offload import REMOTE, KVOffloader, OffloadSetup
-from pagoda_engine.worker.kv_stores import HEADER_BYTES, RedisStore
+from pagoda_engine.worker.kv_offload import KVOffloader
+from pagoda_engine.worker.kv_stores import RedisStore
 
 REDIS_SERVER = shutil.which("redis-server")
 pytestmark = pytest.mark.skipif(REDIS_SERVER is None, reason="redis-server not installed (make setup installs it as root)")
@@ -249,7 +251,7 @@ def test_redis_stopped_or_killed_mid_read_is_a_bounded_miss_then_reads_recover(t
 ])
 def test_reads_authenticate_and_select_the_urls_db(server, monkeypatch, url, env):
     if env:
-        monkeypatch.setenv(kv_stores.REMOTE_PASSWORD_ENV, env.format(pw=PASSWORD))
+        monkeypatch.setenv(envs.KV_REMOTE_PASSWORD_ENV, env.format(pw=PASSWORD))
     store = RedisStore(url.format(pw=PASSWORD, port=server.port, socket=server.socket), FINGERPRINT, read_connections=3)
     store.min_share_bytes = 0  # each connection authenticates
     assert store.resp_reads
@@ -294,14 +296,14 @@ def test_shard_index_spreads_names_evenly_and_an_appended_server_takes_only_its_
 
 
 def test_remote_urls_are_split_and_checked():
-    assert kv_stores.split_remote_urls("redis://a:1, rediss://b:2/3 ,unix:///run/r.sock") == [
+    assert kv_tiers.split_remote_urls("redis://a:1, rediss://b:2/3 ,unix:///run/r.sock") == [
         "redis://a:1", "rediss://b:2/3", "unix:///run/r.sock"]
     for bad, message in (("http://a:1", "is not redis://"), ("redis://a:1,,redis://b:1", "'' is not redis://"),
                          ("redis://", "is not redis://"), ("redis://a:1,redis://a:1", "names a server twice")):
         with pytest.raises(ValueError, match=message):
-            kv_stores.split_remote_urls(bad)
+            kv_tiers.split_remote_urls(bad)
     assert isinstance(kv_stores.remote_store("redis://a:1", FINGERPRINT), RedisStore)
-    assert kv_stores.redacted_url("redis://:pw@a:1/2,rediss://user:pw@b:2,unix:///r.sock,unix://:pw@/s?db=2") == (
+    assert kv_tiers.redacted_url("redis://:pw@a:1/2,rediss://user:pw@b:2,unix:///r.sock,unix://:pw@/s?db=2") == (
         "redis://a:1/2,rediss://b:2,unix:///r.sock,unix:///s?db=2")
     assert kv_stores.remote_store("redis://u:secret@a:1,redis://b:2", FINGERPRINT).label == "redis://a:1,redis://b:2"
 

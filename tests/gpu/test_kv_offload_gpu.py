@@ -14,7 +14,8 @@ import torch
 
 from gpu_support import CUDA, make_llm, random_prompts, requires_gpu
 from pagoda_engine import SamplingParams
-from pagoda_engine.worker.kv_offload import CPU, DISK, KVOffloader, OffloadSetup
+from pagoda_engine.kv_tiers import CPU, DISK, OffloadSetup
+from pagoda_engine.worker.kv_offload import KVOffloader
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 

@@ -21,7 +21,7 @@ def engine_with_multi_node(monkeypatch):
 @pytest.fixture
 def engine_with_kv_tiers(monkeypatch):
     """The operator as it is once the engine implements the KV offload tiers (the capability
-    table's entries flipped; a no-op when `make capabilities` already has them)."""
+    table's entries flipped; a no-op when the engine's table already has them)."""
     for key in engine_capabilities.TIER_FEATURES.values():
         feature = dataclasses.replace(engine_capabilities.BY_KEY[key], implemented=True)
         monkeypatch.setitem(engine_capabilities.BY_KEY, key, feature)

@@ -1,5 +1,6 @@
 """The operator against the engine it deploys, through the real `pagoda serve` parser, the
-engine's EngineConfig and its capability table (pagoda_engine.capabilities):
+engine's EngineConfig and its capability table (pagoda_engine.capabilities), which the operator
+imports (torch-free) rather than copies:
 
 - every spec the operator accepts renders engine pods (Deployment, or LeaderWorkerSet leader and
   worker, with their environment) whose command line the engine parses, configures and does not
@@ -26,6 +27,9 @@ import functools
 import io
 import itertools
 import re
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -35,10 +39,10 @@ from pagoda_operator import render as r
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, load_example, with_spec
 
-api_server = pytest.importorskip("pagoda_engine.api.server.api_server")
+from pagoda_engine import capabilities, serve
+from pagoda_engine.config import config_from_args, flags_by_dest
+
 router_app = pytest.importorskip("pagoda_engine.router.app")
-from pagoda_engine import capabilities  # noqa: E402
-from pagoda_engine.config import config_from_args  # noqa: E402
 from pagoda_engine.model_path import TINY_MODEL_NAME  # noqa: E402
 
 
@@ -48,7 +52,7 @@ def _parser(add_arguments) -> argparse.ArgumentParser:
     return parser
 
 
-ENGINE_PARSER = _parser(api_server.add_arguments)
+ENGINE_PARSER = _parser(serve.add_arguments)
 ENGINE_ACTIONS = {action.dest: action for action in ENGINE_PARSER._actions}
 
 
@@ -141,13 +145,61 @@ def assert_operator_and_engine_agree(body: dict) -> None:
     assert len(checked.unsupported) >= len(refused)
 
 
-def test_the_operators_copy_of_the_capability_table_is_current():
-    copy_ = (Path(engine_capabilities.__file__).parent / engine_capabilities.TABLE_FILE).read_text()
-    assert copy_ == capabilities.as_json(), f"{engine_capabilities.TABLE_FILE} is stale: run `make capabilities`"
-    assert [f.key for f in engine_capabilities.ENGINE_FEATURES] == [f.key for f in capabilities.FEATURES]
-    assert [c.keys for c in engine_capabilities.ENGINE_COMBINATIONS] == [c.keys for c in capabilities.COMBINATIONS]
-    # Every kind of KV tier the schema offers is a feature of the table.
+def test_every_kind_of_kv_tier_the_schema_offers_is_a_feature_of_the_engines_table():
     assert set(engine_capabilities.TIER_FEATURES.values()) <= set(capabilities.BY_KEY)
+
+
+def test_every_flag_of_pagoda_serve_is_known_to_the_operator():
+    """Each spelling of each flag `pagoda serve` takes, given a value it takes, passes the operator's
+    check of engine.extraArgs, and every flag that asks for a feature of the table is read as
+    asking for it."""
+    flags = [(action, flag) for action in ENGINE_PARSER._actions for flag in action.option_strings]
+    assert len(flags) > 60  # the parser was read
+    contracts = flags_by_dest()
+    for action, flag in flags:
+        choices = action.choices or (contracts[action.dest].choices if action.dest in contracts else None)
+        if action.nargs == 0:
+            words = [flag]
+        else:
+            value = choices[0] if choices else {int: "2", float: "0.5"}.get(action.type, "x")
+            words = [*(["--kv-offload-disk-path", "/kv"] if action.dest == "kv_offload_disk_gb" else []), flag, value]
+        assert engine_capabilities.extra_args_problems(words) == [], words
+    for feature in capabilities.FEATURES:
+        for option in feature.options:
+            assert set(ENGINE_ACTIONS[option].option_strings) <= set(engine_capabilities.feature_flags(feature.key))
+
+
+# The modules of the engine the operator runs on: its image installs pagoda-engine without its
+# dependencies (images/operator.Dockerfile), so none of these may import torch and its kin.
+_TORCH_FREE_PROBE = textwrap.dedent("""
+    import importlib.abc, sys
+
+    HEAVY = {"torch", "transformers", "triton", "flashinfer", "numpy", "zmq", "msgspec", "redis"}
+
+    class Refuse(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in HEAVY:
+                raise ImportError(f"the operator's image has no {name}")
+
+    sys.meta_path.insert(0, Refuse())
+    import pagoda_operator.validation, pagoda_operator.engine_capabilities, pagoda_operator.cli
+    from pagoda_operator.validation import check
+    from tests.operator.support import load_example, with_spec
+
+    body = with_spec(load_example("llama-3.1-8b.yaml"), engine__extraArgs=["--max-num-seqs", "0"],
+                     kvCache__tiers=[{"type": "remote", "url": "http://kv"}])
+    print(check(body).problems)
+    print(sorted(m for m in sys.modules if m.startswith("pagoda_engine")))
+""")
+
+
+def test_the_engine_modules_the_operator_imports_import_without_torch():
+    out = subprocess.run([sys.executable, "-c", _TORCH_FREE_PROBE], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parents[2])
+    assert out.returncode == 0, out.stderr
+    problems, modules = out.stdout.splitlines()
+    assert "engine.extraArgs: --max-num-seqs 0: must be >= 1" in problems and "'http://kv' is not redis://" in problems
+    assert "pagoda_engine.config" in modules and "pagoda_engine.kv_tiers" in modules
 
 
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)
@@ -328,7 +380,7 @@ class _Refusing(argparse.ArgumentParser):
 
 # `pagoda serve`'s own parser, help included, as the CLI builds it.
 SERVE_PARSER = _Refusing(prog="pagoda serve")
-api_server.add_arguments(SERVE_PARSER)
+serve.add_arguments(SERVE_PARSER)
 
 
 @functools.cache
@@ -401,15 +453,16 @@ def _engine_configures(words: list[str]) -> bool:
 
 
 def _bound_cases() -> list[tuple[list[str], bool]]:
-    """(words, inside the bounds) at and just past every bound of the table, each flag alone."""
+    """(words, inside the bounds) at and just past every bound of a flag (its `Flag`), each flag alone."""
     cases = []
-    for row in engine_capabilities.SERVE_FLAGS:
-        bounds, flag = row["bounds"] or {}, row["flags"][0]
-        step = 1 if row["type"] == "int" else 0.01
+    for dest, bounds in flags_by_dest().items():
+        flag = bounds.spellings(dest)[0]
+        step = 1 if ENGINE_ACTIONS[dest].type is int else 0.01
         for key, inside, outside in (("min", 0, -step), ("above", step, 0), ("max", 0, step)):
-            if key in bounds:
-                cases += [([flag, f"{bounds[key] + inside:g}"], True), ([flag, f"{bounds[key] + outside:g}"], False)]
-        if bounds.get("power_of_two"):
+            if getattr(bounds, key) is not None:
+                bound = getattr(bounds, key)
+                cases += [([flag, f"{bound + inside:g}"], True), ([flag, f"{bound + outside:g}"], False)]
+        if bounds.power_of_two:
             cases += [([flag, "1"], True), ([flag, "32"], True), ([flag, "24"], False), ([flag, "0"], False)]
     return cases
 
@@ -419,11 +472,13 @@ def _bound_cases() -> list[tuple[list[str], bool]]:
 _CHECKED_WITH_COMPANIONS = {"--data-parallel-size-local", "--data-parallel-start-rank", "--data-parallel-rpc-port"}
 
 
-def test_every_numeric_flag_the_engine_bounds_alone_has_its_bounds_in_the_table():
-    """FLAG_BOUNDS is complete at the low end: a numeric flag without bounds there takes -1 and 0
-    in the engine's EngineConfig, or is refused only for its companions."""
-    unbounded = [row["flags"][0] for row in engine_capabilities.SERVE_FLAGS
-                 if row["type"] in ("int", "float") and not row["bounds"]]
+def test_every_numeric_flag_the_engine_bounds_alone_has_its_bounds_in_its_flag():
+    """The flags' bounds are complete at the low end: a numeric flag whose `Flag` has none takes
+    -1 and 0 in the engine's EngineConfig, or is refused only for its companions."""
+    flags = flags_by_dest()
+    unbounded = [flags[dest].spellings(dest)[0] for dest, action in ENGINE_ACTIONS.items()
+                 if dest in flags and action.type in (int, float)
+                 and (flags[dest].min, flags[dest].above, flags[dest].power_of_two) == (None, None, False)]
     assert "--max-model-len" in unbounded and "--max-num-seqs" not in unbounded  # the rows were read
     refused = [(flag, value) for flag in unbounded for value in ("-1", "0") if not _engine_configures([flag, value])]
     assert {flag for flag, _ in refused} <= _CHECKED_WITH_COMPANIONS, refused
@@ -431,14 +486,14 @@ def test_every_numeric_flag_the_engine_bounds_alone_has_its_bounds_in_the_table(
 
 def test_every_bound_the_operator_checks_is_the_engines_own():
     cases = _bound_cases()
-    assert len(cases) >= 2 * 22  # every bound of FLAG_BOUNDS and the request limits, both sides
+    assert len(cases) >= 2 * 22  # every bound of the flags (the request limits' too), both sides
     for words, inside in cases:
         assert _engine_configures(words) == inside, words  # the engine's EngineConfig.validate agrees
         problems = engine_capabilities.extra_args_problems(words)
         assert (not problems) == inside, (words, problems)
         if not inside:  # one problem, naming the flag and its bound
-            assert len(problems) == 1 and re.fullmatch(rf"engine\.extraArgs: {words[0]} \S+: must be ((>=|>|<=) \S+|a power of two)",
-                                                       problems[0]), problems
+            assert len(problems) == 1 and re.fullmatch(
+                rf"engine\.extraArgs: {words[0]} \S+: must be ((>=|>|<=) \S+|a power of two)( \(.+\))?", problems[0]), problems
 
 
 @pytest.mark.parametrize("words, problem", [
@@ -449,7 +504,10 @@ def test_every_bound_the_operator_checks_is_the_engines_own():
                                         "(choose from 'FULL_AND_PIECEWISE', 'FULL_DECODE_ONLY', 'NONE')"),
     (["--help"], "engine.extraArgs: --help prints the help and exits: the pod would exit at once, and restart"),
     (["--max-num-seqs", "8", "9"], "engine.extraArgs: '9' is neither a flag of pagoda serve nor the value of one"),
-    (["--long-prefill-token-threshold", "-1"], "engine.extraArgs: --long-prefill-token-threshold -1: must be >= 0"),
+    (["--long-prefill-token-threshold", "-1"],
+     "engine.extraArgs: --long-prefill-token-threshold -1: must be >= 0 (0: no cap)"),
+    (["--tool-call-parser", "nope"], "engine.extraArgs: --tool-call-parser nope: invalid tool call parser: nope "
+                                     "(choose from { hermes, llama3_json, mistral, pythonic, qwen3_coder })"),
     (["--gpu-memory-utilization", "1.2"], "engine.extraArgs: --gpu-memory-utilization 1.2: must be <= 1"),
 ])
 def test_a_spec_whose_extra_args_pagoda_serve_would_refuse_is_not_validated_and_says_why(words, problem):

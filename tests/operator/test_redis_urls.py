@@ -1,9 +1,9 @@
-"""The remote KV tier's Redis URLs: the operator (pagoda_operator.validation.redis_url_problems)
-and the engine (pagoda_engine.worker.kv_stores.remote_url_problems) are twins, since the
-operator's image carries no engine; here both judge one table of URLs, and random strings made of
-URL pieces, and must give the same answers, word for word. A URL they accept is one the engine's
-store connects to as written: its redis-py client is built (no server needed) and aims at the
-address and database the URL names.
+"""The remote KV tier's Redis URLs: one rule (pagoda_engine.kv_tiers.remote_url_problems), which
+the engine applies to --kv-offload-remote-url and the operator to a spec's remote tier url, judged
+on one table of URLs and on random strings made of URL pieces. A URL it accepts is one the
+engine's store connects to as written: its redis-py client is built (no server needed) and aims
+at the address and database the URL names; one it refuses stops `pagoda serve` before anything
+loads and gives the spec Validated=False, with the same sentence.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pagoda_operator.validation import redis_url_problems
+from pagoda_engine.kv_tiers import remote_url_problems, split_remote_urls
+from pagoda_operator.validation import check
+from tests.operator.support import load_example, with_spec
 
 kv_stores = pytest.importorskip("pagoda_engine.worker.kv_stores")
 
@@ -81,25 +83,32 @@ def _targets(store) -> list:
     return targets
 
 
+def _operator_url_problems(value: str) -> list[str]:
+    """What the operator says of a spec whose remote tier has this url, about the url."""
+    body = with_spec(load_example("tiny-cpu.yaml"), kvCache__tiers=[{"type": "remote", "url": value}])
+    where = "kvCache.tiers[0] (remote): url "
+    return [p.removeprefix(where) for p in check(body).problems if p.startswith(where)]
+
+
 @pytest.mark.parametrize("value, targets", ACCEPTED)
-def test_a_url_both_accept_is_the_server_the_engine_connects_to(value, targets):
-    assert redis_url_problems(value) == kv_stores.remote_url_problems(value) == []
+def test_a_url_the_rule_accepts_is_the_server_the_engine_connects_to(value, targets):
+    assert remote_url_problems(value) == _operator_url_problems(value) == []
     assert _targets(kv_stores.remote_store(value, FINGERPRINT)) == targets
 
 
 @pytest.mark.parametrize("value, fault", REFUSED)
-def test_a_url_both_refuse_gets_the_same_sentence_that_says_what_is_wrong(value, fault):
-    problems = redis_url_problems(value)
-    assert problems == kv_stores.remote_url_problems(value)
+def test_a_url_the_rule_refuses_stops_the_engine_and_the_spec_with_a_sentence_that_says_what_is_wrong(value, fault):
+    problems = remote_url_problems(value)
     assert problems and fault in problems[0], problems
+    assert _operator_url_problems(value) == problems
     with pytest.raises(ValueError, match="--kv-offload-remote-url: "):
-        kv_stores.split_remote_urls(value)
+        split_remote_urls(value)
 
 
 def test_every_fault_of_a_list_is_named():
     value = "redis://kv:x,unix://h/s,redis://kv:x"
     forms = "is not redis://host[:port][/db], rediss://... or unix:///path"
-    assert redis_url_problems(value) == kv_stores.remote_url_problems(value) == [
+    assert remote_url_problems(value) == _operator_url_problems(value) == [
         f"'redis://kv:x' {forms}: the port 'x' is not a number from 1 to 65535",
         f"'unix://h/s' {forms}: 'h' stands where a unix:// URL names no host: the socket's path follows three slashes",
         f"'redis://kv:x' {forms}: the port 'x' is not a number from 1 to 65535",
@@ -113,8 +122,9 @@ URL_PIECES = st.sampled_from(["redis", "rediss", "unix", "REDIS", "http", "://",
 
 @settings(max_examples=400, deadline=None)
 @given(st.lists(URL_PIECES, max_size=12).map("".join))
-def test_the_twins_agree_on_any_string_of_url_pieces(value):
-    problems = redis_url_problems(value)
-    assert problems == kv_stores.remote_url_problems(value)
-    if not problems:  # what both accept, the engine's store takes
+def test_any_string_of_url_pieces_the_rule_accepts_the_engine_s_store_takes(value):
+    if not remote_url_problems(value):
         kv_stores.remote_store(value, FINGERPRINT)
+    else:
+        with pytest.raises(ValueError, match="--kv-offload-remote-url: "):
+            kv_stores.remote_store(value, FINGERPRINT)

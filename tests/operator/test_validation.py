@@ -10,12 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pagoda_operator.conditions import Observation, compute_status
-from pagoda_operator.engine_capabilities import ENGINE_COMBINATIONS, ENGINE_FEATURES, requested_features
+from pagoda_engine import capabilities
+from pagoda_operator.engine_capabilities import requested_features
 from pagoda_operator.render import render
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, EXAMPLES_DIR, load_example, with_spec
 
-FEATURES = {f.key: f for f in ENGINE_FEATURES}
+FEATURES = {f.key: f for f in capabilities.FEATURES}
 
 
 def problems_of(body: dict) -> list[str]:
@@ -35,7 +36,7 @@ def test_examples_are_valid_or_say_which_engine_features_they_wait_for(filename)
     assert checked.renderable and checked.problems == checked.unsupported, checked.problems
     asked = {key for key, _ in requested_features(checked.spec)}
     waiting = {FEATURES[key].title for key in asked if not FEATURES[key].implemented}
-    waiting |= {c.title for c in ENGINE_COMBINATIONS if set(c.keys) <= asked}
+    waiting |= {c.title for c in capabilities.COMBINATIONS if set(c.keys) <= asked}
     header = _header(filename)
     assert checked.ok == (not waiting)
     # An example that waits for a feature says so at its top, and which; one that runs does not.
@@ -55,7 +56,7 @@ def test_an_example_the_engine_cannot_run_yet_gets_validated_false_with_the_engi
         feature = FEATURES[key]
         if not feature.implemented:
             assert f"{where} asks for {feature.title}, which Pagoda's engine does not implement yet" in validated["message"]
-    for combination in ENGINE_COMBINATIONS:
+    for combination in capabilities.COMBINATIONS:
         if set(combination.keys) <= {key for key, _ in requested_features(checked.spec)}:
             assert f"asks for {combination.title}, which Pagoda's engine does not implement yet" in validated["message"]
 

@@ -149,7 +149,8 @@ def test_entrypoint_is_a_console_script_of_the_installed_project(dockerfile: Pat
 
 
 def _pip_installs(dockerfile: Path) -> list[tuple[list[str], dict[str, str]]]:
-    """Each `pip install` in RUN lines as (requirements, {option: value}), ARGs substituted."""
+    """Each `pip install` in RUN lines as (requirements, {option: value}), ARGs substituted;
+    a switch (--no-deps) is an option of value ""."""
     installs = []
     for instruction in parse_dockerfile(dockerfile):
         if instruction.keyword != "RUN":
@@ -163,7 +164,9 @@ def _pip_installs(dockerfile: Path) -> list[tuple[list[str], dict[str, str]]]:
             for word in rest:
                 if word in {"--index-url", "--constraint", "--extra-index-url"}:
                     options[word] = next(rest)
-                elif not word.startswith("-"):
+                elif word.startswith("-"):
+                    options[word] = ""
+                else:
                     requirements.append(word)
             installs.append((requirements, options))
     return installs
@@ -195,3 +198,14 @@ def test_gpu_engine_pins_torch_and_flashinfer():
         assert all(re.fullmatch(rf"{package}==\d+\.\d+\.\d+\S*", p) for p in pins), pins
     base = next(i.args for i in parse_dockerfile(IMAGES / "engine.Dockerfile") if i.keyword == "FROM")
     assert base.startswith("nvidia/cuda:"), "the engine image needs a CUDA base"
+
+
+def test_operator_image_carries_the_engine_s_contract_without_the_engine_s_dependencies():
+    """The operator imports the engine's torch-free modules (its flag contract and capability
+    table): the image installs the engine first, without its dependencies (torch and the rest),
+    then the operator."""
+    installs = _pip_installs(IMAGES / "operator.Dockerfile")
+    assert [requirements for requirements, _ in installs] == [["/src/engine"], ["/src/operator"]]
+    assert "--no-deps" in installs[0][1] and "--no-deps" not in installs[1][1]
+    operator_deps = tomllib.loads((ROOT / "operator" / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert not any(dep.startswith(("pagoda-engine", "torch")) for dep in operator_deps)

@@ -296,7 +296,7 @@ def test_a_taken_port_fails_at_once_before_any_model_loads():
         started = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", MODEL, "--host", "127.0.0.1",
                               "--port", str(port), "--api-server-count", "2"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
+    assert out.returncode == 2
     assert f"cannot listen on 127.0.0.1:{port}" in out.stderr
     assert "KV cache capacity" not in out.stdout and time.monotonic() - started < 60
 

@@ -1,6 +1,7 @@
 """Process life cycle of `pagoda serve`: SIGTERM drains in-flight requests and exits 0 with no
 orphan, a dead core turns /health to 503 and fails requests fast, a lost parent takes the core
-with it, and a model that cannot load is a clear error before any port opens."""
+with it, a model that cannot load is a clear error before any port opens, and a taken port is
+refused before any model loads."""
 
 import json
 import os
@@ -129,12 +130,56 @@ def test_missing_model_is_a_clear_error_before_any_port(tmp_path):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
 
 
+@pytest.mark.parametrize("servers", ["1", "2"])
+def test_a_taken_port_is_refused_at_once_naming_the_address_before_any_model_loads(servers):
+    """A second `pagoda serve` on a busy port exits 2 naming the address, without loading the
+    model first (it used to load it, for ~20 s on a real model, and only then fail to bind)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", "pagoda-tiny", "--host",
+                              "127.0.0.1", "--port", str(port), "--api-server-count", servers],
+                             capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert f"pagoda serve: cannot listen on 127.0.0.1:{port}: Address already in use" in out.stderr
+    # Nothing started: no engine core, no model, no KV pool.
+    assert "KV cache capacity" not in out.stdout and "engine core" not in out.stderr.lower()
+
+
+def test_a_port_another_server_listens_on_first_while_the_model_loads_is_a_clear_error():
+    """The port is bound before the model loads but listened on after; a server that bound it too
+    (both with SO_REUSEADDR, as uvicorn binds) and listens first wins it: exit 3, naming the address."""
+    import socket
+
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        port = other.getsockname()[1]
+        proc = subprocess.Popen([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", "pagoda-tiny", "--host",
+                                 "127.0.0.1", "--port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        seen = []
+        for line in proc.stderr:  # the engine core's first words: the port was bound before it started
+            seen.append(line)
+            if "pagoda_engine.core" in line:
+                break
+        other.listen()
+        out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 3, "".join(seen) + err
+    assert "KV cache capacity" in out  # it got as far as the listen
+    assert f"pagoda serve: cannot listen on 127.0.0.1:{port}: Address already in use" in err
+
+
 # `pagoda serve` up to the moment it spawns its engine core, with the spawn replaced by a report of
 # the heavy libraries imported so far (the tokenizer's thread, which imports transformers beside the
 # core's start-up, is held until then).
 _SPAWN_PROBE = """
 import argparse, sys, threading
-from pagoda_engine.api.server import api_server, async_engine, core_client
+from pagoda_engine import serve
+from pagoda_engine.api.server import async_engine, core_client
 
 spawned = threading.Event()
 
@@ -151,8 +196,8 @@ def load_tokenizer_and_defaults(config):
 core_client.CoreProcess.start = start
 async_engine._load_tokenizer_and_defaults = load_tokenizer_and_defaults
 parser = argparse.ArgumentParser()
-api_server.add_arguments(parser)
-sys.exit(api_server.run(parser.parse_args(["--model", "pagoda-tiny", "--host", "127.0.0.1", "--port", "0"])))
+serve.add_arguments(parser)
+sys.exit(serve.run(parser.parse_args(["--model", "pagoda-tiny", "--host", "127.0.0.1", "--port", "0"])))
 """
 
 

@@ -8,7 +8,7 @@ import sys
 
 # verb -> module exposing add_arguments(parser) and run(args) -> int
 _VERBS = {
-    "serve": ("pagoda_engine.api.server.api_server", "OpenAI-compatible server for one engine"),
+    "serve": ("pagoda_engine.serve", "OpenAI-compatible server for one engine"),
     "route": ("pagoda_engine.router.app", "OpenAI-compatible router in front of engine replicas"),
     "bench": ("pagoda_engine.bench", "benchmarks: throughput, latency, serve, multiturn, kv-share"),
 }

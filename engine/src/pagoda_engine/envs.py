@@ -1,17 +1,18 @@
-"""The numbers the engine reads from PAGODA_* environment variables, and the one way to read
-one: `env_seconds` (a finite number of seconds > 0) or `env_count` (a whole number >= 1). A value
-that is not one (not a number, zero or negative, nan or inf, empty) is refused with an
-`InvalidEnvironmentError` naming the variable and what it must be, never crashes on a bare
-ValueError nor is bent into range. `env_switch` reads an on/off switch: "1" or "0", nothing else.
+"""Every PAGODA_* environment variable the engine reads, each through a function of its own
+here (no other module reads one), and the one way to read a number: `env_seconds` (a finite
+number of seconds > 0) or `env_count` (a whole number >= 1). A value that is not one (not a
+number, zero or negative, nan or inf, empty) is refused with an `InvalidEnvironmentError` naming
+the variable and what it must be, never crashes on a bare ValueError nor is bent into range. `env_switch` reads an on/off switch: "1" or "0", nothing else.
 
 Each is read when used, never at import: every `pagoda` verb imports the modules that use them.
-`pagoda serve` reads them all first (`check_environment`), so a bad value stops it, exit 2,
-before anything starts."""
+`pagoda serve` reads every number first (`check_environment`), so a bad value stops it, exit 2,
+before anything starts. A base module: it imports no layer of the engine."""
 
 from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 
 from pagoda_engine.errors import InvalidEnvironmentError
 
@@ -115,11 +116,64 @@ def backend_api_key() -> str | None:
     return _key("PAGODA_BACKEND_API_KEY")
 
 
-def check_environment() -> None:
-    """Read every number above, the API key and the KV store's numbers, so that a bad one is refused
-    at start-up rather than when (and in whichever process) it is first used."""
-    from pagoda_engine.worker.kv_stores import remote_backoff_s, remote_read_connections, remote_timeout_s
+# The Redis password of the remote KV tier (the operator renders it from the Secret the spec names).
+KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
+KV_REMOTE_READ_CONNECTIONS_ENV = "PAGODA_KV_REMOTE_READ_CONNECTIONS"
+# An explicit split of the layers over the pipeline stages, as vLLM's VLLM_PP_LAYER_PARTITION: "a,b,...".
+PP_LAYER_PARTITION_ENV = "PAGODA_PP_LAYER_PARTITION"
+DIST_BACKEND_ENV = "PAGODA_DIST_BACKEND"
 
+
+def kv_remote_timeout_s() -> float:
+    """How long one Redis call of the remote KV tier may take."""
+    return env_seconds("PAGODA_KV_REMOTE_TIMEOUT_S", 1.0)
+
+
+def kv_remote_backoff_s() -> float:
+    """How long a failed Redis server of the remote KV tier is skipped."""
+    return env_seconds("PAGODA_KV_REMOTE_BACKOFF_S", 5.0)
+
+
+def kv_remote_read_connections() -> int:
+    """How many connections a read from one Redis server spreads over (default 4)."""
+    return env_count(KV_REMOTE_READ_CONNECTIONS_ENV, 4)
+
+
+def kv_remote_password() -> str | None:
+    """The remote KV tier's Redis password; None when unset or empty."""
+    return os.environ.get(KV_REMOTE_PASSWORD_ENV) or None
+
+
+def pp_layer_partition() -> str | None:
+    """Each pipeline stage's layer count, "a,b,...", as given (`worker.parallel_state` checks it
+    against the model); None: vLLM's even split."""
+    return os.environ.get(PP_LAYER_PARTITION_ENV) or None
+
+
+def dist_backend() -> str:
+    """The process groups' backend asked for, lower case ("" when unset): nccl or gloo
+    (`worker.parallel_state.dist_backend` checks it, knowing the device)."""
+    return os.environ.get(DIST_BACKEND_ENV, "").strip().lower()
+
+
+def cache_dir() -> Path:
+    """Where Pagoda keeps built artefacts: $PAGODA_CACHE_DIR, else ~/.cache/pagoda."""
+    return Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda").expanduser()
+
+
+def bench_server_timeout_s() -> float:
+    """How long `pagoda bench serve` waits for the server it starts to answer /health."""
+    return env_seconds("PAGODA_BENCH_SERVER_TIMEOUT_S", 900.0)
+
+
+def bench_kv_share_store_timeout_s() -> float:
+    """How long `pagoda bench kv-share` waits for an engine's pages to reach Redis."""
+    return env_seconds("PAGODA_BENCH_KV_SHARE_STORE_TIMEOUT_S", 120.0)
+
+
+def check_environment() -> None:
+    """Read every number above and the API key, so that a bad one is refused at start-up rather
+    than when (and in whichever process) it is first used."""
     for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, programmatic_dependent_launch,
-                 api_key, remote_read_connections, remote_timeout_s, remote_backoff_s):
+                 api_key, kv_remote_read_connections, kv_remote_timeout_s, kv_remote_backoff_s):
         read()

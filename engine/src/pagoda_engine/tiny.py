@@ -19,6 +19,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
+from pagoda_engine import envs
+
 # The stamp's recipe hash catches changes to the corpus, special tokens, template and sizes;
 # bump this when the build code changes what it writes, so cached builds are not reused.
 TINY_FORMAT_VERSION = 1
@@ -271,7 +273,7 @@ def build_tiny_model(
 
 def cache_dir() -> Path:
     """Where Pagoda keeps built artefacts: $PAGODA_CACHE_DIR, else ~/.cache/pagoda."""
-    return Path(os.environ.get("PAGODA_CACHE_DIR") or Path.home() / ".cache" / "pagoda").expanduser()
+    return envs.cache_dir()
 
 
 @contextlib.contextmanager

@@ -1,12 +1,13 @@
-"""What the engine the operator deploys can run, which spec fields ask for what, and which flags
-`pagoda serve` takes (engine.extraArgs are parsed with a copy of its parser: `extra_args_problems`).
+"""What the engine the operator deploys can run, which spec fields ask for what, and whether
+`pagoda serve` takes a spec's engine.extraArgs (`extra_args_problems`).
 
-The engine's capability table (pagoda_engine.capabilities) is the truth. The operator cannot
-import the engine (its image has no torch), so it reads a copy generated from that table,
-engine_capabilities.json (`make capabilities`; tests/operator/test_engine_contract.py fails when
-it is stale and proves, on the examples and a generated matrix of specs, that every spec the
-operator accepts renders a command line the engine runs, and that every spec the engine would
-refuse is refused here first, with the engine's reason).
+The engine's own torch-free modules are the truth, imported, not copied: its capability table
+(`pagoda_engine.capabilities`), `pagoda serve`'s parser (`pagoda_engine.serve.add_arguments`,
+built from the flag contract on the config dataclasses) and each flag's choices and bounds
+(`pagoda_engine.config.value_fault`). tests/operator/test_engine_contract.py proves, on the
+examples and a generated matrix of specs, that every spec the operator accepts renders a command
+line the engine runs, and that every spec the engine would refuse is refused here first, with
+the engine's reason.
 """
 
 from __future__ import annotations
@@ -14,54 +15,62 @@ from __future__ import annotations
 import argparse
 import difflib
 import functools
-import json
-from dataclasses import dataclass
-from importlib import resources
 from typing import Any
+
+from pagoda_engine import serve
+from pagoda_engine.capabilities import BY_KEY, COMBINATIONS, FEATURES, Feature
+from pagoda_engine.config import flags_by_dest, value_fault
 
 from pagoda_operator.spec import InferenceServiceSpec
 
-TABLE_FILE = "engine_capabilities.json"
-
-
-@dataclass(frozen=True)
-class EngineFeature:
-    key: str
-    title: str
-    implemented: bool
-    flags: tuple[str, ...] = ()  # `pagoda serve` flags that ask for it (in engine.extraArgs)
-    env: tuple[str, ...] = ()  # environment variables that ask for it when above 1 (in engine.env)
-    hint: str = ""
-
-
-@dataclass(frozen=True)
-class EngineCombination:
-    """Features the engine runs alone but not yet together."""
-
-    keys: tuple[str, ...]
-    title: str
-    hint: str = ""
-
-
-def _load_table() -> tuple[tuple[EngineFeature, ...], tuple[EngineCombination, ...], tuple[dict[str, Any], ...]]:
-    table = json.loads(resources.files(__package__).joinpath(TABLE_FILE).read_text())
-    features = tuple(EngineFeature(**{**row, "flags": tuple(row["flags"]), "env": tuple(row["env"])})
-                     for row in table["features"])
-    combinations = tuple(EngineCombination(**{**row, "keys": tuple(row["keys"])}) for row in table["combinations"])
-    return features, combinations, tuple(table["serve_flags"])
-
-
-ENGINE_FEATURES, ENGINE_COMBINATIONS, SERVE_FLAGS = _load_table()
-BY_KEY = {f.key: f for f in ENGINE_FEATURES}
 TIER_FEATURES = {"cpu": "kv-offload-cpu", "disk": "kv-offload-disk", "remote": "kv-offload-remote"}
 
 
-def _flag_feature(arg: str) -> EngineFeature | None:
+class _Refused(Exception):
+    """What `pagoda serve`'s parser would exit with."""
+
+
+class _ServeParser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise _Refused(message)
+
+
+class _Help(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        raise _Refused(f"{option_string} prints the help and exits: the pod would exit at once, and restart")
+
+
+@functools.cache
+def _serve_parser() -> _ServeParser:
+    """`pagoda serve`'s own parser (the same spellings, abbreviations, value counts, types and
+    choices), refusing instead of exiting, -h refused, and no defaults: what it parses from
+    engine.extraArgs is only what they give."""
+    parser = _ServeParser(prog="pagoda serve", add_help=False, allow_abbrev=True)
+    parser.add_argument("-h", "--help", action=_Help, nargs=0)
+    serve.add_arguments(parser)
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return parser
+
+
+def _actions() -> dict[str, argparse.Action]:
+    """`pagoda serve`'s flags by every spelling."""
+    return _serve_parser()._option_string_actions
+
+
+@functools.cache
+def feature_flags(key: str) -> tuple[str, ...]:
+    """Every spelling of the `pagoda serve` flags that ask for this feature (`--tensor-parallel-size`, `-tp`)."""
+    by_dest = {action.dest: action.option_strings for action in _serve_parser()._actions}
+    return tuple(flag for option in BY_KEY[key].options for flag in by_dest[option])
+
+
+def _flag_feature(arg: str) -> Feature | None:
     """The feature a command-line word asks for: its flag, `--flag=value`, or a prefix of a long
     flag (argparse takes unambiguous abbreviations)."""
     name = arg.split("=", 1)[0]
-    for feature in ENGINE_FEATURES:
-        for flag in feature.flags:
+    for feature in FEATURES:
+        for flag in feature_flags(feature.key):
             if name == flag or (name.startswith("--") and len(name) > 2 and flag.startswith(name)):
                 return feature
     return None
@@ -87,7 +96,7 @@ def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
         if feature is not None:
             asked.append((feature.key, f"engine.extraArgs: {arg}"))
     for var in spec.engine.env:
-        feature = next((f for f in ENGINE_FEATURES if var.get("name") in f.env), None)
+        feature = next((f for f in FEATURES if var.get("name") in f.env), None)
         if feature is None:
             continue
         # The engine reads a count above 1 as asking; a value from elsewhere (valueFrom) may be one.
@@ -110,7 +119,7 @@ def unsupported(spec: InferenceServiceSpec) -> list[str]:
     where_asked = {}
     for key, where in asked:
         where_asked.setdefault(key, where)
-    for combination in ENGINE_COMBINATIONS:
+    for combination in COMBINATIONS:
         if set(combination.keys) <= set(where_asked):
             fields = " with ".join(where_asked[k] for k in combination.keys)
             hint = f" ({combination.hint})" if combination.hint else ""
@@ -118,48 +127,18 @@ def unsupported(spec: InferenceServiceSpec) -> list[str]:
     return problems
 
 
-class _Refused(Exception):
-    """What `pagoda serve`'s parser would exit with."""
-
-
-class _ServeParser(argparse.ArgumentParser):
-    def error(self, message: str):
-        raise _Refused(message)
-
-
-class _Help(argparse.Action):
-    def __call__(self, parser, namespace, values, option_string=None):
-        raise _Refused(f"{option_string} prints the help and exits: the pod would exit at once, and restart")
-
-
-# The engine's value types by the table's names (pagoda_engine.capabilities._VALUE_TYPES); "any":
-# a type of the engine's own, which it checks at start-up.
-_VALUE_TYPES = {"str": str, "int": int, "float": float, "upper": str.upper, "lower": str.lower, "any": str}
-
-
-@functools.cache
-def _serve_parser() -> _ServeParser:
-    """`pagoda serve`'s parser, rebuilt from the table: the same spellings, abbreviations, value
-    counts, types and choices, so it takes and refuses the same command lines."""
-    parser = _ServeParser(prog="pagoda serve", add_help=False, allow_abbrev=True)
-    parser.add_argument("-h", "--help", action=_Help, nargs=0)
-    for i, row in enumerate(SERVE_FLAGS):
-        if row["nargs"] == 0:
-            parser.add_argument(*row["flags"], dest=f"flag{i}", action="store_true")
-        else:
-            parser.add_argument(*row["flags"], dest=f"flag{i}", nargs=row["nargs"], type=_VALUE_TYPES[row["type"]],
-                                choices=row["choices"])
-    return parser
-
-
 def extra_args_problems(extra_args: list[str]) -> list[str]:
     """Why `pagoda serve` would refuse these engine.extraArgs: what its parser refuses
-    (`extra_args_parse_problems`), else a value out of its flag's bounds. Empty when it would take
-    them. Checks across flags (e.g. --node-rank against --nnodes) stay the engine's, at start-up."""
+    (`extra_args_parse_problems`), else a value outside its flag's choices or bounds (the
+    engine's `value_fault`). Empty when it would take them. Checks across flags (e.g. --node-rank
+    against --nnodes) stay the engine's, at start-up."""
     parsed, problems = _parse_extra_args(extra_args)
     if parsed is None or problems:
         return problems
-    return [f"engine.extraArgs: {SERVE_FLAGS[i]['flags'][0]} {value}: {fault}" for i, value, fault in _out_of_bounds(parsed)]
+    flags = flags_by_dest()
+    return [f"engine.extraArgs: {flags[dest].spellings(dest)[0]} {value}: {fault}"
+            for dest, value in vars(parsed).items()
+            if dest in flags and (fault := value_fault(flags[dest], value)) is not None]
 
 
 def extra_args_parse_problems(extra_args: list[str]) -> list[str]:
@@ -177,8 +156,7 @@ def extra_arg_value(extra_args: list[str], flag: str) -> Any:
     parsed, problems = _parse_extra_args(extra_args)
     if parsed is None or problems:
         return None
-    (i,) = [i for i, row in enumerate(SERVE_FLAGS) if flag in row["flags"]]
-    return getattr(parsed, f"flag{i}")
+    return getattr(parsed, _actions()[flag].dest, None)
 
 
 def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None, list[str]]:
@@ -187,7 +165,7 @@ def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None,
     except _Refused as e:
         return None, [f"engine.extraArgs: {e}"]
     problems = []
-    known = [flag for row in SERVE_FLAGS for flag in row["flags"]]
+    known = [flag for flag in _actions() if flag not in ("-h", "--help")]
     after_unknown_flag = False
     for word in rest:
         name = word.split("=", 1)[0]
@@ -202,22 +180,3 @@ def _parse_extra_args(extra_args: list[str]) -> tuple[argparse.Namespace | None,
             problems.append(f"engine.extraArgs: pagoda serve has no flag {name}{hint}")
         after_unknown_flag = name.startswith("-") and name != "--" and "=" not in word
     return parsed, problems
-
-
-def _out_of_bounds(parsed: argparse.Namespace) -> list[tuple[int, Any, str]]:
-    """(row, value, why) for every flag given a value outside its bounds (the table's "bounds":
-    "min" and "max" inclusive, "above" exclusive, "power_of_two")."""
-    faults = []
-    for i, row in enumerate(SERVE_FLAGS):
-        value, bounds = getattr(parsed, f"flag{i}", None), row.get("bounds") or {}
-        if value is None or not bounds:
-            continue
-        if bounds.get("power_of_two") and (value < 1 or value & (value - 1)):
-            faults.append((i, value, "must be a power of two"))
-        elif "min" in bounds and value < bounds["min"]:
-            faults.append((i, value, f"must be >= {bounds['min']:g}"))
-        elif "above" in bounds and value <= bounds["above"]:
-            faults.append((i, value, f"must be > {bounds['above']:g}"))
-        elif "max" in bounds and value > bounds["max"]:
-            faults.append((i, value, f"must be <= {bounds['max']:g}"))
-    return faults

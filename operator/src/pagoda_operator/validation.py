@@ -1,8 +1,9 @@
 """Is an InferenceService servable as written? A pure function from the resource to a list of
 problems, each a sentence that shows its arithmetic, so the user can fix the spec from the
 `Validated=False` condition (or `pagoda-operator render`) alone. A spec that asks for what the
-engine cannot run yet is refused here too, with the engine's reason (engine_capabilities), so
-the user gets Validated=False, not a crash loop. Nothing here raises on user input; the
+engine cannot run yet is refused here too, with the engine's reason (engine_capabilities), and so
+is a remote KV tier's URL the engine would refuse (the engine's own rule, `kv_tiers`), so the
+user gets Validated=False, not a crash loop. Nothing here raises on user input; the
 handler creates nothing while the list is non-empty.
 """
 
@@ -11,7 +12,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+
+from pagoda_engine.kv_tiers import remote_url_problems
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
@@ -23,8 +25,6 @@ from pagoda_operator.spec import (InferenceServiceSpec, KVDiskVolume, desired_re
 # Children are named <name>-engine (a Service: a DNS-1035 label of at most 63 characters).
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63 - len("-engine")
-REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
-REDIS_URL_FORMS = "redis://host[:port][/db], rediss://... or unix:///path"
 # Managers allowed to own spec.replicas next to spec.autoscaling: writes through the scale
 # subresource (HPA, KEDA, kubectl scale) and Pagoda's own autoscaler.
 SCALER_MANAGER_PREFIX = "pagoda"
@@ -285,50 +285,8 @@ def _check_kv_cache(spec: InferenceServiceSpec) -> list[str]:
             if tier.url is None:
                 problems.append(f"{where}: url is required (redis://host:port)")
             else:
-                problems += [f"{where}: url {problem}" for problem in redis_url_problems(tier.url)]
+                problems += [f"{where}: url {problem}" for problem in remote_url_problems(tier.url)]
     return problems
-
-
-def redis_url_problems(value: str) -> list[str]:
-    """What is wrong with `value` as the remote tier's Redis servers (one URL, or several separated
-    by commas), a sentence a fault; [] when the engine takes it. The twin of the engine's check
-    (pagoda_engine.worker.kv_stores.remote_url_problems, which this image does not carry), so that
-    a URL the engine would refuse at start is refused here; tests/operator/test_redis_urls.py
-    keeps the two giving the same answers."""
-    urls = [u.strip() for u in value.split(",")]
-    problems = [f"{url!r} is not {REDIS_URL_FORMS}: {fault}" for url in urls if (fault := _redis_url_fault(url))]
-    return problems + [f"names a server twice: {url!r}" for url in dict.fromkeys(urls) if urls.count(url) > 1]
-
-
-def _redis_url_fault(url: str) -> str | None:
-    if not url:
-        return "an empty entry (several servers: comma-separated URLs)"
-    if any(c.isspace() for c in url):
-        return "it contains whitespace"
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme not in REDIS_URL_SCHEMES:
-        return "the scheme must be redis://, rediss:// or unix:// (lower case)"
-    try:
-        parts = urlsplit(url)
-    except ValueError as e:  # a bracketed host that is no IPv6 address
-        return f"its host is not a name or address ({e})"
-    if parts.fragment:
-        return f"it has a fragment #{parts.fragment}"
-    if not re.fullmatch(r"(db=[0-9]+)?", parts.query):
-        return f"the query ?{parts.query} is not ?db=N (the only option the engine takes from a URL)"
-    host_port = parts.netloc.rpartition("@")[2]
-    if scheme == "unix":
-        if host_port:
-            return f"{host_port!r} stands where a unix:// URL names no host: the socket's path follows three slashes"
-        return None if parts.path.strip("/") else "it names no socket path"
-    if not parts.hostname:
-        return "it names no host"
-    port = host_port.rpartition("]")[2].partition(":")
-    if port[1] and not (re.fullmatch(r"[0-9]{1,5}", port[2]) and 1 <= int(port[2]) <= 65535):
-        return f"the port {port[2]!r} is not a number from 1 to 65535"
-    if not re.fullmatch(r"(/[0-9]*)?", parts.path):
-        return f"the path {parts.path!r} is not /db (a database number)"
-    return None
 
 
 def most_replicas(spec: InferenceServiceSpec) -> int:

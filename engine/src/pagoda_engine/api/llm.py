@@ -20,7 +20,7 @@ from pagoda_engine.api.inputs import check_prompt
 from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.tokenizer import apply_chat_template, encode_prompt, load_tokenizer
-from pagoda_engine.config import EngineConfig
+from pagoda_engine.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.generation_config import default_sampling_params
@@ -32,10 +32,15 @@ PromptType = Union[str, list[int]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, tokenizer: str | None = None, dtype: str = "auto",
-                 max_model_len: int | None = None, block_size: int = 16, enable_prefix_caching: bool = True,
-                 max_num_seqs: int | None = None, max_num_batched_tokens: int = 8192, num_kv_pages: int | None = None,
-                 seed: int = 0, load_format: str = "auto", **engine_kwargs):
+    # The keywords vLLM's LLM names, with the engine's defaults (the config dataclasses' own); any
+    # other engine option goes through `engine_kwargs`. EngineConfig.from_kwargs checks them all.
+    def __init__(self, model: str | None = ModelConfig.model, *, tokenizer: str | None = None,
+                 dtype: str = ModelConfig.dtype, max_model_len: int | None = ModelConfig.max_model_len,
+                 block_size: int = CacheConfig.block_size, enable_prefix_caching: bool = CacheConfig.enable_prefix_caching,
+                 max_num_seqs: int | None = SchedulerConfig.max_num_seqs,
+                 max_num_batched_tokens: int = SchedulerConfig.max_num_batched_tokens,
+                 num_kv_pages: int | None = CacheConfig.num_kv_pages, seed: int = ModelConfig.seed,
+                 load_format: str = ModelConfig.load_format, **engine_kwargs):
         config = EngineConfig.from_kwargs(
             model=model, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
             enable_prefix_caching=enable_prefix_caching, max_num_seqs=max_num_seqs,

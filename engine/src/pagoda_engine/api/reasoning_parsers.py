@@ -65,7 +65,9 @@ class ThinkParser:
         return after
 
 
-REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}  # name -> reasoning starts without <think>
+# name -> reasoning starts without <think>. The names `--reasoning-parser` takes are
+# `config.REASONING_PARSER_NAMES`, where the flag's contract reads them; a test keeps the two equal.
+REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}
 
 
 def make_reasoning_parser(name: str, constrained: bool = False) -> ThinkParser:

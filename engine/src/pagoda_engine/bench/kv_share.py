@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import shutil
 import subprocess
 import tempfile
@@ -57,9 +56,9 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from pagoda_engine import envs
 from pagoda_engine.bench.multiturn import _metrics
-from pagoda_engine.envs import env_seconds
-from pagoda_engine.worker.kv_stores import redacted_url, remote_read_connections
+from pagoda_engine.kv_tiers import redacted_url
 from pagoda_engine.bench.serve import (
     PREFILL_TIME,
     QUEUE_TIME,
@@ -121,13 +120,11 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
-        from pagoda_engine.worker.kv_stores import REMOTE_PASSWORD_ENV
-
         cmd = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                "--maxmemory", str(int(self.maxmemory_gb * (1 << 30))), "--maxmemory-policy", "allkeys-lru",
                "--dir", str(self.dir), "--io-threads", str(self.io_threads)]
-        if os.environ.get(REMOTE_PASSWORD_ENV):
-            cmd += ["--requirepass", os.environ[REMOTE_PASSWORD_ENV]]
+        if envs.kv_remote_password():
+            cmd += ["--requirepass", envs.kv_remote_password()]
         with open(self.dir / "redis.log", "wb") as log:
             self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         client = redis_client(self.url)
@@ -161,9 +158,7 @@ class RedisServer:
 def redis_client(url: str):
     import redis
 
-    from pagoda_engine.worker.kv_stores import REMOTE_PASSWORD_ENV
-
-    return redis.Redis.from_url(url, password=os.environ.get(REMOTE_PASSWORD_ENV) or None, socket_timeout=30)
+    return redis.Redis.from_url(url, password=envs.kv_remote_password(), socket_timeout=30)
 
 
 class RedisPages:
@@ -172,7 +167,7 @@ class RedisPages:
     each on the server of the remote tier's shards that its name picks."""
 
     def __init__(self, url: str, page_size: int):
-        from pagoda_engine.worker.kv_stores import split_remote_urls
+        from pagoda_engine.kv_tiers import split_remote_urls
 
         self.clients = [redis_client(u) for u in split_remote_urls(url)]
         self.page_size = page_size
@@ -233,7 +228,7 @@ class RedisPages:
 
 def _until(predicate, what: str, step: float = 0.02) -> None:
     """Until a prompt's pages are in Redis, or an engine's counters are still."""
-    timeout_s = env_seconds("PAGODA_BENCH_KV_SHARE_STORE_TIMEOUT_S", 120.0)
+    timeout_s = envs.bench_kv_share_store_timeout_s()
     deadline = time.monotonic() + timeout_s
     while not predicate():
         if time.monotonic() > deadline:
@@ -416,7 +411,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
         model = _served_model(a.url)
         print(f"=== pagoda bench kv-share: two engines sharing Redis ({args.num_prompts} rounds; prompts of "
               f"{args.input_len} tokens, {args.output_len} output token{'s' * (args.output_len > 1)}) ===")
-        print(f"redis: {redis_desc}; the engines read each server over {remote_read_connections()} connections "
+        print(f"redis: {redis_desc}; the engines read each server over {envs.kv_remote_read_connections()} connections "
               f"(PAGODA_KV_REMOTE_READ_CONNECTIONS)")
         print(f"engines: A {a.url} (ready in {ready[0]} s), B {b.url} (ready in {ready[1]} s); model {model!r} "
               f"({args.model}, {args.load_format} weights); KV pool {args.num_gpu_blocks_override or args.num_kv_pages} "
@@ -432,7 +427,7 @@ def run_kv_share(args: argparse.Namespace) -> dict:
     result.update({"bench": "kv-share", "num_prompts": args.num_prompts, "input_len": args.input_len,
                    "output_len": args.output_len, "model": args.served_model_name, "load_format": args.load_format,
                    "redis": redis_desc, "redis_url": redacted_url(args.kv_offload_remote_url),
-                   "redis_started_here": bool(redis_servers), "redis_shards": len(redis_servers) or None, "remote_read_connections": remote_read_connections(),
+                   "redis_started_here": bool(redis_servers), "redis_shards": len(redis_servers) or None, "remote_read_connections": envs.kv_remote_read_connections(),
                    "num_gpu_blocks_override": args.num_gpu_blocks_override,
                    "engine_startup_s": ready})
     _print(result)

@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from pagoda_engine.bench.multiturn import measure_pinned_bandwidth
-from pagoda_engine.worker.kv_offload import CPU, KVOffloader, OffloadSetup
+from pagoda_engine.kv_tiers import CPU, OffloadSetup
+from pagoda_engine.worker.kv_offload import KVOffloader
 
 # Llama-3.1-8B's KV shape (one rank, bf16): 32 layers, 8 KV heads of 128, 16-token pages.
 LLAMA_8B = dict(layers=32, kv_heads=8, head_dim=128, page_size=16)

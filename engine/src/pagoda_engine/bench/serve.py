@@ -58,9 +58,10 @@ import httpx
 import msgspec
 import numpy as np
 
-from pagoda_engine.api.server.api_server import add_api_server_count_arg, http_stack, run_event_loop
+from pagoda_engine.api.server.api_server import http_stack, run_event_loop
 from pagoda_engine.bench.workloads import fixed_lengths
-from pagoda_engine.envs import env_seconds
+from pagoda_engine.config import add_server_args
+from pagoda_engine import envs
 
 S1_INPUT_LEN, S1_OUTPUT_LEN = 1024, 128
 
@@ -79,7 +80,7 @@ def add_serve_arguments(p: argparse.ArgumentParser, s1: bool = True) -> None:
                    help="the `model` field of the requests (default: the server's first /v1/models entry)")
     p.add_argument("--vocab-size", type=int, default=None,
                    help="token ids of the prompts are drawn below this (default: config.json of --model)")
-    add_api_server_count_arg(p)  # passed on to the server this run starts (`_server_args`)
+    add_server_args(p, only=("api_server_count",))  # passed on to the server this run starts (`_server_args`)
     if not s1:
         return
     p.add_argument("--rates", type=_rate_list, default=None, metavar="R1,R2,...",
@@ -521,17 +522,17 @@ def _free_port() -> int:
 
 
 def _server_main(args: argparse.Namespace) -> None:
-    from pagoda_engine.api.server import api_server
+    from pagoda_engine import serve
 
-    raise SystemExit(api_server.run(args))
+    raise SystemExit(serve.run(args))
 
 
 def _server_args(bench_args: argparse.Namespace, port: int) -> argparse.Namespace:
     """`pagoda serve`'s arguments: its defaults, the engine flags of this run, 127.0.0.1:port."""
-    from pagoda_engine.api.server import api_server
+    from pagoda_engine import serve
 
     parser = argparse.ArgumentParser()
-    api_server.add_arguments(parser)
+    serve.add_arguments(parser)
     args = parser.parse_args([])
     for name in vars(args):
         if hasattr(bench_args, name):
@@ -646,7 +647,7 @@ class LaunchedServer:
 
     def start(self) -> float:
         """Start and wait for /health; returns the seconds it took."""
-        timeout_s = env_seconds("PAGODA_BENCH_SERVER_TIMEOUT_S", 900.0)
+        timeout_s = envs.bench_server_timeout_s()
         t0 = time.monotonic()
         self.process.start()
         while time.monotonic() - t0 < timeout_s:

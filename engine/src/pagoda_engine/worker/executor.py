@@ -61,6 +61,9 @@ from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpe
 from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.worker.attention import flashinfer_available
 from pagoda_engine.worker.attention.base import AttentionBackend
+# The remote KV tier's store, which the core's offload manager also opens (to look pages up): the
+# core reaches worker code only through this module.
+from pagoda_engine.worker.kv_stores import remote_store  # noqa: F401
 from pagoda_engine.worker.compile_ahead import (engine_compile_workers, ranks_on_node, settings_allow_compile_ahead,
                                                  start_compile_pool, stop_compile_pool, triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import (MAX_PIECEWISE_TOKENS, drop_slow_sizes, graph_batch_sizes,

@@ -39,11 +39,12 @@ import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from pagoda_engine.kv_tiers import CPU, DISK, REMOTE, OffloadEvents, OffloadSetup
 from pagoda_engine.worker.kv_stores import (
     CorruptEntry,
     DiskStore,
@@ -53,46 +54,12 @@ from pagoda_engine.worker.kv_stores import (
 
 logger = logging.getLogger(__name__)
 
-CPU, DISK, REMOTE = "cpu", "disk", "remote"
 LOAD, STORE = 0, 1  # directions of the timed host<->device copies (`OffloadEvents.copy`)
 # Device staging per load and per store (beyond the KV budget, like activations). A load up to
 # this size overlaps the step in flight whole (512 MiB: 256 Llama-8B pages, a 4,096-token context,
 # about 10 ms at 55 GB/s); a store's staging only bounds its memory.
 _LOAD_STAGING_BYTES = 512 << 20
 _STORE_STAGING_BYTES = 128 << 20
-
-
-@dataclass
-class OffloadSetup:
-    """What the core tells every rank at start-up; each rank derives its own fingerprint."""
-
-    fingerprint: bytes  # what makes KV bytes compatible, before the rank's own coordinates
-    num_cpu_slots: int = 0
-    disk_path: str | None = None
-    remote_url: str | None = None
-
-
-@dataclass
-class OffloadStarted:
-    """A rank's answer to `init_kv_offload`."""
-
-    fingerprint: bytes  # this rank's
-    payload_bytes: int  # one page's bytes on this rank
-    disk_entries: list[tuple[bytes, float]] = field(default_factory=list)  # (key, mtime) found on disk, oldest first
-
-
-@dataclass
-class OffloadEvents:
-    """What finished on a rank since its last poll."""
-
-    copied: list[int] = field(default_factory=list)  # store ids whose pages are off the device
-    written: list[tuple[int, list[bytes], bool]] = field(default_factory=list)  # (store id, failed disk keys, remote ok)
-    # (load id, leading pages that arrived intact, seconds it took on this rank: its reads, and its
-    # copies at the copy speed measured so far): the next step waits for the copies on the device.
-    loaded: list[tuple[int, int, float]] = field(default_factory=list)
-    bad: list[tuple[str, bytes]] = field(default_factory=list)  # (tier, key) entries found corrupt or unreadable
-    errors: dict[str, int] = field(default_factory=dict)  # cumulative, per tier
-    copy: list[float] = field(default_factory=list)  # cumulative: load bytes, load s, store bytes, store s (CUDA)
 
 
 @dataclass(eq=False)

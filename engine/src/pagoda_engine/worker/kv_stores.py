@@ -1,6 +1,7 @@
 """Where offloaded KV pages live below host memory: local files (`DiskStore`) and Redis
 (`RedisStore`, or `ShardedRedisStore` over several servers: `remote_store` picks), and the one
-entry format both use (`encode_entry` / `decode_entry`).
+entry format both use (`encode_header` / `decode_entry`; the header's layout is
+`kv_tiers.ENTRY_HEADER`, shared with the core, which sizes the disk tier by it).
 
 An entry is a header (magic, the fingerprint of what makes KV bytes compatible, the page's key,
 the payload's length and CRC-32) followed by the page's bytes, so that a truncated or corrupted
@@ -17,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import re
 import socket
 import struct
 import threading
@@ -27,81 +27,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from pagoda_engine.envs import env_count, env_seconds
+from pagoda_engine import envs
+from pagoda_engine.kv_tiers import ENTRY_HEADER, ENTRY_MAGIC, HEADER_BYTES, redacted_url, split_remote_urls
 
 logger = logging.getLogger(__name__)
 
-_MAGIC = b"PGKV1\n"
-_HEADER = struct.Struct("<6s16s16sQI")  # magic, fingerprint, key, payload length, crc32
-HEADER_BYTES = _HEADER.size
 # Connections (and threads) one remote read spreads its keys over, each given at least
 # MIN_SHARE_BYTES of it (below that a thread and a connection cost more than they save).
-REMOTE_READ_CONNECTIONS_ENV = "PAGODA_KV_REMOTE_READ_CONNECTIONS"
 MIN_SHARE_BYTES = 4 << 20
-# The Redis password (the operator renders it from the Secret the spec names).
-REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"
 # Every Redis key of the remote tier: NAMESPACE + <fingerprint hex> + b":" + <page key hex>.
 REDIS_KEY_NAMESPACE = b"pagoda:kv:"
-REMOTE_URL_SCHEMES = ("redis", "rediss", "unix")
-REMOTE_URL_FORMS = "redis://host[:port][/db], rediss://... or unix:///path"
-
-
-def split_remote_urls(value: str) -> list[str]:
-    """The Redis servers of `--kv-offload-remote-url`: one URL, or several separated by commas
-    (the remote tier is then sharded over them, in that order). ValueError names every bad one."""
-    problems = remote_url_problems(value)
-    if problems:
-        raise ValueError("--kv-offload-remote-url: " + "; ".join(problems))
-    return [u.strip() for u in value.split(",")]
-
-
-def remote_url_problems(value: str) -> list[str]:
-    """What is wrong with `value` as the remote tier's servers, a sentence a fault; [] when every
-    URL is one the store connects to as written. The operator, whose image has no engine, checks
-    kvCache's remote url with a twin of this (pagoda_operator.validation.redis_url_problems);
-    tests/operator/test_redis_urls.py keeps the two giving the same answers."""
-    urls = [u.strip() for u in value.split(",")]
-    problems = [f"{url!r} is not {REMOTE_URL_FORMS}: {fault}" for url in urls if (fault := _remote_url_fault(url))]
-    return problems + [f"names a server twice: {url!r}" for url in dict.fromkeys(urls) if urls.count(url) > 1]
-
-
-def _remote_url_fault(url: str) -> str | None:
-    """Why redis-py would refuse `url`, or read it other than as written (an ignored host or db,
-    a port of 0 taken as 6379, options the store's own connections do not honour); None: fine."""
-    if not url:
-        return "an empty entry (several servers: comma-separated URLs)"
-    if any(c.isspace() for c in url):
-        return "it contains whitespace"
-    scheme, sep, _ = url.partition("://")
-    if not sep or scheme not in REMOTE_URL_SCHEMES:
-        return "the scheme must be redis://, rediss:// or unix:// (lower case)"
-    try:
-        parts = urlsplit(url)
-    except ValueError as e:  # a bracketed host that is no IPv6 address
-        return f"its host is not a name or address ({e})"
-    if parts.fragment:
-        return f"it has a fragment #{parts.fragment}"
-    if not re.fullmatch(r"(db=[0-9]+)?", parts.query):
-        return f"the query ?{parts.query} is not ?db=N (the only option the engine takes from a URL)"
-    host_port = parts.netloc.rpartition("@")[2]
-    if scheme == "unix":
-        if host_port:
-            return f"{host_port!r} stands where a unix:// URL names no host: the socket's path follows three slashes"
-        return None if parts.path.strip("/") else "it names no socket path"
-    if not parts.hostname:
-        return "it names no host"
-    port = host_port.rpartition("]")[2].partition(":")
-    if port[1] and not (re.fullmatch(r"[0-9]{1,5}", port[2]) and 1 <= int(port[2]) <= 65535):
-        return f"the port {port[2]!r} is not a number from 1 to 65535"
-    if not re.fullmatch(r"(/[0-9]*)?", parts.path):
-        return f"the path {parts.path!r} is not /db (a database number)"
-    return None
-
-
-def redacted_url(url: str) -> str:
-    """`url` (one or several, comma-separated) without user names and passwords: what logs and
-    benchmark reports may show."""
-    return ",".join(re.sub(r"^([a-z]+://)[^/]*@", r"\1", u) for u in url.split(","))
 
 
 def shard_index(name: bytes, shards: int) -> int:
@@ -122,7 +57,7 @@ class CorruptEntry(Exception):
 
 
 def encode_header(fingerprint: bytes, key: bytes, payload: memoryview) -> bytes:
-    return _HEADER.pack(_MAGIC, fingerprint, key, payload.nbytes, zlib.crc32(payload))
+    return ENTRY_HEADER.pack(ENTRY_MAGIC, fingerprint, key, payload.nbytes, zlib.crc32(payload))
 
 
 def decode_entry(blob: bytes | memoryview, fingerprint: bytes, key: bytes, payload_bytes: int) -> memoryview:
@@ -139,8 +74,8 @@ def check_entry(header: memoryview, payload: memoryview, stored_bytes: int, fing
     which `payload` holds all when they are `payload_bytes`) are the entry the reader expects."""
     if header.nbytes < HEADER_BYTES:
         raise CorruptEntry(f"truncated header ({header.nbytes} bytes)")
-    magic, fp, k, length, crc = _HEADER.unpack_from(header)
-    if magic != _MAGIC:
+    magic, fp, k, length, crc = ENTRY_HEADER.unpack_from(header)
+    if magic != ENTRY_MAGIC:
         raise CorruptEntry("not a Pagoda KV entry")
     if fp != fingerprint:
         raise CorruptEntry("written by an engine with other KV bytes (fingerprint mismatch)")
@@ -150,22 +85,6 @@ def check_entry(header: memoryview, payload: memoryview, stored_bytes: int, fing
         raise CorruptEntry(f"truncated: {stored_bytes} of {payload_bytes} payload bytes")
     if zlib.crc32(payload) != crc:
         raise CorruptEntry("checksum mismatch")
-
-
-def remote_timeout_s() -> float:
-    """How long one Redis call may take (PAGODA_KV_REMOTE_TIMEOUT_S, default 1 s)."""
-    return env_seconds("PAGODA_KV_REMOTE_TIMEOUT_S", 1.0)
-
-
-def remote_backoff_s() -> float:
-    """How long a failed Redis server is skipped (PAGODA_KV_REMOTE_BACKOFF_S, default 5 s)."""
-    return env_seconds("PAGODA_KV_REMOTE_BACKOFF_S", 5.0)
-
-
-def remote_read_connections() -> int:
-    """How many connections a Redis read spreads over: PAGODA_KV_REMOTE_READ_CONNECTIONS (default
-    4), a whole number >= 1; anything else is refused at start-up rather than bent into range."""
-    return env_count(REMOTE_READ_CONNECTIONS_ENV, 4)
 
 
 class RateLimitedLog:
@@ -237,8 +156,8 @@ class DiskStore:
                 key = bytes.fromhex(path.stem)
                 st = path.stat()
                 with open(path, "rb") as f:
-                    magic, fp, k, length, _ = _HEADER.unpack(f.read(HEADER_BYTES))
-                ok = (magic == _MAGIC and fp == self.fingerprint and k == key and length == payload_bytes
+                    magic, fp, k, length, _ = ENTRY_HEADER.unpack(f.read(HEADER_BYTES))
+                ok = (magic == ENTRY_MAGIC and fp == self.fingerprint and k == key and length == payload_bytes
                       and st.st_size == HEADER_BYTES + payload_bytes)
             except (ValueError, OSError, struct.error):
                 ok = False
@@ -274,9 +193,9 @@ class RedisStore:
         self.label = redacted_url(url)
         self.fingerprint = fingerprint
         self.prefix = REDIS_KEY_NAMESPACE + fingerprint.hex().encode() + b":"
-        password = password or os.environ.get(REMOTE_PASSWORD_ENV) or None
-        self.timeout_s = timeout_s or remote_timeout_s()
-        self.backoff_s = remote_backoff_s()
+        password = password or envs.kv_remote_password()
+        self.timeout_s = timeout_s or envs.kv_remote_timeout_s()
+        self.backoff_s = envs.kv_remote_backoff_s()
         self.client = redis.Redis.from_url(url, password=password,
                                            socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s)
         options = parse_url(url)  # what redis-py connects with: the URL's credentials win over `password`
@@ -285,7 +204,7 @@ class RedisStore:
                                                                     options.get("port") or 6379)
         self._username, self._password = options.get("username"), options.get("password") or password
         self._db = int(options.get("db") or 0)
-        self.read_connections = read_connections if read_connections is not None else remote_read_connections()
+        self.read_connections = read_connections if read_connections is not None else envs.kv_remote_read_connections()
         self.min_share_bytes = MIN_SHARE_BYTES
         self._idle: list[_RespConnection] = []
         self.errors = 0

@@ -25,17 +25,15 @@ process groups' backend.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from pagoda_engine import envs
+from pagoda_engine.envs import DIST_BACKEND_ENV, PP_LAYER_PARTITION_ENV
 from pagoda_engine.errors import ModelLoadError
 
 AXES = ("tp", "pp", "dp", "ep")
-# An explicit split of the layers over the pipeline stages, as vLLM's VLLM_PP_LAYER_PARTITION: "a,b,...".
-PP_LAYER_PARTITION_ENV = "PAGODA_PP_LAYER_PARTITION"
-# The process groups' backend on CUDA: nccl (the default) or gloo, whose ranks may share a GPU
-# (NCCL refuses two ranks on one device), so that pipeline parallelism runs on one GPU for tests.
-DIST_BACKEND_ENV = "PAGODA_DIST_BACKEND"
+# The process groups' backend on CUDA (PAGODA_DIST_BACKEND): nccl (the default) or gloo, whose ranks
+# may share a GPU (NCCL refuses two ranks on one device), so that pipeline parallelism runs on one GPU for tests.
 DIST_BACKENDS = ("nccl", "gloo")
 
 
@@ -134,7 +132,7 @@ def pp_layer_partition(num_layers: int, pp: int, explicit: str | None = None) ->
     stage, summing to `num_layers`; default: $PAGODA_PP_LAYER_PARTITION) or vLLM's split
     (`get_pp_indices`): `num_layers // pp` each, the remainder one more per stage from the
     second-to-last backwards. Every stage needs at least one layer (ModelLoadError otherwise)."""
-    explicit = os.environ.get(PP_LAYER_PARTITION_ENV) if explicit is None else explicit
+    explicit = envs.pp_layer_partition() if explicit is None else explicit
     if explicit:
         try:
             counts = [int(part) for part in explicit.split(",")]
@@ -160,7 +158,7 @@ def dist_backend(device_type: str) -> str:
     CPU, whatever PAGODA_DIST_BACKEND says; on CUDA NCCL, or gloo when PAGODA_DIST_BACKEND=gloo (a
     CUDA tensor then passes through host memory on its way: `model.layers.TPGroup`; slow, and the
     ranks may share GPUs). ModelLoadError for a value other than nccl or gloo."""
-    wanted = os.environ.get(DIST_BACKEND_ENV, "").strip().lower()
+    wanted = envs.dist_backend()
     if wanted and wanted not in DIST_BACKENDS:
         raise ModelLoadError(f"{DIST_BACKEND_ENV}={wanted!r} must be one of {', '.join(DIST_BACKENDS)}")
     if device_type != "cuda":

@@ -50,13 +50,14 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
+from pagoda_engine.kv_tiers import OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
-from pagoda_engine.worker.kv_offload import KVOffloader, OffloadEvents, OffloadSetup, OffloadStarted
+from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch

@@ -1,31 +1,30 @@
-"""`pagoda serve`: start the engine core(s), then the HTTP server; drain and stop on SIGTERM.
+"""One API server process: start the engine core(s), then the HTTP server; drain and stop on SIGTERM
+(`pagoda serve`'s flags and which processes it runs: `pagoda_engine.serve`).
 
-Order matters for Kubernetes probes and for clients: the port opens only after the core has
-loaded the model and reported its KV capacity, and on SIGTERM the server stops accepting,
-lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
+Order matters for Kubernetes probes and for clients: the port, bound before anything loads, opens
+(listens) only after the core has loaded the model and reported its KV capacity, and on SIGTERM
+the server stops accepting, lets in-flight requests finish (bounded by --drain-timeout), ends the rest with a clear error,
 stops the core process, and exits 0.
 
-With `--api-server-count N` > 1 this process is the launcher (`api.server.launcher`): it starts
-the cores and N API server processes, each running `serve_http` below on the shared socket.
+With `--api-server-count N` > 1 the launcher (`api.server.launcher`) starts the cores and N API
+server processes, each running `serve_http` below on the shared socket.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import importlib
 import logging
 import signal
+import socket
 import sys
 from typing import Awaitable, TypeVar
 
-import prometheus_client
 import uvicorn
+from uvicorn.config import STARTUP_FAILURE
 
-from pagoda_engine.api.tokenizer import load_chat_template
-from pagoda_engine.config import EngineConfig, add_engine_args, add_request_limit_args, config_from_args
-from pagoda_engine.envs import check_environment
+from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
 
 T = TypeVar("T")
@@ -33,57 +32,20 @@ T = TypeVar("T")
 logger = logging.getLogger("pagoda_engine.api.server")
 
 
-def add_chat_output_args(parser: argparse.ArgumentParser) -> None:
-    """Chat templating, tool calling and reasoning (vLLM's flags and parser names)."""
-    parser.add_argument("--chat-template", default=None,
-                        help="the chat template: a file, or the Jinja template itself (default: the model's)")
-    parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help="let the model decide when to call tools (tool_choice \"auto\"); needs --tool-call-parser")
-    parser.add_argument("--tool-call-parser", default=None,
-                        help="the format the model writes tool calls in: hermes | llama3_json | mistral")
-    parser.add_argument("--reasoning-parser", default=None,
-                        help="split the model's <think> reasoning into the `reasoning` field: qwen3 | deepseek_r1")
-    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
-                        help="with tool_choice \"none\", do not show the tools to the chat template")
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_args(parser)
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: all interfaces)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer <key>` on /v1/* (default: PAGODA_API_KEY, else no key)")
-    parser.add_argument("--drain-timeout", dest="drain_timeout_s", type=float, default=30.0,
-                        help="seconds in-flight requests get to finish after SIGTERM")
-    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
-                        help="report usage.prompt_tokens_details.cached_tokens: prompt tokens the prefix cache served")
-    add_api_server_count_arg(parser)
-    add_request_limit_args(parser)
-    add_chat_output_args(parser)
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
-
-def add_api_server_count_arg(parser: argparse.ArgumentParser) -> None:
-    """`pagoda serve`'s and `pagoda bench serve`'s (which passes it to the server it starts)."""
-    parser.add_argument("--api-server-count", "-asc", type=int, default=1,
-                        help="API server processes sharing the port, each connected to every engine core "
-                             "(tokenization, detokenization and streaming spread over N CPU cores); "
-                             "a --headless node runs none and refuses N > 1 (default 1)")
-
-
 class _DrainingServer(uvicorn.Server):
     """uvicorn, plus: on the first SIGTERM/SIGINT refuse new work and bound the drain. An API
     process under a launcher ignores SIGINT: the launcher owns shutdown, and a terminal's Ctrl-C
-    reaches the whole process group."""
+    reaches the whole process group. The one process of a server without a launcher says where
+    it listens, as uvicorn does for an address it binds itself (it is silent on a socket given)."""
 
-    def __init__(self, config: uvicorn.Config, on_exit, ignore_sigint: bool = False):
+    def __init__(self, config: uvicorn.Config, on_exit, under_launcher: bool = False):
         super().__init__(config)
         self._on_exit = on_exit
         self._draining = False
-        self._ignore_sigint = ignore_sigint
+        self._under_launcher = under_launcher
 
     def handle_exit(self, sig, frame) -> None:
-        if sig == signal.SIGINT and self._ignore_sigint:
+        if sig == signal.SIGINT and self._under_launcher:
             return
         if not self._draining:
             self._draining = True
@@ -91,8 +53,22 @@ class _DrainingServer(uvicorn.Server):
             asyncio.get_event_loop().call_soon_threadsafe(self._on_exit)
         super().handle_exit(sig, frame)
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and self.started and not self._under_launcher:
+            self._log_started_message(sockets)
 
-async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
+
+def serve_one_process(config: EngineConfig, log_level: str, sock: socket.socket) -> int:
+    """This process serves: its engine core(s), then HTTP on `sock` (bound by `pagoda serve`)."""
+    try:
+        return run_event_loop(serve(config, log_level, sock))
+    except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
+        print("pagoda serve: interrupted", file=sys.stderr)
+        return 130
+
+
+async def serve(config: EngineConfig, log_level: str, sock: socket.socket | None = None) -> int:
     from pagoda_engine.api.server.async_engine import AsyncEngine
 
     engine = AsyncEngine(config)
@@ -105,7 +81,7 @@ async def serve(args: argparse.Namespace, config: EngineConfig) -> int:
     # reach, a full collection no longer walks them (hundreds of ms with the event loop stopped).
     gc.freeze()
     print(capacity_line(config, ready, engine.served_model_name), flush=True)
-    return await serve_http(engine, args.log_level)
+    return await serve_http(engine, log_level, sock=sock)
 
 
 def capacity_line(config: EngineConfig, ready, served_model_name: str) -> str:
@@ -120,8 +96,9 @@ def capacity_line(config: EngineConfig, ready, served_model_name: str) -> str:
 
 async def serve_http(engine, log_level: str, sock=None, api_server_index: int | None = None) -> int:
     """Serve the OpenAI API over a started engine until SIGTERM, drain, stop the engine. `sock`:
-    the launcher's shared listening socket (else bind host:port); `api_server_index`: this
-    process's index under a launcher, sent as the X-Pagoda-API-Server header of every response."""
+    the listening socket `pagoda serve` bound (shared by every API process under a launcher; None:
+    bind host:port now); `api_server_index`: this process's index under a launcher, sent as the
+    X-Pagoda-API-Server header of every response."""
     from pagoda_engine.api.server.app import create_app
     from pagoda_engine.api.server.errors import ServiceUnavailableError
 
@@ -145,7 +122,7 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
                                lifespan="off", timeout_graceful_shutdown=int(drain_timeout) + 5, access_log=False,
                                headers=headers)
     server = _DrainingServer(uv_config, on_exit=lambda: drain_tasks.append(asyncio.ensure_future(drain())),
-                             ignore_sigint=sock is not None)
+                             under_launcher=api_server_index is not None)
     # uvicorn re-raises the signal that stopped it once it has shut down; with these handlers in
     # place that is a no-op, and the process stops the core and exits 0. (Before this point the
     # default handlers apply: SIGTERM during model loading simply ends the process, and the
@@ -153,7 +130,16 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
     try:
-        await server.serve(sockets=None if sock is None else [sock])  # exits the process with 1 if the port cannot be bound
+        if sock is not None:
+            try:
+                # Here, not in the event loop: uvloop does not report a listen() that fails (another
+                # server bound the port too, both with SO_REUSEADDR, and listened first).
+                sock.listen(uv_config.backlog)
+            except OSError as e:
+                print(f"pagoda serve: cannot listen on {config.server.host}:{config.server.port}: {e.strerror or e}",
+                      file=sys.stderr, flush=True)
+                return STARTUP_FAILURE
+        await server.serve(sockets=None if sock is None else [sock])
     finally:
         for task in drain_tasks:
             task.cancel()
@@ -189,32 +175,3 @@ def run_event_loop(main: Awaitable[T]) -> T:
         return asyncio.run(main)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
-
-
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape (vLLM has none)
-    try:
-        config = config_from_args(args)
-        config.server.chat_template = load_chat_template(config.server.chat_template)
-        check_environment()
-    except (ValueError, TypeError) as e:  # invalid engine flags (EngineConfig.validate) or PAGODA_* numbers
-        print(f"pagoda serve: {e}", file=sys.stderr)
-        return 2
-    if config.parallel.headless and config.parallel.data_parallel_across_nodes:  # this node's engine cores
-        from pagoda_engine.api.server.dp_nodes import serve_data_parallel_headless
-
-        return serve_data_parallel_headless(config)
-    if config.parallel.headless:  # a node other than the leader: only its ranks, no API server
-        from pagoda_engine.worker.executor import serve_headless
-
-        return serve_headless(config)
-    if config.server.api_server_count > 1:
-        from pagoda_engine.api.server.launcher import launch
-
-        return launch(args, config)
-    try:
-        return run_event_loop(serve(args, config))
-    except KeyboardInterrupt:  # Ctrl-C while the model was loading (the core is stopped already)
-        print("pagoda serve: interrupted", file=sys.stderr)
-        return 130

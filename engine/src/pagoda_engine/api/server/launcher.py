@@ -1,12 +1,13 @@
-"""`pagoda serve --api-server-count N` (N > 1): this process serves no HTTP; it binds the port,
-starts the engine cores and N API server processes, watches them all, and owns shutdown.
+"""`pagoda serve --api-server-count N` (N > 1): this process serves no HTTP; on the port `pagoda
+serve` bound, it starts the engine cores and N API server processes, watches them all, and owns
+shutdown.
 
-    launcher ── binds host:port once ──► API server 0..N-1 (spawned, each `serve_http` on the
+    launcher ── host:port, bound once ──► API server 0..N-1 (spawned, each `serve_http` on the
        │                                  inherited socket: a FastAPI/uvicorn OpenAI server with
        │                                  its own tokenizer, detokenizer and SSE; client index i)
        └── spawns engine core 0..M-1 ◄──ZMQ──► every API server (`core_client.CoreAddresses`)
 
-The socket: bound here, before any model loads (a taken port fails at once), and inherited by
+The socket: bound by `pagoda serve` before any model loads (a taken port fails at once), and inherited by
 every API process; each one's event loop calls listen() on it once its engine is ready, so the
 port opens when the first API process can serve. All of them accept from the one queue, the
 kernel handing each connection to whichever process calls accept() first: a busy process (its
@@ -32,7 +33,6 @@ at once. Every child dies with this process if it is killed (`processes.die_with
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import ctypes
 import gc
@@ -62,10 +62,11 @@ _CRASH_STOP_S = 5.0  # after an API process died: how long the others get before
 _CORE_STOP_S = 10.0
 
 
-def launch(args: argparse.Namespace, config: EngineConfig) -> int:
+def launch(config: EngineConfig, log_level: str, sock: socket.socket) -> int:
+    """Serve on `sock` (bound, not listening) until shut down; the exit status."""
     metrics_dir = _metrics_dir()
     try:
-        return asyncio.run(Launcher(config, args.log_level).run())
+        return asyncio.run(Launcher(config, log_level).run(sock))
     finally:
         if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -81,20 +82,6 @@ def _metrics_dir() -> str | None:
     path = tempfile.mkdtemp(prefix="pagoda-metrics-")
     os.environ[MULTIPROC_DIR_ENV] = path
     return path
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """The listening address, bound (not yet listening) and inheritable, as uvicorn binds it."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
 
 
 class Launcher:
@@ -114,14 +101,9 @@ class Launcher:
         self._drain_deadline: asyncio.Future | None = None
         self._events: asyncio.Queue = asyncio.Queue()  # ("signal", sig) | ("core", rank, code) | ("server", i, code)
 
-    async def run(self) -> int:
+    async def run(self, sock: socket.socket) -> int:
         loop = asyncio.get_running_loop()
         server = self.config.server
-        try:
-            sock = bind_socket(server.host, server.port)
-        except OSError as e:
-            print(f"pagoda serve: cannot listen on {server.host}:{server.port}: {e}", file=sys.stderr, flush=True)
-            return 1
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self._events.put_nowait, ("signal", sig))
         try:

@@ -1,8 +1,9 @@
 """Tool-call parsers: the model's text → OpenAI `tool_calls` (vLLM's `--tool-call-parser` names).
 
-`TOOL_PARSERS` maps each name to its format's parser; `forced.py` parses what structured outputs
-forced for `tool_choice` `required` or a named function, whatever the format. Every parser is
-fed a sequence's text piece by piece where the output processor detokenizes it (`base.py` says
+`TOOL_PARSERS` maps each name to its format's parser (the names `--tool-call-parser` takes are
+`config.TOOL_CALL_PARSER_NAMES`, where the flag's contract reads them; a test keeps the two
+equal); `forced.py` parses what structured outputs forced for `tool_choice` `required` or a
+named function, whatever the format. Every parser is fed a sequence's text piece by piece where the output processor detokenizes it (`base.py` says
 how each piece stays O(its length) and what happens to malformed calls)."""
 
 from __future__ import annotations

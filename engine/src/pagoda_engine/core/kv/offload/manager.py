@@ -44,16 +44,15 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from pagoda_engine.core.kv.block_pool import BlockPool, Page
 from pagoda_engine.core.kv.offload.index import TierEntry, TierIndex
+from pagoda_engine.kv_tiers import CPU, DISK, REMOTE, TIERS, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.messages import KV_OFFLOAD_LOAD_BUCKETS, KVOffloadTierStats
-from pagoda_engine.worker.kv_offload import CPU, DISK, REMOTE, OffloadEvents, OffloadSetup, OffloadStarted
-from pagoda_engine.worker.kv_stores import remote_store
 
 logger = logging.getLogger(__name__)
 
-TIERS = (CPU, DISK, REMOTE)
 _GiB = 1 << 30
 # The remote tier remembers this many keys it wrote or saw, to write each once.
 _REMOTE_KNOWN_KEYS = 1 << 20
@@ -176,9 +175,12 @@ class Lookup:
 
 class OffloadManager:
     def __init__(self, pool: BlockPool, page_size: int, executor, setup: OffloadSetup, disk_pages: int,
-                 page_bytes: int, split_loads: bool = True):
+                 page_bytes: int, split_loads: bool = True, open_remote: Callable | None = None):
         """`page_bytes`: one page's bytes over every rank. `setup` goes to every rank.
-        `split_loads`: `start_split_load` may split a load (--kv-offload-split-loads)."""
+        `split_loads`: `start_split_load` may split a load (--kv-offload-split-loads).
+        `open_remote(url, fingerprint)`: the remote tier's store (`worker.kv_stores.remote_store`),
+        handed in by whoever builds the manager, which owns no store of its own; needed when
+        `setup.remote_url` is set."""
         self.pool = pool
         self.page_size = page_size
         self.executor = executor
@@ -188,7 +190,7 @@ class OffloadManager:
         self.disk = TierIndex(disk_pages) if setup.disk_path else None
         self.remote_url = setup.remote_url
         started: list[OffloadStarted] = executor.collective_rpc("init_kv_offload", setup)
-        self.remote = remote_store(setup.remote_url, started[0].fingerprint) if setup.remote_url else None
+        self.remote = open_remote(setup.remote_url, started[0].fingerprint) if setup.remote_url else None
         self.remote_known: dict[bytes, None] = {}  # insertion-ordered: the oldest go first
         self._remote_memory: tuple[int, int] = (0, 0)
         self._remote_memory_at = -1e9

@@ -10,9 +10,8 @@ from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.kv.block_pool import BlockPool
 from pagoda_engine.core.kv.offload.manager import OffloadManager, kv_fingerprint
 from pagoda_engine.errors import ModelLoadError
-from pagoda_engine.worker.executor import Executor
-from pagoda_engine.worker.kv_offload import OffloadSetup
-from pagoda_engine.worker.kv_stores import HEADER_BYTES
+from pagoda_engine.kv_tiers import HEADER_BYTES, OffloadSetup
+from pagoda_engine.worker.executor import Executor, remote_store
 
 _GiB = 1 << 30
 
@@ -40,4 +39,4 @@ def start_offload(config: EngineConfig, executor: Executor, pool: BlockPool, mod
     if cc.kv_offload_disk_path is not None and disk_pages == 0:
         raise ModelLoadError(f"--kv-offload-disk-gb {cc.kv_offload_disk_gb} holds no page ({page_bytes} bytes each)")
     return OffloadManager(pool, cc.block_size, executor, setup, disk_pages, page_bytes,
-                          split_loads=cc.kv_offload_split_loads)
+                          split_loads=cc.kv_offload_split_loads, open_remote=remote_store)
