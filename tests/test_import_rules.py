@@ -40,9 +40,13 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1] / "engine" / "src"
 
 # Modules every layer reads; they import from no layer.
 NEUTRAL_MODULES = frozenset(f"pagoda_engine.{name}" for name in (
-    "config", "capabilities", "envs", "messages", "sampling_params", "errors"))
-# What `core/` may import from `worker/`: the executor's interface, nothing a worker runs.
-CORE_MAY_IMPORT_FROM_WORKER = frozenset({"pagoda_engine.worker.executor"})
+    "config", "capabilities", "envs", "messages", "sampling_params", "errors",
+    # what core/ and worker/ both name: the KV tiers' shared names, the step's plain batch description
+    "kv_tiers", "executor_types", "tokenizer_files", "generation_config", "model_path", "profiler"))
+# What `core/` may import from `worker/`: the executor's interface, nothing a worker runs; and the
+# compile pool's early start, which the core process makes before torch is imported (the executor
+# module imports torch).
+CORE_MAY_IMPORT_FROM_WORKER = frozenset({"pagoda_engine.worker.executor", "pagoda_engine.worker.compile_ahead"})
 # (module, name of a module-level table whose strings name modules the module imports by name).
 STRING_TABLES = frozenset({("pagoda_engine.cli", "_VERBS")})
 

@@ -29,6 +29,7 @@ from typing import Callable
 import zmq
 import zmq.asyncio
 
+from pagoda_engine.api.server.dp_links import watch_connection, with_heartbeats
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core import process as core_proc
 from pagoda_engine.errors import EngineDeadError, ModelLoadError
@@ -211,8 +212,6 @@ class EngineCoreClient:
         """Wait for a core on another node (`dp_nodes`), `where` naming it, to connect to this
         client's TCP addresses and report ready within `timeout_s`. Its connection dropping
         (heartbeats bound the wait) fails the start, or later marks it dead."""
-        from pagoda_engine.api.server.dp_nodes import watch_connection, with_heartbeats
-
         self._remote = where
         self._bind()
         with_heartbeats(self._out)

@@ -32,6 +32,7 @@ import socket
 from typing import Callable
 
 from pagoda_engine.api.server.core_client import CoreAddresses, EngineCoreClient
+from pagoda_engine.api.server.dp_links import LeaderListener, core_ports
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from pagoda_engine.profiler import ProfilerStateError
@@ -106,7 +107,6 @@ class DPEngineCoreClient:
             return await core.attach()
         if rank in self.config.parallel.local_cores:
             return await core.start()
-        from pagoda_engine.api.server.dp_nodes import LeaderListener
         from pagoda_engine.envs import dist_timeout_s
 
         if self._listener is None:
@@ -223,8 +223,6 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
 
 
 def _remote_addresses(config: EngineConfig, rank: int) -> CoreAddresses:
-    """The leader's TCP sockets for core `rank` on another node (`dp_nodes.core_ports`)."""
-    from pagoda_engine.api.server.dp_nodes import core_ports
-
+    """The leader's TCP sockets for core `rank` on another node (`dp_links.core_ports`)."""
     requests, outputs = core_ports(config, rank)
     return CoreAddresses(inputs=(f"tcp://*:{requests}",), outputs=(f"tcp://*:{outputs}",))
