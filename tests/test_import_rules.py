@@ -92,6 +92,8 @@ RULES = (
     Rule(tuple(sorted(NEUTRAL_MODULES)),
          tuple(_layer(m) for m in ("api", "core", "worker", "router", "bench")),
          "a neutral module (NEUTRAL_MODULES) imports nothing from api/, core/, worker/, router/ or bench/"),
+    Rule(tuple(_layer(m) for m in ("api", "core", "worker", "router")), ("pagoda_engine.serve",),
+         "no layer imports the entry module (serve.py sits on top of them all)"),
 )
 
 

@@ -4,9 +4,7 @@ no layer, and the capability table names real flags, hides those of features not
 yet and refuses them."""
 
 import argparse
-import ast
 from dataclasses import fields
-from pathlib import Path
 
 import pytest
 
@@ -269,41 +267,6 @@ def test_refusal_names_every_missing_feature_in_table_order():
         assert "KV offload tiers on local disk (--kv-offload-disk-path /kv, --kv-offload-disk-gb 100.0)" in refusal
     # Defaults, and what the engine implements, ask for nothing it lacks.
     assert capabilities.refusal(parse("--tensor-parallel-size", "2", "--pipeline-parallel-size", "1"), {"LWS_GROUP_SIZE": "1"}) is None
-
-
-PACKAGE = Path(cli.__file__).parent
-LAYERS = ("api", "core", "worker", "router", "bench")
-
-
-def _engine_imports(path: Path) -> set[str]:
-    """Every pagoda_engine module `path` imports, at the top or inside a function."""
-    names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pagoda_engine"):
-            names |= {node.module} if node.module != "pagoda_engine" else {f"pagoda_engine.{a.name}" for a in node.names}
-        elif isinstance(node, ast.Import):
-            names |= {a.name for a in node.names if a.name.startswith("pagoda_engine")}
-    return names
-
-
-@pytest.mark.parametrize("module", ["config", "capabilities", "envs", "messages", "sampling_params", "errors",
-                                    "kv_tiers", "generation_config", "profiler"])
-def test_a_base_module_imports_no_layer(module):
-    imported = _engine_imports(PACKAGE / f"{module}.py")
-    assert imported <= {f"pagoda_engine.{m}" for m in ("config", "capabilities", "envs", "messages", "sampling_params",
-                                                        "errors", "kv_tiers", "generation_config", "profiler")}, imported
-
-
-def test_the_core_s_offload_manager_imports_no_worker_module():
-    imported = _engine_imports(PACKAGE / "core" / "kv" / "offload" / "manager.py")
-    assert "pagoda_engine.kv_tiers" in imported  # the imports were read
-    assert not [m for m in imported if m.startswith("pagoda_engine.worker")], imported
-
-
-def test_no_layer_imports_the_entry_module():
-    offenders = [str(path.relative_to(PACKAGE)) for layer in LAYERS for path in (PACKAGE / layer).rglob("*.py")
-                 if "pagoda_engine.serve" in _engine_imports(path) and layer != "bench"]
-    assert offenders == []
 
 
 def test_the_parser_names_of_the_contract_are_the_parsers_the_server_has():
