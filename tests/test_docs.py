@@ -298,3 +298,19 @@ def test_the_name_checker_tells_a_real_name_from_a_stale_one():
 
 def test_architecture_md_has_no_unchecked_markers():
     assert "<!-- CHECK" not in ARCHITECTURE.read_text()
+
+
+def test_operator_md_names_every_writable_dir_and_the_pods_user():
+    """The secure-defaults prose outside the generated table says what the renderer does: every
+    place a container may write (`render.WRITABLE_DIRS`) is a row of its table, and the uid/gid
+    are the rendered ones."""
+    from pagoda_operator import render
+
+    text = OPERATOR.read_text()
+    section = text[text.index("### Pods: the \"restricted\" Pod Security Standard"):text.index("### NetworkPolicies")]
+    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `/")}
+    assert rows == set(render.WRITABLE_DIRS)
+    assert f"uid {render.RUN_AS_UID} and gid {render.RUN_AS_GID}" in section
+    for key, value in render.CONTAINER_SECURITY_CONTEXT.items():
+        assert f"`{key}: " in section or key == "capabilities", key
+    assert "`capabilities: {drop: [ALL]}`" in section and "`seccompProfile: RuntimeDefault`" in section
