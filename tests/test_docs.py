@@ -156,3 +156,178 @@ def test_serving_md_lists_every_pagoda_environment_variable_the_code_reads():
     in_doc = set(re.findall(r"\bPAGODA_[A-Z0-9_]+\b", SERVING.read_text()))
     assert in_code - in_doc == set(), f"PAGODA_* variables missing from docs/serving.md: {sorted(in_code - in_doc)}"
     assert in_doc - in_code == set(), f"docs/serving.md names variables no code reads: {sorted(in_doc - in_code)}"
+
+
+# --- docs/architecture.md names only what exists ---------------------------------------------------
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ENGINE_SRC = ROOT / "engine" / "src"
+PACKAGE_ROOTS = {"pagoda_engine": ENGINE_SRC / "pagoda_engine",
+                 "pagoda_operator": ROOT / "operator" / "src" / "pagoda_operator"}
+
+
+class _Names:
+    """What a package's modules define, read with `ast` (nothing is imported): each module's
+    top-level names and each class's attributes (its body's defs and assignments, and the
+    `self.x = ...` of its methods)."""
+
+    def __init__(self, package: str):
+        import ast
+
+        self.modules: dict[str, set[str]] = {}  # module (dotted, below the package) -> top-level names
+        self.classes: dict[str, set[str]] = {}  # class name -> attributes, over every class of that name
+        root = PACKAGE_ROOTS[package]
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(root).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            tree = ast.parse(path.read_text())
+            top = set()
+            for node in tree.body:
+                top |= self._defined(node)
+                if isinstance(node, ast.ClassDef):
+                    attrs = set()
+                    for inner in ast.walk(node):
+                        attrs |= self._defined(inner)
+                        if (isinstance(inner, ast.Attribute) and isinstance(inner.ctx, ast.Store)
+                                and isinstance(inner.value, ast.Name) and inner.value.id == "self"):
+                            attrs.add(inner.attr)
+                    self.classes.setdefault(node.name, set()).update(attrs)
+            self.modules[name] = top
+        for name in list(self.modules):  # a package's submodules are its names too
+            parent, _, leaf = name.rpartition(".")
+            if name and parent in self.modules:
+                self.modules[parent].add(leaf)
+            elif name and "." not in name:
+                self.modules.setdefault("", set()).add(name)
+
+    @staticmethod
+    def _defined(node) -> set[str]:
+        import ast
+
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            return {node.name}
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            return {(a.asname or a.name).split(".")[0] for a in node.names}
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, (ast.AnnAssign, ast.AugAssign)) else []
+        return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+    def is_module(self, dotted: str) -> bool:
+        return dotted in self.modules
+
+    def problem(self, dotted: str) -> str | None:
+        """Why `dotted` (`module.name`, `package.module`, `module.Class.attr` or `Class.attr`)
+        names nothing, or None when it names something."""
+        parts = dotted.split(".")
+        cut = max((i for i in range(1, len(parts) + 1) if ".".join(parts[:i]) in self.modules), default=0)
+        if cut:
+            module, rest = ".".join(parts[:cut]), parts[cut:]
+            if not rest:
+                return None
+            if rest[0] not in self.modules[module]:
+                return f"{module} defines no {rest[0]}"
+            owner, rest = rest[0], rest[1:]
+        elif parts[0] in self.classes:
+            owner, rest = parts[0], parts[1:]
+        else:
+            return f"no module or class {parts[0]}"
+        if rest and (owner not in self.classes or rest[0] not in self.classes[owner]):
+            return f"{owner} has no attribute {rest[0]}"
+        return None
+
+
+def _backticked(text: str) -> list[str]:
+    return re.findall(r"`([^`\n]+)`", text)
+
+
+def _engine_file_paths() -> list[str]:
+    """Every file of the repository's code, relative to the repository and to its package."""
+    paths = []
+    for package, root in PACKAGE_ROOTS.items():
+        for path in root.rglob("*.py"):
+            paths += [path.relative_to(ROOT).as_posix(), path.relative_to(root).as_posix()]
+    paths += [p.relative_to(ROOT).as_posix() for p in (ROOT / "tests").rglob("*.py")]
+    return paths
+
+
+def test_architecture_md_names_only_files_that_exist():
+    """Every `path/like.py` in docs/architecture.md is a file of the engine, the operator or the
+    tests: spelled from the repository's root, from its package's root, or as the tail of one
+    (`server/app.py` for `api/server/app.py`)."""
+    paths = _engine_file_paths()
+    named = set(re.findall(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b", ARCHITECTURE.read_text()))
+    missing = sorted(p for p in named if not any(f == p or f.endswith("/" + p) for f in paths))
+    assert len(named) > 30, "docs/architecture.md names almost no files: is the pattern right?"
+    assert not missing, f"docs/architecture.md names files that do not exist: {missing}"
+
+
+def test_architecture_md_names_only_modules_and_names_that_exist():
+    """Every backticked dotted name in docs/architecture.md that starts with an engine module
+    (`core.warm_up`, `config.resolve_for_device`, `pagoda_engine.serve`), the operator's package,
+    or an engine class (`EngineCore.step`) names a module, function, class or attribute that
+    exists."""
+    engine, operator = _Names("pagoda_engine"), _Names("pagoda_operator")
+    checked, problems = 0, []
+    for token in _backticked(ARCHITECTURE.read_text()):
+        token = re.sub(r"\(.*\)$", "", token)  # `config.option(...)`: the name called
+        if not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)+", token) or token.endswith(".py"):
+            continue  # not dotted, or a file (the test above checks those)
+        names, dotted = engine, token
+        for package, table in (("pagoda_engine", engine), ("pagoda_operator", operator)):
+            if token.startswith(package + "."):
+                names, dotted = table, token[len(package) + 1:]
+        first = dotted.split(".")[0]
+        if not (first in names.modules.get("", set()) or first in names.classes or names is operator):
+            continue  # not an engine name: a spec field (`spec.replicas`), a file (`app.py`), ...
+        checked += 1
+        problem = names.problem(dotted)
+        if problem:
+            problems.append(f"`{token}`: {problem}")
+    assert checked > 20, "docs/architecture.md names almost no engine modules: is the pattern right?"
+    assert not problems, "docs/architecture.md names what does not exist:\n" + "\n".join(problems)
+
+
+def test_the_name_checker_tells_a_real_name_from_a_stale_one():
+    engine = _Names("pagoda_engine")
+    for real in ("core.warm_up", "config.resolve_for_device", "worker.executor.Executor.determine_num_kv_pages",
+                 "EngineCore.step", "EngineCore.scheduler", "api.server.api_server.serve_one_process", "kv_tiers"):
+        assert engine.problem(real) is None, real
+    for stale in ("worker.runner", "EngineCore._warm_up_turn", "capabilities.FLAG_BOUNDS", "ModelRunner.execute",
+                  "serve.no_such_function"):
+        assert engine.problem(stale) is not None, stale
+
+
+def test_documents_have_no_unchecked_markers():
+    """A draft's `<!-- CHECK ... -->` marks a claim nobody has checked against the code yet."""
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        assert "<!-- CHECK" not in path.read_text(), f"{path.name}: check the marked claim, then drop the marker"
+
+
+def test_operator_md_names_every_writable_dir_and_the_pods_user():
+    """The secure-defaults prose outside the generated table says what the renderer does: every
+    place a container may write (`render.WRITABLE_DIRS`) is a row of its table, and the uid/gid
+    are the rendered ones."""
+    from pagoda_operator import render
+
+    text = OPERATOR.read_text()
+    section = text[text.index("### Pods: the \"restricted\" Pod Security Standard"):text.index("### NetworkPolicies")]
+    rows = {line.split("|")[1].strip().strip("`") for line in section.splitlines() if line.startswith("| `/")}
+    assert rows == set(render.WRITABLE_DIRS)
+    assert f"uid {render.RUN_AS_UID} and gid {render.RUN_AS_GID}" in section
+    for key, value in render.CONTAINER_SECURITY_CONTEXT.items():
+        assert f"`{key}: " in section or key == "capabilities", key
+    assert "`capabilities: {drop: [ALL]}`" in section and "`seccompProfile: RuntimeDefault`" in section
+
+
+def test_architecture_md_names_every_engine_module():
+    """A module added to the engine gets its line in the design of record (by its path below the
+    package, or by the tail of it that the per-folder tables use)."""
+    text = ARCHITECTURE.read_text()
+    named = set(re.findall(r"(?<![\w./-])((?:[\w-]+/)*[\w-]+\.py)\b", text))
+    root = PACKAGE_ROOTS["pagoda_engine"]
+
+    def is_named(rel: str) -> bool:  # a bare file name counts at the top of the package only (`app.py` is two)
+        return any(rel == n or ("/" in n and rel.endswith("/" + n)) for n in named)
+
+    modules = (p.relative_to(root).as_posix() for p in root.rglob("*.py"))
+    unnamed = sorted(rel for rel in modules if not rel.endswith("__init__.py") and not is_named(rel))
+    assert not unnamed, f"engine modules docs/architecture.md does not name: {unnamed}"

@@ -3,7 +3,7 @@ Triton's CPU interpreter, against its torch reference (normalise, rotate, then s
 pages) and against the reference attention backend's own path, on small shapes.
 
 Skips where Triton does not import (CPU CI); the same kernel at Llama-3.1-8B's and Qwen3-30B-A3B's
-shapes on a GPU is tests/gpu/test_rope_kv_kernel_gpu.py and tests/gpu/test_qk_norm_fused_gpu.py.
+shapes on a GPU is tests/gpu/test_rope_kv_kernel_gpu.py (the fused q/k norm too).
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ class CacheConfig:
         help="fix the KV pool to this many pages (the null page included) instead of measuring it, "
              "on CPU and GPU alike")
     cpu_kv_cache_gb: float = 4.0  # KV pool on CPU, where nothing can be measured against a budget (no flag)
-    # KV offload tiers below the device (ARCHITECTURE §4), each optional: pinned host memory,
+    # KV offload tiers below the device (docs/architecture.md), each optional: pinned host memory,
     # files under a directory (kept across restarts), Redis shared by every replica (its password
     # in PAGODA_KV_REMOTE_PASSWORD).
     kv_offload_cpu_gb: float = option(

@@ -2,8 +2,8 @@
 step hands every rank (`AttentionBatch`, `SamplingBatch`, beside the input tensors), the KV page
 layout (`KVCacheSpec`) and what rank 0's device is (`DeviceFacts`, which the config's device
 defaults are resolved from); and the few rules both sides must apply alike: a seeded row's seed
-at each step (`step_seed`), host-to-device copies that do not wait for the device (`to_device`),
-and where a tensor packed after another may start (`aligned_numel`).
+at each step (`step_seed`), host-to-device copies that do not wait for the device
+(`host_to_device`), and where a tensor packed after another may start (`aligned_numel`).
 
 The engine core (`core/`) builds these from its requests; the workers (`worker/`) read them and
 run the device. This module imports neither side, so both can import it.

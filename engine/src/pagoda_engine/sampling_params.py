@@ -14,7 +14,7 @@ class StructuredOutputsParams:
     """A grammar the output must follow (vLLM's `StructuredOutputsParams`): exactly one of `json`
     (a JSON schema, as a dict or its JSON text), `regex`, `choice` (the output is one of these
     strings), `grammar` (a Lark grammar, llguidance's dialect; GBNF is accepted too) or
-    `json_object` (any JSON object). The grammar engine compiles it (`core.structured`); a spec it
+    `json_object` (any JSON object). The grammar engine compiles it (`structured_outputs`); a spec it
     cannot compile is refused before the request is queued."""
 
     json: dict | str | None = None

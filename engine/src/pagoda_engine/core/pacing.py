@@ -12,9 +12,9 @@ step in flight only.
 
 Pacing applies only where the end is predictable and nothing is lost by waiting:
 - the step in flight decodes only (one token a row): a CUDA graph of a given row count runs in
-  nearly the same time step after step. A step with prompt tokens is never waited on: the
-  eighth session's pacing predicted those too, from a fit on tokens, and its errors idled the
-  device (benchmarks.md, "Step launch pacing").
+  nearly the same time step after step. A step with prompt tokens is never waited on: pacing
+  that predicted those too, from a fit on tokens, idled the device where its errors ran long
+  (docs/benchmarks.md, 2026-11-24).
 - no request is waiting: a backlog is admitted as fast as the pool allows.
 
 The prediction for a row count is a moving average of the device time of decode steps of that

@@ -11,7 +11,7 @@ input socket is connected to every client's input address (and, with N > 1, to t
 only ever sends ShutdownRequest), and it has one output socket per client. A request carries its
 client's index; its outputs and a refusal go to that client alone, while every step's stats and
 the start-up and failure messages go to all (each API process routes by them and exports them).
-With one client everything goes to it, as before.
+With one client everything goes to it.
 
 The loop never spins: with nothing to run it blocks on the input socket (waking once a second to
 check that its parent is still alive, so it never outlives the API process). A bad request is

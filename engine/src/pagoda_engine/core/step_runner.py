@@ -148,7 +148,7 @@ class StepRunner:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
             offset += n
-        # Each per-token segment starts aligned (`rpc.aligned_numel`): after an odd token count
+        # Each per-token segment starts aligned (`aligned_numel`): after an odd token count
         # the positions started 8 bytes off, a kernel variant that a fresh server compiled during
         # a live step (about 200 ms, on an H100 its first 1,025-token step).
         t, r, f = offset, len(sample_rows), len(fed_at)

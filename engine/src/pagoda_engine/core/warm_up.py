@@ -28,8 +28,8 @@ def warm_up_steps(core) -> None:
     100-300 ms; a Qwen3-MoE server's first requests waited 2.5 s). On an H100 a fresh server's
     first step took 311 ms and its second 100 ms, against 25 ms and 7 ms later; with the warm-up a
     fresh server's first run at 16 req/s had a TTFT p99 of 200 ms instead of 330 (a second run:
-    104; the rest was a Triton kernel variant for misaligned inputs, which the runner no longer
-    makes: `StepRunner.prepare`). The warm-up requests leave nothing behind: the KV offload tiers
+    104; the rest was a Triton kernel variant for misaligned inputs, which `StepRunner.prepare`
+    avoids by aligning its inputs). The warm-up requests leave nothing behind: the KV offload tiers
     are detached meanwhile (nothing is stored), the prefix-cache counters are put back, and they
     sample with seeds of their own (the engine's generator, which unseeded requests draw from, is
     untouched). Cores whose experts span the pod's other cores all run this at start-up, each

@@ -1,2 +1,2 @@
-"""The workers: the executor and its worker ranks (worker, rpc, parallel_state), the model runner,
-models, layers, attention backends, sampling and CUDA graphs."""
+"""The workers: the executor and its worker ranks (worker, rpc, parallel_state), models and
+layers, attention backends, sampling, CUDA graphs, compile-ahead and the KV tiers' data plane."""

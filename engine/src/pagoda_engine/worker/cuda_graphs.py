@@ -45,7 +45,7 @@ from pagoda_engine.worker.model.layers import LinearBase, linear
 
 # Steps of more tokens run eagerly: their kernels outlast the launches. On an H100 with
 # Llama-3.1-8B an eager step takes 11-17 ms to launch (more on slow hosts): a 512-token chunk ran
-# 11 ms on the GPU, a 1,024-token one 21 ms (benchmarks.md, twenty-eighth session).
+# 11 ms on the GPU, a 1,024-token one 21 ms (docs/benchmarks.md, 2026-11-28).
 MAX_PIECEWISE_TOKENS = 512
 # Above this many tokens the candidate sizes are 32 apart, and a candidate is captured only where
 # no larger one runs the layer's GEMMs as fast (`drop_slow_sizes`): cuBLAS picks a slow kernel at

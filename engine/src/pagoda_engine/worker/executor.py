@@ -592,8 +592,8 @@ def _starting():
 
 
 def _spawn(rank: int, master_addr: str, master_port: int, local_rank: int) -> subprocess.Popen:
-    """A fresh interpreter running `worker.main` for `rank` (on CUDA device `local_rank`), dying
-    with this process."""
+    """A fresh interpreter running `worker.worker.main` for `rank` (on CUDA device `local_rank`),
+    dying with this process."""
     env = dict(os.environ)
     # The worker must import this very pagoda_engine (a source checkout, not only an installed one).
     package_root = os.path.dirname(os.path.dirname(os.path.abspath(pagoda_engine.__file__)))

@@ -12,7 +12,7 @@ the same bits, and what is saved is the launch gap between kernels, the start of
 programs during the last wave of the one before, and, where weights are loaded early, the first
 loads' latency. CUDA graphs capture the launches with their programmatic edges, so the decode
 graphs get it too. On an H200 it took a lone request's decode step (L1) from 4.030 to 3.926 ms at
-Llama-3.1-8B and from 2.746 to 2.512 ms at Qwen3-30B-A3B (benchmarks.md, twenty-second session).
+Llama-3.1-8B and from 2.746 to 2.512 ms at Qwen3-30B-A3B (docs/benchmarks.md, 2026-11-27).
 
 Each kernel that takes part has a `PDL: tl.constexpr` parameter that puts the wait in, and is
 launched with `**launch(device)`, which sets it and Triton's `launch_pdl` together (a wait without

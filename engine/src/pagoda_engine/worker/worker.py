@@ -256,7 +256,7 @@ class Worker:
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
-        (`linear_row_costs`): the runner leaves out the piecewise sizes cuBLAS runs slowly."""
+        (`linear_row_costs`): the executor leaves out the piecewise sizes cuBLAS runs slowly."""
         return linear_row_costs(self.model, sizes, self.device)
 
     def start_compile_pool(self, ranks_on_node: int) -> None:

@@ -154,7 +154,7 @@ def http_stack() -> dict[str, str]:
     """The event loop and HTTP/1.1 parser this environment serves on: uvloop and httptools where
     they import (the engine depends on both; the image installs them), else asyncio's own loop
     (`run_event_loop`) and h11 (uvicorn's fallback), which cost the API process about a sixth more
-    CPU per streamed token (benchmarks.md, ninth and twenty-seventh sessions)."""
+    CPU per streamed token (docs/benchmarks.md, 2026-11-28)."""
     stack = {}
     for key, module, fallback in (("event_loop", "uvloop", "asyncio"), ("http_parser", "httptools", "h11")):
         try:

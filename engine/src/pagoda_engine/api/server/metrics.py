@@ -1,7 +1,7 @@
 """The engine server's Prometheus metrics (`GET /metrics`).
 
-Names are vLLM's with the prefix `pagoda:` (ARCHITECTURE §2), so dashboards, KEDA triggers and
-routers written for vLLM map one-to-one. Two sources feed them:
+Names are vLLM's with the prefix `pagoda:` (docs/architecture.md, "Metrics"), so dashboards, KEDA
+triggers and routers written for vLLM map one-to-one. Two sources feed them:
   - the core's `SchedulerStats` (running/waiting gauges, KV usage, cumulative prefix-cache and
     preemption counters), exported as they are by a collector at scrape time;
   - each sequence's steps (`SequenceUpdate`s from the output processor): queue time and TTFT from

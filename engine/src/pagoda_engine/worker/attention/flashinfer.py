@@ -5,7 +5,7 @@ starting after cached tokens) go to `BatchPrefillWithPagedKVCacheWrapper` (FA3 o
 FlashInfer picks it), decodes (one query token each) to `BatchDecodeWithPagedKVCacheWrapper`
 (tensor cores for grouped-query attention). Both run in the same step: decodes are the first
 `num_decodes` rows of q, prefill chunks the rest. `plan` builds the CSR page tables on the CPU
-from the runner's page tables once per step; `forward` rotates q and k (when the layer hands its
+from the step's page tables once per step; `forward` rotates q and k (when the layer hands its
 rotary over) and writes K/V through the slot mapping in one Triton kernel (`rope_kv_triton.py`),
 then attends.
 
