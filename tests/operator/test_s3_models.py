@@ -41,7 +41,8 @@ def test_an_s3_model_is_downloaded_by_an_init_container_into_the_model_cache():
           for key in ("AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION")),
     ]
     assert init["terminationMessagePolicy"] == "FallbackToLogsOnError"
-    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}]
+    # the model cache, and /tmp: the root filesystem is read-only (`render.WRITABLE_DIRS`)
+    assert init["volumeMounts"] == [{"name": "model-cache", "mountPath": "/models"}, {"name": "tmp", "mountPath": "/tmp"}]
     assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"]
     assert {"name": "model-cache", "mountPath": "/models", "readOnly": True} in engine["volumeMounts"]
     kubernetes_validate.validate(rendered(s3_service(s3SecretRef={"name": "minio-reader"}))[

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from pagoda_engine.api.server.api_server import add_arguments
+from pagoda_engine.serve import add_arguments
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -111,7 +111,7 @@ def test_every_pod_the_operator_renders_for_an_example_is_restricted(filename):
     {"router": {"apiKeySecretRef": {"name": "client-keys"}}},
     {"kvCache": {"tiers": [{"type": "disk", "size": "10Gi", "volume": {"ephemeral": {}}}]}},
     {"engine": {"compileCache": {"persistentVolumeClaim": {"claimName": "kernels"}}}},
-    {"model": {"uri": "pvc://weights/llama"}},
+    {"model": {"uri": "pvc://weights/llama", "download": {}}},  # no hf:// token for a claim's model
 ], ids=["client-keys", "disk-tier", "shared-compile-cache", "model-claim"])
 def test_pods_with_the_optional_volumes_are_restricted_too(changes):
     body = _example("llama-3.1-8b.yaml")
