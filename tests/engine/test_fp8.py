@@ -1,0 +1,292 @@
+"""FP8 (e4m3) weights on CPU: the numbers (round trips within e4m3's error, the matmul's scaling),
+`--quantization fp8` on float weights against transformers running the same quantized numbers,
+a compressed-tensors FP8 checkpoint written by the compressed-tensors library giving the logits
+of `--quantization fp8` on the weights it came from, vLLM's `quant_method: fp8` form with
+per-tensor scales, tensor parallelism (TP=2 over gloo gives TP=1's tokens), dummy weights, and
+every form not served refused at start-up, named."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.config import EngineConfig
+from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows, quantize_tokens
+from pagoda_engine.worker.model.loader import load_hf_config, load_model
+from random_weights import randomise
+from test_model_vs_hf import PagedRunner
+
+CPU = torch.device("cpu")
+VOCAB = 256
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6)
+PROMPT = [(7 * i + 3) % VOCAB for i in range(19)]
+# e4m3 keeps 3 mantissa bits: rounding moves a normal value by at most 2^-4 of itself; below the
+# smallest normal (2^-6) values sit on a grid of 2^-9, so they move by at most half a step.
+E4M3_REL, E4M3_SUBNORMAL_ABS = 2.0 ** -4, 2.0 ** -10
+# A static activation scale that covers the tiny model's projection inputs (|x| up to 32).
+STATIC_INPUT_SCALE = 32.0 / 448.0
+
+
+def _load(model_dir, **kwargs) -> torch.nn.Module:
+    return load_model(str(model_dir), load_hf_config(str(model_dir)), torch.float32, CPU, **kwargs)
+
+
+def _logits(model, tokens=PROMPT) -> torch.Tensor:
+    return PagedRunner(model, page_size=4).step([("r", tokens)])[0]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    """A tiny Llama's float32 checkpoint (random weights, clear greedy choices)."""
+    torch.manual_seed(11)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    randomise(hf, std=0.15, norm_spread=0.3)
+    model_dir = tmp_path_factory.mktemp("fp8-source")
+    hf.save_pretrained(model_dir)
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def quantized_on_load(hf_dir):
+    return _load(hf_dir, quantization="fp8")
+
+
+# --- the numbers --------------------------------------------------------------------------------
+
+
+def test_weight_round_trip_is_within_e4m3_error_and_each_row_reaches_the_largest_value():
+    torch.manual_seed(0)
+    w = torch.randn(48, 80) * torch.logspace(-3, 1, 48).unsqueeze(1)  # rows of very different scales
+    values, scale = quantize_rows(w)
+    assert values.dtype == FP8_DTYPE and scale.shape == (48,) and scale.dtype == torch.float32
+    restored = values.float() * scale.unsqueeze(1)
+    bound = E4M3_REL * w.abs() + E4M3_SUBNORMAL_ABS * scale.unsqueeze(1)
+    assert ((restored - w).abs() <= bound).all()
+    assert torch.equal(values.float().abs().amax(dim=1), torch.full((48,), FP8_MAX))
+
+
+def test_token_scales_are_per_row_or_the_one_static_scale():
+    x = torch.tensor([[1.0, -2.0, 0.5], [0.0, 0.0, 0.0], [300.0, 1.0, -4.0]])
+    values, scale = quantize_tokens(x)
+    assert torch.allclose(scale.squeeze(1), torch.tensor([2.0, 0.0, 300.0]) / FP8_MAX)
+    assert torch.equal(values[1].float(), torch.zeros(3))  # an all-zero row stays zero, no NaN
+    static = torch.tensor([0.5])
+    values, scale = quantize_tokens(x, static)
+    assert torch.equal(scale, torch.full((3, 1), 0.5))
+    assert values[2, 0].float() == FP8_MAX  # beyond the static range: clamped, not inf
+
+
+def test_fp8_linear_is_the_quantized_product_scaled_back():
+    torch.manual_seed(1)
+    x, w, bias = torch.randn(2, 5, 32), torch.randn(24, 32) * 0.1, torch.randn(24)
+    wq, ws = quantize_rows(w)
+    y = fp8_linear(x, wq, ws, bias)
+    assert y.shape == (2, 5, 24) and y.dtype == x.dtype
+    xq, xs = quantize_tokens(x.reshape(10, 32))
+    expected = (xq.float() * xs) @ (wq.float() * ws.unsqueeze(1)).t() + bias
+    torch.testing.assert_close(y.reshape(10, 24), expected, rtol=1e-5, atol=1e-5)
+    # And near the float product: e4m3 on both sides.
+    assert (y - (x @ w.t() + bias)).abs().max() < 0.1 * (x @ w.t()).abs().max()
+
+
+# --- --quantization fp8 on float weights --------------------------------------------------------
+
+
+def _hf_running_fp8(model_dir) -> transformers.LlamaForCausalLM:
+    """transformers' Llama with each projection's weight rounded to e4m3 per output row and its
+    input rounded per token, written here from the e4m3 definition (torch's float8 cast), not
+    with Pagoda's helpers: the reference the quantized model must match."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                                       attn_implementation="eager").eval()
+
+    def rounded(t: torch.Tensor) -> torch.Tensor:
+        scale = t.abs().amax(dim=-1, keepdim=True) / 448.0
+        return (t / scale).to(torch.float8_e4m3fn).float() * scale
+
+    for name, module in hf.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.weight.data = rounded(module.weight.data)
+            module.forward = lambda x, m=module: torch.nn.functional.linear(rounded(x), m.weight, m.bias)
+    return hf
+
+
+def test_quantize_on_load_matches_transformers_running_the_same_fp8_numbers(hf_dir, quantized_on_load):
+    params = dict(quantized_on_load.named_parameters())
+    assert params["model.layers.0.self_attn.qkv_proj.weight"].dtype == FP8_DTYPE
+    assert params["model.layers.1.mlp.down_proj.weight_scale"].shape == (CONFIG["hidden_size"],)
+    assert quantized_on_load.lm_head.weight.dtype == torch.float32  # the LM head stays in --dtype
+    reference = _hf_running_fp8(hf_dir)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(_logits(quantized_on_load), expected, atol=2e-4, rtol=2e-4)
+
+
+def test_fp8_logits_stay_near_the_float_model(hf_dir, quantized_on_load):
+    full = _logits(_load(hf_dir))
+    fp8 = _logits(quantized_on_load)
+    assert (fp8.argmax(-1) == full.argmax(-1)).float().mean() >= 0.9
+    kl = torch.nn.functional.kl_div(fp8.log_softmax(-1), full.log_softmax(-1), log_target=True, reduction="batchmean")
+    assert kl < 0.05
+
+
+# --- FP8 checkpoints as they are -------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compressed_tensors_dir(hf_dir, tmp_path_factory):
+    """llm-compressor's FP8_DYNAMIC form, written by the compressed-tensors library: per-channel
+    e4m3 weights, dynamic per-token activations, lm_head ignored. The scales are each row's
+    largest magnitude over 448 (llm-compressor's min-max observer); the library quantizes."""
+    ct = pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    apply_quantization_config(hf, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in hf.modules():
+            if hasattr(module, "weight_scale"):
+                module.weight_scale.copy_(module.weight.abs().amax(dim=1, keepdim=True) / 448.0)
+    compressor = ModelCompressor.from_pretrained_model(hf, quantization_format="float-quantized")
+    compressor.compress_model(hf)
+    out = tmp_path_factory.mktemp("fp8-compressed-tensors")
+    hf.config.save_pretrained(out)
+    compressor.update_config(str(out))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items() if not k.endswith("zero_point")}
+    save_file(state, out / "model.safetensors")
+    assert ct.__version__
+    return out
+
+
+def test_compressed_tensors_checkpoint_gives_the_logits_of_quantizing_its_source(compressed_tensors_dir,
+                                                                                  quantized_on_load):
+    config = json.loads((compressed_tensors_dir / "config.json").read_text())["quantization_config"]
+    assert (config["quant_method"], config["format"]) == ("compressed-tensors", "float-quantized")
+    served = _load(compressed_tensors_dir)  # no --quantization: the checkpoint says FP8
+    assert torch.equal(served.model.layers[0].self_attn.qkv_proj.weight.view(torch.uint8),
+                       quantized_on_load.model.layers[0].self_attn.qkv_proj.weight.view(torch.uint8))
+    torch.testing.assert_close(_logits(served), _logits(quantized_on_load), atol=0, rtol=0)
+
+
+def _vllm_fp8_checkpoint(hf_dir, out, activation_scheme: str, extra: dict | None = None):
+    """vLLM's `quant_method: fp8` form (AutoFP8's): one weight scale per tensor, and with static
+    activations one input scale per tensor."""
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    state = {}
+    for name, tensor in hf.state_dict().items():
+        module = name.removesuffix(".weight")
+        if name.endswith("_proj.weight"):
+            scale = tensor.abs().amax() / 448.0
+            state[name] = (tensor / scale).to(torch.float8_e4m3fn)
+            state[f"{module}.weight_scale"] = scale.reshape(())
+            if activation_scheme == "static":
+                state[f"{module}.input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
+        else:
+            state[name] = tensor.contiguous()
+    out.mkdir()
+    config = hf.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": activation_scheme, **(extra or {})}
+    (out / "config.json").write_text(json.dumps(config))
+    save_file(state, out / "model.safetensors")
+    return out
+
+
+@pytest.mark.parametrize("activation_scheme", ["dynamic", "static"])
+def test_vllm_fp8_checkpoint_with_per_tensor_scales_keeps_each_piece_scale(hf_dir, tmp_path, activation_scheme):
+    model_dir = _vllm_fp8_checkpoint(hf_dir, tmp_path / "m", activation_scheme)
+    served = _load(model_dir)
+    qkv = served.model.layers[0].self_attn.qkv_proj
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    attn = hf.model.layers[0].self_attn
+    pieces = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    expected = torch.cat([torch.full((p.shape[0],), float(p.detach().abs().amax() / 448.0)) for p in pieces])
+    assert torch.equal(qkv.weight_scale, expected)
+    if activation_scheme == "static":
+        assert torch.equal(qkv.input_scale, torch.tensor([STATIC_INPUT_SCALE]))
+    full = _logits(_load(hf_dir))
+    assert (_logits(served).argmax(-1) == full.argmax(-1)).float().mean() >= 0.8
+
+
+def _with_quantization_config(hf_dir, out, quantization_config: dict):
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+@pytest.mark.parametrize("quantization_config, named", [
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128}, "'gptq'"),
+    ({"quant_method": "awq", "bits": 4}, "'awq'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+     "'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}}, "'pack-quantized'"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}, "block-wise"),
+])
+def test_unsupported_checkpoint_quantization_is_refused_naming_it_and_what_is(hf_dir, tmp_path, quantization_config,
+                                                                              named):
+    model_dir = _with_quantization_config(hf_dir, tmp_path / "m", quantization_config)
+    with pytest.raises(ModelLoadError) as refused:
+        _load(model_dir, load_format="dummy")
+    assert named in str(refused.value) and "compressed-tensors" in str(refused.value)
+
+
+@pytest.mark.parametrize("kwargs, named", [
+    (dict(quantization="awq"), "--quantization awq is not supported (supported: fp8"),
+    (dict(kv_cache_dtype="fp8"), "--kv-cache-dtype fp8 is not supported"),
+    (dict(kv_cache_dtype="fp8_e4m3"), "--kv-cache-dtype fp8_e4m3 is not supported"),
+])
+def test_unserved_options_are_refused_by_the_config(kwargs, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        EngineConfig.from_kwargs(**kwargs)
+
+
+def test_fp8_experts_are_refused_not_served_in_bf16(tmp_path):
+    config = transformers.MixtralConfig(**{**CONFIG, "num_local_experts": 4, "num_experts_per_tok": 2})
+    config.save_pretrained(tmp_path)
+    with pytest.raises(ModelLoadError, match="MoE experts"):
+        _load(tmp_path, load_format="dummy", quantization="fp8")
+
+
+def test_an_fp8_tensor_for_a_float_parameter_is_refused(hf_dir, tmp_path):
+    """A checkpoint whose config ignores a projection but stores it in FP8 would lose its scale."""
+    model_dir = _vllm_fp8_checkpoint(hf_dir, tmp_path / "m", "dynamic",
+                                     extra={"ignored_layers": ["model.layers.0.self_attn.o_proj"]})
+    with pytest.raises(ModelLoadError, match="o_proj"):
+        _load(model_dir)
+
+
+def test_dummy_fp8_weights_are_deterministic(hf_dir):
+    a, b = (_load(hf_dir, load_format="dummy", seed=5, quantization="fp8") for _ in range(2))
+    for (name, p), q in zip(a.named_parameters(), b.parameters()):
+        assert torch.equal(p.float(), q.float()), name
+    scale = a.model.layers[0].mlp.gate_up_proj.weight_scale
+    assert (scale > 0).all()
+    assert torch.isfinite(_logits(a)).all()
+
+
+# --- tensor parallelism -------------------------------------------------------------------------
+
+
+def test_tensor_parallel_fp8_gives_the_tokens_of_one_rank(hf_dir):
+    """Each rank quantizes whole checkpoint tensors, then slices: TP=2 holds TP=1's values, row
+    scales sliced with the rows of column-parallel layers, whole for row-parallel ones."""
+    prompts = [PROMPT, [5, 6, 7, 8]]
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    outputs = []
+    for tp in (1, 2):
+        llm = LLM(str(hf_dir), quantization="fp8", tensor_parallel_size=tp, num_kv_pages=64)
+        try:
+            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
