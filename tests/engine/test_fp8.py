@@ -18,9 +18,12 @@ from safetensors.torch import save_file
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.tiny import build_tiny_model
 from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows, quantize_tokens
+from pagoda_engine.worker.model.layers import RowParallelLinear
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from random_weights import randomise
+import test_model_vs_hf
 from test_model_vs_hf import PagedRunner
 
 CPU = torch.device("cpu")
@@ -277,16 +280,48 @@ def test_dummy_fp8_weights_are_deterministic(hf_dir):
 # --- tensor parallelism -------------------------------------------------------------------------
 
 
-def test_tensor_parallel_fp8_gives_the_tokens_of_one_rank(hf_dir):
+def _greedy(model, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(int(PagedRunner(model, page_size=4).step([("r", tokens)])[0][-1].argmax()))
+    return tokens[len(prompt):]
+
+
+def test_tensor_parallel_fp8_gives_the_tokens_of_one_rank_quantizing_its_half(tmp_path, monkeypatch):
     """Each rank quantizes whole checkpoint tensors, then slices: TP=2 holds TP=1's values, row
-    scales sliced with the rows of column-parallel layers, whole for row-parallel ones."""
-    prompts = [PROMPT, [5, 6, 7, 8]]
-    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=8)
+    scales sliced with the rows of column-parallel layers, whole for row-parallel ones. A
+    row-parallel layer's input is quantized per token over each rank's half of its features (as
+    vLLM does), so TP=2's tokens are those of one process whose row-parallel projections quantize
+    each half of their input on its own, and where greedy choices are not near-ties, TP=1's."""
+    tiny = build_tiny_model(tmp_path / "tiny", seed=3)  # its tokenizer; 4 query heads over 2 KV heads
+    config = transformers.AutoConfig.from_pretrained(tiny)
+    torch.manual_seed(3)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    randomise(hf, std=0.15, norm_spread=0.3)
+    model_dir = tmp_path / "model"
+    hf.save_pretrained(model_dir)
+    for f in tiny.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "generation")):
+            (model_dir / f.name).write_bytes(f.read_bytes())
+    steps = 8
+    params = SamplingParams(temperature=0, max_tokens=steps, min_tokens=steps)
     outputs = []
     for tp in (1, 2):
-        llm = LLM(str(hf_dir), quantization="fp8", tensor_parallel_size=tp, num_kv_pages=64)
+        llm = LLM(str(model_dir), quantization="fp8", tensor_parallel_size=tp, num_kv_pages=64)
         try:
-            outputs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+            outputs.append(llm.generate([PROMPT], params)[0].outputs[0].token_ids)
         finally:
             llm.close()
-    assert outputs[0] == outputs[1]
+
+    monkeypatch.setattr(test_model_vs_hf, "VOCAB", config.vocab_size)
+    one_process = _load(model_dir, quantization="fp8")
+    assert _greedy(one_process, PROMPT, steps) == outputs[0]
+    for layer in one_process.modules():
+        if isinstance(layer, RowParallelLinear):
+            def halves(x, bias, layer=layer):
+                k = x.shape[-1] // 2
+                return (fp8_linear(x[:, :k], layer.weight[:, :k], layer.weight_scale, bias)
+                        + fp8_linear(x[:, k:], layer.weight[:, k:], layer.weight_scale))
+            layer.matmul = halves
+    assert _greedy(one_process, PROMPT, steps) == outputs[1]
+    assert outputs[0][:4] == outputs[1][:4]  # the first choices are clear ones
