@@ -13,6 +13,7 @@ import re
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pagoda_engine import LLM, SamplingParams
@@ -103,21 +104,25 @@ def test_fp8_linear_is_the_quantized_product_scaled_back():
 # --- --quantization fp8 on float weights --------------------------------------------------------
 
 
-def _hf_running_fp8(model_dir) -> transformers.LlamaForCausalLM:
-    """transformers' Llama with each projection's weight rounded to e4m3 per output row and its
-    input rounded per token, written here from the e4m3 definition (torch's float8 cast), not
-    with Pagoda's helpers: the reference the quantized model must match."""
-    hf = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
-                                                       attn_implementation="eager").eval()
+def _rounded(t: torch.Tensor) -> torch.Tensor:
+    """`t` rounded to e4m3 row by row (last dimension), each row's largest magnitude at 448: written
+    here from the format's definition (torch's float8 cast), not with Pagoda's helpers."""
+    scale = t.abs().amax(dim=-1, keepdim=True) / 448.0
+    return (t / scale).to(torch.float8_e4m3fn).float() * scale
 
-    def rounded(t: torch.Tensor) -> torch.Tensor:
-        scale = t.abs().amax(dim=-1, keepdim=True) / 448.0
-        return (t / scale).to(torch.float8_e4m3fn).float() * scale
 
+def _hf_running_fp8(model_dir, model_cls=transformers.LlamaForCausalLM):
+    """transformers' model with each projection's weight rounded to e4m3 per output row and its
+    input rounded per token, and MoE experts' stacked weights rounded per row (their inputs as
+    they are): the reference the quantized model must match. The router and LM head stay."""
+    hf = model_cls.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     for name, module in hf.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head":
-            module.weight.data = rounded(module.weight.data)
-            module.forward = lambda x, m=module: torch.nn.functional.linear(rounded(x), m.weight, m.bias)
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and not name.endswith("mlp.gate"):
+            module.weight.data = _rounded(module.weight.data)
+            module.forward = lambda x, m=module: torch.nn.functional.linear(_rounded(x), m.weight, m.bias)
+        if name.endswith("mlp.experts"):
+            for p in module.parameters():
+                p.data = _rounded(p.data)
     return hf
 
 
@@ -180,23 +185,29 @@ def test_compressed_tensors_checkpoint_gives_the_logits_of_quantizing_its_source
     torch.testing.assert_close(_logits(served), _logits(quantized_on_load), atol=0, rtol=0)
 
 
-def _vllm_fp8_checkpoint(hf_dir, out, activation_scheme: str, extra: dict | None = None):
-    """vLLM's `quant_method: fp8` form (AutoFP8's): one weight scale per tensor, and with static
-    activations one input scale per tensor."""
-    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+# The checkpoint tensors FP8 checkpoints quantize: dense projections and per-expert weights (not
+# the MoE router, the embedding, the norms or the LM head).
+_QUANTIZED = re.compile(r".*(_proj|\.experts\.\d+\.w[123])\.weight$")
+
+
+def _vllm_fp8_checkpoint(source_dir, out, activation_scheme: str, extra: dict | None = None):
+    """vLLM's `quant_method: fp8` form (AutoFP8's), from a float checkpoint's tensors: one weight
+    scale per tensor, and with static activations one input scale per tensor."""
     state = {}
-    for name, tensor in hf.state_dict().items():
-        module = name.removesuffix(".weight")
-        if name.endswith("_proj.weight"):
-            scale = tensor.abs().amax() / 448.0
-            state[name] = (tensor / scale).to(torch.float8_e4m3fn)
-            state[f"{module}.weight_scale"] = scale.reshape(())
-            if activation_scheme == "static":
-                state[f"{module}.input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
-        else:
-            state[name] = tensor.contiguous()
+    with safe_open(str(source_dir / "model.safetensors"), framework="pt") as source:
+        for name in source.keys():
+            tensor = source.get_tensor(name)
+            if _QUANTIZED.match(name):
+                module = name.removesuffix(".weight")
+                scale = tensor.abs().amax() / 448.0
+                state[name] = (tensor / scale).to(torch.float8_e4m3fn)
+                state[f"{module}.weight_scale"] = scale.reshape(())
+                if activation_scheme == "static":
+                    state[f"{module}.input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
+            else:
+                state[name] = tensor
     out.mkdir()
-    config = hf.config.to_dict()
+    config = json.loads((source_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": activation_scheme, **(extra or {})}
     (out / "config.json").write_text(json.dumps(config))
     save_file(state, out / "model.safetensors")
@@ -254,11 +265,79 @@ def test_fp8_kv_pages_are_refused_at_start_up_as_not_built(hf_dir, kv_cache_dtyp
         LLM(str(hf_dir), kv_cache_dtype=kv_cache_dtype)
 
 
-def test_fp8_experts_are_refused_not_served_in_bf16(tmp_path):
-    config = transformers.MixtralConfig(**{**CONFIG, "num_local_experts": 4, "num_experts_per_tok": 2})
-    config.save_pretrained(tmp_path)
-    with pytest.raises(ModelLoadError, match="MoE experts"):
-        _load(tmp_path, load_format="dummy", quantization="fp8")
+MOE_CASES = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(MOE_CASES))
+def test_fp8_experts_match_transformers_with_their_weights_rounded(tmp_path, case):
+    """MoE experts in FP8: e4m3 weights with a float32 scale per expert and row, activations in the
+    serving dtype (the router stays in it too); the dense projections as everywhere else."""
+    config_cls, model_cls, overrides = MOE_CASES[case]
+    torch.manual_seed(13)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**CONFIG, **overrides}))
+    randomise(hf, std=0.15, norm_spread=0.3)
+    hf.save_pretrained(tmp_path)
+    served = _load(tmp_path, quantization="fp8")
+    experts = served.model.layers[0].mlp.experts
+    assert experts.w13.dtype == experts.w2.dtype == FP8_DTYPE
+    assert experts.w13_scale.shape == experts.w13.shape[:2] and experts.w2_scale.shape == experts.w2.shape[:2]
+
+    reference = _hf_running_fp8(tmp_path, getattr(transformers, model_cls))
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(_logits(served), expected, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-columns", "ep-whole-experts"])
+def test_each_rank_holds_its_slice_of_the_one_rank_fp8_experts_and_scales(tmp_path, expert_parallel):
+    """Tensor parallelism slices each expert's intermediate rows (w13's gate and up rows with their
+    scales, w2's columns under whole row scales); expert parallelism gives each rank whole experts."""
+    config_cls, model_cls, overrides = MOE_CASES["qwen3_moe"]
+    torch.manual_seed(17)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**CONFIG, **overrides}))
+    randomise(hf, std=0.15)
+    hf.save_pretrained(tmp_path)
+    whole = _load(tmp_path, quantization="fp8").model.layers[1].mlp.experts
+    inter = whole.w2.shape[2]
+    for rank in (0, 1):
+        part = _load(tmp_path, quantization="fp8", tp_size=2, tp_rank=rank,
+                     enable_expert_parallel=expert_parallel).model.layers[1].mlp.experts
+        if expert_parallel:
+            held = slice(rank * part.num_local, (rank + 1) * part.num_local)
+            expected = (whole.w13[held], whole.w13_scale[held], whole.w2[held], whole.w2_scale[held])
+        else:
+            half = inter // 2
+            rows = torch.cat([torch.arange(rank * half, (rank + 1) * half),
+                              inter + torch.arange(rank * half, (rank + 1) * half)])
+            expected = (whole.w13[:, rows], whole.w13_scale[:, rows], whole.w2[:, :, rank * half:(rank + 1) * half],
+                        whole.w2_scale)
+        for got, want in zip((part.w13, part.w13_scale, part.w2, part.w2_scale), expected):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == FP8_DTYPE else got,
+                               want.view(torch.uint8) if want.dtype == FP8_DTYPE else want)
+
+
+def test_vllm_fp8_mixtral_checkpoint_keeps_each_experts_per_tensor_scales(tmp_path):
+    config_cls, model_cls, overrides = MOE_CASES["mixtral"]
+    torch.manual_seed(19)
+    hf = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**{**CONFIG, **overrides}))
+    randomise(hf, std=0.15, norm_spread=0.3)
+    hf.save_pretrained(tmp_path / "source")
+    served = _load(_vllm_fp8_checkpoint(tmp_path / "source", tmp_path / "fp8", "dynamic"))
+    experts = served.model.layers[0].mlp.experts
+    inter = experts.w2.shape[2]
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), framework="pt") as f:
+        for e in range(experts.num_local):
+            prefix = f"model.layers.0.block_sparse_moe.experts.{e}"
+            gate, up, down = (float(f.get_tensor(f"{prefix}.{w}.weight_scale")) for w in ("w1", "w3", "w2"))
+            assert torch.equal(experts.w13_scale[e], torch.tensor([gate] * inter + [up] * inter))
+            assert torch.equal(experts.w2_scale[e], torch.full((CONFIG["hidden_size"],), down))
+            assert torch.equal(experts.w2[e].view(torch.uint8), f.get_tensor(f"{prefix}.w2.weight").view(torch.uint8))
+    full = _logits(_load(tmp_path / "source"))
+    assert (_logits(served).argmax(-1) == full.argmax(-1)).float().mean() >= 0.8
 
 
 def test_an_fp8_tensor_for_a_float_parameter_is_refused(hf_dir, tmp_path):

@@ -1,7 +1,9 @@
 """FP8 (--quantization fp8) on the GPU: cuBLASLt's FP8 GEMM (`torch._scaled_mm`, row-wise scales)
-gives the CPU path's numbers at Llama-3.1-8B's projection shapes; FP8 logits of a Llama-3.1-8B-
-shaped model (two layers) against its bf16 logits: top-1 agreement at least 0.9 and mean
-KL(bf16 || fp8) at most 0.05 nats per position; CUDA graphs on and off give the same greedy tokens."""
+gives the CPU path's numbers at Llama-3.1-8B's projection shapes; the Triton MoE experts on FP8
+weights (grouped GEMMs and the few-token kernels) give the reference loop's sums at Qwen3-30B-A3B's
+and Mixtral-like shapes; FP8 logits of a Llama-3.1-8B-shaped model (two layers) against its bf16
+logits: top-1 agreement at least 0.9 and mean KL(bf16 || fp8) at most 0.05 nats per position;
+CUDA graphs on and off give the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -30,6 +32,30 @@ def test_scaled_mm_gives_the_cpu_paths_numbers(k, n, rows):
     expected = fp8_linear(x.cpu().float(), wq.cpu(), ws.cpu())  # widened FP8 values, float32
     assert got.dtype == torch.bfloat16
     torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2 * expected.abs().max().item(), rtol=1e-2)
+
+
+MOE_SHAPES = {  # (hidden, intermediate, experts, top_k), as tests/gpu/test_moe_kernels_gpu.py
+    "qwen3-30b-a3b": (2048, 768, 128, 8),
+    "mixtral-like": (1024, 3584, 8, 2),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MOE_SHAPES))
+@pytest.mark.parametrize("num_tokens", [1, 4, 5, 64, 1000, 2048])
+def test_fp8_triton_experts_match_the_reference_loop(shape, num_tokens):
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
+    from pagoda_engine.worker.model.fused_moe_triton import fused_experts
+    from pagoda_engine.worker.model.moe import fused_experts_reference, select_experts
+
+    hidden, inter, experts, top_k = MOE_SHAPES[shape]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    w13, s13 = quantize_rows(torch.randn(experts, 2 * inter, hidden, device=CUDA, generator=g) * hidden ** -0.5)
+    w2, s2 = quantize_rows(torch.randn(experts, hidden, inter, device=CUDA, generator=g) * inter ** -0.5)
+    x = torch.randn(num_tokens, hidden, device=CUDA).bfloat16()
+    weights, ids = select_experts(torch.randn(num_tokens, experts, device=CUDA).bfloat16(), top_k, True)
+    expected = fused_experts_reference(x.float(), w13, w2, weights.float(), ids, s13, s2)
+    got = fused_experts(x, w13, w2, weights, ids, s13, s2)
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 
 @pytest.fixture(scope="module")

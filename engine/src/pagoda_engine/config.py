@@ -119,8 +119,8 @@ class ModelConfig:
         None, aliases=("-q",), choices=("fp8",), choices_in_parser=False,
         invalid="--quantization {value} is not supported (supported: {choices}; a checkpoint's own FP8 "
                 "quantization_config, compressed-tensors float-quantized or vLLM's fp8, loads without it)",
-        help="fp8: the dense projections in FP8 e4m3 (weights per output channel, quantized as they load; "
-             "activations per token), the LM head and embedding in --dtype; checkpoints quantized to FP8 "
+        help="fp8: the dense projections and MoE experts in FP8 e4m3 (weights per output channel, quantized as they "
+             "load; the projections' activations per token), the LM head and embedding in --dtype; checkpoints quantized to FP8 "
              "(compressed-tensors float-quantized, vLLM's fp8) load as they are without it")
     device: str = option("auto", choices=("auto", "cpu", "cuda"))  # auto: cuda when available
     attention_backend: str = option("auto", choices=("auto", "flashinfer", "torch"))

@@ -80,7 +80,7 @@ class Model:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = prop("auto", doc="Weight and activation dtype (auto: the model config's).")
     max_model_len: int | None = prop(None, doc="Longest sequence (prompt + output) in tokens; default: the model's.", minimum=16)
     load_format: Literal["auto", "safetensors", "dummy"] = prop("auto", doc="dummy: random weights from the config (benchmarks).")
-    quantization: Literal["fp8"] | None = prop(None, doc="fp8: the dense projections in FP8 e4m3, quantized as the weights load (`--quantization fp8`); a checkpoint already in FP8 (compressed-tensors float-quantized, vLLM's fp8) is served in FP8 without it. The fit check counts one byte per parameter.")
+    quantization: Literal["fp8"] | None = prop(None, doc="fp8: the dense projections and MoE experts in FP8 e4m3, quantized as the weights load (`--quantization fp8`); a checkpoint already in FP8 (compressed-tensors float-quantized, vLLM's fp8) is served in FP8 without it. The fit check counts one byte per parameter.")
     architecture: ModelArchitecture | None = prop(None, doc="Model shape hints for validation.")
     download: ModelDownload = prop(doc="hf:// and s3:// download settings.", factory=ModelDownload)
 

@@ -85,7 +85,6 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_topology(spec),
         *_check_heads(spec),
         *_check_experts(spec),
-        *_check_quantization(spec),
         *_check_memory(spec),
         *_check_scaling(spec),
         *_check_kv_cache(spec),
@@ -214,14 +213,6 @@ def _check_experts(spec: InferenceServiceSpec) -> list[str]:
     ep = spec.topology.tensor * spec.topology.data
     if arch.num_experts is not None and arch.num_experts % ep:
         return [f"topology.expert: {arch.num_experts} experts cannot be split evenly over tensor {spec.topology.tensor} × data {spec.topology.data} = {ep} ranks"]
-    return []
-
-
-def _check_quantization(spec: InferenceServiceSpec) -> list[str]:
-    # The engine refuses FP8 experts when it loads the model; a known MoE model is refused here first.
-    if spec.model.quantization is not None and architecture_of(spec.model).moe:
-        return [f"model.quantization: {spec.model.quantization} on a mixture-of-experts model: the engine has no "
-                "FP8 path for MoE experts yet (dense models only)"]
     return []
 
 

@@ -36,6 +36,7 @@ from pagoda_engine.worker.model.layers import (
     _set_weight_loader,
     default_weight_loader,
 )
+from pagoda_engine.worker.model.moe import StackedExperts
 
 # What --quantization takes, and the checkpoint forms that load as they are.
 QUANTIZATION_METHODS = ("fp8",)
@@ -214,11 +215,8 @@ def _dense_projections(model: nn.Module) -> list[tuple[str, LinearBase]]:
 
 
 def quantize_linear_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
-    """Turn `model`'s dense projections into FP8 layers (before its weights load), but for those
-    the scheme ignores; the number turned. A model with MoE experts is refused: its experts have
-    no FP8 path yet."""
-    if any(hasattr(m, "w13") for m in model.modules()):
-        raise ModelLoadError("FP8 quantization of MoE experts is not supported yet (dense models only)")
+    """Turn `model`'s dense projections and MoE experts into FP8 layers (before its weights
+    load), but for the projections the scheme ignores; the number turned."""
     turned = 0
     for name, layer in _dense_projections(model):
         pieces = _checkpoint_modules(model, name)
@@ -230,7 +228,89 @@ def quantize_linear_layers(model: nn.Module, scheme: Fp8Scheme) -> int:
                                  "their merged projection cannot be both")
         _make_fp8(layer, scheme)
         turned += 1
+    for experts in (m for m in model.modules() if isinstance(m, StackedExperts)):
+        if scheme.static_input_scale:
+            raise ModelLoadError("static activation scales (input_scale) for MoE experts are not supported; "
+                                 "FP8 experts run on FP8 weights with activations in the serving dtype")
+        _make_fp8_experts(experts)
+        turned += 1
     return turned
+
+
+def scale_name(weight_name: str) -> str:
+    """The name of an FP8 weight's scales: `x.weight` → `x.weight_scale`, `experts.w13` → `experts.w13_scale`."""
+    return weight_name + "_scale"
+
+
+class _Fp8ExpertLoaders:
+    """The loaders of FP8 experts, around the stacked experts' own: a float expert weight is
+    quantized per row, then its values and scales go where that expert's rows go (this rank's
+    experts; of w13 this rank's slice of the gate or up rows, of w2 every row, the columns being
+    sliced); an FP8 one and its `weight_scale` go there as they are."""
+
+    def __init__(self, experts: StackedExperts, load_w13, load_w2):
+        self.experts, self.load_w13, self.load_w2 = experts, load_w13, load_w2
+
+    def _held(self, expert: int) -> bool:
+        e = self.experts
+        return e.first <= expert < e.first + e.num_local
+
+    def w13(self, param: nn.Parameter, loaded: torch.Tensor, piece) -> None:
+        self._weight(param, loaded, piece, self.load_w13, self.w13_scale, self.experts.w13_scale)
+
+    def w2(self, param: nn.Parameter, loaded: torch.Tensor, piece) -> None:
+        self._weight(param, loaded, piece, self.load_w2, self.w2_scale, self.experts.w2_scale)
+
+    def _weight(self, param, loaded, piece, load_values, load_scale, scale_param) -> None:
+        if loaded.dtype == FP8_DTYPE:
+            load_values(param, loaded, piece)
+            return
+        if not self._held(piece[0]):
+            scale_param.filled_shards.add(piece)
+            return  # another rank's expert: not quantized for nothing
+        values, scale = quantize_rows(loaded)
+        load_values(param, values, piece)
+        load_scale(scale_param, scale, piece)
+        scale_param.filled_shards.add(piece)
+
+    def w13_scale(self, param: nn.Parameter, loaded: torch.Tensor, piece) -> None:
+        expert, half = piece
+        e = self.experts
+        scale = _rows_of(loaded, e.shard * e.shards)
+        if self._held(expert):
+            param.data[expert - e.first].narrow(0, half * e.shard, e.shard).copy_(
+                scale.narrow(0, e.shard_rank * e.shard, e.shard))
+
+    def w2_scale(self, param: nn.Parameter, loaded: torch.Tensor, piece) -> None:
+        expert = piece[0]
+        e = self.experts
+        scale = _rows_of(loaded, param.shape[1])
+        if self._held(expert):
+            param.data[expert - e.first].copy_(scale)
+
+
+def _rows_of(loaded: torch.Tensor, rows: int) -> torch.Tensor:
+    """A checkpoint's `weight_scale` as one float32 scale per row: per tensor (repeated) or per row."""
+    scale = loaded.float().reshape(-1)
+    if scale.numel() == 1:
+        return scale.expand(rows)
+    if scale.numel() != rows:
+        raise ModelLoadError(f"weight_scale of shape {tuple(loaded.shape)} fits neither one scale nor "
+                             f"one per row ({rows} rows)")
+    return scale
+
+
+def _make_fp8_experts(experts: StackedExperts) -> None:
+    loaders = _Fp8ExpertLoaders(experts, experts.w13.weight_loader, experts.w2.weight_loader)
+    for name, load in (("w13", loaders.w13), ("w2", loaders.w2)):
+        old = getattr(experts, name)
+        weight = nn.Parameter(torch.empty(old.shape, dtype=FP8_DTYPE, device=old.device), requires_grad=False)
+        _set_weight_loader(weight, load, old.shard_ids)
+        setattr(experts, name, weight)
+        scale = nn.Parameter(torch.empty(old.shape[:2], dtype=torch.float32, device=old.device), requires_grad=False)
+        _set_weight_loader(scale, getattr(loaders, f"{name}_scale"), old.shard_ids)
+        scale.filled_shards = set()
+        setattr(experts, f"{name}_scale", scale)
 
 
 def _make_fp8(layer: LinearBase, scheme: Fp8Scheme) -> None:

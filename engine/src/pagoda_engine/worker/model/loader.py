@@ -25,7 +25,7 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.model_path import gguf_file_of
-from pagoda_engine.worker.model.fp8 import fp8_scheme, quantize_linear_layers
+from pagoda_engine.worker.model.fp8 import fp8_scheme, quantize_linear_layers, scale_name
 from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, quantize_rows
 from pagoda_engine.worker.model.gguf import gguf_tensors, load_gguf_config
 from pagoda_engine.worker.model.models import resolve_architecture
@@ -172,10 +172,10 @@ def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
                 values, scale = quantize_rows(torch.empty(param.shape, device=device).normal_(
                     0.0, 0.02, generator=generator))
                 param.copy_(values)
-                params[name.removesuffix("weight") + "weight_scale"].copy_(scale)
+                params[scale_name(name)].copy_(scale)
             elif name.endswith(".input_scale"):
                 param.fill_(1.0)
-            elif not name.endswith(".weight_scale"):  # FP8 weights' scales: set with them
+            elif not name.endswith("_scale"):  # FP8 weights' scales: set with them
                 param.normal_(0.0, 0.02, generator=generator)
 
 
