@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -145,6 +147,18 @@ def test_fp8_logits_stay_near_the_float_model(hf_dir, quantized_on_load):
     assert kl < 0.05
 
 
+def test_a_gguf_file_is_dequantized_then_quantized_to_fp8_as_it_loads(hf_dir, tmp_path, quantized_on_load):
+    """GGUF with --quantization fp8: the file's weights, dequantized to --dtype as always, are
+    quantized like any float checkpoint's (an F32 file: the same values, so the same model)."""
+    from gguf_files import write_gguf
+
+    hf = transformers.LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    path = write_gguf(hf, tmp_path / "model.gguf")
+    served = _load(path, quantization="fp8")
+    assert served.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    torch.testing.assert_close(_logits(served), _logits(quantized_on_load), atol=0, rtol=0)
+
+
 # --- FP8 checkpoints as they are -------------------------------------------------------------------
 
 
@@ -257,6 +271,12 @@ def test_unsupported_checkpoint_quantization_is_refused_naming_it_and_what_is(hf
 def test_an_unserved_quantization_is_refused_by_the_config():
     with pytest.raises(ValueError, match=re.escape("--quantization awq is not supported (supported: fp8")):
         EngineConfig.from_kwargs(quantization="awq")
+
+
+def test_pagoda_serve_exits_2_naming_an_unserved_quantization():
+    out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", "pagoda-tiny",
+                          "--quantization", "gptq"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--quantization gptq is not supported (supported: fp8" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
