@@ -34,6 +34,19 @@ def test_scaled_mm_gives_the_cpu_paths_numbers(k, n, rows):
     torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2 * expected.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows,k", [(1, 4096), (7, 14336), (512, 4096)])
+def test_quantization_kernel_gives_torchs_values_exactly(rows, k):
+    """`fp8_quant_triton.quantize_tokens` (what `fp8_linear` runs on CUDA) against the torch
+    operations of `fp8_math.quantize_tokens`: the hardware's e4m3 conversion rounds as torch's."""
+    from pagoda_engine.worker.model import fp8_math, fp8_quant_triton
+
+    x = (torch.randn(rows, k, device=CUDA) * torch.logspace(-3, 2, rows, device=CUDA).unsqueeze(1)).bfloat16()
+    want_q, want_scale = fp8_math.quantize_tokens(x)
+    got_q, got_scale = fp8_quant_triton.quantize_tokens(x, fp8_math.FP8_DTYPE, fp8_math.FP8_MAX, fp8_math.MIN_AMAX)
+    assert torch.equal(got_scale, want_scale)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+
+
 MOE_SHAPES = {  # (hidden, intermediate, experts, top_k), as tests/gpu/test_moe_kernels_gpu.py
     "qwen3-30b-a3b": (2048, 768, 128, 8),
     "mixtral-like": (1024, 3584, 8, 2),
