@@ -377,6 +377,27 @@ def test_dummy_fp8_weights_are_deterministic(hf_dir):
     assert torch.isfinite(_logits(a)).all()
 
 
+def test_a_disk_tier_written_by_the_float_model_gives_the_fp8_model_no_page(tmp_path):
+    """--quantization fp8 computes other K and V from the same files: the tiers' fingerprint
+    tells them apart, so an FP8 engine over a disk tier the float engine filled finds nothing
+    there and computes its own pages (the same tokens as without the tier)."""
+    from pagoda_engine.tiny import default_model_dir
+
+    model = str(default_model_dir())
+    prompts = [[(5 * i + 7 * n) % 500 + 5 for i in range(64)] for n in range(3)]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    small = dict(num_gpu_blocks_override=24, max_model_len=256, max_num_seqs=4)
+    disk = dict(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gb=0.05)
+    with LLM(model, **disk, **small) as llm:
+        llm.generate(prompts, params)
+        assert len(llm.core.kv.offload.disk) > 0
+    with LLM(model, quantization="fp8", **small) as llm:
+        expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    with LLM(model, quantization="fp8", **disk, **small) as llm:
+        assert len(llm.core.kv.offload.disk) == 0
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected
+
+
 # --- tensor parallelism -------------------------------------------------------------------------
 
 
