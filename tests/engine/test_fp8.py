@@ -206,7 +206,8 @@ _QUANTIZED = re.compile(r".*(_proj|\.experts\.\d+\.w[123])\.weight$")
 
 def _vllm_fp8_checkpoint(source_dir, out, activation_scheme: str, extra: dict | None = None):
     """vLLM's `quant_method: fp8` form (AutoFP8's), from a float checkpoint's tensors: one weight
-    scale per tensor, and with static activations one input scale per tensor."""
+    scale per tensor, and with static activations one input scale per tensor and the attention's
+    KV cache scales (which pages in the model's dtype do not use)."""
     state = {}
     with safe_open(str(source_dir / "model.safetensors"), framework="pt") as source:
         for name in source.keys():
@@ -218,6 +219,9 @@ def _vllm_fp8_checkpoint(source_dir, out, activation_scheme: str, extra: dict | 
                 state[f"{module}.weight_scale"] = scale.reshape(())
                 if activation_scheme == "static":
                     state[f"{module}.input_scale"] = torch.tensor(STATIC_INPUT_SCALE)
+                    if name.endswith("k_proj.weight"):
+                        state[f"{module.removesuffix('.k_proj')}.k_scale"] = torch.tensor(1.0)
+                        state[f"{module.removesuffix('.k_proj')}.v_scale"] = torch.tensor(1.0)
             else:
                 state[name] = tensor
     out.mkdir()

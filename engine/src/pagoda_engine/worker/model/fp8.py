@@ -38,6 +38,9 @@ from pagoda_engine.worker.model.layers import (
 )
 from pagoda_engine.worker.model.moe import StackedExperts
 
+# Scales an FP8 checkpoint may carry for an FP8 KV cache (AutoFP8, llm-compressor). Pages in the
+# model's dtype need none, so the loader passes over them (FP8 KV pages are not built yet).
+KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
 # What --quantization takes, and the checkpoint forms that load as they are.
 QUANTIZATION_METHODS = ("fp8",)
 CHECKPOINT_FORMS = ("compressed-tensors (format float-quantized: FP8 e4m3 weights, per-tensor or per-channel "
