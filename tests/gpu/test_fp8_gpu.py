@@ -2,7 +2,8 @@
 gives the CPU path's numbers at Llama-3.1-8B's projection shapes; the Triton MoE experts on FP8
 weights (grouped GEMMs and the few-token kernels) give the reference loop's sums at Qwen3-30B-A3B's
 and Mixtral-like shapes; FP8 logits of a Llama-3.1-8B-shaped model (two layers) against its bf16
-logits: top-1 agreement at least 0.9 and mean KL(bf16 || fp8) at most 0.05 nats per position;
+logits: top-1 agreement at least 0.98 where bf16's choice is clear (top-2 gap of 0.5 or more)
+and mean KL(bf16 || fp8) at most 0.05 nats per position;
 CUDA graphs on and off give the same greedy tokens."""
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ from gpu_support import (LLAMA_SIZED_CONFIG, greedy_tokens, make_llm, random_pro
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 CUDA = torch.device("cuda")
+# The bf16 top-2 logit gap above which FP8's top-1 must agree. Random weights give logits of std
+# ~1.3 and FP8's perturbation of them a std of ~0.15 (measured on CPU at hidden 1,024 with the same
+# gain per projection: overall agreement 0.76, 1.0 past a gap of 0.4 on 24 % of positions, KL 0.011).
+CLEAR_GAP = 0.5
 # Llama-3.1-8B's projections: (in, out) of qkv, o, gate/up, down.
 LLAMA_8B_PROJECTIONS = [(4096, 6144), (4096, 4096), (4096, 28672), (14336, 4096)]
 
@@ -106,11 +111,18 @@ def test_fp8_logits_agree_with_bf16_at_llama_8b_shapes(llama_sized):
     bf16 = _prefill_logits(load_model(str(llama_sized), config, torch.bfloat16, CUDA), tokens)
     torch.cuda.empty_cache()
     fp8 = _prefill_logits(load_model(str(llama_sized), config, torch.bfloat16, CUDA, quantization="fp8"), tokens)
-    agreement = (fp8.argmax(-1) == bf16.argmax(-1)).float().mean().item()
+    agree = fp8.argmax(-1) == bf16.argmax(-1)
+    # Random weights leave many near ties among 128,256 logits, which any perturbation flips: the
+    # top-1 check counts the positions whose bf16 choice is clear (top-2 gap >= CLEAR_GAP).
+    top2 = bf16.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) >= CLEAR_GAP
     kl = torch.nn.functional.kl_div(fp8.log_softmax(-1), bf16.log_softmax(-1), log_target=True,
                                     reduction="batchmean").item()
-    print(f"FP8 vs bf16 at Llama-3.1-8B shapes: top-1 agreement {agreement:.3f}, KL {kl:.4f} nats")
-    assert agreement >= 0.9
+    print(f"FP8 vs bf16 at Llama-3.1-8B shapes: top-1 agreement {agree.float().mean().item():.3f} over all "
+          f"{len(tokens)} positions, {agree[clear].float().mean().item():.3f} over the {int(clear.sum())} clear ones; "
+          f"KL(bf16 || fp8) {kl:.4f} nats")
+    assert clear.float().mean() >= 0.1
+    assert agree[clear].float().mean() >= 0.98
     assert kl <= 0.05
 
 
