@@ -180,14 +180,7 @@ class _Fp8Loaders:
         self.layer.weight_scale.filled_shards.add(shard_id)
 
     def weight_scale(self, param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        rows = _piece_rows(self.layer, shard_id)
-        scale = loaded.float().reshape(-1)
-        if scale.numel() == 1:
-            scale = scale.expand(rows)
-        elif scale.numel() != rows:
-            raise ModelLoadError(f"weight_scale of shape {tuple(loaded.shape)} fits neither one scale nor "
-                                 f"one per row ({rows} rows)")
-        self.scale_loader(param, scale.contiguous(), shard_id)
+        self.scale_loader(param, _rows_of(loaded, _piece_rows(self.layer, shard_id)).contiguous(), shard_id)
 
     @staticmethod
     def input_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
