@@ -72,6 +72,27 @@ def test_moe_roofline_counts_the_bytes_one_token_reads(tmp_path):
     assert bytes_read_per_token(model) == expected < weight_bytes(model)
 
 
+def test_fp8_roofline_reads_one_byte_per_projection_weight(tmp_path):
+    """--quantization fp8: the projections' weights count one byte each (their row scales four
+    bytes a row), the embedding and LM head their --dtype's bytes."""
+    import torch
+
+    from pagoda_engine.bench.offline import bytes_read_per_token, fp8_weight_bytes, weight_bytes
+    from pagoda_engine.tiny import build_tiny_model
+    from pagoda_engine.worker.model.layers import ColumnParallelLinear, RowParallelLinear
+    from pagoda_engine.worker.model.loader import load_hf_config, load_model
+
+    model_dir = str(build_tiny_model(tmp_path / "m"))
+    config = load_hf_config(model_dir)
+    plain = load_model(model_dir, config, torch.bfloat16, torch.device("cpu"), load_format="dummy")
+    fp8 = load_model(model_dir, config, torch.bfloat16, torch.device("cpu"), load_format="dummy", quantization="fp8")
+    projections = [m for m in fp8.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert fp8_weight_bytes(fp8) == sum(m.weight.numel() for m in projections) > 0
+    scales = sum(m.weight_scale.nbytes for m in projections)
+    assert weight_bytes(fp8) == weight_bytes(plain) - fp8_weight_bytes(fp8) + scales
+    assert bytes_read_per_token(fp8) == weight_bytes(fp8)
+
+
 @pytest.fixture(scope="module")
 def tiny_model():
     from pagoda_engine.tiny import default_model_dir as tiny_dir

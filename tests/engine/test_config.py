@@ -127,7 +127,9 @@ def _asking(action: argparse.Action) -> list[str]:
     flag = action.option_strings[0]
     if action.nargs == 0:
         return [flag]
-    return [flag, _VALUES.get(action.dest) or {int: "2", float: "8.5"}.get(action.type, "/kv")]
+    # A flag with choices asks with its first one other than its default.
+    chosen = next((c for c in action.choices if c != action.default), None) if action.choices else None
+    return [flag, _VALUES.get(action.dest) or chosen or {int: "2", float: "8.5"}.get(action.type, "/kv")]
 
 
 _VALUES = {"kv_offload_remote_url": "redis://kv:6379"}

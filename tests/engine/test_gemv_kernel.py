@@ -44,11 +44,14 @@ def test_gated_gemv_is_silu_of_gate_times_up(inter, k):
     torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w).float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("num_tokens", [1, 2])
 @pytest.mark.parametrize("hidden,inter", [(64, 32), (40, 24)])
-def test_experts_gemv_matches_the_reference_loop(num_tokens, hidden, inter):
+def test_experts_gemv_matches_the_reference_loop(num_tokens, hidden, inter, fp8):
     """The MoE's one- and two-token path (`fused_moe_triton._experts_gemv`), with one slot routed to
-    an expert held by another rank (id = the local count): its share is left out."""
+    an expert held by another rank (id = the local count): its share is left out. FP8 experts:
+    e4m3 weights with a scale per expert and row, against the reference's widened weights."""
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
     from pagoda_engine.worker.model.moe import fused_experts_reference
 
     moe = import_kernels("pagoda_engine.worker.model.fused_moe_triton")
@@ -61,9 +64,13 @@ def test_experts_gemv_matches_the_reference_loop(num_tokens, hidden, inter):
     ids[0, 1] = experts  # held elsewhere
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1).bfloat16()
     local = ids < experts
+    scales = (None, None)
+    if fp8:
+        (w13, s13), (w2, s2) = quantize_rows(w13), quantize_rows(w2)
+        scales = (s13, s2)
     expected = fused_experts_reference(x.float(), w13.float(), w2.float(), (weights * local).float(),
-                                       torch.where(local, ids, 0))
-    got = moe._experts_gemv(x, w13, w2, weights, ids)
+                                       torch.where(local, ids, 0), *scales)
+    got = moe._experts_gemv(x, w13, w2, weights, ids, *scales)
     torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
 
 

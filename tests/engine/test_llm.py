@@ -204,7 +204,8 @@ def test_tiny_model_cpu_throughput_figure(llm, capsys):
 
 # One value per option that asks for its feature; the capability table decides which refuse.
 _ASKING = dict(pipeline_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, kv_offload_cpu_gb=8.0,
-               kv_offload_disk_path="/var/cache/kv", kv_offload_disk_gb=10.0, kv_offload_remote_url="redis://kv:6379")
+               kv_offload_disk_path="/var/cache/kv", kv_offload_disk_gb=10.0, kv_offload_remote_url="redis://kv:6379",
+               kv_cache_dtype="fp8")
 _NOT_IMPLEMENTED = [(option, feature.title) for feature in FEATURES if not feature.implemented
                     for option in feature.options]
 

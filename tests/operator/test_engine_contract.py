@@ -294,7 +294,9 @@ def _asking_words(flag: str, joined: bool) -> list[str]:
     action = ENGINE_PARSER._option_string_actions[flag]
     if action.nargs == 0:
         return [flag]
-    value = _VALUES.get(action.dest) or {int: "2", float: "8"}.get(action.type, "/var/lib/kv")
+    # A flag with choices asks with its first one other than its default.
+    chosen = next((c for c in action.choices if c != action.default), None) if action.choices else None
+    value = _VALUES.get(action.dest) or chosen or {int: "2", float: "8"}.get(action.type, "/var/lib/kv")
     # A disk tier's size is valid only with its directory (the engine's config refuses it alone).
     companion = ["--kv-offload-disk-path", "/var/lib/kv"] if action.dest == "kv_offload_disk_gb" else []
     return [*companion, f"{flag}={value}"] if joined else [*companion, flag, value]

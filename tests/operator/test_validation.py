@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pagoda_operator.conditions import Observation, compute_status
 from pagoda_engine import capabilities
 from pagoda_operator.engine_capabilities import requested_features
-from pagoda_operator.render import render
+from pagoda_operator.render import engine_args, render
 from pagoda_operator.validation import check
 from tests.operator.support import EXAMPLE_FILES, EXAMPLES_DIR, load_example, with_spec
 
@@ -77,6 +77,10 @@ UNSUPPORTED = [
      "engine.extraArgs: --enable-expert asks for expert parallelism"),
     ("env", "multi-node", {"engine": {"env": [{"name": "LWS_GROUP_SIZE", "value": "4"}]}},
      "engine.env: LWS_GROUP_SIZE=4 asks for multi-node serving"),
+    ("kv-cache-dtype", "kv-cache-fp8", {"engine": {"kvCacheDtype": "fp8"}},
+     "engine.kvCacheDtype: fp8 asks for FP8 KV cache pages, which Pagoda's engine does not implement yet"),
+    ("kv-cache-dtype-extra-args", "kv-cache-fp8", {"engine": {"extraArgs": ["--kv-cache-dtype", "fp8_e4m3"]}},
+     "engine.extraArgs: --kv-cache-dtype asks for FP8 KV cache pages"),
 ]
 
 
@@ -241,6 +245,25 @@ def test_bad_spec_is_rejected_with_its_arithmetic(case, filename, changes, expec
     _merge(body["spec"], changes)
     problems = problems_of(body)
     assert any(expected in p for p in problems), problems
+
+
+def test_an_fp8_70b_fits_one_h200_where_bf16_does_not():
+    """model.quantization: fp8 counts one byte a weight in the fit check."""
+    body = with_spec(load_example(LLAMA_70B), topology={"tensor": 1, "nodes": 1},
+                     resources={"gpusPerPod": 1, "gpuMemoryGiB": 141})
+    assert [p for p in problems_of(body) if p.startswith("memory:")] == [
+        "memory: the model does not fit: weights 70.6B params × 2 bytes / (tensor × pipeline = 1) = 131.5 GiB per GPU, "
+        "+ KV for 16384 tokens 5.0 GiB + 2.0 GiB activations = 138.5 GiB, but a GPU offers 141 GiB × "
+        "gpuMemoryUtilization 0.9 = 126.9 GiB; raise topology.tensor or topology.pipeline (about 2 shards), or use GPUs "
+        "with more memory (resources.gpuMemoryGiB)"]
+    fp8 = with_spec(body, model__quantization="fp8")
+    assert [p for p in problems_of(fp8) if p.startswith("memory:")] == []
+    args = engine_args("llama", check(fp8).spec)
+    assert args[args.index("--quantization") + 1] == "fp8" and "--kv-cache-dtype" not in args
+
+
+def test_fp8_on_a_moe_model_is_accepted():
+    assert problems_of(with_spec(load_example("mixtral-8x7b-ep.yaml"), model__quantization="fp8")) == []
 
 
 def test_every_problem_is_reported_at_once():

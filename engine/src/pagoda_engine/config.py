@@ -113,6 +113,15 @@ class ModelConfig:
     # auto (safetensors) | dummy (random weights from config.json)
     load_format: str = option("auto", choices=("auto", "dummy", "safetensors"))
     seed: int = option(0)
+    # FP8 weights (`worker/model/fp8.py`); a checkpoint with an FP8 quantization_config is served
+    # in FP8 without it. Other names (vLLM's many methods) are refused at start-up, named.
+    quantization: str | None = option(
+        None, aliases=("-q",), choices=("fp8",), choices_in_parser=False,
+        invalid="--quantization {value} is not supported (supported: {choices}; a checkpoint's own FP8 "
+                "quantization_config, compressed-tensors float-quantized or vLLM's fp8, loads without it)",
+        help="fp8: the dense projections and MoE experts in FP8 e4m3 (weights per output channel, quantized as they "
+             "load; the projections' activations per token), the LM head and embedding in --dtype; checkpoints quantized to FP8 "
+             "(compressed-tensors float-quantized, vLLM's fp8) load as they are without it")
     device: str = option("auto", choices=("auto", "cpu", "cuda"))  # auto: cuda when available
     attention_backend: str = option("auto", choices=("auto", "flashinfer", "torch"))
     enforce_eager: bool = option(False)  # no CUDA graphs
@@ -144,6 +153,10 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = option(16, power_of_two=True)  # tokens per KV page
     enable_prefix_caching: bool = option(True)
+    # vLLM's names; FP8 pages are a feature of the capability table, refused there until built.
+    kv_cache_dtype: str = option(
+        "auto", choices=("auto", "fp8", "fp8_e4m3"),
+        help="the KV pages' dtype: auto (the model's); fp8 / fp8_e4m3 (e4m3 pages, twice the tokens)")
     gpu_memory_utilization: float = option(0.9, above=0, max=1)
     num_kv_pages: int | None = option(None, help="fixed KV pool size in pages (tests)")
     # vLLM's name for the same: the pool is N pages (the null page included), on CPU and GPU alike.

@@ -36,7 +36,7 @@ container, init containers included). What the processes write goes to emptyDirs
 lists them) and to the volumes of the spec's model and KV tiers.
 
 The engine command-line contract used here (vLLM's flag names): --model --served-model-name
---dtype --max-model-len --load-format --tensor-parallel-size --pipeline-parallel-size
+--dtype --max-model-len --load-format --quantization --kv-cache-dtype --tensor-parallel-size --pipeline-parallel-size
 --data-parallel-size --enable-expert-parallel --max-num-seqs --max-num-batched-tokens
 --gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --api-server-count --device
 --host --port,
@@ -294,6 +294,10 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
         args += ["--max-model-len", str(m.max_model_len)]
     if m.load_format != "auto":
         args += ["--load-format", m.load_format]
+    if m.quantization is not None:
+        args += ["--quantization", m.quantization]
+    if e.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", e.kv_cache_dtype]
     args += ["--tensor-parallel-size", str(t.tensor), "--pipeline-parallel-size", str(t.pipeline)]
     if t.data > 1:
         args += ["--data-parallel-size", str(t.data)]

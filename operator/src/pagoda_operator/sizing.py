@@ -10,6 +10,11 @@ from pagoda_operator.quantity import GIB, format_gib, gib
 from pagoda_operator.spec import InferenceServiceSpec
 
 DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+# model.quantization: bytes per weight. The embedding and LM head stay in the model's dtype (a few
+# percent of the parameters of an 8B-70B model); the count here takes every parameter at one byte.
+QUANTIZED_WEIGHT_BYTES = {"fp8": 1}
+# engine.kvCacheDtype: bytes per K or V value ("auto": the model's dtype).
+KV_DTYPE_BYTES = {"fp8": 1, "fp8_e4m3": 1}
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # the engine's default (pagoda_engine.config.CacheConfig)
 # Activations, CUDA graphs and the allocator's slack: what the engine cannot give to weights or KV.
 ACTIVATION_RESERVE_GIB = 2.0
@@ -34,7 +39,7 @@ class MemoryPlan:
     """Per-GPU memory arithmetic of one replica (all in GiB)."""
 
     params_billion: float
-    dtype_bytes: int
+    dtype_bytes: int  # of one weight (the quantized size under model.quantization)
     model_shards: int  # tensor × pipeline: the weights are split this many ways
     weights_gib: float
     kv_tokens: int
@@ -69,7 +74,8 @@ def memory_plan(spec: InferenceServiceSpec) -> MemoryPlan | None:
     arch = architecture_of(spec.model)
     if arch.params_billion is None:
         return None
-    dtype_bytes = DTYPE_BYTES[spec.model.dtype]
+    dtype_bytes = QUANTIZED_WEIGHT_BYTES.get(spec.model.quantization, DTYPE_BYTES[spec.model.dtype])
+    kv_value_bytes = KV_DTYPE_BYTES.get(spec.engine.kv_cache_dtype, DTYPE_BYTES[spec.model.dtype])
     shards = spec.topology.tensor * spec.topology.pipeline
     weights_gib = arch.params_billion * 1e9 * dtype_bytes / shards / GIB
     kv_tokens = spec.model.max_model_len or DEFAULT_MIN_KV_TOKENS
@@ -79,7 +85,7 @@ def memory_plan(spec: InferenceServiceSpec) -> MemoryPlan | None:
         # K and V, every layer, the KV heads this GPU holds (at least one), one token.
         kv_heads_per_gpu = max(1, arch.num_key_value_heads // spec.topology.tensor)
         layers_per_gpu = -(-arch.num_layers // spec.topology.pipeline)
-        per_token = 2 * layers_per_gpu * kv_heads_per_gpu * arch.head_dim * dtype_bytes
+        per_token = 2 * layers_per_gpu * kv_heads_per_gpu * arch.head_dim * kv_value_bytes
         kv_gib = per_token * kv_tokens / GIB
     utilization = spec.engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     gpu_gib = spec.resources.gpu_memory_gi_b

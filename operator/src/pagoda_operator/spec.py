@@ -80,6 +80,7 @@ class Model:
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = prop("auto", doc="Weight and activation dtype (auto: the model config's).")
     max_model_len: int | None = prop(None, doc="Longest sequence (prompt + output) in tokens; default: the model's.", minimum=16)
     load_format: Literal["auto", "safetensors", "dummy"] = prop("auto", doc="dummy: random weights from the config (benchmarks).")
+    quantization: Literal["fp8"] | None = prop(None, doc="fp8: the dense projections and MoE experts in FP8 e4m3, quantized as the weights load (`--quantization fp8`); a checkpoint already in FP8 (compressed-tensors float-quantized, vLLM's fp8) is served in FP8 without it. The fit check counts one byte per parameter.")
     architecture: ModelArchitecture | None = prop(None, doc="Model shape hints for validation.")
     download: ModelDownload = prop(doc="hf:// and s3:// download settings.", factory=ModelDownload)
 
@@ -109,6 +110,7 @@ class Engine:
     max_num_batched_tokens: int | None = prop(None, doc="Token budget of one step (engine default 8192).", minimum=1)
     gpu_memory_utilization: float | None = prop(None, doc="Fraction of GPU memory the engine may use (engine default 0.9).", minimum=0, exclusive_minimum=True, maximum=1)
     prefix_caching: bool = prop(True, doc="Reuse KV pages of shared prompt prefixes.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] = prop("auto", doc="The KV pages' dtype (`--kv-cache-dtype`): auto, the model's; fp8 / fp8_e4m3, one byte a value (not built in the engine yet: refused).")
     seed: int | None = prop(None, doc="Sampling seed.", minimum=0)
     api_server_count: int = prop(1, doc="API server processes in each engine pod (`--api-server-count`), sharing its port and every engine core: tokenization, detokenization and streaming spread over this many CPU cores. Give the pod at least as many CPUs (resources.cpu).", minimum=1, maximum=64)
     extra_args: list[str] = prop(doc="More `pagoda serve` flags, appended as given; checked against its flags "

@@ -69,6 +69,11 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in unique_parameters(model))  # tied weights once
 
 
+def fp8_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the FP8 projection weights (`--quantization fp8`), their scales not counted."""
+    return sum(p.nbytes for p in unique_parameters(model) if p.dtype == torch.float8_e4m3fn)
+
+
 def bytes_read_per_token(model: torch.nn.Module) -> int:
     """What one decoded token reads of the weights: all of a dense model's weights (as the earlier
     figures count them); of an MoE model the router, attention, norms, top_k of each layer's
@@ -99,6 +104,7 @@ def _build(args) -> tuple[EngineCore, dict]:
     sc, cc, mc = core.config.scheduler, core.config.cache, core.config.model
     settings = {
         "model": mc.model, "load_format": mc.load_format, "dtype": str(core.dtype).removeprefix("torch."),
+        "quantization": mc.quantization or "none", "kv_cache_dtype": cc.kv_cache_dtype,
         "device": str(core.device), "attention_backend": core.executor.attn.name, "cuda_graphs": core.cuda_graphs,
         "cudagraph_mode": core.cudagraph_mode,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
@@ -197,7 +203,8 @@ def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | N
 def _roofline(core: EngineCore) -> dict:
     wbytes = bytes_read_per_token(core.executor.model)
     bw = measure_copy_bandwidth(core.device)
-    return {"weight_bytes": weight_bytes(core.executor.model), "bytes_read_per_token": wbytes, "copy_bandwidth_Bps": bw,
+    return {"weight_bytes": weight_bytes(core.executor.model), "bytes_read_per_token": wbytes,
+            "fp8_weight_bytes": fp8_weight_bytes(core.executor.model), "copy_bandwidth_Bps": bw,
             "roofline_ms_per_token": wbytes / bw * 1e3 if bw else None}
 
 
@@ -215,8 +222,9 @@ def _print_header(title: str, wl: Workload, info: dict, env: dict) -> None:
 
 def _print_roofline(r: dict) -> None:
     if r["copy_bandwidth_Bps"]:
+        fp8 = f", {r['fp8_weight_bytes'] / 1e9:.2f} GB of them FP8 projections" if r["fp8_weight_bytes"] else ""
         print(f"roofline: {r['bytes_read_per_token'] / 1e9:.2f} GB of weights read per token "
-              f"(of {r['weight_bytes'] / 1e9:.2f} GB) / {r['copy_bandwidth_Bps'] / 1e12:.2f} TB/s "
+              f"(of {r['weight_bytes'] / 1e9:.2f} GB{fp8}) / {r['copy_bandwidth_Bps'] / 1e12:.2f} TB/s "
               f"measured copy = {r['roofline_ms_per_token']:.2f} ms per token (single-stream floor)")
 
 

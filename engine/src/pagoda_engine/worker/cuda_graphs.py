@@ -40,7 +40,7 @@ import torch
 
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.compile_ahead import compile_ahead
-from pagoda_engine.worker.model.layers import LinearBase, linear
+from pagoda_engine.worker.model.layers import LinearBase
 
 
 # Steps of more tokens run eagerly: their kernels outlast the launches. On an H100 with
@@ -87,18 +87,20 @@ def drop_slow_sizes(sizes: list[int], cost: dict[int, float]) -> list[int]:
 def linear_row_costs(model: torch.nn.Module, sizes: list[int], device: torch.device,
                      repeats: int = 5) -> dict[int, float]:
     """Device µs of one decoder layer's dense projections (its `LinearBase` modules' weights, this
-    rank's shards, through `layers.linear` and no collective) at each of `sizes` rows: the median
+    rank's shards, through `LinearBase.matmul`: no collective) at each of `sizes` rows: the median
     of `repeats` runs after one warm-up. What `drop_slow_sizes` compares."""
-    weights = [m.weight for m in model.layers[0].modules() if isinstance(m, LinearBase)]
-    if not weights:
+    projections = [m for m in model.layers[0].modules() if isinstance(m, LinearBase)]
+    if not projections:
         return {}
-    inputs = {w.shape[1]: torch.randn(max(sizes), w.shape[1], device=device, dtype=w.dtype) for w in weights}
+    # The activations' dtype: the layer's norms hold it (an FP8 projection's weight does not).
+    dtype = next(p.dtype for p in model.layers[0].parameters() if p.dtype in (torch.float16, torch.bfloat16, torch.float32))
+    inputs = {m.in_features: torch.randn(max(sizes), m.in_features, device=device, dtype=dtype) for m in projections}
     costs = {}
     with torch.inference_mode():
         for size in sizes:
             def run():
-                for w in weights:
-                    linear(inputs[w.shape[1]][:size], w)
+                for m in projections:
+                    m.matmul(inputs[m.in_features][:size], None)
             run()
             times = []
             for _ in range(repeats):

@@ -68,6 +68,7 @@ from pagoda_engine.worker.compile_ahead import (engine_compile_workers, ranks_on
                                                  start_compile_pool, stop_compile_pool, triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import (MAX_PIECEWISE_TOKENS, drop_slow_sizes, graph_batch_sizes,
                                               piecewise_token_sizes, sizes_to_measure)
+from pagoda_engine.worker.model.fp8 import fp8_scheme
 from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
 from pagoda_engine.worker.rpc import Call, Hello, Reply, bind_address, broadcast_tensors, publish_run, split_tensors
@@ -687,6 +688,7 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
     if device.type == "cuda":
         set_torch_threads("cuda")
     dtype = resolve_dtype(mc.dtype, hf_config, device)
+    fp8_scheme(mc.quantization, hf_config)  # an unsupported form is refused before any rank starts
     ranks = pc.ranks_per_node  # the leader's share; every other node checks its own
     # Over gloo (PAGODA_DIST_BACKEND=gloo) the ranks may share GPUs; NCCL needs one each.
     if device.type == "cuda" and ranks > torch.cuda.device_count() and dist_backend("cuda") == "nccl":
@@ -745,7 +747,8 @@ def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
             if compile_ahead:
                 executor.collective_rpc("start_compile_pool", ranks_on_node(config))
             executor.collective_rpc("init_distributed")
-            executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed, partition)
+            executor.collective_rpc("load_model", model_dir, dtype, mc.load_format, mc.seed, partition,
+                                   mc.quantization)
     except BaseException:
         executor.close()
         raise

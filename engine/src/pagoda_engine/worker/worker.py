@@ -155,7 +155,7 @@ class Worker:
         self.dp_dispatch = DataParallelDispatch(tokens, counts)
     @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
     def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int,
-                   pp_partition: list[tuple[int, int]] | None = None) -> None:
+                   pp_partition: list[tuple[int, int]] | None = None, quantization: str | None = None) -> None:
         """This rank's shard of the weights (after `init_distributed`): with `pp_partition` (each
         stage's [start, end) layers) only its stage's layers."""
         torch.manual_seed(seed)
@@ -164,7 +164,7 @@ class Worker:
                                 self.layout.tp, self.coordinates.tp_rank,
                                 enable_expert_parallel=self.layout.enable_expert_parallel, layers=layers,
                                 data_parallel=(self.data_parallel.size, self.data_parallel.rank)
-                                if self.data_parallel else (1, 0))
+                                if self.data_parallel else (1, 0), quantization=quantization)
         self.dtype = dtype
         if self.is_last_stage and self.coordinates.tp_rank == 0:  # rank 0 without pipeline parallelism
             self.sampler = make_sampler(seed, self.device)

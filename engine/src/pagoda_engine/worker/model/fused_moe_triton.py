@@ -40,16 +40,18 @@ _PER_STEP = ["num_pairs"]
 
 @triton.jit(do_not_specialize=_PER_STEP)
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
     N, K, num_pairs, rows_per_a, max_padded, num_local,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
-    MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
+    MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, B_SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """C[pair, :] = A[pair // rows_per_a, :] @ B[expert(pair)]^T (× weight[pair]) for the pairs of
     one block; B is [experts, N, K]. With SILU_AND_MUL, B is [experts, 2N, K] (gate rows, then up
     rows) and C[pair, :] = silu(gate) × up, each product rounded to C's dtype first, as the
-    separate SiLU-and-mul kernel sees them."""
+    separate SiLU-and-mul kernel sees them. With B_SCALED, B holds FP8 values, widened to A's
+    dtype as they load (exactly: e4m3 values are bf16/fp16 values), and each of B's rows has a
+    float32 scale ([experts, rows], stride_se), applied to the float32 sums."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -87,12 +89,20 @@ def _grouped_gemm_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if B_SCALED:
+            b = b.to(a.dtype)
         acc += tl.dot(a, b)
         if SILU_AND_MUL:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=offs_k[:, None] < k_left, other=0.0)
+            if B_SCALED:
+                b_up = b_up.to(a.dtype)
             acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if B_SCALED:
+        acc = acc * tl.load(b_scale_ptr + expert * stride_se + offs_n)[None, :]
+        if SILU_AND_MUL:
+            acc_up = acc_up * tl.load(b_scale_ptr + expert * stride_se + N + offs_n)[None, :]
     if SILU_AND_MUL:
         gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
         acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
@@ -322,7 +332,8 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
 
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
-                  aligned: tuple, rows_per_a: int, num_pairs: int, cfg: dict, silu_and_mul: bool = False) -> None:
+                  aligned: tuple, rows_per_a: int, num_pairs: int, cfg: dict, silu_and_mul: bool = False,
+                  b_scale: torch.Tensor | None = None) -> None:
     """`out` = the grouped GEMM of `_grouped_gemm_kernel`; with `silu_and_mul`, `out` has half of
     b's rows as columns (the activation), and each program takes BLOCK_N / 2 columns of the gate
     and as many of the up rows, so that it reads as much of b as the plain kernel's tile."""
@@ -333,20 +344,24 @@ def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: 
         cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
     grid = (triton.cdiv(sorted_pairs.numel(), cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
-        a, b, out, weights if weights is not None else out, sorted_pairs, block_experts, num_padded,
+        a, b, out, weights if weights is not None else out, b_scale if b_scale is not None else out,
+        sorted_pairs, block_experts, num_padded,
         N, K, num_pairs, rows_per_a, sorted_pairs.numel(), b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, **cfg, **pdl.launch(a.device),
+        b_scale.stride(0) if b_scale is not None else 0,
+        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, B_SCALED=b_scale is not None, **cfg,
+        **pdl.launch(a.device),
     )
 
 
 @triton.jit
-def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
-                         stride_xm, stride_we, stride_wn, stride_am,
-                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gate_up_gemv_kernel(x_ptr, w13_ptr, scale_ptr, act_ptr, ids_ptr, I, num_local, top_k,
+                         stride_xm, stride_we, stride_wn, stride_am, stride_se,
+                         K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALED: tl.constexpr,
+                         PDL: tl.constexpr):
     """A few tokens: for one (token, slot) pair, act[pair, cols] = silu(gate) × up over one block
     of the expert's I columns, read straight from the expert's rows (no alignment, no padding),
-    with the one-row kernels' `dot_rows`."""
+    with the one-row kernels' `dot_rows`. SCALED: FP8 rows, each sum times its row's scale."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -361,21 +376,24 @@ def _gate_up_gemv_kernel(x_ptr, w13_ptr, act_ptr, ids_ptr, I, num_local, top_k,
     gate_rows = w13_ptr + expert * stride_we + cols[:, None] * stride_wn
     up_rows = gate_rows + I * stride_wn
     g, u = dot_rows(x_row, gate_rows, up_rows, col_mask, K, True, BLOCK_N, BLOCK_K, gate_rows, up_rows, False)
+    if SCALED:
+        g = g * tl.load(scale_ptr + expert * stride_se + cols, mask=col_mask, other=0.0)
+        u = u * tl.load(scale_ptr + expert * stride_se + I + cols, mask=col_mask, other=0.0)
     act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + pair * stride_am + cols, act.to(act_ptr.dtype.element_ty), mask=col_mask)
 
 
 @triton.jit
-def _down_gemv_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, N, num_local,
-                      stride_am, stride_we, stride_wn, stride_om,
+def _down_gemv_kernel(act_ptr, w2_ptr, scale_ptr, out_ptr, ids_ptr, weights_ptr, N, num_local,
+                      stride_am, stride_we, stride_wn, stride_om, stride_se,
                       K: tl.constexpr, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PDL: tl.constexpr):
+                      SCALED: tl.constexpr, PDL: tl.constexpr):
     """A few tokens: out[token, cols] = Σ over its slots of weight × down(act[pair]), for one block
     of the hidden columns: the down projection and the combine in one pass. The slots' products
     go into one set of BLOCK_K-wide float32 partial sums (each activation scaled by its slot's
     weight first), summed once at the end. No branches: a slot whose expert another rank holds
     masks its rows off (its activation row is zeros), so the unrolled slots' reads can all be in
-    flight at once."""
+    flight at once. SCALED: FP8 rows, each times its row's scale as it is widened."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -390,6 +408,8 @@ def _down_gemv_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, N, num_loc
         weight = tl.where(local, tl.load(weights_ptr + pair).to(tl.float32), 0.0)
         rows = w2_ptr + tl.where(local, expert, 0) * stride_we + cols[:, None] * stride_wn
         row_mask = cols < tl.where(local, N, 0)  # no rows at all for an expert held elsewhere
+        if SCALED:
+            row_scale = tl.load(scale_ptr + tl.where(local, expert, 0) * stride_se + cols, mask=row_mask, other=0.0)
         for k in tl.static_range(0, K, BLOCK_K):
             ks = k + tl.arange(0, BLOCK_K)
             if k + BLOCK_K <= K:
@@ -398,7 +418,10 @@ def _down_gemv_kernel(act_ptr, w2_ptr, out_ptr, ids_ptr, weights_ptr, N, num_loc
             else:
                 a = tl.load(act_ptr + pair * stride_am + ks, mask=ks < K, other=0.0).to(tl.float32) * weight
                 w = tl.load(rows + ks[None, :], mask=row_mask[:, None] & (ks[None, :] < K), other=0.0)
-            acc += w.to(tl.float32) * a[None, :]
+            if SCALED:
+                acc += w.to(tl.float32) * row_scale[:, None] * a[None, :]
+            else:
+                acc += w.to(tl.float32) * a[None, :]
     tl.store(out_ptr + token * stride_om + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -414,7 +437,8 @@ DOWN_GEMV_CONFIG = (2, 512, 1)
 
 
 def _experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     num_tokens, top_k = topk_ids.shape
     num_local, two_i, hidden = w13.shape
     inter = two_i // 2
@@ -422,16 +446,17 @@ def _experts_gemv(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     act = torch.empty(num_tokens * top_k, inter, dtype=x.dtype, device=x.device)
     block_n, block_k, warps = GATE_UP_GEMV_CONFIG
     _gate_up_gemv_kernel[(ids.numel(), triton.cdiv(inter, block_n))](
-        x, w13, act, ids, inter, num_local, top_k, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        K=hidden, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)), num_warps=warps,
-        **pdl.launch(x.device))
+        x, w13, w13_scale if w13_scale is not None else act, act, ids, inter, num_local, top_k,
+        x.stride(0), w13.stride(0), w13.stride(1), act.stride(0), w13_scale.stride(0) if w13_scale is not None else 0,
+        K=hidden, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(hidden)),
+        SCALED=w13_scale is not None, num_warps=warps, **pdl.launch(x.device))
     out = torch.empty(num_tokens, w2.shape[1], dtype=x.dtype, device=x.device)
     block_n, block_k, warps = DOWN_GEMV_CONFIG_ONE_TOKEN if num_tokens == 1 else DOWN_GEMV_CONFIG
     _down_gemv_kernel[(num_tokens, triton.cdiv(w2.shape[1], block_n))](
-        act, w2, out, ids, topk_weights.flatten(), w2.shape[1], num_local,
-        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0),
-        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(inter)), num_warps=warps,
-        **pdl.launch(x.device))
+        act, w2, w2_scale if w2_scale is not None else out, out, ids, topk_weights.flatten(), w2.shape[1], num_local,
+        act.stride(0), w2.stride(0), w2.stride(1), out.stride(0), w2_scale.stride(0) if w2_scale is not None else 0,
+        K=inter, TOP_K=top_k, BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(inter)),
+        SCALED=w2_scale is not None, num_warps=warps, **pdl.launch(x.device))
     return out
 
 
@@ -445,26 +470,28 @@ SILU_IN_GATE_UP_MAX_TOKENS = 768
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor) -> torch.Tensor:
+                  topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                  w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
-    rank's numbering (`w13.shape[0]` for an expert held elsewhere)."""
+    rank's numbering (`w13.shape[0]` for an expert held elsewhere). FP8 experts: `w13` and `w2` in
+    e4m3 with float32 scales per expert and row, widened in the kernels (activations stay in x's dtype)."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens <= GEMV_MAX_TOKENS:
-        return _experts_gemv(x, w13, w2, topk_weights, topk_ids)
+        return _experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_pairs = num_tokens * top_k
     gate_up_cfg, down_cfg = _configs(num_tokens)
     # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
     aligned = align_by_expert(topk_ids, w13.shape[0] + 1, gate_up_cfg["BLOCK_M"])
     if num_tokens <= SILU_IN_GATE_UP_MAX_TOKENS:
         act = torch.empty(num_pairs, w13.shape[1] // 2, dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, act, None, aligned, top_k, num_pairs, gate_up_cfg, silu_and_mul=True)
+        _grouped_gemm(x, w13, act, None, aligned, top_k, num_pairs, gate_up_cfg, silu_and_mul=True, b_scale=w13_scale)
     else:
         gate_up = torch.empty(num_pairs, w13.shape[1], dtype=x.dtype, device=x.device)
-        _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, gate_up_cfg)
+        _grouped_gemm(x, w13, gate_up, None, aligned, top_k, num_pairs, gate_up_cfg, b_scale=w13_scale)
         act = _SILU_AND_MUL(gate_up)
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     # The routing weights as they come (the kernel multiplies in float32).
-    _grouped_gemm(act, w2, down, topk_weights.flatten(), aligned, 1, num_pairs, down_cfg)
+    _grouped_gemm(act, w2, down, topk_weights.flatten(), aligned, 1, num_pairs, down_cfg, b_scale=w2_scale)
     return _combine(down, num_tokens, top_k)
 
 

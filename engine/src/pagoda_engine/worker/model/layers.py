@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.worker.model.fp8_math import fp8_linear
 
 
 def _set_weight_loader(param: nn.Parameter, loader, shard_ids: Sequence = (None,)) -> None:
@@ -136,19 +137,20 @@ def _gemv_norm_kernels(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | 
     return gemv if gemv is not None and gemv.norm_applies(x, residual, norm.weight, weight) else None
 
 
-def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(linear(normalised, weight, bias), residual) after `norm(x, residual)`, or `norm(x)` with
-    x as the residual when there is none yet (the first layer). A batch-1 decode's row on CUDA
-    takes one kernel for both (`gemv_triton.gemv_rmsnorm`)."""
-    gemv = _gemv_norm_kernels(norm, x, residual, weight)
+def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None,
+                    layer: LinearBase) -> tuple[torch.Tensor, torch.Tensor]:
+    """(layer(normalised), residual) after `norm(x, residual)`, or `norm(x)` with x as the
+    residual when there is none yet (the first layer); `layer` adds no collective (a
+    column-parallel projection). A batch-1 decode's row on CUDA takes one kernel for both
+    (`gemv_triton.gemv_rmsnorm`)."""
+    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
     if gemv is not None:
-        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, weight, bias)
+        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
     if residual is None:
         residual, x = x, norm(x)
     else:
         x, residual = norm(x, residual)
-    return linear(x, weight, bias), residual
+    return layer.matmul(x, layer.bias), residual
 
 
 class SiluAndMul(nn.Module):
@@ -410,7 +412,10 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 
 class LinearBase(nn.Module):
-    """y = x W^T (+ b) with an uninitialised weight of shape [out_features, in_features]."""
+    """y = x W^T (+ b) with an uninitialised weight of shape [out_features, in_features].
+
+    An FP8 layer (`fp8.quantize_linear_layers`) holds an e4m3 weight with a float32 scale per
+    output row in `weight_scale` (and, for static activation scales, `input_scale`)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -418,9 +423,17 @@ class LinearBase(nn.Module):
         self.out_features = out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weight_scale: nn.Parameter | None = None
+        self.input_scale: nn.Parameter | None = None
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x W^T (+ bias) on this rank's shard, no collective."""
+        if self.weight_scale is not None:
+            return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        return linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -520,7 +533,7 @@ class RowParallelLinear(LinearBase):
         default_weight_loader(param, loaded.narrow(1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        y = self.matmul(x, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1 and self.reduce_results:
             _group(self).all_reduce(y)
         return y

@@ -25,6 +25,8 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.model_path import gguf_file_of
+from pagoda_engine.worker.model.fp8 import KV_CACHE_SCALE_SUFFIXES, fp8_scheme, quantize_linear_layers, scale_name
+from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, quantize_rows
 from pagoda_engine.worker.model.gguf import gguf_tensors, load_gguf_config
 from pagoda_engine.worker.model.models import resolve_architecture
 from pagoda_engine.worker.model.moe import expert_checkpoint_piece
@@ -110,7 +112,7 @@ def _default_dtype(dtype: torch.dtype):
 def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                load_format: str = "auto", seed: int = 0, tp_size: int = 1, tp_rank: int = 0,
                enable_expert_parallel: bool = False, layers: tuple[int, int] | None = None,
-               data_parallel: tuple[int, int] = (1, 0)) -> nn.Module:
+               data_parallel: tuple[int, int] = (1, 0), quantization: str | None = None) -> nn.Module:
     """Build the model for `hf_config` on `device` in `dtype` and fill its weights.
 
     With `tp_size` > 1 the model is tensor-parallel rank `tp_rank`'s shard: its layers keep their
@@ -129,15 +131,24 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
 
     `layers`: [start, end), one pipeline stage's decoder layers (default: all); the stage builds
     and loads only those (and the embedding on the first stage, final norm and LM head on the last).
+
+    `quantization`: "fp8" serves the dense projections in FP8, quantizing float weights as they
+    load; a checkpoint whose config.json carries an FP8 `quantization_config` is served so with or
+    without it (`fp8.fp8_scheme`, which refuses every other form).
     """
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     architecture, model_cls = resolve_architecture(getattr(hf_config, "architectures", None),
                                                    getattr(hf_config, "model_type", None))
+    scheme = fp8_scheme(quantization, hf_config)
     device = torch.device(device)
     with _default_dtype(dtype), torch.device(device):
         model = model_cls(hf_config, architecture, tp_size, tp_rank, enable_expert_parallel=enable_expert_parallel,
                           layers=layers, data_parallel=data_parallel)
+        if scheme is not None:
+            turned = quantize_linear_layers(model, scheme)
+            logger.info("FP8 (e4m3) weights in %d projections (%s)", turned,
+                        "as the checkpoint holds them" if scheme.serialized else "quantized on load")
     gguf_file = gguf_file_of(model_dir)
     if load_format == "dummy":
         _init_dummy(model, seed, device)
@@ -152,11 +163,19 @@ def load_model(model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype, 
 
 def _init_dummy(model: nn.Module, seed: int, device: torch.device) -> None:
     generator = torch.Generator(device=device).manual_seed(seed)
+    params = dict(model.named_parameters())
     with torch.no_grad():
-        for name, param in model.named_parameters():  # a fixed order, so the seed fixes every value
+        for name, param in params.items():  # a fixed order, so the seed fixes every value
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            else:
+            elif param.dtype == FP8_DTYPE:  # drawn in float32, quantized as a checkpoint's would be
+                values, scale = quantize_rows(torch.empty(param.shape, device=device).normal_(
+                    0.0, 0.02, generator=generator))
+                param.copy_(values)
+                params[scale_name(name)].copy_(scale)
+            elif name.endswith(".input_scale"):
+                param.fill_(1.0)
+            elif not name.endswith("_scale"):  # FP8 weights' scales: set with them
                 param.normal_(0.0, 0.02, generator=generator)
 
 
@@ -238,6 +257,8 @@ def _load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, str, Callabl
     for file_name, name, read in tensors:
         if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
             continue
+        if name.endswith(KV_CACHE_SCALE_SUFFIXES):
+            continue  # an FP8 KV cache's scales: the pages are in the model's dtype
         ours = model.checkpoint_weight_name(name)
         if ours is None:
             continue  # another pipeline stage's weight
@@ -247,11 +268,17 @@ def _load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, str, Callabl
             unexpected.append(name)
             continue
         try:
+            tensor = read()
+            if tensor.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
+                raise ModelLoadError("an FP8 tensor where the model holds no FP8 weight (not covered by the "
+                                     "checkpoint's quantization_config)")
             with torch.no_grad():
-                param.weight_loader(param, read(), shard_id)
+                param.weight_loader(param, tensor, shard_id)
         except ModelLoadError as e:
             raise ModelLoadError(f"{file_name}: {name}: {e}") from e
         loaded.add((param_name, shard_id))
+    # An FP8 layer's scales made while quantizing its float weights.
+    loaded |= {(name, shard) for name, p in params.items() for shard in getattr(p, "filled_shards", ())}
     if unexpected:
         shown = ", ".join(sorted(unexpected)[:10]) + (" ..." if len(unexpected) > 10 else "")
         raise ModelLoadError(f"checkpoint in {source} has {len(unexpected)} weights the model does not use: {shown}")

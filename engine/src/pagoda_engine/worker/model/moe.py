@@ -67,17 +67,20 @@ _PROJECTIONS = {
     "w3": ("w13", 1), "up_proj": ("w13", 1),
     "w2": ("w2", None), "down_proj": ("w2", None),
 }
-_EXPERT_NAME = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.weight$")
+_EXPERT_NAME = re.compile(
+    r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>[a-z0-9_]+)\.(?P<kind>weight|weight_scale)$")
 
 
 def expert_checkpoint_piece(name: str) -> tuple[str, tuple[int, int | None]] | None:
     """For a per-expert checkpoint tensor name, the stacked parameter it fills and its piece
-    `(expert, half)`; None for any other name."""
+    `(expert, half)`; None for any other name. An FP8 checkpoint's `weight_scale` fills the
+    stacked scales (`w13_scale`, `w2_scale`)."""
     match = _EXPERT_NAME.match(name)
     if match is None or match["proj"] not in _PROJECTIONS:
         return None
     stacked, half = _PROJECTIONS[match["proj"]]
-    return f"{match['prefix']}.{stacked}", (int(match["expert"]), half)
+    suffix = "_scale" if match["kind"] == "weight_scale" else ""
+    return f"{match['prefix']}.{stacked}{suffix}", (int(match["expert"]), half)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,17 +103,27 @@ def select_experts_reference(router_logits: torch.Tensor, top_k: int, renormaliz
     return weights.to(router_logits.dtype), ids
 
 
+def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, dtype: torch.dtype) -> torch.Tensor:
+    """One expert's weight in `dtype`: an FP8 one times its row scales."""
+    if scale is None:
+        return w[expert]
+    return (w[expert].float() * scale[expert].unsqueeze(-1)).to(dtype)
+
+
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                            topk_ids: torch.Tensor) -> torch.Tensor:
+                            topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                            w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum over each token's chosen experts of weight × down(silu(gate(x)) × up(x)); a loop over the
-    experts that were hit."""
+    experts that were hit. FP8 experts (`fp8.quantize_linear_layers`) come with float32 scales per
+    expert and row, [E, 2I] and [E, H]: their weights are widened and scaled, the activations stay
+    in x's dtype."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     hit = torch.bincount(topk_ids.flatten(), minlength=num_experts + 1)[:num_experts].nonzero().flatten().tolist()
     for expert in hit:
         token_idx, slot = torch.where(topk_ids == expert)
-        gate, up = F.linear(x[token_idx], w13[expert]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w2[expert]) * topk_weights[token_idx, slot, None]
+        gate, up = F.linear(x[token_idx], _expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype)) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 
@@ -136,7 +149,7 @@ def expert_ranks(tp_size: int, tp_rank: int, data_parallel: tuple[int, int] = (1
     return tp_size * dp_size, dp_rank * tp_size + tp_rank
 
 
-class _StackedExperts(nn.Module):
+class StackedExperts(nn.Module):
     """This rank's experts, stacked: `w13` [E_local, 2 × I_shard, H] and `w2` [E_local, H, I_shard].
     Tensor parallelism shards I (every expert local); expert parallelism keeps I whole and holds
     experts [first, first + E_local), E_local = E / EP size."""
@@ -155,6 +168,9 @@ class _StackedExperts(nn.Module):
         self.shard = _divide(intermediate_size, self.shards, "moe intermediate size")
         self.w13 = nn.Parameter(torch.empty(self.num_local, 2 * self.shard, hidden_size))
         self.w2 = nn.Parameter(torch.empty(self.num_local, hidden_size, self.shard))
+        # FP8 experts' float32 scales per expert and row (`fp8.quantize_linear_layers`).
+        self.w13_scale: nn.Parameter | None = None
+        self.w2_scale: nn.Parameter | None = None
         experts = range(self.first, self.first + self.num_local)
         _set_weight_loader(self.w13, self._load_w13, [(e, half) for e in experts for half in (0, 1)])
         _set_weight_loader(self.w2, self._load_w2, [(e, None) for e in experts])
@@ -199,7 +215,7 @@ class FusedMoE(nn.Module):
         self.dp_dispatch: DataParallelDispatch | None = None  # experts across cores: `attach_dp_dispatch`
         self.gate = LinearBase(hidden_size, num_experts)
         _set_weight_loader(self.gate.weight, default_weight_loader)
-        self.experts = _StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel,
+        self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel,
                                        data_parallel)
         self.across_cores = expert_parallel and data_parallel[0] > 1
         self.shared_expert = self.shared_expert_gate = None
@@ -249,7 +265,8 @@ class FusedMoE(nn.Module):
             ids = self.experts.local_ids(ids)
         if padding is not None:
             ids = ids.masked_fill(padding[:, None], self.experts.num_local)
-        return _experts_kernel(x)(x, self.experts.w13, self.experts.w2, weights, ids)
+        experts = self.experts
+        return _experts_kernel(x)(x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale)
 
 
 class DataParallelDispatch:

@@ -85,10 +85,12 @@ _DEFER_STEP_SHARE = 0.5
 _REMOTE_INFO_EVERY_S = 10.0
 
 
-def kv_fingerprint(model_dir: str, load_format: str, seed: int, dtype: str, page_size: int, layout: str) -> bytes:
+def kv_fingerprint(model_dir: str, load_format: str, seed: int, dtype: str, page_size: int, layout: str,
+                   quantization: str | None = None) -> bytes:
     """What makes two engines' KV bytes interchangeable, before each rank's own coordinates:
     the model's config.json and weight files (names and sizes; dummy weights: their seed), the
-    dtype, the page size and the KV layout."""
+    dtype, the weights' quantization on load (`--quantization fp8` computes other K and V from the
+    same files), the page size and the KV layout."""
     h = hashlib.blake2b(b"pagoda-kv-v1", digest_size=16)
     root = Path(model_dir)
     config = root / "config.json"
@@ -99,6 +101,8 @@ def kv_fingerprint(model_dir: str, load_format: str, seed: int, dtype: str, page
         for path in sorted(root.glob("*.safetensors")):
             h.update(f"{path.name}:{path.stat().st_size}".encode())
     h.update(f"{dtype} page {page_size} {layout}".encode())
+    if quantization is not None:
+        h.update(f"weights quantized to {quantization}".encode())
     return h.digest()
 
 

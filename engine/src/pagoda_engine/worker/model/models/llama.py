@@ -143,7 +143,7 @@ class DecoderAttention(nn.Module):
         K/V (one kernel on the GPU)."""
         t = x.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        projected, residual = norm_and_linear(norm, x, residual, self.qkv_proj.weight, self.qkv_proj.bias)
+        projected, residual = norm_and_linear(norm, x, residual, self.qkv_proj)
         q, k, v = projected.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
