@@ -179,7 +179,7 @@ def test_norm_folded_into_the_projection(shape, first_layer):
 def test_layers_fold_the_norm_for_one_row_only():
     """A dense layer's qkv and MLP halves, and an MoE block, give the unfused path's outputs at one
     row (to bf16 rounding of the normalised row); two rows take the unfused path exactly."""
-    from pagoda_engine.worker.model.layers import GatedMLP, RMSNorm, norm_and_linear
+    from pagoda_engine.worker.model.layers import ColumnParallelLinear, GatedMLP, RMSNorm, norm_and_linear
     from pagoda_engine.worker.model.moe import FusedMoE
 
     torch.manual_seed(0)
@@ -190,6 +190,8 @@ def test_layers_fold_the_norm_for_one_row_only():
     for p in [*mlp.parameters(), *moe.parameters()]:
         torch.nn.init.normal_(p, std=512 ** -0.5)
     w = (torch.randn(768, 512, device=CUDA) * 512 ** -0.5).bfloat16()
+    qkv = ColumnParallelLinear(512, 768).to(device=CUDA, dtype=torch.bfloat16)
+    qkv.weight.data.copy_(w)
     x = torch.randn(2, 512, device=CUDA).bfloat16()
     residual = torch.randn(2, 512, device=CUDA).bfloat16()
 
@@ -199,7 +201,7 @@ def test_layers_fold_the_norm_for_one_row_only():
 
     for one in (False, True):
         xs, rs = (x[:1], residual[:1]) if one else (x, residual)
-        got_y, got_r = norm_and_linear(norm, xs.clone(), rs.clone(), w)
+        got_y, got_r = norm_and_linear(norm, xs.clone(), rs.clone(), qkv)
         want_y, want_r = unfused(lambda t: t @ w.T, xs, rs)
         for (got, got_res), (want, want_res) in [((got_y, got_r), (want_y, want_r)),
                                                  (mlp.normed(norm, xs.clone(), rs.clone()), unfused(mlp, xs, rs)),
