@@ -185,6 +185,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
+                if num_new > known:
+                    num_new = known  # drafts are optional: dropped before anything is preempted for them
+                    continue
                 if self.kv.release_loaded_pages():
                     continue  # pages held for loaded waiting requests go before any running request
                 victim = self._pick_victim(i)
