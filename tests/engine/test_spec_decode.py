@@ -240,3 +240,17 @@ def test_refused_drafts_leave_no_pages_behind(model_dir):
             assert len(core.kv.req_pages[req.request_id]) == -(-req.num_computed_tokens // 2), req.request_id
     assert refused > 0
     _assert_pool_free(llm)
+
+
+def test_tensor_parallel_greedy_tokens_equal_hf(model_dir, hf_tokens):
+    """TP=2 over gloo (two processes): the verification step is a step like any other, its logits
+    gathered on rank 0, which samples."""
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=128, tensor_parallel_size=2, max_num_batched_tokens=16,
+              speculative_config=NGRAM)
+    try:
+        outs = llm.generate(PROMPTS, _greedy())
+        assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+        assert _stats(llm).num_accepted_tokens > 0
+        _assert_pool_free(llm)
+    finally:
+        llm.close()
