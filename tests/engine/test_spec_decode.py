@@ -254,3 +254,38 @@ def test_tensor_parallel_greedy_tokens_equal_hf(model_dir, hf_tokens):
         _assert_pool_free(llm)
     finally:
         llm.close()
+
+
+def test_requests_with_a_grammar_or_a_token_in_flight_get_no_draft():
+    from pagoda_engine.core.request import Request
+    from pagoda_engine.speculative import parse_speculative_config
+
+    spec = SpecDecoder(parse_speculative_config(NGRAM))
+
+    def decoding(rid, **fields):
+        req = Request(rid, [1, 2, 3, 1, 2], SamplingParams(max_tokens=10), **fields)
+        req.output_token_ids, req.num_computed_tokens = [3], 5
+        return req
+
+    plain, constrained, in_flight = decoding("a"), decoding("b", grammar=object()), decoding("c")
+    in_flight.num_output_placeholders = 1
+    spec.propose([plain, constrained, in_flight], max_model_len=64)
+    assert plain.spec_token_ids == [1, 2, 3] and constrained.spec_token_ids == in_flight.spec_token_ids == []
+    near_end = decoding("d")
+    near_end.sampling_params = SamplingParams(max_tokens=3)  # 1 written: 2 more, so one draft at most
+    spec.propose([near_end], max_model_len=64)
+    assert near_end.spec_token_ids == [1]
+
+
+def test_the_log_line_is_vllms(caplog):
+    from pagoda_engine.speculative import parse_speculative_config
+
+    spec = SpecDecoder(parse_speculative_config(NGRAM))
+    spec.observe(3, 2)
+    spec.observe(3, 0)
+    with caplog.at_level("INFO", logger="pagoda_engine.core.spec_decode"):
+        spec.log()
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("SpecDecoding metrics: Mean acceptance length: 2.00, ")
+    assert "Accepted: 2 tokens, Drafted: 6 tokens, Per-position acceptance rate: 0.500, 0.500, 0.000" in line
+    assert line.endswith("Avg Draft acceptance rate: 33.3%")
