@@ -188,7 +188,7 @@ def _chi2_critical(dof: int, z: float = 3.09) -> float:
 
 def test_sampled_output_keeps_the_targets_distribution(model_dir):
     """2,000 unseeded samples of 3 tokens at temperature 1 over each position's top 3 tokens (27
-    sequences), with drafts that are the greedy continuation (often kept, often refused): the
+    sequences), with drafts that replay the greedy continuation (kept for about one in eight): the
     frequency of each sequence against its probability under the model (transformers'), by
     chi-square at p = 0.001."""
     prompt = PROMPTS[2]
@@ -201,7 +201,7 @@ def test_sampled_output_keeps_the_targets_distribution(model_dir):
     outs = llm.generate([prompt] * n, params)
     _assert_pool_free(llm)
     s = _stats(llm)
-    assert s.num_accepted_tokens > 0.2 * n and s.num_draft_tokens - s.num_accepted_tokens > 0.2 * n
+    assert s.num_accepted_tokens > 0.1 * n and s.num_draft_tokens - s.num_accepted_tokens > 0.1 * n
     counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
 
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

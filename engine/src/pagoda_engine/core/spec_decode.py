@@ -96,6 +96,7 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._logged = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._logged_at = time.monotonic()
+        self._drafted = False  # some running request may hold a draft from the last schedule
 
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests speculates."""
@@ -105,9 +106,12 @@ class SpecDecoder:
     def propose(self, running: list[Request], max_model_len: int) -> None:
         """Set each running request's draft for the step being scheduled ([] where it does not speculate)."""
         if not self.active(len(running)):
-            for r in running:
-                r.spec_token_ids = []
+            if self._drafted:  # the drafts of the last step that speculated are spent
+                for r in running:
+                    r.spec_token_ids = []
+                self._drafted = False
             return
+        self._drafted = True
         eligible, budgets = [], []
         for r in running:
             r.spec_token_ids = []
