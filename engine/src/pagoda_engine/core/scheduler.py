@@ -301,36 +301,35 @@ class Scheduler:
         now = time.time()
         for sched in out.scheduled:
             req = sched.request
-            draft = sched.draft_token_ids
-            tokens = [sampled[req.request_id]] if not draft and sched.completes_sequence else []
-            if draft and not (advanced and req.is_finished):
-                tokens = verified[req.request_id]
-                num_kept = accept(draft, tokens)
-                tokens = tokens[:num_kept + 1]
-                self.spec.observe(len(draft), num_kept)
-            rejected = len(draft) + 1 - len(tokens) if draft else 0
             if advanced:
                 req.num_steps_in_flight -= 1
                 if req.is_finished:
                     continue  # aborted, or finished by the step before: this token is surplus
-                req.num_computed_tokens -= rejected
-            else:
-                req.num_computed_tokens += sched.num_new_tokens - rejected
+            draft = sched.draft_token_ids
+            rejected = 0
+            if draft:
+                tokens = verified[req.request_id]
+                num_kept = accept(draft, tokens)
+                tokens, rejected = tokens[:num_kept + 1], len(draft) - num_kept
+                self.spec.observe(len(draft), num_kept)
+            # `advance` counted every scheduled token (refused drafts included) as computed.
+            req.num_computed_tokens += (0 if advanced else sched.num_new_tokens) - rejected
             if not sched.completes_sequence:
                 continue  # a prompt chunk: nothing sampled yet
             if advanced:
                 req.num_output_placeholders -= 1
-            num_kept = 0
-            status = None
-            for token in tokens:
+            if not draft:
+                tokens = [sampled[req.request_id]]
+            num_appended, status = 0, None
+            for token in tokens:  # a stop ends the request at that token: the rest are dropped
                 req.output_token_ids.append(token)
-                num_kept += 1
+                num_appended += 1
                 if req.num_output_tokens == 1:
                     req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
                 status = self._check_stop(req, token)
                 if status is not None:
                     break
-            updated.append((req, num_kept))
+            updated.append((req, num_appended))
             if status is not None:
                 self._finish(req, status)
             elif rejected:
