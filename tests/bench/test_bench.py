@@ -124,6 +124,22 @@ def test_latency_run_reports_time_per_token(tiny_model, tmp_path):
     assert result["ms_per_output_token"] == pytest.approx(result["median_e2e_s"] / 6 * 1e3, rel=0.01, abs=0.05 / 6 + 1e-3)
 
 
+def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",
+                 "--output-len", "24", "--num-iters", "1", "--spec-replay-acceptance", "0,1", "--spec-replay-k", "2",
+                 "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["baseline"]["ms_per_output_token"] > 0
+    none, all_kept = result["runs"]
+    assert (none["k"], none["acceptance"], none["draft_acceptance_rate"], none["mean_acceptance_length"]) == (2, 0.0, 0, 1)
+    # Every replayed draft is the token the model writes: all kept, up to 3 tokens a step.
+    assert all_kept["draft_acceptance_rate"] == 1.0 and all_kept["mean_acceptance_length"] > 2.5
+    assert "k=2 acceptance 100%" in capsys.readouterr().out
+    assert main(["bench", "latency", "--model", tiny_model, "--spec-replay-acceptance", "0,2"]) == 2
+    assert "shares in [0, 1]" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("bench", ["throughput", "latency"])
 def test_timed_runs_leave_the_start_up_heap_to_the_collector_only_after(tiny_model, monkeypatch, bench):
     """The timed runs go with the heap frozen (as a core process's), and the process gets it back."""

@@ -4,6 +4,7 @@ nothing a user writes makes validation raise."""
 from __future__ import annotations
 
 import itertools
+import json
 
 import pytest
 from hypothesis import given, settings
@@ -434,3 +435,27 @@ def test_extra_args_api_server_count_on_one_node_is_checked_but_may_be_above_one
     assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count=4"])) == []
     assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count", "x"])) == [
         "engine.extraArgs: argument --api-server-count/-asc: invalid int value: 'x'"]
+
+
+def test_speculative_decoding_renders_the_engines_flag_and_is_checked_as_the_engine_checks_it():
+    from pagoda_operator.render import engine_args
+    from pagoda_operator.spec import parse_spec
+
+    speculative = {"method": "ngram", "numSpeculativeTokens": 4, "promptLookupMax": 3, "disableByBatchSize": 8}
+    body = with_spec(load_example(LLAMA_8B), engine__speculative=speculative)
+    assert problems_of(body) == []
+    args = engine_args("llama", parse_spec(body["spec"]))
+    assert json.loads(args[args.index("--speculative-config") + 1]) == {
+        "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8}
+    assert problems_of(with_spec(body, engine__speculative__promptLookupMin=5)) == [
+        "engine.speculative: speculative config: prompt_lookup_min (5) must be <= prompt_lookup_max (3)"]
+    assert problems_of(with_spec(body, topology={"pipeline": 2}, resources__gpusPerPod=2)) == [
+        "engine.speculative: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline 2)"]
+    both = with_spec(body, engine__extraArgs=["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'])
+    assert problems_of(both) == ["engine: speculative and extraArgs --speculative-config both set speculative decoding; "
+                                 "keep one"]
+    eagle = with_spec(load_example(LLAMA_8B), engine__extraArgs=[
+        "--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'])
+    assert problems_of(eagle) == [
+        "engine.extraArgs --speculative-config: speculative config: method 'eagle3' (EAGLE-3 heads) is not implemented "
+        "in this engine yet; implemented: ngram"]

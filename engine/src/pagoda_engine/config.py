@@ -26,6 +26,7 @@ from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.generation_config import check_generation_config_option, parse_override
 from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
+from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from pagoda_engine.executor_types import DeviceFacts
@@ -395,6 +396,13 @@ class EngineConfig:
         help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
              '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '
              'every rank writes its trace and a summary there (default: off, no such routes)')
+    # Speculative decoding (vLLM's --speculative-config; `speculative.py`, `core/spec_decode.py`).
+    speculative_config: SpeculativeConfig = option(
+        default_factory=SpeculativeConfig, type=str, cli_default=None, metavar="JSON",
+        help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup; optional "disable_by_batch_size": '
+             'no speculation in steps with more running requests); greedy output is unchanged, sampled output '
+             'keeps its distribution (default: off)')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -403,6 +411,7 @@ class EngineConfig:
         cfg = cls()
         sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.parallel, cfg.server]
         cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
+        cfg.speculative_config = parse_speculative_config(kwargs.pop("speculative_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -431,6 +440,7 @@ class EngineConfig:
         self._validate_nodes()
         self._validate_pacing()
         self._validate_kv_offload()
+        self._validate_speculative()
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
@@ -446,6 +456,16 @@ class EngineConfig:
         if self.parallel.expert_parallel_across_cores:
             raise ValueError("--step-launch-pacing does not apply when experts span data-parallel engine cores: "
                              "they step in lockstep")
+
+    def _validate_speculative(self) -> None:
+        """Speculative decoding where a step's drafts cannot be verified before the request's next step."""
+        if not self.speculative_config.enabled:
+            return
+        if self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config is not supported under pipeline parallelism yet: its batch queue "
+                             "schedules a request's next batch before its drafts are verified")
+        if self.parallel.expert_parallel_across_cores:
+            raise ValueError("--speculative-config is not supported with experts across data-parallel engine cores yet")
 
     def _validate_kv_offload(self) -> None:
         cc = self.cache
@@ -624,7 +644,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
-    known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig) for f in fields(section)} | {"profiler_config"}
+    known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig)
+             for f in fields(section)} | {"profiler_config", "speculative_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

@@ -211,6 +211,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # The tiers' host<->device copies, timed on the device (counters over every rank): load bytes,
     # load seconds, store bytes, store seconds. Empty without tiers or CUDA.
     kv_offload_copy: list[float] = []
+    # Speculative decoding's counters (empty when it is off): drafts, drafted tokens, accepted
+    # tokens, then the accepted drafts at each position 0..k-1.
+    spec_decode: list[int] = []
 
 
 class EngineCoreOutputs(_Message):

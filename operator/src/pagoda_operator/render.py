@@ -315,6 +315,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
         args += ["--seed", str(e.seed)]
     if e.api_server_count > 1 and not headless:  # --headless runs no API server and refuses a count above 1
         args += ["--api-server-count", str(e.api_server_count)]
+    if e.speculative is not None:
+        args += ["--speculative-config", json.dumps(e.speculative.config(), sort_keys=True)]
     if sizing.gpus_per_pod(spec) == 0:
         args += ["--device", "cpu"]
     for tier in spec.kv_cache.tiers:

@@ -101,6 +101,26 @@ class CompileCache:
 
 
 @dataclass
+class Speculative:
+    """Speculative decoding (the engine's `--speculative-config`, vLLM's keys): greedy output is
+    unchanged, sampled output keeps its distribution. Method ngram (prompt lookup) drafts from
+    each request's own earlier tokens: no draft model, so no memory to add."""
+
+    method: Literal["ngram"] = prop(doc="ngram: prompt lookup (draft models and EAGLE heads are not built in the engine yet).")
+    num_speculative_tokens: int = prop(doc="Tokens drafted per step for each speculating request (k).", minimum=1, maximum=16)
+    prompt_lookup_max: int | None = prop(None, doc="Longest n-gram looked up (engine default: prompt_lookup_min, else 5).", minimum=1)
+    prompt_lookup_min: int | None = prop(None, doc="Shortest n-gram looked up (engine default: prompt_lookup_max, else 5).", minimum=1)
+    disable_by_batch_size: int | None = prop(None, doc="No speculation in steps with more running requests than this.", minimum=2)
+
+    def config(self) -> dict:
+        """The engine's --speculative-config object."""
+        return {k: v for k, v in (("method", self.method), ("num_speculative_tokens", self.num_speculative_tokens),
+                                  ("prompt_lookup_max", self.prompt_lookup_max),
+                                  ("prompt_lookup_min", self.prompt_lookup_min),
+                                  ("disable_by_batch_size", self.disable_by_batch_size)) if v is not None}
+
+
+@dataclass
 class Engine:
     """The engine pods (`pagoda serve`)."""
 
@@ -121,6 +141,7 @@ class Engine:
     startup_timeout_seconds: int | None = prop(None, doc="Time a pod may take to load the model before it is restarted; default sized from the model (30 min or more for 70B).", minimum=60)
     termination_grace_period_seconds: int = prop(60, doc="Time to drain in-flight requests on shutdown.", minimum=10)
     compile_cache: CompileCache | None = prop(None, doc="GPU engines: where the kernels compiled at start-up are kept (default an emptyDir per pod).")
+    speculative: Speculative | None = prop(None, doc="Speculative decoding (`--speculative-config`).")
 
 
 @dataclass

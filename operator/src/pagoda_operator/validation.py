@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_engine.kv_tiers import remote_url_problems
+from pagoda_engine.speculative import InvalidSpeculativeConfigError, parse_speculative_config
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
@@ -94,7 +95,31 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_api_servers(spec),
         *_check_compile_cache(spec),
         *_check_engine_key(spec),
+        *_check_speculative(spec),
     ]
+
+
+def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
+    """The engine's own check of a speculative config (`pagoda_engine.speculative`), for
+    engine.speculative and a --speculative-config in extraArgs alike, and what it refuses with
+    the topology."""
+    in_extra_args = engine_capabilities.extra_arg_value(spec.engine.extra_args, "--speculative-config")
+    if spec.engine.speculative is not None and in_extra_args is not None:
+        return ["engine: speculative and extraArgs --speculative-config both set speculative decoding; keep one"]
+    given, where = ((spec.engine.speculative.config(), "engine.speculative") if spec.engine.speculative is not None
+                    else (in_extra_args, "engine.extraArgs --speculative-config"))
+    if given is None:
+        return []
+    try:
+        parse_speculative_config(given)
+    except InvalidSpeculativeConfigError as e:
+        return [f"{where}: {e}"]
+    if spec.topology.pipeline > 1:
+        return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
+                f"{spec.topology.pipeline})"]
+    if spec.topology.expert and spec.topology.data > 1:
+        return [f"{where}: speculative decoding is not supported with experts across data-parallel engine cores yet"]
+    return []
 
 
 def _check_engine_key(spec: InferenceServiceSpec) -> list[str]:

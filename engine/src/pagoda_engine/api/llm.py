@@ -9,6 +9,7 @@ are whole (cumulative) outputs, built once when each request finishes (`RequestO
 
 Profiling, as vLLM's: `LLM(..., profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})`,
 then `llm.start_profile()`, some `generate` calls, `llm.stop_profile()` (the files written).
+Speculative decoding, as vLLM's: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`.
 """
 
 from __future__ import annotations

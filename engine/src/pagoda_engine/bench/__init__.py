@@ -81,6 +81,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_common(lat)
     lat.add_argument("--workload", default="L1", choices=["L1"])
     lat.add_argument("--num-iters", type=int, default=3, help="timed repetitions (after one warm-up)")
+    lat.add_argument("--spec-replay-acceptance", default=None, metavar="SHARES",
+                     help="benchmark speculative decoding's verification: replay the target's own greedy "
+                          "continuation as drafts, each drafted token corrupted with probability 1 - share "
+                          "(comma-separated shares in [0, 1], e.g. 0,0.5,0.8,1); greedy runs, against a greedy "
+                          "run without speculation (a benchmark tool: no other command has it)")
+    lat.add_argument("--spec-replay-k", default="2,4", metavar="KS",
+                     help="with --spec-replay-acceptance: drafted tokens per step, comma-separated (default 2,4)")
     srv = sub.add_parser("serve", help="S1: the OpenAI server under a Poisson load (TTFT, ITL, throughput)")
     _add_engine_and_sizes(srv, offline=False)
     add_serve_arguments(srv)
@@ -103,7 +110,16 @@ def run(args: argparse.Namespace) -> int:
             return 2
     _resolve_model(args)
     try:  # invalid engine flags (EngineConfig.validate), refused before any engine starts
-        config_from_args(args)
+        config = config_from_args(args)
+        if getattr(args, "spec_replay_acceptance", None) is not None:
+            from pagoda_engine.bench.spec_replay import parse_ks, parse_shares
+
+            parse_shares(args.spec_replay_acceptance)
+            parse_ks(args.spec_replay_k)
+            if config.speculative_config.enabled:
+                raise ValueError("--spec-replay-acceptance drafts with its own proposer: leave out --speculative-config")
+            if args.data_parallel_size > 1:
+                raise ValueError("--spec-replay-acceptance runs one engine core: leave out --data-parallel-size")
     except (ValueError, TypeError) as e:
         print(f"pagoda bench: {e}", file=sys.stderr)
         return 2

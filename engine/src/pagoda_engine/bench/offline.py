@@ -312,6 +312,13 @@ def run_latency(args) -> dict:
 
         return run_data_parallel(args, "latency")
     core, wl, info, env, roof = _prepare(args, "latency")
+    if args.spec_replay_acceptance is not None:
+        from pagoda_engine.bench.spec_replay import parse_ks, parse_shares, run_spec_replay
+
+        replay = run_spec_replay(core, wl, _drive, args.num_iters, parse_shares(args.spec_replay_acceptance),
+                                 parse_ks(args.spec_replay_k))
+        return {"bench": "latency-spec-replay", "workload": wl.name, "standard_workload": is_standard_workload(args),
+                "env": env, **info, **replay, "roofline": roof}
     _drive(core, wl, "warmup-run")
     runs = []
     with _heap_frozen():

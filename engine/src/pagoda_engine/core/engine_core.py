@@ -33,6 +33,7 @@ from pagoda_engine.core.kv.offload.setup import start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
+from pagoda_engine.core.spec_decode import SpecDecoder
 from pagoda_engine.core.step_runner import RunnerOutput, StepRunner
 from pagoda_engine.core.warm_up import warm_up_steps
 from pagoda_engine.errors import InvalidRequestError, ModelLoadError
@@ -121,7 +122,8 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
         if config.kv_offload_enabled:
             self.kv.offload = start_offload(config, executor, self.kv.pool, self.model_dir)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len)
+        spec = SpecDecoder(config.speculative_config) if config.speculative_config.enabled else None
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
         self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
@@ -162,6 +164,9 @@ class EngineCore:
         in_flight = getattr(self, "in_flight", None)
         if in_flight is not None:
             in_flight.log_totals()
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None and scheduler.spec is not None:
+            scheduler.spec.log()
         self.executor.close()
 
     def _grammar_tokenizer(self):
@@ -336,14 +341,19 @@ class EngineCore:
             if chunk is not None and not s.request.is_finished:  # not aborted while in flight
                 self._prompt_logprobs.setdefault(s.request.request_id, []).extend(chunk)
         outputs = []
-        for req in self.scheduler.update_from_output(sched, result.sampled, advanced):
+        for req, num_new in self.scheduler.update_from_output(sched, result.sampled, advanced, result.verified):
             prompt_lps = None
-            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == 1:
+            if req.sampling_params.prompt_logprobs is not None and req.num_output_tokens == num_new:
                 prompt_lps = [None] + self._prompt_logprobs.pop(req.request_id, [])
-            lp = result.logprobs.get(req.request_id)
+            lps = result.verified_logprobs.get(req.request_id)
+            if lps is None:
+                lp = result.logprobs.get(req.request_id)
+                lps = [lp] if lp is not None else None
+            else:
+                lps = lps[:num_new] if lps[0] is not None else None
             outputs.append(EngineCoreOutput(
-                request_id=req.request_id, new_token_ids=token_id_array((req.output_token_ids[-1],)),
-                new_logprobs=[lp] if lp is not None else None, prompt_logprobs=prompt_lps,
+                request_id=req.request_id, new_token_ids=token_id_array(req.output_token_ids[-num_new:]),
+                new_logprobs=lps, prompt_logprobs=prompt_lps,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
                 events=req.take_events()))
@@ -363,10 +373,13 @@ class EngineCore:
 
     def get_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
         """The scheduler's state now; `num_scheduled_tokens`: what the step sending it scheduled."""
+        spec = self.scheduler.spec.stats if self.scheduler.spec is not None else None
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
             kv_cache_usage=self.kv.usage(), prefix_cache_queries=self.kv.prefix_queries,
             prefix_cache_hits=self.kv.prefix_hits, num_preemptions=self.scheduler.num_preemptions,
             num_kv_pages=self.num_kv_pages, block_size=self.kv.page_size, num_scheduled_tokens=num_scheduled_tokens,
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
-            kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [])
+            kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [],
+            spec_decode=[spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
+                         *spec.accepted_per_pos] if spec is not None else [])

@@ -17,7 +17,10 @@ has room (and returns nothing yet), and otherwise resolves the oldest. A request
 batch before it is scheduled again.
 
 A step after one that sampled for a request with penalties or a grammar waits for that step's
-tokens first (`_must_resolve_first`): such steps run synchronously.
+tokens first (`_must_resolve_first`): such steps run synchronously. So do the steps of speculative
+decoding: the drafts of a request need its last token, and a step that verified drafts must be
+resolved before the request's next step is planned (how many drafts it kept decides where that
+step starts). With `disable_by_batch_size`, steps above it stay asynchronous.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ class StepsInFlight:
         core = self.core
         prev, self.step = self.step, None
         outputs: list[EngineCoreOutput] = []
-        if prev is not None and _must_resolve_first(prev):
+        spec = core.scheduler.spec
+        if prev is not None and (_must_resolve_first(prev) or prev.verifying
+                                 or (spec is not None and spec.active(len(core.scheduler.running)))):
             outputs = core.apply(prev.sched, prev.resolve(), advanced=True)
             prev = None
         started = time.monotonic()

@@ -66,6 +66,8 @@ class Request:
     events: list[EngineCoreEvent] = field(default_factory=list)
     # Structured outputs: the grammar its tokens must follow (it waits, unscheduled, until compiled).
     grammar: RequestGrammar | None = None
+    # Speculative decoding: tokens drafted after its last one, verified by the step being scheduled.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))

@@ -34,6 +34,13 @@ advanced when launched; `schedule(skip_in_flight=True)` leaves out a request who
 in flight (it waits for its batch), so the next batch holds other requests' decodes and the next
 chunks of prompts, whose earlier chunks every stage runs first.
 
+Speculative decoding (`core.spec_decode`): before the running requests are planned, the proposer
+drafts up to k tokens for each decode that speculates (`Request.spec_token_ids`); such a request
+asks for 1 + k tokens, inside the same budget (a budget too small keeps fewer drafts). At the
+update it keeps the drafts up to the first the step's sampled tokens refuse, plus one sampled
+token; its computed tokens step back over the refused drafts and the pages only they took are
+freed (`KVCacheManager.trim`).
+
 A request with a grammar still compiling (structured outputs) stays in the waiting queue, passed
 over, until it is compiled.
 
@@ -51,6 +58,7 @@ from dataclasses import dataclass, field
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.request import Request, RequestStatus
 from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.spec_decode import SpecDecoder, accept
 from pagoda_engine.messages import EngineCoreEventType
 
 
@@ -66,14 +74,16 @@ _FIRST_OUTPUT_LEN_GUESS = 1024
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int
+    num_new_tokens: int  # drafted tokens included
+    # Speculative decoding: the drafted tokens this step verifies, after the request's known ones.
+    draft_token_ids: list[int] = field(default_factory=list)
     # After this step every known token is computed, so the step samples a new one. Fixed when
     # scheduled: under async scheduling the request moves on before the step's update.
     completes_sequence: bool = field(init=False)
 
     def __post_init__(self) -> None:
         req = self.request
-        self.completes_sequence = (req.num_computed_tokens + self.num_new_tokens
+        self.completes_sequence = (req.num_computed_tokens + self.num_new_tokens - len(self.draft_token_ids)
                                    == req.num_tokens + req.num_output_placeholders)
 
 
@@ -92,8 +102,10 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
+                 spec: SpecDecoder | None = None):
         self.config = config
+        self.spec = spec  # speculative decoding's proposer and counters; None: off
         self.kv = kv
         self.max_model_len = max_model_len
         self.waiting: list[Request] = []
@@ -158,6 +170,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunk_cap = self.config.long_prefill_token_threshold or budget  # one prompt's tokens in this step
         self.kv.poll_offload()
+        if self.spec is not None:
+            self.spec.propose(self.running, self.max_model_len)
 
         # 1. Running requests: decodes and unfinished prompt chunks. Never starved by new arrivals.
         i = 0
@@ -165,12 +179,15 @@ class Scheduler:
             req = self.running[i]
             limit = self.kv.compute_limit(req)  # a split load's cut, short of max_model_len; else None
             end = self.max_model_len if limit is None else limit
-            num_new = min(req.num_tokens + req.num_output_placeholders - req.num_computed_tokens, budget,
-                          end - req.num_computed_tokens, chunk_cap)
+            known = req.num_tokens + req.num_output_placeholders - req.num_computed_tokens
+            num_new = min(known + len(req.spec_token_ids), budget, end - req.num_computed_tokens, chunk_cap)
             if num_new <= 0 or (req.num_output_placeholders and (skip_in_flight or self._placeholder_is_last(req))):
                 i += 1
                 continue
             while not self.kv.allocate_slots(req, num_new):
+                if num_new > known:
+                    num_new = known  # drafts are optional: dropped before anything is preempted for them
+                    continue
                 if self.kv.release_loaded_pages():
                     continue  # pages held for loaded waiting requests go before any running request
                 victim = self._pick_victim(i)
@@ -179,7 +196,7 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                out.scheduled.append(ScheduledRequest(req, num_new, req.spec_token_ids[:max(num_new - known, 0)]))
                 budget -= num_new
                 i += 1
 
@@ -252,6 +269,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.record_event(EngineCoreEventType.PREEMPTED)
         self.num_preemptions += 1
@@ -273,10 +291,12 @@ class Scheduler:
                 sched.request.num_output_placeholders += 1
 
     # --- after the forward pass ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
-                           advanced: bool = False) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int], advanced: bool = False,
+                           verified: dict[str, list[int]] | None = None) -> list[tuple[Request, int]]:
         """Advance every scheduled request (unless `advance` already did); append sampled tokens;
-        finish what must finish. Returns the requests that produced a token (or finished) this step."""
+        finish what must finish. `verified`: for each request that verified drafts, the tokens
+        sampled at its draft positions and the one after. Returns each request that produced
+        tokens (or finished) this step, with how many it kept."""
         updated = []
         now = time.time()
         for sched in out.scheduled:
@@ -285,20 +305,35 @@ class Scheduler:
                 req.num_steps_in_flight -= 1
                 if req.is_finished:
                     continue  # aborted, or finished by the step before: this token is surplus
-            else:
-                req.num_computed_tokens += sched.num_new_tokens
+            draft = sched.draft_token_ids
+            rejected = 0
+            if draft:
+                tokens = verified[req.request_id]
+                num_kept = accept(draft, tokens)
+                tokens, rejected = tokens[:num_kept + 1], len(draft) - num_kept
+                self.spec.observe(len(draft), num_kept)
+            # `advance` counted every scheduled token (refused drafts included) as computed.
+            req.num_computed_tokens += (0 if advanced else sched.num_new_tokens) - rejected
             if not sched.completes_sequence:
                 continue  # a prompt chunk: nothing sampled yet
             if advanced:
                 req.num_output_placeholders -= 1
-            token = sampled[req.request_id]
-            req.output_token_ids.append(token)
-            if req.num_output_tokens == 1:
-                req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
-            status = self._check_stop(req, token)
-            updated.append(req)
+            if not draft:
+                tokens = [sampled[req.request_id]]
+            num_appended, status = 0, None
+            for token in tokens:  # a stop ends the request at that token: the rest are dropped
+                req.output_token_ids.append(token)
+                num_appended += 1
+                if req.num_output_tokens == 1:
+                    req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
+                status = self._check_stop(req, token)
+                if status is not None:
+                    break
+            updated.append((req, num_appended))
             if status is not None:
                 self._finish(req, status)
+            elif rejected:
+                self.kv.trim(req)
         return updated
 
     def _check_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -6,6 +6,11 @@ mapping) plus the attention backend's plan (`AttentionBatch`) and the sampling r
 token for every request whose known tokens are now all computed. Decodes go first in the batch.
 The ranks see only those plain descriptions and tensors (`executor_types`), never a request.
 
+Speculative decoding: a request verifying drafts feeds its last token and the drafts, and samples
+at every one of those positions (`core.spec_decode.verification_rows`); its tokens come back in
+`RunnerOutput.verified`. Such a row is not a one-token decode, so the step runs as a prefill step
+does (piecewise CUDA graphs up to their size, else eagerly).
+
 `launch` queues a step and returns it unresolved (`LaunchedStep`); `execute` is launch + resolve.
 Under async scheduling the next step is launched before the last one is resolved: a decode whose
 input token is still in flight (an output placeholder) reads it from the previous step's sampled
@@ -28,6 +33,7 @@ from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
+from pagoda_engine.core.spec_decode import verification_rows
 from pagoda_engine.executor_types import AttentionBatch, aligned_numel, host_to_device
 from pagoda_engine.messages import TokenLogprobs
 from pagoda_engine.worker.executor import ArrivingSample, Executor, PendingSample, StepEnd
@@ -45,8 +51,9 @@ class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_batch: AttentionBatch
-    sample_rows: torch.Tensor  # token index of each sampling request's last token
-    sample_reqs: list[Request]
+    sample_rows: torch.Tensor  # token index of each sampling request's last token (each verified position)
+    sample_reqs: list[Request]  # the request of each sample row (a verifying one once per position)
+    sample_views: list[Request]  # what each row samples as (`verification_rows` for verified positions)
     # request id -> (first token index in the batch, number of positions) for prompt logprobs
     prompt_logprob_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -56,6 +63,10 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Speculative decoding: a verifying request's token at each drafted position and the one
+    # after (and their logprobs, where asked).
+    verified: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +79,7 @@ class LaunchedStep:
     sample_reqs: list[Request]
     sample: PendingSample | ArrivingSample | None
     prompt_logprobs: dict[str, list[TokenLogprobs]]
+    verifying: frozenset[str] = frozenset()  # ids of the requests verifying drafts
     ended: StepEnd | None = None  # after rank 0's work for the step (with `StepRunner.record_ends`)
     _rows: dict[Request, int] | None = field(default=None, init=False, repr=False)
 
@@ -87,9 +99,14 @@ class LaunchedStep:
         if self.sample is not None:
             result = self.sample.resolve()
             for req, token, lp in zip(self.sample_reqs, result.token_ids, result.logprobs):
-                out.sampled[req.request_id] = token
+                rid = req.request_id
+                if rid in self.verifying:
+                    out.verified.setdefault(rid, []).append(token)
+                    out.verified_logprobs.setdefault(rid, []).append(lp)
+                    continue
+                out.sampled[rid] = token
                 if lp is not None:
-                    out.logprobs[req.request_id] = lp
+                    out.logprobs[rid] = lp
         return out
 
 
@@ -116,7 +133,7 @@ class StepRunner:
         # Plain Python lists for the per-token arrays: a step is mostly single-token decodes, for
         # which small numpy arrays cost more than they save. One host-to-device copy at the end.
         ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-        sample_rows, sample_reqs, spans = [], [], {}
+        sample_rows, sample_reqs, sample_views, spans = [], [], [], {}
         fed_at, fed_from = [], []
         page_size = self.page_size
         offset = 0
@@ -130,7 +147,7 @@ class StepRunner:
                 fed_from.append(prev.sample_row(req))
                 ids.append(0)
             else:
-                ids += _new_token_ids(req, start, n)
+                ids += _new_token_ids(req, start, n - len(s.draft_token_ids)) + s.draft_token_ids
             if n == 1:
                 pos.append(start)
                 slots.append(table[start // page_size] * page_size + start % page_size)
@@ -144,9 +161,15 @@ class StepRunner:
             tables.append(table)
             if req.sampling_params.prompt_logprobs is not None and start < req.num_prompt_tokens - 1:
                 spans[req.request_id] = (offset, min(n, req.num_prompt_tokens - 1 - start))
-            if s.completes_sequence:
+            if s.draft_token_ids:
+                views = verification_rows(req, s.draft_token_ids)
+                sample_rows += range(offset + n - len(views), offset + n)
+                sample_reqs += [req] * len(views)
+                sample_views += views
+            elif s.completes_sequence:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
+                sample_views.append(req)
             offset += n
         # Each per-token segment starts aligned (`aligned_numel`): after an odd token count
         # the positions started 8 bytes off, a kernel variant that a fresh server compiled during
@@ -163,7 +186,8 @@ class StepRunner:
         attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
                                     slot_mapping=dev[2 * span:2 * span + t], num_decodes=num_decodes)
         return StepInputs(order=order, input_ids=input_ids, positions=dev[span:span + t], attn_batch=attn_batch,
-                          sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, prompt_logprob_spans=spans)
+                          sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, sample_views=sample_views,
+                          prompt_logprob_spans=spans)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.launch(sched).resolve()
@@ -190,10 +214,11 @@ class StepRunner:
             # Under pipeline parallelism the last stage samples; its tokens are read when they
             # arrive, so that the core can launch the next batch meanwhile (the batch queue).
             sample = self.executor.sample(inputs.sample_rows,
-                                          sampling_batch(inputs.sample_reqs, self.vocab_size, self.device))
+                                          sampling_batch(inputs.sample_views, self.vocab_size, self.device))
         ended = self.executor.mark_step_end() if self.record_ends else None
+        verifying = frozenset(s.request.request_id for s in sched.scheduled if s.draft_token_ids)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
-                            prompt_logprobs=prompt_logprobs, ended=ended)
+                            prompt_logprobs=prompt_logprobs, ended=ended, verifying=verifying)
 
 
 def _new_token_ids(req: Request, start: int, n: int) -> list[int]:

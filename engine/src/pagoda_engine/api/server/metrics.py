@@ -14,6 +14,9 @@ triggers and routers written for vLLM map one-to-one. Two sources feed them:
     token = decode / (generated - 1); the prompt and generation lengths and `max_tokens`.
   - each step's scheduled token count (`SchedulerStats.num_scheduled_tokens`):
     `iteration_tokens_total`;
+  - with speculative decoding, vLLM's counters from `SchedulerStats.spec_decode`:
+    `spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens` and
+    `_num_accepted_tokens_per_pos` (labelled `position`);
   - with KV offload tiers, each tier's figures (`SchedulerStats.kv_offload`), labelled
     `tier="cpu"|"disk"|"remote"`: capacity and usage in bytes, hit and miss tokens, bytes stored
     and loaded, errors, and the load-latency histogram `kv_offload_load_seconds`; with CUDA,
@@ -113,6 +116,7 @@ class _SchedulerStatsCollector(Collector):
             for engine, stats in enumerate(self.stats):
                 family.add_metric([self.model_name, str(engine)], getattr(stats, field))
             yield family
+        yield from self._spec_decode()
         if not any(stats.kv_offload for stats in self.stats):
             return
         labels = [*_LABELS, "tier"]
@@ -144,6 +148,32 @@ class _SchedulerStatsCollector(Collector):
                     for direction, base in (("load", 0), ("store", 2)):
                         family.add_metric([self.model_name, str(engine), direction], stats.kv_offload_copy[base + offset])
             yield family
+
+
+    def _spec_decode(self):
+        """Speculative decoding's counters (`SchedulerStats.spec_decode`), where it is on."""
+        if not any(stats.spec_decode for stats in self.stats):
+            return
+        for i, (name, doc) in enumerate(_SPEC_DECODE_FAMILIES):
+            family = CounterMetricFamily(name, doc, labels=_LABELS)
+            for engine, stats in enumerate(self.stats):
+                if stats.spec_decode:
+                    family.add_metric([self.model_name, str(engine)], stats.spec_decode[i])
+            yield family
+        family = CounterMetricFamily("pagoda:spec_decode_num_accepted_tokens_per_pos",
+                                     "Accepted draft tokens at each position.", labels=[*_LABELS, "position"])
+        for engine, stats in enumerate(self.stats):
+            for position, count in enumerate(stats.spec_decode[len(_SPEC_DECODE_FAMILIES):]):
+                family.add_metric([self.model_name, str(engine), str(position)], count)
+        yield family
+
+
+# Speculative decoding's counters, in `SchedulerStats.spec_decode`'s order (vLLM's names and help).
+_SPEC_DECODE_FAMILIES = (
+    ("pagoda:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("pagoda:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("pagoda:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+)
 
 
 class _CacheConfigInfo(Collector):

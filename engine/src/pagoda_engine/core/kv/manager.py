@@ -209,6 +209,20 @@ class KVCacheManager:
         self.pool.free_pages(reversed(pages))
         self.num_registered.pop(req.request_id, None)
 
+    def trim(self, req: Request) -> None:
+        """Free the request's pages past its computed tokens: those that only drafted tokens it
+        refused took (speculative decoding). None of them is in the prefix cache, which holds
+        only pages full of a request's known tokens."""
+        pages = self.req_pages.get(req.request_id)
+        keep = -(-req.num_computed_tokens // self.page_size)
+        if pages is None or len(pages) <= keep:
+            return
+        assert self.num_registered.get(req.request_id, 0) <= keep, req.request_id
+        surplus = pages[keep:]
+        del pages[keep:]
+        del self.req_page_ids[req.request_id][keep:]
+        self.pool.free_pages(reversed(surplus))
+
     def forget(self, req: Request) -> None:
         """Drop a finished request's bookkeeping (its hashes) after `free`."""
         self.req_hashes.pop(req.request_id, None)

@@ -1,0 +1,70 @@
+"""`python -m pagoda_engine.bench.spec_copy`: ngram speculative decoding on real weights (the default
+model, SmolLM2-135M-Instruct, unless --model) with chat prompts whose answers copy from the prompt
+(repeat this list, edit this text): one request at a time, greedy, with and without speculation;
+prints tokens/s, the speed-up, vLLM's mean acceptance length and whether the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+from pagoda_engine.api.llm import LLM
+from pagoda_engine.sampling_params import SamplingParams
+
+PROMPTS = [
+    "Repeat this list exactly, one item per line: apples, bananas, cherries, dates, elderberries, figs, grapes, "
+    "honeydew, kiwis, lemons, mangoes, nectarines.",
+    "Edit this text so that every 'colour' becomes 'color', and otherwise copy it unchanged: The colour of the sky "
+    "is blue. The colour of grass is green. My favourite colour is red, and the colour of the sea is deep blue.",
+    "Copy this Python code and add a docstring to each function:\ndef add(a, b):\n    result = a + b\n    return "
+    "result\n\ndef mul(a, b):\n    result = a * b\n    return result",
+    "Repeat the following sentence three times: The quick brown fox jumps over the lazy dog.",
+]
+
+
+def measure(model: str | None, speculative_config: dict | None, max_tokens: int, **engine) -> dict:
+    llm = LLM(model, speculative_config=speculative_config, **engine)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens)
+    llm.chat([[{"role": "user", "content": "Hello"}]], SamplingParams(temperature=0, max_tokens=8))  # warm-up
+    outputs, elapsed = [], 0.0
+    for prompt in PROMPTS:  # one stream at a time, as L1
+        start = time.perf_counter()
+        outputs.append(llm.chat([[{"role": "user", "content": prompt}]], params)[0].outputs[0].token_ids)
+        elapsed += time.perf_counter() - start
+    tokens = sum(map(len, outputs))
+    result = {"tokens": tokens, "seconds": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1),
+              "outputs": outputs}
+    spec = llm.core.scheduler.spec
+    if spec is not None:
+        s = spec.stats
+        result["mean_acceptance_length"] = round(1 + s.num_accepted_tokens / max(s.num_drafts, 1), 3)
+        result["draft_acceptance_rate"] = round(s.num_accepted_tokens / max(s.num_draft_tokens, 1), 4)
+    llm.close()
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pagoda_engine.bench.spec_copy")
+    p.add_argument("--model", default=None, help="default: the engine's default model (SmolLM2-135M-Instruct)")
+    p.add_argument("--num-speculative-tokens", type=int, default=4)
+    p.add_argument("--prompt-lookup-max", type=int, default=4)
+    p.add_argument("--prompt-lookup-min", type=int, default=2)
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--dtype", default="auto")
+    args = p.parse_args(argv)
+    spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
+            "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
+    plain = measure(args.model, None, args.max_tokens, dtype=args.dtype)
+    ngram = measure(args.model, spec, args.max_tokens, dtype=args.dtype)
+    summary = {"speculative_config": spec, "without": {k: v for k, v in plain.items() if k != "outputs"},
+               "with": {k: v for k, v in ngram.items() if k != "outputs"},
+               "speed_up": round(ngram["tokens_per_s"] / plain["tokens_per_s"], 3),
+               "identical_outputs": plain["outputs"] == ngram["outputs"]}
+    print(json.dumps(summary, indent=2))
+    return 0 if summary["identical_outputs"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
