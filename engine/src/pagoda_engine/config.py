@@ -367,6 +367,14 @@ class ServerConfig:
         help="split the model's <think> reasoning into the `reasoning` field: qwen3 | deepseek_r1")
     exclude_tools_when_tool_choice_none: bool = option(
         False, help="with tool_choice \"none\", do not show the tools to the chat template")
+    # On by default: the Gateway API inference extension's model-server protocol has an Endpoint
+    # Picker read vLLM's names, and a pod that needs per-engine EPP settings is not a drop-in
+    # model server. Four small families; the flag is for a Prometheus that also scrapes real vLLM
+    # pods and would mix the two.
+    vllm_metric_names: bool = option(
+        True, help="also export the queue, running, KV-usage and cache_config_info gauges under vLLM's "
+                   "names (vllm:num_requests_waiting, ...) so a Gateway API Endpoint Picker configured for "
+                   "vLLM reads this pod; --no-vllm-metric-names drops that copy")
 
 
 @dataclass
