@@ -25,6 +25,7 @@ from pagoda_engine import capabilities
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.generation_config import check_generation_config_option, parse_override
 from pagoda_engine.kv_tiers import split_remote_urls
+from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 
 if TYPE_CHECKING:
@@ -390,6 +391,13 @@ class EngineConfig:
         help='torch.profiler for POST /start_profile and /stop_profile, vLLM\'s fields, e.g. '
              '\'{"profiler": "torch", "torch_profiler_dir": "./traces", "max_iterations": 50}\'; '
              'every rank writes its trace and a summary there (default: off, no such routes)')
+    # vLLM's --kv-events-config: what enters and leaves the prefix cache, for KV-aware routers.
+    kv_events_config: KVEventsConfig = option(
+        default_factory=KVEventsConfig, type=str, cli_default=None, metavar="JSON",
+        help='publish prefix-cache events as vLLM does (ZMQ PUB of msgpack KVEventBatch), vLLM\'s fields, e.g. '
+             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+             '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; data-parallel core r uses port + r '
+             '(default: off)')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -398,6 +406,7 @@ class EngineConfig:
         cfg = cls()
         sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.parallel, cfg.server]
         cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
+        cfg.kv_events_config = parse_kv_events_config(kwargs.pop("kv_events_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -450,6 +459,13 @@ class EngineConfig:
             raise ValueError("--kv-offload-disk-gb needs --kv-offload-disk-path (the disk KV tier's directory)")
         if cc.kv_offload_remote_url is not None:
             split_remote_urls(cc.kv_offload_remote_url)
+        if self.kv_events_config.enabled:
+            if not cc.enable_prefix_caching:
+                raise ValueError("--kv-events-config reports the prefix cache's pages: it needs --enable-prefix-caching")
+            if self.kv_offload_enabled:
+                # Pages loaded back from a tier enter the cache without their tokens at hand.
+                raise ValueError("--kv-events-config with KV offload tiers is not supported yet: pages loaded back "
+                                 "from a tier would not be reported")
 
     @property
     def kv_offload_enabled(self) -> bool:
@@ -619,7 +635,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
-    known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig) for f in fields(section)} | {"profiler_config"}
+    known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig) for f in fields(section)} | {"profiler_config",
+                                                                                          "kv_events_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])
