@@ -1,0 +1,400 @@
+"""`pagoda epp`: the Endpoint Picker of the Gateway API inference extension, so a cluster's own
+gateway (Envoy Gateway, kgateway, Istio, GKE) routes to Pagoda pods through an `InferencePool`.
+
+It serves Envoy's `ext_proc` v3 over gRPC, as the protocol (GAIE proposal 004) asks:
+  - reads the request's headers and body (model, prompt or messages), in Envoy's BUFFERED mode
+    (headers answered at once, the pick rides on the body's answer) or FULL_DUPLEX_STREAMED
+    (GAIE's: nothing is answered until the body has ended, then the headers with the pick and
+    the body streamed back);
+  - honours the subset hint (`envoy.lb.subset_hint` / `x-gateway-destination-endpoint-subset`);
+  - picks with `scorer.rank` (precise prefix match from the pods' KV events, queue depth, KV
+    usage) and answers with the `x-gateway-destination-endpoint` header and the same value,
+    an ordered fallback list `ip:port,ip:port,...`, in `envoy.lb` dynamic metadata;
+  - answers 503 (ImmediateResponse) when no endpoint is ready or none of the subset is, 400 in
+    OpenAI's error shape for a body that is not a JSON object;
+  - serves gRPC health for `liveness`, `readiness` (after the first poll of the pods) and the
+    ext_proc service.
+Pods come from `--backends` or a Service's EndpointSlices (`discovery.py`), their health and load
+from their `/health` and `/metrics` (`backends.py`), their prefix caches from their KV events
+(`kv_index.py`). The EPP counts the requests it sent to each pod until their responses end, so
+picks between two scrapes do not all land on one pod.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from urllib.parse import urlsplit
+
+import httpx
+
+from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
+from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
+from pagoda_engine.router.kv_index import KVEventSubscriber, KVIndex
+from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.scorer import Candidate, Weights, rank
+
+log = logging.getLogger("pagoda.epp")
+
+DESTINATION = "x-gateway-destination-endpoint"
+SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SERVED = "x-gateway-destination-endpoint-served"
+EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--backends", help="comma-separated engine URLs, e.g. http://10.0.0.5:8000,http://10.0.0.6:8000")
+    src.add_argument("--k8s-service", metavar="NAMESPACE/NAME",
+                     help="discover engines from this Service's EndpointSlices (watched)")
+    parser.add_argument("--backend-port-name", default="http",
+                        help="EndpointSlice port name of the engine (default: http; else the first port)")
+    parser.add_argument("--kubeconfig", default=None, help="kubeconfig for --k8s-service outside a cluster")
+    parser.add_argument("--host", default="0.0.0.0")
+    parser.add_argument("--port", type=int, default=9002, help="gRPC port of ext_proc and health (default 9002)")
+    parser.add_argument("--model", default=None,
+                        help="the engines' model (directory, GGUF file or pagoda-tiny): its tokenizer cuts a "
+                             "request into the pages the KV events name; without it, no prefix scoring")
+    parser.add_argument("--kv-events-port", type=int, default=None,
+                        help="each engine's KV events PUB port (its --kv-events-config endpoint tcp://*:PORT); "
+                             "without it, no prefix scoring")
+    parser.add_argument("--kv-events-replay-port", type=int, default=None,
+                        help="each engine's replay port (replay_endpoint), asked for missed batches")
+    parser.add_argument("--kv-events-bind", default=None, metavar="ADDRESS",
+                        help="instead of --kv-events-port: bind one SUB socket here (e.g. tcp://*:5557) that every "
+                             "engine publishes to (its endpoint tcp://<this service>:5557), each with the topic "
+                             "kv@<its ip or ip:port>@<model> (llm-d's layout)")
+    parser.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (default: all)")
+    parser.add_argument("--metrics-interval", type=float, default=0.1,
+                        help="seconds between polls of each engine's /health and /metrics (default 0.1)")
+    parser.add_argument("--queue-limit", type=float, default=128,
+                        help="an engine with this many waiting requests is passed over while another has fewer")
+    parser.add_argument("--prefix-weight", type=float, default=Weights.prefix)
+    parser.add_argument("--queue-weight", type=float, default=Weights.queue)
+    parser.add_argument("--kv-usage-weight", type=float, default=Weights.kv_usage)
+    parser.add_argument("--backend-api-key", default=None, help="the engines' key, sent on every poll")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def _validate_args(args: argparse.Namespace) -> None:
+    if args.backends is not None:
+        args.backend_urls = parse_backend_list(args.backends)
+    else:
+        args.backend_urls = None
+        args.k8s_namespace, args.k8s_name = parse_k8s_service(args.k8s_service)
+    for flag in ("port", "kv_events_port", "kv_events_replay_port"):
+        value = getattr(args, flag)
+        if value is not None and not 0 <= value < 65536:
+            raise BackendConfigError(f"--{flag.replace('_', '-')} must be a TCP port, got {value}")
+    if args.metrics_interval <= 0:
+        raise BackendConfigError("--metrics-interval must be > 0")
+    if args.queue_limit < 1:
+        raise BackendConfigError("--queue-limit must be >= 1")
+    for flag in ("prefix_weight", "queue_weight", "kv_usage_weight"):
+        if getattr(args, flag) < 0:
+            raise BackendConfigError(f"--{flag.replace('_', '-')} must be >= 0")
+    if args.kv_events_replay_port is not None and args.kv_events_port is None:
+        raise BackendConfigError("--kv-events-replay-port needs --kv-events-port")
+    if args.kv_events_port is not None and args.kv_events_bind is not None:
+        raise BackendConfigError("--kv-events-port (one socket per engine) and --kv-events-bind (one for all) "
+                                 "exclude each other")
+    if args.kv_events_bind is not None and not args.kv_events_bind.startswith(("tcp://", "ipc://")):
+        raise BackendConfigError(f"--kv-events-bind must be tcp://host:port or ipc://path, got {args.kv_events_bind!r}")
+    events = args.kv_events_port is not None or args.kv_events_bind is not None
+    if events != (args.model is not None):
+        raise BackendConfigError("precise prefix scoring needs both --kv-events-port or --kv-events-bind (where the "
+                                 "engines publish) and --model (the tokenizer that cuts requests into their pages)")
+
+
+def endpoint_of(url: str) -> str:
+    """`http://10.0.0.5:8000` -> `10.0.0.5:8000`, the form the gateway routes to."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def request_tokens(tokenizer, body: dict) -> list[int]:
+    """The request's token ids as the engine forms them: a completion prompt with the tokenizer's
+    special tokens, a chat through the model's template (only the leading pages matter)."""
+    if tokenizer is None:
+        return []
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise BadRequest("messages must be a list")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: the first prompt decides
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return []
+
+
+class Picker:
+    """The decision, apart from gRPC: ready pods, subset, scores."""
+
+    def __init__(self, pool: BackendPool, index: KVIndex | None, tokenizer, weights: Weights, queue_limit: float):
+        self.pool, self.index, self.tokenizer = pool, index, tokenizer
+        self.weights, self.queue_limit = weights, queue_limit
+
+    def pick(self, body: dict, subset: list[str] | None) -> list[str]:
+        """Ready endpoints (`ip:port`) best first; [] when none is eligible."""
+        model = body.get("model")
+        ready = {endpoint_of(b.url): b for b in self.pool.ready(model if isinstance(model, str) else None)}
+        if subset is not None:
+            ready = {e: b for e, b in ready.items() if e in subset}
+        if not ready:
+            return []
+        tokens = request_tokens(self.tokenizer, body)
+        matched = {}
+        if self.index is not None and tokens:
+            # A pod named by its address alone (llm-d's topic kv@<pod ip>@...) holds what its ip does.
+            keys = {e: e if self.index.knows(e) else e.rpartition(":")[0] for e in ready}
+            by_key = self.index.matched_tokens(tokens, set(keys.values()))
+            matched = {e: by_key.get(k, 0) for e, k in keys.items()}
+        candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
+                                matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
+        return rank(candidates, len(tokens), self.weights, self.queue_limit)
+
+    def started(self, endpoint: str) -> None:
+        backend = self._backend(endpoint)
+        if backend is not None:
+            backend.in_flight += 1
+
+    def ended(self, endpoint: str) -> None:
+        backend = self._backend(endpoint)
+        if backend is not None and backend.in_flight > 0:
+            backend.in_flight -= 1
+
+    def _backend(self, endpoint: str):
+        return next((b for b in self.pool.backends.values() if endpoint_of(b.url) == endpoint), None)
+
+
+def build_servicer(picker: Picker):
+    """The ext_proc servicer (imports Envoy's generated API here: only `pagoda epp` needs it)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+    from envoy.type.v3 import http_status_pb2
+    from google.protobuf import json_format, struct_pb2
+
+    duplex_mode = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+    def immediate(code: int, message: str, kind: str) -> pb.ProcessingResponse:
+        body = json.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}}).encode()
+        return pb.ProcessingResponse(immediate_response=pb.ImmediateResponse(
+            status=http_status_pb2.HttpStatus(code=code), body=body, details=message,
+            headers=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
+                header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])))
+
+    def common(endpoints: list[str]) -> pb.CommonResponse:
+        value = ",".join(endpoints)
+        return pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=[
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()))]))
+
+    def metadata(endpoints: list[str]) -> struct_pb2.Struct:
+        out = struct_pb2.Struct()
+        out.update({LB_NAMESPACE: {DESTINATION: ",".join(endpoints)}})
+        return out
+
+    def subset_of(request: pb.ProcessingRequest) -> list[str] | None:
+        namespace = request.metadata_context.filter_metadata.get(SUBSET_NAMESPACE)
+        if namespace is None or SUBSET_KEY not in namespace.fields:
+            return None
+        value = json_format.MessageToDict(namespace)[SUBSET_KEY]
+        return [str(v) for v in value] if isinstance(value, list) else [str(value)]
+
+    class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
+        async def Process(self, requests, context):
+            subset, body, duplex, endpoint = None, bytearray(), False, None
+            try:
+                async for request in requests:
+                    which = request.WhichOneof("request")
+                    if which == "request_headers":
+                        subset = subset_of(request)
+                        duplex = request.protocol_config.request_body_mode == duplex_mode
+                        if request.request_headers.end_of_stream:  # no body: pick on load alone
+                            answer, endpoint = decide(b"", subset)
+                            if answer.HasField("immediate_response"):
+                                yield answer
+                                return
+                            yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common(endpoint)),
+                                                        dynamic_metadata=metadata(endpoint))
+                        elif not duplex:
+                            yield pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+                    elif which == "request_body":
+                        body += request.request_body.body
+                        if not request.request_body.end_of_stream:
+                            continue
+                        answer, endpoint = decide(bytes(body), subset)
+                        if answer.HasField("immediate_response"):
+                            yield answer
+                            return
+                        if duplex:
+                            yield pb.ProcessingResponse(request_headers=pb.HeadersResponse(response=common(endpoint)),
+                                                        dynamic_metadata=metadata(endpoint))
+                            yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
+                                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                                    body=bytes(body), end_of_stream=True)))))
+                        else:
+                            yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common(endpoint)),
+                                                        dynamic_metadata=metadata(endpoint))
+                    elif which == "response_headers":
+                        yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+                    elif which == "response_body":
+                        chunk = request.response_body
+                        if duplex:
+                            yield pb.ProcessingResponse(response_body=pb.BodyResponse(response=pb.CommonResponse(
+                                body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(
+                                    body=chunk.body, end_of_stream=chunk.end_of_stream)))))
+                        else:
+                            yield pb.ProcessingResponse(response_body=pb.BodyResponse())
+                    elif which == "request_trailers":
+                        yield pb.ProcessingResponse(request_trailers=pb.TrailersResponse())
+                    elif which == "response_trailers":
+                        yield pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+            finally:
+                if endpoint:
+                    picker.ended(endpoint[0])
+
+    def decide(raw: bytes, subset: list[str] | None) -> tuple[pb.ProcessingResponse, list[str] | None]:
+        try:
+            body = json.loads(raw) if raw else {}
+            if not isinstance(body, dict):
+                raise BadRequest("the request body must be a JSON object")
+            endpoints = picker.pick(body, subset)
+        except (ValueError, BadRequest) as e:
+            return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
+        if not endpoints:
+            where = "of the gateway's subset " if subset is not None else ""
+            return immediate(503, f"no ready endpoint {where}to serve the request", "service_unavailable"), None
+        picker.started(endpoints[0])
+        log.debug("picked %s", endpoints)
+        return pb.ProcessingResponse(), endpoints
+
+    return ExternalProcessor(), pb_grpc.add_ExternalProcessorServicer_to_server
+
+
+async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) -> None:
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    metrics = RouterMetrics()
+    client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
+    pool = BackendPool(client, metrics, poll_interval=args.metrics_interval,
+                       poll_timeout=max(0.5, args.metrics_interval * 5), api_key=args.backend_api_key)
+    index = subscriber = tokenizer = None
+    if args.kv_events_bind is not None:
+        from pagoda_engine.model_path import resolve_model_path
+        from pagoda_engine.tokenizer_files import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, args.kv_events_topic, bind=args.kv_events_bind)
+
+        def follow(urls: list[str]) -> None:
+            pass
+    elif args.kv_events_port is not None:
+        from pagoda_engine.model_path import resolve_model_path
+        from pagoda_engine.tokenizer_files import load_tokenizer
+
+        tokenizer = load_tokenizer(resolve_model_path(args.model))
+        index = KVIndex()
+        subscriber = KVEventSubscriber(index, args.kv_events_topic, replay=args.kv_events_replay_port is not None)
+
+        def follow(urls: list[str]) -> None:
+            pods = {}
+            for url in urls:
+                host = urlsplit(url).hostname
+                host = f"[{host}]" if ":" in host else host
+                replay = f"tcp://{host}:{args.kv_events_replay_port}" if args.kv_events_replay_port else None
+                pods[endpoint_of(url)] = (f"tcp://{host}:{args.kv_events_port}", replay)
+            subscriber.set_pods(pods)
+    else:
+        def follow(urls: list[str]) -> None:
+            pass
+
+    def set_urls(urls: list[str]) -> None:
+        pool.set_urls(urls)
+        follow(urls)
+
+    picker = Picker(pool, index, tokenizer, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
+                    args.queue_limit)
+    servicer, add = build_servicer(picker)
+    server = grpc.aio.server()
+    add(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
+    for name in ("readiness", EXT_PROC_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    if server.add_insecure_port(f"{args.host}:{args.port}") == 0:
+        raise OSError(f"cannot listen on {args.host}:{args.port}")
+    watcher = None
+    if args.backend_urls is not None:
+        set_urls(args.backend_urls)
+    else:
+        watcher = EndpointSliceWatcher(args.k8s_namespace, args.k8s_name, set_urls, asyncio.get_running_loop(),
+                                       port_name=args.backend_port_name, kubeconfig=args.kubeconfig)
+        watcher.start()
+    await server.start()
+    await pool.poll_all()
+    # Synced: the pods' state is known (the datastore of the protocol's readiness).
+    for name in ("readiness", EXT_PROC_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    poller = asyncio.create_task(pool.run(fast_interval=args.metrics_interval))
+    log.info("endpoint picker on %s:%d over %s", args.host, args.port,
+             ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}")
+    if ready is not None:
+        ready.set()
+    try:
+        await server.wait_for_termination()
+    finally:
+        poller.cancel()
+        if watcher is not None:
+            watcher.stop()
+        if subscriber is not None:
+            subscriber.close()
+        await server.stop(grace=5)
+        await client.aclose()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    try:
+        _validate_args(args)
+    except BackendConfigError as e:
+        print(f"pagoda epp: error: {e}", file=sys.stderr)
+        return 2
+    try:
+        asyncio.run(serve(args))
+    except KeyboardInterrupt:
+        pass
+    except OSError as e:
+        print(f"pagoda epp: error: {e}", file=sys.stderr)
+        return 3
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pagoda epp", description="Gateway API inference extension Endpoint Picker")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

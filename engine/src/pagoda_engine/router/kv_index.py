@@ -1,0 +1,290 @@
+"""Which pod holds which prompt prefix, from the pods' KV events (vLLM's wire format, `kv_events`):
+what precise prefix routing reads, in `pagoda epp` and `pagoda route` alike.
+
+Engines' block hashes are their own (Pagoda's, vLLM's, each with its seed and algorithm), so the
+index keys pages by a chained hash of their token ids that it computes itself, as llm-d's
+KV-cache indexer does: a `BlockStored` names the tokens of its pages and the engine hash of the
+page before them, the index keeps each pod's engine hash -> its key, and a request's tokens are
+cut into pages of the pod's block size and looked up in the same chain. A store whose parent the
+index never saw (it joined late and the replay no longer had it) cannot be placed and is skipped.
+
+`KVEventSubscriber` reads the events on a thread of its own, in either of the two layouts
+vLLM's publisher allows:
+  - per pod: one SUB socket connected to each pod's PUB (`tcp://<pod host>:<port>`, the pod's
+    endpoint `tcp://*:<port>`), asking the pod's replay endpoint for what it missed when it
+    joins or sees a gap in the sequence numbers;
+  - central (llm-d's): one SUB socket bound here, every pod connecting its PUB to it
+    (endpoint `tcp://<this service>:<port>`) with the topic `kv@<pod>@<model>`, `<pod>` its
+    address (`ip` or `ip:port`), which names the pod.
+Each batch is applied to the index under a lock.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import msgspec
+import numpy as np
+import zmq
+
+from pagoda_engine.kv_events import END_SEQ
+
+log = logging.getLogger("pagoda.router")
+
+_ROOT = b"\0" * 8
+
+
+def _key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    return hashlib.blake2b(parent + np.asarray(tokens, dtype=np.int64).tobytes(), digest_size=8).digest()
+
+
+@dataclass
+class _Pod:
+    block_size: int = 0
+    keys: dict[Any, bytes] = field(default_factory=dict)  # engine block hash -> the index's key
+    skipped: int = 0  # stores whose parent was unknown
+
+
+# Field order of vLLM's events, for the older array encoding (tag first).
+_ARRAY_FIELDS = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
+                                 "lora_name", "extra_keys", "group_idx"),
+                 "BlockRemoved": ("block_hashes", "medium", "group_idx"),
+                 "AllBlocksCleared": ()}
+
+
+def _as_map(event: Any) -> dict | None:
+    if isinstance(event, dict):
+        return event
+    if isinstance(event, list) and event and event[0] in _ARRAY_FIELDS:
+        return {"type": event[0], **dict(zip(_ARRAY_FIELDS[event[0]], event[1:]))}
+    return None
+
+
+class KVIndex:
+    """Page key -> the pods holding it. Thread-safe: the subscriber writes, the pickers read."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pods: dict[str, _Pod] = {}
+        self._holders: dict[bytes, set[str]] = defaultdict(set)
+
+    def apply(self, pod: str, batch: Any) -> None:
+        """One decoded `KVEventBatch` (`[ts, events, data_parallel_rank]`) from `pod`. Events of
+        another medium than the device's (offload tiers) or of a non-main attention group are not
+        prefix hits on the device and are left out."""
+        if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], list):
+            log.warning("KV events from %s: not a KVEventBatch, ignored", pod)
+            return
+        with self._lock:
+            state = self._pods.setdefault(pod, _Pod())
+            for raw in batch[1]:
+                event = _as_map(raw)
+                if event is None:
+                    continue
+                kind = event.get("type")
+                if event.get("medium") not in (None, "GPU") or event.get("group_idx") not in (None, 0):
+                    continue
+                if kind == "BlockStored":
+                    self._stored(pod, state, event)
+                elif kind == "BlockRemoved":
+                    for h in event.get("block_hashes") or ():
+                        key = state.keys.pop(h, None)
+                        if key is not None:
+                            self._drop(key, pod)
+                elif kind == "AllBlocksCleared":
+                    self._clear(pod, state)
+
+    def _stored(self, pod: str, state: _Pod, event: dict) -> None:
+        hashes, tokens, size = event.get("block_hashes") or [], event.get("token_ids") or [], event.get("block_size")
+        if not isinstance(size, int) or size <= 0 or len(tokens) != size * len(hashes):
+            return
+        if state.block_size != size:
+            if state.block_size:  # the pod restarted with another page size: what it held is gone
+                self._clear(pod, state)
+            state.block_size = size
+        parent_hash = event.get("parent_block_hash")
+        parent = _ROOT if parent_hash is None else state.keys.get(parent_hash)
+        if parent is None:
+            state.skipped += 1
+            return
+        for i, h in enumerate(hashes):
+            parent = _key(parent, tokens[i * size:(i + 1) * size])
+            state.keys[h] = parent
+            self._holders[parent].add(pod)
+
+    def _drop(self, key: bytes, pod: str) -> None:
+        holders = self._holders.get(key)
+        if holders is not None:
+            holders.discard(pod)
+            if not holders:
+                del self._holders[key]
+
+    def _clear(self, pod: str, state: _Pod) -> None:
+        for key in state.keys.values():
+            self._drop(key, pod)
+        state.keys.clear()
+
+    def forget(self, pod: str) -> None:
+        """The pod left: its cache went with it."""
+        with self._lock:
+            state = self._pods.pop(pod, None)
+            if state is not None:
+                self._clear(pod, state)
+
+    def block_sizes(self) -> set[int]:
+        with self._lock:
+            return {p.block_size for p in self._pods.values() if p.block_size}
+
+    def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        """For each of `pods`, how many of the request's leading tokens it holds (whole pages,
+        consecutive from the start)."""
+        pods = list(pods)
+        out = dict.fromkeys(pods, 0)
+        with self._lock:
+            sizes = {self._pods[p].block_size for p in pods if p in self._pods and self._pods[p].block_size}
+            for size in sizes:
+                alive = {p for p in pods if p in self._pods and self._pods[p].block_size == size}
+                parent = _ROOT
+                for n in range(len(tokens) // size):
+                    parent = _key(parent, tokens[n * size:(n + 1) * size])
+                    alive &= self._holders.get(parent, set())
+                    if not alive:
+                        break
+                    for p in alive:
+                        out[p] = (n + 1) * size
+        return out
+
+    def knows(self, pod: str) -> bool:
+        with self._lock:
+            return pod in self._pods
+
+    def num_keys(self, pod: str) -> int:
+        with self._lock:
+            state = self._pods.get(pod)
+            return len(state.keys) if state else 0
+
+
+class KVEventSubscriber:
+    """One SUB socket per pod, read on a thread; `set_pods` follows discovery."""
+
+    def __init__(self, index: KVIndex, topic: str = "", replay: bool = True, bind: str | None = None):
+        """`bind`: the central layout's address (pods named by their topics); else per pod (`set_pods`)."""
+        self.index = index
+        self.topic = topic.encode()
+        self.replay = replay and bind is None
+        self.bind = bind
+        self._ctx = zmq.Context.instance()
+        self._lock = threading.Lock()
+        self._wanted: dict[str, tuple[str, str | None]] = {}  # pod -> (endpoint, replay endpoint)
+        self._socks: dict[str, zmq.Socket] = {}
+        self._next_seq: dict[str, int] = {}
+        self._stop = threading.Event()
+        self._decode = msgspec.msgpack.Decoder().decode
+        self._central = None
+        if bind is not None:  # bound here, so a taken address is the caller's error (the thread reads it after)
+            self._central = self._ctx.socket(zmq.SUB)
+            self._central.setsockopt(zmq.SUBSCRIBE, self.topic)
+            try:
+                self._central.bind(bind)
+            except zmq.ZMQError as e:
+                self._central.close(linger=0)
+                raise OSError(f"cannot bind the KV events socket to {bind}: {e}") from None
+        self._thread = threading.Thread(target=self._run, name="kv-events-sub", daemon=True)
+        self._thread.start()
+
+    def set_pods(self, pods: dict[str, tuple[str, str | None]]) -> None:
+        """pod -> (its PUB endpoint, its replay endpoint or None)."""
+        with self._lock:
+            self._wanted = dict(pods)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+    def _sync(self, poller: zmq.Poller) -> None:
+        with self._lock:
+            wanted = dict(self._wanted)
+        for pod in [p for p in self._socks if p not in wanted]:
+            sock = self._socks.pop(pod)
+            poller.unregister(sock)
+            sock.close(linger=0)
+            self._next_seq.pop(pod, None)
+            self.index.forget(pod)
+        for pod, (endpoint, _) in wanted.items():
+            if pod not in self._socks:
+                sock = self._ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.SUBSCRIBE, self.topic)
+                sock.connect(endpoint)
+                self._socks[pod] = sock
+                poller.register(sock, zmq.POLLIN)
+                if self.replay:
+                    self._replay(pod, wanted[pod][1], 0)
+
+    def _replay(self, pod: str, endpoint: str | None, start: int) -> None:
+        """Ask the pod's replay endpoint for every batch from `start` (a short wait: the pod
+        may have none yet)."""
+        if endpoint is None:
+            return
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.connect(endpoint)
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big")))
+            while sock.poll(1000):
+                _, seq, payload = sock.recv_multipart()
+                if seq == END_SEQ:
+                    break
+                self._take(pod, int.from_bytes(seq, "big"), payload, replayed=True)
+        except (zmq.ZMQError, ValueError) as e:
+            log.warning("KV events: replay from %s failed: %s", endpoint, e)
+        finally:
+            sock.close(linger=0)
+
+    def _take(self, pod: str, seq: int, payload: bytes, replayed: bool = False) -> None:
+        expected = self._next_seq.get(pod)
+        if expected is not None and seq == 0 < expected:
+            self.index.forget(pod)  # the engine restarted: its numbering and its cache start over
+            expected = None
+        if expected is not None and seq < expected:
+            return  # already applied (a replay overlapping the live stream)
+        if expected is not None and seq > expected and not replayed and self.replay:
+            self._replay(pod, self._wanted.get(pod, (None, None))[1], expected)
+            if self._next_seq.get(pod, 0) > seq:
+                return
+        try:
+            batch = self._decode(payload)
+        except msgspec.DecodeError as e:
+            log.warning("KV events from %s: undecodable batch %d: %s", pod, seq, e)
+            return
+        self.index.apply(pod, batch)
+        self._next_seq[pod] = seq + 1
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        central = self._central
+        if central is not None:
+            poller.register(central, zmq.POLLIN)
+        while not self._stop.is_set():
+            if central is None:
+                self._sync(poller)
+            for sock, _ in poller.poll(100):
+                frames = sock.recv_multipart()
+                if sock is central:
+                    pod = pod_of_topic(frames[0])
+                else:
+                    pod = next((p for p, s in self._socks.items() if s is sock), None)
+                if pod is None or len(frames) != 3 or len(frames[1]) != 8:
+                    continue
+                self._take(pod, int.from_bytes(frames[1], "big"), frames[2])
+        for sock in [*self._socks.values(), *([central] if central is not None else [])]:
+            sock.close(linger=0)
+
+
+def pod_of_topic(topic: bytes) -> str | None:
+    """llm-d's topic `kv@<pod>@<model>` -> `<pod>`."""
+    parts = topic.decode(errors="replace").split("@")
+    return parts[1] if len(parts) >= 3 and parts[0] == "kv" and parts[1] else None
