@@ -27,13 +27,13 @@ import asyncio
 import json
 import logging
 import sys
-from urllib.parse import urlsplit
 
 import httpx
 
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
-from pagoda_engine.router.kv_index import KVEventSubscriber, KVIndex
+from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
+                                           endpoint_of, request_tokens, start_prefix_source)
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.scorer import Candidate, Weights, rank
 
@@ -56,19 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig for --k8s-service outside a cluster")
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=9002, help="gRPC port of ext_proc and health (default 9002)")
-    parser.add_argument("--model", default=None,
-                        help="the engines' model (directory, GGUF file or pagoda-tiny): its tokenizer cuts a "
-                             "request into the pages the KV events name; without it, no prefix scoring")
-    parser.add_argument("--kv-events-port", type=int, default=None,
-                        help="each engine's KV events PUB port (its --kv-events-config endpoint tcp://*:PORT); "
-                             "without it, no prefix scoring")
-    parser.add_argument("--kv-events-replay-port", type=int, default=None,
-                        help="each engine's replay port (replay_endpoint), asked for missed batches")
-    parser.add_argument("--kv-events-bind", default=None, metavar="ADDRESS",
-                        help="instead of --kv-events-port: bind one SUB socket here (e.g. tcp://*:5557) that every "
-                             "engine publishes to (its endpoint tcp://<this service>:5557), each with the topic "
-                             "kv@<its ip or ip:port>@<model> (llm-d's layout)")
-    parser.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (default: all)")
+    add_kv_event_arguments(parser)
     parser.add_argument("--metrics-interval", type=float, default=0.1,
                         help="seconds between polls of each engine's /health and /metrics (default 0.1)")
     parser.add_argument("--queue-limit", type=float, default=128,
@@ -86,10 +74,11 @@ def _validate_args(args: argparse.Namespace) -> None:
     else:
         args.backend_urls = None
         args.k8s_namespace, args.k8s_name = parse_k8s_service(args.k8s_service)
-    for flag in ("port", "kv_events_port", "kv_events_replay_port"):
-        value = getattr(args, flag)
-        if value is not None and not 0 <= value < 65536:
-            raise BackendConfigError(f"--{flag.replace('_', '-')} must be a TCP port, got {value}")
+    if not 0 <= args.port < 65536:
+        raise BackendConfigError(f"--port must be a TCP port, got {args.port}")
+    problem = check_kv_event_arguments(args)
+    if problem is not None:
+        raise BackendConfigError(problem)
     if args.metrics_interval <= 0:
         raise BackendConfigError("--metrics-interval must be > 0")
     if args.queue_limit < 1:
@@ -97,56 +86,13 @@ def _validate_args(args: argparse.Namespace) -> None:
     for flag in ("prefix_weight", "queue_weight", "kv_usage_weight"):
         if getattr(args, flag) < 0:
             raise BackendConfigError(f"--{flag.replace('_', '-')} must be >= 0")
-    if args.kv_events_replay_port is not None and args.kv_events_port is None:
-        raise BackendConfigError("--kv-events-replay-port needs --kv-events-port")
-    if args.kv_events_port is not None and args.kv_events_bind is not None:
-        raise BackendConfigError("--kv-events-port (one socket per engine) and --kv-events-bind (one for all) "
-                                 "exclude each other")
-    if args.kv_events_bind is not None and not args.kv_events_bind.startswith(("tcp://", "ipc://")):
-        raise BackendConfigError(f"--kv-events-bind must be tcp://host:port or ipc://path, got {args.kv_events_bind!r}")
-    events = args.kv_events_port is not None or args.kv_events_bind is not None
-    if events != (args.model is not None):
-        raise BackendConfigError("precise prefix scoring needs both --kv-events-port or --kv-events-bind (where the "
-                                 "engines publish) and --model (the tokenizer that cuts requests into their pages)")
-
-
-def endpoint_of(url: str) -> str:
-    """`http://10.0.0.5:8000` -> `10.0.0.5:8000`, the form the gateway routes to."""
-    parts = urlsplit(url)
-    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
-    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
-
-
-class BadRequest(ValueError):
-    pass
-
-
-def request_tokens(tokenizer, body: dict) -> list[int]:
-    """The request's token ids as the engine forms them: a completion prompt with the tokenizer's
-    special tokens, a chat through the model's template (only the leading pages matter)."""
-    if tokenizer is None:
-        return []
-    if "messages" in body:
-        messages = body["messages"]
-        if not isinstance(messages, list):
-            raise BadRequest("messages must be a list")
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch: the first prompt decides
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
-    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return []
 
 
 class Picker:
     """The decision, apart from gRPC: ready pods, subset, scores."""
 
-    def __init__(self, pool: BackendPool, index: KVIndex | None, tokenizer, weights: Weights, queue_limit: float):
-        self.pool, self.index, self.tokenizer = pool, index, tokenizer
+    def __init__(self, pool: BackendPool, prefixes: PrefixSource | None, weights: Weights, queue_limit: float):
+        self.pool, self.prefixes = pool, prefixes
         self.weights, self.queue_limit = weights, queue_limit
 
     def pick(self, body: dict, subset: list[str] | None) -> list[str]:
@@ -157,13 +103,8 @@ class Picker:
             ready = {e: b for e, b in ready.items() if e in subset}
         if not ready:
             return []
-        tokens = request_tokens(self.tokenizer, body)
-        matched = {}
-        if self.index is not None and tokens:
-            # A pod named by its address alone (llm-d's topic kv@<pod ip>@...) holds what its ip does.
-            keys = {e: e if self.index.knows(e) else e.rpartition(":")[0] for e in ready}
-            by_key = self.index.matched_tokens(tokens, set(keys.values()))
-            matched = {e: by_key.get(k, 0) for e, k in keys.items()}
+        tokens = request_tokens(self.prefixes.tokenizer, body) if self.prefixes is not None else []
+        matched = self.prefixes.matched(tokens, ready) if tokens else {}
         candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
                                 matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
         return rank(candidates, len(tokens), self.weights, self.queue_limit)
@@ -296,42 +237,14 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     client = httpx.AsyncClient(timeout=httpx.Timeout(2.0))
     pool = BackendPool(client, metrics, poll_interval=args.metrics_interval,
                        poll_timeout=max(0.5, args.metrics_interval * 5), api_key=args.backend_api_key)
-    index = subscriber = tokenizer = None
-    if args.kv_events_bind is not None:
-        from pagoda_engine.model_path import resolve_model_path
-        from pagoda_engine.tokenizer_files import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_model_path(args.model))
-        index = KVIndex()
-        subscriber = KVEventSubscriber(index, args.kv_events_topic, bind=args.kv_events_bind)
-
-        def follow(urls: list[str]) -> None:
-            pass
-    elif args.kv_events_port is not None:
-        from pagoda_engine.model_path import resolve_model_path
-        from pagoda_engine.tokenizer_files import load_tokenizer
-
-        tokenizer = load_tokenizer(resolve_model_path(args.model))
-        index = KVIndex()
-        subscriber = KVEventSubscriber(index, args.kv_events_topic, replay=args.kv_events_replay_port is not None)
-
-        def follow(urls: list[str]) -> None:
-            pods = {}
-            for url in urls:
-                host = urlsplit(url).hostname
-                host = f"[{host}]" if ":" in host else host
-                replay = f"tcp://{host}:{args.kv_events_replay_port}" if args.kv_events_replay_port else None
-                pods[endpoint_of(url)] = (f"tcp://{host}:{args.kv_events_port}", replay)
-            subscriber.set_pods(pods)
-    else:
-        def follow(urls: list[str]) -> None:
-            pass
+    prefixes = start_prefix_source(args)
+    follow = prefixes.follow if prefixes is not None else (lambda urls: None)
 
     def set_urls(urls: list[str]) -> None:
         pool.set_urls(urls)
         follow(urls)
 
-    picker = Picker(pool, index, tokenizer, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
+    picker = Picker(pool, prefixes, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
                     args.queue_limit)
     servicer, add = build_servicer(picker)
     server = grpc.aio.server()
@@ -366,8 +279,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
         poller.cancel()
         if watcher is not None:
             watcher.stop()
-        if subscriber is not None:
-            subscriber.close()
+        if prefixes is not None:
+            prefixes.close()
         await server.stop(grace=5)
         await client.aclose()
 

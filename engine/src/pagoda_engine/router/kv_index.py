@@ -25,8 +25,10 @@ import hashlib
 import logging
 import threading
 from collections import defaultdict
+import argparse
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
+from urllib.parse import urlsplit
 
 import msgspec
 import numpy as np
@@ -288,3 +290,117 @@ def pod_of_topic(topic: bytes) -> str | None:
     """llm-d's topic `kv@<pod>@<model>` -> `<pod>`."""
     parts = topic.decode(errors="replace").split("@")
     return parts[1] if len(parts) >= 3 and parts[0] == "kv" and parts[1] else None
+
+
+# --- what `pagoda epp` and `pagoda route` share ----------------------------------------------
+
+def endpoint_of(url: str) -> str:
+    """`http://10.0.0.5:8000` -> `10.0.0.5:8000`: how the gateway names a pod, and the index too."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+    return f"{host}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+
+
+def add_kv_event_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="the engines' model (directory, GGUF file or pagoda-tiny): its tokenizer cuts a "
+                             "request into the pages the KV events name; needs --kv-events-port or --kv-events-bind")
+    parser.add_argument("--kv-events-port", type=int, default=None,
+                        help="precise prefix routing: each engine's KV events PUB port (its --kv-events-config "
+                             "endpoint tcp://*:PORT), one socket per engine")
+    parser.add_argument("--kv-events-replay-port", type=int, default=None,
+                        help="each engine's KV events replay port (replay_endpoint), asked for missed batches")
+    parser.add_argument("--kv-events-bind", default=None, metavar="ADDRESS",
+                        help="instead of --kv-events-port: bind one SUB socket here (e.g. tcp://*:5557) that every "
+                             "engine publishes to (its endpoint tcp://<this service>:5557), each with the topic "
+                             "kv@<its ip or ip:port>@<model> (llm-d's layout)")
+    parser.add_argument("--kv-events-topic", default="", help="the engines' KV events topic prefix (default: all)")
+
+
+def check_kv_event_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the KV-event flags (a message naming the flag), or None."""
+    for flag in ("kv_events_port", "kv_events_replay_port"):
+        value = getattr(args, flag)
+        if value is not None and not 0 < value < 65536:
+            return f"--{flag.replace('_', '-')} must be a TCP port, got {value}"
+    if args.kv_events_replay_port is not None and args.kv_events_port is None:
+        return "--kv-events-replay-port needs --kv-events-port"
+    if args.kv_events_port is not None and args.kv_events_bind is not None:
+        return "--kv-events-port (one socket per engine) and --kv-events-bind (one for all) exclude each other"
+    if args.kv_events_bind is not None and not args.kv_events_bind.startswith(("tcp://", "ipc://")):
+        return f"--kv-events-bind must be tcp://host:port or ipc://path, got {args.kv_events_bind!r}"
+    events = args.kv_events_port is not None or args.kv_events_bind is not None
+    if events != (args.model is not None):
+        return ("precise prefix routing needs both --kv-events-port or --kv-events-bind (where the engines "
+                "publish) and --model (the tokenizer that cuts requests into their pages)")
+    return None
+
+
+@dataclass
+class PrefixSource:
+    """The index, its subscriber and the tokenizer: what precise prefix routing reads."""
+
+    index: KVIndex
+    subscriber: KVEventSubscriber
+    tokenizer: Any
+    follow: Callable[[list[str]], None]  # the engines' URLs, as discovery sees them
+
+    def matched(self, tokens: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+        """endpoint (`ip:port`) -> leading tokens it holds. A pod named by its address alone
+        (llm-d's topic kv@<pod ip>@...) holds what its ip does."""
+        keys = {e: e if self.index.knows(e) else e.rpartition(":")[0] for e in endpoints}
+        by_key = self.index.matched_tokens(tokens, set(keys.values()))
+        return {e: by_key.get(k, 0) for e, k in keys.items()}
+
+    def close(self) -> None:
+        self.subscriber.close()
+
+
+def start_prefix_source(args: argparse.Namespace) -> PrefixSource | None:
+    """From checked flags (`check_kv_event_arguments`): None without KV events."""
+    if args.kv_events_port is None and args.kv_events_bind is None:
+        return None
+    from pagoda_engine.model_path import resolve_model_path
+    from pagoda_engine.tokenizer_files import load_tokenizer
+
+    tokenizer = load_tokenizer(resolve_model_path(args.model))
+    index = KVIndex()
+    if args.kv_events_bind is not None:
+        subscriber = KVEventSubscriber(index, args.kv_events_topic, bind=args.kv_events_bind)
+        return PrefixSource(index, subscriber, tokenizer, lambda urls: None)
+    subscriber = KVEventSubscriber(index, args.kv_events_topic, replay=args.kv_events_replay_port is not None)
+
+    def follow(urls: list[str]) -> None:
+        pods = {}
+        for url in urls:
+            host = endpoint_of(url).rpartition(":")[0]
+            replay = f"tcp://{host}:{args.kv_events_replay_port}" if args.kv_events_replay_port else None
+            pods[endpoint_of(url)] = (f"tcp://{host}:{args.kv_events_port}", replay)
+        subscriber.set_pods(pods)
+
+    return PrefixSource(index, subscriber, tokenizer, follow)
+
+
+class BadRequest(ValueError):
+    pass
+
+
+def request_tokens(tokenizer, body: dict) -> list[int]:
+    """The request's token ids as the engine forms them: a completion prompt with the tokenizer's
+    special tokens, a chat through the model's template (only the leading pages matter)."""
+    if tokenizer is None:
+        return []
+    if "messages" in body:
+        messages = body["messages"]
+        if not isinstance(messages, list):
+            raise BadRequest("messages must be a list")
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch: the first prompt decides
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        return prompt
+    return []
