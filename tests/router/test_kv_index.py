@@ -1,0 +1,59 @@
+"""The KV-event index and the scorer, driven directly: pages keyed by their tokens whatever the
+engine's hashes, removals and clears, both wire layouts of vLLM's events, a store whose parent is
+unknown, and the ranking's three parts."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pagoda_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagoda_engine.router.kv_index import KVIndex, pod_of_topic
+from pagoda_engine.router.scorer import Candidate, rank
+
+BS = 4
+
+
+def _stored(hashes, parent, tokens):
+    return BlockStored(block_hashes=hashes, parent_block_hash=parent, token_ids=tokens, block_size=BS, lora_id=None,
+                       medium="GPU", lora_name=None)
+
+
+def _wire(*events) -> list:
+    """What a subscriber decodes off the wire (untyped), as the index gets it."""
+    return msgspec.msgpack.decode(msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=list(events))))
+
+
+def test_pages_are_keyed_by_their_tokens_not_the_engines_hashes():
+    index = KVIndex()
+    tokens = list(range(1, 13))
+    index.apply("a", _wire(_stored([11, 12], None, tokens[:8]), _stored([13], 12, tokens[8:])))
+    index.apply("b", _wire(_stored([901, 902], None, tokens[:8])))  # other hashes, same tokens
+    assert index.matched_tokens(tokens + [99], ["a", "b", "c"]) == {"a": 12, "b": 8, "c": 0}
+    assert index.matched_tokens([0] + tokens, ["a", "b"]) == {"a": 0, "b": 0}  # a prefix, not a substring
+    index.apply("a", _wire(BlockRemoved(block_hashes=[12], medium="GPU")))
+    assert index.matched_tokens(tokens, ["a"]) == {"a": 4}  # the chain breaks at the removed page
+    index.apply("b", _wire(AllBlocksCleared()))
+    assert index.matched_tokens(tokens, ["b"]) == {"b": 0}
+
+
+def test_the_older_array_layout_and_other_media_and_unknown_parents():
+    index = KVIndex()
+    legacy = [1.0, [["BlockStored", [5], None, [1, 2, 3, 4], BS, None, "GPU", None]], 0]
+    index.apply("a", legacy)
+    assert index.matched_tokens([1, 2, 3, 4], ["a"]) == {"a": 4}
+    index.apply("a", _wire(BlockStored(block_hashes=[6], parent_block_hash=5, token_ids=[5, 6, 7, 8], block_size=BS,
+                                       lora_id=None, medium="CPU", lora_name=None)))
+    assert index.matched_tokens(list(range(1, 9)), ["a"]) == {"a": 4}  # an offload tier's copy is no device hit
+    index.apply("b", _wire(_stored([7], 999, [5, 6, 7, 8])))  # its parent never seen: cannot be placed
+    assert index.num_keys("b") == 0
+    assert pod_of_topic(b"kv@10.0.0.5@llama") == "10.0.0.5" and pod_of_topic(b"other") is None
+
+
+def test_rank_weighs_prefix_queue_and_kv_usage_and_puts_a_full_queue_last():
+    holder = Candidate("a", waiting=1, matched_tokens=96)
+    idle = Candidate("b", waiting=0)
+    assert rank([idle, holder], 100) == ["a", "b"]  # the prefix outweighs one waiting request
+    assert rank([Candidate("a", waiting=200, matched_tokens=100), idle], 100) == ["b", "a"]
+    assert rank([Candidate("a", kv_usage=0.9), Candidate("b", kv_usage=0.1)], 0) == ["b", "a"]
+    assert rank([Candidate("b"), Candidate("a")], 0) == ["a", "b"]  # ties: stable by name
+    assert rank([], 10) == []
