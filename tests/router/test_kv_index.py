@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pagoda_engine.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
+from pagoda_engine.kv_event_wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from pagoda_engine.router.kv_index import KVIndex, pod_of_topic
 from pagoda_engine.router.scorer import Candidate, rank
 

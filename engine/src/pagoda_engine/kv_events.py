@@ -15,8 +15,8 @@ low 64 bits of the page's chained hash, unsigned. The replay endpoint is a ROUTE
 sends `(b"", start_seq as 8 bytes)` and gets every buffered batch from there as
 `(b"", seq, payload)`, then `(b"", -1 as 8 signed bytes, b"")`.
 
-Torch-free: the config is checked on the command line, the structs are shared by the engine core
-(which publishes) and the router's Endpoint Picker (which subscribes).
+Torch- and msgspec-free (the operator reads the config's flag): the wire structs are in
+`kv_event_wire`.
 """
 
 from __future__ import annotations
@@ -25,12 +25,7 @@ import json
 from dataclasses import dataclass, fields
 from typing import Any
 
-import msgspec
-
 from pagoda_engine.errors import PagodaError
-
-MEDIUM_GPU = "GPU"
-
 
 class InvalidKVEventsConfigError(PagodaError, ValueError):
     """A KV events config that names an unknown field or a value Pagoda cannot honour."""
@@ -119,47 +114,3 @@ def endpoint_for_rank(endpoint: str | None, data_parallel_rank: int) -> str | No
         base, _, port = endpoint.rpartition(":")
         return f"{base}:{int(port) + data_parallel_rank}"
     return endpoint
-
-
-def block_hash_int(page_hash: bytes) -> int:
-    """vLLM's integer form of a block hash: the low 64 bits, unsigned."""
-    return int.from_bytes(page_hash[-8:], "big")
-
-
-# --- the wire structs (vLLM's, field for field) ----------------------------------------------
-
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """An event: a msgpack map, its `type` the class name."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None  # per block: the keys its hash took besides tokens
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
-    data_parallel_rank: int | None = None
-
-
-END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message

@@ -30,6 +30,8 @@ import sys
 
 import httpx
 
+from pagoda_engine import envs
+from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
@@ -64,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-weight", type=float, default=Weights.prefix)
     parser.add_argument("--queue-weight", type=float, default=Weights.queue)
     parser.add_argument("--kv-usage-weight", type=float, default=Weights.kv_usage)
-    parser.add_argument("--backend-api-key", default=None, help="the engines' key, sent on every poll")
+    parser.add_argument("--backend-api-key", default=None,
+                        help="the engines' key (their --api-key or PAGODA_API_KEY): sent on every poll, and set as "
+                             "`Authorization: Bearer` on every request routed to them (default: PAGODA_BACKEND_API_KEY)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -74,6 +78,10 @@ def _validate_args(args: argparse.Namespace) -> None:
     else:
         args.backend_urls = None
         args.k8s_namespace, args.k8s_name = parse_k8s_service(args.k8s_service)
+    if args.backend_api_key is None:
+        args.backend_api_key = envs.backend_api_key()
+    elif not args.backend_api_key.strip():
+        raise BackendConfigError("--backend-api-key is empty: give the engines' key, or leave the flag out")
     if not 0 <= args.port < 65536:
         raise BackendConfigError(f"--port must be a TCP port, got {args.port}")
     problem = check_kv_event_arguments(args)
@@ -91,8 +99,9 @@ def _validate_args(args: argparse.Namespace) -> None:
 class Picker:
     """The decision, apart from gRPC: ready pods, subset, scores."""
 
-    def __init__(self, pool: BackendPool, prefixes: PrefixSource | None, weights: Weights, queue_limit: float):
-        self.pool, self.prefixes = pool, prefixes
+    def __init__(self, pool: BackendPool, prefixes: PrefixSource | None, weights: Weights, queue_limit: float,
+                 backend_api_key: str | None = None):
+        self.pool, self.prefixes, self.backend_api_key = pool, prefixes, backend_api_key
         self.weights, self.queue_limit = weights, queue_limit
 
     def pick(self, body: dict, subset: list[str] | None) -> list[str]:
@@ -141,10 +150,16 @@ def build_servicer(picker: Picker):
             headers=pb.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
                 header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])))
 
+    # The engines' key, presented on every request routed to them (their --api-key / PAGODA_API_KEY):
+    # the gateway holds none. The client's own Authorization header is replaced, never passed on.
+    key_headers = [base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(
+        key="authorization", raw_value=f"Bearer {picker.backend_api_key}".encode()))] if picker.backend_api_key else []
+
     def common(endpoints: list[str]) -> pb.CommonResponse:
         value = ",".join(endpoints)
         return pb.CommonResponse(clear_route_cache=True, header_mutation=pb.HeaderMutation(set_headers=[
-            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode()))]))
+            base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=DESTINATION, raw_value=value.encode())),
+            *key_headers]))
 
     def metadata(endpoints: list[str]) -> struct_pb2.Struct:
         out = struct_pb2.Struct()
@@ -245,7 +260,7 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
         follow(urls)
 
     picker = Picker(pool, prefixes, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
-                    args.queue_limit)
+                    args.queue_limit, args.backend_api_key)
     servicer, add = build_servicer(picker)
     server = grpc.aio.server()
     add(servicer, server)
@@ -290,7 +305,7 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         _validate_args(args)
-    except BackendConfigError as e:
+    except (BackendConfigError, InvalidEnvironmentError) as e:
         print(f"pagoda epp: error: {e}", file=sys.stderr)
         return 2
     try:

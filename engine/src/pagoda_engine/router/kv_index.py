@@ -34,7 +34,7 @@ import msgspec
 import numpy as np
 import zmq
 
-from pagoda_engine.kv_events import END_SEQ
+from pagoda_engine.kv_event_wire import END_SEQ
 
 log = logging.getLogger("pagoda.router")
 

@@ -19,8 +19,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from pagoda_engine.kv_events import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
-                                     block_hash_int)
+from pagoda_engine.kv_event_wire import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+                                         block_hash_int)
 
 NULL_PAGE_ID = 0
 

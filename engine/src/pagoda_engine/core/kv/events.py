@@ -18,7 +18,8 @@ from itertools import count
 import msgspec
 import zmq
 
-from pagoda_engine.kv_events import END_SEQ, KVCacheEvent, KVEventBatch, KVEventsConfig, endpoint_for_rank
+from pagoda_engine.kv_event_wire import END_SEQ, KVCacheEvent, KVEventBatch
+from pagoda_engine.kv_events import KVEventsConfig, endpoint_for_rank
 
 logger = logging.getLogger(__name__)
 
