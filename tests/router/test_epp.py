@@ -20,10 +20,10 @@ MODEL = "pagoda-tiny"
 QUEUE_LIMIT = 3
 
 
-def _epp(tmp_path, backends: list[str], *extra: str):
+def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
     port = free_port()
     proc = start_pagoda(["epp", "--host", "127.0.0.1", "--port", str(port), "--backends", ",".join(backends),
-                         "--metrics-interval", "0.1", *extra], tmp_path / f"epp-{port}.log")
+                         "--metrics-interval", "0.1", *extra], tmp_path / f"epp-{port}.log", env=env)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
     def ready():
@@ -158,6 +158,20 @@ def test_no_ready_endpoint_is_a_503(cluster):
     try:
         pick = ext_proc(channel, {"model": MODEL, "prompt": "anyone?"})
         assert pick.status == 503 and pick.header is None
+    finally:
+        channel.close()
+        proc.stop()
+
+
+def test_the_engines_key_is_set_on_the_routed_request(cluster):
+    """The gateway holds no key: the picker presents the engines' own (the operator's internal key)."""
+    proc, channel = _epp(cluster["tmp"], cluster["urls"], env={"PAGODA_BACKEND_API_KEY": "engine-key"})
+    try:
+        pick = ext_proc(channel, {"model": MODEL, "prompt": "with a key"})
+        headers = {o.header.key: o.header.raw_value for r in pick.responses
+                   for o in r.request_body.response.header_mutation.set_headers}
+        assert headers["authorization"] == b"Bearer engine-key"
+        assert pick.endpoints[0] in cluster["endpoints"]
     finally:
         channel.close()
         proc.stop()
