@@ -177,6 +177,52 @@ def test_the_engines_key_is_set_on_the_routed_request(cluster):
         proc.stop()
 
 
+def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster):
+    """Flow control over one engine (the subset): while its queue is full, requests are held, then
+    released highest objective first whatever their arrival order."""
+    engine = cluster["endpoints"][0]
+    proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
+                         "--objective", "interactive=10", "--objective", "batch=0")
+    done: list[str] = []
+    try:
+        def long_request():
+            httpx.post(f"http://{engine}/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": "busy", "max_tokens": 400, "min_tokens": 400, "ignore_eos": True})
+
+        busy = [threading.Thread(target=long_request) for _ in range(4)]  # one runs, three wait (--max-num-seqs 1)
+        for t in busy:
+            t.start()
+
+        def wait_until_saturated():
+            return float(httpx.get(f"http://{engine}/metrics", timeout=5).text.split(
+                "pagoda:num_requests_waiting{")[1].split("} ")[1].split()[0]) >= 1
+
+        until(wait_until_saturated, 30, "the engine's queue to fill")
+
+        def held(name: str, objective: str, fairness: str):
+            pick = ext_proc(channel, {"model": MODEL, "prompt": name}, subset=[engine], timeout=120,
+                            headers={"x-llm-d-inference-objective": objective,
+                                     "x-llm-d-inference-fairness-id": fairness})
+            assert pick.status is None and pick.endpoints == [engine], pick.immediate_body
+            done.append(name)
+
+        callers = []
+        for name, objective, fairness in (("batch-1", "batch", "a"), ("batch-2", "batch", "b"),
+                                          ("interactive-1", "interactive", "a"), ("interactive-2", "interactive", "b")):
+            callers.append(threading.Thread(target=held, args=(name, objective, fairness)))
+            callers[-1].start()
+            time.sleep(0.1)
+        assert done == []  # all held while the engine's queue is full
+        for t in callers:
+            t.join(timeout=180)
+        for t in busy:
+            t.join()
+    finally:
+        channel.close()
+        proc.stop()
+    assert done[:2] == ["interactive-1", "interactive-2"] and sorted(done[2:]) == ["batch-1", "batch-2"], done
+
+
 def test_bad_flags_exit_2_naming_the_flag(cluster):
     for flags, says in ((["--backends", "http://127.0.0.1:1", "--kv-events-port", "5557"], "--model"),
                         (["--backends", "ftp://x"], "scheme"),

@@ -34,6 +34,7 @@ from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
+from pagoda_engine.router.flow_control import GO, FlowControl
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
                                            endpoint_of, request_tokens, start_prefix_source)
 from pagoda_engine.router.metrics import RouterMetrics
@@ -63,6 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds between polls of each engine's /health and /metrics (default 0.1)")
     parser.add_argument("--queue-limit", type=float, default=128,
                         help="an engine with this many waiting requests is passed over while another has fewer")
+    parser.add_argument("--flow-control-queue", type=int, default=0,
+                        help="flow control: hold up to this many requests while every pod they may go to has "
+                             "--queue-limit waiting, released by priority, fair between fairness ids; beyond it, "
+                             "shed the lowest priority with 429 (default 0: off, a saturated pool still gets them)")
+    parser.add_argument("--flow-control-timeout", type=float, default=30.0,
+                        help="seconds a request is held at most before it is shed with 429 (default 30)")
+    parser.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                        help="an InferenceObjective's priority, for requests naming it in x-llm-d-inference-objective "
+                             "(repeatable; unnamed or unknown objectives: priority 0)")
     parser.add_argument("--prefix-weight", type=float, default=Weights.prefix)
     parser.add_argument("--queue-weight", type=float, default=Weights.queue)
     parser.add_argument("--kv-usage-weight", type=float, default=Weights.kv_usage)
@@ -87,6 +97,21 @@ def _validate_args(args: argparse.Namespace) -> None:
     problem = check_kv_event_arguments(args)
     if problem is not None:
         raise BackendConfigError(problem)
+    if args.flow_control_queue < 0:
+        raise BackendConfigError("--flow-control-queue must be >= 0")
+    if args.flow_control_timeout <= 0:
+        raise BackendConfigError("--flow-control-timeout must be > 0")
+    args.objectives = {}
+    for item in args.objective:
+        name, eq, priority = item.partition("=")
+        try:
+            args.objectives[name.strip()] = int(priority)
+        except ValueError:
+            raise BackendConfigError(f"--objective {item!r}: expected NAME=PRIORITY with a whole number") from None
+        if not eq or not name.strip():
+            raise BackendConfigError(f"--objective {item!r}: expected NAME=PRIORITY")
+    if args.objectives and not args.flow_control_queue:
+        raise BackendConfigError("--objective orders held requests: it needs --flow-control-queue > 0")
     if args.metrics_interval <= 0:
         raise BackendConfigError("--metrics-interval must be > 0")
     if args.queue_limit < 1:
@@ -103,13 +128,27 @@ class Picker:
                  backend_api_key: str | None = None):
         self.pool, self.prefixes, self.backend_api_key = pool, prefixes, backend_api_key
         self.weights, self.queue_limit = weights, queue_limit
+        self.sent: dict[str, int] = {}  # requests placed on each pod since its last scrape
 
-    def pick(self, body: dict, subset: list[str] | None) -> list[str]:
-        """Ready endpoints (`ip:port`) best first; [] when none is eligible."""
+    def _eligible(self, body: dict, subset: list[str] | None) -> dict:
         model = body.get("model")
         ready = {endpoint_of(b.url): b for b in self.pool.ready(model if isinstance(model, str) else None)}
         if subset is not None:
             ready = {e: b for e, b in ready.items() if e in subset}
+        return ready
+
+    def has_room(self, body: dict, subset: list[str] | None) -> bool:
+        """Whether some pod the request may go to is under --queue-limit, counting what was placed
+        on it since its last scrape (no pod at all: not a wait, the request gets its 503)."""
+        ready = self._eligible(body, subset)
+        return not ready or any(b.waiting + self.sent.get(e, 0) < self.queue_limit for e, b in ready.items())
+
+    def polled(self) -> None:
+        self.sent.clear()
+
+    def pick(self, body: dict, subset: list[str] | None) -> list[str]:
+        """Ready endpoints (`ip:port`) best first; [] when none is eligible."""
+        ready = self._eligible(body, subset)
         if not ready:
             return []
         tokens = request_tokens(self.prefixes.tokenizer, body) if self.prefixes is not None else []
@@ -119,6 +158,7 @@ class Picker:
         return rank(candidates, len(tokens), self.weights, self.queue_limit)
 
     def started(self, endpoint: str) -> None:
+        self.sent[endpoint] = self.sent.get(endpoint, 0) + 1
         backend = self._backend(endpoint)
         if backend is not None:
             backend.in_flight += 1
@@ -132,7 +172,10 @@ class Picker:
         return next((b for b in self.pool.backends.values() if endpoint_of(b.url) == endpoint), None)
 
 
-def build_servicer(picker: Picker):
+OBJECTIVE_HEADER, FAIRNESS_HEADER = "x-llm-d-inference-objective", "x-llm-d-inference-fairness-id"
+
+
+def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: dict[str, int] | None = None):
     """The ext_proc servicer (imports Envoy's generated API here: only `pagoda epp` needs it)."""
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -175,15 +218,17 @@ def build_servicer(picker: Picker):
 
     class ExternalProcessor(pb_grpc.ExternalProcessorServicer):
         async def Process(self, requests, context):
-            subset, body, duplex, endpoint = None, bytearray(), False, None
+            subset, body, duplex, endpoint, headers = None, bytearray(), False, None, {}
             try:
                 async for request in requests:
                     which = request.WhichOneof("request")
                     if which == "request_headers":
                         subset = subset_of(request)
+                        headers = {h.key.lower(): (h.raw_value.decode(errors="replace") if h.raw_value else h.value)
+                                   for h in request.request_headers.headers.headers}
                         duplex = request.protocol_config.request_body_mode == duplex_mode
                         if request.request_headers.end_of_stream:  # no body: pick on load alone
-                            answer, endpoint = decide(b"", subset)
+                            answer, endpoint = await decide(b"", subset, headers)
                             if answer.HasField("immediate_response"):
                                 yield answer
                                 return
@@ -195,7 +240,7 @@ def build_servicer(picker: Picker):
                         body += request.request_body.body
                         if not request.request_body.end_of_stream:
                             continue
-                        answer, endpoint = decide(bytes(body), subset)
+                        answer, endpoint = await decide(bytes(body), subset, headers)
                         if answer.HasField("immediate_response"):
                             yield answer
                             return
@@ -226,18 +271,34 @@ def build_servicer(picker: Picker):
                 if endpoint:
                     picker.ended(endpoint[0])
 
-    def decide(raw: bytes, subset: list[str] | None) -> tuple[pb.ProcessingResponse, list[str] | None]:
+    async def decide(raw: bytes, subset: list[str] | None,
+                     headers: dict[str, str]) -> tuple[pb.ProcessingResponse, list[str] | None]:
         try:
             body = json.loads(raw) if raw else {}
             if not isinstance(body, dict):
                 raise BadRequest("the request body must be a JSON object")
-            endpoints = picker.pick(body, subset)
         except (ValueError, BadRequest) as e:
             return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
+        if flow is not None and (len(flow) or not picker.has_room(body, subset)):
+            priority = (objectives or {}).get(headers.get(OBJECTIVE_HEADER, ""), 0)
+            outcome = await flow.admit(priority, headers.get(FAIRNESS_HEADER, ""),
+                                       lambda: picker.has_room(body, subset))
+            if outcome != GO:
+                return immediate(429, f"every endpoint is saturated; the request was {outcome} (priority {priority})",
+                                 "rate_limit_exceeded"), None
+        try:
+            endpoints = picker.pick(body, subset)
+        except (ValueError, BadRequest) as e:
+            if flow is not None:
+                flow.wake()
+            return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
+        if endpoints:
+            picker.started(endpoints[0])
+        if flow is not None:
+            flow.wake()  # this one is placed (or refused): the next held one may go
         if not endpoints:
             where = "of the gateway's subset " if subset is not None else ""
             return immediate(503, f"no ready endpoint {where}to serve the request", "service_unavailable"), None
-        picker.started(endpoints[0])
         log.debug("picked %s", endpoints)
         return pb.ProcessingResponse(), endpoints
 
@@ -261,7 +322,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
 
     picker = Picker(pool, prefixes, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
                     args.queue_limit, args.backend_api_key)
-    servicer, add = build_servicer(picker)
+    flow = FlowControl(args.flow_control_queue, args.flow_control_timeout) if args.flow_control_queue else None
+    servicer, add = build_servicer(picker, flow, args.objectives)
     server = grpc.aio.server()
     add(servicer, server)
     health_servicer = health.aio.HealthServicer()
@@ -283,7 +345,16 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     # Synced: the pods' state is known (the datastore of the protocol's readiness).
     for name in ("readiness", EXT_PROC_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    poller = asyncio.create_task(pool.run(fast_interval=args.metrics_interval))
+    async def poll() -> None:
+        # Each scrape replaces what was counted since the last one; held requests may then fit.
+        while True:
+            await asyncio.sleep(args.metrics_interval)
+            await pool.poll_all()
+            picker.polled()
+            if flow is not None:
+                flow.wake()
+
+    poller = asyncio.create_task(poll())
     log.info("endpoint picker on %s:%d over %s", args.host, args.port,
              ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}")
     if ready is not None:
