@@ -57,3 +57,31 @@ def test_rank_weighs_prefix_queue_and_kv_usage_and_puts_a_full_queue_last():
     assert rank([Candidate("a", kv_usage=0.9), Candidate("b", kv_usage=0.1)], 0) == ["b", "a"]
     assert rank([Candidate("b"), Candidate("a")], 0) == ["a", "b"]  # ties: stable by name
     assert rank([], 10) == []
+
+
+def test_the_cached_tokenizer_gives_the_whole_texts_ids():
+    """Cut where the pre-tokenizer cuts anyway, the pieces' ids are the whole text's: checked on the
+    built-in tiny model's tokenizer and on the default model's (SmolLM2), over texts of many kinds."""
+    import numpy as np
+    import pytest
+
+    from pagoda_engine.model_path import resolve_model_path
+    from pagoda_engine.router.kv_index import CachedTokenizer
+    from pagoda_engine.tokenizer_files import load_tokenizer
+
+    for model in ("pagoda-tiny", None):
+        try:
+            tokenizer = load_tokenizer(resolve_model_path(model))
+        except Exception as e:  # the default model's package is not installed here
+            pytest.skip(f"no tokenizer for {model}: {e}")
+        cached = CachedTokenizer(tokenizer, chunk_chars=64)
+        rng = np.random.default_rng(1)
+        texts = [tokenizer.decode(rng.integers(50, min(len(tokenizer), 30000), size=600).tolist()) for _ in range(5)]
+        texts += [" ".join(["Hello, world! It's 2026: ünïcode, 東京, \n\ttabs and  spaces."] * 40)]
+        for text in texts:
+            for special in (True, False):
+                whole = list(tokenizer.encode(text, add_special_tokens=special))
+                assert cached.encode(text, add_special_tokens=special) == whole
+                assert cached.encode(text, add_special_tokens=special) == whole  # from the cache
+        if model is None:
+            assert cached.exact  # a byte-level BPE: the pieces are cached

@@ -42,7 +42,7 @@ def run_epp_decision(args: argparse.Namespace) -> dict:
     from pagoda_engine.model_path import resolve_model_path
     from pagoda_engine.router.backends import Backend, BackendPool
     from pagoda_engine.router.epp import Picker
-    from pagoda_engine.router.kv_index import KVIndex, PrefixSource
+    from pagoda_engine.router.kv_index import CachedTokenizer, KVIndex, PrefixSource
     from pagoda_engine.router.metrics import RouterMetrics
     from pagoda_engine.router.scorer import Weights
     from pagoda_engine.tokenizer_files import load_tokenizer
@@ -76,7 +76,9 @@ def run_epp_decision(args: argparse.Namespace) -> dict:
         return pool
 
     pool = asyncio.run(make_pool())
-    picker = Picker(pool, PrefixSource(index, None, tokenizer, lambda urls: None), Weights(), 128.0)
+    cached = CachedTokenizer(tokenizer)
+    print(f"tokenizer: {type(tokenizer).__name__}, pieces cached: {cached.exact}")
+    picker = Picker(pool, PrefixSource(index, None, cached, lambda urls: None), Weights(), 128.0)
     num = int(args.rate * args.seconds)
     bodies = [json.dumps({"model": "m", "prompt": texts[int(rng.integers(args.tenants))] + f" question {i}?" * 8,
                           "max_tokens": 64}).encode() for i in range(min(num, 2000))]
