@@ -85,3 +85,50 @@ def test_the_cached_tokenizer_gives_the_whole_texts_ids():
                 assert cached.encode(text, add_special_tokens=special) == whole  # from the cache
         if model is None:
             assert cached.exact  # a byte-level BPE: the pieces are cached
+
+
+def test_the_served_endpoint_moves_the_in_flight_count():
+    """The gateway reports the endpoint that answered (x-gateway-destination-endpoint-served in the
+    response's metadata): after a fallback, the picker counts the request on that pod."""
+    import asyncio
+    import json
+
+    import httpx
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+    from google.protobuf import struct_pb2
+
+    from pagoda_engine.router.backends import Backend, BackendPool
+    from pagoda_engine.router.epp import Picker, build_servicer
+    from pagoda_engine.router.metrics import RouterMetrics
+    from pagoda_engine.router.scorer import Weights
+
+    async def scenario():
+        pool = BackendPool(httpx.AsyncClient(), RouterMetrics())
+        for host in ("10.0.0.1", "10.0.0.2"):
+            pool.backends[f"http://{host}:8000"] = Backend(f"http://{host}:8000", ready=True)
+        picker = Picker(pool, None, Weights(), 128.0)
+        servicer, _ = build_servicer(picker)
+        served = struct_pb2.Struct()
+        served.update({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"})
+        metadata = base_pb2.Metadata()
+        metadata.filter_metadata["envoy.lb"].CopyFrom(served)
+        counts = []
+
+        async def requests():
+            yield pb.ProcessingRequest(request_headers=pb.HttpHeaders(end_of_stream=False))
+            yield pb.ProcessingRequest(request_body=pb.HttpBody(body=json.dumps({"prompt": "x"}).encode(),
+                                                                 end_of_stream=True))
+            counts.append({b.url: b.in_flight for b in pool.backends.values()})
+            yield pb.ProcessingRequest(response_headers=pb.HttpHeaders(), metadata_context=metadata)
+            counts.append({b.url: b.in_flight for b in pool.backends.values()})
+
+        answers = [a async for a in servicer.Process(requests(), None)]
+        counts.append({b.url: b.in_flight for b in pool.backends.values()})
+        return answers, counts
+
+    answers, counts = asyncio.run(scenario())
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body", "response_headers"]
+    assert counts[0] == {"http://10.0.0.1:8000": 1, "http://10.0.0.2:8000": 0}  # picked: ties go by name
+    assert counts[1] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 1}  # the fallback answered
+    assert counts[2] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 0}  # the stream ended

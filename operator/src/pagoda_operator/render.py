@@ -352,14 +352,11 @@ def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
 
 
 def epp_model(spec: InferenceServiceSpec) -> str | None:
-    """The model whose tokenizer the Endpoint Picker loads to cut requests into pages, where it can
-    reach it without downloading the model: the built-in tiny one and a path in the image or on
-    the node (file://); None for hf://, s3:// and pvc:// (then it scores by load alone)."""
-    if spec.model.builtin_tiny:
-        return BUILTIN_TINY_MODEL
-    if spec.model.uri is not None and spec.model.uri.startswith("file://"):
-        return model_path(spec)
-    return None
+    """The model whose tokenizer the Endpoint Picker loads to cut requests into pages, where its
+    pod has it without the engine's download or volumes: the built-in tiny model. None otherwise
+    (hf://, s3://, pvc://, and file://, whose path is in the engine's image, not the picker's):
+    then it ranks by load alone, until it fetches the tokenizer files itself."""
+    return BUILTIN_TINY_MODEL if spec.model.builtin_tiny else None
 
 
 def engine_config(name: str, spec: InferenceServiceSpec, images: Images) -> dict[str, str]:

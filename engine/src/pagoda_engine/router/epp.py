@@ -45,7 +45,7 @@ log = logging.getLogger("pagoda.epp")
 DESTINATION = "x-gateway-destination-endpoint"
 SUBSET_NAMESPACE, SUBSET_KEY = "envoy.lb.subset_hint", "x-gateway-destination-endpoint-subset"
 LB_NAMESPACE = "envoy.lb"
-SERVED = "x-gateway-destination-endpoint-served"
+SERVED = "x-gateway-destination-endpoint-served"  # the endpoint that answered, in the response's metadata
 EXT_PROC_SERVICE = "envoy.service.ext_proc.v3.ExternalProcessor"
 
 
@@ -254,6 +254,14 @@ def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: 
                             yield pb.ProcessingResponse(request_body=pb.BodyResponse(response=common(endpoint)),
                                                         dynamic_metadata=metadata(endpoint))
                     elif which == "response_headers":
+                        served = request.metadata_context.filter_metadata.get(LB_NAMESPACE)
+                        if endpoint and served is not None and SERVED in served.fields:
+                            # The gateway fell back down the list: count the request where it runs.
+                            answered = served.fields[SERVED].string_value
+                            if answered and answered != endpoint[0]:
+                                picker.ended(endpoint[0])
+                                picker.started(answered)
+                                endpoint = [answered]
                         yield pb.ProcessingResponse(response_headers=pb.HeadersResponse())
                     elif which == "response_body":
                         chunk = request.response_body
