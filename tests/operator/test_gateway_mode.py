@@ -123,3 +123,47 @@ def test_combinations_not_supported_are_refused(router, topology, says):
         body["spec"]["topology"] = topology
     checked = check(body)
     assert not checked.ok and any(says in p for p in checked.problems), checked.problems
+
+
+# --- the operator against the emulated API server ------------------------------------------------
+
+POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
+ROUTE = ("gateway.networking.k8s.io", "v1", "httproutes")
+
+
+@pytest.fixture
+def cluster():
+    """An API server without the inference extension's and Gateway API's CRDs, and an operator that
+    rechecks missing CRDs every second."""
+    from tests.operator.apiserver import BackgroundApiServer
+    from tests.operator.test_operator_kmock import Operator
+
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver, recheck_crds_seconds=1)
+    operator.start()
+    yield apiserver
+    operator.stop()
+    apiserver.close()
+
+
+def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(cluster):
+    from tests.operator.test_operator_kmock import IS, NS, children_of, conditions, create, get, wait_for
+
+    apiserver = cluster
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": "gw", "namespace": NS}
+    create(apiserver, body)
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "gw") or {}).get("Degraded")
+                     and conditions(get(apiserver, IS, "gw")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "Multiple")  # both CRDs missing
+    assert "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed" in conds["Degraded"]["message"]
+    assert "the HTTPRoute CRD (gateway.networking.k8s.io/v1) is not installed" in conds["Degraded"]["message"]
+    assert get(apiserver, ("apps", "v1", "deployments"), "gw-epp") and get(apiserver, ("", "v1", "services"), "gw-epp")
+    assert ("Deployment", "gw-engine") in children_of(apiserver, "gw")  # the rest is applied
+    apiserver.api.declare(*POOL, "InferencePool")
+    apiserver.api.declare(*ROUTE, "HTTPRoute")
+    pool = wait_for("the InferencePool", lambda: get(apiserver, POOL, "gw"))
+    route = wait_for("the HTTPRoute", lambda: get(apiserver, ROUTE, "gw"))
+    assert pool["spec"]["endpointPickerRef"]["name"] == "gw-epp"
+    assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "gw")).get("Degraded", {}).get("status") == "False")
