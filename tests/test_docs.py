@@ -83,7 +83,7 @@ def test_serving_md_names_no_flag_pagoda_serve_lacks():
     vllm_column = {flag for row in rows for flag in _flags_in(row[-1])}
     prose = "\n".join(line for line in text.splitlines() if not line.startswith("| `-"))
     named = {flag for row in rows for flag in _flags_in(" ".join(row[:-1]))} | _flags_in(prose)
-    other_commands = _all_flags(_verb("route")) | _all_flags(_verb("bench"))
+    other_commands = _all_flags(_verb("route")) | _all_flags(_verb("epp")) | _all_flags(_verb("bench"))
     unknown = sorted(named - _serve_flags() - other_commands - vllm_column)
     assert not unknown, f"docs/serving.md names flags `pagoda serve` does not have: {unknown}"
     assert len(rows) >= 50 and all(len(row) == 4 for row in rows), "every flag row: flag | default | what | vLLM"

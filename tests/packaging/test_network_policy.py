@@ -95,8 +95,16 @@ def test_the_engine_policy_selects_the_engine_pods_and_admits_only_its_peers(fil
     # A future endpoint picker of the service, by its component label.
     picker = {**routers[0], "app.kubernetes.io/component": render.ENDPOINT_PICKER_COMPONENT}
     assert admitted(policy, picker, here, port)
-    # Not another service's router, not a client pod, not the router of this name in another namespace.
     other = {**routers[0], "app.kubernetes.io/instance": "other"}
+    if any(m["kind"] == "InferencePool" for m in manifests):
+        # router.mode: gateway: the gateway's data plane, wherever it runs, sends requests to the
+        # engines' HTTP port; the KV events only the service's picker reads.
+        for pod, where in ((other, here), ({"app": "client"}, here), (routers[0], namespace_labels("team-b"))):
+            assert admitted(policy, pod, where, port)
+            assert not admitted(policy, pod, where, render.KV_EVENTS_PORT)
+        assert admitted(policy, picker, here, render.KV_EVENTS_PORT)
+        return
+    # Not another service's router, not a client pod, not the router of this name in another namespace.
     assert not admitted(policy, other, here, port)
     assert not admitted(policy, {"app": "client"}, here, port)
     assert not admitted(policy, routers[0], namespace_labels("team-b"), port)

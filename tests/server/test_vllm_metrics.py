@@ -110,6 +110,29 @@ def test_cache_config_info_is_a_gauge_of_one_naming_the_cache(families):
                              "gpu_memory_utilization": "0.9", "num_gpu_blocks": "512"}
 
 
+def test_an_epp_configured_for_vllm_reads_the_model_server_protocol_under_vllms_names(families):
+    """GAIE's model-server protocol: the queue, running, KV-usage and cache-info gauges under
+    vLLM's names, with the same type, labels and values as the `pagoda:` family beside them."""
+    for name in ("num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info"):
+        ours, vllms = families[f"pagoda:{name}"], families[f"vllm:{name}"]
+        assert vllms.type == ours.type == "gauge"
+        assert [(s.labels, s.value) for s in vllms.samples] == [(s.labels, s.value) for s in ours.samples]
+    assert not [name for name in families if name.startswith("vllm:") and name.removeprefix("vllm:") not in (
+        "num_requests_waiting", "num_requests_running", "kv_cache_usage_perc", "cache_config_info")]
+
+
+def test_no_vllm_metric_names_drops_the_copy():
+    metrics = ServerMetrics("m", cache_info={"block_size": "16"}, vllm_metric_names=False)
+    metrics.update_stats(0, SchedulerStats(num_waiting=3, kv_cache_usage=0.5))
+    names = {family.name for family in text_string_to_metric_families(metrics.render().decode())}
+    assert "pagoda:num_requests_waiting" in names and "pagoda:cache_config_info" in names
+    assert not [name for name in names if name.startswith("vllm:")]
+    metrics = ServerMetrics("m", cache_info={"block_size": "16"})
+    metrics.update_stats(0, SchedulerStats(num_waiting=3, kv_cache_usage=0.5))
+    values = {s.name: s.value for f in text_string_to_metric_families(metrics.render().decode()) for s in f.samples}
+    assert values["vllm:num_requests_waiting"] == 3 and values["vllm:kv_cache_usage_perc"] == 0.5
+
+
 def test_no_created_series(families):
     assert not [name for name in families if name.endswith("_created")]
     assert not [s.name for f in families.values() for s in f.samples if s.name.endswith("_created")]

@@ -1,4 +1,4 @@
-"""`pagoda serve | route | bench | version`: one entry point, each verb owned by its module."""
+"""`pagoda serve | route | epp | bench | version`: one entry point, each verb owned by its module."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 _VERBS = {
     "serve": ("pagoda_engine.serve", "OpenAI-compatible server for one engine"),
     "route": ("pagoda_engine.router.app", "OpenAI-compatible router in front of engine replicas"),
+    "epp": ("pagoda_engine.router.epp", "Gateway API inference extension Endpoint Picker (Envoy ext_proc over gRPC)"),
     "bench": ("pagoda_engine.bench", "benchmarks: throughput, latency, serve, multiturn, kv-share"),
 }
 

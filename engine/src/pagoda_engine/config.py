@@ -25,6 +25,7 @@ from pagoda_engine import capabilities
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.generation_config import check_generation_config_option, parse_override
 from pagoda_engine.kv_tiers import split_remote_urls
+from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -381,6 +382,14 @@ class ServerConfig:
         help="split the model's <think> reasoning into the `reasoning` field: qwen3 | deepseek_r1")
     exclude_tools_when_tool_choice_none: bool = option(
         False, help="with tool_choice \"none\", do not show the tools to the chat template")
+    # On by default: the Gateway API inference extension's model-server protocol has an Endpoint
+    # Picker read vLLM's names, and a pod that needs per-engine EPP settings is not a drop-in
+    # model server. Four small families; the flag is for a Prometheus that also scrapes real vLLM
+    # pods and would mix the two.
+    vllm_metric_names: bool = option(
+        True, help="also export the queue, running, KV-usage and cache_config_info gauges under vLLM's "
+                   "names (vllm:num_requests_waiting, ...) so a Gateway API Endpoint Picker configured for "
+                   "vLLM reads this pod; --no-vllm-metric-names drops that copy")
 
 
 @dataclass
@@ -403,6 +412,13 @@ class EngineConfig:
              '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup; optional "disable_by_batch_size": '
              'no speculation in steps with more running requests); greedy output is unchanged, sampled output '
              'keeps its distribution (default: off)')
+    # vLLM's --kv-events-config: what enters and leaves the prefix cache, for KV-aware routers.
+    kv_events_config: KVEventsConfig = option(
+        default_factory=KVEventsConfig, type=str, cli_default=None, metavar="JSON",
+        help='publish prefix-cache events as vLLM does (ZMQ PUB of msgpack KVEventBatch), vLLM\'s fields, e.g. '
+             '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+             '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; data-parallel core r uses port + r '
+             '(default: off)')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -412,6 +428,7 @@ class EngineConfig:
         sections = [cfg.model, cfg.cache, cfg.scheduler, cfg.parallel, cfg.server]
         cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
         cfg.speculative_config = parse_speculative_config(kwargs.pop("speculative_config", None))
+        cfg.kv_events_config = parse_kv_events_config(kwargs.pop("kv_events_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -475,6 +492,13 @@ class EngineConfig:
             raise ValueError("--kv-offload-disk-gb needs --kv-offload-disk-path (the disk KV tier's directory)")
         if cc.kv_offload_remote_url is not None:
             split_remote_urls(cc.kv_offload_remote_url)
+        if self.kv_events_config.enabled:
+            if not cc.enable_prefix_caching:
+                raise ValueError("--kv-events-config reports the prefix cache's pages: it needs --enable-prefix-caching")
+            if self.kv_offload_enabled:
+                # Pages loaded back from a tier enter the cache without their tokens at hand.
+                raise ValueError("--kv-events-config with KV offload tiers is not supported yet: pages loaded back "
+                                 "from a tier would not be reported")
 
     @property
     def kv_offload_enabled(self) -> bool:
@@ -645,7 +669,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
     known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig)
-             for f in fields(section)} | {"profiler_config", "speculative_config"}
+             for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

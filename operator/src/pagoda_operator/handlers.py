@@ -51,6 +51,16 @@ OPTIONAL_KINDS = {
         "the ServiceMonitor CRD (monitoring.coreos.com/v1) is not installed, so no ServiceMonitor was created; "
         "install the Prometheus operator or set spec.monitoring.serviceMonitor: false",
     ),
+    (r.INFERENCE_POOL_API_VERSION, "InferencePool"): (
+        "InferencePoolCRDMissing",
+        "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed, so router.mode: gateway has no "
+        "pool for the gateway; install the Gateway API inference extension's CRDs",
+    ),
+    (r.HTTPROUTE_API_VERSION, "HTTPRoute"): (
+        "HTTPRouteCRDMissing",
+        "the HTTPRoute CRD (gateway.networking.k8s.io/v1) is not installed, so router.gateway.parentRefs got no "
+        "HTTPRoute; install the Gateway API's CRDs",
+    ),
     ("keda.sh/v1alpha1", "ScaledObject"): (
         "KEDAMissing",
         "the ScaledObject CRD (keda.sh/v1alpha1) is not installed, so spec.autoscaling.driver: keda cannot scale; "

@@ -36,6 +36,8 @@ CUSTOM_RESOURCES = [
     ("leaderworkerset.x-k8s.io", "v1", "LeaderWorkerSet", "leaderworkersets"),
     ("monitoring.coreos.com", "v1", "ServiceMonitor", "servicemonitors"),
     ("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
+    ("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"),
+    ("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
 ]
 for _group, _version, _kind, _plural in CUSTOM_RESOURCES:
     create_namespaced_resource(_group, _version, _kind, _plural)

@@ -65,6 +65,13 @@ from pagoda_operator.spec import InferenceServiceSpec, KVTier, desired_replicas,
 ENGINE_PORT = 8000
 ENGINE_MASTER_PORT = 29501  # a LeaderWorkerSet leader's rendezvous port (vLLM's default --master-port)
 ROUTER_PORT = 8000
+# router.mode: gateway. The Endpoint Picker's gRPC port (ext_proc and health: GAIE's 9002) and
+# where each engine publishes its KV events and answers replays (vLLM's 5557, and the next).
+EPP_PORT = 9002
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
 CONFIG_DIR = "/etc/pagoda"
@@ -92,7 +99,7 @@ ROUTER_TMP_SIZE_LIMIT = "64Mi"
 WRITABLE_DIRS = {
     TMP_DIR: "emptyDir `tmp`, every container: Python's tempfile (the engine's core sockets and "
              "metrics files), nvcc's and Triton's scratch files, the download's temporary files",
-    CACHE_DIR: "emptyDir `cache`, engine containers: XDG_CACHE_HOME (the Hugging Face hub), PAGODA_CACHE_DIR, "
+    CACHE_DIR: "emptyDir `cache`, engine and endpoint-picker containers: XDG_CACHE_HOME (the Hugging Face hub), PAGODA_CACHE_DIR, "
                "TORCHINDUCTOR_CACHE_DIR; on GPUs also TRITON_CACHE_DIR, FLASHINFER_WORKSPACE_BASE, CUDA_CACHE_PATH",
     "/dev/shm": "memory emptyDir `shm`, engine containers: NCCL's and PyTorch's shared memory between processes",
     MODELS_DIR: "an hf:// model's `model-cache` (emptyDir, or the download's claim): written by the model-download "
@@ -148,6 +155,9 @@ CHILD_KINDS = [
     ("networking.k8s.io/v1", "Ingress"),
     ("networking.k8s.io/v1", "NetworkPolicy"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    # router.mode: gateway
+    (INFERENCE_POOL_API_VERSION, "InferencePool"),
+    (HTTPROUTE_API_VERSION, "HTTPRoute"),
     # spec.autoscaling.driver keda | hpa (rendered by pagoda_operator.autoscaler.scaledobjects)
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
@@ -231,6 +241,11 @@ def engine_name(name: str) -> str:
 def router_account_name(name: str) -> str:
     """The router's ServiceAccount, and the Role and RoleBinding that give it its rights."""
     return f"{name}-router"
+
+
+def epp_name(name: str) -> str:
+    """The Endpoint Picker's Deployment, Service and account (router.mode: gateway)."""
+    return f"{name}-epp"
 
 
 def internal_key_secret_name(name: str) -> str:
@@ -326,7 +341,28 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
             args += ["--kv-offload-disk-path", KV_DISK_DIR, "--kv-offload-disk-gb", _format_gb(gib(tier.size))]
         elif tier.type == "remote":
             args += ["--kv-offload-remote-url", tier.url]
+    if publishes_kv_events(spec):
+        config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+                  "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}
+        args += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
     return args + list(e.extra_args)
+
+
+def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
+    """router.mode: gateway's engines publish their prefix caches for the Endpoint Picker, where
+    the events can say it all: the prefix cache on, no offload tiers (pages loaded back from a tier
+    are not reported yet), one engine core per pod (a second core would publish on the next port,
+    which the picker does not follow)."""
+    return (spec.router.mode == "gateway" and spec.engine.prefix_caching and not spec.kv_cache.tiers
+            and spec.topology.data == 1)
+
+
+def epp_model(spec: InferenceServiceSpec) -> str | None:
+    """The model whose tokenizer the Endpoint Picker loads to cut requests into pages, where its
+    pod has it without the engine's download or volumes: the built-in tiny model. None otherwise
+    (hf://, s3://, pvc://, and file://, whose path is in the engine's image, not the picker's):
+    then it ranks by load alone, until it fetches the tokenizer files itself."""
+    return BUILTIN_TINY_MODEL if spec.model.builtin_tiny else None
 
 
 def engine_config(name: str, spec: InferenceServiceSpec, images: Images) -> dict[str, str]:
@@ -809,18 +845,155 @@ def render_ingress(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str
     return {"apiVersion": "networking.k8s.io/v1", "kind": "Ingress", "metadata": meta, "spec": ingress_spec}
 
 
+# --- router.mode: gateway (the Gateway API inference extension) ------------------------------
+
+
+def epp_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
+    namespace = body["metadata"].get("namespace") or "default"
+    args = ["--k8s-service", f"{namespace}/{engine_name(body['metadata']['name'])}", "--port", str(EPP_PORT)]
+    model = epp_model(spec)
+    if publishes_kv_events(spec) and model is not None:
+        args += ["--model", model, "--kv-events-port", str(KV_EVENTS_PORT),
+                 "--kv-events-replay-port", str(KV_EVENTS_REPLAY_PORT)]
+    return args
+
+
+def render_epp_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    epp = epp_name(name)
+    probe = {"periodSeconds": 5, "failureThreshold": 3, "timeoutSeconds": 3}
+    container = {
+        "name": "epp",
+        "image": spec.router.image or images.engine_cpu,
+        "command": ["pagoda", "epp"],
+        "args": epp_args(body, spec),
+        "ports": [{"name": "grpc", "containerPort": EPP_PORT, "protocol": "TCP"}],
+        # The engines' key: on its polls, and set on every request it routes (the gateway has none).
+        "env": [{"name": ROUTER_BACKEND_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
+            "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}},
+                # Where the tokenizer files it loads are kept (the built-in tiny model is built there).
+                *({"name": k, "value": v} for k, v in CACHE_ENV[:2])],
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+        "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, **probe},
+        "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, **probe, "periodSeconds": 15},
+        "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
+    }
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(body, epp, ENDPOINT_PICKER_COMPONENT),
+        "spec": {
+            # One: each picker counts the requests it sent until they end, and two would not see each other's.
+            "replicas": 1,
+            "selector": {"matchLabels": selector_labels(name, ENDPOINT_PICKER_COMPONENT)},
+            "template": {
+                "metadata": {"labels": labels(name, ENDPOINT_PICKER_COMPONENT)},
+                "spec": {
+                    "serviceAccountName": epp,
+                    "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
+                    "terminationGracePeriodSeconds": 30,
+                    "containers": [_restricted(container)],
+                    "volumes": [_tmp_volume(ROUTER_TMP_SIZE_LIMIT), {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}],
+                },
+            },
+        },
+    }
+
+
+def render_epp_service(body: dict[str, Any]) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(body, epp_name(name), ENDPOINT_PICKER_COMPONENT),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(name, ENDPOINT_PICKER_COMPONENT),
+            "ports": [{"name": "grpc", "port": EPP_PORT, "targetPort": "grpc", "protocol": "TCP",
+                       "appProtocol": "kubernetes.io/h2c"}],
+        },
+    }
+
+
+def render_epp_rbac(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The picker's own account: the router's grant (its namespace's EndpointSlices, read-only)."""
+    account = epp_name(body["metadata"]["name"])
+    group, resource, verbs = ROUTER_GRANT
+    binding_meta = child_metadata(body, account, ENDPOINT_PICKER_COMPONENT)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": child_metadata(body, account, ENDPOINT_PICKER_COMPONENT)},
+        {"apiVersion": RBAC_API_VERSION, "kind": "Role", "metadata": child_metadata(body, account, ENDPOINT_PICKER_COMPONENT),
+         "rules": [{"apiGroups": [group], "resources": [resource], "verbs": list(verbs)}]},
+        {"apiVersion": RBAC_API_VERSION, "kind": "RoleBinding", "metadata": binding_meta,
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": account},
+         "subjects": [{"kind": "ServiceAccount", "name": account, "namespace": binding_meta["namespace"]}]},
+    ]
+
+
+def render_inference_pool(body: dict[str, Any]) -> dict[str, Any]:
+    """The InferencePool (v1) over the engine pods: the gateway sends each request to the pod the
+    picker names, on the engines' HTTP port."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": INFERENCE_POOL_API_VERSION,
+        "kind": "InferencePool",
+        "metadata": child_metadata(body, name, "engine"),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(name, "engine")},
+            "targetPorts": [{"number": ENGINE_PORT}],
+            "endpointPickerRef": {"name": epp_name(name), "port": {"number": EPP_PORT}, "failureMode": "FailClose"},
+        },
+    }
+
+
+def render_http_route(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+    name = body["metadata"]["name"]
+    parents = []
+    for ref in spec.router.gateway.parent_refs:
+        parent: dict[str, Any] = {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": ref.name}
+        if ref.namespace:
+            parent["namespace"] = ref.namespace
+        if ref.section_name:
+            parent["sectionName"] = ref.section_name
+        parents.append(parent)
+    return {
+        "apiVersion": HTTPROUTE_API_VERSION,
+        "kind": "HTTPRoute",
+        "metadata": child_metadata(body, name, "router"),
+        "spec": {
+            "parentRefs": parents,
+            "rules": [{
+                "matches": [{"path": {"type": "PathPrefix", "value": "/"}}],
+                "backendRefs": [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": name}],
+            }],
+        },
+    }
+
+
+def render_gateway(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> list[dict[str, Any]]:
+    """router.mode: gateway's objects, in the order they are applied."""
+    out = [render_epp_service(body), *render_epp_rbac(body), render_epp_deployment(body, spec, images),
+           render_inference_pool(body)]
+    if spec.router.gateway is not None and spec.router.gateway.parent_refs:
+        out.append(render_http_route(body, spec))
+    return out
+
+
 # --- network policies -------------------------------------------------------------------------
 
 
-def render_network_policies(body: dict[str, Any], peers: NetworkPeers) -> list[dict[str, Any]]:
+def render_network_policies(body: dict[str, Any], peers: NetworkPeers,
+                            spec: InferenceServiceSpec | None = None) -> list[dict[str, Any]]:
     """Engine pods take traffic only from the service's router (and endpoint picker) pods, the
     operator and Prometheus, on the HTTP port, and from each other on any port: the multi-node
     rendezvous, NCCL and KV transfers pick their ports at run time. The router takes it from any
     pod of the cluster (clients, the ingress controller). Kubelet probes are not filtered: traffic
     from a pod's own node is always allowed. Policies add up: a source these leave out (an ingress
     controller on the host network, which arrives from node addresses) needs a policy of the
-    cluster's own beside them."""
+    cluster's own beside them. With router.mode: gateway the gateway's data plane, wherever it runs,
+    reaches the engines' HTTP port and the picker's gRPC port, and the picker their KV events."""
     name = body["metadata"]["name"]
+    gateway = spec is not None and spec.router.mode == "gateway"
 
     def http() -> list[dict[str, Any]]:  # fresh per rule: shared lists come out as YAML anchors
         return [{"protocol": "TCP", "port": ENGINE_PORT}]
@@ -836,6 +1009,10 @@ def render_network_policies(body: dict[str, Any], peers: NetworkPeers) -> list[d
         ], "ports": http()},
         {"from": [{"podSelector": {"matchLabels": selector_labels(name, "engine")}}]},
     ]
+    if gateway:
+        engine_ingress.append({"from": [{"namespaceSelector": {}}], "ports": http()})
+        engine_ingress.append({"from": [{"podSelector": {"matchLabels": selector_labels(name, ENDPOINT_PICKER_COMPONENT)}}],
+                               "ports": [{"protocol": "TCP", "port": port} for port in (KV_EVENTS_PORT, KV_EVENTS_REPLAY_PORT)]})
     engine = {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
@@ -851,7 +1028,17 @@ def render_network_policies(body: dict[str, Any], peers: NetworkPeers) -> list[d
                  "policyTypes": ["Ingress"],
                  "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": ROUTER_PORT}]}]},
     }
-    return [engine, router]
+    if not gateway:
+        return [engine, router]
+    epp = {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(body, epp_name(name), ENDPOINT_PICKER_COMPONENT),
+        "spec": {"podSelector": {"matchLabels": selector_labels(name, ENDPOINT_PICKER_COMPONENT)},
+                 "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": EPP_PORT}]}]},
+    }
+    return [engine, router, epp]
 
 
 # --- keys ---------------------------------------------------------------------------------------
@@ -894,7 +1081,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
         else render_engine_deployment(body, spec, images)
     )
     # The policies first: no engine pod runs before they protect it.
-    out = render_network_policies(body, peers) if spec.network_policy else []
+    out = render_network_policies(body, peers, spec) if spec.network_policy else []
     out += [
         render_engine_configmap(body, spec, images),
         render_engine_service(body, spec),
@@ -907,6 +1094,8 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
     ]
     if spec.router.ingress is not None:
         out.append(render_ingress(body, spec))
+    if spec.router.mode == "gateway":
+        out += render_gateway(body, spec, images)
     if spec.monitoring.service_monitor:
         out.append(render_service_monitor(body, spec))
     return out + render_scaler(body, spec)

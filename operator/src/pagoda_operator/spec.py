@@ -251,8 +251,27 @@ class SecretRef:
 
 
 @dataclass
+class GatewayParentRef:
+    """A Gateway (Gateway API) the HTTPRoute attaches to."""
+
+    name: str = prop(doc="Gateway name.", pattern=DNS_SUBDOMAIN_PATTERN)
+    namespace: str | None = prop(None, doc="Gateway namespace (default: the InferenceService's).", pattern=DNS_LABEL_PATTERN)
+    section_name: str | None = prop(None, doc="Listener of the Gateway to attach to (default: every listener that admits the route).", pattern=DNS_SUBDOMAIN_PATTERN)
+
+
+@dataclass
+class RouterGateway:
+    """The cluster's gateway in front of the engines (router.mode: gateway)."""
+
+    parent_refs: list[GatewayParentRef] = prop(doc="Gateways to attach an HTTPRoute to, whose backend is the InferencePool. Omitted: no HTTPRoute (write your own, its backendRef the InferencePool named like the InferenceService).", factory=list)
+
+
+@dataclass
 class Router:
     """The OpenAI endpoint in front of the replicas (`pagoda route`)."""
+
+    mode: Literal["builtin", "gateway"] = prop("builtin", doc="builtin: the router alone. gateway: also an InferencePool (Gateway API inference extension, inference.networking.k8s.io/v1) over the engine pods and its Endpoint Picker (`pagoda epp`: Deployment, Service, RBAC), so the cluster's gateway routes to the engines with precise prefix routing from their KV events; the router stays the in-cluster endpoint.")
+    gateway: RouterGateway | None = prop(None, doc="With mode gateway: the Gateways to attach to.")
 
     policy: Literal["prefix-aware", "least-load", "round-robin"] = prop("prefix-aware", doc="How a request picks a replica.")
     replicas: int = prop(1, doc="Router pods.", minimum=1)

@@ -355,7 +355,17 @@ def _check_node_fit(spec: InferenceServiceSpec) -> list[str]:
 
 
 def _check_router(spec: InferenceServiceSpec) -> list[str]:
+    problems = []
     ingress = spec.router.ingress
     if ingress is not None and ingress.tls is not None and not ingress.host:
-        return ["router.ingress.tls: needs router.ingress.host (the certificate is for a host name)"]
-    return []
+        problems.append("router.ingress.tls: needs router.ingress.host (the certificate is for a host name)")
+    if spec.router.gateway is not None and spec.router.mode != "gateway":
+        problems.append("router.gateway: set router.mode: gateway to use it (the builtin mode attaches to no Gateway)")
+    if spec.router.mode == "gateway" and spec.topology.nodes > 1:
+        problems.append("router.mode: gateway with topology.nodes > 1 is not supported yet (the InferencePool would "
+                        "select every node's pod, not only the leaders that serve)")
+    if spec.router.mode == "gateway" and spec.router.api_key_secret_ref is not None:
+        # The gateway reaches the engines directly: it would have to present their key, which is the operator's.
+        problems.append("router.apiKeySecretRef: not supported with router.mode: gateway yet (the gateway would reach "
+                        "the engines without a key); authenticate clients at the gateway instead")
+    return problems

@@ -23,7 +23,9 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from pagoda_engine.bench.epp_decision import add_epp_decision_arguments
 from pagoda_engine.bench.kv_share import add_kv_share_arguments
+from pagoda_engine.bench.prefix_routing import add_prefix_routing_arguments
 from pagoda_engine.bench.multiturn import add_multiturn_arguments
 from pagoda_engine.bench.serve import add_serve_arguments
 from pagoda_engine.bench.workloads import WORKLOADS
@@ -100,9 +102,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "pages against recomputing it")
     _add_engine_and_sizes(kv, offline=False)
     add_kv_share_arguments(kv)
+    pr = sub.add_parser("prefix-routing", help="precise (KV events) against approximate prefix routing over "
+                                               "several engines: a multi-tenant prefix workload")
+    add_engine_args(pr)
+    pr.set_defaults(model=default_model_dir(), load_format="dummy", dtype="bfloat16", input_len=None, vocab_size=None)
+    add_prefix_routing_arguments(pr)
+    ep = sub.add_parser("epp-decision", help="the Endpoint Picker's decision time at a request rate, one CPU core")
+    add_epp_decision_arguments(ep)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.bench == "epp-decision":
+        from pagoda_engine.bench.epp_decision import run_epp_decision
+
+        result = run_epp_decision(args)
+        if args.output_json:
+            Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     for name in ("num_prompts", "input_len", "output_len"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -135,13 +151,17 @@ def run(args: argparse.Namespace) -> int:
         from pagoda_engine.bench.kv_share import run_kv_share
 
         result = run_kv_share(args)
+    elif args.bench == "prefix-routing":
+        from pagoda_engine.bench.prefix_routing import run_prefix_routing
+
+        result = run_prefix_routing(args)
     else:
         from pagoda_engine.bench.offline import run_latency, run_throughput
 
         result = run_throughput(args) if args.bench == "throughput" else run_latency(args)
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2) + "\n")
-    if result.get("bench") in ("serve", "multiturn", "kv-share") and not result["completed"]:
+    if result.get("bench") in ("serve", "multiturn", "kv-share", "prefix-routing") and not result["completed"]:
         print("error: no request completed", file=sys.stderr)
         return 1
     if result.get("valid") is False:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from pagoda_engine.config import EngineConfig, resolve_for_device
 from pagoda_engine.core.in_flight import StepsInFlight
+from pagoda_engine.core.kv.events import KVEventPublisher
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.setup import start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
@@ -95,6 +96,7 @@ class EngineCore:
         self.device_facts = probe_device(config.model.device)
         self.config = config = resolve_for_device(config, self.device_facts)
         self._profile: ProfileSession | None = None
+        self.kv_events: KVEventPublisher | None = None
         t0 = time.monotonic()
         # Under TP this starts the worker ranks; rank 0's is in this process.
         self.executor = create_executor(config, self.model_dir)
@@ -102,6 +104,10 @@ class EngineCore:
             self._init_with_model()
             # Started: ranks that paused their collector for start-up turn it back on.
             self.executor.collective_rpc("resume_collections")
+            # After warm-up: its prompts' pages are no one's prefix, and subscribers need not hear of them.
+            if config.kv_events_config.enabled:
+                self.kv_events = KVEventPublisher(config.kv_events_config, config.parallel.data_parallel_rank)
+                self.kv.pool.record_events()
         except BaseException:
             self.executor.close()  # TP workers (and compile pools) must not outlive a failed start
             raise
@@ -167,6 +173,9 @@ class EngineCore:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.spec is not None:
             scheduler.spec.log()
+        if getattr(self, "kv_events", None) is not None:
+            self.kv_events.close()
+            self.kv_events = None
         self.executor.close()
 
     def _grammar_tokenizer(self):
@@ -372,7 +381,10 @@ class EngineCore:
             time.sleep(_OFFLOAD_IDLE_WAIT_S)
 
     def get_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
-        """The scheduler's state now; `num_scheduled_tokens`: what the step sending it scheduled."""
+        """The scheduler's state now; `num_scheduled_tokens`: what the step sending it scheduled.
+        Every step ends here, so the step's KV events go out with it."""
+        if self.kv_events is not None:
+            self.kv_events.publish(self.kv.pool.take_events())
         spec = self.scheduler.spec.stats if self.scheduler.spec is not None else None
         return SchedulerStats(
             num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,

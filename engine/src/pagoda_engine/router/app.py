@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import sys
 import time
@@ -34,9 +35,12 @@ from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
+from pagoda_engine.router.kv_index import add_kv_event_arguments, check_kv_event_arguments, request_tokens, \
+    start_prefix_source
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
 from pagoda_engine.router.proxy import QueueConfig, Router
+from pagoda_engine.router.scorer import PrecisePrefix, TokenKey
 
 log = logging.getLogger("pagoda.router")
 
@@ -71,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     max_body = ServerConfig.max_request_body_bytes
     parser.add_argument("--max-request-body-bytes", type=int, default=max_body,
                         help=f"largest request body accepted, as `pagoda serve` (default {max_body})")
+    add_kv_event_arguments(parser)  # prefix-aware: precise, from the engines' KV events (scorer.PrecisePrefix)
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -93,6 +98,12 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--prefix-page-chars must be >= 1")
     if args.max_request_body_bytes < 1:
         raise BackendConfigError("--max-request-body-bytes must be >= 1")
+    problem = check_kv_event_arguments(args)
+    if problem is not None:
+        raise BackendConfigError(problem)
+    if args.model is not None and args.policy != "prefix-aware":
+        raise BackendConfigError(f"--kv-events-port / --kv-events-bind feed the prefix-aware policy, not --policy "
+                                 f"{args.policy}")
     if args.backend_api_key is None:
         args.backend_api_key = envs.backend_api_key()
     elif not args.backend_api_key.strip():
@@ -132,18 +143,29 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         )
         pool = BackendPool(client, metrics, poll_interval=args.health_interval,
                            poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
-        policy = make_policy(args.policy, load_factor=args.prefix_load_factor) if wants_prefix \
-            else make_policy(args.policy)
+        prefixes = start_prefix_source(args)
+        state["prefixes"] = prefixes
+        if prefixes is not None:
+            policy = PrecisePrefix(prefixes, load_factor=args.prefix_load_factor)
+        elif wants_prefix:
+            policy = make_policy(args.policy, load_factor=args.prefix_load_factor)
+        else:
+            policy = make_policy(args.policy)
         router = Router(pool, policy, metrics, client,
                         QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
                         backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None)
         state["router"], state["pool"] = router, pool
         watcher = None
+        def set_urls(urls: list[str]) -> None:
+            pool.set_urls(urls)
+            if prefixes is not None:
+                prefixes.follow(urls)
+
         if args.backend_urls is not None:
-            pool.set_urls(args.backend_urls)
+            set_urls(args.backend_urls)
             await pool.poll_all()  # serve with a known ready set from the first request
         else:
-            watcher = EndpointSliceWatcher(args.k8s_namespace, args.k8s_name, pool.set_urls,
+            watcher = EndpointSliceWatcher(args.k8s_namespace, args.k8s_name, set_urls,
                                            asyncio.get_running_loop(), port_name=args.backend_port_name,
                                            kubeconfig=args.kubeconfig)
             watcher.start()
@@ -154,6 +176,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             poller.cancel()
             if watcher is not None:
                 watcher.stop()
+            if prefixes is not None:
+                prefixes.close()
             await client.aclose()
 
     app = FastAPI(title="Pagoda router", version=__version__, lifespan=lifespan, responses=ERROR_RESPONSES)
@@ -178,6 +202,13 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         if routed and wants_prefix:
             text = _prompt_text(parsed)
             key = prefix_key(text, page_chars) if text else None
+            prefixes = state["prefixes"]
+            if key is not None and prefixes is not None:
+                try:
+                    tokens = await asyncio.to_thread(request_tokens, prefixes.tokenizer, json.loads(body))
+                    key = TokenKey(key.page_hashes, tuple(tokens))
+                except Exception as e:  # e.g. a chat the template refuses: the engine will say so; route approximately
+                    log.debug("no token ids for precise routing: %s", e)
         return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key)
 
     @app.post("/v1/completions", response_model=None, responses={200: streamed_or(CompletionResponse)})

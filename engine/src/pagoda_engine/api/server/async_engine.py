@@ -87,7 +87,8 @@ class AsyncEngine:
         self.metrics = ServerMetrics(self.served_model_name, num_engines=self.client.size,
                                      max_model_len=self.ready.max_model_len,
                                      cache_info=cache_config_info(self.config.cache, self.ready.num_kv_pages),
-                                     multiprocess=self.client.attached, records_steps=self.api_server_index == 0)
+                                     multiprocess=self.client.attached, records_steps=self.api_server_index == 0,
+                                     vllm_metric_names=self.config.server.vllm_metric_names)
         return self.ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:

@@ -1,7 +1,11 @@
 """The engine server's Prometheus metrics (`GET /metrics`).
 
-Names are vLLM's with the prefix `pagoda:` (docs/architecture.md, "Metrics"), so dashboards, KEDA
-triggers and routers written for vLLM map one-to-one. Two sources feed them:
+Names are vLLM's with the prefix `pagoda:` (docs/architecture.md, "Metrics"), so dashboards, KEDA triggers and
+routers written for vLLM map one-to-one. The few families the Gateway API inference extension's
+model-server protocol names (queue, running, KV usage, `cache_config_info`) are exported under
+vLLM's own `vllm:` names as well (`VLLM_ALIASED`), so an Endpoint Picker configured for vLLM reads
+a Pagoda pod with no per-engine setting; `--no-vllm-metric-names` drops that copy. Two sources
+feed them:
   - the core's `SchedulerStats` (running/waiting gauges, KV usage, cumulative prefix-cache and
     preemption counters), exported as they are by a collector at scrape time;
   - each sequence's steps (`SequenceUpdate`s from the output processor): queue time and TTFT from
@@ -103,19 +107,32 @@ _OFFLOAD_FAMILIES = (
 )
 
 
+# The families an Endpoint Picker configured for vLLM reads (Gateway API inference extension,
+# model-server protocol): also exported under vLLM's own names unless --no-vllm-metric-names.
+VLLM_ALIASED = ("pagoda:num_requests_running", "pagoda:num_requests_waiting", "pagoda:kv_cache_usage_perc",
+                "pagoda:cache_config_info")
+
+
+def _vllm_name(name: str) -> str:
+    return "vllm:" + name.removeprefix("pagoda:")
+
+
 class _SchedulerStatsCollector(Collector):
     """Exports each core's latest SchedulerStats snapshot; the core's counters are already cumulative."""
 
-    def __init__(self, model_name: str, num_engines: int):
+    def __init__(self, model_name: str, num_engines: int, vllm_names: bool = True):
         self.model_name = model_name
+        self.vllm_names = vllm_names
         self.stats = [SchedulerStats() for _ in range(num_engines)]
 
     def collect(self):
         for kind, name, doc, field in _STATS_FAMILIES:
-            family = kind(name, doc, labels=_LABELS)
-            for engine, stats in enumerate(self.stats):
-                family.add_metric([self.model_name, str(engine)], getattr(stats, field))
-            yield family
+            names = (name, _vllm_name(name)) if self.vllm_names and name in VLLM_ALIASED else (name,)
+            for exported in names:
+                family = kind(exported, doc, labels=_LABELS)
+                for engine, stats in enumerate(self.stats):
+                    family.add_metric([self.model_name, str(engine)], getattr(stats, field))
+                yield family
         yield from self._spec_decode()
         if not any(stats.kv_offload for stats in self.stats):
             return
@@ -179,16 +196,19 @@ _SPEC_DECODE_FAMILIES = (
 class _CacheConfigInfo(Collector):
     """vLLM's `cache_config_info`: a gauge of 1 whose labels are the cache configuration, per engine."""
 
-    def __init__(self, info: dict[str, str], num_engines: int):
+    def __init__(self, info: dict[str, str], num_engines: int, vllm_names: bool = True):
         self.info = info
         self.num_engines = num_engines
+        self.names = ("pagoda:cache_config_info", "vllm:cache_config_info") if vllm_names else (
+            "pagoda:cache_config_info",)
 
     def collect(self):
-        family = GaugeMetricFamily("pagoda:cache_config_info", "Information of the LLMEngine CacheConfig.",
-                                   labels=[*self.info, "engine"])
-        for engine in range(self.num_engines):
-            family.add_metric([*self.info.values(), str(engine)], 1)
-        yield family
+        for name in self.names:
+            family = GaugeMetricFamily(name, "Information of the LLMEngine CacheConfig.",
+                                       labels=[*self.info, "engine"])
+            for engine in range(self.num_engines):
+                family.add_metric([*self.info.values(), str(engine)], 1)
+            yield family
 
 
 def cache_config_info(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
@@ -217,15 +237,16 @@ class SequenceTimes:
 class ServerMetrics:
     def __init__(self, model_name: str, num_engines: int = 1, max_model_len: int = 8192,
                  cache_info: dict[str, str] | None = None, multiprocess: bool = False,
-                 records_steps: bool = True):
+                 records_steps: bool = True, vllm_metric_names: bool = True):
         """`multiprocess`: one of several API server processes (the module docstring);
-        `records_steps`: this process records `iteration_tokens_total`."""
+        `records_steps`: this process records `iteration_tokens_total`; `vllm_metric_names`: also
+        export `VLLM_ALIASED` under vLLM's names."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.records_steps = records_steps
         self.registry = CollectorRegistry()
-        self._stats = _SchedulerStatsCollector(model_name, num_engines)
-        engine_collectors = (self._stats, _CacheConfigInfo(cache_info or {}, num_engines))
+        self._stats = _SchedulerStatsCollector(model_name, num_engines, vllm_metric_names)
+        engine_collectors = (self._stats, _CacheConfigInfo(cache_info or {}, num_engines, vllm_metric_names))
         if multiprocess:
             self.exposition = CollectorRegistry()
             MultiProcessCollector(self.exposition)

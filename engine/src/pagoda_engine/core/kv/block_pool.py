@@ -3,6 +3,11 @@
 A page whose last user lets go keeps its hash and stays findable by prefix lookup until the free
 queue hands it out again (it is taken from the queue's head, so the least recently freed page is
 reused first). Page 0 is the null page: reserved, never handed out (padding in page tables).
+
+With KV events on (`--kv-events-config`), the pool records what enters and leaves its prefix
+cache as vLLM's events (`kv_events`): the manager reports each run of pages it registers
+(`record_stored`), the pool the hashes it evicts and a reset; the engine core takes them
+(`take_events`) at the end of each step and publishes them.
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import numpy as np
+
+from pagoda_engine.kv_event_wire import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
+                                         block_hash_int)
 
 NULL_PAGE_ID = 0
 
@@ -51,6 +59,28 @@ class BlockPool:
         # page_id -> Page, in LRU order: head = next to hand out.
         self.free_queue: OrderedDict[int, Page] = OrderedDict((p.page_id, p) for p in self.pages[1:])
         self.cached: dict[bytes, Page] = {}
+        self.events: list[KVCacheEvent] | None = None  # None: KV events off
+
+    def record_events(self) -> None:
+        self.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
+
+    def record_stored(self, hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: list[int],
+                      page_size: int) -> None:
+        """A run of consecutive full pages just registered (vLLM's `cache_full_blocks` event):
+        their hashes, the hash of the page before the first (None at the prompt's start) and
+        their tokens."""
+        if self.events is not None and hashes:
+            self.events.append(BlockStored(
+                block_hashes=[block_hash_int(h) for h in hashes],
+                parent_block_hash=None if parent_hash is None else block_hash_int(parent_hash),
+                token_ids=token_ids, block_size=page_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
+                extra_keys=[None] * len(hashes), group_idx=0, kv_cache_spec_kind="full_attention"))
 
     @property
     def num_free_pages(self) -> int:
@@ -112,6 +142,9 @@ class BlockPool:
         if page.page_hash is not None:
             if self.cached.get(page.page_hash) is page:
                 del self.cached[page.page_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block_hashes=[block_hash_int(page.page_hash)], medium=MEDIUM_GPU,
+                                                    group_idx=0))
             page.page_hash = None
 
     def reset_prefix_cache(self) -> bool:
@@ -121,4 +154,6 @@ class BlockPool:
         for page in self.pages:
             page.page_hash = None
         self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
         return True

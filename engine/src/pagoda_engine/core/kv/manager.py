@@ -195,9 +195,17 @@ class KVCacheManager:
         hashes = self._page_hashes(req)
         start = self.num_registered.get(req.request_id, 0)
         end = min(num_tokens_after_step // self.page_size, len(hashes))
-        for i in range(start, end):
-            if self.pool.cache_page(pages[i], hashes[i]) and self.offload is not None:
-                self.offload.queue_store(pages[i], hashes[i])
+        run = None  # the first page of the run of newly registered pages (KV events)
+        for i in range(start, end + 1):
+            if i < end and self.pool.cache_page(pages[i], hashes[i]):
+                if self.offload is not None:
+                    self.offload.queue_store(pages[i], hashes[i])
+                if run is None:
+                    run = i
+            elif run is not None and self.pool.events is not None:
+                self.pool.record_stored(hashes[run:i], hashes[run - 1] if run else None,
+                                        req.all_token_ids[run * self.page_size:i * self.page_size], self.page_size)
+                run = None
         self.num_registered[req.request_id] = max(start, end)
 
     def free(self, req: Request) -> None:

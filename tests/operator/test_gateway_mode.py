@@ -1,0 +1,169 @@
+"""router.mode: gateway: the InferencePool, the Endpoint Picker's Deployment, Service and RBAC,
+the HTTPRoute and the engines' KV events, rendered from examples/tiny-gateway.yaml; every object
+of an upstream kind validated against the real CRD (schema and CEL rules, `crd_schema.py`); the
+picker's arguments accepted by the real `pagoda epp`; the combinations not supported refused."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from crd_schema import validate
+
+from pagoda_engine.config import config_from_args
+from pagoda_engine import serve
+from pagoda_engine.router import epp
+from pagoda_operator import render
+from pagoda_operator.validation import check
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-gateway.yaml"
+
+
+def _body(**spec_changes) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"].update(namespace="team-a", uid="u")
+    for key, value in spec_changes.items():
+        body["spec"][key] = value if not isinstance(value, dict) else {**body["spec"].get(key, {}), **value}
+    return body
+
+
+def _rendered(body: dict) -> dict[tuple[str, str], dict]:
+    checked = check(body)
+    assert checked.ok, checked.problems
+    return {(o["kind"], o["metadata"]["name"]): o for o in render.render(body, checked.spec)}
+
+
+def test_the_pool_and_the_route_validate_against_the_real_crds():
+    objects = _rendered(_body())
+    pool, route = objects[("InferencePool", "tiny-gw")], objects[("HTTPRoute", "tiny-gw")]
+    for obj, crd in ((pool, "gaie.inferencepools.yaml"), (route, "gateway-api.httproutes.yaml")):
+        result = validate(obj, crd)
+        assert result.errors == [] and not result.rules_skipped, (result.errors, result.rules_skipped)
+        assert result.rules_passed  # the CEL rules ran
+    assert pool["spec"]["selector"]["matchLabels"] == objects[("Deployment", "tiny-gw-engine")]["spec"]["selector"][
+        "matchLabels"]
+    assert pool["spec"]["targetPorts"] == [{"number": render.ENGINE_PORT}]
+    assert pool["spec"]["endpointPickerRef"] == {"name": "tiny-gw-epp", "port": {"number": render.EPP_PORT},
+                                                 "failureMode": "FailClose"}
+    service = objects[("Service", "tiny-gw-epp")]
+    assert service["spec"]["ports"][0]["port"] == render.EPP_PORT
+    assert route["spec"]["parentRefs"] == [{"group": "gateway.networking.k8s.io", "kind": "Gateway",
+                                            "name": "inference-gateway"}]
+    assert route["spec"]["rules"][0]["backendRefs"] == [{"group": "inference.networking.k8s.io",
+                                                         "kind": "InferencePool", "name": "tiny-gw"}]
+
+
+def test_the_validator_catches_what_the_crd_refuses():
+    pool = _rendered(_body())[("InferencePool", "tiny-gw")]
+    pool["spec"]["endpointPickerRef"].pop("port")  # a Service needs its port: a CEL rule
+    assert any("port is required" in e for e in validate(pool, "gaie.inferencepools.yaml").errors)
+    pool["spec"]["targetPorts"] = []  # minItems
+    assert validate(pool, "gaie.inferencepools.yaml").errors
+
+
+def test_the_engines_publish_kv_events_the_picker_follows():
+    objects = _rendered(_body())
+    assert "--kv-events-config" in objects[("ConfigMap", "tiny-gw-engine")]["data"]["engine.json"]
+    engine_args = render.engine_args("tiny-gw", check(_body()).spec)
+    events = json.loads(engine_args[engine_args.index("--kv-events-config") + 1])
+    assert events["endpoint"] == f"tcp://*:{render.KV_EVENTS_PORT}"
+    assert events["replay_endpoint"] == f"tcp://*:{render.KV_EVENTS_REPLAY_PORT}"
+    # The engine's own flag contract accepts them.
+    engine_parser = argparse.ArgumentParser()
+    serve.add_arguments(engine_parser)
+    parsed = engine_parser.parse_args(engine_args)
+    assert config_from_args(parsed).kv_events_config.enabled
+    [container] = objects[("Deployment", "tiny-gw-epp")]["spec"]["template"]["spec"]["containers"]
+    assert container["command"] == ["pagoda", "epp"]
+    parser = argparse.ArgumentParser()
+    epp.add_arguments(parser)
+    picker_args = parser.parse_args(container["args"])
+    epp._validate_args(picker_args)  # raises on anything pagoda epp refuses
+    assert picker_args.kv_events_port == render.KV_EVENTS_PORT and picker_args.model == "pagoda-tiny"
+    assert container["readinessProbe"]["grpc"] == {"port": render.EPP_PORT, "service": "readiness"}
+
+
+def test_without_events_the_picker_scores_by_load():
+    for changes in ({"engine": {"prefixCaching": False}},
+                    {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "builtinTiny": False}}):
+        body = _body(**changes)
+        body["spec"]["resources"] = {"gpusPerPod": 1}
+        objects = _rendered(body)
+        [container] = objects[("Deployment", "tiny-gw-epp")]["spec"]["template"]["spec"]["containers"]
+        assert "--kv-events-port" not in container["args"] and "--model" not in container["args"]
+
+
+def test_network_policies_admit_the_gateway_and_the_picker():
+    objects = _rendered(_body())
+    engine = objects[("NetworkPolicy", "tiny-gw-engine")]["spec"]["ingress"]
+    assert {"from": [{"namespaceSelector": {}}], "ports": [{"protocol": "TCP", "port": render.ENGINE_PORT}]} in engine
+    picker = {"app.kubernetes.io/name": "pagoda", "app.kubernetes.io/instance": "tiny-gw",
+              "app.kubernetes.io/component": "endpoint-picker"}
+    assert {"from": [{"podSelector": {"matchLabels": picker}}],
+            "ports": [{"protocol": "TCP", "port": render.KV_EVENTS_PORT},
+                      {"protocol": "TCP", "port": render.KV_EVENTS_REPLAY_PORT}]} in engine
+    epp_policy = objects[("NetworkPolicy", "tiny-gw-epp")]["spec"]
+    assert epp_policy["podSelector"]["matchLabels"] == picker
+    assert epp_policy["ingress"][0]["ports"] == [{"protocol": "TCP", "port": render.EPP_PORT}]
+    builtin = _rendered(_body(router={"mode": "builtin", "gateway": None}))
+    assert ("NetworkPolicy", "tiny-gw-epp") not in builtin and ("InferencePool", "tiny-gw") not in builtin
+
+
+@pytest.mark.parametrize("router, topology, says", [
+    ({"mode": "builtin"}, None, "router.gateway: set router.mode: gateway"),
+    ({"apiKeySecretRef": {"name": "keys"}}, None, "router.apiKeySecretRef"),
+    ({}, {"nodes": 2, "tensor": 2}, "topology.nodes > 1"),
+])
+def test_combinations_not_supported_are_refused(router, topology, says):
+    body = _body(router=router)
+    if topology:
+        body["spec"]["topology"] = topology
+    checked = check(body)
+    assert not checked.ok and any(says in p for p in checked.problems), checked.problems
+
+
+# --- the operator against the emulated API server ------------------------------------------------
+
+POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
+ROUTE = ("gateway.networking.k8s.io", "v1", "httproutes")
+
+
+@pytest.fixture
+def cluster():
+    """An API server without the inference extension's and Gateway API's CRDs, and an operator that
+    rechecks missing CRDs every second."""
+    from tests.operator.apiserver import BackgroundApiServer
+    from tests.operator.test_operator_kmock import Operator
+
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver, recheck_crds_seconds=1)
+    operator.start()
+    yield apiserver
+    operator.stop()
+    apiserver.close()
+
+
+def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(cluster):
+    from tests.operator.test_operator_kmock import IS, NS, children_of, conditions, create, get, wait_for
+
+    apiserver = cluster
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": "gw", "namespace": NS}
+    create(apiserver, body)
+    conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "gw") or {}).get("Degraded")
+                     and conditions(get(apiserver, IS, "gw")))
+    assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "Multiple")  # both CRDs missing
+    assert "the InferencePool CRD (inference.networking.k8s.io/v1) is not installed" in conds["Degraded"]["message"]
+    assert "the HTTPRoute CRD (gateway.networking.k8s.io/v1) is not installed" in conds["Degraded"]["message"]
+    assert get(apiserver, ("apps", "v1", "deployments"), "gw-epp") and get(apiserver, ("", "v1", "services"), "gw-epp")
+    assert ("Deployment", "gw-engine") in children_of(apiserver, "gw")  # the rest is applied
+    apiserver.api.declare(*POOL, "InferencePool")
+    apiserver.api.declare(*ROUTE, "HTTPRoute")
+    pool = wait_for("the InferencePool", lambda: get(apiserver, POOL, "gw"))
+    route = wait_for("the HTTPRoute", lambda: get(apiserver, ROUTE, "gw"))
+    assert pool["spec"]["endpointPickerRef"]["name"] == "gw-epp"
+    assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
+    wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "gw")).get("Degraded", {}).get("status") == "False")

@@ -1,0 +1,235 @@
+"""`pagoda epp` over three real engines (`pagoda serve`, the tiny model, KV events on), driven by
+a client speaking Envoy's ext_proc v3 as Envoy does (`envoy_ext_proc.py`): requests sharing a long
+prefix go to the engine that holds it once its KV events arrive; an engine whose /metrics shows a
+full queue is passed over; the subset hint is obeyed; 503 with no ready endpoint; the
+FULL_DUPLEX_STREAMED mode GAIE's gateways use; gRPC health."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+from envoy_ext_proc import DUPLEX, ext_proc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from pagoda_e2e import free_port, start_pagoda, until
+
+MODEL = "pagoda-tiny"
+QUEUE_LIMIT = 3
+
+
+def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
+    port = free_port()
+    proc = start_pagoda(["epp", "--host", "127.0.0.1", "--port", str(port), "--backends", ",".join(backends),
+                         "--metrics-interval", "0.1", *extra], tmp_path / f"epp-{port}.log", env=env)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+
+    def ready():
+        if not proc.alive():
+            raise RuntimeError(proc.log_text()[-3000:])
+        try:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="readiness"),
+                                                               timeout=1)
+            return answer.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    until(ready, 120, "the EPP's readiness")
+    return proc, channel
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("epp")
+    events = free_port()
+    ports = sorted(free_port() for _ in range(3))
+    engines = []
+    try:
+        for port in ports:  # started together, waited for after: they load in parallel
+            config = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
+                      f'"topic": "kv@127.0.0.1:{port}@{MODEL}"}}')
+            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
+                                         "--num-kv-pages", "256", "--max-model-len", "512", "--max-num-seqs", "1",
+                                         "--kv-events-config", config], tmp / f"engine-{port}.log"))
+        for proc, port in zip(engines, ports):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
+        urls = [f"http://127.0.0.1:{p}" for p in ports]
+        epp, channel = _epp(tmp, urls, "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}",
+                            "--queue-limit", str(QUEUE_LIMIT))
+        yield {"urls": urls, "endpoints": [f"127.0.0.1:{p}" for p in ports], "channel": channel, "tmp": tmp}
+        channel.close()
+        epp.stop()
+    finally:
+        for proc in engines:
+            proc.stop()
+
+
+def _prefix(tenant: int) -> str:
+    return " ".join(f"tenant{tenant} shares this system prompt line {i}." for i in range(8))
+
+
+def test_health_services(cluster):
+    stub = health_pb2_grpc.HealthStub(cluster["channel"])
+    for service in ("liveness", "readiness", "envoy.service.ext_proc.v3.ExternalProcessor"):
+        assert stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status == \
+            health_pb2.HealthCheckResponse.SERVING
+
+
+def test_an_idle_cluster_gets_an_ordered_fallback_list_in_the_header_and_the_metadata(cluster):
+    pick = ext_proc(cluster["channel"], {"model": MODEL, "prompt": "hello", "max_tokens": 1})
+    assert pick.status is None
+    assert sorted(pick.endpoints) == sorted(cluster["endpoints"])  # all three, best first
+
+
+def test_a_shared_prefix_goes_to_the_engine_holding_it_once_its_events_arrive(cluster):
+    channel, endpoints = cluster["channel"], cluster["endpoints"]
+    prefix = _prefix(1)
+    question = {"model": MODEL, "prompt": prefix + " Question one?", "max_tokens": 1}
+    before = ext_proc(channel, question).endpoints[0]
+    holder = next(e for e in endpoints if e != before)  # not the one it would pick anyway
+    r = httpx.post(f"http://{holder}/v1/completions", json={"model": MODEL, "prompt": prefix + " Warm up.",
+                                                             "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    until(lambda: ext_proc(channel, question).endpoints[0] == holder, 15, "the pick to follow the KV events")
+    for i in range(5):
+        other = {"model": MODEL, "prompt": prefix + f" A different question {i}?", "max_tokens": 1}
+        assert ext_proc(channel, other).endpoints[0] == holder
+    fresh = ext_proc(channel, {"model": MODEL, "prompt": _prefix(2) + " unrelated", "max_tokens": 1})
+    assert fresh.endpoints[0] == before  # no engine holds that prefix: load and name decide as before
+
+
+def test_an_engine_reporting_a_full_queue_is_passed_over_even_with_the_prefix(cluster):
+    channel, endpoints = cluster["channel"], cluster["endpoints"]
+    prefix = _prefix(3)
+    question = {"model": MODEL, "prompt": prefix + " Which engine?", "max_tokens": 1}
+    holder = endpoints[-1]
+    httpx.post(f"http://{holder}/v1/completions", json={"model": MODEL, "prompt": prefix, "max_tokens": 1},
+               timeout=60).raise_for_status()
+    until(lambda: ext_proc(channel, question).endpoints[0] == holder, 15, "the pick to follow the KV events")
+
+    def long_request():
+        httpx.post(f"http://{holder}/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": "busy", "max_tokens": 300, "min_tokens": 300, "ignore_eos": True})
+
+    # --max-num-seqs 1: one runs, the others wait, and the engine's /metrics says so.
+    threads = [threading.Thread(target=long_request) for _ in range(QUEUE_LIMIT + 3)]
+    for t in threads:
+        t.start()
+    try:
+        until(lambda: ext_proc(channel, question).endpoints[0] != holder, 30, "the full engine to be passed over")
+        assert ext_proc(channel, question).endpoints[-1] == holder  # still the last resort in the list
+    finally:
+        for t in threads:
+            t.join()
+    until(lambda: ext_proc(channel, question).endpoints[0] == holder, 30, "the drained engine to be picked again")
+
+
+def test_the_subset_hint_is_obeyed_and_an_empty_or_foreign_subset_is_503(cluster):
+    channel, endpoints = cluster["channel"], cluster["endpoints"]
+    body = {"model": MODEL, "prompt": _prefix(1) + " subset?", "max_tokens": 1}
+    for chosen in ([endpoints[0]], endpoints[1:]):
+        assert sorted(ext_proc(channel, body, subset=chosen).endpoints) == sorted(chosen)
+    for subset in ([], ["10.255.255.1:8000"]):
+        pick = ext_proc(channel, body, subset=subset)
+        assert pick.status == 503 and pick.header is None
+        assert pick.immediate_body["error"]["code"] == 503
+
+
+def test_full_duplex_streamed_answers_the_headers_with_the_pick_then_streams_the_body_back(cluster):
+    body = b'{"model": "pagoda-tiny", "messages": [{"role": "user", "content": "hi there"}]}'
+    pick = ext_proc(cluster["channel"], body, mode=DUPLEX, path="/v1/chat/completions")
+    assert [r.WhichOneof("response") for r in pick.responses] == ["request_headers", "request_body"]
+    assert pick.endpoints[0] in cluster["endpoints"]
+    assert pick.body_back == body
+
+
+def test_a_body_that_is_not_a_json_object_is_a_400_in_openais_shape(cluster):
+    for raw in (b"[1, 2]", b"{not json"):
+        pick = ext_proc(cluster["channel"], raw)
+        assert pick.status == 400
+        assert pick.immediate_body["error"]["type"] == "invalid_request_error"
+
+
+def test_no_ready_endpoint_is_a_503(cluster):
+    gone = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc, channel = _epp(cluster["tmp"], [gone])
+    try:
+        pick = ext_proc(channel, {"model": MODEL, "prompt": "anyone?"})
+        assert pick.status == 503 and pick.header is None
+    finally:
+        channel.close()
+        proc.stop()
+
+
+def test_the_engines_key_is_set_on_the_routed_request(cluster):
+    """The gateway holds no key: the picker presents the engines' own (the operator's internal key)."""
+    proc, channel = _epp(cluster["tmp"], cluster["urls"], env={"PAGODA_BACKEND_API_KEY": "engine-key"})
+    try:
+        pick = ext_proc(channel, {"model": MODEL, "prompt": "with a key"})
+        headers = {o.header.key: o.header.raw_value for r in pick.responses
+                   for o in r.request_body.response.header_mutation.set_headers}
+        assert headers["authorization"] == b"Bearer engine-key"
+        assert pick.endpoints[0] in cluster["endpoints"]
+    finally:
+        channel.close()
+        proc.stop()
+
+
+def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster):
+    """Flow control over one engine (the subset): while its queue is full, requests are held, then
+    released highest objective first whatever their arrival order."""
+    engine = cluster["endpoints"][0]
+    proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
+                         "--objective", "interactive=10", "--objective", "batch=0")
+    done: list[str] = []
+    try:
+        def long_request():
+            httpx.post(f"http://{engine}/v1/completions", timeout=300, json={
+                "model": MODEL, "prompt": "busy", "max_tokens": 400, "min_tokens": 400, "ignore_eos": True})
+
+        busy = [threading.Thread(target=long_request) for _ in range(4)]  # one runs, three wait (--max-num-seqs 1)
+        for t in busy:
+            t.start()
+
+        def wait_until_saturated():
+            return float(httpx.get(f"http://{engine}/metrics", timeout=5).text.split(
+                "pagoda:num_requests_waiting{")[1].split("} ")[1].split()[0]) >= 1
+
+        until(wait_until_saturated, 30, "the engine's queue to fill")
+
+        def held(name: str, objective: str, fairness: str):
+            pick = ext_proc(channel, {"model": MODEL, "prompt": name}, subset=[engine], timeout=120,
+                            headers={"x-llm-d-inference-objective": objective,
+                                     "x-llm-d-inference-fairness-id": fairness})
+            assert pick.status is None and pick.endpoints == [engine], pick.immediate_body
+            done.append(name)
+
+        callers = []
+        for name, objective, fairness in (("batch-1", "batch", "a"), ("batch-2", "batch", "b"),
+                                          ("interactive-1", "interactive", "a"), ("interactive-2", "interactive", "b")):
+            callers.append(threading.Thread(target=held, args=(name, objective, fairness)))
+            callers[-1].start()
+            time.sleep(0.1)
+        assert done == []  # all held while the engine's queue is full
+        for t in callers:
+            t.join(timeout=180)
+        for t in busy:
+            t.join()
+    finally:
+        channel.close()
+        proc.stop()
+    assert done[:2] == ["interactive-1", "interactive-2"] and sorted(done[2:]) == ["batch-1", "batch-2"], done
+
+
+def test_bad_flags_exit_2_naming_the_flag(cluster):
+    for flags, says in ((["--backends", "http://127.0.0.1:1", "--kv-events-port", "5557"], "--model"),
+                        (["--backends", "ftp://x"], "scheme"),
+                        (["--backends", "http://127.0.0.1:1", "--queue-limit", "0"], "--queue-limit")):
+        proc = start_pagoda(["epp", *flags], cluster["tmp"] / "bad.log")
+        deadline = time.monotonic() + 60
+        while proc.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert proc.popen.returncode == 2 and says in proc.log_text(), proc.log_text()
+        proc.stop()
