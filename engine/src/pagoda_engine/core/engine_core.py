@@ -204,6 +204,7 @@ class EngineCore:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids.tolist(),
             sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time or time.time(), priority=req.priority,
+            output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
             grammar=self.grammars.submit(structured) if structured is not None else None)
         if request.waits_for_grammar:
             self._compiling[request.request_id] = request

@@ -144,11 +144,12 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
              priority: int, queue: asyncio.Queue, output_kind: RequestOutputKind,
-             chat_output: ChatOutputSpec | None = None, data_parallel_rank: int | None = None) -> _Stream:
+             chat_output: ChatOutputSpec | None = None, data_parallel_rank: int | None = None,
+             resume_token_ids: list[int] | None = None) -> _Stream:
         self.check_accepting()
         arrival = time.time()  # the wire's clock: the core's event stamps are compared with it
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
-                                                   output_kind, chat_output)
+                                                   output_kind, chat_output, resume_token_ids)
         engine = self.client.least_loaded() if data_parallel_rank is None else data_parallel_rank
         stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
                          [SequenceTimes(arrival, len(prompt_token_ids), engine, params.max_tokens)
@@ -244,9 +245,11 @@ class RequestGroup:
         self.streams: list[_Stream] = []
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            priority: int = 0, chat_output: ChatOutputSpec | None = None) -> None:
+            priority: int = 0, chat_output: ChatOutputSpec | None = None,
+            resume_token_ids: list[int] | None = None) -> None:
         self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue,
-                                             self.output_kind, chat_output, self.data_parallel_rank))
+                                             self.output_kind, chat_output, self.data_parallel_rank,
+                                             resume_token_ids))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for batch in self.batches():
