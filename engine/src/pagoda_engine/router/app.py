@@ -35,6 +35,7 @@ from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.migration import migratable
 from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
 from pagoda_engine.router.proxy import QueueConfig, Router
 
@@ -57,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests held at most while no replica is ready (scale from zero)")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds one request is held at most")
     parser.add_argument("--retry-after", type=int, default=5, help="Retry-After seconds on a 503")
+    parser.add_argument("--max-migrations", type=int, default=3,
+                        help="times one request may move to another replica when its replica fails: before the "
+                             "first byte, or mid-stream as a continuation of the tokens already sent (0: never)")
     parser.add_argument("--prefix-load-factor", type=float, default=1.25,
                         help="prefix-aware: a replica takes new prefixes only while under this x mean load")
     parser.add_argument("--prefix-page-chars", type=int, default=64,
@@ -85,6 +89,8 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--queue-size must be >= 0")
     if args.queue_timeout < 0:
         raise BackendConfigError("--queue-timeout must be >= 0")
+    if args.max_migrations < 0:
+        raise BackendConfigError("--max-migrations must be >= 0")
     if args.health_interval <= 0:
         raise BackendConfigError("--health-interval must be > 0")
     if args.prefix_load_factor < 1:
@@ -136,7 +142,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             else make_policy(args.policy)
         router = Router(pool, policy, metrics, client,
                         QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
-                        backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None)
+                        backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None,
+                        max_migrations=args.max_migrations)
         state["router"], state["pool"] = router, pool
         watcher = None
         if args.backend_urls is not None:
@@ -178,7 +185,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         if routed and wants_prefix:
             text = _prompt_text(parsed)
             key = prefix_key(text, page_chars) if text else None
-        return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key)
+        migrate = await request.json() if routed and args.max_migrations and migratable(parsed) else None
+        return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key,
+                                             migrate)
 
     @app.post("/v1/completions", response_model=None, responses={200: streamed_or(CompletionResponse)})
     async def completions(req: CompletionRequest, request: Request) -> Response:

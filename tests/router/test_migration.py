@@ -1,0 +1,138 @@
+"""No request lost to a dying replica: three real `pagoda serve` engines (built-in tiny model)
+behind a real `pagoda route`; many streamed requests (chat and completions, greedy and seeded
+sampling) run once undisturbed and once while one engine is SIGKILLed and another SIGTERMed
+(its drain deadline ends what it still runs). Every stream of the disturbed run must complete
+with the undisturbed run's text and token ids, each token once, one finish and one usage."""
+
+import concurrent.futures
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagoda_e2e import free_port, start_engine, start_router, until
+
+# Long enough (ignore_eos) that every stream is still running when the engines go, and the
+# SIGTERMed engine's drain deadline (0.5 s) ends its streams before they finish.
+MAX_TOKENS = 128
+ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "16", "--drain-timeout", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migration")
+    ports = [free_port() for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        engines = list(pool.map(lambda i: start_engine(ports[i], tmp / f"engine{i}.log", ENGINE), range(3)))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    port = free_port()
+    router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "round-robin"])
+    yield {"router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
+    router.stop()
+    for e in engines:
+        e.stop()
+
+
+def _requests(n: int) -> list[tuple[str, dict]]:
+    out = []
+    for i in range(n):
+        chat = i % 2 == 0
+        body: dict = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
+        body.update({"temperature": 0} if i % 3 else {"temperature": 0.9, "seed": 1000 + i})
+        if i % 4 == 1:
+            body["stream_options"] = {"include_usage": True}
+        if i % 5 == 2:
+            body["return_token_ids"] = True
+        if chat:
+            body["messages"] = [{"role": "user", "content": f"Tell story number {i} about a fox."}]
+        else:
+            body["prompt"] = f"Story {i}: once upon a time"
+        out.append(("/v1/chat/completions" if chat else "/v1/completions", body))
+    return out
+
+
+def _stream(base: str, path: str, body: dict, progress: list[int], lock: threading.Lock) -> dict:
+    """The stream's frames, read as a client would, and what they add up to."""
+    frames = []
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            frames.append(line[6:])
+            with lock:
+                progress[0] += 1
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    chat = path.endswith("chat/completions")
+    return {
+        "done": frames.count("[DONE]"), "last_is_done": bool(frames) and frames[-1] == "[DONE]",
+        "errors": [c for c in chunks if "error" in c],
+        "text": "".join((ch["delta"].get("content") or "") if chat else ch["text"]
+                        for c in chunks for ch in c.get("choices") or ()),
+        "finishes": [ch["finish_reason"] for c in chunks for ch in c.get("choices") or () if ch.get("finish_reason")],
+        "usages": [c["usage"] for c in chunks if c.get("usage")],
+        "ids": {c.get("id") for c in chunks if "error" not in c},
+        "roles": sum(1 for c in chunks for ch in c.get("choices") or () if (ch.get("delta") or {}).get("role")),
+        "token_ids": [t for c in chunks for ch in c.get("choices") or () for t in ch.get("token_ids") or ()],
+        "has_token_ids": any("token_ids" in ch for c in chunks for ch in c.get("choices") or ()),
+    }
+
+
+def _run(base: str, reqs, disturb=None) -> list[dict]:
+    progress, lock = [0], threading.Lock()
+    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
+        futures = [pool.submit(_stream, base, path, body, progress, lock) for path, body in reqs]
+        if disturb is not None:
+            disturb(progress)
+        return [f.result() for f in futures]
+
+
+def _metric(base: str, name: str, labels: str = "") -> float:
+    total = 0.0
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(name + labels) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_streams_survive_a_sigkill_and_a_sigterm(stack):
+    base = stack["router"]
+    reqs = _requests(30)
+    reference = _run(base, reqs)
+    for got in reference:
+        assert got["errors"] == [] and got["finishes"] == ["length"], got
+
+    def disturb(progress):
+        # Once every stream is well under way: one replica dies, another is told to stop (its
+        # drain deadline, 0.5 s, then ends what it still runs with an in-band error).
+        until(lambda: progress[0] >= len(reqs) * 2, 60, "streams under way")
+        stack["engines"][0].kill()
+        stack["engines"][1].popen.send_signal(signal.SIGTERM)
+
+    disturbed = _run(base, reqs, disturb)
+    for (path, body), want, got in zip(reqs, reference, disturbed):
+        where = f"{path} {body}"
+        assert got["errors"] == [], where
+        assert got["done"] == 1 and got["last_is_done"], where
+        assert got["finishes"] == ["length"], where
+        assert len(got["ids"]) == 1, where  # one response id across the splice
+        if path.endswith("chat/completions"):
+            assert got["roles"] == 1, where
+        assert got["text"] == want["text"], where
+        asked_usage = bool(body.get("stream_options"))
+        assert got["usages"] == ([want["usages"][0]] if asked_usage else []), where
+        if asked_usage:
+            assert got["usages"][0]["completion_tokens"] == MAX_TOKENS
+        assert got["has_token_ids"] == bool(body.get("return_token_ids")), where
+        if body.get("return_token_ids"):
+            assert got["token_ids"] == want["token_ids"] and len(got["token_ids"]) == MAX_TOKENS, where
+    # Both ways of breaking happened: a connection cut (the SIGKILL) and the drain deadline's error.
+    assert _metric(base, "pagoda_router:migrations_total", '{cause="connection_error"}') >= 1
+    assert _metric(base, "pagoda_router:migrations_total", '{cause="server_error"}') >= 1
+    assert _metric(base, "pagoda_router:continuation_tokens_total") > 0
+    assert _metric(base, "pagoda_router:stream_errors_total") == 0
+    assert stack["engines"][1].popen.wait(30) == 0  # the SIGTERMed engine drained and exited cleanly
+
