@@ -411,3 +411,14 @@ def test_extra_args_api_server_count_on_one_node_is_checked_but_may_be_above_one
     assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count=4"])) == []
     assert problems_of(with_spec(base, engine__extraArgs=["--api-server-count", "x"])) == [
         "engine.extraArgs: argument --api-server-count/-asc: invalid int value: 'x'"]
+
+
+def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():
+    base = load_example("llama-3.1-8b.yaml")
+    assert problems_of(with_spec(base, engine__extraArgs=["--drain-timeout", "45"])) == []
+    assert problems_of(with_spec(base, engine__extraArgs=["--drain-timeout", "46"])) == [
+        "engine.extraArgs: --drain-timeout 46 does not fit in terminationGracePeriodSeconds 60 (a 10 s preStop sleep, "
+        "then at most 45 s of drain, then 5 s to exit); raise engine.terminationGracePeriodSeconds or lower the "
+        "drain timeout"]
+    longer = with_spec(base, engine__extraArgs=["--drain-timeout", "100"], engine__terminationGracePeriodSeconds=120)
+    assert problems_of(longer) == []

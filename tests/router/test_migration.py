@@ -131,7 +131,7 @@ def test_streams_survive_a_sigkill_and_a_sigterm(stack):
             assert got["token_ids"] == want["token_ids"] and len(got["token_ids"]) == MAX_TOKENS, where
     # Both ways of breaking happened: a connection cut (the SIGKILL) and the drain deadline's error.
     assert _metric(base, "pagoda_router:migrations_total", '{cause="connection_error"}') >= 1
-    assert _metric(base, "pagoda_router:migrations_total", '{cause="server_error"}') >= 1
+    assert _metric(base, "pagoda_router:migrations_total", '{cause="drain_deadline"}') >= 1
     assert _metric(base, "pagoda_router:continuation_tokens_total") > 0
     assert _metric(base, "pagoda_router:stream_errors_total") == 0
     assert stack["engines"][1].popen.wait(30) == 0  # the SIGTERMed engine drained and exited cleanly

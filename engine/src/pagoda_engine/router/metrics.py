@@ -35,7 +35,7 @@ class RouterMetrics:
         self.queue_rejected = Counter("pagoda_router:queue_rejected", "Requests answered 503 because "
                                       "the hold queue was full", registry=r)
         self.migrations = Counter("pagoda_router:migrations", "Streams continued on another backend after "
-                                  "theirs failed mid-way, by cause (connection_error, server_error)", ["cause"],
+                                  "theirs failed mid-way, by cause (connection_error, drain_deadline, server_error)", ["cause"],
                                   registry=r)
         self.continuation_tokens = Counter("pagoda_router:continuation_tokens", "Output tokens handed to "
                                            "another backend as a continuation's resume_token_ids", registry=r)

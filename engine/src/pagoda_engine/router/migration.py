@@ -33,7 +33,8 @@ log = logging.getLogger("pagoda.router")
 DONE = b"data: [DONE]"
 # Why a stream moved (the migrations metric's `cause` label).
 CAUSE_CONNECTION = "connection_error"  # reset, refused, or closed before [DONE]
-CAUSE_SERVER_ERROR = "server_error"  # an in-band error of the server's making (drain deadline, dead core)
+CAUSE_DRAIN = "drain_deadline"  # the replica was SIGTERMed and its --drain-timeout ran out
+CAUSE_SERVER_ERROR = "server_error"  # any other in-band error of the server's making (a dead core)
 
 
 def migratable(parsed) -> bool:
@@ -49,10 +50,13 @@ def migratable(parsed) -> bool:
     return not (constraint is not None and constraint())
 
 
-def _is_server_error(frame: dict) -> bool:
-    """An in-band error another replica may not have: anything but the client's own mistake."""
+def _break_cause(frame: dict) -> str | None:
+    """Why an in-band error frame breaks the stream, when another replica may not have the
+    problem (anything but the client's own mistake); None for the client's mistake."""
     error = frame.get("error")
-    return isinstance(error, dict) and error.get("type") != "invalid_request_error"
+    if not isinstance(error, dict) or error.get("type") == "invalid_request_error":
+        return None
+    return CAUSE_DRAIN if error.get("code") == "shutting_down" else CAUSE_SERVER_ERROR
 
 
 class MigratingStream(Response):
@@ -138,9 +142,10 @@ class MigratingStream(Response):
                 except ValueError:
                     return CAUSE_SERVER_ERROR
                 if "error" in chunk:
-                    if _is_server_error(chunk) and not self.finished:
+                    cause = _break_cause(chunk)
+                    if cause is not None and not self.finished:
                         log.warning("stream from %s ended with %s", self.backend.url, chunk["error"].get("message"))
-                        return CAUSE_SERVER_ERROR
+                        return cause
                     await self._send(send, frame + b"\n\n")  # the request's own error: the client's to see
                     continue
                 chunk = self._rewrite(chunk, continuation)

@@ -154,6 +154,9 @@ class Router:
                 last_error = f"{backend.url}: {type(e).__name__}: {e}"
                 self.pool.mark_failed(backend, last_error)
                 continue
+            if upstream.status_code == 503 and upstream.headers.get("connection", "").lower() == "close":
+                # A draining replica (SIGTERM): no more work for it, not even until the next poll.
+                self.pool.mark_failed(backend, "draining")
             if upstream.status_code in _RETRYABLE_STATUS and attempt < self.max_migrations \
                     and self._choose(model, key, tried):
                 last_error = f"{backend.url} answered {upstream.status_code}"
