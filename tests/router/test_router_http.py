@@ -283,3 +283,13 @@ def test_router_refuses_to_start_on_bad_backends(flags, message):
                          text=True, timeout=60)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.startswith("pagoda route: error:")
+
+
+def test_an_oversized_body_gets_a_413_the_official_client_can_read(pair, rr):
+    """An 8 MB prompt, past the router's default 4 MiB: the router reads and drops the rest, and
+    answers in OpenAI's shape without costing a replica anything."""
+    client = openai.OpenAI(base_url=rr + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="fake-model", prompt="a" * (8 << 20), max_tokens=1)
+    assert refused.value.status_code == 413 and "--max-request-body-bytes" in refused.value.message
+    assert refused.value.body["code"] == "request_too_large"

@@ -81,6 +81,7 @@ class MigratingStream(Response):
         self.outcome = str(upstream.status_code)
         self.token_ids: list[int] = []  # output ids of the chunks passed on
         self.finished = False  # a finish_reason went out
+        self.untracked = False  # output went out whose token ids the replica did not report
         self.stream_id: str | None = None
         self.created: int | None = None
         self.prompt_len: int | None = None
@@ -106,6 +107,8 @@ class MigratingStream(Response):
             if self.client_wants_ids and not continuation:
                 chunk["prompt_token_ids"] = ids
         for choice in chunk.get("choices") or ():
+            if "token_ids" not in choice:
+                self.untracked = True  # a replica without return_token_ids: its output cannot be resumed exactly
             ids = choice.pop("token_ids", None) or []
             self.token_ids.extend(ids)
             if "prompt_token_ids" in choice:  # completions: on the first chunk of the choice
@@ -148,14 +151,20 @@ class MigratingStream(Response):
                         return cause
                     await self._send(send, frame + b"\n\n")  # the request's own error: the client's to see
                     continue
+                # The first replica's chunk goes on as sent unless ids the client did not ask for
+                # come out of it; a continuation's always gets the first stream's id.
+                as_sent = not continuation and (self.client_wants_ids or b'token_ids"' not in frame)
                 chunk = self._rewrite(chunk, continuation)
                 if chunk is None:
                     continue
                 if self.first_byte:
                     metrics.ttft.observe(time.monotonic() - self.start)
                     self.first_byte = False
-                await self._send(send, b"data: " + json.dumps(chunk, ensure_ascii=False,
-                                                               separators=(",", ":")).encode() + b"\n\n")
+                if as_sent:
+                    await self._send(send, frame + b"\n\n")
+                else:
+                    await self._send(send, b"data: " + json.dumps(chunk, ensure_ascii=False,
+                                                                   separators=(",", ":")).encode() + b"\n\n")
         except httpx.HTTPError as e:
             log.warning("stream from %s broke: %s", self.backend.url, e)
             return CAUSE_CONNECTION
@@ -185,8 +194,13 @@ class MigratingStream(Response):
                 break
             # Out of rotation until its next good health poll: it just failed a stream.
             self.router.pool.mark_failed(self.backend, f"a stream broke ({cause})")
+            where = f"the stream from {self.backend.url} broke ({cause})"
+            if self.untracked:
+                return await self._fail(send, f"{where}, and that replica does not report token ids "
+                                              f"(return_token_ids), so it cannot be continued exactly")
             if migrations >= self.max_migrations:
-                return await self._fail(send, f"the stream broke {migrations + 1} times ({cause})")
+                return await self._fail(send, f"{where}, {migrations + 1} breaks in all (--max-migrations "
+                                              f"{self.max_migrations})")
             migrations += 1
             metrics.migrations.labels(cause).inc()
             failed_url = self.backend.url
@@ -202,7 +216,8 @@ class MigratingStream(Response):
                 if backend is not None:
                     await upstream.aclose()
                     backend.in_flight -= 1
-                return await self._fail(send, f"no replica could continue it (HTTP {upstream.status_code}: {detail})")
+                return await self._fail(send, f"{where}, and no replica could continue it "
+                                              f"(HTTP {upstream.status_code}: {detail})")
             log.info("stream moved from %s to %s after %d tokens (%s)", failed_url, backend.url,
                      len(self.token_ids), cause)
             self.upstream, self.backend = upstream, backend

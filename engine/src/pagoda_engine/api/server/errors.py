@@ -185,7 +185,8 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                415: "unsupported_media_type"}.get(exc.status_code)
         return JSONResponse(error_body(str(exc.detail), type, None, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
