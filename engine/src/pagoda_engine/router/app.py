@@ -58,6 +58,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests held at most while no replica is ready (scale from zero)")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds one request is held at most")
     parser.add_argument("--retry-after", type=int, default=5, help="Retry-After seconds on a 503")
+    parser.add_argument("--max-waiting-per-model", type=int, default=None,
+                        help="requests of one model waiting for a replica's answer (held, connecting, queued) past "
+                             "which a new one gets 429 with Retry-After (default: no bound)")
     parser.add_argument("--max-migrations", type=int, default=3,
                         help="times one request may move to another replica when its replica fails: before the "
                              "first byte, or mid-stream as a continuation of the tokens already sent (0: never)")
@@ -89,6 +92,8 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--queue-size must be >= 0")
     if args.queue_timeout < 0:
         raise BackendConfigError("--queue-timeout must be >= 0")
+    if args.max_waiting_per_model is not None and args.max_waiting_per_model < 1:
+        raise BackendConfigError("--max-waiting-per-model must be >= 1")
     if args.max_migrations < 0:
         raise BackendConfigError("--max-migrations must be >= 0")
     if args.health_interval <= 0:
@@ -143,7 +148,7 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         router = Router(pool, policy, metrics, client,
                         QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
                         backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None,
-                        max_migrations=args.max_migrations)
+                        max_migrations=args.max_migrations, max_waiting_per_model=args.max_waiting_per_model)
         state["router"], state["pool"] = router, pool
         watcher = None
         if args.backend_urls is not None:

@@ -34,6 +34,9 @@ class RouterMetrics:
                                       "after the queue wait expired", registry=r)
         self.queue_rejected = Counter("pagoda_router:queue_rejected", "Requests answered 503 because "
                                       "the hold queue was full", registry=r)
+        self.waiting_rejected = Counter("pagoda_router:waiting_rejected", "Requests answered 429 because their "
+                                        "model had --max-waiting-per-model requests waiting already", ["model"],
+                                        registry=r)
         self.migrations = Counter("pagoda_router:migrations", "Streams continued on another backend after "
                                   "theirs failed mid-way, by cause (connection_error, drain_deadline, server_error)", ["cause"],
                                   registry=r)

@@ -32,9 +32,9 @@ log = logging.getLogger("pagoda.router")
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authenticate",
                  "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
 _DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "date", "server"}
-# A replica answering these before any body byte is overloaded, draining or behind a failing
-# proxy: another replica may well succeed.
-_RETRYABLE_STATUS = {502, 503, 504}
+# A replica answering these before any body byte is overloaded (its waiting queue full), draining
+# or behind a failing proxy: another replica may well succeed.
+_RETRYABLE_STATUS = {429, 502, 503, 504}
 
 
 @dataclass
@@ -51,8 +51,12 @@ class Router:
 
     def __init__(self, pool: BackendPool, policy, metrics: RouterMetrics, client: httpx.AsyncClient,
                  queue: QueueConfig, backend_api_key: str | None = None, forward_client_key: bool = True,
-                 max_migrations: int = 3):
+                 max_migrations: int = 3, max_waiting_per_model: int | None = None):
         self.pool = pool
+        # Requests of one model accepted and without response headers yet (held, connecting,
+        # queued in an engine) past which a new one gets 429: bounded memory under overload.
+        self.max_waiting_per_model = max_waiting_per_model
+        self._waiting: dict[str | None, int] = {}
         # Replicas a request may move to after its first fails: before the first byte (a
         # connection error, 502-504) or, for a stream, mid-way (`migration.py`).
         self.max_migrations = max_migrations
@@ -113,13 +117,24 @@ class Router:
         """`migrate`: the parsed body of a stream that may move to another replica if its own
         fails (`migration.py`); None: relayed byte for byte."""
         start = time.monotonic()
+        limit = self.max_waiting_per_model
+        if limit is not None and self._waiting.get(model, 0) >= limit:
+            self.metrics.waiting_rejected.labels(model or "").inc()
+            self.metrics.requests.labels("none", "429").inc()
+            return error_response(429, f"The router holds {limit} requests of this model waiting for a replica "
+                                       f"already (--max-waiting-per-model); retry later.", type="rate_limit_error",
+                                  code="too_many_requests", headers={"Retry-After": str(self.queue.retry_after_s)})
         if migrate is not None:
             body = json.dumps(dict(migrate, return_token_ids=True)).encode()
         self.metrics.waiting_for_backend.inc()
+        self._waiting[model] = self._waiting.get(model, 0) + 1
         try:
             upstream, backend = await self._connect(method, path, headers, body, model, key)
         finally:
             self.metrics.waiting_for_backend.dec()
+            self._waiting[model] -= 1
+            if not self._waiting[model]:
+                del self._waiting[model]
         if isinstance(upstream, Response):  # the router's own error
             self.metrics.requests.labels("none", str(upstream.status_code)).inc()
             return upstream

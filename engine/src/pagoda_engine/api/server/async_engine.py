@@ -21,7 +21,7 @@ from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.core_client import CoreAddresses
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
-from pagoda_engine.api.server.errors import ServiceUnavailableError
+from pagoda_engine.api.server.errors import ServiceUnavailableError, TooManyRequestsError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
 from pagoda_engine.config import EngineConfig, ModelConfig
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
@@ -116,6 +116,18 @@ class AsyncEngine:
         if not self.accepting:
             raise ServiceUnavailableError("The server is shutting down and accepts no new requests.",
                                           code="shutting_down")
+        limit = self.config.server.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            self.metrics.queue_rejected()
+            raise TooManyRequestsError(f"The server's waiting queue is full ({limit} sequences, "
+                                       f"--max-waiting-requests); retry shortly or on another replica.")
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences of this API process that no engine core has scheduled yet (finished or
+        aborted ones aside): the waiting queue as this process sees it, a step behind at most."""
+        return sum(1 for stream in self._streams.values() for t in stream.times
+                   if t.scheduled_at is None and not t.done)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False when the timeout passed first."""
