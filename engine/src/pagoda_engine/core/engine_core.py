@@ -205,6 +205,7 @@ class EngineCore:
             sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time or time.time(), priority=req.priority,
             output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
+            num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
             grammar=self.grammars.submit(structured) if structured is not None else None)
         if request.waits_for_grammar:
             self._compiling[request.request_id] = request

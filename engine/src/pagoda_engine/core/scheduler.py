@@ -293,7 +293,7 @@ class Scheduler:
                 req.num_output_placeholders -= 1
             token = sampled[req.request_id]
             req.output_token_ids.append(token)
-            if req.num_output_tokens == 1:
+            if req.num_output_tokens == req.num_resumed_tokens + 1:  # the first this engine sampled
                 req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
             status = self._check_stop(req, token)
             updated.append(req)
