@@ -136,3 +136,50 @@ def test_streams_survive_a_sigkill_and_a_sigterm(stack):
     assert _metric(base, "pagoda_router:stream_errors_total") == 0
     assert stack["engines"][1].popen.wait(30) == 0  # the SIGTERMed engine drained and exited cleanly
 
+
+
+def test_a_rolling_replacement_under_load_loses_no_request(stack):
+    """After the first test only engine 2 is left: under steady load, new engines come up on the
+    ports of 0 and 1, then engine 2 is SIGTERMed and replaced too (a rollout, one step at a
+    time). Every request completes, greedy ones with the text an idle engine gives."""
+    base, urls, engines = stack["router"], stack["urls"], stack["engines"]
+    log_dir = engines[2].log_path.parent
+    reqs = _requests(12)
+    results: list[tuple[int, dict]] = []
+    stop = threading.Event()
+    progress, lock = [0], threading.Lock()
+
+    def load(worker: int):
+        i = worker
+        while not stop.is_set():
+            path, body = reqs[i % len(reqs)]
+            results.append((i % len(reqs), _stream(base, path, body, progress, lock)))
+            i += 4
+
+    def ready(n: int) -> bool:
+        return sum(b["ready"] for b in httpx.get(base + "/router/backends").json()["backends"]) == n
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        workers = [pool.submit(load, w) for w in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(2) as starter:
+            engines[0], engines[1] = starter.map(
+                lambda i: start_engine(int(urls[i].rsplit(":", 1)[1]), log_dir / f"engine{i}-new.log", ENGINE), (0, 1))
+        until(lambda: ready(3), 30, "three replicas ready")
+        engines[2].stop()  # SIGTERM: drains (0.5 s), the router continues what it cut
+        engines[2] = start_engine(int(urls[2].rsplit(":", 1)[1]), log_dir / "engine2-new.log", ENGINE)
+        until(lambda: ready(3), 30, "the replacement ready")
+        stop.set()
+        for w in workers:
+            w.result()
+    assert len(results) >= 12
+    undisturbed = {}
+    for i, got in results:
+        path, body = reqs[i]
+        where = f"{path} {body}"
+        assert got["errors"] == [] and got["done"] == 1 and got["finishes"] == ["length"], where
+        assert len(got["ids"]) == 1, where
+        if body.get("temperature") == 0:
+            if i not in undisturbed:
+                undisturbed[i] = _stream(base, path, body, progress, lock)["text"]
+            assert got["text"] == undisturbed[i], where
+    assert _metric(base, "pagoda_router:stream_errors_total") == 0

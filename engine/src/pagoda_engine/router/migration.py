@@ -50,6 +50,15 @@ def migratable(parsed) -> bool:
     return not (constraint is not None and constraint())
 
 
+def _has_output(choice: dict) -> bool:
+    """Whether a streamed choice carries generated output (a chat stream's opening role chunk
+    does not)."""
+    delta = choice.get("delta")
+    if delta is None:
+        return bool(choice.get("text"))
+    return any(delta.get(k) for k in ("content", "reasoning", "tool_calls"))
+
+
 def _break_cause(frame: dict) -> str | None:
     """Why an in-band error frame breaks the stream, when another replica may not have the
     problem (anything but the client's own mistake); None for the client's mistake."""
@@ -107,7 +116,7 @@ class MigratingStream(Response):
             if self.client_wants_ids and not continuation:
                 chunk["prompt_token_ids"] = ids
         for choice in chunk.get("choices") or ():
-            if "token_ids" not in choice:
+            if "token_ids" not in choice and _has_output(choice):
                 self.untracked = True  # a replica without return_token_ids: its output cannot be resumed exactly
             ids = choice.pop("token_ids", None) or []
             self.token_ids.extend(ids)
