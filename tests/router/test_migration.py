@@ -37,12 +37,13 @@ def stack(tmp_path_factory):
 
 
 def _requests(n: int) -> list[tuple[str, dict]]:
+    """Streams, and every seventh a whole response (retried whole when its replica fails)."""
     out = []
     for i in range(n):
         chat = i % 2 == 0
-        body: dict = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
+        body: dict = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": i % 7 != 6}
         body.update({"temperature": 0} if i % 3 else {"temperature": 0.9, "seed": 1000 + i})
-        if i % 4 == 1:
+        if i % 4 == 1 and body["stream"]:
             body["stream_options"] = {"include_usage": True}
         if i % 5 == 2:
             body["return_token_ids"] = True
@@ -55,7 +56,17 @@ def _requests(n: int) -> list[tuple[str, dict]]:
 
 
 def _stream(base: str, path: str, body: dict, progress: list[int], lock: threading.Lock) -> dict:
-    """The stream's frames, read as a client would, and what they add up to."""
+    """The stream's frames, read as a client would, and what they add up to (a whole response:
+    the same facts from its one body)."""
+    if not body["stream"]:
+        r = httpx.post(base + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        choice = got["choices"][0]
+        return {"done": 1, "last_is_done": True, "errors": [], "ids": {got["id"]}, "roles": 1,
+                "text": choice["message"]["content"] if "message" in choice else choice["text"],
+                "finishes": [choice["finish_reason"]], "usages": [got["usage"]] if body.get("stream_options") else [],
+                "token_ids": choice.get("token_ids") or [], "has_token_ids": "token_ids" in choice}
     frames = []
     with httpx.stream("POST", base + path, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
