@@ -39,15 +39,14 @@ CAUSE_SERVER_ERROR = "server_error"  # any other in-band error of the server's m
 
 def migratable(parsed) -> bool:
     """Whether a request's stream can be continued elsewhere: one streamed sequence (n == 1, one
-    prompt), no echo and no grammar (whose state the continuation cannot carry yet)."""
+    prompt), no echo, no prompt_logprobs. (A grammar is fine: the engine replays the resumed
+    tokens through it.)"""
     if not getattr(parsed, "stream", False) or getattr(parsed, "n", 1) != 1 or getattr(parsed, "echo", False):
         return False
+    if getattr(parsed, "prompt_logprobs", None) is not None:
+        return False
     prompt = getattr(parsed, "prompt", None)
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        if len(prompt) != 1:
-            return False
-    constraint = getattr(parsed, "_constraint_fields", None)
-    return not (constraint is not None and constraint())
+    return not (isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) != 1)
 
 
 def _has_output(choice: dict) -> bool:

@@ -168,7 +168,6 @@ class OpenAIServing:
         why = ("it needs stream=True" if not req.stream else "it needs n == 1" if params.n != 1
                else "echo repeats the prompt" if getattr(req, "echo", False)
                else "prompt_logprobs are not available" if req.prompt_logprobs is not None
-               else "a structured-output grammar cannot be resumed yet" if params.structured_outputs is not None
                else None)
         if why is not None:
             raise BadRequestError(f"resume_token_ids cannot be used here: {why}.", param="resume_token_ids")
