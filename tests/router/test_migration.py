@@ -15,10 +15,11 @@ import pytest
 
 from pagoda_e2e import free_port, start_engine, start_router, until
 
-# Long enough (ignore_eos) that every stream is still running when the engines go, and the
-# SIGTERMed engine's drain deadline (0.5 s) ends its streams before they finish.
-MAX_TOKENS = 128
-ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "16", "--drain-timeout", "0.5"]
+# Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
+# still has streams running and waiting when it goes, however fast the machine: the SIGKILL cuts
+# some, the SIGTERMed engine's drain deadline (0.5 s) ends others.
+MAX_TOKENS = 192
+ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "3", "--drain-timeout", "0.5"]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +61,18 @@ def _requests(n: int) -> list[tuple[str, dict]]:
     return out
 
 
-def _stream(base: str, path: str, body: dict, progress: list[int], lock: threading.Lock) -> dict:
+class Progress:
+    """Frames read so far by all clients."""
+
+    def __init__(self):
+        self.frames, self.lock = 0, threading.Lock()
+
+    def add(self) -> None:
+        with self.lock:
+            self.frames += 1
+
+
+def _stream(base: str, path: str, body: dict, progress: Progress) -> dict:
     """The stream's frames, read as a client would, and what they add up to (a whole response:
     the same facts from its one body)."""
     if not body["stream"]:
@@ -79,8 +91,7 @@ def _stream(base: str, path: str, body: dict, progress: list[int], lock: threadi
             if not line.startswith("data: "):
                 continue
             frames.append(line[6:])
-            with lock:
-                progress[0] += 1
+            progress.add()
     chunks = [json.loads(f) for f in frames if f != "[DONE]"]
     chat = path.endswith("chat/completions")
     return {
@@ -98,17 +109,21 @@ def _stream(base: str, path: str, body: dict, progress: list[int], lock: threadi
 
 
 def _run(base: str, reqs, disturb=None) -> list[dict]:
-    progress, lock = [0], threading.Lock()
+    progress = Progress()
     with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
-        futures = [pool.submit(_stream, base, path, body, progress, lock) for path, body in reqs]
+        futures = [pool.submit(_stream, base, path, body, progress) for path, body in reqs]
         if disturb is not None:
             disturb(progress)
         return [f.result() for f in futures]
 
 
 def _metric(base: str, name: str, labels: str = "") -> float:
+    return _metric_text(httpx.get(base + "/metrics").text, name, labels)
+
+
+def _metric_text(text: str, name: str, labels: str = "") -> float:
     total = 0.0
-    for line in httpx.get(base + "/metrics").text.splitlines():
+    for line in text.splitlines():
         if line.startswith(name + labels) and line[len(name)] in " {":
             total += float(line.rsplit(" ", 1)[1])
     return total
@@ -122,11 +137,19 @@ def test_streams_survive_a_sigkill_and_a_sigterm(stack):
         assert got["errors"] == [] and len(got["finishes"]) == 1, got
 
     def disturb(progress):
-        # Once every stream is well under way: one replica dies, another is told to stop (its
-        # drain deadline, 0.5 s, then ends what it still runs with an in-band error).
-        until(lambda: progress[0] >= len(reqs) * 2, 60, "streams under way")
-        stack["engines"][0].kill()
+        # While streams run: one replica is told to stop (its drain deadline, 0.5 s, then ends
+        # what it still runs or queues with an in-band error), another dies. Read from the
+        # engines themselves (clients lag behind them): the first goes while it generates with
+        # streams queued behind, the second while it generates.
+        def under_way(url: str, queued: int) -> bool:
+            text = httpx.get(url + "/metrics").text
+            return (_metric_text(text, "pagoda:num_requests_running") >= 1
+                    and _metric_text(text, "pagoda:num_requests_waiting") >= queued)
+
+        until(lambda: under_way(stack["urls"][1], queued=1), 60, "engine 1 busy", step=0.01)
         stack["engines"][1].popen.send_signal(signal.SIGTERM)
+        until(lambda: under_way(stack["urls"][0], queued=0), 60, "engine 0 busy", step=0.01)
+        stack["engines"][0].kill()
 
     disturbed = _run(base, reqs, disturb)
     for (path, body), want, got in zip(reqs, reference, disturbed):
@@ -162,13 +185,13 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
     reqs = [(path, dict(body, max_tokens=48)) for path, body in _requests(9)]
     results: list[tuple[int, dict]] = []
     stop = threading.Event()
-    progress, lock = [0], threading.Lock()
+    progress = Progress()
 
     def load(worker: int):
         i = worker
         while not stop.is_set():
             path, body = reqs[i % len(reqs)]
-            results.append((i % len(reqs), _stream(base, path, body, progress, lock)))
+            results.append((i % len(reqs), _stream(base, path, body, progress)))
             i += 3
 
     def ready() -> list[str]:
@@ -179,7 +202,7 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
         engines[0] = start_engine(int(urls[0].rsplit(":", 1)[1]), engines[2].log_path.parent / "engine0-new.log",
                                   ENGINE)
         until(lambda: urls[0] in ready(), 30, "the new replica ready")
-        until(lambda: progress[0] > 0 and len(results) >= 3, 30, "load on both")
+        until(lambda: len(results) >= 3, 30, "load on both")
         assert engines[2].stop() == 0  # SIGTERM: drains (0.5 s); the router continues what it cut
         until(lambda: len(results) >= 12, 60, "load after the rollout step")
         stop.set()
@@ -193,6 +216,6 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
         assert len(got["ids"]) == 1, where
         if body.get("temperature") == 0:
             if i not in undisturbed:
-                undisturbed[i] = _stream(base, path, body, progress, lock)["text"]
+                undisturbed[i] = _stream(base, path, body, progress)["text"]
             assert got["text"] == undisturbed[i], where
     assert _metric(base, "pagoda_router:stream_errors_total") == 0

@@ -128,16 +128,17 @@ class OpenAIServingChat(OpenAIServing):
             if with_ids and i == 0:
                 first.prompt_token_ids = ids
             yield sse_frame(first)
-        # Chunks of plain text (no parser, logprobs, token ids or running usage) come from byte templates.
+        # Chunks of plain text (no parser, logprobs or running usage) come from byte templates.
         frames = (StreamFrames(request_id, created, self.model_name, chat=True)
-                  if not req.logprobs and not continuous and not with_ids else None)
+                  if not req.logprobs and not continuous else None)
         async for outs in group.batches():
             sse = []  # the frames of every output that has arrived: one write
             num_cached = max([num_cached, *(out.num_cached_tokens for out in outs)])
             for c in (c for out in outs for c in out.outputs):  # DELTA: the choices a step changed
                 num_generated += len(c.token_ids)
                 if frames is not None and c.parsed is None:
-                    sse.append(frames.chunk(c.index, c.text, c.finish_reason, c.stop_reason))
+                    sse.append(frames.chunk(c.index, c.text, c.finish_reason, c.stop_reason,
+                                            c.token_ids if with_ids else None))
                     continue
                 logprobs = (self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                             if req.logprobs else None)

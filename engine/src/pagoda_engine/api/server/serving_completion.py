@@ -175,7 +175,7 @@ class OpenAIServingCompletion(OpenAIServing):
         cached: dict[str, int] = {}  # prompt's request id -> its tokens the prefix cache served
         # Chunks without logprobs, echo or running usage come from byte templates.
         frames = (StreamFrames(request_id, created, self.model_name, chat=False)
-                  if req.logprobs is None and not req.echo and not continuous and not with_ids else None)
+                  if req.logprobs is None and not req.echo and not continuous else None)
         async for outs in group.batches():
             sse = []  # the frames of every output that has arrived: one write
             for out in outs:
@@ -185,8 +185,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in out.outputs:  # DELTA: only the choices this step changed, with what it added
                     num_generated += len(c.token_ids)
                     choice_index = i * req.n + c.index
-                    if frames is not None:
-                        sse.append(frames.chunk(choice_index, c.text, c.finish_reason, c.stop_reason))
+                    # (A choice's first chunk with token ids also carries the prompt's: the model writes it.)
+                    if frames is not None and (not with_ids or choice_index in ids_sent):
+                        sse.append(frames.chunk(choice_index, c.text, c.finish_reason, c.stop_reason,
+                                                c.token_ids if with_ids else None))
                         continue
                     delta = c.text
                     logprobs = None
