@@ -105,7 +105,7 @@ def test_tiny_cpu_example():
     assert c["args"] == [
         "--host", "0.0.0.0", "--port", "8000", "--model", "pagoda-tiny", "--served-model-name", "tiny",
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1", "--block-size", "16",
-        "--enable-prefix-caching", "--device", "cpu",
+        "--enable-prefix-caching", "--drain-timeout", "45", "--device", "cpu",
     ]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "2Gi"}}
     assert c["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
@@ -203,7 +203,7 @@ def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
         "--model", "/models/meta-llama/Llama-3.1-8B-Instruct",
         "--served-model-name", "llama-3.1-8b-instruct", "--dtype", "bfloat16", "--max-model-len", "32768",
         "--tensor-parallel-size", "1", "--pipeline-parallel-size", "1",
-        "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching",
+        "--gpu-memory-utilization", "0.9", "--block-size", "16", "--enable-prefix-caching", "--drain-timeout", "45",
     ]
     assert c["resources"] == {
         "requests": {"cpu": "4", "memory": "16Gi", "nvidia.com/gpu": "1"},
@@ -249,7 +249,9 @@ def test_llama_70b_example_is_a_leader_worker_set_across_two_nodes():
     assert lwt["size"] == 2 and lwt["restartPolicy"] == "RecreateGroupOnPodRestart"
     leader, worker = engine_container(lwt["leaderTemplate"]), engine_container(lwt["workerTemplate"])
     # The same command on both, with vLLM's multi-node flags from the LWS environment; the worker headless.
-    assert leader["args"] + ["--headless"] == worker["args"]
+    # (--drain-timeout only on the leader: the worker serves no HTTP, nothing to drain.)
+    drain = leader["args"].index("--drain-timeout")
+    assert leader["args"][:drain] + leader["args"][drain + 2:] + ["--headless"] == worker["args"]
     assert leader["args"][-8:] == ["--nnodes", "$(LWS_GROUP_SIZE)", "--node-rank", "$(LWS_WORKER_INDEX)",
                                    "--master-addr", "$(LWS_LEADER_ADDRESS)", "--master-port", "29501"]
     assert leader["args"][leader["args"].index("--tensor-parallel-size") + 1] == "8"
@@ -498,3 +500,13 @@ def test_api_server_count_becomes_the_engine_flag_and_is_left_out_at_one():
     assert "--api-server-count" not in engine_container(_engine_pod(base))["args"]
     args = engine_container(_engine_pod(with_spec(base, engine__apiServerCount=4, resources={"cpu": "8"})))["args"]
     assert args[args.index("--api-server-count") + 1] == "4"
+
+
+@pytest.mark.parametrize("grace, prestop, drain", [(60, 10, 45), (10, 2, 3), (300, 10, 285)])
+def test_the_engines_preStop_and_drain_timeout_fit_its_grace_period(grace, prestop, drain):
+    body = with_spec(load_example("tiny-cpu.yaml"), engine__terminationGracePeriodSeconds=grace)
+    pod = rendered(body)[("Deployment", "tiny-engine")]["spec"]["template"]
+    c = engine_container(pod)
+    assert pod["spec"]["terminationGracePeriodSeconds"] == grace
+    assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", str(prestop)]}}}
+    assert c["args"][c["args"].index("--drain-timeout") + 1] == str(drain)

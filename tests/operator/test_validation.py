@@ -459,3 +459,14 @@ def test_speculative_decoding_renders_the_engines_flag_and_is_checked_as_the_eng
     assert problems_of(eagle) == [
         "engine.extraArgs --speculative-config: speculative config: method 'eagle3' (EAGLE-3 heads) is not implemented "
         "in this engine yet; implemented: ngram"]
+
+
+def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():
+    base = load_example("llama-3.1-8b.yaml")
+    assert problems_of(with_spec(base, engine__extraArgs=["--drain-timeout", "45"])) == []
+    assert problems_of(with_spec(base, engine__extraArgs=["--drain-timeout", "46"])) == [
+        "engine.extraArgs: --drain-timeout 46 does not fit in terminationGracePeriodSeconds 60 (a 10 s preStop sleep, "
+        "then at most 45 s of drain, then 5 s to exit); raise engine.terminationGracePeriodSeconds or lower the "
+        "drain timeout"]
+    longer = with_spec(base, engine__extraArgs=["--drain-timeout", "100"], engine__terminationGracePeriodSeconds=120)
+    assert problems_of(longer) == []

@@ -283,3 +283,33 @@ def test_router_refuses_to_start_on_bad_backends(flags, message):
                          text=True, timeout=60)
     assert out.returncode == 2
     assert message in out.stderr and out.stderr.startswith("pagoda route: error:")
+
+
+def test_an_oversized_body_gets_a_413_the_official_client_can_read(pair, rr):
+    """An 8 MB prompt, past the router's default 4 MiB: the router reads and drops the rest, and
+    answers in OpenAI's shape without costing a replica anything."""
+    client = openai.OpenAI(base_url=rr + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model="fake-model", prompt="a" * (8 << 20), max_tokens=1)
+    assert refused.value.status_code == 413 and "--max-request-body-bytes" in refused.value.message
+    assert refused.value.body["code"] == "request_too_large"
+
+
+def test_past_max_waiting_per_model_requests_get_429_with_retry_after(tmp_path):
+    a, url_a = start_fake(tmp_path, "a", token_delay=0.05)
+    proc, base = router(tmp_path, [url_a], "--max-waiting-per-model", "3", "--retry-after", "7")
+    try:
+        body = {"model": "fake-model", "prompt": "p", "max_tokens": 20}  # whole responses: 1 s each, no headers before
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            answers = list(ex.map(lambda _: httpx.post(base + "/v1/completions", json=body, timeout=30), range(8)))
+        refused = [r for r in answers if r.status_code == 429]
+        assert len([r for r in answers if r.status_code == 200]) == 3 and len(refused) == 5
+        for r in refused:
+            assert r.headers["retry-after"] == "7"
+            assert r.json()["error"]["code"] == "too_many_requests" and "--max-waiting-per-model" in r.text
+        assert metric(base, "pagoda_router:waiting_rejected_total") == 5
+        # Once the load is gone, requests go through again at once.
+        assert httpx.post(base + "/v1/completions", json=dict(body, max_tokens=1)).status_code == 200
+    finally:
+        proc.stop()
+        a.stop()

@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import openai
 import pytest
 
 from conftest import DEFAULT_ARGS, launch
@@ -162,7 +163,17 @@ def test_the_body_size_limit_accepts_at_it_and_refuses_past_it(limited, declared
     # Without a Content-Length (chunked) the limit is found while the body streams in.
     content = over if declared else iter([over[:1000], over[1000:]])
     r = httpx.post(limited.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
-    assert r.status_code == 400 and "--max-request-body-bytes" in r.json()["error"]["message"], r.text
+    assert r.status_code == 413 and "--max-request-body-bytes" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["code"] == "request_too_large"
+
+
+def test_an_8_mb_body_gets_a_413_the_official_client_can_read(limited):
+    """The client is still sending when the limit is found: the server reads the rest and drops
+    it, so the answer arrives instead of a connection reset."""
+    client = openai.OpenAI(base_url=limited.url + "/v1", api_key="none", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as refused:
+        client.completions.create(model=client.models.list().data[0].id, prompt="a" * (8 << 20), max_tokens=1)
+    assert refused.value.status_code == 413 and "--max-request-body-bytes" in refused.value.message
 
 
 # ------------------------------------------------------------------------- a responsive loop

@@ -72,8 +72,12 @@ def test_sigterm_drains_then_exits_zero_without_orphans(tmp_path):
             assert all(started), "requests did not start"
             srv.proc.popen.send_signal(signal.SIGTERM)
             time.sleep(0.5)
-            with pytest.raises(httpx.TransportError):  # no longer accepting connections
-                httpx.get(f"{srv.url}/health", timeout=2)
+            # Still listening while it drains: health says so, and asks clients to hang up.
+            health = httpx.get(f"{srv.url}/health", timeout=2)
+            assert health.status_code == 503 and health.json()["error"]["code"] == "draining"
+            assert health.headers["connection"] == "close"
+            refused = httpx.post(f"{srv.url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=5)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
             results = [f.result(timeout=60) for f in futures]
         for r in results[:4]:
             assert r["status"] == 200 and r["finish"] == "length" and r["error"] is None and r["done"]

@@ -27,6 +27,11 @@ def test_completion_frames_are_the_models_bytes(request_id, model):
                     choices=[CompletionChoice(index=index, text=text, finish_reason=finish_reason,
                                               stop_reason=stop_reason)])).encode()
                 assert frames.chunk(index, text, finish_reason, stop_reason) == want
+                with_ids = CompletionChoice(index=index, text=text, finish_reason=finish_reason, stop_reason=stop_reason)
+                with_ids.token_ids = [7, 0, 2 ** 31 - 1]  # return_token_ids: an extra field
+                assert frames.chunk(index, text, finish_reason, stop_reason, [7, 0, 2 ** 31 - 1]) == sse_frame(
+                    CompletionStreamResponse(id=request_id, created=1700000000, model=model,
+                                             choices=[with_ids])).encode()
 
 
 @pytest.mark.parametrize("request_id,model", [("chatcmpl-abc", "tiny"), ('odd "id" é', "models/with\\slash")])
@@ -40,6 +45,12 @@ def test_chat_frames_are_the_models_bytes(request_id, model):
                     choices=[ChatStreamChoice(index=index, delta=DeltaMessage(content=text),
                                               finish_reason=finish_reason, stop_reason=stop_reason)])).encode()
                 assert frames.chunk(index, text, finish_reason, stop_reason) == want
+                with_ids = ChatStreamChoice(index=index, delta=DeltaMessage(content=text), finish_reason=finish_reason,
+                                            stop_reason=stop_reason)
+                with_ids.token_ids = []
+                assert frames.chunk(index, text, finish_reason, stop_reason, []) == sse_frame(
+                    ChatCompletionStreamResponse(id=request_id, created=1700000000, model=model,
+                                                 choices=[with_ids])).encode()
 
 
 class _Stream:

@@ -318,3 +318,50 @@ def test_the_published_schema_describes_tools_and_reasoning(server):
     assert {"reasoning", "tool_calls"} <= set(schemas["ChatResponseMessage"]["properties"])
     assert {"id", "type", "function"} <= set(schemas["ToolCall"]["properties"])
     assert {"tools", "chat_template_kwargs"} <= set(schemas["TokenizeRequest"]["properties"])
+
+
+def _frames(server, body: dict) -> list[dict]:
+    r = httpx.post(server.url + "/v1/chat/completions", json=dict(body, stream=True), timeout=120)
+    assert r.status_code == 200, r.text
+    return [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+
+
+def _calls_of(chunks: list[dict]) -> tuple[str, dict, list]:
+    """(content, calls by index {name, arguments}, the finish reasons) of streamed chunks, checking
+    that each call's id and name come once, in its first piece."""
+    content, calls, finishes = "", {}, []
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            delta = choice["delta"]
+            content += delta.get("content") or ""
+            for piece in delta.get("tool_calls") or []:
+                if piece["index"] not in calls:
+                    assert piece["id"] and piece["function"]["name"], piece
+                    calls[piece["index"]] = {"name": piece["function"]["name"], "arguments": ""}
+                else:
+                    assert piece.get("id") is None and piece["function"].get("name") is None, piece
+                calls[piece["index"]]["arguments"] += piece["function"].get("arguments") or ""
+            if choice.get("finish_reason"):
+                finishes.append(choice["finish_reason"])
+    return content, calls, finishes
+
+
+def test_a_tool_call_stream_resumed_mid_call_parses_as_the_uninterrupted_one(server):
+    """What `pagoda route` sends when a replica dies mid-call: the parser replays the streamed
+    tokens, so the continuation neither repeats the call's name nor loses an argument byte."""
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": "required", "max_tokens": MAX_TOKENS,
+            "temperature": 0, "return_token_ids": True}
+    full = _frames(server, body)
+    want = _calls_of(full)
+    assert want[1] and len(want[2]) == 1, want
+    ids = [t for c in full for ch in c["choices"] for t in ch.get("token_ids") or []]
+    for k in (3, len(ids) // 2, len(ids) - 2):
+        sent, n = [], 0
+        for c in full:
+            if n >= k:
+                break
+            n += sum(len(ch.get("token_ids") or []) for ch in c["choices"])
+            sent.append(c)
+        streamed = [t for c in sent for ch in c["choices"] for t in ch.get("token_ids") or []]
+        rest = _frames(server, dict(body, resume_token_ids=streamed))
+        assert _calls_of(sent + rest[1:]) == want, k  # rest[0]: the continuation's role chunk

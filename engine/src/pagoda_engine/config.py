@@ -365,6 +365,11 @@ class ServerConfig:
     max_stop_string_length: int = option(256, **_REQUEST_LIMIT, help="characters per stop string (default 256)")
     max_logit_bias_entries: int = option(1024, **_REQUEST_LIMIT, help="logit_bias entries per request (default 1024)")
     max_chat_messages: int = option(4096, **_REQUEST_LIMIT, help="messages per chat request (default 4096)")
+    # The waiting queue's bound: past it a new request is answered 429 with Retry-After at once,
+    # so that overload costs the client a retry elsewhere instead of memory and a long wait here.
+    max_waiting_requests: int | None = option(
+        None, min=1, help="sequences waiting for their first schedule (this API process's view) past which a new "
+                          "request gets 429 with Retry-After (default: no bound)")
     # Chat output (vLLM's flags): the chat template (the model's when None; a file or the template
     # itself), which tool-call and reasoning formats the model writes, and whether the model may
     # choose to call tools (tool_choice "auto").

@@ -83,10 +83,16 @@ class EngineCoreRequest(_Message):
     priority: int = 0
     # Which API server process sent it (`--api-server-count`): its outputs go back there alone.
     client_index: int = 0
+    # A continuation (`resume_token_ids`): the tokens this sequence already generated elsewhere.
+    # They start its output, so max_tokens, min_tokens, penalties and a seeded row's draws (keyed
+    # by the output position) go on exactly as if it had never moved.
+    resume_token_ids: array | None = None
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not array:
             self.prompt_token_ids = token_id_array(self.prompt_token_ids)
+        if self.resume_token_ids is not None and type(self.resume_token_ids) is not array:
+            self.resume_token_ids = token_id_array(self.resume_token_ids)
 
 
 class AbortRequest(_Message):

@@ -186,11 +186,26 @@ class RequestGrammar:
         self._compiled = compiled
         self.compiler = compiler
         self._matcher = None
+        self._resume: list[int] = []  # a continuation's earlier tokens, not yet consumed
+
+    def resume_after(self, token_ids: list[int]) -> None:
+        """A continuation: the matcher must first consume these (`replay`, once compiled)."""
+        self._resume = list(token_ids)
+
+    def replay(self) -> InvalidRequestError | None:
+        """Consume a continuation's earlier tokens; the error when the grammar refuses one."""
+        tokens, self._resume = self._resume, []
+        for i, token_id in enumerate(tokens):
+            # (A token after the grammar is complete is refused too: only EOS could follow.)
+            if self.matcher.is_stopped() or not self.accept(token_id):
+                return InvalidRequestError(f"resume_token_ids[{i}] (token {token_id}) does not follow the "
+                                           f"request's output grammar", param="resume_token_ids")
+        return None
 
     @property
     def ready(self) -> bool:
-        """Compiled without error: the request may be scheduled."""
-        return self._compiled.done() and self._compiled.exception() is None
+        """Compiled without error (and a continuation's tokens replayed): the request may be scheduled."""
+        return self._compiled.done() and self._compiled.exception() is None and not self._resume
 
     @property
     def future(self) -> Future:

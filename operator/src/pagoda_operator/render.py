@@ -131,7 +131,6 @@ INTERNAL_KEY_SECRET_KEY = "api-key"
 ENGINE_API_KEY_ENV = "PAGODA_API_KEY"
 ROUTER_BACKEND_API_KEY_ENV = "PAGODA_BACKEND_API_KEY"
 API_KEYS_DIR = "/etc/pagoda/api-keys"  # the router's client keys: spec.router.apiKeySecretRef's Secret
-PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
 STARTUP_PROBE_PERIOD = 10
 LWS_GROUP = "leaderworkerset.x-k8s.io"
 LWS_LABEL_PREFIX = "leaderworkerset.sigs.k8s.io"
@@ -332,6 +331,8 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
         args += ["--api-server-count", str(e.api_server_count)]
     if e.speculative is not None:
         args += ["--speculative-config", json.dumps(e.speculative.config(), sort_keys=True)]
+    if not headless:
+        args += ["--drain-timeout", str(sizing.engine_shutdown(spec)[1])]
     if sizing.gpus_per_pod(spec) == 0:
         args += ["--device", "cpu"]
     for tier in spec.kv_cache.tiers:
@@ -612,7 +613,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": engine_resources(spec),
         "volumeMounts": mounts,
-        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(sizing.engine_shutdown(spec)[0])]}}},
     }
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
@@ -680,7 +681,9 @@ def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> d
 
 
 def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
-    # GPUs are scarce: replace a GPU replica in place rather than asking for a surge of GPUs.
+    # GPUs are scarce: replace a GPU replica in place rather than asking for a surge of GPUs. No
+    # request is lost either way: a leaving pod drains, and the router continues on another
+    # replica the streams its drain deadline ends; on CPU a surge keeps capacity up as well.
     return {"maxSurge": 0, "maxUnavailable": 1} if sizing.gpus_per_pod(spec) else {"maxSurge": 1, "maxUnavailable": 0}
 
 

@@ -177,3 +177,17 @@ def shm_size(spec: InferenceServiceSpec) -> str:
     if spec.resources.shm_size is not None:
         return str(spec.resources.shm_size)
     return "16Gi" if gpus_per_pod(spec) else "1Gi"
+
+
+PRESTOP_SLEEP_SECONDS = 10  # endpoints and the router notice the pod is leaving before SIGTERM
+SHUTDOWN_MARGIN_SECONDS = 5  # after the drain: the engine stops its cores and exits before SIGKILL
+
+
+def engine_shutdown(spec: InferenceServiceSpec) -> tuple[int, int]:
+    """(preStop sleep, the engine's --drain-timeout) within the pod's terminationGracePeriodSeconds,
+    which Kubernetes counts from the preStop hook on: the sleep lets the endpoints and the router
+    drop the pod before SIGTERM, the drain lets its streams finish (the router continues those
+    still running at its end on another replica), the margin lets it exit before SIGKILL."""
+    grace = spec.engine.termination_grace_period_seconds
+    prestop = min(PRESTOP_SLEEP_SECONDS, grace // 4)
+    return prestop, grace - prestop - SHUTDOWN_MARGIN_SECONDS

@@ -139,7 +139,7 @@ class Engine:
                                  factory=list)
     env: list[FreeForm] = prop(doc="Extra environment variables (Kubernetes EnvVar objects).", factory=list)
     startup_timeout_seconds: int | None = prop(None, doc="Time a pod may take to load the model before it is restarted; default sized from the model (30 min or more for 70B).", minimum=60)
-    termination_grace_period_seconds: int = prop(60, doc="Time to drain in-flight requests on shutdown.", minimum=10)
+    termination_grace_period_seconds: int = prop(60, doc="Time a leaving engine pod gets: a preStop sleep (10 s, a quarter of this at most) while the router and endpoints drop it, then the engine's drain (`--drain-timeout`, the rest less 5 s to exit; the router continues on another replica what the drain deadline ends).", minimum=10)
     compile_cache: CompileCache | None = prop(None, doc="GPU engines: where the kernels compiled at start-up are kept (default an emptyDir per pod).")
     speculative: Speculative | None = prop(None, doc="Speculative decoding (`--speculative-config`).")
 

@@ -96,6 +96,7 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_compile_cache(spec),
         *_check_engine_key(spec),
         *_check_speculative(spec),
+        *_check_drain(spec),
     ]
 
 
@@ -119,6 +120,18 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
                 f"{spec.topology.pipeline})"]
     if spec.topology.expert and spec.topology.data > 1:
         return [f"{where}: speculative decoding is not supported with experts across data-parallel engine cores yet"]
+    return []
+
+
+def _check_drain(spec: InferenceServiceSpec) -> list[str]:
+    """A --drain-timeout of the user's own must end before the pod's grace period does."""
+    given = engine_capabilities.extra_arg_value(spec.engine.extra_args, "--drain-timeout")
+    prestop, room = sizing.engine_shutdown(spec)
+    if given is not None and given > room:
+        return [f"engine.extraArgs: --drain-timeout {given:g} does not fit in terminationGracePeriodSeconds "
+                f"{spec.engine.termination_grace_period_seconds} (a {prestop} s preStop sleep, then at most {room} s "
+                f"of drain, then {sizing.SHUTDOWN_MARGIN_SECONDS} s to exit); raise "
+                f"engine.terminationGracePeriodSeconds or lower the drain timeout"]
     return []
 
 

@@ -125,10 +125,18 @@ class OutputProcessor:
         priority: int = 0,
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         chat_output: ChatOutputSpec | None = None,
+        resume_token_ids: list[int] | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a user request (its prompt already passed `api.inputs.check_prompt`); return
         the core requests (one per sequence) to send. With `chat_output`, each sequence's text is
-        also parsed (streamed calls go out piece by piece only under DELTA)."""
+        also parsed (streamed calls go out piece by piece only under DELTA).
+
+        `resume_token_ids` (n == 1 only): the output a sequence already streamed elsewhere (a
+        router migrating it). They pass through the detokenizer and the parser as if just
+        generated and their text is dropped, so what follows is exactly what the first engine
+        would have sent next; the core continues after them."""
+        if resume_token_ids and params.n != 1:
+            raise InvalidRequestError("resume_token_ids needs n == 1", param="resume_token_ids")
         if not isinstance(request_id, str) or not request_id:
             raise InvalidRequestError("request_id must be a non-empty string", param="request_id")
         n = params.n
@@ -159,6 +167,8 @@ class OutputProcessor:
                 if chat_output is not None else None,
             )
             user_request.sequences.append(seq)
+            if resume_token_ids:
+                self._replay(seq, resume_token_ids)
             core_requests.append(
                 EngineCoreRequest(
                     request_id=child_id,
@@ -166,6 +176,7 @@ class OutputProcessor:
                     sampling_params=child_params,
                     arrival_time=arrival_time,
                     priority=priority,
+                    resume_token_ids=token_id_array(resume_token_ids) if resume_token_ids else None,
                 )
             )
         self._requests[request_id] = user_request
@@ -205,6 +216,19 @@ class OutputProcessor:
         return result
 
     # -- internals -----------------------------------------------------------------------------
+
+    @staticmethod
+    def _replay(seq: _Sequence, token_ids: list[int]) -> None:
+        """Feed a resumed sequence's earlier tokens one at a time (as the engine that generated
+        them did, one per step) and drop their text: it reached the client already."""
+        detok = seq.detokenizer
+        for count, token_id in enumerate(token_ids, start=1):
+            text = detok.update([token_id], count)
+            if detok.finished:
+                raise InvalidRequestError("resume_token_ids already end the sequence at a stop string",
+                                          param="resume_token_ids")
+            if seq.parser is not None and text:
+                seq.parser.feed(text)
 
     def _apply(self, seq: _Sequence, out: EngineCoreOutput, result: ProcessedOutputs) -> None:
         detok = seq.detokenizer

@@ -218,7 +218,11 @@ class EngineCore:
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids.tolist(),
             sampling_params=req.sampling_params, eos_token_ids=self.eos_token_ids,
             arrival_time=req.arrival_time or time.time(), priority=req.priority,
+            output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
+            num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
             grammar=self.grammars.submit(structured) if structured is not None else None)
+        if request.grammar is not None and request.num_resumed_tokens:
+            request.grammar.resume_after(request.output_token_ids)  # replayed once compiled (check_compiled)
         if request.waits_for_grammar:
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
@@ -229,8 +233,8 @@ class EngineCore:
         return refused
 
     def check_compiled(self, idle: bool) -> None:
-        """Drop requests whose grammar failed to compile; when `idle` (nothing else could run),
-        wait briefly for a compile instead of spinning."""
+        """Drop requests whose grammar failed to compile (or refuses a continuation's earlier
+        tokens); when `idle` (nothing else could run), wait briefly for a compile instead of spinning."""
         if not self._compiling:
             return
         if idle:
@@ -240,6 +244,8 @@ class EngineCore:
                 continue
             del self._compiling[rid]
             error = request.grammar.error()
+            if error is None and not request.grammar.ready:  # a continuation: its tokens first
+                error = request.grammar.replay()
             if error is not None and not request.is_finished:
                 self.scheduler.abort([rid])
                 self._refused.append(EngineCoreError(request_id=rid, message=error.message, param=error.param))

@@ -52,6 +52,8 @@ class Request:
     priority: int = 0  # lower runs first (vLLM's convention)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # A continuation's first output tokens, generated elsewhere (`EngineCoreRequest.resume_token_ids`).
+    num_resumed_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     # Async scheduling: tokens sampled by a step still in flight, not yet in output_token_ids
     # (their KV counts in num_computed_tokens once a step that feeds them is scheduled).

@@ -324,7 +324,7 @@ class Scheduler:
             for token in tokens:  # a stop ends the request at that token: the rest are dropped
                 req.output_token_ids.append(token)
                 num_appended += 1
-                if req.num_output_tokens == 1:
+                if req.num_output_tokens == req.num_resumed_tokens + 1:  # the first this engine sampled
                     req.record_event(EngineCoreEventType.FIRST_TOKEN, now)
                 status = self._check_stop(req, token)
                 if status is not None:

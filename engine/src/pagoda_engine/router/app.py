@@ -38,6 +38,7 @@ from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_servi
 from pagoda_engine.router.kv_index import add_kv_event_arguments, check_kv_event_arguments, request_tokens, \
     start_prefix_source
 from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.migration import migratable
 from pagoda_engine.router.policy import POLICIES, PrefixKey, make_policy, prefix_key
 from pagoda_engine.router.proxy import QueueConfig, Router
 from pagoda_engine.router.scorer import PrecisePrefix, TokenKey
@@ -61,6 +62,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests held at most while no replica is ready (scale from zero)")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds one request is held at most")
     parser.add_argument("--retry-after", type=int, default=5, help="Retry-After seconds on a 503")
+    parser.add_argument("--max-waiting-per-model", type=int, default=None,
+                        help="requests of one model waiting for a replica's answer (held, connecting, queued) past "
+                             "which a new one gets 429 with Retry-After (default: no bound)")
+    parser.add_argument("--max-migrations", type=int, default=3,
+                        help="times one request may move to another replica when its replica fails: before the "
+                             "first byte, or mid-stream as a continuation of the tokens already sent (0: never)")
     parser.add_argument("--prefix-load-factor", type=float, default=1.25,
                         help="prefix-aware: a replica takes new prefixes only while under this x mean load")
     parser.add_argument("--prefix-page-chars", type=int, default=64,
@@ -90,6 +97,10 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--queue-size must be >= 0")
     if args.queue_timeout < 0:
         raise BackendConfigError("--queue-timeout must be >= 0")
+    if args.max_waiting_per_model is not None and args.max_waiting_per_model < 1:
+        raise BackendConfigError("--max-waiting-per-model must be >= 1")
+    if args.max_migrations < 0:
+        raise BackendConfigError("--max-migrations must be >= 0")
     if args.health_interval <= 0:
         raise BackendConfigError("--health-interval must be > 0")
     if args.prefix_load_factor < 1:
@@ -153,7 +164,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             policy = make_policy(args.policy)
         router = Router(pool, policy, metrics, client,
                         QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
-                        backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None)
+                        backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None,
+                        max_migrations=args.max_migrations, max_waiting_per_model=args.max_waiting_per_model)
         state["router"], state["pool"] = router, pool
         watcher = None
         def set_urls(urls: list[str]) -> None:
@@ -209,7 +221,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                     key = TokenKey(key.page_hashes, tuple(tokens))
                 except Exception as e:  # e.g. a chat the template refuses: the engine will say so; route approximately
                     log.debug("no token ids for precise routing: %s", e)
-        return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key)
+        migrate = await request.json() if routed and args.max_migrations and migratable(parsed) else None
+        return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key,
+                                             migrate)
 
     @app.post("/v1/completions", response_model=None, responses={200: streamed_or(CompletionResponse)})
     async def completions(req: CompletionRequest, request: Request) -> Response:

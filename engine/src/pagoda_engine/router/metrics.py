@@ -34,6 +34,16 @@ class RouterMetrics:
                                       "after the queue wait expired", registry=r)
         self.queue_rejected = Counter("pagoda_router:queue_rejected", "Requests answered 503 because "
                                       "the hold queue was full", registry=r)
+        self.waiting_rejected = Counter("pagoda_router:waiting_rejected", "Requests answered 429 because their "
+                                        "model had --max-waiting-per-model requests waiting already", ["model"],
+                                        registry=r)
+        self.migrations = Counter("pagoda_router:migrations", "Streams continued on another backend after "
+                                  "theirs failed mid-way, by cause (connection_error, drain_deadline, server_error)", ["cause"],
+                                  registry=r)
+        self.continuation_tokens = Counter("pagoda_router:continuation_tokens", "Output tokens handed to "
+                                           "another backend as a continuation's resume_token_ids", registry=r)
+        self.stream_errors = Counter("pagoda_router:stream_errors", "Streams ended by an error event: they "
+                                     "broke and could not be continued", registry=r)
         self.backends_ready = Gauge("pagoda_router:backends_ready", "Backends passing health checks",
                                     registry=r)
         self.backend_up = Gauge("pagoda_router:backend_up", "1 when the backend passes health checks",

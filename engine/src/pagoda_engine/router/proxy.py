@@ -1,15 +1,18 @@
 """Forwarding one OpenAI request: hold it while no replica is ready, pick a replica, send, retry
-once elsewhere if the replica fails before its first byte, then pass the response through chunk
-by chunk.
+elsewhere (up to --max-migrations times) if the replica fails before its first byte, then pass
+the response through chunk by chunk.
 
-The request body goes upstream byte for byte as the client sent it; the response comes back
-byte for byte (`aiter_raw`), so streams are exactly the engine's. A stream that breaks after its
-headers went out ends with one OpenAI error frame (the status line, 200, cannot be taken back).
+A stream that can be continued on another replica (`migration.migratable`) goes through
+`MigratingStream`, which splices a continuation in when its replica fails mid-way. Everything
+else goes upstream byte for byte as the client sent it and comes back byte for byte
+(`aiter_raw`); such a stream that breaks after its headers went out ends with one OpenAI error
+frame (the status line, 200, cannot be taken back).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from starlette.responses import Response
 from pagoda_engine.api.server.errors import error_response, sse_error_frame
 from pagoda_engine.router.backends import Backend, BackendPool
 from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.migration import MigratingStream
 from pagoda_engine.router.policy import PrefixAware, PrefixKey
 
 log = logging.getLogger("pagoda.router")
@@ -28,9 +32,9 @@ log = logging.getLogger("pagoda.router")
 _DROP_REQUEST = {"host", "content-length", "connection", "keep-alive", "proxy-authenticate",
                  "proxy-authorization", "te", "trailer", "transfer-encoding", "upgrade"}
 _DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "date", "server"}
-# A replica answering these before any body byte is overloaded, draining or behind a failing
-# proxy: another replica may well succeed.
-_RETRYABLE_STATUS = {502, 503, 504}
+# A replica answering these before any body byte is overloaded (its waiting queue full), draining
+# or behind a failing proxy: another replica may well succeed.
+_RETRYABLE_STATUS = {429, 502, 503, 504}
 
 
 @dataclass
@@ -46,8 +50,16 @@ class Router:
     keys of its own, so the client's key is for the engines)."""
 
     def __init__(self, pool: BackendPool, policy, metrics: RouterMetrics, client: httpx.AsyncClient,
-                 queue: QueueConfig, backend_api_key: str | None = None, forward_client_key: bool = True):
+                 queue: QueueConfig, backend_api_key: str | None = None, forward_client_key: bool = True,
+                 max_migrations: int = 3, max_waiting_per_model: int | None = None):
         self.pool = pool
+        # Requests of one model accepted and without response headers yet (held, connecting,
+        # queued in an engine) past which a new one gets 429: bounded memory under overload.
+        self.max_waiting_per_model = max_waiting_per_model
+        self._waiting: dict[str | None, int] = {}
+        # Replicas a request may move to after its first fails: before the first byte (a
+        # connection error, 502-504) or, for a stream, mid-way (`migration.py`).
+        self.max_migrations = max_migrations
         self.policy = policy
         self.metrics = metrics
         self.client = client
@@ -101,26 +113,47 @@ class Router:
         return self.pool.backends[url]
 
     async def forward(self, method: str, path: str, headers, body: bytes, model: str | None,
-                      key: PrefixKey | None) -> Response:
+                      key: PrefixKey | None, migrate: dict | None = None) -> Response:
+        """`migrate`: the parsed body of a stream that may move to another replica if its own
+        fails (`migration.py`); None: relayed byte for byte."""
         start = time.monotonic()
+        limit = self.max_waiting_per_model
+        if limit is not None and self._waiting.get(model, 0) >= limit:
+            self.metrics.waiting_rejected.labels(model or "").inc()
+            self.metrics.requests.labels("none", "429").inc()
+            return error_response(429, f"The router holds {limit} requests of this model waiting for a replica "
+                                       f"already (--max-waiting-per-model); retry later.", type="rate_limit_error",
+                                  code="too_many_requests", headers={"Retry-After": str(self.queue.retry_after_s)})
+        if migrate is not None:
+            body = json.dumps(dict(migrate, return_token_ids=True)).encode()
         self.metrics.waiting_for_backend.inc()
+        self._waiting[model] = self._waiting.get(model, 0) + 1
         try:
             upstream, backend = await self._connect(method, path, headers, body, model, key)
         finally:
             self.metrics.waiting_for_backend.dec()
+            self._waiting[model] -= 1
+            if not self._waiting[model]:
+                del self._waiting[model]
         if isinstance(upstream, Response):  # the router's own error
             self.metrics.requests.labels("none", str(upstream.status_code)).inc()
             return upstream
+        if migrate is not None and upstream.status_code == 200 and _is_sse(upstream):
+            async def reopen(new_body: bytes, exclude: set[str]):
+                return await self._connect(method, path, headers, new_body, model, key, exclude)
+
+            return MigratingStream(self, reopen, migrate, upstream, backend, start, self.max_migrations,
+                                   _response_headers(upstream, backend))
         return self._relay(upstream, backend, start)
 
-    async def _connect(self, method, path, headers, body, model, key):
+    async def _connect(self, method, path, headers, body, model, key, exclude: set[str] = frozenset()):
         held = await self._hold_until_ready(model)
         if held is not None:
             return held, None
         fwd_headers = [(k, v) for k, v in headers.items() if k.lower() not in self._drop_request] + self._added_headers
-        tried: set[str] = set()
+        tried: set[str] = set(exclude)
         last_error = "no backend is ready"
-        for attempt in range(2):
+        for attempt in range(1 + self.max_migrations):
             backend = self._choose(model, key, tried)
             if backend is None:
                 break
@@ -136,7 +169,11 @@ class Router:
                 last_error = f"{backend.url}: {type(e).__name__}: {e}"
                 self.pool.mark_failed(backend, last_error)
                 continue
-            if upstream.status_code in _RETRYABLE_STATUS and attempt == 0 and self._choose(model, key, tried):
+            if upstream.status_code == 503 and upstream.headers.get("connection", "").lower() == "close":
+                # A draining replica (SIGTERM): no more work for it, not even until the next poll.
+                self.pool.mark_failed(backend, "draining")
+            if upstream.status_code in _RETRYABLE_STATUS and attempt < self.max_migrations \
+                    and self._choose(model, key, tried):
                 last_error = f"{backend.url} answered {upstream.status_code}"
                 await upstream.aclose()
                 backend.in_flight -= 1
@@ -151,6 +188,17 @@ class Router:
         return RelayResponse(self, upstream, backend, start)
 
 
+def _response_headers(upstream: httpx.Response, backend: Backend) -> list[tuple[bytes, bytes]]:
+    headers = [(k.encode("latin-1"), v.encode("latin-1"))
+               for k, v in upstream.headers.multi_items() if k.lower() not in _DROP_RESPONSE]
+    headers.append((b"x-pagoda-backend", backend.url.encode("latin-1")))
+    return headers
+
+
+def _is_sse(upstream: httpx.Response) -> bool:
+    return upstream.headers.get("content-type", "").startswith("text/event-stream")
+
+
 class RelayResponse(Response):
     """Streams an upstream response to the client and always releases it: on completion, on a
     broken upstream, and when the client disconnects (then the upstream connection is closed,
@@ -163,10 +211,8 @@ class RelayResponse(Response):
         self.start = start
         self.status_code = upstream.status_code
         self.background = None
-        self.raw_headers = [(k.encode("latin-1"), v.encode("latin-1"))
-                            for k, v in upstream.headers.multi_items() if k.lower() not in _DROP_RESPONSE]
-        self.raw_headers.append((b"x-pagoda-backend", backend.url.encode("latin-1")))
-        self.is_sse = upstream.headers.get("content-type", "").startswith("text/event-stream")
+        self.raw_headers = _response_headers(upstream, backend)
+        self.is_sse = _is_sse(upstream)
         self.outcome = str(upstream.status_code)
 
     async def _stream(self, send) -> None:

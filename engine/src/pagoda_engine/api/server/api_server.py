@@ -33,10 +33,13 @@ logger = logging.getLogger("pagoda_engine.api.server")
 
 
 class _DrainingServer(uvicorn.Server):
-    """uvicorn, plus: on the first SIGTERM/SIGINT refuse new work and bound the drain. An API
-    process under a launcher ignores SIGINT: the launcher owns shutdown, and a terminal's Ctrl-C
-    reaches the whole process group. The one process of a server without a launcher says where
-    it listens, as uvicorn does for an address it binds itself (it is silent on a socket given)."""
+    """uvicorn, plus: the first SIGTERM/SIGINT starts the drain (`on_exit`) and the server goes on
+    listening while it lasts, so that clients and routers hear `draining` (503 on /health, 503
+    `shutting_down` on new work, `Connection: close`) instead of a refused connection; the drain
+    stops the server when it is done. A second signal stops it at once. An API process under a
+    launcher ignores SIGINT: the launcher owns shutdown, and a terminal's Ctrl-C reaches the whole
+    process group. The one process of a server without a launcher says where it listens, as
+    uvicorn does for an address it binds itself (it is silent on a socket given)."""
 
     def __init__(self, config: uvicorn.Config, on_exit, under_launcher: bool = False):
         super().__init__(config)
@@ -51,6 +54,7 @@ class _DrainingServer(uvicorn.Server):
             self._draining = True
             # Signal handlers run between bytecodes of the main thread: hop onto the loop.
             asyncio.get_event_loop().call_soon_threadsafe(self._on_exit)
+            return
         super().handle_exit(sig, frame)
 
     async def startup(self, sockets=None) -> None:
@@ -107,12 +111,15 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
 
     async def drain() -> None:
         engine.accepting = False
-        if engine.num_in_flight:
-            logger.info("draining %d in-flight request(s), up to %.0fs", engine.num_in_flight, drain_timeout)
-        if not await engine.wait_idle(drain_timeout):
-            logger.warning("drain timeout: ending %d request(s)", engine.num_in_flight)
-            engine.abort_all(ServiceUnavailableError(
-                "The server is shutting down and could not finish this request in time.", code="shutting_down"))
+        try:
+            if engine.num_in_flight:
+                logger.info("draining %d in-flight request(s), up to %gs", engine.num_in_flight, drain_timeout)
+            if not await engine.wait_idle(drain_timeout):
+                logger.warning("drain timeout: ending %d request(s)", engine.num_in_flight)
+                engine.abort_all(ServiceUnavailableError(
+                    "The server is shutting down and could not finish this request in time.", code="shutting_down"))
+        finally:
+            server.should_exit = True  # stop listening; uvicorn lets the ended streams finish writing
 
     drain_tasks: list[asyncio.Task] = []
     app = create_app(engine, api_key=config.server.api_key)

@@ -59,6 +59,9 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
     async def health() -> Response:
         if engine.dead_reason is not None:
             return error_response(503, f"The engine is dead: {engine.dead_reason}", code="engine_dead")
+        if not engine.accepting:
+            return error_response(503, "The server is draining (SIGTERM): it finishes what it runs and takes "
+                                       "no new requests.", code="draining")
         return Response(status_code=200)
 
     @app.get("/version")
@@ -102,7 +105,29 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     if engine.config.profiler_config.enabled:
         _add_profile_routes(app, engine)
+    app.add_middleware(_CloseWhileDraining, engine=engine)
     return app
+
+
+class _CloseWhileDraining:
+    """While the server drains, every response says `Connection: close`, so that clients and
+    routers drop their kept-alive connections instead of sending it more work. Costs one check
+    per request (none per streamed chunk) otherwise."""
+
+    def __init__(self, app, engine: AsyncEngine):
+        self.app = app
+        self.engine = engine
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or self.engine.accepting:
+            return await self.app(scope, receive, send)
+
+        async def send_closing(message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", ()), (b"connection", b"close")]
+            await send(message)
+
+        await self.app(scope, receive, send_closing)
 
 
 def _add_profile_routes(app: FastAPI, engine: AsyncEngine) -> None:

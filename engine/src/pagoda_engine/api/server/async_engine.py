@@ -21,7 +21,7 @@ from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.core_client import CoreAddresses
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
-from pagoda_engine.api.server.errors import ServiceUnavailableError
+from pagoda_engine.api.server.errors import ServiceUnavailableError, TooManyRequestsError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
 from pagoda_engine.config import EngineConfig, ModelConfig
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
@@ -117,6 +117,18 @@ class AsyncEngine:
         if not self.accepting:
             raise ServiceUnavailableError("The server is shutting down and accepts no new requests.",
                                           code="shutting_down")
+        limit = self.config.server.max_waiting_requests
+        if limit is not None and self.num_waiting >= limit:
+            self.metrics.queue_rejected()
+            raise TooManyRequestsError(f"The server's waiting queue is full ({limit} sequences, "
+                                       f"--max-waiting-requests); retry shortly or on another replica.")
+
+    @property
+    def num_waiting(self) -> int:
+        """Sequences of this API process that no engine core has scheduled yet (finished or
+        aborted ones aside): the waiting queue as this process sees it, a step behind at most."""
+        return sum(1 for stream in self._streams.values() for t in stream.times
+                   if t.scheduled_at is None and not t.done)
 
     async def wait_idle(self, timeout: float) -> bool:
         """Wait until no request is in flight; False when the timeout passed first."""
@@ -145,11 +157,12 @@ class AsyncEngine:
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
              priority: int, queue: asyncio.Queue, output_kind: RequestOutputKind,
-             chat_output: ChatOutputSpec | None = None, data_parallel_rank: int | None = None) -> _Stream:
+             chat_output: ChatOutputSpec | None = None, data_parallel_rank: int | None = None,
+             resume_token_ids: list[int] | None = None) -> _Stream:
         self.check_accepting()
         arrival = time.time()  # the wire's clock: the core's event stamps are compared with it
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
-                                                   output_kind, chat_output)
+                                                   output_kind, chat_output, resume_token_ids)
         engine = self.client.least_loaded() if data_parallel_rank is None else data_parallel_rank
         stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
                          [SequenceTimes(arrival, len(prompt_token_ids), engine, params.max_tokens)
@@ -245,9 +258,11 @@ class RequestGroup:
         self.streams: list[_Stream] = []
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
-            priority: int = 0, chat_output: ChatOutputSpec | None = None) -> None:
+            priority: int = 0, chat_output: ChatOutputSpec | None = None,
+            resume_token_ids: list[int] | None = None) -> None:
         self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue,
-                                             self.output_kind, chat_output, self.data_parallel_rank))
+                                             self.output_kind, chat_output, self.data_parallel_rank,
+                                             resume_token_ids))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for batch in self.batches():

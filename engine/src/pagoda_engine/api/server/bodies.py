@@ -4,6 +4,7 @@ JSON, so that nothing a client sends can give a 500 or reach a handler as text n
 or response could encode.
 
 `bounded_json_route(limit)` is the FastAPI route class that does all three for every route of an app.
+A body over the limit gets a 413 the client can read (`read_bounded_body`).
 """
 
 from __future__ import annotations
@@ -43,20 +44,34 @@ def check_json_content_type(content_type: str | None) -> None:
                              f"`Content-Type: application/json`).")
 
 
+# Past the limit, up to this many more bytes are read and dropped before the 413 goes out: a
+# client still sending when the server answers and closes has its connection reset, and its
+# library (requests, httpx, openai) reports a connection error instead of the answer. Beyond
+# this the server stops reading (dropping costs bandwidth only, never memory).
+DISCARD_BYTES = 64 << 20
+
+
 async def read_bounded_body(request: Request, max_body_bytes: int) -> bytes:
-    """The request's body, refused with a 400 naming --max-request-body-bytes as soon as it is
-    known to be larger (from Content-Length, or while it streams in), never buffered whole."""
-    too_large = HTTPException(400, f"The request body is larger than --max-request-body-bytes "
-                                   f"({max_body_bytes} bytes).")
+    """The request's body, refused with a 413 naming --max-request-body-bytes once it is known to
+    be larger (from Content-Length, or while it streams in), never buffered whole. The rest of
+    an oversized body is read and dropped (up to DISCARD_BYTES) so that the client gets to read
+    the 413; a client that asked `Expect: 100-continue` is answered before it sends anything."""
+    too_large = HTTPException(413, f"The request body is larger than --max-request-body-bytes "
+                                   f"({max_body_bytes} bytes).", headers={"Connection": "close"})
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_body_bytes:
-        raise too_large
+        expects_continue = "100-continue" in request.headers.get("expect", "").lower()
+        if expects_continue or int(declared) > max_body_bytes + DISCARD_BYTES:
+            raise too_large
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > max_body_bytes:
-            raise too_large
-        chunks.append(chunk)
+        if size > max_body_bytes + DISCARD_BYTES:
+            break
+        if size <= max_body_bytes:
+            chunks.append(chunk)
+    if size > max_body_bytes:
+        raise too_large
     return b"".join(chunks)
 
 

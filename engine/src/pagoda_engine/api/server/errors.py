@@ -88,6 +88,19 @@ class ModelNotFoundError(APIError):
         super().__init__(f"The model `{model}` does not exist{hint}.", param="model")
 
 
+class TooManyRequestsError(APIError):
+    """The server's waiting queue is full (--max-waiting-requests): retry after `retry_after_s`,
+    or elsewhere. OpenAI's rate-limit error shape."""
+
+    status_code = HTTPStatus.TOO_MANY_REQUESTS
+    type = "rate_limit_error"
+    code = "too_many_requests"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.headers = {"Retry-After": str(retry_after_s)}
+
+
 class ServiceUnavailableError(APIError):
     """The engine is dead, not ready yet, or shutting down."""
 
@@ -185,7 +198,8 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         type = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        code = {404: "not_found", 405: "method_not_allowed", 415: "unsupported_media_type"}.get(exc.status_code)
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large",
+                415: "unsupported_media_type"}.get(exc.status_code)
         return JSONResponse(error_body(str(exc.detail), type, None, code), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
@@ -195,4 +209,4 @@ def install_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _typed(_: Request, exc: Exception) -> JSONResponse:
         status, body = exception_to_body(exc)
-        return JSONResponse(body, status_code=status)
+        return JSONResponse(body, status_code=status, headers=getattr(exc, "headers", None))

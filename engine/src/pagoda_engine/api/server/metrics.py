@@ -295,6 +295,9 @@ class ServerMetrics:
                                                     "Number of generation tokens processed.", lengths)
         self._max_tokens = histogram("pagoda:request_params_max_tokens",
                                      "Histogram of the max_tokens request parameter.", lengths)
+        self._queue_rejected = Counter("pagoda:queue_rejected", "Requests answered 429 because the waiting "
+                                       "queue was full (--max-waiting-requests).", ["model_name"],
+                                       registry=self.registry)
         self._n = histogram("pagoda:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
         self._iteration_tokens = histogram("pagoda:iteration_tokens_total",
                                            "Histogram of number of tokens per engine_step.", _ITERATION_TOKENS_BUCKETS)
@@ -371,6 +374,9 @@ class ServerMetrics:
         self._stats.stats[engine] = stats
         if stats.num_scheduled_tokens and self.records_steps:
             self._iteration_tokens.labels(self.model_name, str(engine)).observe(stats.num_scheduled_tokens)
+
+    def queue_rejected(self) -> None:
+        self._queue_rejected.labels(self.model_name).inc()
 
     def request_finished(self, engine: int, finish_reason: str) -> None:
         self._request_success.labels(self.model_name, str(engine), finish_reason).inc()

@@ -152,6 +152,14 @@ class _SamplingRequest(_StrictModel):
     service_tier: str | None = None
     priority: int = Field(0, ge=-_INT64, le=_INT64)
     request_id: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: the response carries token ids beside the text (streamed: each chunk's choice its
+    # new `token_ids`; the first chunk the prompt's `prompt_token_ids`).
+    return_token_ids: bool = False
+    # Pagoda's continuation of a stream that broke elsewhere (`pagoda route` sends it): the output
+    # token ids already streamed. The engine re-renders the same prompt, takes these as the
+    # start of the output (counted against max_tokens, min_tokens and in `usage`, replayed
+    # through stop strings and parsers) and streams only what follows. stream=True and n=1 only.
+    resume_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1 << 20)
 
     def _sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams keywords: the request's values, and `defaults` (the model's, from its

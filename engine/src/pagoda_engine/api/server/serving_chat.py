@@ -56,6 +56,7 @@ class OpenAIServingChat(OpenAIServing):
                                         self.engine.default_sampling)
         plan.apply(params)
         params = self._finish_params(params)
+        self._check_resume(req, ids, params)
         if params.stop:
             stop_strings(tuple(params.stop))
         return ids, params, plan
@@ -70,7 +71,8 @@ class OpenAIServingChat(OpenAIServing):
         ids, params, plan = await asyncio.to_thread(self._chat_plan, req)
         request_id = self._request_id("chatcmpl", req.request_id)
         group = await self._start_group(req.stream, data_parallel_rank,
-                                        [(request_id, None, ids, params, req.priority, plan.spec)])
+                                        [(request_id, None, ids, params, req.priority, plan.spec,
+                                          req.resume_token_ids)])
         if req.stream:
             return self._stream_response(self._chat_stream(req, request_id, ids, group, plan), group)
         finals = await self._final_outputs(raw, group)
@@ -84,6 +86,10 @@ class OpenAIServingChat(OpenAIServing):
                    for c in out.outputs]
         num_generated = sum(len(c.token_ids) for c in out.outputs)
         extra = {}
+        if req.return_token_ids:
+            extra["prompt_token_ids"] = ids
+            for choice, c in zip(choices, out.outputs):
+                choice.token_ids = c.token_ids
         if req.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
@@ -108,15 +114,20 @@ class OpenAIServingChat(OpenAIServing):
                            group, plan: ChatOutputPlan) -> AsyncIterator[str | bytes]:
         """The stream's frames, each batch of outputs in one write; `_stream_response` ends it."""
         created = int(time.time())
-        num_generated = 0
+        # A continuation's resumed tokens count as generated: usage reports the whole sequence.
+        num_generated = len(req.resume_token_ids or ())
         called: set[int] = set()  # choices that have streamed a tool call
         include_usage, continuous = usage_options(req)
         num_cached = 0  # prompt tokens the prefix cache served
+        with_ids = req.return_token_ids
         # The first chunk of each choice carries the role, as OpenAI's do.
         for i in range(req.n):
-            yield sse_frame(ChatCompletionStreamResponse(
+            first = ChatCompletionStreamResponse(
                 id=request_id, created=created, model=self.model_name,
-                choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+                choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+            if with_ids and i == 0:
+                first.prompt_token_ids = ids
+            yield sse_frame(first)
         # Chunks of plain text (no parser, logprobs or running usage) come from byte templates.
         frames = (StreamFrames(request_id, created, self.model_name, chat=True)
                   if not req.logprobs and not continuous else None)
@@ -126,14 +137,15 @@ class OpenAIServingChat(OpenAIServing):
             for c in (c for out in outs for c in out.outputs):  # DELTA: the choices a step changed
                 num_generated += len(c.token_ids)
                 if frames is not None and c.parsed is None:
-                    sse.append(frames.chunk(c.index, c.text, c.finish_reason, c.stop_reason))
+                    sse.append(frames.chunk(c.index, c.text, c.finish_reason, c.stop_reason,
+                                            c.token_ids if with_ids else None))
                     continue
                 logprobs = (self._chat_logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                             if req.logprobs else None)
                 if _parsed_calls(c):
                     called.add(c.index)
                 delta = _chat_delta(c, req)
-                if (c.parsed is not None and c.finish_reason is None and logprobs is None
+                if (c.parsed is not None and c.finish_reason is None and logprobs is None and not with_ids
                         and delta.content is None and delta.reasoning is None and delta.tool_calls is None):
                     continue  # the parser holds this step's text back (a tag may be starting)
                 chunk = ChatCompletionStreamResponse(
@@ -142,6 +154,8 @@ class OpenAIServingChat(OpenAIServing):
                                               finish_reason=_chat_finish_reason(c.finish_reason,
                                                                                 c.index in called, plan),
                                               stop_reason=c.stop_reason)])
+                if with_ids:
+                    chunk.choices[0].token_ids = c.token_ids
                 if continuous:
                     chunk.usage = self._usage(len(ids), num_generated, num_cached)
                 sse.append(sse_frame(chunk).encode())

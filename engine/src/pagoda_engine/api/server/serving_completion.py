@@ -56,7 +56,13 @@ class OpenAIServingCompletion(OpenAIServing):
                                             self.engine.default_sampling)
             if req.echo and req.logprobs is not None:  # the echoed prompt's logprobs
                 params.prompt_logprobs = max(req.logprobs, req.prompt_logprobs or 0)
-            plan.append((text, ids, self._finish_params(params)))
+            params = self._finish_params(params)
+            if req.resume_token_ids is not None:
+                if len(prompts) != 1:
+                    raise BadRequestError("resume_token_ids continues one prompt's sequence; this request has "
+                                          f"{len(prompts)} prompts.", param="resume_token_ids")
+                self._check_resume(req, ids, params)
+            plan.append((text, ids, params))
         if plan and plan[0][2].stop:
             stop_strings(tuple(plan[0][2].stop))  # built here, off the loop; the detokenizers share it
         return plan
@@ -77,7 +83,8 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id = self._request_id("cmpl", req.request_id)
 
         group = await self._start_group(req.stream, data_parallel_rank, [
-            (request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority)
+            (request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority, None,
+             req.resume_token_ids)
             for i, (text, ids, params) in enumerate(plan)])
         index_of = {s.request_id: i for i, s in enumerate(group.streams)}
         if req.stream:
@@ -104,6 +111,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 extra = {}
                 if req.prompt_logprobs is not None:
                     extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
+                if req.return_token_ids:
+                    extra.update(prompt_token_ids=ids, token_ids=c.token_ids)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
@@ -155,8 +164,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                  index_of) -> AsyncIterator[str | bytes]:
         """The stream's frames, each batch of outputs in one write; `_stream_response` ends it."""
         created = int(time.time())
-        num_generated = 0
+        # A continuation's resumed tokens count as generated: usage reports the whole sequence.
+        num_generated = len(req.resume_token_ids or ())
+        with_ids = req.return_token_ids
         echoed: set[int] = set()
+        ids_sent: set[int] = set()  # choices whose prompt_token_ids went out (return_token_ids)
         text_len: dict[int, int] = {}  # choice index -> characters sent so far (logprob text offsets)
         include_usage, continuous = usage_options(req)
         num_prompt = sum(len(ids) for _, ids, _ in plan)
@@ -173,8 +185,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in out.outputs:  # DELTA: only the choices this step changed, with what it added
                     num_generated += len(c.token_ids)
                     choice_index = i * req.n + c.index
-                    if frames is not None:
-                        sse.append(frames.chunk(choice_index, c.text, c.finish_reason, c.stop_reason))
+                    # (A choice's first chunk with token ids also carries the prompt's: the model writes it.)
+                    if frames is not None and (not with_ids or choice_index in ids_sent):
+                        sse.append(frames.chunk(choice_index, c.text, c.finish_reason, c.stop_reason,
+                                                c.token_ids if with_ids else None))
                         continue
                     delta = c.text
                     logprobs = None
@@ -196,6 +210,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         id=request_id, created=created, model=self.model_name,
                         choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
+                    if with_ids:
+                        chunk.choices[0].token_ids = c.token_ids
+                        if choice_index not in ids_sent:
+                            ids_sent.add(choice_index)
+                            chunk.choices[0].prompt_token_ids = ids
                     if continuous:
                         chunk.usage = self._usage(num_prompt, num_generated, sum(cached.values()))
                     sse.append(sse_frame(chunk).encode())

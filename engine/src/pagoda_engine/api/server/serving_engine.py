@@ -159,6 +159,23 @@ class OpenAIServing:
         if req.prompt_logprobs is not None and req.stream:
             raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
 
+    def _check_resume(self, req, ids: list[int], params: SamplingParams) -> None:
+        """A continuation (`resume_token_ids`) must be one streamed sequence whose resumed output
+        fits the vocabulary, the context window and max_tokens."""
+        resume = req.resume_token_ids
+        if resume is None:
+            return
+        why = ("it needs stream=True" if not req.stream else "it needs n == 1" if params.n != 1
+               else "echo repeats the prompt" if getattr(req, "echo", False)
+               else "prompt_logprobs are not available" if req.prompt_logprobs is not None
+               else None)
+        if why is not None:
+            raise BadRequestError(f"resume_token_ids cannot be used here: {why}.", param="resume_token_ids")
+        self._check_prompt_ids(ids + list(resume), param="resume_token_ids")
+        if params.max_tokens is not None and len(resume) >= params.max_tokens:
+            raise BadRequestError(f"resume_token_ids has {len(resume)} tokens, as many as max_tokens "
+                                  f"({params.max_tokens}) allows: the sequence is complete.", param="resume_token_ids")
+
     def _data_parallel_rank(self, raw: Request) -> int | None:
         """The engine core the client pinned this request to (`X-data-parallel-rank`), or None
         for the least-loaded one; 400 for a value that is not a core's rank."""

@@ -44,13 +44,17 @@ class StreamFrames:
                      f'"model":{_json(model)},"choices":[{{"index":').encode()
         self.chat = chat
 
-    def chunk(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None) -> bytes:
+    def chunk(self, index: int, text: str, finish_reason: str | None, stop_reason: int | str | None,
+              token_ids: list[int] | None = None) -> bytes:
+        """`token_ids`: the choice's new ids (`return_token_ids`), after its declared fields as
+        pydantic writes an extra field."""
         end = b',"finish_reason":' + to_json(finish_reason) + b',"stop_reason":' + to_json(stop_reason)
+        ids = b"" if token_ids is None else b',"token_ids":' + to_json(token_ids)
         if self.chat:
             return b"".join((self.head, str(index).encode(), b',"logprobs":null', end,
                              b',"delta":{"role":null,"content":', to_json(text),
-                             b',"reasoning":null,"tool_calls":null}}],"usage":null}\n\n'))
-        return b"".join((self.head, str(index).encode(), b',"text":', to_json(text), b',"logprobs":null', end,
+                             b',"reasoning":null,"tool_calls":null}', ids, b'}],"usage":null}\n\n'))
+        return b"".join((self.head, str(index).encode(), b',"text":', to_json(text), b',"logprobs":null', end, ids,
                          b'}],"usage":null}\n\n'))
 
 

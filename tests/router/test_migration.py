@@ -1,0 +1,221 @@
+"""No request lost to a dying replica: three real `pagoda serve` engines (built-in tiny model)
+behind a real `pagoda route`; many streamed requests (chat and completions, greedy and seeded
+sampling, some with a JSON schema, some whole responses) run once undisturbed and once while one engine is SIGKILLed and another SIGTERMed
+(its drain deadline ends what it still runs). Every stream of the disturbed run must complete
+with the undisturbed run's text and token ids, each token once, one finish and one usage."""
+
+import concurrent.futures
+import json
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from pagoda_e2e import free_port, start_engine, start_router, until
+
+# Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
+# still has streams running and waiting when it goes, however fast the machine: the SIGKILL cuts
+# some, the SIGTERMed engine's drain deadline (0.5 s) ends others.
+MAX_TOKENS = 192
+ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "3", "--drain-timeout", "0.5"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("migration")
+    ports = [free_port() for _ in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        engines = list(pool.map(lambda i: start_engine(ports[i], tmp / f"engine{i}.log", ENGINE), range(3)))
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    port = free_port()
+    router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "round-robin"])
+    yield {"router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
+    router.stop()
+    for e in engines:
+        e.stop()
+
+
+def _requests(n: int) -> list[tuple[str, dict]]:
+    """Streams, and every seventh a whole response (retried whole when its replica fails)."""
+    out = []
+    for i in range(n):
+        chat = i % 2 == 0
+        body: dict = {"max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": i % 7 != 6}
+        body.update({"temperature": 0} if i % 3 else {"temperature": 0.9, "seed": 1000 + i})
+        if i % 4 == 1 and body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        if i % 5 == 2:
+            body["return_token_ids"] = True
+        if i % 8 == 3:  # a JSON schema: the continuation's grammar replays what was streamed
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "fox", "schema": {
+                "type": "object", "properties": {"name": {"type": "string"}, "story": {"type": "string"}},
+                "required": ["name", "story"]}}}
+            body["ignore_eos"] = False
+        if chat:
+            body["messages"] = [{"role": "user", "content": f"Tell story number {i} about a fox."}]
+        else:
+            body["prompt"] = f"Story {i}: once upon a time"
+        out.append(("/v1/chat/completions" if chat else "/v1/completions", body))
+    return out
+
+
+class Progress:
+    """Frames read so far by all clients."""
+
+    def __init__(self):
+        self.frames, self.lock = 0, threading.Lock()
+
+    def add(self) -> None:
+        with self.lock:
+            self.frames += 1
+
+
+def _stream(base: str, path: str, body: dict, progress: Progress) -> dict:
+    """The stream's frames, read as a client would, and what they add up to (a whole response:
+    the same facts from its one body)."""
+    if not body["stream"]:
+        r = httpx.post(base + path, json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        got = r.json()
+        choice = got["choices"][0]
+        return {"done": 1, "last_is_done": True, "errors": [], "ids": {got["id"]}, "roles": 1,
+                "text": choice["message"]["content"] if "message" in choice else choice["text"],
+                "finishes": [choice["finish_reason"]], "usages": [got["usage"]] if body.get("stream_options") else [],
+                "token_ids": choice.get("token_ids") or [], "has_token_ids": "token_ids" in choice}
+    frames = []
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            frames.append(line[6:])
+            progress.add()
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    chat = path.endswith("chat/completions")
+    return {
+        "done": frames.count("[DONE]"), "last_is_done": bool(frames) and frames[-1] == "[DONE]",
+        "errors": [c for c in chunks if "error" in c],
+        "text": "".join((ch["delta"].get("content") or "") if chat else ch["text"]
+                        for c in chunks for ch in c.get("choices") or ()),
+        "finishes": [ch["finish_reason"] for c in chunks for ch in c.get("choices") or () if ch.get("finish_reason")],
+        "usages": [c["usage"] for c in chunks if c.get("usage")],
+        "ids": {c.get("id") for c in chunks if "error" not in c},
+        "roles": sum(1 for c in chunks for ch in c.get("choices") or () if (ch.get("delta") or {}).get("role")),
+        "token_ids": [t for c in chunks for ch in c.get("choices") or () for t in ch.get("token_ids") or ()],
+        "has_token_ids": any("token_ids" in ch for c in chunks for ch in c.get("choices") or ()),
+    }
+
+
+def _run(base: str, reqs, disturb=None) -> list[dict]:
+    progress = Progress()
+    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
+        futures = [pool.submit(_stream, base, path, body, progress) for path, body in reqs]
+        if disturb is not None:
+            disturb(progress)
+        return [f.result() for f in futures]
+
+
+def _metric(base: str, name: str, labels: str = "") -> float:
+    return _metric_text(httpx.get(base + "/metrics").text, name, labels)
+
+
+def _metric_text(text: str, name: str, labels: str = "") -> float:
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + labels) and line[len(name)] in " {":
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_streams_survive_a_sigkill_and_a_sigterm(stack):
+    base = stack["router"]
+    reqs = _requests(30)
+    reference = _run(base, reqs)
+    for got in reference:
+        assert got["errors"] == [] and len(got["finishes"]) == 1, got
+
+    def disturb(progress):
+        # While streams run: one replica is told to stop (its drain deadline, 0.5 s, then ends
+        # what it still runs or queues with an in-band error), another dies. Read from the
+        # engines themselves (clients lag behind them): the first goes while it generates with
+        # streams queued behind, the second while it generates.
+        def under_way(url: str, queued: int) -> bool:
+            text = httpx.get(url + "/metrics").text
+            return (_metric_text(text, "pagoda:num_requests_running") >= 1
+                    and _metric_text(text, "pagoda:num_requests_waiting") >= queued)
+
+        until(lambda: under_way(stack["urls"][1], queued=1), 60, "engine 1 busy", step=0.01)
+        stack["engines"][1].popen.send_signal(signal.SIGTERM)
+        until(lambda: under_way(stack["urls"][0], queued=0), 60, "engine 0 busy", step=0.01)
+        stack["engines"][0].kill()
+
+    disturbed = _run(base, reqs, disturb)
+    for (path, body), want, got in zip(reqs, reference, disturbed):
+        where = f"{path} {body}"
+        assert got["errors"] == [], where
+        assert got["done"] == 1 and got["last_is_done"], where
+        assert got["finishes"] == want["finishes"], where
+        assert len(got["ids"]) == 1, where  # one response id across the splice
+        if path.endswith("chat/completions"):
+            assert got["roles"] == 1, where
+        assert got["text"] == want["text"], where
+        asked_usage = bool(body.get("stream_options"))
+        assert got["usages"] == ([want["usages"][0]] if asked_usage else []), where
+        if asked_usage and body["ignore_eos"]:
+            assert got["usages"][0]["completion_tokens"] == MAX_TOKENS
+        assert got["has_token_ids"] == bool(body.get("return_token_ids")), where
+        if body.get("return_token_ids"):
+            assert got["token_ids"] == want["token_ids"], where
+    # Both ways of breaking happened: a connection cut (the SIGKILL) and the drain deadline's error.
+    assert _metric(base, "pagoda_router:migrations_total", '{cause="connection_error"}') >= 1
+    assert _metric(base, "pagoda_router:migrations_total", '{cause="drain_deadline"}') >= 1
+    assert _metric(base, "pagoda_router:continuation_tokens_total") > 0
+    assert _metric(base, "pagoda_router:stream_errors_total") == 0
+    assert stack["engines"][1].popen.wait(30) == 0  # the SIGTERMed engine drained and exited cleanly
+
+
+
+def test_a_rolling_replacement_under_load_loses_no_request(stack):
+    """After the first test only engine 2 is left. Under steady load a replacement comes up on
+    engine 0's port, then engine 2 is SIGTERMed (a rollout step: surge one, retire one). Every
+    request completes, greedy ones with the text an idle engine gives."""
+    base, urls, engines = stack["router"], stack["urls"], stack["engines"]
+    reqs = [(path, dict(body, max_tokens=48)) for path, body in _requests(9)]
+    results: list[tuple[int, dict]] = []
+    stop = threading.Event()
+    progress = Progress()
+
+    def load(worker: int):
+        i = worker
+        while not stop.is_set():
+            path, body = reqs[i % len(reqs)]
+            results.append((i % len(reqs), _stream(base, path, body, progress)))
+            i += 3
+
+    def ready() -> list[str]:
+        return [b["url"] for b in httpx.get(base + "/router/backends").json()["backends"] if b["ready"]]
+
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        workers = [pool.submit(load, w) for w in range(3)]
+        engines[0] = start_engine(int(urls[0].rsplit(":", 1)[1]), engines[2].log_path.parent / "engine0-new.log",
+                                  ENGINE)
+        until(lambda: urls[0] in ready(), 30, "the new replica ready")
+        until(lambda: len(results) >= 3, 30, "load on both")
+        assert engines[2].stop() == 0  # SIGTERM: drains (0.5 s); the router continues what it cut
+        until(lambda: len(results) >= 12, 60, "load after the rollout step")
+        stop.set()
+        for w in workers:
+            w.result()
+    undisturbed = {}
+    for i, got in results:
+        path, body = reqs[i]
+        where = f"{path} {body}"
+        assert got["errors"] == [] and got["done"] == 1 and len(got["finishes"]) == 1, where
+        assert len(got["ids"]) == 1, where
+        if body.get("temperature") == 0:
+            if i not in undisturbed:
+                undisturbed[i] = _stream(base, path, body, progress)["text"]
+            assert got["text"] == undisturbed[i], where
+    assert _metric(base, "pagoda_router:stream_errors_total") == 0
