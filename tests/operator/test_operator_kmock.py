@@ -664,7 +664,10 @@ def _failed_download(apiserver: BackgroundApiServer) -> None:
     create(apiserver, tiny("dl"))
     wait_for("children", lambda: len(children_of(apiserver, "dl")) == TINY_CHILDREN)
     mark_rolled_out(apiserver, "dl", 1)  # the router is up; the engine's pod is not
-    ready = lambda: conditions(get(apiserver, IS, "dl")).get("Ready", {})  # noqa: E731
+
+    def ready() -> dict:
+        return conditions(get(apiserver, IS, "dl")).get("Ready", {})
+
     wait_for("ReplicasNotReady", lambda: ready().get("reason") == "ReplicasNotReady")
 
     # A pod whose download succeeded (the engine is still loading) is no failure.
