@@ -59,6 +59,7 @@ RESOURCES = {
     ("networking.k8s.io", "v1", "ingresses"): ("Ingress", {"status"}),
     ("networking.k8s.io", "v1", "networkpolicies"): ("NetworkPolicy", set()),
     ("", "v1", "secrets"): ("Secret", set()),
+    ("", "v1", "pods"): ("Pod", {"status"}),
     ("autoscaling", "v2", "horizontalpodautoscalers"): ("HorizontalPodAutoscaler", {"status"}),
 }
 CLUSTER_SCOPED = {"Namespace", "CustomResourceDefinition"}

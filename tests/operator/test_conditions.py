@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from pagoda_operator.conditions import Observation, compute_status, is_current, transitions
+from pagoda_operator.conditions import (DOWNLOAD_MESSAGE_CHARS, Observation, compute_status, is_current,
+                                        model_download_failure, transitions)
 
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
@@ -86,3 +87,40 @@ def test_events_on_transitions_only():
     assert transitions(ready, ready) == []
     broken = compute_status(ready, Observation(generation=2, validated=False, problems=["p: q"], engine=deployment(1, 1, 1, 1, 1), router=router), T1)
     assert transitions(ready, broken) == [("Warning", "InvalidSpec", "Nothing was created or changed: p: q")]
+
+
+def pod(name: str, *init_statuses: dict) -> dict:
+    return {"metadata": {"name": name}, "status": {"initContainerStatuses": list(init_statuses)}}
+
+
+def test_a_failed_model_download_is_found_in_the_engine_pods():
+    log = "attempt 1 of 3 failed\npagoda s3: downloading s3://b/m refused: AccessDenied\n\n"
+    exited = {"name": "model-download", "state": {"terminated": {"exitCode": 3, "reason": "Error", "message": log}}}
+    backing_off = {"name": "model-download", "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+                   "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": log}}}
+    reason = "pagoda s3: downloading s3://b/m refused: AccessDenied"
+    assert model_download_failure([pod("p", exited)]) == f"pod p: model-download exited 3: {reason}"
+    assert model_download_failure([pod("p", backing_off)]) == f"pod p: model-download exited 3: {reason}"
+    # Succeeded, or retrying now (running after a failure), or another init container: no failure.
+    done = {"name": "model-download", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
+    retrying = {"name": "model-download", "state": {"running": {}}, "lastState": exited["state"]}
+    other = {"name": "setup", "state": {"terminated": {"exitCode": 1, "message": "no"}}}
+    assert model_download_failure([pod("a", done), pod("b", retrying), pod("c", other), pod("d")]) is None
+    # No message (killed): the kubelet's reason; a long line: bounded.
+    killed = {"name": "model-download", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}
+    assert model_download_failure([pod("p", killed)]) == "pod p: model-download exited 137: OOMKilled"
+    long = {"name": "model-download", "state": {"terminated": {"exitCode": 3, "message": "y" * 5000}}}
+    found = model_download_failure([pod("p", long)])
+    assert found.endswith("...") and len(found) == len("pod p: model-download exited 3: ") + DOWNLOAD_MESSAGE_CHARS
+
+
+def test_a_failed_download_makes_ready_false_with_its_reason_until_replicas_are_ready():
+    failure = "pod p: model-download exited 3: refused"
+    obs = Observation(generation=1, validated=True, engine=deployment(1, 1, 1, 0, 1), router=deployment(1, 1, 1, 1, 1),
+                      desired_replicas=1, download_failure=failure)
+    ready = next(c for c in compute_status(None, obs, T0)["conditions"] if c["type"] == "Ready")
+    assert (ready["status"], ready["reason"]) == ("False", "ModelDownloadFailed")
+    assert ready["message"] == "0/1 engine replicas ready; the model download failed in " + failure
+    # Every replica ready (another pod's download worked, the failed one is gone or irrelevant): Ready.
+    obs.engine = deployment(1, 1, 1, 1, 1)
+    assert by_type(compute_status(None, obs, T0))["Ready"] == ("True", "AllReplicasReady")

@@ -36,8 +36,10 @@ class Operator:
     when it stops, so it cannot share the API server's); start and stop at will."""
 
     def __init__(self, apiserver: BackgroundApiServer, recheck_crds_seconds: float = handlers.MISSING_CRD_RECHECK_SECONDS,
-                 kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S):
+                 kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S,
+                 not_ready_seconds: float = handlers.NOT_READY_RECHECK_SECONDS):
         self.apiserver = apiserver
+        self.not_ready_seconds = not_ready_seconds
         self.recheck_crds_seconds = recheck_crds_seconds
         self.kv_status_seconds = kv_status_seconds
         self._thread: threading.Thread | None = None
@@ -46,7 +48,8 @@ class Operator:
     def start(self) -> None:
         url = self.apiserver.url
         registry = kopf.OperatorRegistry()
-        handlers.register(registry, recheck_crds_seconds=self.recheck_crds_seconds, kv_status_seconds=self.kv_status_seconds)
+        handlers.register(registry, recheck_crds_seconds=self.recheck_crds_seconds, kv_status_seconds=self.kv_status_seconds,
+                          not_ready_seconds=self.not_ready_seconds)
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
@@ -628,3 +631,64 @@ def _crd_installed_later(apiserver: BackgroundApiServer) -> None:
                      and conditions(get(apiserver, IS, "later")))
     assert conds["Degraded"]["reason"] == "AsExpected"
     assert get(apiserver, IS, "later")["metadata"]["generation"] == 1
+
+
+PODS = ("", "v1", "pods")
+
+
+def engine_pod(apiserver: BackgroundApiServer, service: str, name: str, download: dict) -> None:
+    """Play the kubelet: an engine pod of `service` whose model-download init container is in the
+    state `download` (the containerStatus fields besides name)."""
+    labels = r.selector_labels(service, "engine")
+    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
+            "spec": {"initContainers": [{"name": "model-download", "image": "x"}], "containers": [{"name": "engine", "image": "x"}]}}
+    request(apiserver, "POST", path_of(PODS), body)
+    status = {"phase": "Pending", "initContainerStatuses": [{"name": "model-download", "ready": False, "restartCount": 1,
+                                                            "image": "x", "imageID": "", **download}]}
+    request(apiserver, "PATCH", path_of(PODS, name, "status"), {"status": status}, "application/merge-patch+json")
+
+
+def test_a_failed_model_download_shows_in_ready():
+    # Its own cluster: an operator that refreshes not-ready services every second, not every 30.
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver, not_ready_seconds=1)
+    operator.start()
+    try:
+        _failed_download(apiserver)
+    finally:
+        operator.stop()
+        apiserver.close()
+
+
+def _failed_download(apiserver: BackgroundApiServer) -> None:
+    create(apiserver, tiny("dl"))
+    wait_for("children", lambda: len(children_of(apiserver, "dl")) == TINY_CHILDREN)
+    mark_rolled_out(apiserver, "dl", 1)  # the router is up; the engine's pod is not
+
+    def ready() -> dict:
+        return conditions(get(apiserver, IS, "dl")).get("Ready", {})
+
+    wait_for("ReplicasNotReady", lambda: ready().get("reason") == "ReplicasNotReady")
+
+    # A pod whose download succeeded (the engine is still loading) is no failure.
+    engine_pod(apiserver, "dl", "dl-engine-healthy", {"state": {"terminated": {"exitCode": 0, "reason": "Completed"}}})
+    time.sleep(3)  # three timer ticks
+    assert ready()["reason"] == "ReplicasNotReady", ready()
+
+    # One whose downloader exited 3: its last line, bounded, is the Ready condition's message.
+    why = "pagoda s3: downloading s3://bucket/model refused: InvalidAccessKeyId " + "x" * 1000
+    log = "pagoda s3: attempt 1 of 3\n" + why + "\n"
+    engine_pod(apiserver, "dl", "dl-engine-failed", {
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 10s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 3, "reason": "Error", "message": log}}})
+    wait_for("ModelDownloadFailed", lambda: ready().get("reason") == "ModelDownloadFailed")
+    condition = ready()
+    assert condition["status"] == "False"
+    assert "pod dl-engine-failed: model-download exited 3: pagoda s3: downloading s3://bucket/model refused: InvalidAccessKeyId" \
+        in condition["message"], condition["message"]
+    assert "attempt 1 of 3" not in condition["message"]
+    assert len(condition["message"]) < 500, len(condition["message"])
+
+    # The pod replaced (its next attempt is running): the condition is what it was before.
+    request(apiserver, "DELETE", path_of(PODS, "dl-engine-failed"))
+    wait_for("ReplicasNotReady again", lambda: ready().get("reason") == "ReplicasNotReady")

@@ -49,6 +49,12 @@ def test_an_s3_model_is_downloaded_by_an_init_container_into_the_model_cache():
         ("Deployment", "llama-8b-engine")], K8S_VERSION, strict=True)
 
 
+def test_an_hf_download_also_hands_its_last_line_to_the_pod_status():
+    # conditions.model_download_failure reads it from there into the Ready condition.
+    (init,) = engine_pod(load_example("llama-3.1-8b.yaml"))["spec"]["initContainers"]
+    assert init["command"][:2] == ["sh", "-c"] and init["terminationMessagePolicy"] == "FallbackToLogsOnError"
+
+
 def test_without_a_secret_the_download_runs_as_the_pods_service_account():
     template = engine_pod(s3_service())
     (init,) = template["spec"]["initContainers"]

@@ -29,6 +29,9 @@ EXTRA_GRANTS = {
     # handlers.ensure_internal_key: create-once, an AlreadyExists answer meaning it is there; never
     # read, so the operator holds no right to read any Secret.
     ("", "secrets"): {"create"},
+    # handlers._download_failure lists the engine pods by label for a failed model download; a
+    # pod is never watched, read alone or written.
+    ("", "pods"): {"list"},
 }
 # Only when watching chosen namespaces: kopf lists and follows namespaces to find them.
 NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}

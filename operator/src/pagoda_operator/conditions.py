@@ -6,7 +6,9 @@ it whole, by server-side apply: a field it leaves out is removed).
 Conditions (Kubernetes conventions; each with its own observedGeneration, reason, message, and a
 lastTransitionTime that moves only when its status changes):
   Validated    the spec is servable (False: the problems, with their arithmetic)
-  Ready        the router and every desired engine replica are ready
+  Ready        the router and every desired engine replica are ready (False with reason
+               ModelDownloadFailed when an engine pod's model-download init container failed:
+               the downloader's last line, trimmed, in the message)
   Progressing  a rollout is under way (spec changed, pods being replaced or started)
   Degraded     something the spec asks for cannot be provided (a missing CRD, a failed apply)
 Other condition types (ScalingReady, the autoscaler's) belong to their writers and are left out.
@@ -18,6 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded", "Validated")
+DOWNLOAD_CONTAINER = "model-download"  # render._download_container's init container
+# A termination message taken from the log (FallbackToLogsOnError) is its last 2048 bytes or 80
+# lines; the condition keeps the last line, where the downloader writes why, at most this long.
+DOWNLOAD_MESSAGE_CHARS = 300
 
 
 @dataclass
@@ -33,6 +39,7 @@ class Observation:
     desired_replicas: int = 1
     selector: str | None = None
     url: str | None = None
+    download_failure: str | None = None  # from model_download_failure(the engine pods)
 
 
 def _workload_counts(obj: dict[str, Any] | None) -> dict[str, Any]:
@@ -47,6 +54,29 @@ def _workload_counts(obj: dict[str, Any] | None) -> dict[str, Any]:
         # Until its controller has seen the latest spec, a workload's counts describe an older one.
         "caught_up": obj is not None and int(status.get("observedGeneration", unreported)) >= generation,
     }
+
+
+def model_download_failure(pods: list[dict[str, Any]]) -> str | None:
+    """Why the first engine pod whose model-download init container failed (exited non-zero, or
+    waits in CrashLoopBackOff after such an exit) failed: pod, exit code and the termination
+    message's last line, bounded. None when no pod's download failed (one retrying is running)."""
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name") or ""):
+        for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
+            if status.get("name") != DOWNLOAD_CONTAINER:
+                continue
+            state = status.get("state") or {}
+            terminated = state.get("terminated")
+            if terminated is None and (state.get("waiting") or {}).get("reason") == "CrashLoopBackOff":
+                terminated = (status.get("lastState") or {}).get("terminated")
+            if not terminated or not terminated.get("exitCode"):
+                continue
+            lines = [line.strip() for line in (terminated.get("message") or "").splitlines() if line.strip()]
+            why = lines[-1] if lines else terminated.get("reason") or "no message"
+            if len(why) > DOWNLOAD_MESSAGE_CHARS:
+                why = why[:DOWNLOAD_MESSAGE_CHARS - 3] + "..."
+            name = (pod.get("metadata") or {}).get("name")
+            return f"pod {name}: {DOWNLOAD_CONTAINER} exited {terminated['exitCode']}: {why}"
+    return None
 
 
 def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, reason: str, message: str,
@@ -104,6 +134,10 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
         ready, reason, message = True, "ScaledToZero", "No engine replicas; the router holds requests until one starts."
     elif engine_ready:
         ready, reason, message = True, "AllReplicasReady", f"{engine['ready']}/{want} engine replicas ready."
+    elif obs.download_failure is not None:
+        ready, reason, message = (False, "ModelDownloadFailed",
+                                  f"{engine['ready']}/{want} engine replicas ready; the model download failed in "
+                                  f"{obs.download_failure}")
     else:
         ready, reason, message = False, "ReplicasNotReady", f"{engine['ready']}/{want} engine replicas ready."
     conditions = set_condition(conditions, "Ready", ready, reason, message, gen, now)

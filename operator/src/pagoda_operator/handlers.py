@@ -6,6 +6,8 @@ reconcile (create, update, resume; and a slow timer while an optional CRD is mis
   kinds only when their CRD is served) → status from the children.
 Children the spec no longer asks for are deleted (pruned) after a successful apply.
 A child Deployment/LeaderWorkerSet changing (pods becoming ready) refreshes the owner's status.
+While engine replicas are not ready, a timer refreshes it too, and each refresh lists the engine
+pods: a failed model download changes no Deployment field, only its pod's init container status.
 Deletion needs no handler: every child has an owner reference, the garbage collector removes it.
 
 The status is written by server-side apply on the status subresource as `pagoda-operator`, which
@@ -33,8 +35,8 @@ from lightkube import AsyncClient
 from pagoda_operator import kube, kv_status, metrics
 from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
-from pagoda_operator.children import FIELD_MANAGER
-from pagoda_operator.conditions import Observation, compute_status, is_current, transitions
+from pagoda_operator.children import FIELD_MANAGER, selector_labels
+from pagoda_operator.conditions import Observation, compute_status, is_current, model_download_failure, transitions
 from pagoda_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, desired_replicas
 from pagoda_operator.validation import Checked, check
 
@@ -68,6 +70,7 @@ OPTIONAL_KINDS = {
     ),
 }
 MISSING_CRD_RECHECK_SECONDS = 60
+NOT_READY_RECHECK_SECONDS = 30  # how soon a failed model download shows while replicas are not ready
 INTERNAL_KEY_BYTES = 32  # of randomness in the router's key to the engines (256 bits)
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -102,7 +105,21 @@ async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked
         obs.desired_replicas = desired_replicas(spec)
         obs.selector = r.engine_selector(name)
         obs.url = r.service_url(name, namespace, spec)
+        if engine is not None and obs.desired_replicas > 0:
+            obs.download_failure = await _download_failure(client, namespace, name)
     return obs
+
+
+async def _download_failure(client: AsyncClient, namespace: str, name: str) -> str | None:
+    """conditions.model_download_failure of the engine pods; None, logged, when they cannot be
+    listed (the status then says ReplicasNotReady, as it did before)."""
+    labels = selector_labels(name, "engine")
+    try:
+        pods = await kube.list_labelled(client, "v1", "Pod", namespace, labels)
+    except kube.KubeError as e:
+        logging.getLogger(__name__).warning("listing the engine pods of %s/%s failed: %s", namespace, name, e)
+        return None
+    return model_download_failure([p for p in pods if labels.items() <= ((p.get("metadata") or {}).get("labels") or {}).items()])
 
 
 async def write_status(client: AsyncClient, namespace: str, name: str, observe_now: Any) -> None:
@@ -232,6 +249,15 @@ async def refresh_from_child(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None
         await refresh(memo.kube, body["metadata"].get("namespace"), owner["name"])
 
 
+async def refresh_not_ready(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await refresh(memo.kube, body["metadata"].get("namespace"), body["metadata"]["name"])
+
+
+def _replicas_not_ready(status: dict[str, Any], **_: Any) -> bool:
+    return any(c.get("type") == "Ready" and c.get("reason") in ("ReplicasNotReady", "ModelDownloadFailed")
+               for c in status.get("conditions") or [])
+
+
 def _missing_crd(status: dict[str, Any], **_: Any) -> bool:
     reasons = {reason for reason, _ in OPTIONAL_KINDS.values()}
     return any(c.get("type") == "Degraded" and c.get("status") == "True" and
@@ -260,7 +286,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 
 def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = MISSING_CRD_RECHECK_SECONDS,
-             kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S) -> None:
+             kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S,
+             not_ready_seconds: float = NOT_READY_RECHECK_SECONDS) -> None:
     """Attach the reconciler's and the autoscaler's handlers to a kopf registry (the default one
     when running, a fresh one in tests). Handlers find the API client in memo.kube."""
     resource = (GROUP, VERSION, PLURAL)
@@ -271,6 +298,8 @@ def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = M
         fn = decorator(*resource, registry=registry, id="reconcile")(fn)
     kopf.timer(*resource, registry=registry, id="recheck-crds", interval=recheck_crds_seconds,
                initial_delay=recheck_crds_seconds, when=_missing_crd)(reconcile)
+    kopf.timer(*resource, registry=registry, id="refresh-not-ready", interval=not_ready_seconds,
+               initial_delay=not_ready_seconds, when=_replicas_not_ready)(refresh_not_ready)
     kopf.on.event("apps", "v1", "deployments", registry=registry, labels=MANAGED, id="child-deployment")(refresh_from_child)
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
     autoscaler.register(registry)

@@ -514,9 +514,6 @@ def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any
             container["env"] = [{"name": key, "valueFrom": {"secretKeyRef": {
                 "name": dl.s3_secret_ref.name, "key": key, **({"optional": True} if optional else {})}}}
                 for key, optional in S3_SECRET_KEYS.items()]
-        # The downloader's last line says why it failed (refused credentials, no such bucket):
-        # the pod's status shows it as the init container's termination message.
-        container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     else:
         repo, _, revision = uri[len("hf://"):].partition("@")
         env = [
@@ -533,6 +530,10 @@ def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any
             env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
                 "name": dl.token_secret_ref.name, "key": dl.token_secret_ref.key}}})
         container.update({"command": ["sh", "-c", DOWNLOAD_SCRIPT], "env": env})
+    # The downloader's last line says why it failed (refused credentials, no such bucket or repo):
+    # the pod's status shows it as the init container's termination message, and the operator
+    # copies it into the Ready condition (conditions.model_download_failure).
+    container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     container["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
     container["volumeMounts"] = [{"name": "model-cache", "mountPath": MODELS_DIR}]
     if spec.engine.image_pull_policy:
