@@ -3,10 +3,11 @@ decoding's verification costs and saves at a chosen acceptance, on weights (dumm
 drafts would mean nothing.
 
 A benchmark tool, reachable from `pagoda bench` only: the proposer (`ReplayProposer`) knows each
-prompt's greedy continuation from a run without speculation and drafts it back, each drafted token
-replaced by another with probability 1 - acceptance. The run is greedy throughout (so that the
-continuation is what the target writes), first without speculation (the baseline, with async
-scheduling where the engine has it), then once per (k, acceptance); each reports ms per output
+prompt's greedy continuation and drafts it back, each drafted token replaced by another with
+probability 1 - acceptance. The run is greedy throughout (so that the continuation is what the
+target writes), first without speculation (the baseline, with async scheduling where the engine
+has it), then once per (k, acceptance), with the continuation that run itself writes (`_settle`:
+a verification step's bf16 sums may flip a near-tie that plain decoding did not); each reports ms per output
 token and the acceptance the engine measured (vLLM's mean acceptance length and draft acceptance
 rate: a draft after a replaced one is not verified, so the rate is below the share kept).
 """
