@@ -135,6 +135,7 @@ def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_
     assert (none["k"], none["acceptance"], none["draft_acceptance_rate"], none["mean_acceptance_length"]) == (2, 0.0, 0, 1)
     # Every replayed draft is the token the model writes: all kept, up to 3 tokens a step.
     assert all_kept["draft_acceptance_rate"] == 1.0 and all_kept["mean_acceptance_length"] > 2.5
+    assert (all_kept["replay_matched"], none["replay_matched"]) == (1.0, 1.0)
     assert "k=2 acceptance 100%" in capsys.readouterr().out
     assert main(["bench", "latency", "--model", tiny_model, "--spec-replay-acceptance", "0,2"]) == 2
     assert "shares in [0, 1]" in capsys.readouterr().err
@@ -186,3 +187,35 @@ def test_profile_records_the_chosen_steps(tiny_model, tmp_path, capsys):
         main(["bench", "latency", "--model", tiny_model, "--profile", "x", "--profile-steps", "3"])
     assert exc.value.code == 2
     assert "expected FIRST:COUNT" in capsys.readouterr().err
+
+
+def test_spec_replay_settles_on_the_continuation_the_speculating_run_writes(tiny_model):
+    """A verification step sums in another order than a one-token decode, so in bf16 it may flip a
+    near-tie the recorded run did not (llama-3.1-8b's dummy weights on an H200: from then on the
+    run's context is not the recorded one, and no replayed draft was kept). Emulated here by a
+    recording that leaves the run's own tokens after its fourth: replayed as recorded, drafts
+    miss; settled, the bench replays what the speculating run writes and keeps every draft."""
+    from pagoda_engine import LLM
+    from pagoda_engine.bench.spec_replay import (MAX_SETTLE_ROUNDS, ReplayProposer, _Greedy, _outputs,
+                                                 _settle)
+    from pagoda_engine.core.spec_decode import SpecDecoder
+    from pagoda_engine.speculative import SpeculativeConfig
+
+    core = LLM(tiny_model, load_format="dummy", dtype="bfloat16").core
+    prompt, other = [5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42, 43, 44, 45, 46, 47]
+    wl = _Greedy("t", "one prompt", [prompt, other], [24, 24])
+    own = _outputs(core, wl, "plain")
+    recorded = {tuple(prompt): own[tuple(prompt)][:4] + own[tuple(other)][4:], tuple(other): own[tuple(other)]}
+    assert recorded[tuple(prompt)] != own[tuple(prompt)]
+    config = SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=1, prompt_lookup_min=1)
+
+    def mean_acceptance_length(continuations) -> float:
+        core.scheduler.spec = spec = SpecDecoder(config, ReplayProposer(continuations, 1.0, core.vocab_size))
+        wl_one = _Greedy("t", "one prompt", [prompt], [24])
+        assert _outputs(core, wl_one, f"replay-{id(continuations)}") == {tuple(prompt): own[tuple(prompt)]}
+        return 1 + spec.stats.num_accepted_tokens / spec.stats.num_drafts
+
+    assert mean_acceptance_length(recorded) < 2.0
+    settled, rounds, matched = _settle(core, wl, config, recorded, 1.0, MAX_SETTLE_ROUNDS)
+    assert (settled, rounds, matched) == (own, 2, 1.0)
+    assert mean_acceptance_length(settled) > 2.8  # k + 1 = 3 at every step but the last ones
