@@ -104,8 +104,11 @@ def path_of(kind: tuple, name: str | None = None, subresource: str | None = None
 
 def request(apiserver: BackgroundApiServer, method: str, path: str, body: Any = None,
             content_type: str = "application/json", **params: str) -> dict:
-    """A write of another client (a user, a controller), straight to the emulated API server."""
-    response = httpx.request(method, apiserver.url + path, json=body, params=params, headers={"content-type": content_type})
+    """A write of another client (a user, a controller), straight to the emulated API server. Its
+    loop also serves the operator's watches and writes, on a machine the other test worker shares:
+    httpx's default 5 s timed out there under load, as `BackgroundApiServer.call`'s 30 s does not."""
+    response = httpx.request(method, apiserver.url + path, json=body, params=params,
+                             headers={"content-type": content_type}, timeout=30)
     response.raise_for_status()
     return response.json()
 

@@ -181,15 +181,18 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
     """Flow control over one engine (the subset): while its queue is full, requests are held, then
     released highest objective first whatever their arrival order."""
     engine = cluster["endpoints"][0]
+    # Held requests are not sent on, so each release waits for the next poll to show room again: a
+    # second between polls keeps the releases (and the callers' returns) far enough apart that a
+    # loaded machine's thread scheduling cannot reorder what the test sees (at 0.1 s it did).
     proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
-                         "--objective", "interactive=10", "--objective", "batch=0")
+                         "--objective", "interactive=10", "--objective", "batch=0", "--metrics-interval", "1")
     done: list[str] = []
     try:
         def long_request():
             httpx.post(f"http://{engine}/v1/completions", timeout=300, json={
                 "model": MODEL, "prompt": "busy", "max_tokens": 400, "min_tokens": 400, "ignore_eos": True})
 
-        busy = [threading.Thread(target=long_request) for _ in range(4)]  # one runs, three wait (--max-num-seqs 1)
+        busy = [threading.Thread(target=long_request) for _ in range(6)]  # one runs, five wait (--max-num-seqs 1)
         for t in busy:
             t.start()
 
@@ -198,6 +201,7 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
                 "pagoda:num_requests_waiting{")[1].split("} ")[1].split()[0]) >= 1
 
         until(wait_until_saturated, 30, "the engine's queue to fill")
+        time.sleep(2.5)  # the picker sees the full queue at its next poll (one a second here)
 
         def held(name: str, objective: str, fairness: str):
             pick = ext_proc(channel, {"model": MODEL, "prompt": name}, subset=[engine], timeout=120,
