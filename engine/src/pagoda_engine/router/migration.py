@@ -17,7 +17,6 @@ continuation refused) ends with one OpenAI error frame, never a silent cut.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -27,6 +26,7 @@ from starlette.responses import Response
 
 from pagoda_engine.api.server.errors import sse_error_frame
 from pagoda_engine.router.backends import Backend
+from pagoda_engine.router.client_stream import ClientStream
 
 log = logging.getLogger("pagoda.router")
 
@@ -67,7 +67,7 @@ def _break_cause(frame: dict) -> str | None:
     return CAUSE_DRAIN if error.get("code") == "shutting_down" else CAUSE_SERVER_ERROR
 
 
-class MigratingStream(Response):
+class MigratingStream(ClientStream):
     """Streams a completion to the client across replica failures. `open_stream(body, exclude)`
     is the router's connect step (hold, choose, send): it returns (upstream, backend) or
     (error Response, None)."""
@@ -257,34 +257,6 @@ class MigratingStream(Response):
                  "usage": {"prompt_tokens": self.prompt_len, "completion_tokens": completion,
                            "total_tokens": self.prompt_len + completion}}
         return b"data: " + json.dumps(chunk).encode() + b"\n\n"
-
-    async def __call__(self, scope, receive, send) -> None:
-        me = asyncio.current_task()
-        disconnected = False
-
-        async def watch_disconnect():
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            me.cancel()
-
-        watcher = asyncio.create_task(watch_disconnect())
-        try:
-            await self._stream(send)
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise
-            me.uncancel()
-            self.outcome = "client_disconnected"
-        except OSError:
-            self.outcome = "client_disconnected"
-        finally:
-            watcher.cancel()
-            await self._release()
-            metrics = self.router.metrics
-            metrics.requests.labels(self.backend.url, self.outcome).inc()
-            metrics.e2e.observe(time.monotonic() - self.start)
 
 
 async def _error_text(upstream) -> str:

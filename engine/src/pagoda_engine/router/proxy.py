@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from pagoda_engine.api.server.errors import error_response, sse_error_frame
 from pagoda_engine.router.backends import Backend, BackendPool
+from pagoda_engine.router.client_stream import ClientStream
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.migration import MigratingStream
 from pagoda_engine.router.policy import PrefixAware, PrefixKey
@@ -199,7 +200,7 @@ def _is_sse(upstream: httpx.Response) -> bool:
     return upstream.headers.get("content-type", "").startswith("text/event-stream")
 
 
-class RelayResponse(Response):
+class RelayResponse(ClientStream):
     """Streams an upstream response to the client and always releases it: on completion, on a
     broken upstream, and when the client disconnects (then the upstream connection is closed,
     which makes the engine abort the request and free its pages)."""
@@ -214,6 +215,10 @@ class RelayResponse(Response):
         self.raw_headers = _response_headers(upstream, backend)
         self.is_sse = _is_sse(upstream)
         self.outcome = str(upstream.status_code)
+
+    async def _release(self) -> None:
+        await self.upstream.aclose()
+        self.backend.in_flight -= 1
 
     async def _stream(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
@@ -236,32 +241,3 @@ class RelayResponse(Response):
                                         code="backend_stream_error")
                 await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
-
-    async def __call__(self, scope, receive, send) -> None:
-        me = asyncio.current_task()
-        disconnected = False
-
-        async def watch_disconnect():
-            nonlocal disconnected
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            disconnected = True
-            me.cancel()
-
-        watcher = asyncio.create_task(watch_disconnect())
-        try:
-            await self._stream(send)
-        except asyncio.CancelledError:
-            if not disconnected:
-                raise
-            me.uncancel()
-            self.outcome = "client_disconnected"
-        except OSError:  # ASGI 2.4 servers raise on send() once the client is gone
-            self.outcome = "client_disconnected"
-        finally:
-            watcher.cancel()
-            await self.upstream.aclose()
-            self.backend.in_flight -= 1
-            metrics = self.router.metrics
-            metrics.requests.labels(self.backend.url, self.outcome).inc()
-            metrics.e2e.observe(time.monotonic() - self.start)
