@@ -85,15 +85,13 @@ def drop_slow_sizes(sizes: list[int], cost: dict[int, float]) -> list[int]:
 
 
 def linear_row_costs(model: torch.nn.Module, sizes: list[int], device: torch.device,
-                     repeats: int = 5) -> dict[int, float]:
+                     dtype: torch.dtype, repeats: int = 5) -> dict[int, float]:
     """Device µs of one decoder layer's dense projections (its `LinearBase` modules' weights, this
-    rank's shards, through `LinearBase.matmul`: no collective) at each of `sizes` rows: the median
-    of `repeats` runs after one warm-up. What `drop_slow_sizes` compares."""
+    rank's shards, through `LinearBase.matmul`: no collective) at each of `sizes` rows of `dtype`
+    activations: the median of `repeats` runs after one warm-up. What `drop_slow_sizes` compares."""
     projections = [m for m in model.layers[0].modules() if isinstance(m, LinearBase)]
     if not projections:
         return {}
-    # The activations' dtype: the layer's norms hold it (an FP8 projection's weight does not).
-    dtype = next(p.dtype for p in model.layers[0].parameters() if p.dtype in (torch.float16, torch.bfloat16, torch.float32))
     inputs = {m.in_features: torch.randn(max(sizes), m.in_features, device=device, dtype=dtype) for m in projections}
     costs = {}
     with torch.inference_mode():

@@ -257,7 +257,7 @@ class Worker:
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
         (`linear_row_costs`): the executor leaves out the piecewise sizes cuBLAS runs slowly."""
-        return linear_row_costs(self.model, sizes, self.device)
+        return linear_row_costs(self.model, sizes, self.device, self.dtype)
 
     def start_compile_pool(self, ranks_on_node: int) -> None:
         """Start this rank's compile processes now, before the weights load (`create_executor`),
