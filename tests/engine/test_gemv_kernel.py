@@ -93,3 +93,61 @@ def test_few_row_kernel_matches_a_float32_product(rows, n, k):
     gate, up = (x.float() @ w13.float().T).chunk(2, dim=-1)
     torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w13).float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
 
+
+
+def _fp8_rows(n: int, k: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An e4m3 weight [n, k] with its float32 row scales, and the weight they stand for."""
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
+
+    return quantize_rows(torch.randn(n, k, generator=gen) * k ** -0.5)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("n,k", [(6, 64), (70, 136)])
+def test_fp8_weights_are_read_as_weight_times_row_scale(rows, n, k):
+    """An FP8 projection's decode rows (`LinearBase.matmul`): the one-row and few-row kernels read
+    e4m3 weights widened and times their row scales, plain with a bias and gated, against the
+    float32 product of x and the dequantized weight. float16 rows for the few-row kernel's
+    interpreted tensor-core products (see above)."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    wq, s = _fp8_rows(n, k, gen)
+    dense = wq.float() * s[:, None]
+    x = torch.randn(rows, k, generator=gen).half()
+    b = torch.randn(n, generator=gen).half()
+    expected = x.float() @ dense.T
+    torch.testing.assert_close(kernels.gemv(x, wq, scale=s).float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.gemv(x, wq, b, scale=s).float(), expected + b.float(), rtol=1e-2, atol=1e-2)
+    (w13q, s13) = _fp8_rows(2 * n, k, gen)
+    gate, up = (x.float() @ (w13q.float() * s13[:, None]).T).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w13q, s13).float(), F.silu(gate) * up,
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_fp8_weights_behind_the_folded_norm(gated):
+    """`gemv_rmsnorm` with an FP8 weight: the normalised row (x + residual) times the dequantized
+    weight, and the new residual stream, as the bf16 kernel gives them."""
+    gen = torch.Generator().manual_seed(7 + gated)
+    k, n = 96, 10
+    wq, s = _fp8_rows(2 * n if gated else n, k, gen)
+    x, res = (torch.randn(1, k, generator=gen).half() for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(k, generator=gen)).half()
+    h = x.float() + res.float()
+    normed = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * nw.float()).half().float()
+    y = normed @ (wq.float() * s[:, None]).T
+    if gated:
+        gate, up = y.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    got, new_res = kernels.gemv_rmsnorm(x, res, nw, 1e-6, wq, gated=gated, scale=s)
+    torch.testing.assert_close(got.float(), y, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(new_res.float(), h, rtol=1e-3, atol=1e-3)
+
+
+def test_an_fp8_weight_without_its_scales_is_refused():
+    gen = torch.Generator().manual_seed(3)
+    wq, s = _fp8_rows(8, 64, gen)
+    x = torch.randn(1, 64, generator=gen).half()
+    with pytest.raises(ValueError, match="row scales"):
+        kernels.gemv(x, wq)
+    with pytest.raises(ValueError, match="row scales"):
+        kernels.gemv(x, wq.half(), scale=s)

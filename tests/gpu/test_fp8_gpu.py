@@ -39,6 +39,30 @@ def test_scaled_mm_gives_the_cpu_paths_numbers(k, n, rows):
     torch.testing.assert_close(got.float().cpu(), expected, atol=2e-2 * expected.abs().max().item(), rtol=1e-2)
 
 
+@pytest.mark.parametrize("rows", [1, 2, 8, 16])
+@pytest.mark.parametrize("k, n", LLAMA_8B_PROJECTIONS)
+def test_decode_rows_read_fp8_weights_in_the_matrix_vector_kernels(k, n, rows):
+    """A decode batch of up to 16 rows through an FP8 `LinearBase`: the matrix-vector kernels
+    (weights widened in registers, bf16 activations) against x times the dequantized weight, and
+    the layer takes them (not the FP8 GEMM) for those rows only."""
+    from pagoda_engine.worker.model import gemv_triton, layers
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
+
+    torch.manual_seed(0)
+    layer = layers.LinearBase(k, n).to(CUDA)
+    wq, ws = quantize_rows(torch.randn(n, k, device=CUDA) * 0.02)
+    layer.weight = torch.nn.Parameter(wq, requires_grad=False)
+    layer.weight_scale = torch.nn.Parameter(ws, requires_grad=False)
+    x = torch.randn(rows, k, device=CUDA).to(torch.bfloat16)
+    expected = x.float() @ (wq.float() * ws[:, None]).T
+    applies = gemv_triton.linear_applies(x, wq)
+    assert applies == (rows == 1 or n >= gemv_triton.ROWS_MIN_N)
+    with torch.inference_mode():
+        got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=1e-2 * expected.abs().max().item(), rtol=1e-2)
+
+
 @pytest.mark.parametrize("rows,k", [(1, 4096), (7, 14336), (512, 4096)])
 def test_quantization_kernel_gives_torchs_values_exactly(rows, k):
     """`fp8_quant_triton.quantize_tokens` (what `fp8_linear` runs on CUDA) against the torch

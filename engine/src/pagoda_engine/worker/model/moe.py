@@ -252,7 +252,8 @@ class FusedMoE(nn.Module):
         if gemv is None:
             x, residual = norm(x, residual)
             return self(x), residual
-        logits, residual, x = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True)
+        logits, residual, x = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True,
+                                                scale=self.gate.weight_scale)
         return self(x, logits), residual
 
     def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
