@@ -135,6 +135,8 @@ def scatter_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, 
     words_dst, words_src = _as_words(cache), _as_words(src)
     if words_dst is not None and words_src is not None:
         cache, src = words_dst, words_src
+    elif cache.dtype == torch.float8_e4m3fn:  # torch's index kernels take no float8 dtype: move the bytes
+        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
     cache[pages, :, offsets] = src
 
 

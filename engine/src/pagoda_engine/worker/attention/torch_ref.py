@@ -74,11 +74,13 @@ class TorchRefBackend(AttentionBackend):
         if out is None:
             out = torch.empty_like(q)
         k_scale, v_scale = self.spec.kv_scales(layer_id)
+        # FP8 pages are gathered as bytes (torch's index kernels take no float8 dtype) and
+        # dequantized here: the exact reference for the kernels that fold the scales.
+        stored = cache.view(torch.uint8) if self.spec.quantized else cache
         for p in self._plans:
             # [seq_len, Hkv, D] → [Hq, seq_len, D]; each KV head serves `group` consecutive q heads.
-            # FP8 pages are dequantized here, the exact reference for the kernels that fold the scales.
-            keys = dequantize_kv(cache[p.pages, 0, p.offsets], k_scale, q.dtype)
-            values = dequantize_kv(cache[p.pages, 1, p.offsets], v_scale, q.dtype)
+            keys = dequantize_kv(stored[p.pages, 0, p.offsets].view(cache.dtype), k_scale, q.dtype)
+            values = dequantize_kv(stored[p.pages, 1, p.offsets].view(cache.dtype), v_scale, q.dtype)
             keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
             values = values.transpose(0, 1).repeat_interleave(group, dim=0)
             query = q[p.start:p.start + p.query_len].transpose(0, 1)
