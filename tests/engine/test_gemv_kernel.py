@@ -93,3 +93,67 @@ def test_few_row_kernel_matches_a_float32_product(rows, n, k):
     gate, up = (x.float() @ w13.float().T).chunk(2, dim=-1)
     torch.testing.assert_close(kernels.gemv_silu_and_mul(x, w13).float(), F.silu(gate) * up, rtol=1e-2, atol=1e-2)
 
+
+
+# --- FP8 weights (`--quantization fp8`): e4m3 rows widened in registers, each row's sums scaled ------
+
+
+def _fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 row scales, the weight they stand for in float32)."""
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
+
+    q, s = quantize_rows(w)
+    return q, s, q.float() * s[:, None]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 8])
+@pytest.mark.parametrize("n,k", [(6, 64), (70, 136), (3, 4104)])
+def test_fp8_weights_give_the_product_with_their_scaled_values(rows, n, k):
+    """Plain, with a bias, and gated: x (q × s)^T in float32 for x as it is (weight-only: the rows
+    are not quantized). One row: `_gemv_kernel` in bfloat16; more: `_rows_kernel` in float16 (see
+    above)."""
+    gen = torch.Generator().manual_seed(rows * n + k)
+    dtype = torch.bfloat16 if rows == 1 else torch.float16
+    q, s, w = _fp8(torch.randn(n, k, generator=gen) * k ** -0.5)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype)
+    expected = x.float() @ w.T
+    torch.testing.assert_close(kernels.gemv(x, q, None, s).float(), expected, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(kernels.gemv(x, q, b, s).float(), expected + b.float(), rtol=1e-2, atol=1e-2)
+    q13, s13, w13 = _fp8(torch.randn(2 * n, k, generator=gen) * k ** -0.5)
+    gate, up = (x.float() @ w13.T).chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.gemv_silu_and_mul(x, q13, s13).float(), F.silu(gate) * up,
+                               rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("k", [64, 200])
+def test_fp8_weights_after_the_folded_rmsnorm(gated, k):
+    """`gemv_rmsnorm` on e4m3 weights: h = x + residual, the row normalised as FlashInfer's
+    RMSNorm (float32, times the weight, rounded to bf16), then projected by the scaled weights."""
+    gen = torch.Generator().manual_seed(k + gated)
+    n = 24
+    q, s, w = _fp8(torch.randn(2 * n if gated else n, k, generator=gen) * k ** -0.5)
+    x, residual = (torch.randn(1, k, generator=gen).bfloat16() for _ in range(2))
+    norm_w = (1 + 0.2 * torch.randn(k, generator=gen)).bfloat16()
+    y, res_out = kernels.gemv_rmsnorm(x, residual, norm_w, 1e-5, q, gated=gated, weight_scale=s)
+    h = x.float() + residual.float()
+    a = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()).bfloat16().float()
+    expected = a @ w.T
+    if gated:
+        gate, up = expected.chunk(2, dim=-1)
+        expected = F.silu(gate) * up
+    # The new residual stream, rounded to bf16 (the interpreter truncates where the GPU rounds).
+    torch.testing.assert_close(res_out.float(), h, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(y.float(), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_weights_need_their_scales_and_others_none():
+    q, s, _ = _fp8(torch.randn(8, 64))
+    x = torch.randn(1, 64).bfloat16()
+    with pytest.raises(ValueError, match="without row scales"):
+        kernels.gemv(x, q)
+    with pytest.raises(ValueError, match="with row scales"):
+        kernels.gemv(x, q.float().bfloat16(), None, s)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        kernels.gemv(x, q, None, s.double())

@@ -79,11 +79,12 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
-    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before."""
+    SCALED (FP8 weights): each row's product times its scale s[row] first. Under PDL the first
+    tile of the weight rows is loaded before the wait for the kernel before."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
@@ -95,6 +96,10 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     y, up = dot_rows(x_ptr, rows, up_rows, col_mask, K, GATED, BLOCK_N, BLOCK_K, w_first, up_first, PDL)
+    if SCALED:
+        y *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)
+        if GATED:
+            up *= tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
@@ -108,14 +113,25 @@ def _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
 MAX_ROWS = 16
 ROWS_PAD = 16
 ROWS_MIN_N = 1024
+# FP8 weights (`--quantization fp8`; e4m3 values, a float32 scale per row): the kernels read them
+# as they are, widen them in registers and scale each row's sums (weight-only: the activations
+# stay in the serving dtype), for up to this many rows; more take `fp8_math.fp8_linear`
+# (cuBLASLt's FP8 GEMM on quantized activations), whose one-row call reads the weights slowly.
+FP8_MAX_ROWS = 8
+FP8_DTYPE = torch.float8_e4m3fn
 
 
 def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """One half-precision CUDA row, or up to MAX_ROWS (each contiguous) against at least
-    ROWS_MIN_N weight rows, against a row-major weight of the same dtype."""
+    """One half-precision CUDA row, or up to MAX_ROWS (FP8_MAX_ROWS for FP8 weights; each row
+    contiguous) against at least ROWS_MIN_N weight rows, against a row-major weight of the same
+    dtype or of e4m3 (whose row scales the caller passes)."""
     # The row count first: every projection of every step asks, and most have more rows.
-    return (x.dim() == 2 and (x.shape[0] == 1 or (1 < x.shape[0] <= MAX_ROWS and weight.shape[0] >= ROWS_MIN_N))
-            and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and weight.dtype == x.dtype
+    if x.dim() != 2:
+        return False
+    m = x.shape[0]
+    fp8 = weight.dtype == FP8_DTYPE
+    return ((m == 1 or (1 < m <= (FP8_MAX_ROWS if fp8 else MAX_ROWS) and weight.shape[0] >= ROWS_MIN_N))
+            and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and (fp8 or weight.dtype == x.dtype)
             and x.stride(-1) == 1 and weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0)
 
 
@@ -126,15 +142,17 @@ def _columns_per_program(gated: bool) -> int:
 
 
 @triton.jit
-def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                 GATED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, M_PAD: tl.constexpr,
-                 PDL: tl.constexpr, PREFETCH: tl.constexpr):
+def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
     """`_gemv_kernel` for M (≤ M_PAD) rows: each program takes BLOCK_N output columns of every row,
     streaming its weight rows over K once in BLOCK_K-wide tiles, each multiplied on the tensor
     cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous. Under PDL with
     PREFETCH the first weight tile is loaded before the wait for the kernel before (the first step
     of the loop, peeled: the same products in the same order); it takes a pipeline stage's worth
-    of shared memory more, which 256-wide tiles in five stages do not have."""
+    of shared memory more, which 256-wide tiles in five stages do not have. SCALED (FP8 weights):
+    each tile is widened to the rows' dtype for the tensor cores (exact: e4m3 values are bf16
+    and fp16 values), and each column's sums are times its row scale at the end."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ms = tl.arange(0, M_PAD)
@@ -153,18 +171,22 @@ def _rows_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.c
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += tl.dot(w_first, xt)
+        acc += tl.dot(w_first.to(xt.dtype), xt)
         if GATED:
-            acc_up += tl.dot(up_first, xt)
+            acc_up += tl.dot(up_first.to(xt.dtype), xt)
         k_start = BLOCK_K
     for k in range(k_start, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
         w_mask = col_mask[:, None] & k_mask[None, :]
-        acc += tl.dot(tl.load(rows + ks[None, :], mask=w_mask, other=0.0), xt)
+        acc += tl.dot(tl.load(rows + ks[None, :], mask=w_mask, other=0.0).to(xt.dtype), xt)
         if GATED:
-            acc_up += tl.dot(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0), xt)
+            acc_up += tl.dot(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0).to(xt.dtype), xt)
+    if SCALED:
+        acc *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        if GATED:
+            acc_up *= tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
     if GATED:
@@ -181,52 +203,70 @@ def _rows_tiles(n: int, k: int, gated: bool) -> tuple[int, int, int]:
     return 64, 256 if k > n and not gated else 128, 5
 
 
-def _launch_rows(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool) -> torch.Tensor:
+def _launch_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                 n: int, gated: bool) -> torch.Tensor:
     m, k = x.shape
     block_n, block_k, stages = _rows_tiles(n, k, gated)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _rows_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, m, n, x.stride(0), weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=ROWS_PAD,
+        x, weight, scale if scale is not None else weight, bias if bias is not None else weight, y, m, n, x.stride(0),
+        weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=ROWS_PAD,
         num_warps=4, num_stages=stages, PREFETCH=block_k <= 128, **pdl.launch(x.device))
     return y
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, n: int, gated: bool) -> torch.Tensor:
+def _checked_scale(weight: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor | None:
+    """FP8 weights come with their float32 row scales [rows], other weights without."""
+    if (weight.dtype == FP8_DTYPE) != (scale is not None):
+        raise ValueError(f"a {weight.dtype} weight {'without' if scale is None else 'with'} row scales")
+    if scale is not None and (scale.shape != weight.shape[:1] or scale.dtype != torch.float32
+                              or not scale.is_contiguous()):
+        raise ValueError(f"FP8 row scales must be contiguous float32 of shape {tuple(weight.shape[:1])}")
+    return scale
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, n: int,
+            gated: bool) -> torch.Tensor:
+    scale = _checked_scale(weight, scale)
     if x.shape[0] > 1:
-        return _launch_rows(x, weight, bias, n, gated)
+        return _launch_rows(x, weight, scale, bias, n, gated)
     k = weight.shape[1]
     # From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps.
     block_k = min(2048, triton.next_power_of_2(k))
     block_n = _columns_per_program(gated)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, bias if bias is not None else weight, y, n, weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, GATED=gated, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl.launch(x.device))
+        x, weight, scale if scale is not None else weight, bias if bias is not None else weight, y, n,
+        weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, num_warps=4, **pdl.launch(x.device))
     return y
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` for x [M, K], M ≤ MAX_ROWS (see `linear_applies`)."""
-    return _launch(x, weight, bias, weight.shape[0], gated=False)
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` for x [M, K], M ≤ MAX_ROWS (see `linear_applies`); an FP8
+    weight with its row scales `weight_scale`: x (q × s)^T (+ bias), x as it is."""
+    return _launch(x, weight, weight_scale, bias, weight.shape[0], gated=False)
 
 
-def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """silu(x · gate^T) × (x · up^T), [M, I], for weight [2 × I, K] = [gate rows; up rows]."""
-    return _launch(x, weight, None, weight.shape[0] // 2, gated=True)
+def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(x · gate^T) × (x · up^T), [M, I], for weight [2 × I, K] = [gate rows; up rows] (FP8:
+    with its row scales)."""
+    return _launch(x, weight, weight_scale, None, weight.shape[0] // 2, gated=True)
 
 
 @triton.jit
-def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, stride_wn, eps,
-                         K: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GATED: tl.constexpr, WRITE_NORMED: tl.constexpr, BLOCK_N: tl.constexpr,
-                         PDL: tl.constexpr):
+def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, stride_wn,
+                         eps, K: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         GATED: tl.constexpr, SCALED: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """h = x (+ res); y[cols] = rmsnorm(h) · w[cols] (+ b[cols]), GATED as `_gemv_kernel`. Every
     program loads the whole row and its weight rows at once, normalises the row as FlashInfer's
     RMSNorm does (float32, times the weight, rounded once to the dtype) and takes the dot
     products; program 0 also writes h (the new residual stream) and, WRITE_NORMED, the
-    normalised row. Under PDL the weight rows are loaded before the wait for the kernel before."""
+    normalised row. Under PDL the weight rows are loaded before the wait for the kernel before.
+    SCALED (FP8 weights): each row's product times its scale s[row]."""
     pid = tl.program_id(0)
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -250,10 +290,15 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, res_out_pt
         tl.store(normed_ptr + ks, a, mask=k_ok & (pid == 0))
     a = a.to(tl.float32)[None, :]
     y = tl.sum(w.to(tl.float32) * a, axis=1)
+    if SCALED:
+        y *= tl.load(s_ptr + cols, mask=col_mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     if GATED:
-        y = y / (1.0 + tl.exp(-y)) * tl.sum(w_up.to(tl.float32) * a, axis=1)
+        up = tl.sum(w_up.to(tl.float32) * a, axis=1)
+        if SCALED:
+            up *= tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)
+        y = y / (1.0 + tl.exp(-y)) * up
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
 
 
@@ -276,16 +321,18 @@ def norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-                 normed_out: bool = False):
+                 normed_out: bool = False, weight_scale: torch.Tensor | None = None):
     """A decoder layer's RMSNorm and the projection after it, for one row (see `norm_applies`):
     `(linear(norm(h), weight, bias), h)` with h = x + residual (x when residual is None); with
     `gated` the projection is `gemv_silu_and_mul`'s; with `normed_out` the normalised row is
-    returned third, for a layer that projects it more than once (an MoE block: router, experts).
+    returned third, for a layer that projects it more than once (an MoE block: router, experts);
+    an FP8 weight comes with its row scales `weight_scale` (the normalised row is not quantized).
 
     The values are the separate kernels': h and the normalised row rounded as FlashInfer's fused
     add-and-RMSNorm rounds them, the dot products in float32 (summed in another order). One
     launch instead of two, at one row about 2 x 3.5 µs less a layer on an H200."""
     assert x.shape[0] == 1, "the folded norm serves one row (norm_applies)"
+    scale = _checked_scale(weight, weight_scale)
     k = weight.shape[1]
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     k_p2 = triton.next_power_of_2(k)
@@ -294,8 +341,9 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     normed = torch.empty_like(x) if normed_out else None
     block_n = _columns_per_program(gated)
     _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
-        x, residual if residual is not None else x, norm_weight, weight, bias if bias is not None else weight, y,
-        res_out, normed if normed is not None else x, n, weight.stride(0), eps, K=k, K_P2=k_p2,
-        HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated, WRITE_NORMED=normed_out,
+        x, residual if residual is not None else x, norm_weight, weight, scale if scale is not None else weight,
+        bias if bias is not None else weight, y, res_out, normed if normed is not None else x, n, weight.stride(0), eps,
+        K=k, K_P2=k_p2, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+        SCALED=scale is not None, WRITE_NORMED=normed_out,
         BLOCK_N=block_n, num_warps=4 if k_p2 <= 4096 else 8, **pdl.launch(x.device))
     return (y, res_out, normed) if normed_out else (y, res_out)

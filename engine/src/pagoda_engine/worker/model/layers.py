@@ -145,7 +145,8 @@ def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
     (`gemv_triton.gemv_rmsnorm`)."""
     gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
     if gemv is not None:
-        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias)
+        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                 weight_scale=layer.weight_scale)
     if residual is None:
         residual, x = x, norm(x)
     else:
@@ -429,6 +430,10 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's shard, no collective."""
         if self.weight_scale is not None:
+            # A few decode rows: the matrix-vector kernels read the e4m3 weights as they are.
+            gemv = _gemv_kernels(x, self.weight)
+            if gemv is not None:
+                return gemv.gemv(x, self.weight, bias, self.weight_scale)
             return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
         return linear(x, self.weight, bias)
 
@@ -596,7 +601,7 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj
         gemv = _gemv_kernels(x, gate_up.weight) if gate_up.bias is None else None
         if gemv is not None:  # a few rows: gate, up and the activation in one kernel
-            return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight))
+            return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight, gate_up.weight_scale))
         return self.down_proj(self.act(gate_up(x)))
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -605,7 +610,8 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj
         gemv = _gemv_norm_kernels(norm, x, residual, gate_up.weight) if gate_up.bias is None else None
         if gemv is not None:
-            act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True)
+            act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
+                                              weight_scale=gate_up.weight_scale)
             return self.down_proj(act), residual
         x, residual = norm(x, residual)
         return self(x), residual
