@@ -22,6 +22,11 @@ holds them) and each program returns silu(gate) × up for its column, so the act
 the [1, 2 × I] intermediate are gone (Llama-3.1-8B: 60.0 µs with cuBLAS and the activation, 54.3
 here). Both accumulate in float32 and round once. `linear_applies(x, w)` says when they are used;
 elsewhere, and on the CPU, `F.linear` runs.
+
+FP8 weights (`--quantization fp8`: e4m3 values, a float32 scale per row) go through the same
+kernels for up to FP8_MAX_ROWS rows, weight-only: each tile is widened in registers (to float32,
+or to the rows' dtype for the tensor cores; exact either way) and each row's sums are times its
+scale before any bias or activation, so the bytes read halve and the rows are not quantized.
 """
 
 from __future__ import annotations
