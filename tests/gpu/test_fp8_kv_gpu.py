@@ -9,7 +9,8 @@
   over bf16 pages: top-1 agreement at least 0.98 where bf16's choice is clear (top-2 log-prob gap
   0.5 or more) and mean KL(bf16 || fp8) at most 0.02 nats per position.
 - CUDA graphs on and off give the same greedy tokens over FP8 pages (decode graphs replay
-  FlashInfer's FP8 decode; the Triton decode kernels are not used with FP8 pages).
+  FlashInfer's FP8 decode, and the Triton decode kernels' for one or two requests and large
+  batches, which widen the e4m3 values as they load them).
 """
 
 from __future__ import annotations

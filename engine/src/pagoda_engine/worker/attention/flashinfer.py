@@ -20,6 +20,10 @@ L1's lengths; large batches: K/V read 7-13 % faster on an H200): those sizes get
 each, and `plan_graph_decode` says which of the two a batch replays. Eager steps take the same
 kernel a graph of their size would, and a mixed step's decode rows the large-batch kernel where
 they are that many.
+
+FP8 pages (`KVCacheSpec.quantized`): the plans name e4m3 pages and bf16 queries (FlashInfer's
+"auto" then runs its FA2 kernels), the fused write quantizes, the Triton decode kernels widen the
+values as they load them, and the layer's scales are folded into q and the output here (`base`).
 """
 
 from __future__ import annotations
@@ -202,8 +206,7 @@ class FlashInferBackend(AttentionBackend):
         self._graph_wrappers: dict[int, object] = {}
         self._graph_bufs: dict[str, torch.Tensor] = {}
         self._small_decode = self._large_decode = None  # the Triton decode kernels, where they serve these heads
-        # The Triton decode kernels read pages of the queries' dtype; FP8 pages take FlashInfer's.
-        if not spec.quantized and decode_triton.applies(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim):
+        if decode_triton.applies(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim):
             self._small_decode = decode_triton.SmallBatchDecode(decode_triton.MAX_BATCH, spec.num_qo_heads,
                                                                 spec.num_kv_heads, spec.head_dim, spec.page_size,
                                                                 device)
