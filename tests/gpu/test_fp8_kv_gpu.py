@@ -38,8 +38,11 @@ def _batch(rng: random.Random, decode_lens: list[int], prefills: list[tuple[int,
 
 @pytest.mark.parametrize("scales", [((1.0, 1.0), (1.0, 1.0)), ((0.5, 2.0), (4.0, 0.25))],
                          ids=["unit-scales", "checkpoint-scales"])
-@pytest.mark.parametrize("num_decodes", [1, 4, 40])
-def test_flashinfer_over_fp8_pages_matches_the_reference_over_the_same_pages(scales, num_decodes):
+@pytest.mark.parametrize("prefills", [[], [(0, 5), (32, 40), (7, 100)]], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("num_decodes", [1, 4, 40, 200])
+def test_flashinfer_over_fp8_pages_matches_the_reference_over_the_same_pages(scales, num_decodes, prefills):
+    """Decodes alone take the Triton decode kernels at one or two requests (short) and at large
+    batches, FlashInfer's decode otherwise; mixed steps FlashInfer's prefill beside them."""
     from pagoda_engine.worker.attention.flashinfer import FlashInferBackend
     from pagoda_engine.worker.attention.torch_ref import TorchRefBackend
 
@@ -51,8 +54,8 @@ def test_flashinfer_over_fp8_pages_matches_the_reference_over_the_same_pages(sca
         a.copy_(torch.randn(a.shape, generator=gen, device=CUDA).to(FP8))
         b.copy_(a)
     rng = random.Random(1)
-    decode_lens = [rng.randrange(2, 600) for _ in range(num_decodes)]
-    batch = _batch(rng, decode_lens, prefills=[(0, 5), (32, 40), (7, 100)])
+    decode_lens = [rng.randrange(2, 200 if num_decodes < 3 else 600) for _ in range(num_decodes)]
+    batch = _batch(rng, decode_lens, prefills)
     q, k, v = (torch.randn(batch.num_tokens, h, 128, generator=gen, device=CUDA).bfloat16() for h in (32, 8, 8))
     for layer in range(2):
         fi.plan(batch)
