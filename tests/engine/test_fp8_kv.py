@@ -4,7 +4,8 @@ them scores a 600-token text within a stated bound of the same model over pages 
 the pool holds twice the pages of bfloat16 in the same memory; a checkpoint's `k_scale` /
 `v_scale` reach every layer (and are applied: without them the logits would be far off); the
 offload tiers carry FP8 pages bit for bit and refuse pages of another dtype or other scales by
-their fingerprint.
+their fingerprint; under tensor parallelism (gloo) every rank takes every layer's scales and the
+tokens are one rank's.
 
 The tolerance: the tiny model (random weights, float32) over FP8 pages gives every prompt
 position's log-probability of the next text token within 0.02 of float32 pages (measured 0.004),
@@ -201,3 +202,18 @@ def test_tiers_carry_fp8_pages_and_refuse_pages_of_another_dtype_or_scale(model_
     with LLM(str(scaled), **small, **tiers) as llm:
         assert len(llm.core.kv.offload.disk) == 0
     assert json.loads((unit / "config.json").read_text()) == json.loads((scaled / "config.json").read_text())
+
+
+def test_tensor_parallel_ranks_each_take_every_layers_scales_and_give_one_ranks_tokens(scaled_dir):
+    """Under TP=2 (gloo) each rank holds half the KV heads with the same per-layer scales: the
+    greedy tokens over FP8 pages are one rank's."""
+    prompts = [[(3 * i + 11 * n) % 400 + 5 for i in range(40)] for n in range(2)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for tp in (1, 2):
+        with LLM(str(scaled_dir), dtype="float32", kv_cache_dtype="fp8", tensor_parallel_size=tp,
+                 num_gpu_blocks_override=64, max_model_len=256) as llm:
+            specs = llm.core.executor.kv_cache_specs(16, FP8)
+            assert [(s.num_kv_heads, s.k_scales, s.v_scales) for s in specs] == [(2 // tp, K_SCALES, V_SCALES)] * tp
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert tokens[0] == tokens[1]
