@@ -124,6 +124,16 @@ def test_latency_run_reports_time_per_token(tiny_model, tmp_path):
     assert result["ms_per_output_token"] == pytest.approx(result["median_e2e_s"] / 6 * 1e3, rel=0.01, abs=0.05 / 6 + 1e-3)
 
 
+def test_fp8_kv_pages_run_and_are_reported(tiny_model, tmp_path):
+    """--kv-cache-dtype fp8 (`throughput` builds its engine from the same flags): the run's engine
+    keeps FP8 pages, and its settings say so."""
+    out = tmp_path / "l.json"
+    assert main(["bench", "latency", "--model", tiny_model, "--dtype", "bfloat16", "--kv-cache-dtype", "fp8",
+                 "--input-len", "8", "--output-len", "4", "--num-iters", "1", "--output-json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["settings"]["kv_cache_dtype"] == "fp8" and len(result["iterations"]) == 1
+
+
 def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",

@@ -119,3 +119,19 @@ def test_decode_attention_bench_runs_the_large_batch_kernel_in_either_order(long
     torch.testing.assert_close(got.float(), reference_decode(q, cache, *csr, 16), atol=2e-2, rtol=2e-2)
     order = runner.csr[3].tolist()
     assert order == (kernels.longest_first(lens).tolist() if longest_first else [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("kernel", ["small", "large"])
+def test_kernels_read_fp8_pages_widened_to_the_queries_dtype(kernel):
+    """FP8 pages (`--kv-cache-dtype fp8`): the stored e4m3 values, widened exactly, against float32
+    attention over the same values (the layer's scales are applied outside the kernels)."""
+    heads, lens = (8, 2, 64), [40, 17, 3]
+    q, cache, csr = _inputs(lens, heads, 16, seed=9)
+    cache = cache.to(torch.float8_e4m3fn)
+    if kernel == "small":
+        decode = kernels.SmallBatchDecode(3, *heads, 16, DEVICE)
+        got = _run(decode, q, cache, csr)
+    else:
+        decode = kernels.LargeBatchDecode(*heads, 16)
+        got = _run(decode, q, cache, csr, order=kernels.longest_first(lens))
+    torch.testing.assert_close(got.float(), reference_decode(q, cache, *csr, 16), atol=2e-2, rtol=2e-2)

@@ -207,7 +207,8 @@ _QUANTIZED = re.compile(r".*(_proj|\.experts\.\d+\.w[123])\.weight$")
 def _vllm_fp8_checkpoint(source_dir, out, activation_scheme: str, extra: dict | None = None):
     """vLLM's `quant_method: fp8` form (AutoFP8's), from a float checkpoint's tensors: one weight
     scale per tensor, and with static activations one input scale per tensor and the attention's
-    KV cache scales (which pages in the model's dtype do not use)."""
+    KV cache scales (which pages in the model's dtype do not use; tests/engine/test_fp8_kv.py
+    serves FP8 pages with them)."""
     state = {}
     with safe_open(str(source_dir / "model.safetensors"), framework="pt") as source:
         for name in source.keys():
@@ -281,12 +282,6 @@ def test_pagoda_serve_exits_2_naming_an_unserved_quantization():
     out = subprocess.run([sys.executable, "-m", "pagoda_engine.cli", "serve", "--model", "pagoda-tiny",
                           "--quantization", "gptq"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--quantization gptq is not supported (supported: fp8" in out.stderr, out.stderr
-
-
-@pytest.mark.parametrize("kv_cache_dtype", ["fp8", "fp8_e4m3"])
-def test_fp8_kv_pages_are_refused_at_start_up_as_not_built(hf_dir, kv_cache_dtype):
-    with pytest.raises(ModelLoadError, match=rf"FP8 KV cache pages \(--kv-cache-dtype {kv_cache_dtype};"):
-        LLM(str(hf_dir), kv_cache_dtype=kv_cache_dtype)
 
 
 MOE_CASES = {

@@ -170,8 +170,9 @@ def test_an_entry_of_another_fingerprint_is_a_miss(server, store):
     assert intact == 0 and "fingerprint mismatch" in str(corrupt)
 
 
-def test_the_offloader_counts_a_corrupt_remote_entry_and_loads_the_pages_before_it(server):
-    layers = [torch.randn(12, 2, 4, 2, 8) for _ in range(2)]
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float8_e4m3fn])  # FP8 pages go through Redis as they are
+def test_the_offloader_counts_a_corrupt_remote_entry_and_loads_the_pages_before_it(server, dtype):
+    layers = [torch.randn(12, 2, 4, 2, 8).to(dtype) for _ in range(2)]
     url = f"redis://:{PASSWORD}@127.0.0.1:{server.port}"
     offloader = KVOffloader(layers, OffloadSetup(FINGERPRINT, remote_url=url), FINGERPRINT)
     pages, keys = [1, 2, 3, 4, 5], [bytes([40 + i]) * 16 for i in range(5)]
@@ -185,7 +186,8 @@ def test_the_offloader_counts_a_corrupt_remote_entry_and_loads_the_pages_before_
     assert [(load_id, ok) for load_id, ok, _ in loaded] == [(2, 3)] and loaded[0][2] > 0
     assert events[-1].bad == [(REMOTE, keys[3])] and events[-1].errors[REMOTE] == 1
     for i, page in enumerate([7, 8, 9]):
-        assert torch.equal(torch.stack([layer[page] for layer in layers]), original[i])
+        assert torch.equal(torch.stack([layer[page] for layer in layers]).view(torch.uint8),
+                           original[i].view(torch.uint8))
     offloader.close()
 
 

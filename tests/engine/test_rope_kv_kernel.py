@@ -241,3 +241,39 @@ def test_a_norm_for_q_without_one_for_k_is_refused():
     q_norm, _ = _head_norms(8, torch.float32)
     with pytest.raises(ValueError, match="go together"):
         kernels.rope_and_write_kv(cache, slots, q, k, v, q_norm=(q_norm.weight, q_norm.eps))
+
+
+@needs_interpreted_triton
+@pytest.mark.parametrize("scales", [(1.0, 1.0), (0.5, 3.0)], ids=["unit-scales", "checkpoint-scales"])
+def test_fp8_pages_take_k_and_v_over_their_scale_rounded_to_e4m3(scales):
+    """FP8 pages (`--kv-cache-dtype fp8`): the kernel writes K (rotated) and V divided by the
+    layer's scales, clamped to e4m3's range, as `base.quantize_kv` does. The kernel quantizes
+    the rotated key from float32, the reference from float32 rounded to k's dtype (float32 here):
+    the same value, so the pages agree bit for bit but for the odd value that lands a hair either
+    side of a rounding midpoint (one e4m3 step)."""
+    rotary = RotaryEmbedding(16, 64, 10000.0)
+    q, k, v, positions, slots, cache = _inputs(7, 4, 2, 16, torch.float32, fused=True)
+    k[0, 0, 0] = 1e4  # beyond e4m3's range: 448, not NaN
+    cache = cache.to(torch.float8_e4m3fn)
+    rope = (positions, rotary.cos_cache, rotary.sin_cache)
+    want_cache = cache.clone()
+    want_q = kernels.rope_and_write_kv_reference(want_cache, slots, q.clone(), k.clone(), v.clone(), *rope,
+                                                 scales=scales)
+    got_q = kernels.rope_and_write_kv(cache, slots, q.clone(), k, v, *rope, scales=scales)
+    torch.testing.assert_close(got_q, want_q, atol=1e-6, rtol=1e-6)  # queries are not quantized
+    got, want = cache.float(), want_cache.float()
+    assert not got.isnan().any() and got.abs().max() == 448
+    same = (got == want).float().mean()
+    assert same >= 0.99, same
+    if torch.cuda.is_available():
+        torch.testing.assert_close(got, want, atol=2 ** -9, rtol=2 ** -3)  # within one e4m3 step
+        pages, offsets = slots // PAGE_SIZE, slots % PAGE_SIZE  # V is never rotated: bit for bit
+        assert torch.equal(got[pages, 1, offsets], (v.cpu() / scales[1]).to(torch.float8_e4m3fn).float())
+    else:
+        # Triton's interpreter converts to e4m3 in numpy, losing the carry where a value rounds up
+        # (into the exponent, or a subnormal's next step): where it differs from torch, it is
+        # smaller in magnitude, of the same sign, and at least half of torch's value.
+        differing = got != want
+        have, should = got[differing], want[differing]
+        assert (have * should >= 0).all() and (have.abs() < should.abs()).all()
+        assert (have.abs() >= should.abs() / 2 - 2 ** -9).all()

@@ -263,6 +263,20 @@ def test_an_fp8_70b_fits_one_h200_where_bf16_does_not():
     assert args[args.index("--quantization") + 1] == "fp8" and "--kv-cache-dtype" not in args
 
 
+def test_fp8_kv_pages_count_one_byte_a_value_and_render_the_flag():
+    """engine.kvCacheDtype: fp8 halves the KV bytes of the fit check and reaches the engine as
+    --kv-cache-dtype."""
+    from pagoda_operator.sizing import memory_plan
+
+    body = load_example(LLAMA_70B)
+    fp8 = with_spec(body, engine={**body["spec"].get("engine", {}), "kvCacheDtype": "fp8"})
+    plain, quantized = memory_plan(check(body).spec), memory_plan(check(fp8).spec)
+    assert quantized.kv_bytes_per_token * 2 == plain.kv_bytes_per_token and quantized.kv_gib * 2 == plain.kv_gib
+    assert problems_of(fp8) == []
+    args = engine_args("llama", check(fp8).spec)
+    assert args[args.index("--kv-cache-dtype") + 1] == "fp8"
+
+
 def test_fp8_on_a_moe_model_is_accepted():
     assert problems_of(with_spec(load_example("mixtral-8x7b-ep.yaml"), model__quantization="fp8")) == []
 

@@ -43,8 +43,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("kv-offload-cpu", "KV offload tiers in CPU memory", True, options=("kv_offload_cpu_gb",)),
     Feature("kv-offload-disk", "KV offload tiers on local disk", True, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
     Feature("kv-offload-remote", "KV offload tiers in a remote store", True, options=("kv_offload_remote_url",)),
-    Feature("kv-cache-fp8", "FP8 KV cache pages", False, options=("kv_cache_dtype",),
-            hint="--kv-cache-dtype auto keeps the pages in the model's dtype; --quantization fp8 works without it"),
+    Feature("kv-cache-fp8", "FP8 KV cache pages", True, options=("kv_cache_dtype",)),
 )
 
 

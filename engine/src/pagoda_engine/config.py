@@ -155,10 +155,11 @@ class ModelConfig:
 class CacheConfig:
     block_size: int = option(16, power_of_two=True)  # tokens per KV page
     enable_prefix_caching: bool = option(True)
-    # vLLM's names; FP8 pages are a feature of the capability table, refused there until built.
+    # vLLM's names (`executor_types.KV_CACHE_DTYPES` maps them to the pages' dtype).
     kv_cache_dtype: str = option(
         "auto", choices=("auto", "fp8", "fp8_e4m3"),
-        help="the KV pages' dtype: auto (the model's); fp8 / fp8_e4m3 (e4m3 pages, twice the tokens)")
+        help="the KV pages' dtype: auto (the model's); fp8 / fp8_e4m3 (e4m3 pages, twice the tokens of "
+             "bfloat16, scaled by the checkpoint's k_scale / v_scale where it has them, else 1.0)")
     gpu_memory_utilization: float = option(0.9, above=0, max=1)
     num_kv_pages: int | None = option(None, help="fixed KV pool size in pages (tests)")
     # vLLM's name for the same: the pool is N pages (the null page included), on CPU and GPU alike.

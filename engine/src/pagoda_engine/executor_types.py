@@ -65,6 +65,16 @@ class AttentionBatch:
         return len(self.query_lens)
 
 
+# --kv-cache-dtype's values and the page dtype each names (None: the model's dtype).
+KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn}
+
+
+def kv_page_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the KV pages for `--kv-cache-dtype` with a model computing in `model_dtype`."""
+    return KV_CACHE_DTYPES[kv_cache_dtype] or model_dtype
+
+
 @dataclass
 class KVCacheSpec:
     num_layers: int
@@ -72,7 +82,29 @@ class KVCacheSpec:
     num_qo_heads: int  # per TP rank
     head_dim: int
     page_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the pages' (float8_e4m3fn under --kv-cache-dtype fp8)
+    # The queries' and outputs' dtype, the model's; None: the pages'.
+    compute_dtype: torch.dtype | None = None
+    # FP8 pages: each of this stage's layers' K and V scale (stored value = value / scale, as vLLM
+    # and the checkpoints that carry them define it). Empty: 1.0 for every layer.
+    k_scales: tuple[float, ...] = ()
+    v_scales: tuple[float, ...] = ()
+
+    @property
+    def query_dtype(self) -> torch.dtype:
+        return self.compute_dtype or self.dtype
+
+    @property
+    def quantized(self) -> bool:
+        """Pages in FP8: K and V are scaled and rounded as they are written."""
+        return self.dtype == torch.float8_e4m3fn
+
+    def kv_scales(self, layer_id: int) -> tuple[float, float]:
+        """(k_scale, v_scale) of this stage's `layer_id`-th layer: 1.0 for pages in the model's dtype."""
+        if not self.quantized:
+            return 1.0, 1.0
+        return (self.k_scales[layer_id] if self.k_scales else 1.0,
+                self.v_scales[layer_id] if self.v_scales else 1.0)
 
     def bytes_per_page(self) -> int:
         return 2 * self.num_layers * self.page_size * self.num_kv_heads * self.head_dim * self.dtype.itemsize

@@ -294,7 +294,7 @@ def _workload_floor(core: EngineCore, steps: list, bandwidth: float | None, elap
     flops = measure_matmul_flops(core.device, core.dtype)
     if flops is None:
         return None
-    spec = core.executor.model.kv_cache_spec(core.config.cache.block_size, core.dtype)
+    spec = core.executor.kv_cache_spec(core.config.cache.block_size)
     costs = model_costs(core.executor.model, spec.num_layers, spec.num_qo_heads, spec.head_dim,
                         spec.bytes_per_page() // spec.page_size)
     floor = run_floor(costs, steps, bandwidth, flops)

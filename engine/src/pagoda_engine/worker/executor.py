@@ -57,7 +57,7 @@ import pagoda_engine
 from pagoda_engine import envs
 from pagoda_engine.config import EngineConfig, resolve_cudagraph_capture_size
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
-from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpec, SamplingBatch
+from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpec, SamplingBatch, kv_page_dtype
 from pagoda_engine.processes import set_torch_threads
 from pagoda_engine.worker.attention import flashinfer_available
 from pagoda_engine.worker.attention.base import AttentionBackend
@@ -132,10 +132,12 @@ class Executor:
         elif layout.world_size > 1 and device.type != "cpu":
             raise ModelLoadError(f"tensor parallelism runs on cuda or cpu, not {device}")
         self.device = device
-        # Set by `create_executor`: the model's config and compute dtype, and whether every rank
-        # compiles its Triton kernels ahead (until the graphs are captured).
+        # Set by `create_executor`: the model's config, compute dtype and KV pages' dtype
+        # (--kv-cache-dtype), and whether every rank compiles its Triton kernels ahead (until the
+        # graphs are captured).
         self.hf_config: PretrainedConfig | None = None
         self.dtype: torch.dtype | None = None
+        self.kv_dtype: torch.dtype | None = None
         self.compile_ahead = False
         self.cuda_graph_bytes = 0  # device memory the CUDA graphs took, beyond the KV budget
         self.closed = False
@@ -384,7 +386,7 @@ class Executor:
 
     def kv_cache_spec(self, page_size: int) -> KVCacheSpec:
         """Rank 0's KV page layout (its stage's layers, its share of the heads)."""
-        return self.worker.kv_cache_spec(page_size, self.dtype)
+        return self.worker.kv_cache_spec(page_size, self.kv_dtype)
 
     def determine_num_kv_pages(self, config: EngineConfig, max_model_len: int) -> int:
         """How many KV pages every rank can hold (the same on every rank, so the tightest rank
@@ -393,7 +395,7 @@ class Executor:
         pages differ (their layer counts do), and on a GPU so do their weights: rank 0's profile
         stands for every rank's activations, each rank's own weights are counted."""
         cc = config.cache
-        specs = self.kv_cache_specs(cc.block_size, self.dtype)
+        specs = self.kv_cache_specs(cc.block_size, self.kv_dtype)
         if self.device.type != "cuda":
             return min(int(cc.cpu_kv_cache_gb * _GiB) // s.bytes_per_page() for s in specs)
         budget = self._free_gpu_bytes(config, max_model_len)
@@ -711,6 +713,7 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
         stop_compile_pool()
         raise
     executor.hf_config, executor.dtype, executor.compile_ahead = hf_config, dtype, compile_ahead
+    executor.kv_dtype = kv_page_dtype(config.cache.kv_cache_dtype, dtype)
     logger.info("loaded %s in %.1fs (%s, %s)", model_dir, time.monotonic() - t0, dtype, executor.device)
     if executor.device.type == "cpu":
         set_torch_threads("cpu", sum(p.numel() for p in executor.model.parameters()))

@@ -159,12 +159,12 @@ class KVOffloader:
         """[n, *page_shape] on the device: the pages' bytes, one index_select per layer."""
         out = torch.empty((len(idx), *self.page_shape), dtype=self.dtype, device=self.device)
         for layer, cache in enumerate(self.kv_caches):
-            torch.index_select(cache, 0, idx, out=out[:, layer])
+            torch.index_select(_as_bytes(cache), 0, idx, out=_as_bytes(out[:, layer]))
         return out
 
     def _scatter(self, idx: torch.Tensor, staging: torch.Tensor) -> None:
         for layer, cache in enumerate(self.kv_caches):
-            cache.index_copy_(0, idx, staging[:, layer])
+            _as_bytes(cache).index_copy_(0, idx, _as_bytes(staging[:, layer]))
 
     @torch.inference_mode()
     def store(self, store_id: int, page_ids: list[int], slots: list[int], disk_keys: list[bytes | None],
@@ -364,6 +364,12 @@ class KVOffloader:
     def close(self) -> None:
         self.read_pool.shutdown(wait=True)
         self.write_pool.shutdown(wait=True)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """FP8 pages as their bytes: torch's index kernels take no float8 dtype, and the tiers move
+    bytes anyway."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
 
 
 def _host_buffer(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:

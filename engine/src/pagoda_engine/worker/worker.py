@@ -202,8 +202,8 @@ class Worker:
         return sum(p.numel() * p.element_size() for p in self.model.parameters())
 
     def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """This rank's KV page layout: its stage's layers, its share of the heads."""
-        return self.model.kv_cache_spec(page_size, dtype)
+        """This rank's KV page layout in pages of `dtype`: its stage's layers, its share of the heads."""
+        return self.model.kv_cache_spec(page_size, dtype, self.dtype)
 
     def init_kv_cache(self, backend: str, spec: KVCacheSpec, num_pages: int) -> None:
         """Create the attention backend that owns this rank's KV pages: `num_pages` (the same on

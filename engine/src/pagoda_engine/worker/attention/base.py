@@ -2,6 +2,12 @@
 
 A backend owns the paged KV cache: per layer one tensor `[num_pages, 2, page_size, num_kv_heads,
 head_dim]` (FlashInfer's "NHD" layout). Page 0 is the reserved null page; no request owns it.
+
+FP8 pages (`--kv-cache-dtype fp8`, `KVCacheSpec.quantized`) hold each value divided by its layer's
+K or V scale, clamped to e4m3's range and rounded (`quantize_kv`); a reader multiplies back
+(`dequantize_kv`). Every backend applies the scales the same way outside its kernels: the K scale
+folded into the queries (q·(s·k) = (s·q)·k), the V scale into the output (Σp·(s·v) = s·Σp·v), so
+the kernels read the stored values as they are and a scale of 1.0 costs nothing.
 """
 
 from __future__ import annotations
@@ -79,7 +85,22 @@ class AttentionBackend(ABC):
     def write_kv(self, layer_id: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K and V into their pages (one index_put; capturable in a CUDA graph)."""
         pages, offsets = split_slots(slot_mapping, self.spec.page_size)
-        scatter_kv(self.kv_caches[layer_id], pages, offsets, k, v)
+        scatter_kv(self.kv_caches[layer_id], pages, offsets, k, v, self.spec.kv_scales(layer_id))
+
+
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448: e4m3fn has no infinity; beyond it, NaN on CUDA
+
+
+def quantize_kv(kv: torch.Tensor, k_scale: float, v_scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """[T, 2, Hkv, D] of K and V → the values FP8 pages store: divided by the layer's scales,
+    clamped to e4m3's range, rounded to nearest."""
+    scales = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv.device).view(1, 2, 1, 1)
+    return (kv.float() / scales).clamp(-FP8_MAX, FP8_MAX).to(dtype)
+
+
+def dequantize_kv(stored: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Values read from FP8 pages back in `dtype`, times their scale (in float32)."""
+    return (stored.float() * scale).to(dtype) if scale != 1.0 else stored.to(dtype)
 
 
 def split_slots(slot_mapping: torch.Tensor, page_size: int, pages_out: torch.Tensor | None = None,
@@ -101,16 +122,21 @@ def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.stack((k, v), dim=1)
 
 
-def scatter_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """cache[pages[i], :, offsets[i]] = (k[i], v[i]) for every new token i: one index_put.
+def scatter_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               scales: tuple[float, float] = (1.0, 1.0)) -> None:
+    """cache[pages[i], :, offsets[i]] = (k[i], v[i]) for every new token i: one index_put. FP8
+    pages take them quantized with the layer's (k_scale, v_scale) `scales`.
 
     The copy moves 8-byte words where the layouts allow (a bit-exact reinterpretation): the index
     kernel's cost is per element, and 2-byte elements made it several times slower than the memory
     traffic (a 16k-token prefill chunk: 250 us per layer)."""
-    src = stacked_kv(k, v).to(cache.dtype)
+    src = stacked_kv(k, v)
+    src = quantize_kv(src, *scales, cache.dtype) if cache.dtype == torch.float8_e4m3fn else src.to(cache.dtype)
     words_dst, words_src = _as_words(cache), _as_words(src)
     if words_dst is not None and words_src is not None:
         cache, src = words_dst, words_src
+    elif cache.dtype == torch.float8_e4m3fn:  # torch's index kernels take no float8 dtype: move the bytes
+        cache, src = cache.view(torch.uint8), src.view(torch.uint8)
     cache[pages, :, offsets] = src
 
 

@@ -90,7 +90,9 @@ def _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, P
 @triton.jit
 def _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2):
     """One block of keys and values into the running softmax (base 2) of the query group: its
-    row maxima m, sums lsum and unnormalised output acc, returned updated."""
+    row maxima m, sums lsum and unnormalised output acc, returned updated. FP8 pages' values are
+    widened to the queries' dtype first (exactly; their scales are the backend's, `base`)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
     scores = tl.where(t_ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))

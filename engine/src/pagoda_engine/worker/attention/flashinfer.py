@@ -20,6 +20,10 @@ L1's lengths; large batches: K/V read 7-13 % faster on an H200): those sizes get
 each, and `plan_graph_decode` says which of the two a batch replays. Eager steps take the same
 kernel a graph of their size would, and a mixed step's decode rows the large-batch kernel where
 they are that many.
+
+FP8 pages (`KVCacheSpec.quantized`): the plans name e4m3 pages and bf16 queries (FlashInfer's
+"auto" then runs its FA2 kernels), the fused write quantizes, the Triton decode kernels widen the
+values as they load them, and the layer's scales are folded into q and the output here (`base`).
 """
 
 from __future__ import annotations
@@ -184,9 +188,12 @@ class FlashInferBackend(AttentionBackend):
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
-        if spec.dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"the flashinfer attention backend needs float16 or bfloat16, got {spec.dtype} "
+        if spec.query_dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"the flashinfer attention backend needs float16 or bfloat16, got {spec.query_dtype} "
                              "(use --dtype bfloat16 or --attention-backend torch)")
+        if spec.quantized and torch.cuda.get_device_capability(device) < (8, 9):
+            raise ValueError("FP8 KV pages (--kv-cache-dtype fp8) need a GPU of compute capability 8.9 or newer "
+                             f"(Ada, Hopper); this one is {torch.cuda.get_device_capability(device)}")
         super().__init__(spec, num_pages, device)
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.use_tensor_cores = spec.num_qo_heads // spec.num_kv_heads >= TENSOR_CORE_MIN_GROUP
@@ -230,7 +237,9 @@ class FlashInferBackend(AttentionBackend):
 
     def _kv_args(self) -> dict:
         s = self.spec
-        return dict(q_data_type=s.dtype, kv_data_type=s.dtype)
+        # FP8 pages with bfloat16 queries: FlashInfer's "auto" takes its FA2 kernels then (FA3 wants
+        # FP8 queries too), which convert the pages as they load them.
+        return dict(q_data_type=s.query_dtype, kv_data_type=s.dtype)
 
     # --- eager plan ------------------------------------------------------------------------------
     def plan(self, batch: AttentionBatch) -> None:
@@ -377,7 +386,10 @@ class FlashInferBackend(AttentionBackend):
         norms = {}
         if q_norm is not None:
             norms = dict(q_norm=(q_norm.weight, q_norm.eps), k_norm=(k_norm.weight, k_norm.eps))
-        rope_and_write_kv(cache, st.slots, q, k, v, *rope, **norms)
+        k_scale, v_scale = self.spec.kv_scales(layer_id)
+        rope_and_write_kv(cache, st.slots, q, k, v, *rope, **norms, scales=(k_scale, v_scale))
+        if k_scale != 1.0:  # FP8 pages' K scale, folded into the queries (`base`)
+            q.mul_(k_scale)
         nd = st.num_decodes
         if out is None:
             out = torch.empty_like(q)
@@ -394,4 +406,6 @@ class FlashInferBackend(AttentionBackend):
         else:
             st.run(st.decode, q[:nd], pages, out[:nd])
             st.run(self.prefill_wrapper, q[nd:], pages, out[nd:])
+        if v_scale != 1.0:  # FP8 pages' V scale, folded into the output
+            out.mul_(v_scale)
         return out

@@ -54,12 +54,12 @@ def _rms_norm_heads(x1, x2, weight_ptr, eps, d, d_ok, HALF: tl.constexpr):
 @triton.jit
 def _rope_kv_write_kernel(
     q_ptr, k_ptr, v_ptr, positions_ptr, slots_ptr, cos_ptr, sin_ptr, cache_ptr, q_norm_ptr, k_norm_ptr,
-    q_eps, k_eps,
+    q_eps, k_eps, k_scale, v_scale,
     q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h,
     cache_stride_page, cache_stride_kv, cache_stride_slot, cache_stride_h,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, Q_HEADS_P2: tl.constexpr, KV_HEADS_P2: tl.constexpr,
     HALF: tl.constexpr, HALF_P2: tl.constexpr, PAGE_SIZE: tl.constexpr, ROTATE: tl.constexpr, NORM: tl.constexpr,
-    PDL: tl.constexpr,
+    FP8: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (t, 0) writes token t's K and V, program (t, 1) normalises and rotates its q: two
     # programs per token halve the chain of dependent loads and stores a small decode batch waits on.
@@ -90,6 +90,11 @@ def _rope_kv_write_kernel(
         dst = cache_ptr + (slot // PAGE_SIZE) * cache_stride_page + (slot % PAGE_SIZE) * cache_stride_slot
         dst = dst + hk[:, None] * cache_stride_h + d[None, :]
         out_ty = cache_ptr.dtype.element_ty
+        if FP8:  # `base.quantize_kv`: divided by the layer's scale, clamped to e4m3's range
+            k1 = tl.clamp(k1.to(tl.float32) / k_scale, -448.0, 448.0)
+            k2 = tl.clamp(k2.to(tl.float32) / k_scale, -448.0, 448.0)
+            v1 = tl.clamp(v1.to(tl.float32) / v_scale, -448.0, 448.0)
+            v2 = tl.clamp(v2.to(tl.float32) / v_scale, -448.0, 448.0)
         tl.store(dst, k1.to(out_ty), mask=kv_mask)
         tl.store(dst + HALF, k2.to(out_ty), mask=kv_mask)
         tl.store(dst + cache_stride_kv, v1.to(out_ty), mask=kv_mask)
@@ -118,9 +123,10 @@ Norm = tuple[torch.Tensor, float]
 def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                       sin: torch.Tensor | None = None, q_norm: Norm | None = None,
-                      k_norm: Norm | None = None) -> torch.Tensor:
+                      k_norm: Norm | None = None, scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Normalise and rotate q [T, Hq, D] in place and write k (normalised, rotated) and v
-    [T, Hkv, D] into the layer's pages `cache` at `slots` (int64 [T]: page * page_size + offset).
+    [T, Hkv, D] into the layer's pages `cache` at `slots` (int64 [T]: page * page_size + offset);
+    FP8 pages take them quantized with the layer's (k_scale, v_scale) `scales`.
     `positions` int64 [T] and `cos`/`sin` float32 [max_position, D / 2] give the rotation;
     `q_norm` and `k_norm`, given together, the per-head RMSNorms applied before it. Without them
     q is left alone and k is written as it is. Returns q."""
@@ -142,13 +148,13 @@ def rope_and_write_kv(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor,
     if num_tokens:
         _rope_kv_write_kernel[(num_tokens, 2 if rotate or norm else 1)](
             q, k, v, positions if rotate else slots, slots, cos if rotate else cache, sin if rotate else cache, cache,
-            q_weight, k_weight, float(q_eps), float(k_eps),
+            q_weight, k_weight, float(q_eps), float(k_eps), float(scales[0]), float(scales[1]),
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cache.stride(0), cache.stride(1), cache.stride(2), cache.stride(3),
             NUM_Q_HEADS=num_q_heads, NUM_KV_HEADS=num_kv_heads, Q_HEADS_P2=triton.next_power_of_2(num_q_heads),
             KV_HEADS_P2=triton.next_power_of_2(num_kv_heads), HALF=head_dim // 2,
             HALF_P2=triton.next_power_of_2(head_dim // 2), PAGE_SIZE=cache.shape[2], ROTATE=rotate, NORM=norm,
-            num_warps=4, **pdl.launch(q.device))
+            FP8=cache.dtype == torch.float8_e4m3fn, num_warps=4, **pdl.launch(q.device))
     return q
 
 
@@ -163,10 +169,12 @@ def rms_norm_heads_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) 
 def rope_and_write_kv_reference(cache: torch.Tensor, slots: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                                 v: torch.Tensor, positions: torch.Tensor | None = None, cos: torch.Tensor | None = None,
                                 sin: torch.Tensor | None = None, q_norm: Norm | None = None,
-                                k_norm: Norm | None = None) -> torch.Tensor:
+                                k_norm: Norm | None = None, scales: tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """What the kernel computes, in torch operations: the per-head norms (rounded to q's and k's
     dtype), rotation in float32, rounded once to q's dtype; then the scatter every backend writes
-    with (`base.scatter_kv`). Returns the normalised, rotated q."""
+    with (`base.scatter_kv`, quantizing for FP8 pages). Returns the normalised, rotated q. (Into
+    FP8 pages the kernel quantizes the rotated key from float32, this from k's dtype: the two may
+    round a value to neighbouring e4m3 steps.)"""
     if q_norm is not None:
         q, k = rms_norm_heads_reference(q, *q_norm), rms_norm_heads_reference(k, *k_norm)
     if cos is not None:
@@ -178,5 +186,5 @@ def rope_and_write_kv_reference(cache: torch.Tensor, slots: torch.Tensor, q: tor
 
         q, k = rotate(q), rotate(k)
     pages, offsets = split_slots(slots, cache.shape[2])
-    scatter_kv(cache, pages, offsets, k, v)
+    scatter_kv(cache, pages, offsets, k, v, scales)
     return q

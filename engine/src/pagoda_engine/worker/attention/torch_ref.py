@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, Rotary
+from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, Rotary, dequantize_kv
 
 
 @dataclass
@@ -73,10 +73,16 @@ class TorchRefBackend(AttentionBackend):
         group = q.shape[1] // self.spec.num_kv_heads
         if out is None:
             out = torch.empty_like(q)
+        k_scale, v_scale = self.spec.kv_scales(layer_id)
+        # FP8 pages are gathered as bytes (torch's index kernels take no float8 dtype) and
+        # dequantized here: the exact reference for the kernels that fold the scales.
+        stored = cache.view(torch.uint8) if self.spec.quantized else cache
         for p in self._plans:
             # [seq_len, Hkv, D] → [Hq, seq_len, D]; each KV head serves `group` consecutive q heads.
-            keys = cache[p.pages, 0, p.offsets].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
-            values = cache[p.pages, 1, p.offsets].to(q.dtype).transpose(0, 1).repeat_interleave(group, dim=0)
+            keys = dequantize_kv(stored[p.pages, 0, p.offsets].view(cache.dtype), k_scale, q.dtype)
+            values = dequantize_kv(stored[p.pages, 1, p.offsets].view(cache.dtype), v_scale, q.dtype)
+            keys = keys.transpose(0, 1).repeat_interleave(group, dim=0)
+            values = values.transpose(0, 1).repeat_interleave(group, dim=0)
             query = q[p.start:p.start + p.query_len].transpose(0, 1)
             o = F.scaled_dot_product_attention(query, keys, values, attn_mask=p.mask, is_causal=p.is_causal,
                                                scale=self.scale)

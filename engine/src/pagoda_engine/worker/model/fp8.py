@@ -14,11 +14,18 @@ static scale per projection.
 Tensor parallelism: a float checkpoint tensor is quantized whole, before the layer's loader takes
 this rank's slice, so every rank holds exactly the values TP=1 holds; scales are sliced with their
 rows (column-parallel layers) or kept whole (row-parallel layers split the input features only).
+
+An FP8 KV cache's scales (`load_kv_cache_scale`): a checkpoint that carries them (compressed-tensors'
+`kv_cache_scheme`, vLLM's and AutoFP8's `self_attn.k_scale` / `v_scale`, the older single
+`kv_scale`) gives each attention layer its K and V scale, one float each (the same on every
+tensor-parallel rank); without them they are 1.0. Pages in the model's dtype ignore them.
 """
 
 from __future__ import annotations
 
+import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,9 +45,11 @@ from pagoda_engine.worker.model.layers import (
 )
 from pagoda_engine.worker.model.moe import StackedExperts
 
-# Scales an FP8 checkpoint may carry for an FP8 KV cache (AutoFP8, llm-compressor). Pages in the
-# model's dtype need none, so the loader passes over them (FP8 KV pages are not built yet).
+# Scales an FP8 checkpoint may carry for attention (AutoFP8, llm-compressor): K and V scales for an
+# FP8 KV cache (`load_kv_cache_scale`), and the query's and softmax's for FP8 attention arithmetic,
+# which Pagoda does not do (its attention computes in the model's dtype), so they are passed over.
 KV_CACHE_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale", ".q_scale", ".prob_scale")
+_KV_SCALE_ATTRIBUTES = {"k_scale": ("k_scale",), "v_scale": ("v_scale",), "kv_scale": ("k_scale", "v_scale")}
 # What --quantization takes, and the checkpoint forms that load as they are.
 QUANTIZATION_METHODS = ("fp8",)
 CHECKPOINT_FORMS = ("compressed-tensors (format float-quantized: FP8 e4m3 weights, per-tensor or per-channel "
@@ -102,8 +111,10 @@ def _compressed_tensors_scheme(qc: dict) -> Fp8Scheme:
                            f"(dynamic: token, static: tensor are)")
     if group.get("output_activations"):
         raise _unsupported("compressed-tensors output activation quantization")
-    if qc.get("kv_cache_scheme"):
-        raise _unsupported("a compressed-tensors kv_cache_scheme (FP8 KV pages)")
+    kv = qc.get("kv_cache_scheme")
+    if kv and ((kv.get("type"), kv.get("num_bits"), kv.get("strategy")) != ("float", 8, "tensor")
+               or kv.get("dynamic") or not kv.get("symmetric", True)):
+        raise _unsupported(f"a compressed-tensors kv_cache_scheme {kv!r} (static per-tensor FP8 scales are)")
     targets = group.get("targets") or []
     if targets != ["Linear"]:
         raise _unsupported(f"compressed-tensors targets {targets!r} (['Linear'] is)")
@@ -322,3 +333,27 @@ def _make_fp8(layer: LinearBase, scheme: Fp8Scheme) -> None:
     if scheme.static_input_scale:
         layer.input_scale = nn.Parameter(torch.zeros(1, dtype=torch.float32, device=old.device), requires_grad=False)
         _set_weight_loader(layer.input_scale, loaders.input_scale, old.shard_ids)
+
+
+def load_kv_cache_scale(model: nn.Module, name: str, read: Callable[[], torch.Tensor]) -> None:
+    """Checkpoint tensor `name` (this stage's `...self_attn.<k_scale|v_scale|kv_scale|q_scale|
+    prob_scale>`) into its attention layer's `k_scale` / `v_scale`; a query or softmax scale is
+    passed over (see KV_CACHE_SCALE_SUFFIXES). Refused: a scale per head, a scale not above 0."""
+    module_name, _, kind = name.rpartition(".")
+    attributes = _KV_SCALE_ATTRIBUTES.get(kind)
+    if attributes is None:
+        return
+    try:
+        attention = model.get_submodule(module_name)
+    except AttributeError:
+        attention = None
+    if attention is None or not hasattr(attention, "k_scale"):
+        raise ModelLoadError(f"{name}: a KV cache scale for {module_name}, which is no attention layer of this model")
+    value = read()
+    if value.numel() != 1:
+        raise ModelLoadError(f"{name}: KV cache scales of shape {tuple(value.shape)} (one per layer is supported)")
+    scale = float(value.float().item())
+    if not (math.isfinite(scale) and scale > 0):
+        raise ModelLoadError(f"{name}: a KV cache scale of {scale} (must be a positive number)")
+    for attribute in attributes:
+        setattr(attention, attribute, scale)

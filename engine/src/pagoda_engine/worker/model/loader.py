@@ -25,7 +25,13 @@ from transformers import AutoConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.model_path import gguf_file_of
-from pagoda_engine.worker.model.fp8 import KV_CACHE_SCALE_SUFFIXES, fp8_scheme, quantize_linear_layers, scale_name
+from pagoda_engine.worker.model.fp8 import (
+    KV_CACHE_SCALE_SUFFIXES,
+    fp8_scheme,
+    load_kv_cache_scale,
+    quantize_linear_layers,
+    scale_name,
+)
 from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, quantize_rows
 from pagoda_engine.worker.model.gguf import gguf_tensors, load_gguf_config
 from pagoda_engine.worker.model.models import resolve_architecture
@@ -257,11 +263,15 @@ def _load_checkpoint(model: nn.Module, tensors: Iterable[tuple[str, str, Callabl
     for file_name, name, read in tensors:
         if name.endswith(model.ignored_suffixes) or (tied and name == "lm_head.weight"):
             continue
-        if name.endswith(KV_CACHE_SCALE_SUFFIXES):
-            continue  # an FP8 KV cache's scales: the pages are in the model's dtype
         ours = model.checkpoint_weight_name(name)
         if ours is None:
             continue  # another pipeline stage's weight
+        if name.endswith(KV_CACHE_SCALE_SUFFIXES):
+            try:
+                load_kv_cache_scale(model, ours, read)
+            except ModelLoadError as e:
+                raise ModelLoadError(f"{file_name}: {e}") from e
+            continue
         param_name, shard_id = _param_of(model, ours)
         param = params.get(param_name)
         if param is None:

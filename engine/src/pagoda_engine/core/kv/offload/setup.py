@@ -30,7 +30,9 @@ def start_offload(config: EngineConfig, executor: Executor, pool: BlockPool, mod
         disk_path = str(Path(disk_path) / f"core-{pc.data_parallel_rank}")
     layout = (f"{executor.hf_config.num_hidden_layers} layers, {spec.num_kv_heads * pc.tensor_parallel_size} "
               f"kv heads x {spec.head_dim}, [page, 2, token, head, dim]")
-    setup = OffloadSetup(kv_fingerprint(model_dir, mc.load_format, mc.seed, str(executor.dtype), cc.block_size, layout,
+    if spec.quantized:  # FP8 pages: what a stored value means depends on its layer's scales
+        layout += f", k scales {[k for s in specs for k in s.k_scales]}, v scales {[v for s in specs for v in s.v_scales]}"
+    setup = OffloadSetup(kv_fingerprint(model_dir, mc.load_format, mc.seed, str(spec.dtype), cc.block_size, layout,
                                         mc.quantization),
                          num_cpu_slots=int(cc.kv_offload_cpu_gb * share * _GiB) // page_bytes,
                          disk_path=disk_path, remote_url=cc.kv_offload_remote_url)

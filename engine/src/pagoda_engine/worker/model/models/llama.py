@@ -132,6 +132,8 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if flags.qk_norm else None
         self.rotary_emb = rotary  # one cos/sin cache, shared by every layer
+        # FP8 KV pages' scales, from the checkpoint where it has them (`fp8.load_kv_cache_scale`).
+        self.k_scale = self.v_scale = 1.0
 
     def qkv(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -331,9 +333,12 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def kv_cache_spec(self, page_size: int, dtype: torch.dtype) -> KVCacheSpec:
-        """This stage's KV pages: its own layers', at this rank's heads."""
+    def kv_cache_spec(self, page_size: int, dtype: torch.dtype, compute_dtype: torch.dtype | None = None
+                      ) -> KVCacheSpec:
+        """This stage's KV pages of `dtype`: its own layers', at this rank's heads (and, FP8
+        pages, its layers' K/V scales)."""
         attn = self.model.layers[self.model.start_layer].self_attn
+        fp8 = dtype == torch.float8_e4m3fn
         return KVCacheSpec(
             num_layers=self.model.end_layer - self.model.start_layer,
             num_kv_heads=attn.num_kv_heads,
@@ -341,6 +346,9 @@ class LlamaForCausalLM(nn.Module):
             head_dim=attn.head_dim,
             page_size=page_size,
             dtype=dtype,
+            compute_dtype=compute_dtype,
+            k_scales=tuple(layer.self_attn.k_scale for layer in self.layers) if fp8 else (),
+            v_scales=tuple(layer.self_attn.v_scale for layer in self.layers) if fp8 else (),
         )
 
     # Checkpoint names that land in one merged parameter: (merged name, checkpoint name, piece).
