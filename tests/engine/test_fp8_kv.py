@@ -102,6 +102,15 @@ def test_fp8_pages_score_a_text_within_the_bound_of_pages_in_the_models_dtype(mo
     assert 0 < worst  # the pages really were rounded
 
 
+def test_fp8_weights_and_fp8_pages_together(model_dir, text_ids):
+    """`LLM(model, quantization="fp8", kv_cache_dtype="fp8")`: FP8 pages under FP8 weights stay
+    within the same bound of FP8 weights over float32 pages."""
+    weights_only = _prompt_logprobs(str(model_dir), text_ids, quantization="fp8")
+    both = _prompt_logprobs(str(model_dir), text_ids, quantization="fp8", kv_cache_dtype="fp8")
+    worst, agreement = _compare(weights_only, both, text_ids)
+    assert 0 < worst < LOGPROB_BOUND and agreement >= TOP1_AGREEMENT, (worst, agreement)
+
+
 def test_checkpoint_kv_scales_reach_every_layer_and_are_applied(scaled_dir, text_ids, reference):
     with LLM(str(scaled_dir), dtype="float32", kv_cache_dtype="fp8", num_gpu_blocks_override=64, max_model_len=256) as llm:
         spec = llm.core.executor.kv_cache_spec(16)
