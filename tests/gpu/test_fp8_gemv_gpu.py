@@ -62,7 +62,7 @@ def test_fp8_gemv_after_the_folded_norm(gated):
     x, residual = (torch.randn(1, 4096, device=CUDA).bfloat16() for _ in range(2))
     norm_w = (1 + 0.2 * torch.randn(4096, device=CUDA)).bfloat16()
     assert norm_applies(x, residual, norm_w, q)
-    y, res_out = gemv_rmsnorm(x, residual, norm_w, 1e-5, q, gated=gated, weight_scale=s)
+    y, res_out = gemv_rmsnorm(x, residual, norm_w, 1e-5, q, gated=gated, scale=s)
     h = x.float() + residual.float()
     a = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()).bfloat16().float()
     expected = a @ w.T
