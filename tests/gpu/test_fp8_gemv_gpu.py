@@ -1,5 +1,5 @@
 """The matrix-vector kernels on FP8 weights (`--quantization fp8` decode rows, `model/gemv_triton.py`)
-at Llama-3.1-8B's projection shapes: one row, the few-row kernel up to FP8_MAX_ROWS, the gated
+at Llama-3.1-8B's projection shapes: one row, the few-row kernel up to MAX_ROWS, the gated
 MLP and the folded RMSNorm, against float32 products of the scaled e4m3 weights; the layers'
 switch (a few rows take them, more rows cuBLASLt's FP8 GEMM); and each shape's time against
 `fp8_linear` (quantize + `torch._scaled_mm`) and the bf16 kernel, printed for the lead."""
@@ -87,9 +87,9 @@ def test_fp8_layers_take_the_kernels_for_few_rows_only(monkeypatch):
     calls = []
     real = gemv_triton.gemv
     monkeypatch.setattr(gemv_triton, "gemv", lambda *a, **kw: calls.append(a[0].shape[0]) or real(*a, **kw))
-    for rows in (1, 8, 9, 64):
+    for rows in (1, 8, gemv_triton.MAX_ROWS, gemv_triton.MAX_ROWS + 1, 64):
         layer(torch.randn(rows, 4096, device=CUDA).bfloat16())
-    assert calls == [1, 8]
+    assert calls == [1, 8, gemv_triton.MAX_ROWS]
 
 
 def _time_us(fn, iters: int = 50) -> float:
