@@ -58,6 +58,7 @@ from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader
+from pagoda_engine.worker import kv_transfer
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
@@ -232,6 +233,14 @@ class Worker:
 
     def kv_offload_poll(self) -> OffloadEvents:
         return self.offload.poll()
+
+    def kv_transfer_send(self, *args) -> int:
+        """`kv_transfer.send_pages` from this rank's pool (disaggregated prefill's producer)."""
+        return kv_transfer.send_pages(self.attn.kv_caches, *args)
+
+    def kv_transfer_recv(self, *args) -> int:
+        """`kv_transfer.recv_pages` into this rank's pool (a consumer)."""
+        return kv_transfer.recv_pages(self.attn.kv_caches, *args)
 
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
