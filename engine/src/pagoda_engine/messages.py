@@ -87,8 +87,6 @@ class EngineCoreRequest(_Message):
     # They start its output, so max_tokens, min_tokens, penalties and a seeded row's draws (keyed
     # by the output position) go on exactly as if it had never moved.
     resume_token_ids: array | None = None
-    # Disaggregated prefill/decode: vLLM's `kv_transfer_params` (checked by `kv_transfer.check_request_params`).
-    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not array:

@@ -177,6 +177,11 @@ class EngineCore:
         """While idle: EngineDeadError when a worker rank (on this host or another node) is gone."""
         self.executor.check_alive()
 
+    def release_expired(self) -> bool:
+        """While idle: pages held for remote decode that were pulled or outlived their bound go
+        back to the pool (`KVTransfer.poll`). Whether any did (the core then publishes its stats)."""
+        return self.kv_transfer is not None and self.kv_transfer.poll()
+
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
         if hasattr(self, "grammars"):
@@ -237,7 +242,7 @@ class EngineCore:
             output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
             num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
             grammar=self.grammars.submit(structured) if structured is not None else None,
-            kv_transfer_params=req.kv_transfer_params)
+            kv_transfer_params=req.sampling_params.kv_transfer_params)
         if request.grammar is not None and request.num_resumed_tokens:
             request.grammar.resume_after(request.output_token_ids)  # replayed once compiled (check_compiled)
         if request.waits_for_grammar:

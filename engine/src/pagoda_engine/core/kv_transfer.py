@@ -237,9 +237,11 @@ class KVTransfer:
         if failed:
             self.counters.failures += 1
 
-    def poll(self) -> None:
-        """Landed or failed pulls, timed-out pulls, released and expired holds: at each step's start."""
+    def poll(self) -> bool:
+        """Landed or failed pulls, timed-out pulls, released and expired holds: at each step's start
+        (and once a second while the core is idle). Whether any hold was released."""
         now = time.monotonic()
+        held = self.pages_held
         while True:
             try:
                 pull, num_bytes, error = self._finished.get_nowait()
@@ -265,6 +267,7 @@ class KVTransfer:
             logger.info("KV transfer: pages held for %s released unpulled after %.0fs", rid,
                         self.config.hold_timeout_s)
             self._drop_hold(rid)
+        return self.pages_held != held
 
     def _land(self, pull: _Pull, num_bytes: int, error: str | None, now: float) -> None:
         del self._pulls[pull.request.request_id]
