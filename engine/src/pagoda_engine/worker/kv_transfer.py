@@ -37,6 +37,10 @@ def scatter_pages(kv_caches: list[torch.Tensor], page_ids: list[int], data: torc
     pages = data.to(cache.device).view(cache.dtype).reshape(len(kv_caches), len(page_ids), *cache.shape[1:])
     for layer, layer_cache in enumerate(kv_caches):
         layer_cache.index_copy_(0, idx, pages[layer])
+    if cache.device.type == "cuda":
+        # This runs in a transfer thread: the pages must be written before the engine thread
+        # admits the request, whatever stream its next step runs on.
+        torch.cuda.current_stream(cache.device).synchronize()
 
 
 def page_bytes(kv_caches: list[torch.Tensor]) -> int:
