@@ -8,6 +8,7 @@ where it enters (exit 2 naming the flag)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import random
 import socket
@@ -30,8 +31,14 @@ PAGES = 96
 TIMEOUT_S = 3.0
 
 
-@pytest.fixture(scope="module")
-def cores(tmp_path_factory):
+NIXL_INSTALLED = any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu13"))
+
+
+@pytest.fixture(scope="module", params=[
+    "PagodaTorchConnector",
+    pytest.param("NixlConnector", marks=pytest.mark.skipif(not NIXL_INSTALLED, reason="the nixl wheel is not installed")),
+])
+def cores(request, tmp_path_factory):
     model = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m")
 
     def core(transfer: dict | None) -> EngineCore:
@@ -39,8 +46,11 @@ def cores(tmp_path_factory):
         return EngineCore(EngineConfig.from_kwargs(model=str(model), num_kv_pages=PAGES, block_size=BLOCK, **kwargs))
 
     extra = {"hold_timeout_s": 1, "transfer_timeout_s": TIMEOUT_S}
-    made = [core({"kv_role": "kv_producer", "kv_port": 0, "kv_connector_extra_config": extra}),
-            core({"kv_role": "kv_consumer", "kv_connector_extra_config": extra}), core(None)]
+    connector = request.param
+    made = [core({"kv_role": "kv_producer", "kv_port": 0, "kv_connector": connector,
+                  "kv_connector_extra_config": extra}),
+            core({"kv_role": "kv_consumer", "kv_connector": connector, "kv_connector_extra_config": extra}), core(None)]
+    assert made[0].kv_transfer.connector == made[1].kv_transfer.connector == connector
     yield made
     for c in made:
         c.close()
@@ -124,7 +134,7 @@ def test_faults_over_many_requests_fall_back_and_leak_no_page(cores):
     before = consumer.kv_transfer.counters.fallbacks
     expected_fallbacks = 0
     try:
-        for i in range(300):
+        for i in range(150):
             prompt = [rng.randrange(10, 500) for _ in range(rng.randrange(9, 40))]
             _, params = _run(producer, f"fp{i}", prompt, 1, {"do_remote_decode": True})
             kind = i % 6
@@ -178,12 +188,35 @@ def test_a_request_waiting_for_its_pages_holds_up_no_other(cores):
     _idle(producer)
 
 
+def test_the_producer_refuses_a_mismatched_consumer_at_the_handshake(cores):
+    """The producer's own check (a consumer checks the params first, so only a consumer that
+    lies or was configured otherwise gets here): model, page size, connector, pages not held."""
+    from pagoda_engine.core.kv_transfer import _recv_message, _send_message
+
+    producer, consumer, _ = cores
+    _, params = _run(producer, "hs-p", list(range(70, 90)), 1, {"do_remote_decode": True})
+    honest = {"op": "pull", "request_id": params["remote_request_id"], "block_ids": params["remote_block_ids"],
+              "fingerprint": consumer.kv_transfer.fingerprint, "description": "the consumer", "block_size": BLOCK,
+              "connector": consumer.kv_transfer.connector}
+    for change, error in [({"fingerprint": "1" * 32}, "KV mismatch"), ({"block_size": 8}, "page size mismatch"),
+                          ({"connector": "SomethingElse"}, "connector mismatch"),
+                          ({"block_ids": [PAGES + 5]}, "not held"), ({"request_id": "nope"}, "no pages held")]:
+        with socket.create_connection(("127.0.0.1", producer.kv_transfer.port), timeout=10) as sock:
+            _send_message(sock, {**honest, **change})
+            reply = _recv_message(sock)
+        assert reply["ok"] is False and error in reply["error"], (change, reply)
+        if change.get("request_id") != "nope":  # a refused pull releases the hold: make it again
+            _, params = _run(producer, f"hs-p{len(error)}", list(range(70, 90)), 1, {"do_remote_decode": True})
+            honest.update(request_id=params["remote_request_id"], block_ids=params["remote_block_ids"])
+    _idle(producer)
+
+
 def test_the_config_is_checked_where_it_enters():
     assert not parse_kv_transfer_config(None).enabled
     config = parse_kv_transfer_config('{"kv_role": "kv_both", "kv_connector": "PagodaTorchConnector"}')
     assert config.is_producer and config.is_consumer and config.transfer_timeout_s == 10.0
-    for bad, named in [('{"kv_role": "kv_decoder"}', "kv_role"), ('{"kv_connector": "NixlConnector", '
-                       '"kv_role": "kv_producer"}', "NixlConnector"), ('{"kv_role": "kv_producer", "kv_rank": 0}',
+    for bad, named in [('{"kv_role": "kv_decoder"}', "kv_role"), ('{"kv_connector": "LMCacheConnectorV1", '
+                       '"kv_role": "kv_producer"}', "LMCacheConnectorV1"), ('{"kv_role": "kv_producer", "kv_rank": 0}',
                        "kv_rank"), ('{"kv_role": "kv_producer", "colour": 1}', "colour"),
                        ('{"kv_role": "kv_producer", "kv_connector_extra_config": {"hold_timeout_s": 0}}',
                         "hold_timeout_s"), ('{"kv_port": 5}', "kv_role"), ("[1]", "JSON object")]:

@@ -32,10 +32,11 @@ class InvalidKVTransferConfigError(PagodaError, ValueError):
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 # The connector that runs everywhere: torch.distributed point-to-point over a pairwise gloo group.
 TORCH_CONNECTOR = "PagodaTorchConnector"
+# NIXL (vLLM's name): READs of the producer's registered pages, where the nixl wheel is installed.
+# Left out, kv_connector is NIXL where it starts, else the torch connector.
+NIXL_CONNECTOR = "NixlConnector"
 # vLLM's connectors this engine cannot run: refused by name, never accepted and ignored.
 _NOT_BUILT = {
-    "NixlConnector": "NIXL's connector (the nixl wheels are CUDA builds; Pagoda's torch.distributed connector "
-                     f"moves the pages instead: leave kv_connector out or name {TORCH_CONNECTOR})",
     "LMCacheConnectorV1": "LMCache",
     "MooncakeConnector": "Mooncake",
     "P2pNcclConnector": "vLLM's P2P NCCL connector",
@@ -119,8 +120,9 @@ def _checked(c: KVTransferConfig) -> KVTransferConfig:
         if c.kv_connector in _NOT_BUILT:
             raise InvalidKVTransferConfigError(f"--kv-transfer-config: kv_connector {c.kv_connector!r} is not "
                                                f"supported: {_NOT_BUILT[c.kv_connector]}")
-        if c.kv_connector != TORCH_CONNECTOR:
-            raise fault("kv_connector", f"{TORCH_CONNECTOR!r} (or left out)")
+        if c.kv_connector not in (TORCH_CONNECTOR, NIXL_CONNECTOR):
+            raise fault("kv_connector", f"{NIXL_CONNECTOR!r} or {TORCH_CONNECTOR!r} (or left out: NIXL where it is "
+                                        f"installed)")
     if c.kv_role is None:
         if c != KVTransferConfig(kv_connector=c.kv_connector):
             raise InvalidKVTransferConfigError("--kv-transfer-config: kv_role is required (kv_producer, kv_consumer "

@@ -7,15 +7,17 @@ device (each with its KV pool fixed by `--num-gpu-blocks-override`, default: thr
 talking through the real endpoint, handshake and gloo pair on 127.0.0.1, as two pods would. Each of
 `--num-prompts` rounds takes a fresh random prompt of `--input-len` tokens (4,096): the producer
 runs it (`max_tokens` 1, `do_remote_decode`), then the consumer is given the returned params and
-pulls the pages; one untimed round first. Per round: the pull's wall time (handshake, gloo group,
+pulls the pages (`--kv-connector`: NIXL, where its wheel is installed, or the torch connector's
+gloo pair); one untimed round first. Per round: the pull's wall time (handshake, gloo group,
 gather, send, receive, scatter; `pagoda:kv_transfer_seconds`), the bytes, whether the consumer's
 first token equals the producer's, and the consumer's time to first token against recomputing a
 fresh prompt of the same length on the same consumer.
 
 Printed (and `--output-json`): pages/s and GB/s of the pulls (median round), the device's own
 copy bandwidth for comparison (one device-to-device copy of 1 GiB: bytes copied per second) and
-the pulls' share of it, host<->device pinned copy bandwidths (gloo moves host memory, so on a GPU
-the pages go device -> host -> host -> device), TTFT with a pull and recomputing, and the first-token
+the pulls' share of it, host<->device pinned copy bandwidths (gloo moves host memory, so with the
+torch connector on a GPU the pages go device -> host -> host -> device; NIXL reads device memory
+where UCX can), TTFT with a pull and recomputing, and the first-token
 agreement. On CPU it runs the same way (tiny model sizes via `--model pagoda-tiny`).
 """
 
@@ -34,6 +36,8 @@ from pagoda_engine.sampling_params import SamplingParams
 
 
 def add_kv_transfer_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-connector", default=None, choices=["NixlConnector", "PagodaTorchConnector"],
+                   help="the transfer measured (default: NIXL where it is installed, else the torch connector)")
     p.set_defaults(input_len=4096, num_prompts=5)
 
 
@@ -69,7 +73,7 @@ def run_kv_transfer(args: argparse.Namespace, config: EngineConfig) -> dict:
     model = dataclasses.replace(config.model, max_model_len=config.model.max_model_len or n + 16)
     cores = []
     for role in ("kv_producer", "kv_consumer"):
-        transfer = parse_kv_transfer_config({"kv_role": role, "kv_port": 0,
+        transfer = parse_kv_transfer_config({"kv_role": role, "kv_port": 0, "kv_connector": args.kv_connector,
                                              "kv_connector_extra_config": {"transfer_timeout_s": 120}})
         cores.append(EngineCore(dataclasses.replace(config, cache=cache, model=model, kv_transfer_config=transfer)))
     producer, consumer = cores
@@ -91,6 +95,7 @@ def run_kv_transfer(args: argparse.Namespace, config: EngineConfig) -> dict:
                          "first_token_match": got == expected, "ttft_pull_s": ttft_pull,
                          "ttft_recompute_s": ttft_recompute})
         failures = consumer.kv_transfer.counters.failures
+        connector = consumer.kv_transfer.connector
     finally:
         for core in cores:
             core.close()
@@ -111,7 +116,7 @@ def run_kv_transfer(args: argparse.Namespace, config: EngineConfig) -> dict:
         "ttft_pull_ms_median": statistics.median(r["ttft_pull_s"] for r in rows) * 1e3,
         "ttft_recompute_ms_median": statistics.median(r["ttft_recompute_s"] for r in rows) * 1e3,
         "first_token_match": sum(r["first_token_match"] for r in rows), "failures": failures,
-        "connector": "PagodaTorchConnector (gloo, host memory)", "device": str(device), "rows": rows,
+        "connector": connector, "device": str(device), "rows": rows,
     }
     result["valid"] = failures == 0 and all(r["pages"] > 0 and r["bytes"] > 0 for r in rows)
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}, indent=2))

@@ -27,6 +27,7 @@ Tensor and pipeline parallelism are refused by the config (each rank would pull 
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import queue
@@ -39,7 +40,8 @@ from dataclasses import dataclass, field
 
 from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_page
 from pagoda_engine.core.request import Request
-from pagoda_engine.kv_transfer import KVTransferConfig, RemotePrefill, remote_prefill
+from pagoda_engine.errors import ModelLoadError
+from pagoda_engine.kv_transfer import NIXL_CONNECTOR, TORCH_CONNECTOR, KVTransferConfig, RemotePrefill, remote_prefill
 
 logger = logging.getLogger(__name__)
 
@@ -133,13 +135,27 @@ class KVTransfer:
         self._closed = False
         self._listener: socket.socket | None = None
         self.host, self.port = config.kv_ip, 0
+        self.connector, self._nixl = self._start_connector(config.kv_connector)
         if config.is_producer:
             port = config.kv_port + data_parallel_rank if config.kv_port else 0
             self._listener = socket.create_server((config.kv_ip, port), reuse_port=False)
             self.port = self._listener.getsockname()[1]
             threading.Thread(target=self._serve, name="kv-transfer-endpoint", daemon=True).start()
-            logger.info("KV transfer: %s (%s) serves its held pages at %s:%d", self.engine_id,
-                        config.kv_role, self.host, self.port)
+            logger.info("KV transfer: %s (%s, %s) serves its held pages at %s:%d", self.engine_id,
+                        config.kv_role, self.connector, self.host, self.port)
+
+    def _start_connector(self, asked: str | None) -> tuple[str, tuple[bytes, str] | None]:
+        """NIXL where it is asked for, or where none is named and it is installed; else the torch
+        connector. With NIXL: this rank's agent metadata and memory type."""
+        if asked == TORCH_CONNECTOR:
+            return TORCH_CONNECTOR, None
+        try:
+            return NIXL_CONNECTOR, self.executor.collective_rpc("kv_transfer_nixl_start", self.engine_id)[0]
+        except RuntimeError as e:
+            if asked == NIXL_CONNECTOR:
+                raise ModelLoadError(f"--kv-transfer-config: kv_connector NixlConnector cannot start: {e}") from None
+            logger.info("KV transfer: NIXL unavailable (%s); using %s", e, TORCH_CONNECTOR)
+            return TORCH_CONNECTOR, None
 
     # --- engine thread ------------------------------------------------------------------------
     @property
@@ -315,12 +331,22 @@ class KVTransfer:
             with socket.create_connection((remote.host, remote.port), timeout=timeout) as sock:
                 _send_message(sock, {"op": "pull", "request_id": remote.request_id, "engine_id": self.engine_id,
                                      "block_ids": pull.remote_block_ids, "fingerprint": self.fingerprint,
-                                     "description": self.description, "block_size": self.page_size})
+                                     "description": self.description, "block_size": self.page_size,
+                                     "connector": self.connector})
                 reply = _recv_message(sock)
                 if not reply.get("ok"):
                     raise ConnectionError(reply.get("error", "refused"))
-                num_bytes = self.executor.collective_rpc("kv_transfer_recv", remote.host, reply["store_port"],
-                                                         [p.page_id for p in pull.pages], timeout)[0]
+                page_ids = [p.page_id for p in pull.pages]
+                if self.connector == NIXL_CONNECTOR:
+                    try:
+                        num_bytes = self.executor.collective_rpc(
+                            "kv_transfer_nixl_read", base64.b64decode(reply["nixl_metadata"]), reply["descs"],
+                            reply["mem_type"], page_ids, timeout)[0]
+                    finally:  # the producer holds the pages until it hears the read has ended
+                        _send_message(sock, {"op": "done"})
+                else:
+                    num_bytes = self.executor.collective_rpc("kv_transfer_recv", remote.host, reply["store_port"],
+                                                             page_ids, timeout)[0]
         except Exception as e:  # noqa: BLE001 - any failure means: compute the prompt here
             error = f"{type(e).__name__}: {e}"
         self._finished.put((pull, num_bytes, error))
@@ -367,9 +393,20 @@ class KVTransfer:
                     _send_message(conn, {"ok": False, "error": error})
                     return
                 page_ids = message["block_ids"]
-                sent = self.executor.collective_rpc(
-                    "kv_transfer_send", self.host, page_ids, timeout,
-                    lambda port: _send_message(conn, {"ok": True, "store_port": port}))[0]
+                if self.connector == NIXL_CONNECTOR:
+                    descs = self.executor.collective_rpc("kv_transfer_nixl_descs", page_ids)[0]
+                    metadata, mem_type = self._nixl
+                    _send_message(conn, {"ok": True, "nixl_metadata": base64.b64encode(metadata).decode(),
+                                         "descs": descs, "mem_type": mem_type})
+                    # The consumer reads the held pages now: they stay held until it says the read
+                    # has ended, or its connection breaks, or the hold's bound passes.
+                    conn.settimeout(self.config.hold_timeout_s)
+                    _recv_message(conn)
+                    sent = sum(d[1] for d in descs)
+                else:
+                    sent = self.executor.collective_rpc(
+                        "kv_transfer_send", self.host, page_ids, timeout,
+                        lambda port: _send_message(conn, {"ok": True, "store_port": port}))[0]
                 self.counters.bytes_sent += sent
         except Exception as e:  # noqa: BLE001 - the consumer falls back; the hold is released either way
             logger.warning("KV transfer: a pull of %s failed on the producer's side: %s", rid, e)
@@ -378,6 +415,9 @@ class KVTransfer:
                 self._released.put(rid)
 
     def _refusal(self, message: dict, hold: _Hold) -> str | None:
+        if message.get("connector") != self.connector:
+            return (f"connector mismatch: the producer moves pages with {self.connector}, the consumer with "
+                    f"{message.get('connector')}")
         if message.get("block_size") != self.page_size:
             return f"page size mismatch: the producer's is {self.page_size}, the consumer's {message.get('block_size')}"
         if message.get("fingerprint") != self.fingerprint:
