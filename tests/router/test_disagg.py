@@ -165,3 +165,46 @@ def test_router_flags_are_checked(tmp_path):
     assert proc.popen.wait(60) == 2
     assert "--prefill-backends needs --decode-backends" in proc.log_text()
     proc.stop()
+
+
+def test_in_a_cluster_each_role_is_discovered_from_its_service(tmp_path):
+    """`--decode-k8s-service` / `--prefill-k8s-service`: each pool follows its own Service's
+    EndpointSlices (the Services the operator makes select the pods by their llm-d.ai/role label)."""
+    from k8s_emulator import emulated_cluster
+    from pagoda_e2e import PYTHON, Proc
+    from test_discovery_k8s import FAKE, SLICES, endpoint_slice
+
+    fakes, ports = [], []
+    for i in range(2):
+        ports.append(free_port())
+        fakes.append(Proc([PYTHON, FAKE, "--port", str(ports[-1]), "--model", "tiny"], tmp_path / f"fake{i}.log"))
+    try:
+        for proc, port in zip(fakes, ports):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=30)
+        with emulated_cluster(tmp_path) as cluster:
+            cluster.apiserver.api.declare("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice")
+            api = cluster.url + SLICES
+            httpx.post(api, json=endpoint_slice("m-prefill-a", "m-prefill", ports[0])).raise_for_status()
+            httpx.post(api, json=endpoint_slice("m-decode-a", "m-decode", ports[1])).raise_for_status()
+            port = free_port()
+            router = start_pagoda(["route", "--host", "127.0.0.1", "--port", str(port), "--health-interval", "0.5",
+                                   "--decode-k8s-service", "default/m-decode", "--prefill-k8s-service",
+                                   "default/m-prefill", "--kubeconfig", str(cluster.kubeconfig)], tmp_path / "r.log")
+            base = f"http://127.0.0.1:{port}"
+            try:
+                router.wait_http(base + "/health", timeout=60)
+
+                def pools() -> tuple[list[str], list[str]]:
+                    described = httpx.get(base + "/router/backends", timeout=10).json()
+                    return ([b["url"] for b in described.get("prefill_backends", [])],
+                            [b["url"] for b in described["backends"]])
+
+                until(lambda: pools() == ([f"http://127.0.0.1:{ports[0]}"], [f"http://127.0.0.1:{ports[1]}"]), 20,
+                      "each role's pool from its own Service")
+                r = httpx.post(base + "/v1/completions", timeout=30, json={"model": "tiny", "prompt": "x", "max_tokens": 1})
+                assert r.status_code == 200 and r.headers["x-pagoda-backend"] == f"http://127.0.0.1:{ports[1]}"
+            finally:
+                router.stop()
+    finally:
+        for proc in fakes:
+            proc.stop()

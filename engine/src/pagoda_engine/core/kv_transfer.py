@@ -203,6 +203,9 @@ class KVTransfer:
         if remote is None:
             return
         self.counters.external_queries += req.num_prompt_tokens
+        if req.sampling_params.prompt_logprobs is not None:  # every prompt position is computed here anyway
+            self._release_remote(remote)
+            return
         error = self._mismatch(remote, params)
         if error is not None:
             logger.error("KV transfer for %s refused: %s; it computes its prompt itself", req.request_id, error)

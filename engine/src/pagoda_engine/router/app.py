@@ -55,9 +55,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--decode-backends", metavar="URLS",
                      help="disaggregated prefill/decode (`router/disagg.py`): the decode engines' URLs "
                           "(--kv-transfer-config kv_consumer); each request's answer comes from one of them")
+    src.add_argument("--decode-k8s-service", metavar="NAMESPACE/NAME",
+                     help="disaggregated prefill/decode in a cluster: the decode engines are this Service's "
+                          "EndpointSlices (watched), e.g. the Service selecting llm-d.ai/role=decode")
     parser.add_argument("--prefill-backends", metavar="URLS",
                         help="with --decode-backends: the prefill engines' URLs (kv_producer), which run each "
                              "prompt first and hold its pages for the decode engine")
+    parser.add_argument("--prefill-k8s-service", metavar="NAMESPACE/NAME",
+                        help="with --decode-k8s-service: the prefill engines are this Service's EndpointSlices "
+                             "(watched), e.g. the Service selecting llm-d.ai/role=prefill")
     parser.add_argument("--policy", default="prefix-aware", choices=POLICIES)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
@@ -95,10 +101,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _validate_args(args: argparse.Namespace) -> None:
     """Refuse, with a message naming the flag, anything the router cannot run with."""
-    args.prefill_urls = None
+    args.prefill_urls, args.prefill_k8s = None, None
     if args.prefill_backends is not None and args.decode_backends is None:
         raise BackendConfigError("--prefill-backends needs --decode-backends (the engines that decode)")
-    if args.decode_backends is not None:
+    if args.prefill_k8s_service is not None and args.decode_k8s_service is None:
+        raise BackendConfigError("--prefill-k8s-service needs --decode-k8s-service (the engines that decode)")
+    if args.decode_k8s_service is not None:
+        args.backend_urls, args.prefill_urls = None, []
+        args.k8s_namespace, args.k8s_name = parse_k8s_service(args.decode_k8s_service)
+        args.k8s_service = args.decode_k8s_service
+        if args.prefill_k8s_service is not None:
+            args.prefill_k8s = parse_k8s_service(args.prefill_k8s_service)
+        if args.model is not None:
+            raise BackendConfigError("--kv-events-port / --kv-events-bind are not supported with --decode-k8s-service "
+                                     "yet")
+    elif args.decode_backends is not None:
         args.backend_urls = parse_backend_list(args.decode_backends)
         args.prefill_urls = parse_backend_list(args.prefill_backends) if args.prefill_backends else []
         if args.model is not None:
@@ -184,14 +201,22 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                         backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None,
                         max_migrations=args.max_migrations, max_waiting_per_model=args.max_waiting_per_model)
         state["router"], state["pool"] = router, pool
-        tasks = []
+        tasks, prefill_watcher = [], None
         if args.prefill_urls is not None:
             # Prefill/decode: the pool above holds the decode engines (least KV usage); the prefill
             # engines are a pool of their own, chosen by prefix affinity.
             prefill_pool = BackendPool(client, metrics, poll_interval=args.health_interval,
                                        poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
-            prefill_pool.set_urls(args.prefill_urls)
-            await prefill_pool.poll_all()
+            if args.prefill_k8s is not None:
+                namespace, name = args.prefill_k8s
+                prefill_watcher = EndpointSliceWatcher(namespace, name, prefill_pool.set_urls,
+                                                       asyncio.get_running_loop(), port_name=args.backend_port_name,
+                                                       kubeconfig=args.kubeconfig)
+                prefill_watcher.start()
+            else:
+                prefill_pool.set_urls(args.prefill_urls)
+                await prefill_pool.poll_all()
+            state["prefill_pool"] = prefill_pool
             tasks.append(asyncio.create_task(prefill_pool.run()))
             prefill = Router(prefill_pool, make_policy("prefix-aware", load_factor=args.prefix_load_factor), metrics,
                              client, QueueConfig(0, 0.0, args.retry_after), backend_api_key=args.backend_api_key,
@@ -218,6 +243,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             poller.cancel()
             for task in tasks:
                 task.cancel()
+            if prefill_watcher is not None:
+                prefill_watcher.stop()
             if watcher is not None:
                 watcher.stop()
             if prefixes is not None:
@@ -291,7 +318,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/router/backends")
     async def backends() -> dict:
-        return {"policy": args.policy, "backends": state["pool"].describe()}
+        described = {"policy": args.policy, "backends": state["pool"].describe()}
+        if "prefill_pool" in state:  # prefill/decode: `backends` are the decode engines
+            described.update(policy="decode-load", prefill_policy="prefix-aware",
+                             prefill_backends=state["prefill_pool"].describe())
+        return described
 
     @app.get("/version")
     async def version() -> dict:
@@ -318,7 +349,8 @@ def run(args: argparse.Namespace) -> int:
     app = build_app(args)
     source = ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}"
     if args.prefill_urls is not None:
-        source = f"prefill {','.join(args.prefill_urls) or 'none'} / decode {source}"
+        prefill = f"EndpointSlices of {args.prefill_k8s_service}" if args.prefill_k8s else ",".join(args.prefill_urls)
+        source = f"prefill {prefill or 'none'} / decode {source}"
     log.info("routing %s over %s on %s:%d", args.policy, source, args.host, args.port)
     if args.client_keys is not None:
         log.info("clients need one of the %d key(s) of --api-key-file %s", len(args.client_keys), args.api_key_file)

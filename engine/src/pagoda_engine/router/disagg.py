@@ -7,7 +7,7 @@ prompt's pages are held; the original request then goes to a decode engine (`kv_
 by KV usage and running requests (`DecodeLoad`), with those params added, and the decode engine's
 answer (streamed or not) is the client's response, relayed by the decode side's `Router` (mid-stream
 migration included). With no prefill engine ready, a prefill that fails or answers without params,
-or a request that cannot be split (`n > 1`, or params of its own), the whole request goes to a
+or a request that cannot be split (`n > 1`, prompt logprobs, or params of its own), the whole request goes to a
 decode engine, which computes the prompt itself: the client never sees the difference but in time.
 """
 
@@ -55,7 +55,10 @@ class DisaggRouter:
                       key: PrefixKey | None, migratable: bool) -> Response:
         """The client's response: the decode engine's, after a prefill engine ran the prompt."""
         params = None
-        splittable = parsed.get("n", 1) == 1 and parsed.get("kv_transfer_params") is None
+        # Prompt logprobs need every prompt position's logits where the answer comes from: the
+        # decode engine computes the prompt anyway, so a prefill would be wasted.
+        splittable = (parsed.get("n", 1) == 1 and parsed.get("kv_transfer_params") is None
+                      and parsed.get("prompt_logprobs") is None and not (parsed.get("echo") and parsed.get("logprobs")))
         if splittable and self.prefill.pool.ready(model):
             params = await self._prefill(method, path, headers, parsed, model, key)
         self.metrics.pd_requests.labels("disaggregated" if params else "decode_only").inc()
