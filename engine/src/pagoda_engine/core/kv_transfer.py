@@ -31,6 +31,7 @@ import base64
 import json
 import logging
 import queue
+import secrets
 import socket
 import struct
 import threading
@@ -185,12 +186,15 @@ class KVTransfer:
                 break
             hashes.append(page_hash)
             pages.append(page)
+        # The hold's own id: a request id the client chose may come again, and only the consumer
+        # given these params should be able to name the pages.
+        hold_id = f"{req.request_id}#{secrets.token_hex(8)}"
         if pages:
             self.pool.touch(pages)
             with self._lock:
-                self._holds[req.request_id] = _Hold(pages, hashes, time.monotonic() + self.config.hold_timeout_s)
+                self._holds[hold_id] = _Hold(pages, hashes, time.monotonic() + self.config.hold_timeout_s)
         return {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": self.engine_id,
-                "remote_request_id": req.request_id, "remote_block_ids": [p.page_id for p in pages],
+                "remote_request_id": hold_id, "remote_block_ids": [p.page_id for p in pages],
                 "remote_block_hashes": [h.hex() for h in hashes], "remote_host": self.host,
                 "remote_port": self.port, "remote_block_size": self.page_size,
                 "remote_num_tokens": req.num_prompt_tokens, "remote_fingerprint": self.fingerprint,
@@ -227,7 +231,10 @@ class KVTransfer:
                 break
             hits.append(page)
         missing = len(hashes) - len(hits)
-        if missing == 0 or not self.pool.has_room(hits, missing):
+        # Pages in pulls are taken outside the scheduler's admission: at most half the pool, so
+        # that the running requests' growth never waits for them.
+        pulling = sum(len(p.pages) for p in self._pulls.values())
+        if missing == 0 or not self.pool.has_room(hits, missing) or pulling + missing > (self.pool.num_pages - 1) // 2:
             if missing:
                 logger.warning("KV transfer for %s: no room for %d pages; it computes its prompt itself",
                                req.request_id, missing)
