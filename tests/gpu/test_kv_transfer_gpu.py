@@ -1,10 +1,12 @@
 """Disaggregated prefill/decode on the GPU: a producer and a consumer engine core on one device
-(bf16, FlashInfer, async scheduling, CUDA graphs), pages moved by the real endpoint and gloo pair
-(device -> host -> host -> device). Pulled pages are bit-identical to the producer's, and the
+(bf16, FlashInfer, async scheduling, CUDA graphs), pages moved by the real endpoint and each
+connector: the gloo pair (device -> host -> host -> device) and, where its wheel is installed,
+NIXL (a READ of the producer's registered device memory). Pulled pages are bit-identical to the producer's, and the
 consumer's greedy tokens equal an aggregated core's, with and without a prefix it holds itself."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import time
 
@@ -20,10 +22,17 @@ from pagoda_engine.sampling_params import SamplingParams
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
 
-@pytest.fixture(scope="module")
-def cores(gpu_model_dir):
+NIXL_INSTALLED = any(importlib.util.find_spec(name) is not None for name in ("nixl", "nixl_cu13"))
+
+
+@pytest.fixture(scope="module", params=[
+    "PagodaTorchConnector",
+    pytest.param("NixlConnector", marks=pytest.mark.skipif(not NIXL_INSTALLED, reason="the nixl wheel is not installed")),
+])
+def cores(request, gpu_model_dir):
     def core(role: str | None) -> EngineCore:
-        extra = {"kv_transfer_config": json.dumps({"kv_role": role, "kv_port": 0})} if role else {}
+        transfer = {"kv_role": role, "kv_port": 0, "kv_connector": request.param}
+        extra = {"kv_transfer_config": json.dumps(transfer)} if role else {}
         return EngineCore(EngineConfig.from_kwargs(model=str(gpu_model_dir), dtype="bfloat16", num_kv_pages=512,
                                                    max_num_seqs=32, seed=0, **extra))
 
