@@ -111,6 +111,22 @@ def test_greedy_tokens_equal_one_aggregated_engine_and_decode_computes_almost_no
     assert 'pagoda_router:pd_requests_total{mode="disaggregated"}' in router_metrics
 
 
+def test_a_chat_streams_the_decode_engines_answer(cluster):
+    messages = [{"role": "system", "content": "You keep long context. " * 12},
+                {"role": "user", "content": "Say something about pagodas."}]
+    direct = openai.OpenAI(base_url=f"{cluster['aggregated']}/v1", api_key="none")
+    routed = openai.OpenAI(base_url=f"{cluster['router']}/v1", api_key="none")
+    settings = dict(model=MODEL, messages=messages, max_completion_tokens=12, temperature=0,
+                    extra_body={"ignore_eos": True})
+    expected = direct.chat.completions.create(**settings).choices[0].message.content
+    before = _stats(cluster["decode"])["pagoda:external_prefix_cache_hits_total"]
+    assert routed.chat.completions.create(**settings).choices[0].message.content == expected
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in
+                   routed.chat.completions.create(stream=True, **settings) if chunk.choices)
+    assert text == expected
+    assert _stats(cluster["decode"])["pagoda:external_prefix_cache_hits_total"] > before
+
+
 def test_a_producer_returns_vllm_shaped_params_and_a_consumer_refuses_the_wrong_role(cluster):
     _, body = _tokens(cluster["prefill"], _prompt(7, 3 * BLOCK), max_tokens=1,
                       kv_transfer_params={"do_remote_decode": True})
