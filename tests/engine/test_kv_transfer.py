@@ -21,6 +21,7 @@ import pytest
 
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.engine_core import EngineCore
+from pagoda_engine.kv_event_wire import BlockStored, block_hash_int
 from pagoda_engine.kv_transfer import check_request_params, parse_kv_transfer_config
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.sampling_params import SamplingParams
@@ -249,9 +250,15 @@ def test_pulled_pages_are_bit_identical_to_the_producers(cores):
     prompt = list(range(300, 341))
     _, params = _run(producer, "bits-p", prompt, 1, {"do_remote_decode": True})
     received = consumer.kv_transfer.counters.external_hits
-    _run(consumer, "bits-c", prompt, 1, params)
+    consumer.kv.pool.record_events()  # KV events on: pulled pages are reported as stored, as computed ones are
+    try:
+        _run(consumer, "bits-c", prompt, 1, params)
+        stored = [h for e in consumer.kv.pool.take_events() if isinstance(e, BlockStored) for h in e.block_hashes]
+    finally:
+        consumer.kv.pool.events = None
     assert consumer.kv_transfer.counters.external_hits - received == 40  # pulled, not computed here
     hashes = params["remote_block_hashes"]
+    assert stored[:10] == [block_hash_int(bytes.fromhex(h)) for h in hashes]
     assert len(hashes) == 10
     for mine, theirs in zip(pages_of(consumer, hashes), pages_of(producer, hashes)):
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))

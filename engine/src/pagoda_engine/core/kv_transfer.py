@@ -299,8 +299,13 @@ class KVTransfer:
         del self._pulls[pull.request.request_id]
         req = pull.request
         if error is None and not pull.abandoned and not req.is_finished:
-            for page, page_hash in zip(pull.pages, pull.hashes):
-                self.pool.cache_page(page, page_hash)  # a hash cached meanwhile keeps its page; this one is just freed
+            first, size = len(pull.hits), self.page_size
+            for i, (page, page_hash) in enumerate(zip(pull.pages, pull.hashes)):
+                # A hash cached meanwhile keeps its page; this one is then just freed.
+                if self.pool.cache_page(page, page_hash):  # reported as vLLM's BlockStored (KV events on)
+                    parent = pull.hashes[i - 1] if i else (pull.hits[-1].page_hash if pull.hits else None)
+                    k = first + i
+                    self.pool.record_stored([page_hash], parent, req.prompt_token_ids[k * size:(k + 1) * size], size)
             self.counters.pulls += 1
             self.counters.bytes_received += num_bytes
             self.counters.seconds += now - pull.started
