@@ -26,6 +26,7 @@ from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.generation_config import check_generation_config_option, parse_override
 from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
+from pagoda_engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
 
@@ -425,6 +426,14 @@ class EngineConfig:
              '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
              '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; data-parallel core r uses port + r '
              '(default: off)')
+    # vLLM's --kv-transfer-config: disaggregated prefill and decode (`kv_transfer.py`, `core/kv_transfer.py`).
+    kv_transfer_config: KVTransferConfig = option(
+        default_factory=KVTransferConfig, type=str, cli_default=None, metavar="JSON",
+        help='disaggregated prefill/decode, vLLM\'s keys: \'{"kv_role": "kv_producer"}\' (a prefill engine: holds '
+             'a prompt\'s pages for a decode engine), "kv_consumer" (pulls them), "kv_both"; optional "kv_connector" '
+             '("PagodaTorchConnector"), "engine_id", "kv_ip" and "kv_port" (the transfer endpoint, default '
+             '127.0.0.1:14579, core r: port + r), "kv_connector_extra_config": {"hold_timeout_s": 120, '
+             '"transfer_timeout_s": 10} (default: off)')
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -435,6 +444,7 @@ class EngineConfig:
         cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
         cfg.speculative_config = parse_speculative_config(kwargs.pop("speculative_config", None))
         cfg.kv_events_config = parse_kv_events_config(kwargs.pop("kv_events_config", None))
+        cfg.kv_transfer_config = parse_kv_transfer_config(kwargs.pop("kv_transfer_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -464,6 +474,7 @@ class EngineConfig:
         self._validate_pacing()
         self._validate_kv_offload()
         self._validate_speculative()
+        self._validate_kv_transfer()
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
@@ -489,6 +500,16 @@ class EngineConfig:
                              "schedules a request's next batch before its drafts are verified")
         if self.parallel.expert_parallel_across_cores:
             raise ValueError("--speculative-config is not supported with experts across data-parallel engine cores yet")
+
+    def _validate_kv_transfer(self) -> None:
+        """Disaggregated prefill/decode moves prefix-cache pages of one rank's whole KV cache."""
+        if not self.kv_transfer_config.enabled:
+            return
+        if not self.cache.enable_prefix_caching:
+            raise ValueError("--kv-transfer-config moves prefix-cache pages: it needs --enable-prefix-caching")
+        if self.parallel.tensor_parallel_size > 1 or self.parallel.pipeline_parallel_size > 1:
+            raise ValueError("--kv-transfer-config is not supported with tensor or pipeline parallelism yet: "
+                             "each rank's shard of a page would need its own transfer")
 
     def _validate_kv_offload(self) -> None:
         cc = self.cache
@@ -675,7 +696,8 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
     known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig)
-             for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config"}
+             for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config",
+                                                  "kv_transfer_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

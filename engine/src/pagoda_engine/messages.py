@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import enum
 from array import array
-from typing import Iterable, Union
+from typing import Any, Iterable, Union
 
 import msgspec
 
@@ -177,6 +177,8 @@ class EngineCoreOutput(msgspec.Struct, kw_only=True, array_like=True, omit_defau
     num_cached_tokens: int = 0
     # Lifecycle events since this request's previous output, oldest first.
     events: list[EngineCoreEvent] | None = None
+    # A producer's finished `do_remote_decode` request: where a consumer pulls its prompt's pages.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if type(self.new_token_ids) is not array:  # (the core builds arrays; this is the hot path)
@@ -220,6 +222,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # Speculative decoding's counters (empty when it is off): drafts, drafted tokens, accepted
     # tokens, then the accepted drafts at each position 0..k-1.
     spec_decode: list[int] = []
+    # Disaggregated prefill/decode (empty when it is off; `core.kv_transfer.KVTransfer.stats`):
+    # bytes sent, bytes received, pull seconds, pulls, failures, fallbacks, pages held now,
+    # external prefix-cache queries and hits (tokens).
+    kv_transfer: list[float] = []
 
 
 class EngineCoreOutputs(_Message):

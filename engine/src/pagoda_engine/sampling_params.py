@@ -95,6 +95,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling
+    # Disaggregated prefill/decode (vLLM passes it in `extra_args`): checked by the API server
+    # against the engine's role (`kv_transfer.check_request_params`).
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -95,6 +95,7 @@ class _UserRequest:
     sequences: list[_Sequence] = field(default_factory=list)
     prompt_logprobs: PromptLogprobs | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None  # a producer's answer (disaggregated prefill)
 
     @property
     def finished(self) -> bool:
@@ -251,6 +252,8 @@ class OutputProcessor:
                 None if lp is None else self._position_logprobs(lp) for lp in out.prompt_logprobs
             ]
         parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+        if out.kv_transfer_params is not None:
+            parent.kv_transfer_params = out.kv_transfer_params
 
         if not detok.finished and out.finish_reason is not None:
             text += detok.flush()
@@ -300,6 +303,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=user_request.num_cached_tokens,
+            kv_transfer_params=user_request.kv_transfer_params,
         )
 
     @staticmethod

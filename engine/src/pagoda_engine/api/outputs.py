@@ -75,3 +75,5 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # Disaggregated prefill: where a decode engine pulls this prompt's pages (vLLM's field).
+    kv_transfer_params: dict | None = None

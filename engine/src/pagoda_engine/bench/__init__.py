@@ -6,6 +6,7 @@
     pagoda bench serve                        # S1: the OpenAI server under Poisson load: TTFT, ITL
     pagoda bench multiturn --kv-offload-cpu-gb 64   # M1: multi-turn contexts beyond the KV pool
     pagoda bench kv-share                     # two engines sharing Redis: TTFT of a remote hit vs recompute
+    pagoda bench kv-transfer                  # disaggregated prefill/decode: pages/s and GB/s of a 4,096-token pull
 
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
 `bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it, `--model
@@ -25,6 +26,7 @@ from pathlib import Path
 
 from pagoda_engine.bench.epp_decision import add_epp_decision_arguments
 from pagoda_engine.bench.kv_share import add_kv_share_arguments
+from pagoda_engine.bench.kv_transfer import add_kv_transfer_arguments
 from pagoda_engine.bench.prefix_routing import add_prefix_routing_arguments
 from pagoda_engine.bench.multiturn import add_multiturn_arguments
 from pagoda_engine.bench.serve import add_serve_arguments
@@ -102,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                          "pages against recomputing it")
     _add_engine_and_sizes(kv, offline=False)
     add_kv_share_arguments(kv)
+    kt = sub.add_parser("kv-transfer", help="disaggregated prefill/decode: a producer's pages pulled by a consumer "
+                                            "(two engine cores on one device): pages/s, GB/s, TTFT")
+    _add_engine_and_sizes(kt, offline=False)
+    add_kv_transfer_arguments(kt)
     pr = sub.add_parser("prefix-routing", help="precise (KV events) against approximate prefix routing over "
                                                "several engines: a multi-tenant prefix workload")
     add_engine_args(pr)
@@ -151,6 +157,10 @@ def run(args: argparse.Namespace) -> int:
         from pagoda_engine.bench.kv_share import run_kv_share
 
         result = run_kv_share(args)
+    elif args.bench == "kv-transfer":
+        from pagoda_engine.bench.kv_transfer import run_kv_transfer
+
+        result = run_kv_transfer(args, config)
     elif args.bench == "prefix-routing":
         from pagoda_engine.bench.prefix_routing import run_prefix_routing
 

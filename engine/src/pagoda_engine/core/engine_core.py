@@ -30,8 +30,9 @@ from pagoda_engine.config import EngineConfig, resolve_for_device
 from pagoda_engine.core.in_flight import StepsInFlight
 from pagoda_engine.core.kv.events import KVEventPublisher
 from pagoda_engine.core.kv.manager import KVCacheManager
-from pagoda_engine.core.kv.offload.setup import start_offload
+from pagoda_engine.core.kv.offload.setup import page_identity, start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
+from pagoda_engine.core.kv_transfer import KVTransfer
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.core.spec_decode import SpecDecoder
@@ -128,6 +129,7 @@ class EngineCore:
         self.kv = KVCacheManager(self.num_kv_pages, cc.block_size, cc.enable_prefix_caching)
         if config.kv_offload_enabled:
             self.kv.offload = start_offload(config, executor, self.kv.pool, self.model_dir)
+        self.kv_transfer = self._start_kv_transfer() if config.kv_transfer_config.enabled else None
         spec = SpecDecoder(config.speculative_config) if config.speculative_config.enabled else None
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
         self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
@@ -154,6 +156,14 @@ class EngineCore:
             warm_up_steps(self)
             logger.info("warm-up steps took %.1fs", time.monotonic() - t1)
 
+    def _start_kv_transfer(self) -> KVTransfer:
+        """Disaggregated prefill/decode's control plane, under the fingerprint of what makes two
+        engines' pages interchangeable (the KV tiers' own)."""
+        fingerprint, layout = page_identity(self.config, self.executor, self.model_dir)
+        description = f"model {self.served_model_name}, {layout}"
+        return KVTransfer(self.config.kv_transfer_config, self.executor, self.kv.pool, self.config.cache.block_size,
+                          fingerprint.hex(), description, self.config.parallel.data_parallel_rank)
+
     @property
     def cuda_graphs(self) -> bool:
         """Whether this engine replays CUDA graphs (decode ones at least; see `cudagraph_mode`)."""
@@ -162,6 +172,11 @@ class EngineCore:
     def check_alive(self) -> None:
         """While idle: EngineDeadError when a worker rank (on this host or another node) is gone."""
         self.executor.check_alive()
+
+    def release_expired(self) -> bool:
+        """While idle: pages held for remote decode that were pulled or outlived their bound go
+        back to the pool (`KVTransfer.poll`). Whether any did (the core then publishes its stats)."""
+        return self.kv_transfer is not None and self.kv_transfer.poll()
 
     def close(self) -> None:
         """Stop the tensor-parallel workers, if any; the core cannot step afterwards. Idempotent."""
@@ -173,6 +188,8 @@ class EngineCore:
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None and scheduler.spec is not None:
             scheduler.spec.log()
+        if getattr(self, "kv_transfer", None) is not None:
+            self.kv_transfer.close()
         if getattr(self, "kv_events", None) is not None:
             self.kv_events.close()
             self.kv_events = None
@@ -220,12 +237,15 @@ class EngineCore:
             arrival_time=req.arrival_time or time.time(), priority=req.priority,
             output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
             num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
-            grammar=self.grammars.submit(structured) if structured is not None else None)
+            grammar=self.grammars.submit(structured) if structured is not None else None,
+            kv_transfer_params=req.sampling_params.kv_transfer_params)
         if request.grammar is not None and request.num_resumed_tokens:
             request.grammar.resume_after(request.output_token_ids)  # replayed once compiled (check_compiled)
         if request.waits_for_grammar:
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
+        if self.kv_transfer is not None and request.kv_transfer_params is not None:
+            self.kv_transfer.start_pull(request)
 
     def take_refused(self) -> list[EngineCoreError]:
         """Requests accepted earlier whose grammar then failed to compile (they are gone)."""
@@ -258,7 +278,8 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests to run, batches in flight, or KV offload copies still holding pages."""
         return (self.scheduler.has_unfinished_requests() or bool(self.in_flight.batch_queue)
-                or (self.kv.offload is not None and self.kv.offload.busy))
+                or (self.kv.offload is not None and self.kv.offload.busy)
+                or (self.kv_transfer is not None and self.kv_transfer.busy))
 
     # --- lockstep with the other cores (experts across data-parallel cores) -------------------
     @property
@@ -321,6 +342,8 @@ class EngineCore:
         return outputs
 
     def _step(self) -> EngineCoreOutputs:
+        if self.kv_transfer is not None:
+            self.kv_transfer.poll()
         if self.in_flight.max_batches > 1:
             self.check_compiled(idle=not self.in_flight.batch_queue and not self.scheduler.running)
             return self.in_flight.step_with_batch_queue()
@@ -366,12 +389,16 @@ class EngineCore:
                 lps = [lp] if lp is not None else None
             else:
                 lps = lps[:num_new] if lps[0] is not None else None
+            transfer = None
+            if (req.is_finished and req.kv_transfer_params is not None and self.kv_transfer is not None
+                    and req.kv_transfer_params.get("do_remote_decode") and req.finish_reason.value != "abort"):
+                transfer = self.kv_transfer.hold(req)
             outputs.append(EngineCoreOutput(
                 request_id=req.request_id, new_token_ids=token_id_array(req.output_token_ids[-num_new:]),
                 new_logprobs=lps, prompt_logprobs=prompt_lps,
                 finish_reason=req.finish_reason.value if req.finish_reason else None,
                 stop_reason=req.stop_reason, num_cached_tokens=max(req.num_cached_tokens, 0),
-                events=req.take_events()))
+                events=req.take_events(), kv_transfer_params=transfer))
         return outputs
 
     def wait_for_offload(self) -> None:
@@ -385,6 +412,8 @@ class EngineCore:
         instead of spinning on empty steps."""
         if self.kv.offload is not None and self.kv.offload.busy:
             time.sleep(_OFFLOAD_IDLE_WAIT_S)
+        elif self.kv_transfer is not None:
+            self.kv_transfer.idle()
 
     def get_stats(self, num_scheduled_tokens: int = 0) -> SchedulerStats:
         """The scheduler's state now; `num_scheduled_tokens`: what the step sending it scheduled.
@@ -400,4 +429,5 @@ class EngineCore:
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [],
             spec_decode=[spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                         *spec.accepted_per_pos] if spec is not None else [])
+                         *spec.accepted_per_pos] if spec is not None else [],
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else [])

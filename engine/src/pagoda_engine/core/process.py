@@ -216,6 +216,8 @@ class CoreLoop:
                     return
                 else:
                     self.core.check_alive()  # a rank that died while idle fails the core now, not at the next request
+                    if getattr(self.core, "release_expired", bool)():  # pages held for remote decode
+                        self.send(EngineCoreOutputs(outputs=[], stats=self.core.get_stats()))
 
     def run_lockstep(self) -> None:
         """The loop of a core whose experts span the pod's cores (see the module docstring)."""

@@ -70,6 +70,10 @@ class Request:
     grammar: RequestGrammar | None = None
     # Speculative decoding: tokens drafted after its last one, verified by the step being scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Disaggregated prefill/decode (`core/kv_transfer.py`): the request's `kv_transfer_params`, and
+    # whether it waits, unscheduled, for its prompt's pages from a producer.
+    kv_transfer_params: dict | None = None
+    waits_for_remote_kv: bool = False
 
     def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))

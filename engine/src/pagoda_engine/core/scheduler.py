@@ -207,8 +207,9 @@ class Scheduler:
         for req in sorted(self.waiting, key=self._queue_key) if admitting else ():
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
-            if req.waits_for_grammar or self.kv.is_loading(req):
-                continue  # its grammar compiles, or its prefix comes up from an offload tier: the others go first
+            if req.waits_for_grammar or req.waits_for_remote_kv or self.kv.is_loading(req):
+                continue  # its grammar compiles, its prefix comes up from an offload tier or from a
+                # producer engine (disaggregated prefill): the others go first
             if req.num_output_placeholders and skip_in_flight:
                 break  # preempted while its batch is in flight: readmitted once that batch is back
             # Only a request preempted in this very call can still wait for a token, and then

@@ -34,6 +34,7 @@ from pagoda_engine.config import ServerConfig
 from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
+from pagoda_engine.router.disagg import DecodeLoad, DisaggRouter
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.kv_index import add_kv_event_arguments, check_kv_event_arguments, request_tokens, \
     start_prefix_source
@@ -51,6 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--backends", help="comma-separated engine URLs, e.g. http://10.0.0.5:8000,http://10.0.0.6:8000")
     src.add_argument("--k8s-service", metavar="NAMESPACE/NAME",
                      help="discover engines from this Service's EndpointSlices (watched)")
+    src.add_argument("--decode-backends", metavar="URLS",
+                     help="disaggregated prefill/decode (`router/disagg.py`): the decode engines' URLs "
+                          "(--kv-transfer-config kv_consumer); each request's answer comes from one of them")
+    src.add_argument("--decode-k8s-service", metavar="NAMESPACE/NAME",
+                     help="disaggregated prefill/decode in a cluster: the decode engines are this Service's "
+                          "EndpointSlices (watched), e.g. the Service selecting llm-d.ai/role=decode")
+    parser.add_argument("--prefill-backends", metavar="URLS",
+                        help="with --decode-backends: the prefill engines' URLs (kv_producer), which run each "
+                             "prompt first and hold its pages for the decode engine")
+    parser.add_argument("--prefill-k8s-service", metavar="NAMESPACE/NAME",
+                        help="with --decode-k8s-service: the prefill engines are this Service's EndpointSlices "
+                             "(watched), e.g. the Service selecting llm-d.ai/role=prefill")
     parser.add_argument("--policy", default="prefix-aware", choices=POLICIES)
     parser.add_argument("--host", default="0.0.0.0")
     parser.add_argument("--port", type=int, default=8000)
@@ -88,7 +101,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _validate_args(args: argparse.Namespace) -> None:
     """Refuse, with a message naming the flag, anything the router cannot run with."""
-    if args.backends is not None:
+    args.prefill_urls, args.prefill_k8s = None, None
+    if args.prefill_backends is not None and args.decode_backends is None:
+        raise BackendConfigError("--prefill-backends needs --decode-backends (the engines that decode)")
+    if args.prefill_k8s_service is not None and args.decode_k8s_service is None:
+        raise BackendConfigError("--prefill-k8s-service needs --decode-k8s-service (the engines that decode)")
+    if args.decode_k8s_service is not None:
+        args.backend_urls, args.prefill_urls = None, []
+        args.k8s_namespace, args.k8s_name = parse_k8s_service(args.decode_k8s_service)
+        args.k8s_service = args.decode_k8s_service
+        if args.prefill_k8s_service is not None:
+            args.prefill_k8s = parse_k8s_service(args.prefill_k8s_service)
+        if args.model is not None:
+            raise BackendConfigError("--kv-events-port / --kv-events-bind are not supported with --decode-k8s-service "
+                                     "yet")
+    elif args.decode_backends is not None:
+        args.backend_urls = parse_backend_list(args.decode_backends)
+        args.prefill_urls = parse_backend_list(args.prefill_backends) if args.prefill_backends else []
+        if args.model is not None:
+            raise BackendConfigError("--kv-events-port / --kv-events-bind are not supported with --decode-backends yet")
+    elif args.backends is not None:
         args.backend_urls = parse_backend_list(args.backends)
     else:
         args.backend_urls = None
@@ -162,11 +194,34 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             policy = make_policy(args.policy, load_factor=args.prefix_load_factor)
         else:
             policy = make_policy(args.policy)
+        if args.prefill_urls is not None:
+            policy = DecodeLoad()  # the decode engines: least KV usage, then load
         router = Router(pool, policy, metrics, client,
                         QueueConfig(args.queue_size, args.queue_timeout, args.retry_after),
                         backend_api_key=args.backend_api_key, forward_client_key=args.client_keys is None,
                         max_migrations=args.max_migrations, max_waiting_per_model=args.max_waiting_per_model)
         state["router"], state["pool"] = router, pool
+        tasks, prefill_watcher = [], None
+        if args.prefill_urls is not None:
+            # Prefill/decode: the pool above holds the decode engines (least KV usage); the prefill
+            # engines are a pool of their own, chosen by prefix affinity.
+            prefill_pool = BackendPool(client, metrics, poll_interval=args.health_interval,
+                                       poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
+            if args.prefill_k8s is not None:
+                namespace, name = args.prefill_k8s
+                prefill_watcher = EndpointSliceWatcher(namespace, name, prefill_pool.set_urls,
+                                                       asyncio.get_running_loop(), port_name=args.backend_port_name,
+                                                       kubeconfig=args.kubeconfig)
+                prefill_watcher.start()
+            else:
+                prefill_pool.set_urls(args.prefill_urls)
+                await prefill_pool.poll_all()
+            state["prefill_pool"] = prefill_pool
+            tasks.append(asyncio.create_task(prefill_pool.run()))
+            prefill = Router(prefill_pool, make_policy("prefix-aware", load_factor=args.prefix_load_factor), metrics,
+                             client, QueueConfig(0, 0.0, args.retry_after), backend_api_key=args.backend_api_key,
+                             forward_client_key=args.client_keys is None, max_migrations=args.max_migrations)
+            state["disagg"] = DisaggRouter(prefill, router, metrics)
         watcher = None
         def set_urls(urls: list[str]) -> None:
             pool.set_urls(urls)
@@ -186,6 +241,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             yield
         finally:
             poller.cancel()
+            for task in tasks:
+                task.cancel()
+            if prefill_watcher is not None:
+                prefill_watcher.stop()
             if watcher is not None:
                 watcher.stop()
             if prefixes is not None:
@@ -221,6 +280,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
                     key = TokenKey(key.page_hashes, tuple(tokens))
                 except Exception as e:  # e.g. a chat the template refuses: the engine will say so; route approximately
                     log.debug("no token ids for precise routing: %s", e)
+        if routed and "disagg" in state:
+            return await state["disagg"].forward(request.method, request.url.path, request.headers, body,
+                                                 await request.json(), model, key,
+                                                 bool(args.max_migrations and migratable(parsed)))
         migrate = await request.json() if routed and args.max_migrations and migratable(parsed) else None
         return await state["router"].forward(request.method, request.url.path, request.headers, body, model, key,
                                              migrate)
@@ -255,7 +318,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/router/backends")
     async def backends() -> dict:
-        return {"policy": args.policy, "backends": state["pool"].describe()}
+        described = {"policy": args.policy, "backends": state["pool"].describe()}
+        if "prefill_pool" in state:  # prefill/decode: `backends` are the decode engines
+            described.update(policy="decode-load", prefill_policy="prefix-aware",
+                             prefill_backends=state["prefill_pool"].describe())
+        return described
 
     @app.get("/version")
     async def version() -> dict:
@@ -281,6 +348,9 @@ def run(args: argparse.Namespace) -> int:
 
     app = build_app(args)
     source = ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}"
+    if args.prefill_urls is not None:
+        prefill = f"EndpointSlices of {args.prefill_k8s_service}" if args.prefill_k8s else ",".join(args.prefill_urls)
+        source = f"prefill {prefill or 'none'} / decode {source}"
     log.info("routing %s over %s on %s:%d", args.policy, source, args.host, args.port)
     if args.client_keys is not None:
         log.info("clients need one of the %d key(s) of --api-key-file %s", len(args.client_keys), args.api_key_file)

@@ -44,6 +44,9 @@ class RouterMetrics:
                                            "another backend as a continuation's resume_token_ids", registry=r)
         self.stream_errors = Counter("pagoda_router:stream_errors", "Streams ended by an error event: they "
                                      "broke and could not be continued", registry=r)
+        self.pd_requests = Counter("pagoda_router:pd_requests", "Requests in prefill/decode mode by how they "
+                                   "ran: disaggregated (a prefill engine, then a decode engine) or decode_only "
+                                   "(no prefill engine ready, the prefill failed, or n > 1)", ["mode"], registry=r)
         self.backends_ready = Gauge("pagoda_router:backends_ready", "Backends passing health checks",
                                     registry=r)
         self.backend_up = Gauge("pagoda_router:backend_up", "1 when the backend passes health checks",

@@ -58,6 +58,7 @@ from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
 from pagoda_engine.worker.kv_offload import KVOffloader
+from pagoda_engine.worker import kv_transfer
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
@@ -111,6 +112,7 @@ class Worker:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         self.offload: KVOffloader | None = None
+        self.nixl: kv_transfer.NixlPages | None = None  # disaggregated prefill/decode over NIXL
         self.profiler: RankProfiler | None = None
         # This rank compiles its Triton kernels ahead, several at once, before the profile step,
         # the sampler's warm-up and the graphs' capture (`compile_ahead`): the executor decides it
@@ -232,6 +234,26 @@ class Worker:
 
     def kv_offload_poll(self) -> OffloadEvents:
         return self.offload.poll()
+
+    def kv_transfer_send(self, *args) -> int:
+        """`kv_transfer.send_pages` from this rank's pool (disaggregated prefill's producer)."""
+        return kv_transfer.send_pages(self.attn.kv_caches, *args)
+
+    def kv_transfer_recv(self, *args) -> int:
+        """`kv_transfer.recv_pages` into this rank's pool (a consumer)."""
+        return kv_transfer.recv_pages(self.attn.kv_caches, *args)
+
+    def kv_transfer_nixl_start(self, name: str) -> tuple[bytes, str]:
+        """Register this rank's pool with a NIXL agent; its metadata and memory type."""
+        self.nixl = kv_transfer.NixlPages(self.attn.kv_caches, name)
+        return self.nixl.metadata(), self.nixl.mem_type
+
+    def kv_transfer_nixl_descs(self, page_ids: list[int]) -> list[list[int]]:
+        return self.nixl.descs(page_ids)
+
+    def kv_transfer_nixl_read(self, *args) -> int:
+        """`kv_transfer.NixlPages.read` into this rank's pool (a consumer)."""
+        return self.nixl.read(*args)
 
     def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not

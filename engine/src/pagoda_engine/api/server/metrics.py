@@ -21,6 +21,9 @@ feed them:
   - with speculative decoding, vLLM's counters from `SchedulerStats.spec_decode`:
     `spec_decode_num_drafts`, `_num_draft_tokens`, `_num_accepted_tokens` and
     `_num_accepted_tokens_per_pos` (labelled `position`);
+  - with `--kv-transfer-config`, `SchedulerStats.kv_transfer`: `kv_transfer_*` (bytes sent and
+    received, pull seconds, pulls, failures, fallbacks, pages held) and vLLM's
+    `external_prefix_cache_queries` / `_hits` (prompt tokens received instead of computed);
   - with KV offload tiers, each tier's figures (`SchedulerStats.kv_offload`), labelled
     `tier="cpu"|"disk"|"remote"`: capacity and usage in bytes, hit and miss tokens, bytes stored
     and loaded, errors, and the load-latency histogram `kv_offload_load_seconds`; with CUDA,
@@ -134,6 +137,7 @@ class _SchedulerStatsCollector(Collector):
                     family.add_metric([self.model_name, str(engine)], getattr(stats, field))
                 yield family
         yield from self._spec_decode()
+        yield from self._kv_transfer()
         if not any(stats.kv_offload for stats in self.stats):
             return
         labels = [*_LABELS, "tier"]
@@ -183,6 +187,39 @@ class _SchedulerStatsCollector(Collector):
             for position, count in enumerate(stats.spec_decode[len(_SPEC_DECODE_FAMILIES):]):
                 family.add_metric([self.model_name, str(engine), str(position)], count)
         yield family
+
+
+    def _kv_transfer(self):
+        """Disaggregated prefill/decode's figures (`SchedulerStats.kv_transfer`), where it is on."""
+        if not any(stats.kv_transfer for stats in self.stats):
+            return
+        for i, (kind, name, doc) in enumerate(_KV_TRANSFER_FAMILIES):
+            family = kind(name, doc, labels=_LABELS)
+            for engine, stats in enumerate(self.stats):
+                if stats.kv_transfer:
+                    family.add_metric([self.model_name, str(engine)], stats.kv_transfer[i])
+            yield family
+
+
+# Disaggregated prefill/decode, in `SchedulerStats.kv_transfer`'s order .
+_KV_TRANSFER_FAMILIES = (
+    (CounterMetricFamily, "pagoda:kv_transfer_sent_bytes", "KV page bytes this producer sent to decode engines."),
+    (CounterMetricFamily, "pagoda:kv_transfer_received_bytes", "KV page bytes this consumer pulled from producers."),
+    (CounterMetricFamily, "pagoda:kv_transfer_seconds", "Wall time of this consumer's pulls that landed "
+                                                         "(handshake and pages)."),
+    (CounterMetricFamily, "pagoda:kv_transfer_pulls", "Pulls of remote KV pages that landed."),
+    (CounterMetricFamily, "pagoda:kv_transfer_failures", "Pulls that failed, timed out or were refused at the "
+                                                          "handshake."),
+    (CounterMetricFamily, "pagoda:kv_transfer_fallbacks", "Requests that computed their prompt themselves instead "
+                                                           "of pulling it."),
+    (GaugeMetricFamily, "pagoda:kv_transfer_pages_held", "Pages a producer holds for decode engines to pull."),
+    (CounterMetricFamily, "pagoda:external_prefix_cache_queries",
+     "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+     "queried tokens."),
+    (CounterMetricFamily, "pagoda:external_prefix_cache_hits",
+     "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+     "cached tokens."),
+)
 
 
 # Speculative decoding's counters, in `SchedulerStats.spec_decode`'s order (vLLM's names and help).

@@ -160,11 +160,15 @@ class _SamplingRequest(_StrictModel):
     # start of the output (counted against max_tokens, min_tokens and in `usage`, replayed
     # through stop strings and parsers) and streams only what follows. stream=True and n=1 only.
     resume_token_ids: list[TokenId] | None = Field(None, min_length=1, max_length=1 << 20)
+    # vLLM's disaggregated prefill/decode fields (`kv_transfer.py`): {"do_remote_decode": true} to a
+    # prefill engine; the params its response returned to a decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _sampling_kwargs(self, defaults: dict[str, Any]) -> dict[str, Any]:
         """SamplingParams keywords: the request's values, and `defaults` (the model's, from its
         generation config) for the sampling fields it leaves unset."""
         kw: dict[str, Any] = dict(
+            kv_transfer_params=self.kv_transfer_params,
             n=self.n,
             stop=self.stop,
             stop_token_ids=self.stop_token_ids,

@@ -92,6 +92,8 @@ class OpenAIServingChat(OpenAIServing):
                 choice.token_ids = c.token_ids
         if req.prompt_logprobs is not None:
             extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
+        if out.kv_transfer_params is not None:
+            extra["kv_transfer_params"] = out.kv_transfer_params
         return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                       usage=self._usage(len(ids), num_generated, out.num_cached_tokens), **extra)
 

@@ -116,9 +116,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
+        transfer = next((out.kv_transfer_params for out in finals.values() if out.kv_transfer_params), None)
         return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
                                   usage=self._usage(num_prompt, num_generated,
-                                                    sum(out.num_cached_tokens for out in finals.values())))
+                                                    sum(out.num_cached_tokens for out in finals.values())),
+                                  **({"kv_transfer_params": transfer} if transfer else {}))
 
     def _echo_text(self, text: str | None, ids: list[int]) -> str:
         return text if text is not None else self.tokenizer.decode(ids)

@@ -28,6 +28,7 @@ from pagoda_engine.api.inputs import check_prompt
 from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.async_engine import AsyncEngine, RequestGroup
 from pagoda_engine.api.server.errors import BadRequestError, ModelNotFoundError
+from pagoda_engine.kv_transfer import check_request_params
 from pagoda_engine.api.server.protocol import ModelCard, ModelList, UsageInfo
 from pagoda_engine.api.server.sse import DONE, SSEResponse, sse_error, sse_response
 from pagoda_engine.api.tokenizer import encode_text
@@ -158,6 +159,11 @@ class OpenAIServing:
             raise BadRequestError("Stream options can only be defined when `stream=True`.", param="stream_options")
         if req.prompt_logprobs is not None and req.stream:
             raise BadRequestError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        refusal = check_request_params(req.kv_transfer_params, self.engine.config.kv_transfer_config, req.n)
+        if refusal is None and req.stream and (req.kv_transfer_params or {}).get("do_remote_decode"):
+            refusal = "kv_transfer_params.do_remote_decode returns its params in one response: stream must be false"
+        if refusal is not None:
+            raise BadRequestError(refusal, param="kv_transfer_params")
 
     def _check_resume(self, req, ids: list[int], params: SamplingParams) -> None:
         """A continuation (`resume_token_ids`) must be one streamed sequence whose resumed output
