@@ -142,3 +142,22 @@ def test_word_view_only_where_the_layout_allows():
     assert _as_words(x[:, :6]) is None  # row stride 8, width 6: not whole words
     assert _as_words(x.t()) is None  # last dimension not contiguous
     assert _as_words(torch.randn(3, 5)) is None  # 5 float32 values are not whole words
+
+
+def test_k_and_v_of_two_storages_placed_back_to_back_are_stacked_not_viewed():
+    """K and V that an allocator placed at adjacent addresses but in two storages (separate
+    projections) are copied into a stack: a view over both would reach past K's storage."""
+    from pagoda_engine.worker.attention.base import stacked_kv
+
+    t, h, d = 1, 2, 8
+    buf = bytearray(2 * t * h * d * 4)
+    half = len(buf) // 2
+    k = torch.frombuffer(memoryview(buf)[:half], dtype=torch.float32).view(t, h, d)
+    v = torch.frombuffer(memoryview(buf)[half:], dtype=torch.float32).view(t, h, d)
+    k.copy_(torch.randn(t, h, d))
+    v.copy_(torch.randn(t, h, d))
+    assert v.data_ptr() == k.data_ptr() + h * d * 4
+    assert v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+    stacked = stacked_kv(k, v)
+    assert stacked.data_ptr() != k.data_ptr()
+    assert torch.equal(stacked[:, 0], k) and torch.equal(stacked[:, 1], v)

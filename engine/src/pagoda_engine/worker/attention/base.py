@@ -115,8 +115,11 @@ def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """[T, 2, Hkv, D] of each token's K and V. When V directly follows K in memory (both slices of
     one fused qkv projection, as in every Llama-family layer) this is a view; otherwise a stack."""
     t, h, d = k.shape
+    # One storage as well as adjacent addresses: two tensors the allocator happened to place back to
+    # back are not one view.
     adjacent = (v.shape == k.shape and v.stride() == k.stride() and k.stride(2) == 1 and k.stride(1) == d
-                and v.data_ptr() == k.data_ptr() + h * d * k.element_size())
+                and v.data_ptr() == k.data_ptr() + h * d * k.element_size()
+                and v.untyped_storage().data_ptr() == k.untyped_storage().data_ptr())
     if adjacent:
         return k.as_strided((t, 2, h, d), (k.stride(0), h * d, d, 1))
     return torch.stack((k, v), dim=1)
