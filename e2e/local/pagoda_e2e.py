@@ -7,6 +7,7 @@ Shared by e2e/local and tests/router (their conftests put this directory on sys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -138,6 +139,30 @@ def start_router(port: int, backends: list[str], log_path: Path, extra: list[str
     if wait:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
     return proc
+
+
+@contextlib.contextmanager
+def engines_with_kv_events(tmp: Path, count: int, events_port: int, model: str = "pagoda-tiny",
+                           extra: tuple[str, ...] = ()):
+    """`count` engines of `model` publishing their KV events to the subscriber bound on
+    127.0.0.1:`events_port` (a router's or a picker's --kv-events-bind), each under llm-d's topic
+    `kv@<ip:port>@<model>`; started together and waited for after (they load in parallel). Yields
+    their URLs in port order; stops them on the way out."""
+    ports = sorted(free_port() for _ in range(count))
+    engines = []
+    try:
+        for port in ports:
+            config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}",
+                                 "topic": f"kv@127.0.0.1:{port}@{model}"})
+            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", model,
+                                         "--num-kv-pages", "256", "--max-model-len", "512", *extra,
+                                         "--kv-events-config", config], tmp / f"engine-{port}.log"))
+        for proc, port in zip(engines, ports):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in engines:
+            proc.stop()
 
 
 PROMETHEUS = shutil.which("prometheus")

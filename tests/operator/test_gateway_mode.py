@@ -131,25 +131,10 @@ POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTE = ("gateway.networking.k8s.io", "v1", "httproutes")
 
 
-@pytest.fixture
-def cluster():
-    """An API server without the inference extension's and Gateway API's CRDs, and an operator that
-    rechecks missing CRDs every second."""
-    from tests.operator.apiserver import BackgroundApiServer
-    from tests.operator.test_operator_kmock import Operator
-
-    apiserver = BackgroundApiServer()
-    operator = Operator(apiserver, recheck_crds_seconds=1)
-    operator.start()
-    yield apiserver
-    operator.stop()
-    apiserver.close()
-
-
-def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(cluster):
+def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(apiserver_missing_crds):
     from tests.operator.test_operator_kmock import IS, NS, children_of, conditions, create, get, wait_for
 
-    apiserver = cluster
+    apiserver = apiserver_missing_crds
     body = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"] = {"name": "gw", "namespace": NS}
     create(apiserver, body)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 from envoy_ext_proc import DUPLEX, ext_proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagoda_e2e import free_port, start_pagoda, until
+from pagoda_e2e import engines_with_kv_events, free_port, start_pagoda, until
 
 MODEL = "pagoda-tiny"
 QUEUE_LIMIT = 3
@@ -44,26 +44,13 @@ def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("epp")
     events = free_port()
-    ports = sorted(free_port() for _ in range(3))
-    engines = []
-    try:
-        for port in ports:  # started together, waited for after: they load in parallel
-            config = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
-                      f'"topic": "kv@127.0.0.1:{port}@{MODEL}"}}')
-            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                                         "--num-kv-pages", "256", "--max-model-len", "512", "--max-num-seqs", "1",
-                                         "--kv-events-config", config], tmp / f"engine-{port}.log"))
-        for proc, port in zip(engines, ports):
-            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with engines_with_kv_events(tmp, 3, events, MODEL, extra=("--max-num-seqs", "1")) as urls:
         epp, channel = _epp(tmp, urls, "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}",
                             "--queue-limit", str(QUEUE_LIMIT))
-        yield {"urls": urls, "endpoints": [f"127.0.0.1:{p}" for p in ports], "channel": channel, "tmp": tmp}
+        yield {"urls": urls, "endpoints": [url.removeprefix("http://") for url in urls], "channel": channel,
+               "tmp": tmp}
         channel.close()
         epp.stop()
-    finally:
-        for proc in engines:
-            proc.stop()
 
 
 def _prefix(tenant: int) -> str:

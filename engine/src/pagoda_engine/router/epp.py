@@ -32,6 +32,7 @@ import httpx
 
 from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
+from pagoda_engine.router import entry
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.flow_control import GO, FlowControl
@@ -380,12 +381,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        _validate_args(args)
-    except (BackendConfigError, InvalidEnvironmentError) as e:
-        print(f"pagoda epp: error: {e}", file=sys.stderr)
+    entry.start_logging(args.log_level)
+    if entry.refused("pagoda epp", _validate_args, args, (BackendConfigError, InvalidEnvironmentError)):
         return 2
     try:
         asyncio.run(serve(args))
@@ -398,9 +395,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagoda epp", description="Gateway API inference extension Endpoint Picker")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return entry.main("pagoda epp", "Gateway API inference extension Endpoint Picker", add_arguments, run, argv)
 
 
 if __name__ == "__main__":
