@@ -219,3 +219,55 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
                 undisturbed[i] = _stream(base, path, body, progress)["text"]
             assert got["text"] == undisturbed[i], where
     assert _metric(base, "pagoda_router:stream_errors_total") == 0
+
+
+def _revive(stack) -> None:
+    """Every engine of the stack running again (earlier tests kill and retire some), each ready
+    in the router."""
+    tmp = stack["engines"][0].log_path.parent
+    for i, url in enumerate(stack["urls"]):
+        if not stack["engines"][i].alive():
+            stack["engines"][i] = start_engine(int(url.rsplit(":", 1)[1]), tmp / f"engine{i}-revived.log", ENGINE)
+
+    def all_ready() -> bool:
+        backends = httpx.get(stack["router"] + "/router/backends").json()["backends"]
+        return sum(b["ready"] for b in backends) == len(stack["urls"])
+
+    until(all_ready, 60, "every replica ready in the router")
+
+
+@pytest.mark.parametrize("path, extra", [
+    ("/v1/completions", {"prompt": "Story: once upon a time", "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a fox story."}], "n": 2}),
+    ("/v1/completions", {"prompt": "Story: once upon a time", "echo": True}),
+])
+def test_a_stream_that_cannot_be_continued_ends_with_one_error_event(stack, path, extra):
+    """n > 1 (choices at different points) and echo are not continued elsewhere: when their
+    replica dies mid-stream the client gets one OpenAI error event after the tokens it had,
+    never a silent cut, and the router counts it."""
+    _revive(stack)
+    base = stack["router"]
+    errors_before = _metric(base, "pagoda_router:stream_errors_total")
+    # Long (ignore_eos: some 1,500 steps) so that it is still running when its replica goes.
+    body = {"model": "pagoda-tiny", "max_tokens": 1500, "ignore_eos": True, "stream": True, **extra}
+    frames = []
+    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        serving = r.headers["x-pagoda-backend"]
+        lines = r.iter_lines()
+        for line in lines:  # a few chunks through, then the replica serving it dies
+            if line.startswith("data: "):
+                frames.append(line[6:])
+            if len(frames) == 3:
+                break
+        running = _metric(serving, "pagoda:num_requests_running")
+        stack["engines"][stack["urls"].index(serving)].kill()
+        assert running >= 1, "the stream ended before its replica was killed"
+        frames += [line[6:] for line in lines if line.startswith("data: ")]
+    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+    errors = [c["error"] for c in chunks if "error" in c]
+    assert "[DONE]" not in frames and len(errors) == 1 and "error" in chunks[-1], frames[-3:]
+    assert errors[0]["code"] == "backend_stream_error" and serving in errors[0]["message"], errors
+    assert {"message", "type", "param", "code"} <= set(errors[0])
+    assert not any(ch.get("finish_reason") for c in chunks for ch in c.get("choices") or ())  # it was cut
+    assert _metric(base, "pagoda_router:stream_errors_total") == errors_before + 1
