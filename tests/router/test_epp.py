@@ -6,6 +6,8 @@ FULL_DUPLEX_STREAMED mode GAIE's gateways use; gRPC health."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -166,13 +168,20 @@ def test_the_engines_key_is_set_on_the_routed_request(cluster):
 
 def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster):
     """Flow control over one engine (the subset): while its queue is full, requests are held, then
-    released highest objective first whatever their arrival order."""
+    released highest objective first whatever their arrival order. The priorities come from an
+    objectives file (the operator's ConfigMap), changed after the picker started: the new ones
+    order the queue."""
     engine = cluster["endpoints"][0]
+    objectives = cluster["tmp"] / "objectives.json"
+    objectives.write_text(json.dumps({"interactive": 0, "batch": 10}))
     # Held requests are not sent on, so each release waits for the next poll to show room again: a
     # second between polls keeps the releases (and the callers' returns) far enough apart that a
     # loaded machine's thread scheduling cannot reorder what the test sees (at 0.1 s it did).
     proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
-                         "--objective", "interactive=10", "--objective", "batch=0", "--metrics-interval", "1")
+                         "--objectives-file", str(objectives), "--metrics-interval", "1")
+    swapped = objectives.with_name("objectives.json.new")  # replaced whole, as kubelet swaps a ConfigMap
+    swapped.write_text(json.dumps({"interactive": 10, "batch": 0}))
+    os.replace(swapped, objectives)
     done: list[str] = []
     try:
         def long_request():
@@ -217,7 +226,9 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
 def test_bad_flags_exit_2_naming_the_flag(cluster):
     for flags, says in ((["--backends", "http://127.0.0.1:1", "--kv-events-port", "5557"], "--model"),
                         (["--backends", "ftp://x"], "scheme"),
-                        (["--backends", "http://127.0.0.1:1", "--queue-limit", "0"], "--queue-limit")):
+                        (["--backends", "http://127.0.0.1:1", "--queue-limit", "0"], "--queue-limit"),
+                        (["--backends", "http://127.0.0.1:1", "--objectives-file", str(cluster["tmp"] / "none.json")],
+                         "--objectives-file")):
         proc = start_pagoda(["epp", *flags], cluster["tmp"] / "bad.log")
         deadline = time.monotonic() + 60
         while proc.alive() and time.monotonic() < deadline:
