@@ -29,8 +29,8 @@ import httpx
 import pytest
 
 from k8s_emulator import emulated_cluster
-from pagoda_e2e import PYTHON, Proc, free_port, start_engine, start_router, until
-from streams import assert_whole, metric, read, run_all
+from pagoda_e2e import PYTHON, Proc, free_port, start_engine, start_engines, start_router, until
+from streams import assert_whole, metric, read, run_all, until_engine
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -80,10 +80,7 @@ def requests(n: int, max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict]]:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("no-request-lost")
-    ports = [free_port() for _ in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        engines = list(pool.map(lambda i: start_engine(ports[i], tmp / f"engine{i}.log", ENGINE), range(3)))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    engines, urls = start_engines(tmp, 3, ENGINE)
     port = free_port()
     router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "least-load"])
     state = {"tmp": tmp, "router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
@@ -106,11 +103,14 @@ def test_200_streams_survive_a_sigkill_and_a_restart_with_sigterm(stack):
     restarted = {}
 
     def disturb(progress):
-        # A quarter of the way: engine 1 is told to stop (drain deadline 0.5 s), then started
-        # again on its port; half way: engine 0 dies.
-        until(lambda: progress.frames >= REQUESTS * MAX_TOKENS // 4, 120, "a quarter of the tokens", step=0.01)
+        # Once streams are under way, engine 1 is told to stop (drain deadline 0.5 s) while it
+        # generates with streams queued behind, then engine 0 dies while it generates (read from
+        # the engines: they run far ahead of 200 clients on a small machine); engine 1 is started
+        # again on its port meanwhile.
+        until(lambda: progress.frames >= REQUESTS // 4, 120, "the first tokens", step=0.01)
+        until_engine(urls[1], running=1, waiting=1)
         engines[1].popen.send_signal(signal.SIGTERM)
-        until(lambda: progress.frames >= REQUESTS * MAX_TOKENS // 2, 120, "half of the tokens", step=0.01)
+        until_engine(urls[0], running=1)
         engines[0].kill()
         assert engines[1].popen.wait(30) == 0  # drained and exited cleanly
         restarted["at_frames"] = progress.frames

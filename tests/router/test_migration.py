@@ -12,7 +12,7 @@ import threading
 import httpx
 import pytest
 
-from pagoda_e2e import free_port, start_engine, start_router, until
+from pagoda_e2e import free_port, start_engine, start_engines, start_router, until
 from streams import Progress, assert_whole, metric, read, run_all, until_engine
 
 # Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
@@ -25,10 +25,7 @@ ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("migration")
-    ports = [free_port() for _ in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        engines = list(pool.map(lambda i: start_engine(ports[i], tmp / f"engine{i}.log", ENGINE), range(3)))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    engines, urls = start_engines(tmp, 3, ENGINE)
     port = free_port()
     router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "round-robin"])
     yield {"router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}

@@ -14,10 +14,12 @@ InferenceObjective API's default).
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from pathlib import Path
+
+from pagoda_engine.json_config import json_object
+from pagoda_engine.router.reread import Reread
 
 log = logging.getLogger("pagoda.epp")
 
@@ -42,12 +44,7 @@ def parse_flags(items: list[str]) -> dict[str, int]:
 
 def parse_file_text(text: str, where: str) -> dict[str, int]:
     """An objectives file's JSON object, checked: names map to whole numbers."""
-    try:
-        value = json.loads(text)
-    except ValueError as e:
-        raise ObjectivesError(f"--objectives-file {where}: not valid JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ObjectivesError(f"--objectives-file {where}: expected a JSON object of objective -> priority")
+    value = json_object(text, ObjectivesError, flag=f"--objectives-file {where}", name=f"--objectives-file {where}")
     for name, priority in value.items():
         if not name or not isinstance(priority, int) or isinstance(priority, bool):
             raise ObjectivesError(f"--objectives-file {where}: {name!r}: the priority must be a whole number, "
@@ -65,37 +62,18 @@ class Objectives:
 
     def __init__(self, flags: dict[str, int] | None = None, path: str | None = None,
                  check_interval_s: float = 1.0, clock=time.monotonic):
-        self.path = Path(path) if path is not None else None
-        self.check_interval_s = check_interval_s
-        self._clock = clock
-        self._priorities = dict(flags or {})
-        self._signature = None
-        if self.path is not None:
+        self._fixed = dict(flags or {})
+        self._file = None
+        if path is not None:
+            where = Path(path)
             try:
-                self._signature = _signature(self.path)
-                self._priorities = parse_file_text(self.path.read_text(encoding="utf-8"), str(self.path))
+                self._file = Reread(f"--objectives-file {path}", lambda: _signature(where),
+                                    lambda: parse_file_text(where.read_text(encoding="utf-8"), path),
+                                    check_interval_s, clock, errors=(OSError, UnicodeDecodeError, ObjectivesError),
+                                    on_change=lambda old, new: log.info("objectives re-read from %s: %s", path, new))
             except (OSError, UnicodeDecodeError) as e:
                 raise ObjectivesError(f"--objectives-file {path}: cannot read it ({e})") from None
-        self._checked = clock()
-
-    def __bool__(self) -> bool:
-        return bool(self._priorities) or self.path is not None
-
-    def _refresh(self) -> None:
-        now = self._clock()
-        if self.path is None or now - self._checked < self.check_interval_s:
-            return
-        self._checked = now
-        try:
-            signature = _signature(self.path)
-            if signature == self._signature:
-                return
-            self._priorities = parse_file_text(self.path.read_text(encoding="utf-8"), str(self.path))
-            self._signature = signature
-            log.info("objectives re-read from %s: %s", self.path, self._priorities)
-        except (OSError, UnicodeDecodeError, ObjectivesError) as e:
-            log.warning("keeping the objectives read last: %s", e)
 
     def priority(self, name: str | None) -> int:
-        self._refresh()
-        return self._priorities.get(name or "", 0)
+        priorities = self._file.current() if self._file is not None else self._fixed
+        return priorities.get(name or "", 0)
