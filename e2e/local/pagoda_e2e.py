@@ -162,6 +162,26 @@ def start_engines(tmp: Path, count: int, args, env: dict | None = None) -> tuple
 
 
 @contextlib.contextmanager
+def routed_engines(tmp: Path, count: int, engine_args: list[str], router_args: list[str]):
+    """`count` engines (`start_engines`) behind one `pagoda route`: yields {"tmp", "router" (its
+    URL), "engines", "urls"}. A test may replace processes in "engines" (a restart, a rollout)
+    or add its own there: every one listed at the end is stopped with the router."""
+    engines, urls = start_engines(tmp, count, engine_args)
+    state = {"tmp": tmp, "engines": engines, "urls": urls}
+    router = None
+    try:
+        port = free_port()
+        router = start_router(port, urls, tmp / "router.log", router_args)
+        state["router"] = f"http://127.0.0.1:{port}"
+        yield state
+    finally:
+        if router is not None:
+            router.stop()
+        for proc in state["engines"]:
+            proc.stop()
+
+
+@contextlib.contextmanager
 def engines_with_kv_events(tmp: Path, count: int, events_port: int, model: str = "pagoda-tiny",
                            extra: tuple[str, ...] = ()):
     """`count` engines of `model` publishing their KV events to the subscriber bound on

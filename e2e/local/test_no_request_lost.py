@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from k8s_emulator import emulated_cluster
-from pagoda_e2e import PYTHON, Proc, free_port, start_engine, start_engines, start_router, until
+from pagoda_e2e import PYTHON, Proc, free_port, routed_engines, start_engine, until
 from streams import assert_whole, metric, read, run_all, until_engine
 
 pytestmark = pytest.mark.e2e
@@ -79,15 +79,9 @@ def requests(n: int, max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict]]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("no-request-lost")
-    engines, urls = start_engines(tmp, 3, ENGINE)
-    port = free_port()
-    router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "least-load"])
-    state = {"tmp": tmp, "router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
-    yield state
-    router.stop()
-    for e in state["engines"]:
-        e.stop()
+    with routed_engines(tmp_path_factory.mktemp("no-request-lost"), 3, ENGINE,
+                        ["--health-interval", "0.5", "--policy", "least-load"]) as state:
+        yield state
 
 
 def test_200_streams_survive_a_sigkill_and_a_restart_with_sigterm(stack):

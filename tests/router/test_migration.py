@@ -5,6 +5,7 @@ sampling, some with a JSON schema, some whole responses) run once undisturbed an
 with the undisturbed run's text and token ids, each token once, one finish and one usage."""
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import threading
@@ -12,7 +13,7 @@ import threading
 import httpx
 import pytest
 
-from pagoda_e2e import free_port, start_engine, start_engines, start_router, until
+from pagoda_e2e import routed_engines, start_engine, until
 from streams import Progress, assert_whole, metric, read, run_all, until_engine
 
 # Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
@@ -24,14 +25,9 @@ ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("migration")
-    engines, urls = start_engines(tmp, 3, ENGINE)
-    port = free_port()
-    router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "round-robin"])
-    yield {"router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
-    router.stop()
-    for e in engines:
-        e.stop()
+    with routed_engines(tmp_path_factory.mktemp("migration"), 3, ENGINE,
+                        ["--health-interval", "0.5", "--policy", "round-robin"]) as state:
+        yield state
 
 
 def _requests(n: int) -> list[tuple[str, dict]]:
@@ -147,38 +143,45 @@ def _revive(stack) -> None:
     until(all_ready, 60, "every replica ready in the router")
 
 
-@pytest.mark.parametrize("path, extra", [
+NOT_CONTINUED = [
     ("/v1/completions", {"prompt": "Story: once upon a time", "n": 2}),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a fox story."}], "n": 2}),
     ("/v1/completions", {"prompt": "Story: once upon a time", "echo": True}),
-])
-def test_a_stream_that_cannot_be_continued_ends_with_one_error_event(stack, path, extra):
+]
+
+
+def test_streams_that_cannot_be_continued_end_with_one_error_event(stack):
     """n > 1 (choices at different points) and echo are not continued elsewhere: when their
     replica dies mid-stream the client gets one OpenAI error event after the tokens it had,
-    never a silent cut, and the router counts it."""
+    never a silent cut, and the router counts each."""
     _revive(stack)
     base = stack["router"]
     errors_before = metric(base, "pagoda_router:stream_errors_total")
-    # Long (ignore_eos: some 1,500 steps) so that it is still running when its replica goes.
-    body = {"model": "pagoda-tiny", "max_tokens": 1500, "ignore_eos": True, "stream": True, **extra}
-    frames = []
-    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        serving = r.headers["x-pagoda-backend"]
-        lines = r.iter_lines()
-        for line in lines:  # a few chunks through, then the replica serving it dies
-            if line.startswith("data: "):
-                frames.append(line[6:])
-            if len(frames) == 3:
-                break
-        running = metric(serving, "pagoda:num_requests_running")
-        stack["engines"][stack["urls"].index(serving)].kill()
-        assert running >= 1, "the stream ended before its replica was killed"
-        frames += [line[6:] for line in lines if line.startswith("data: ")]
-    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
-    errors = [c["error"] for c in chunks if "error" in c]
-    assert "[DONE]" not in frames and len(errors) == 1 and "error" in chunks[-1], frames[-3:]
-    assert errors[0]["code"] == "backend_stream_error" and serving in errors[0]["message"], errors
-    assert {"message", "type", "param", "code"} <= set(errors[0])
-    assert not any(ch.get("finish_reason") for c in chunks for ch in c.get("choices") or ())  # it was cut
-    assert metric(base, "pagoda_router:stream_errors_total") == errors_before + 1
+    with contextlib.ExitStack() as opened:
+        streams = []
+        for path, extra in NOT_CONTINUED:
+            # Long (ignore_eos: some 1,500 steps) so that it is still running when its replica goes.
+            body = {"model": "pagoda-tiny", "max_tokens": 1500, "ignore_eos": True, "stream": True, **extra}
+            r = opened.enter_context(httpx.stream("POST", base + path, json=body, timeout=120))
+            assert r.status_code == 200, r.read()
+            lines, frames = r.iter_lines(), []
+            for line in lines:  # a few chunks through
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                if len(frames) == 3:
+                    break
+            streams.append((r.headers["x-pagoda-backend"], lines, frames))
+        serving = {backend for backend, _, _ in streams}
+        running = {url: metric(url, "pagoda:num_requests_running") for url in serving}
+        for url in serving:  # then the replicas serving them die
+            stack["engines"][stack["urls"].index(url)].kill()
+        assert all(n >= 1 for n in running.values()), f"a stream ended before its replica was killed: {running}"
+        for backend, lines, frames in streams:
+            frames += [line[6:] for line in lines if line.startswith("data: ")]
+            chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+            errors = [c["error"] for c in chunks if "error" in c]
+            assert "[DONE]" not in frames and len(errors) == 1 and "error" in chunks[-1], frames[-3:]
+            assert errors[0]["code"] == "backend_stream_error" and backend in errors[0]["message"], errors
+            assert {"message", "type", "param", "code"} <= set(errors[0])
+            assert not any(ch.get("finish_reason") for c in chunks for ch in c.get("choices") or ())  # it was cut
+    assert metric(base, "pagoda_router:stream_errors_total") == errors_before + len(NOT_CONTINUED)
