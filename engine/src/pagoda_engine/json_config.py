@@ -1,6 +1,7 @@
 """The one reader of a JSON-valued flag (`--profiler-config`, `--kv-events-config`,
-`--speculative-config`): JSON text or an already parsed dict in, a dict out, each fault raised as
-the caller's own error type with the caller's wording, so every flag names itself in its messages.
+`--speculative-config`, `--override-generation-config`, `pagoda epp --objectives-file`): JSON text
+or an already parsed dict in, a dict out, each fault raised as the caller's own error type with
+the caller's wording, so every flag names itself in its messages.
 
 A base module: no torch, no layer of the engine (the CLI and the operator check these flags
 before anything starts).
