@@ -252,7 +252,7 @@ def gateway_cluster():
 
 
 def test_objectives_reach_the_pickers_configmap_and_the_pools_parents_reach_the_status(gateway_cluster):
-    from tests.operator.test_operator_kmock import IS, NS, create, get, path_of, request, status_of, wait_for
+    from tests.operator.test_operator_kmock import IS, NS, create, get, patch_spec, path_of, request, status_of, wait_for
 
     apiserver = gateway_cluster
 
@@ -308,3 +308,8 @@ def test_objectives_reach_the_pickers_configmap_and_the_pools_parents_reach_the_
     # The reconciler's own conditions stay beside the copied ones.
     assert {c["type"] for c in status_of(apiserver, "gw")["conditions"]} >= {"Ready", "Validated"}
     assert get(apiserver, IS, "gw")["status"]["inferencePool"]["parents"][0]["name"] == "inference-gateway"
+
+    # Back to the router alone: the pool is pruned, and its parents leave the status.
+    patch_spec(apiserver, "gw", {"router": {"mode": "builtin", "gateway": None}})
+    wait_for("the pool pruned", lambda: get(apiserver, POOL, "gw") is None)
+    wait_for("status.inferencePool gone", lambda: "inferencePool" not in status_of(apiserver, "gw"))

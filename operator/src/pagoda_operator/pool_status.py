@@ -6,7 +6,8 @@ Gateway with its conditions `Accepted` (the Gateway admits routes to the pool) a
 InferencePools it made and copies each parent's reference and those conditions into the owning
 InferenceService's `status.inferencePool.parents`, applied as its own field manager,
 `pagoda-pool-status` (the reconciler, the autoscaler and the KV-tier reader own the rest of the
-status). A pool no gateway has taken up yet shows `parents: []`. `pool_status` is pure.
+status). A pool no gateway has taken up yet shows `parents: []`; a deleted pool, none. `pool_status`
+is pure.
 """
 
 from __future__ import annotations
@@ -48,8 +49,10 @@ def _owner(pool: dict[str, Any]) -> str | None:
                  if ref.get("kind") == KIND and ref.get("apiVersion", "").startswith(f"{SERVICE_GROUP}/")), None)
 
 
-async def on_pool(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A pool of ours changed (a gateway wrote its status): apply its parents to the owner's status when they differ."""
+async def on_pool(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A pool of ours changed (a gateway wrote its status): apply its parents to the owner's
+    status when they differ. A deleted pool (the service left gateway mode) takes them away:
+    applying nothing removes what this manager applied before."""
     pool = dict(body)
     owner = _owner(pool)
     if owner is None:
@@ -58,10 +61,10 @@ async def on_pool(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     service = await kube.get(memo.kube, API_VERSION, KIND, namespace, owner)
     if service is None:
         return
-    new = pool_status(pool)
+    new = None if event.get("type") == "DELETED" else pool_status(pool)
     if (service.get("status") or {}).get("inferencePool") == new:
         return
-    await kube.apply_status(memo.kube, namespace, owner, {"inferencePool": new}, FIELD_MANAGER)
+    await kube.apply_status(memo.kube, namespace, owner, {} if new is None else {"inferencePool": new}, FIELD_MANAGER)
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
