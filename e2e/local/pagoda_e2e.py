@@ -7,6 +7,7 @@ Shared by e2e/local and tests/router (their conftests put this directory on sys.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -138,6 +139,67 @@ def start_router(port: int, backends: list[str], log_path: Path, extra: list[str
     if wait:
         proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=60)
     return proc
+
+
+def start_engines(tmp: Path, count: int, args, env: dict | None = None) -> tuple[list[Proc], list[str]]:
+    """`count` engines (`pagoda serve` on 127.0.0.1, free ports) started together and waited for
+    after, so they load in parallel: their processes and URLs, in port order. `args`: the flags
+    of each, or a function of its port giving them. A start that fails stops the others."""
+    ports = sorted(free_port() for _ in range(count))
+    engines = []
+    try:
+        for port in ports:
+            flags = args(port) if callable(args) else args
+            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), *flags],
+                                        tmp / f"engine-{port}.log", env=env))
+        for proc, port in zip(engines, ports):
+            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
+    except BaseException:
+        for proc in engines:
+            proc.stop()
+        raise
+    return engines, [f"http://127.0.0.1:{p}" for p in ports]
+
+
+@contextlib.contextmanager
+def routed_engines(tmp: Path, count: int, engine_args: list[str], router_args: list[str]):
+    """`count` engines (`start_engines`) behind one `pagoda route`: yields {"tmp", "router" (its
+    URL), "engines", "urls"}. A test may replace processes in "engines" (a restart, a rollout)
+    or add its own there: every one listed at the end is stopped with the router."""
+    engines, urls = start_engines(tmp, count, engine_args)
+    state = {"tmp": tmp, "engines": engines, "urls": urls}
+    router = None
+    try:
+        port = free_port()
+        router = start_router(port, urls, tmp / "router.log", router_args)
+        state["router"] = f"http://127.0.0.1:{port}"
+        yield state
+    finally:
+        if router is not None:
+            router.stop()
+        for proc in state["engines"]:
+            proc.stop()
+
+
+@contextlib.contextmanager
+def engines_with_kv_events(tmp: Path, count: int, events_port: int, model: str = "pagoda-tiny",
+                           extra: tuple[str, ...] = ()):
+    """`count` engines of `model` publishing their KV events to the subscriber bound on
+    127.0.0.1:`events_port` (a router's or a picker's --kv-events-bind), each under llm-d's topic
+    `kv@<ip:port>@<model>` (`start_engines`). Yields their URLs in port order; stops them on the
+    way out."""
+    def flags(port: int) -> list[str]:
+        config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}",
+                             "topic": f"kv@127.0.0.1:{port}@{model}"})
+        return ["--model", model, "--num-kv-pages", "256", "--max-model-len", "512", *extra,
+                "--kv-events-config", config]
+
+    engines, urls = start_engines(tmp, count, flags)
+    try:
+        yield urls
+    finally:
+        for proc in engines:
+            proc.stop()
 
 
 PROMETHEUS = shutil.which("prometheus")

@@ -25,3 +25,19 @@ def engine_with_kv_tiers(monkeypatch):
     for key in engine_capabilities.TIER_FEATURES.values():
         feature = dataclasses.replace(engine_capabilities.BY_KEY[key], implemented=True)
         monkeypatch.setitem(engine_capabilities.BY_KEY, key, feature)
+
+
+@pytest.fixture
+def apiserver_missing_crds():
+    """An emulated API server without the optional CRDs (the inference extension's, Gateway API's,
+    LeaderWorkerSet), and an operator that rechecks missing CRDs every second, so a test installs
+    one and sees it noticed without a spec change."""
+    from tests.operator.apiserver import BackgroundApiServer
+    from tests.operator.test_operator_kmock import Operator
+
+    apiserver = BackgroundApiServer()
+    operator = Operator(apiserver, recheck_crds_seconds=1)
+    operator.start()
+    yield apiserver
+    operator.stop()
+    apiserver.close()

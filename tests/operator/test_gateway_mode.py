@@ -64,7 +64,7 @@ def test_the_validator_catches_what_the_crd_refuses():
     assert validate(pool, "gaie.inferencepools.yaml").errors
 
 
-def test_the_engines_publish_kv_events_the_picker_follows():
+def test_the_engines_publish_kv_events_the_picker_follows(tmp_path):
     objects = _rendered(_body())
     assert "--kv-events-config" in objects[("ConfigMap", "tiny-gw-engine")]["data"]["engine.json"]
     engine_args = render.engine_args("tiny-gw", check(_body()).spec)
@@ -81,9 +81,84 @@ def test_the_engines_publish_kv_events_the_picker_follows():
     parser = argparse.ArgumentParser()
     epp.add_arguments(parser)
     picker_args = parser.parse_args(container["args"])
+    # The objectives ConfigMap, where the picker's pod mounts it, holds what the operator rendered.
+    mounted = f"{render.EPP_OBJECTIVES_DIR}/{render.EPP_OBJECTIVES_KEY}"
+    assert picker_args.objectives_file == mounted
+    assert {"name": "objectives", "mountPath": render.EPP_OBJECTIVES_DIR, "readOnly": True} in container["volumeMounts"]
+    volumes = objects[("Deployment", "tiny-gw-epp")]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "objectives", "configMap": {"name": "tiny-gw-epp"}} in volumes
+    data = objects[("ConfigMap", "tiny-gw-epp")]["data"]
+    (tmp_path / render.EPP_OBJECTIVES_KEY).write_text(data[render.EPP_OBJECTIVES_KEY])
+    picker_args.objectives_file = str(tmp_path / render.EPP_OBJECTIVES_KEY)
     epp._validate_args(picker_args)  # raises on anything pagoda epp refuses
+    assert picker_args.flow_control_queue == 0  # router.gateway.flowControlQueue left out
     assert picker_args.kv_events_port == render.KV_EVENTS_PORT and picker_args.model == "pagoda-tiny"
     assert container["readinessProbe"]["grpc"] == {"port": render.EPP_PORT, "service": "readiness"}
+
+
+def test_the_pools_objectives_reach_the_picker_with_flow_control(tmp_path):
+    body = _body(router={"gateway": {"parentRefs": [{"name": "inference-gateway"}], "flowControlQueue": 64}})
+    checked = check(body)
+    assert checked.ok, checked.problems
+    objects = {(o["kind"], o["metadata"]["name"]): o
+               for o in render.render(body, checked.spec, objectives={"interactive": 10, "batch": -1})}
+    [container] = objects[("Deployment", "tiny-gw-epp")]["spec"]["template"]["spec"]["containers"]
+    parser = argparse.ArgumentParser()
+    epp.add_arguments(parser)
+    picker_args = parser.parse_args(container["args"])
+    path = tmp_path / render.EPP_OBJECTIVES_KEY
+    path.write_text(objects[("ConfigMap", "tiny-gw-epp")]["data"][render.EPP_OBJECTIVES_KEY])
+    picker_args.objectives_file = str(path)
+    epp._validate_args(picker_args)
+    assert picker_args.flow_control_queue == 64
+    assert [picker_args.objectives.priority(n) for n in ("interactive", "batch", "other")] == [10, -1, 0]
+    negative = _body(router={"gateway": {"flowControlQueue": -1}})
+    assert not check(negative).ok and any("flowControlQueue" in p for p in check(negative).problems)
+
+
+def test_an_inference_objective_names_the_pool_by_its_pool_ref():
+    from pagoda_operator import objectives
+
+    def objective(name: str, pool_ref: dict, priority=None) -> dict:
+        spec = {"poolRef": pool_ref} | ({} if priority is None else {"priority": priority})
+        return {"metadata": {"name": name}, "spec": spec}
+
+    listed = [objective("a", {"name": "gw"}, 5), objective("b", {"name": "gw", "group": "inference.networking.k8s.io",
+                                                                  "kind": "InferencePool"}),
+              objective("c", {"name": "other"}, 9), objective("d", {"name": "gw", "group": "example.com"}, 1)]
+    assert objectives.priorities(listed, "gw") == {"a": 5, "b": 0}  # unset priority: 0, the CRD's meaning
+    # The objective as the llm-d CRD defines it validates against it.
+    assert validate({"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective",
+                     "metadata": {"name": "a", "namespace": "team-a"},
+                     "spec": {"poolRef": {"name": "gw"}, "priority": 5}}, "llm-d.inferenceobjectives.yaml").errors == []
+
+
+def test_the_pools_parents_conditions_are_what_status_copies():
+    from pagoda_operator.pool_status import pool_status
+
+    pool = {"status": {"parents": [{
+        "parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference-gateway",
+                      "namespace": "infra"},
+        "controllerName": "example.net/gateway-controller",
+        "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+                        "observedGeneration": 1, "lastTransitionTime": "2026-11-29T00:00:00Z"},
+                       {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef",
+                        "message": "no Service tiny-gw-epp", "observedGeneration": 1,
+                        "lastTransitionTime": "2026-11-29T00:00:00Z"},
+                       {"type": "SomethingElse", "status": "True", "reason": "X", "message": "",
+                        "lastTransitionTime": "2026-11-29T00:00:00Z"}]}]}}
+    # The pool as a gateway writes it is valid for the real CRD, status included.
+    assert validate({"apiVersion": render.INFERENCE_POOL_API_VERSION, "kind": "InferencePool",
+                     "metadata": {"name": "tiny-gw", "namespace": "team-a"},
+                     "spec": _rendered(_body())[("InferencePool", "tiny-gw")]["spec"], **pool},
+                    "gaie.inferencepools.yaml").errors == []
+    status = pool_status(pool)
+    assert status == {"parents": [{"name": "inference-gateway", "namespace": "infra", "kind": "Gateway", "conditions": [
+        {"type": "Accepted", "status": "True", "reason": "Accepted", "message": "", "observedGeneration": 1,
+         "lastTransitionTime": "2026-11-29T00:00:00Z"},
+        {"type": "ResolvedRefs", "status": "False", "reason": "InvalidExtensionRef", "message": "no Service tiny-gw-epp",
+         "observedGeneration": 1, "lastTransitionTime": "2026-11-29T00:00:00Z"}]}]}
+    assert pool_status({}) == {"parents": []}
 
 
 def test_without_events_the_picker_scores_by_load():
@@ -131,25 +206,10 @@ POOL = ("inference.networking.k8s.io", "v1", "inferencepools")
 ROUTE = ("gateway.networking.k8s.io", "v1", "httproutes")
 
 
-@pytest.fixture
-def cluster():
-    """An API server without the inference extension's and Gateway API's CRDs, and an operator that
-    rechecks missing CRDs every second."""
-    from tests.operator.apiserver import BackgroundApiServer
-    from tests.operator.test_operator_kmock import Operator
-
-    apiserver = BackgroundApiServer()
-    operator = Operator(apiserver, recheck_crds_seconds=1)
-    operator.start()
-    yield apiserver
-    operator.stop()
-    apiserver.close()
-
-
-def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(cluster):
+def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_once_installed(apiserver_missing_crds):
     from tests.operator.test_operator_kmock import IS, NS, children_of, conditions, create, get, wait_for
 
-    apiserver = cluster
+    apiserver = apiserver_missing_crds
     body = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"] = {"name": "gw", "namespace": NS}
     create(apiserver, body)
@@ -167,3 +227,89 @@ def test_without_the_crds_the_service_is_degraded_then_gets_its_pool_and_route_o
     assert pool["spec"]["endpointPickerRef"]["name"] == "gw-epp"
     assert route["spec"]["rules"][0]["backendRefs"][0]["kind"] == "InferencePool"
     wait_for("Degraded=False", lambda: conditions(get(apiserver, IS, "gw")).get("Degraded", {}).get("status") == "False")
+
+
+OBJECTIVES = ("llm-d.ai", "v1alpha2", "inferenceobjectives")
+CONFIGMAPS = ("", "v1", "configmaps")
+
+
+@pytest.fixture
+def gateway_cluster():
+    """An API server with the InferencePool, HTTPRoute and InferenceObjective CRDs installed
+    before the operator starts (so kopf watches pools and objectives), and the operator."""
+    from tests.operator.apiserver import BackgroundApiServer
+    from tests.operator.test_operator_kmock import Operator
+
+    apiserver = BackgroundApiServer()
+    apiserver.api.declare(*POOL, "InferencePool")
+    apiserver.api.declare(*ROUTE, "HTTPRoute")
+    apiserver.api.declare(*OBJECTIVES, "InferenceObjective")
+    operator = Operator(apiserver)
+    operator.start()
+    yield apiserver
+    operator.stop()
+    apiserver.close()
+
+
+def test_objectives_reach_the_pickers_configmap_and_the_pools_parents_reach_the_status(gateway_cluster):
+    from tests.operator.test_operator_kmock import IS, NS, create, get, patch_spec, path_of, request, status_of, wait_for
+
+    apiserver = gateway_cluster
+
+    def objectives_in_configmap(name: str) -> dict | None:
+        configmap = get(apiserver, CONFIGMAPS, f"{name}-epp")
+        return json.loads(configmap["data"][render.EPP_OBJECTIVES_KEY]) if configmap else None
+
+    def objective(name: str, pool: str, priority: int | None) -> dict:
+        obj = {"apiVersion": "llm-d.ai/v1alpha2", "kind": "InferenceObjective", "metadata": {"name": name, "namespace": NS},
+               "spec": {"poolRef": {"name": pool}} | ({} if priority is None else {"priority": priority})}
+        assert validate(obj, "llm-d.inferenceobjectives.yaml").errors == []
+        return obj
+
+    # One objective exists before the service: the first reconcile hands it over.
+    request(apiserver, "POST", path_of(OBJECTIVES), objective("interactive", "gw", 10))
+    request(apiserver, "POST", path_of(OBJECTIVES), objective("elsewhere", "other-pool", 3))
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": "gw", "namespace": NS}
+    create(apiserver, body)
+    wait_for("the first objective", lambda: objectives_in_configmap("gw") == {"interactive": 10})
+    epp = wait_for("the picker", lambda: get(apiserver, ("apps", "v1", "deployments"), "gw-epp"))
+    args = epp["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--objectives-file") + 1] == f"{render.EPP_OBJECTIVES_DIR}/{render.EPP_OBJECTIVES_KEY}"
+
+    # Created, changed and deleted afterwards: the ConfigMap follows without a spec change.
+    request(apiserver, "POST", path_of(OBJECTIVES), objective("batch", "gw", None))
+    wait_for("a new objective", lambda: objectives_in_configmap("gw") == {"interactive": 10, "batch": 0})
+    request(apiserver, "PATCH", path_of(OBJECTIVES, "batch"), {"spec": {"priority": -2}}, "application/merge-patch+json")
+    wait_for("a changed priority", lambda: objectives_in_configmap("gw") == {"interactive": 10, "batch": -2})
+    request(apiserver, "DELETE", path_of(OBJECTIVES, "interactive"))
+    wait_for("a deleted objective", lambda: objectives_in_configmap("gw") == {"batch": -2})
+
+    # A gateway takes the pool up: its verdicts show on the InferenceService.
+    wait_for("the pool", lambda: get(apiserver, POOL, "gw"))
+    parents = [{"parentRef": {"group": "gateway.networking.k8s.io", "kind": "Gateway", "name": "inference-gateway"},
+                "controllerName": "example.net/gateway-controller",
+                "conditions": [{"type": "Accepted", "status": "True", "reason": "Accepted", "message": "",
+                                "observedGeneration": 1, "lastTransitionTime": "2026-11-29T00:00:00Z"},
+                               {"type": "ResolvedRefs", "status": "True", "reason": "ResolvedRefs", "message": "",
+                                "observedGeneration": 1, "lastTransitionTime": "2026-11-29T00:00:00Z"}]}]
+    request(apiserver, "PATCH", path_of(POOL, "gw", "status"), {"status": {"parents": parents}},
+            "application/merge-patch+json")
+    shown = wait_for("the pool's parents in the status",
+                     lambda: (status_of(apiserver, "gw").get("inferencePool") or {}).get("parents"))
+    assert shown == [{"name": "inference-gateway", "kind": "Gateway",
+                      "conditions": [{k: c[k] for k in ("type", "status", "reason", "message", "observedGeneration",
+                                                         "lastTransitionTime")} for c in parents[0]["conditions"]]}]
+    parents[0]["conditions"][1].update(status="False", reason="InvalidExtensionRef", message="no Service gw-epp")
+    request(apiserver, "PATCH", path_of(POOL, "gw", "status"), {"status": {"parents": parents}},
+            "application/merge-patch+json")
+    wait_for("ResolvedRefs=False in the status", lambda: status_of(apiserver, "gw")["inferencePool"]["parents"][0][
+        "conditions"][1]["status"] == "False")
+    # The reconciler's own conditions stay beside the copied ones.
+    assert {c["type"] for c in status_of(apiserver, "gw")["conditions"]} >= {"Ready", "Validated"}
+    assert get(apiserver, IS, "gw")["status"]["inferencePool"]["parents"][0]["name"] == "inference-gateway"
+
+    # Back to the router alone: the pool is pruned, and its parents leave the status.
+    patch_spec(apiserver, "gw", {"router": {"mode": "builtin", "gateway": None}})
+    wait_for("the pool pruned", lambda: get(apiserver, POOL, "gw") is None)
+    wait_for("status.inferencePool gone", lambda: "inferencePool" not in status_of(apiserver, "gw"))

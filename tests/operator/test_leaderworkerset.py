@@ -126,20 +126,8 @@ def multinode(name: str) -> dict:
     return body
 
 
-@pytest.fixture
-def cluster():
-    """An API server without the LeaderWorkerSet CRD, and an operator that rechecks missing
-    CRDs every second."""
-    apiserver = BackgroundApiServer()
-    operator = Operator(apiserver, recheck_crds_seconds=1)
-    operator.start()
-    yield apiserver
-    operator.stop()
-    apiserver.close()
-
-
-def test_without_the_crd_the_service_is_degraded_then_created_updated_and_ready_once_lws_is_installed(cluster):
-    apiserver = cluster
+def test_without_the_crd_the_service_is_degraded_then_created_updated_and_ready_once_lws_is_installed(apiserver_missing_crds):
+    apiserver = apiserver_missing_crds
     create(apiserver, multinode("big"))
     conds = wait_for("Degraded", lambda: conditions(get(apiserver, IS, "big") or {}).get("Degraded") and conditions(get(apiserver, IS, "big")))
     assert (conds["Degraded"]["status"], conds["Degraded"]["reason"]) == ("True", "LeaderWorkerSetMissing")

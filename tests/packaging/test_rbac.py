@@ -17,6 +17,9 @@ READ = {"get", "list", "watch"}
 # Children the operator also reads back (handlers._engine_and_router) and kopf watches
 # (refresh_from_child), to compute the owner's conditions.
 READ_BACK_KINDS = {"Deployment", "LeaderWorkerSet"}
+# Children kopf watches and the operator never reads alone: a gateway's verdicts on the pool
+# (pool_status.py) go into the owner's status.
+WATCHED_KINDS = {"InferencePool"}
 FORBIDDEN_VERBS = {"*", "escalate", "bind", "impersonate", "deletecollection"}
 # What the operator needs beyond its children, with the reason it needs it.
 EXTRA_GRANTS = {
@@ -32,6 +35,9 @@ EXTRA_GRANTS = {
     # handlers._download_failure lists the engine pods by label for a failed model download; a
     # pod is never watched, read alone or written.
     ("", "pods"): {"list"},
+    # objectives.py: a gateway-mode service's InferenceObjectives, listed at each reconcile and
+    # watched, for its endpoint picker's ConfigMap; never written.
+    ("llm-d.ai", "inferenceobjectives"): {"list", "watch"},
 }
 # Only when watching chosen namespaces: kopf lists and follows namespaces to find them.
 NAMESPACED_EXTRA_GRANTS = {("", "namespaces"): {"list", "watch"}}
@@ -116,7 +122,8 @@ def installed(request):
 @pytest.fixture
 def needed(request, installed) -> dict[tuple[str, str], set[str]]:
     """Exactly what the operator needs in this installation."""
-    out = {(group_of(v), plural(k)): WRITE | PRUNE | (READ if k in READ_BACK_KINDS else set()) for v, k in emitted_kinds()}
+    out = {(group_of(v), plural(k)): WRITE | PRUNE | (READ if k in READ_BACK_KINDS else set())
+           | ({"watch"} if k in WATCHED_KINDS else set()) for v, k in emitted_kinds()}
     out |= EXTRA_GRANTS
     # RBAC lets nobody grant what they do not hold: the operator holds what the routers' Roles grant.
     for key, verbs in router_role_grants().items():

@@ -6,6 +6,8 @@ FULL_DUPLEX_STREAMED mode GAIE's gateways use; gRPC health."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -14,7 +16,7 @@ import httpx
 import pytest
 from envoy_ext_proc import DUPLEX, ext_proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from pagoda_e2e import free_port, start_pagoda, until
+from pagoda_e2e import engines_with_kv_events, free_port, start_pagoda, until
 
 MODEL = "pagoda-tiny"
 QUEUE_LIMIT = 3
@@ -44,26 +46,13 @@ def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("epp")
     events = free_port()
-    ports = sorted(free_port() for _ in range(3))
-    engines = []
-    try:
-        for port in ports:  # started together, waited for after: they load in parallel
-            config = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
-                      f'"topic": "kv@127.0.0.1:{port}@{MODEL}"}}')
-            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                                         "--num-kv-pages", "256", "--max-model-len", "512", "--max-num-seqs", "1",
-                                         "--kv-events-config", config], tmp / f"engine-{port}.log"))
-        for proc, port in zip(engines, ports):
-            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with engines_with_kv_events(tmp, 3, events, MODEL, extra=("--max-num-seqs", "1")) as urls:
         epp, channel = _epp(tmp, urls, "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}",
                             "--queue-limit", str(QUEUE_LIMIT))
-        yield {"urls": urls, "endpoints": [f"127.0.0.1:{p}" for p in ports], "channel": channel, "tmp": tmp}
+        yield {"urls": urls, "endpoints": [url.removeprefix("http://") for url in urls], "channel": channel,
+               "tmp": tmp}
         channel.close()
         epp.stop()
-    finally:
-        for proc in engines:
-            proc.stop()
 
 
 def _prefix(tenant: int) -> str:
@@ -179,13 +168,20 @@ def test_the_engines_key_is_set_on_the_routed_request(cluster):
 
 def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster):
     """Flow control over one engine (the subset): while its queue is full, requests are held, then
-    released highest objective first whatever their arrival order."""
+    released highest objective first whatever their arrival order. The priorities come from an
+    objectives file (the operator's ConfigMap), changed after the picker started: the new ones
+    order the queue."""
     engine = cluster["endpoints"][0]
+    objectives = cluster["tmp"] / "objectives.json"
+    objectives.write_text(json.dumps({"interactive": 0, "batch": 10}))
     # Held requests are not sent on, so each release waits for the next poll to show room again: a
     # second between polls keeps the releases (and the callers' returns) far enough apart that a
     # loaded machine's thread scheduling cannot reorder what the test sees (at 0.1 s it did).
     proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
-                         "--objective", "interactive=10", "--objective", "batch=0", "--metrics-interval", "1")
+                         "--objectives-file", str(objectives), "--metrics-interval", "1")
+    swapped = objectives.with_name("objectives.json.new")  # replaced whole, as kubelet swaps a ConfigMap
+    swapped.write_text(json.dumps({"interactive": 10, "batch": 0}))
+    os.replace(swapped, objectives)
     done: list[str] = []
     try:
         def long_request():
@@ -230,7 +226,9 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
 def test_bad_flags_exit_2_naming_the_flag(cluster):
     for flags, says in ((["--backends", "http://127.0.0.1:1", "--kv-events-port", "5557"], "--model"),
                         (["--backends", "ftp://x"], "scheme"),
-                        (["--backends", "http://127.0.0.1:1", "--queue-limit", "0"], "--queue-limit")):
+                        (["--backends", "http://127.0.0.1:1", "--queue-limit", "0"], "--queue-limit"),
+                        (["--backends", "http://127.0.0.1:1", "--objectives-file", str(cluster["tmp"] / "none.json")],
+                         "--objectives-file")):
         proc = start_pagoda(["epp", *flags], cluster["tmp"] / "bad.log")
         deadline = time.monotonic() + 60
         while proc.alive() and time.monotonic() < deadline:

@@ -5,15 +5,16 @@ sampling, some with a JSON schema, some whole responses) run once undisturbed an
 with the undisturbed run's text and token ids, each token once, one finish and one usage."""
 
 import concurrent.futures
+import contextlib
 import json
 import signal
 import threading
-import time
 
 import httpx
 import pytest
 
-from pagoda_e2e import free_port, start_engine, start_router, until
+from pagoda_e2e import routed_engines, start_engine, until
+from streams import Progress, assert_whole, metric, read, run_all, until_engine
 
 # Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
 # still has streams running and waiting when it goes, however fast the machine: the SIGKILL cuts
@@ -24,17 +25,9 @@ ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("migration")
-    ports = [free_port() for _ in range(3)]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        engines = list(pool.map(lambda i: start_engine(ports[i], tmp / f"engine{i}.log", ENGINE), range(3)))
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    port = free_port()
-    router = start_router(port, urls, tmp / "router.log", ["--health-interval", "0.5", "--policy", "round-robin"])
-    yield {"router": f"http://127.0.0.1:{port}", "engines": engines, "urls": urls}
-    router.stop()
-    for e in engines:
-        e.stop()
+    with routed_engines(tmp_path_factory.mktemp("migration"), 3, ENGINE,
+                        ["--health-interval", "0.5", "--policy", "round-robin"]) as state:
+        yield state
 
 
 def _requests(n: int) -> list[tuple[str, dict]]:
@@ -61,118 +54,32 @@ def _requests(n: int) -> list[tuple[str, dict]]:
     return out
 
 
-class Progress:
-    """Frames read so far by all clients."""
-
-    def __init__(self):
-        self.frames, self.lock = 0, threading.Lock()
-
-    def add(self) -> None:
-        with self.lock:
-            self.frames += 1
-
-
-def _stream(base: str, path: str, body: dict, progress: Progress) -> dict:
-    """The stream's frames, read as a client would, and what they add up to (a whole response:
-    the same facts from its one body)."""
-    if not body["stream"]:
-        r = httpx.post(base + path, json=body, timeout=120)
-        assert r.status_code == 200, r.text
-        got = r.json()
-        choice = got["choices"][0]
-        return {"done": 1, "last_is_done": True, "errors": [], "ids": {got["id"]}, "roles": 1,
-                "text": choice["message"]["content"] if "message" in choice else choice["text"],
-                "finishes": [choice["finish_reason"]], "usages": [got["usage"]] if body.get("stream_options") else [],
-                "token_ids": choice.get("token_ids") or [], "has_token_ids": "token_ids" in choice}
-    frames = []
-    with httpx.stream("POST", base + path, json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            frames.append(line[6:])
-            progress.add()
-    chunks = [json.loads(f) for f in frames if f != "[DONE]"]
-    chat = path.endswith("chat/completions")
-    return {
-        "done": frames.count("[DONE]"), "last_is_done": bool(frames) and frames[-1] == "[DONE]",
-        "errors": [c for c in chunks if "error" in c],
-        "text": "".join((ch["delta"].get("content") or "") if chat else ch["text"]
-                        for c in chunks for ch in c.get("choices") or ()),
-        "finishes": [ch["finish_reason"] for c in chunks for ch in c.get("choices") or () if ch.get("finish_reason")],
-        "usages": [c["usage"] for c in chunks if c.get("usage")],
-        "ids": {c.get("id") for c in chunks if "error" not in c},
-        "roles": sum(1 for c in chunks for ch in c.get("choices") or () if (ch.get("delta") or {}).get("role")),
-        "token_ids": [t for c in chunks for ch in c.get("choices") or () for t in ch.get("token_ids") or ()],
-        "has_token_ids": any("token_ids" in ch for c in chunks for ch in c.get("choices") or ()),
-    }
-
-
-def _run(base: str, reqs, disturb=None) -> list[dict]:
-    progress = Progress()
-    with concurrent.futures.ThreadPoolExecutor(len(reqs)) as pool:
-        futures = [pool.submit(_stream, base, path, body, progress) for path, body in reqs]
-        if disturb is not None:
-            disturb(progress)
-        return [f.result() for f in futures]
-
-
-def _metric(base: str, name: str, labels: str = "") -> float:
-    return _metric_text(httpx.get(base + "/metrics").text, name, labels)
-
-
-def _metric_text(text: str, name: str, labels: str = "") -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name + labels) and line[len(name)] in " {":
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 def test_streams_survive_a_sigkill_and_a_sigterm(stack):
     base = stack["router"]
     reqs = _requests(30)
-    reference = _run(base, reqs)
+    reference = run_all(base, reqs)
     for got in reference:
         assert got["errors"] == [] and len(got["finishes"]) == 1, got
 
     def disturb(progress):
         # While streams run: one replica is told to stop (its drain deadline, 0.5 s, then ends
-        # what it still runs or queues with an in-band error), another dies. Read from the
-        # engines themselves (clients lag behind them): the first goes while it generates with
-        # streams queued behind, the second while it generates.
-        def under_way(url: str, queued: int) -> bool:
-            text = httpx.get(url + "/metrics").text
-            return (_metric_text(text, "pagoda:num_requests_running") >= 1
-                    and _metric_text(text, "pagoda:num_requests_waiting") >= queued)
-
-        until(lambda: under_way(stack["urls"][1], queued=1), 60, "engine 1 busy", step=0.01)
+        # what it still runs or queues with an in-band error), another dies: the first goes while
+        # it generates with streams queued behind, the second while it generates.
+        until_engine(stack["urls"][1], running=1, waiting=1)
         stack["engines"][1].popen.send_signal(signal.SIGTERM)
-        until(lambda: under_way(stack["urls"][0], queued=0), 60, "engine 0 busy", step=0.01)
+        until_engine(stack["urls"][0], running=1)
         stack["engines"][0].kill()
 
-    disturbed = _run(base, reqs, disturb)
+    disturbed = run_all(base, reqs, disturb)
     for (path, body), want, got in zip(reqs, reference, disturbed):
-        where = f"{path} {body}"
-        assert got["errors"] == [], where
-        assert got["done"] == 1 and got["last_is_done"], where
-        assert got["finishes"] == want["finishes"], where
-        assert len(got["ids"]) == 1, where  # one response id across the splice
-        if path.endswith("chat/completions"):
-            assert got["roles"] == 1, where
-        assert got["text"] == want["text"], where
-        asked_usage = bool(body.get("stream_options"))
-        assert got["usages"] == ([want["usages"][0]] if asked_usage else []), where
-        if asked_usage and body["ignore_eos"]:
+        assert_whole(path, body, want, got)
+        if body.get("stream_options") and body["ignore_eos"]:
             assert got["usages"][0]["completion_tokens"] == MAX_TOKENS
-        assert got["has_token_ids"] == bool(body.get("return_token_ids")), where
-        if body.get("return_token_ids"):
-            assert got["token_ids"] == want["token_ids"], where
     # Both ways of breaking happened: a connection cut (the SIGKILL) and the drain deadline's error.
-    assert _metric(base, "pagoda_router:migrations_total", '{cause="connection_error"}') >= 1
-    assert _metric(base, "pagoda_router:migrations_total", '{cause="drain_deadline"}') >= 1
-    assert _metric(base, "pagoda_router:continuation_tokens_total") > 0
-    assert _metric(base, "pagoda_router:stream_errors_total") == 0
+    assert metric(base, "pagoda_router:migrations_total", '{cause="connection_error"}') >= 1
+    assert metric(base, "pagoda_router:migrations_total", '{cause="drain_deadline"}') >= 1
+    assert metric(base, "pagoda_router:continuation_tokens_total") > 0
+    assert metric(base, "pagoda_router:stream_errors_total") == 0
     assert stack["engines"][1].popen.wait(30) == 0  # the SIGTERMed engine drained and exited cleanly
 
 
@@ -191,7 +98,7 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
         i = worker
         while not stop.is_set():
             path, body = reqs[i % len(reqs)]
-            results.append((i % len(reqs), _stream(base, path, body, progress)))
+            results.append((i % len(reqs), read(base, path, body, progress)))
             i += 3
 
     def ready() -> list[str]:
@@ -216,6 +123,65 @@ def test_a_rolling_replacement_under_load_loses_no_request(stack):
         assert len(got["ids"]) == 1, where
         if body.get("temperature") == 0:
             if i not in undisturbed:
-                undisturbed[i] = _stream(base, path, body, progress)["text"]
+                undisturbed[i] = read(base, path, body, progress)["text"]
             assert got["text"] == undisturbed[i], where
-    assert _metric(base, "pagoda_router:stream_errors_total") == 0
+    assert metric(base, "pagoda_router:stream_errors_total") == 0
+
+
+def _revive(stack) -> None:
+    """Every engine of the stack running again (earlier tests kill and retire some), each ready
+    in the router."""
+    tmp = stack["engines"][0].log_path.parent
+    for i, url in enumerate(stack["urls"]):
+        if not stack["engines"][i].alive():
+            stack["engines"][i] = start_engine(int(url.rsplit(":", 1)[1]), tmp / f"engine{i}-revived.log", ENGINE)
+
+    def all_ready() -> bool:
+        backends = httpx.get(stack["router"] + "/router/backends").json()["backends"]
+        return sum(b["ready"] for b in backends) == len(stack["urls"])
+
+    until(all_ready, 60, "every replica ready in the router")
+
+
+NOT_CONTINUED = [
+    ("/v1/completions", {"prompt": "Story: once upon a time", "n": 2}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a fox story."}], "n": 2}),
+    ("/v1/completions", {"prompt": "Story: once upon a time", "echo": True}),
+]
+
+
+def test_streams_that_cannot_be_continued_end_with_one_error_event(stack):
+    """n > 1 (choices at different points) and echo are not continued elsewhere: when their
+    replica dies mid-stream the client gets one OpenAI error event after the tokens it had,
+    never a silent cut, and the router counts each."""
+    _revive(stack)
+    base = stack["router"]
+    errors_before = metric(base, "pagoda_router:stream_errors_total")
+    with contextlib.ExitStack() as opened:
+        streams = []
+        for path, extra in NOT_CONTINUED:
+            # Long (ignore_eos: some 1,500 steps) so that it is still running when its replica goes.
+            body = {"model": "pagoda-tiny", "max_tokens": 1500, "ignore_eos": True, "stream": True, **extra}
+            r = opened.enter_context(httpx.stream("POST", base + path, json=body, timeout=120))
+            assert r.status_code == 200, r.read()
+            lines, frames = r.iter_lines(), []
+            for line in lines:  # a few chunks through
+                if line.startswith("data: "):
+                    frames.append(line[6:])
+                if len(frames) == 3:
+                    break
+            streams.append((r.headers["x-pagoda-backend"], lines, frames))
+        serving = {backend for backend, _, _ in streams}
+        running = {url: metric(url, "pagoda:num_requests_running") for url in serving}
+        for url in serving:  # then the replicas serving them die
+            stack["engines"][stack["urls"].index(url)].kill()
+        assert all(n >= 1 for n in running.values()), f"a stream ended before its replica was killed: {running}"
+        for backend, lines, frames in streams:
+            frames += [line[6:] for line in lines if line.startswith("data: ")]
+            chunks = [json.loads(f) for f in frames if f != "[DONE]"]
+            errors = [c["error"] for c in chunks if "error" in c]
+            assert "[DONE]" not in frames and len(errors) == 1 and "error" in chunks[-1], frames[-3:]
+            assert errors[0]["code"] == "backend_stream_error" and backend in errors[0]["message"], errors
+            assert {"message", "type", "param", "code"} <= set(errors[0])
+            assert not any(ch.get("finish_reason") for c in chunks for ch in c.get("choices") or ())  # it was cut
+    assert metric(base, "pagoda_router:stream_errors_total") == errors_before + len(NOT_CONTINUED)

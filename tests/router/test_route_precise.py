@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from pagoda_e2e import free_port, start_pagoda, start_router, until
+from pagoda_e2e import engines_with_kv_events, free_port, start_router, until
 from prometheus_client.parser import text_string_to_metric_families
 
 MODEL = "pagoda-tiny"
@@ -16,26 +16,12 @@ MODEL = "pagoda-tiny"
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("route")
     events = free_port()
-    ports = sorted(free_port() for _ in range(2))
-    engines = []
-    try:
-        for port in ports:
-            config = (f'{{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:{events}", '
-                      f'"topic": "kv@127.0.0.1:{port}@{MODEL}"}}')
-            engines.append(start_pagoda(["serve", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL,
-                                         "--num-kv-pages", "256", "--max-model-len", "512",
-                                         "--kv-events-config", config], tmp / f"engine-{port}.log"))
-        for proc, port in zip(engines, ports):
-            proc.wait_http(f"http://127.0.0.1:{port}/health", timeout=300)
-        urls = [f"http://127.0.0.1:{p}" for p in ports]
+    with engines_with_kv_events(tmp, 2, events, MODEL) as urls:
         router_port = free_port()
         router = start_router(router_port, urls, tmp / "route.log", extra=[
             "--health-interval", "0.2", "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}"])
         yield {"urls": urls, "router": f"http://127.0.0.1:{router_port}"}
         router.stop()
-    finally:
-        for proc in engines:
-            proc.stop()
 
 
 def _served(router: str) -> dict[str, float]:

@@ -112,7 +112,7 @@ def test_another_directory_s_generation_config(greedy_model, tmp_path):
 @pytest.mark.parametrize("options,reason", [
     (dict(override_generation_config='{"temperature": -1}'), "temperature must be >= 0"),
     (dict(override_generation_config='{"do_sample": true}'), "'do_sample' not supported"),
-    (dict(override_generation_config="temperature=0.5"), "must be a JSON object"),
+    (dict(override_generation_config="temperature=0.5"), "is not valid JSON"),
     (dict(override_generation_config="[0.5]"), "must be a JSON object"),
     (dict(generation_config="/nonexistent"), "expected auto, vllm, or a directory holding generation_config.json"),
 ], ids=["bad-value", "unknown-key", "not-json", "not-an-object", "no-such-directory"])

@@ -24,6 +24,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from pagoda_engine.json_config import json_object
 from pagoda_engine.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -46,13 +47,7 @@ def parse_override(value: str | dict | None) -> dict[str, Any]:
     """`--override-generation-config`: a JSON object of generation_config.json's sampling keys."""
     if value is None:
         return {}
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise ValueError(f"--override-generation-config must be a JSON object: {e}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"--override-generation-config must be a JSON object, got {value!r}")
+    value = json_object(value, ValueError, flag="--override-generation-config", name="--override-generation-config")
     unknown = sorted(set(value) - set(SAMPLING_KEYS))
     if unknown:
         raise ValueError(f"--override-generation-config: {', '.join(map(repr, unknown))} not supported "

@@ -21,11 +21,11 @@ Torch- and msgspec-free (the operator reads the config's flag): the wire structs
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
 
 from pagoda_engine.errors import PagodaError
+from pagoda_engine.json_config import json_object
 
 class InvalidKVEventsConfigError(PagodaError, ValueError):
     """A KV events config that names an unknown field or a value Pagoda cannot honour."""
@@ -57,21 +57,12 @@ def parse_kv_events_config(value: Any) -> KVEventsConfig:
     InvalidKVEventsConfigError (a ValueError) naming the field that is wrong."""
     if value is None:
         return KVEventsConfig()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidKVEventsConfigError(f"--kv-events-config is not valid JSON: {e}") from None
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise InvalidKVEventsConfigError(f"--kv-events-config: unknown field(s) {', '.join(unknown)}; "
-                                             f"known: {', '.join(_FIELDS)}")
+    if not isinstance(value, KVEventsConfig):
+        value = json_object(value, InvalidKVEventsConfigError, flag="--kv-events-config", name="--kv-events-config",
+                            known=_FIELDS)
         if value.get("enable_kv_cache_events") is True and "publisher" not in value:
             value = {**value, "publisher": "zmq"}  # vLLM's choice when events are on and no publisher is named
         value = KVEventsConfig(**value)
-    if not isinstance(value, KVEventsConfig):
-        raise InvalidKVEventsConfigError(f"--kv-events-config must be a JSON object, got {type(value).__name__}")
     return _checked(value)
 
 

@@ -14,12 +14,12 @@ delay_iterations and max_iterations. No torch here: the CLI checks a config befo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from dataclasses import dataclass, fields
 
 from pagoda_engine.errors import PagodaError
+from pagoda_engine.json_config import json_object
 
 
 class InvalidProfilerConfigError(PagodaError, ValueError):
@@ -66,19 +66,9 @@ def parse_profiler_config(value) -> ProfilerConfig:
     field that is wrong."""
     if value is None:
         return ProfilerConfig()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidProfilerConfigError(f"--profiler-config is not valid JSON: {e}") from None
-    if isinstance(value, dict):
-        unknown = sorted(set(value) - set(_FIELDS))
-        if unknown:
-            raise InvalidProfilerConfigError(f"profiler config: unknown field(s) {', '.join(unknown)}; "
-                                             f"known: {', '.join(_FIELDS)}")
-        value = ProfilerConfig(**value)
     if not isinstance(value, ProfilerConfig):
-        raise InvalidProfilerConfigError(f"profiler config must be a JSON object, got {type(value).__name__}")
+        value = ProfilerConfig(**json_object(value, InvalidProfilerConfigError, flag="--profiler-config",
+                                             name="profiler config", known=_FIELDS))
     return _checked(value)
 
 

@@ -14,10 +14,10 @@ config before anything starts.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 from pagoda_engine.errors import PagodaError
+from pagoda_engine.json_config import json_object
 
 
 class InvalidSpeculativeConfigError(PagodaError, ValueError):
@@ -76,13 +76,7 @@ def parse_speculative_config(value) -> SpeculativeConfig:
         value = {k: v for k, v in value.__dict__.items() if v is not None}
         if value.get("method") is None:
             return SpeculativeConfig()
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidSpeculativeConfigError(f"--speculative-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidSpeculativeConfigError(f"speculative config must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, InvalidSpeculativeConfigError, flag="--speculative-config", name="speculative config")
     return _checked(dict(value))
 
 

@@ -14,8 +14,10 @@ The status is written by server-side apply on the status subresource as `pagoda-
 owns the fields `conditions.compute_status` returns (Ready, Progressing, Degraded, Validated, the
 counts, selector, url). The autoscaler applies its own (ScalingReady, autoscaling) as
 `pagoda-autoscaler`, and the KV tiers' figures (kvCache) are applied by `kv_status` as
-`pagoda-kv-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
-another's.
+`pagoda-kv-status`, and the InferencePool's parents (inferencePool) by `pool_status` as
+`pagoda-pool-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
+another's. With router.mode: gateway the reconcile lists the pool's InferenceObjectives for the
+picker's ConfigMap; `objectives` rewrites that ConfigMap when an objective changes.
 
 Writes happen only when something differs: server-side apply of identical content changes
 nothing on the server, and the status is compared before it is applied. Problems a user can
@@ -32,7 +34,7 @@ from typing import Any
 import kopf
 from lightkube import AsyncClient
 
-from pagoda_operator import kube, kv_status, metrics
+from pagoda_operator import kube, kv_status, metrics, objectives, pool_status
 from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
 from pagoda_operator.children import FIELD_MANAGER, selector_labels
@@ -157,10 +159,19 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: Any, **_: Any) -> 
     if not checked.ok:
         logger.warning("InferenceService %s/%s is invalid: %s", namespace, name, "; ".join(checked.problems))
     else:
-        rendered = r.render(body, checked.spec, _images(memo), _peers(memo))
+        pool_objectives = None
+        if checked.spec.router.mode == "gateway":
+            try:
+                pool_objectives = await objectives.pool_objectives(client, namespace, name)
+            except kube.KubeError as e:
+                # Applied without them, the picker would lose the priorities it has: nothing is
+                # applied, and the reconcile is retried.
+                apply_failed = True
+                degraded.append(("InferenceObjectivesUnreadable", f"listing the InferenceObjectives failed: {e}"))
+        rendered = r.render(body, checked.spec, _images(memo), _peers(memo), pool_objectives)
         served = {key: await kube.served(client, *key, namespace) for key in OPTIONAL_KINDS}
         try:
-            if await ensure_internal_key(client, body):
+            if not apply_failed and await ensure_internal_key(client, body):
                 logger.info("created the Secret %s", r.internal_key_secret_name(name))
         except kube.KubeError as e:
             apply_failed = True
@@ -304,6 +315,8 @@ def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = M
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
     autoscaler.register(registry)
     kv_status.register(registry, interval_s=kv_status_seconds)
+    objectives.register(registry)
+    pool_status.register(registry)
 
 
 def run_operator(*, namespaces: list[str], clusterwide: bool, standalone: bool, liveness: str | None, verbosity: str,

@@ -38,6 +38,7 @@ CUSTOM_RESOURCES = [
     ("keda.sh", "v1alpha1", "ScaledObject", "scaledobjects"),
     ("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools"),
     ("gateway.networking.k8s.io", "v1", "HTTPRoute", "httproutes"),
+    ("llm-d.ai", "v1alpha2", "InferenceObjective", "inferenceobjectives"),  # read only: objectives.py
 ]
 for _group, _version, _kind, _plural in CUSTOM_RESOURCES:
     create_namespaced_resource(_group, _version, _kind, _plural)

@@ -71,6 +71,10 @@ EPP_PORT = 9002
 KV_EVENTS_PORT = 5557
 KV_EVENTS_REPLAY_PORT = 5558
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+# The picker's objective priorities: a ConfigMap of the pool's InferenceObjectives, mounted whole
+# (kubelet swaps its files in place; `pagoda epp --objectives-file` re-reads them).
+EPP_OBJECTIVES_DIR = "/etc/pagoda/objectives"
+EPP_OBJECTIVES_KEY = "objectives.json"
 HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
@@ -243,7 +247,7 @@ def router_account_name(name: str) -> str:
 
 
 def epp_name(name: str) -> str:
-    """The Endpoint Picker's Deployment, Service and account (router.mode: gateway)."""
+    """The Endpoint Picker's Deployment, Service, account and objectives ConfigMap (router.mode: gateway)."""
     return f"{name}-epp"
 
 
@@ -859,7 +863,23 @@ def epp_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
     if publishes_kv_events(spec) and model is not None:
         args += ["--model", model, "--kv-events-port", str(KV_EVENTS_PORT),
                  "--kv-events-replay-port", str(KV_EVENTS_REPLAY_PORT)]
+    args += ["--objectives-file", f"{EPP_OBJECTIVES_DIR}/{EPP_OBJECTIVES_KEY}"]
+    queue = spec.router.gateway.flow_control_queue if spec.router.gateway is not None else 0
+    if queue:
+        args += ["--flow-control-queue", str(queue)]
     return args
+
+
+def render_epp_objectives(body: dict[str, Any], objectives: dict[str, int]) -> dict[str, Any]:
+    """The priorities of the InferenceObjectives whose poolRef is this service's pool
+    (`objectives.pool_objectives`), as the picker's --objectives-file reads them."""
+    name = body["metadata"]["name"]
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": child_metadata(body, epp_name(name), ENDPOINT_PICKER_COMPONENT),
+        "data": {EPP_OBJECTIVES_KEY: json.dumps(dict(sorted(objectives.items())), separators=(",", ":"))},
+    }
 
 
 def render_epp_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
@@ -877,7 +897,8 @@ def render_epp_deployment(body: dict[str, Any], spec: InferenceServiceSpec, imag
             "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}},
                 # Where the tokenizer files it loads are kept (the built-in tiny model is built there).
                 *({"name": k, "value": v} for k, v in CACHE_ENV[:2])],
-        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR}],
+        "volumeMounts": [{"name": "cache", "mountPath": CACHE_DIR},
+                         {"name": "objectives", "mountPath": EPP_OBJECTIVES_DIR, "readOnly": True}],
         "readinessProbe": {"grpc": {"port": EPP_PORT, "service": "readiness"}, **probe},
         "livenessProbe": {"grpc": {"port": EPP_PORT, "service": "liveness"}, **probe, "periodSeconds": 15},
         "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}},
@@ -897,7 +918,8 @@ def render_epp_deployment(body: dict[str, Any], spec: InferenceServiceSpec, imag
                     "securityContext": copy.deepcopy(POD_SECURITY_CONTEXT),
                     "terminationGracePeriodSeconds": 30,
                     "containers": [_restricted(container)],
-                    "volumes": [_tmp_volume(ROUTER_TMP_SIZE_LIMIT), {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}}],
+                    "volumes": [_tmp_volume(ROUTER_TMP_SIZE_LIMIT), {"name": "cache", "emptyDir": {"sizeLimit": "1Gi"}},
+                                {"name": "objectives", "configMap": {"name": epp}}],
                 },
             },
         },
@@ -974,10 +996,11 @@ def render_http_route(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[
     }
 
 
-def render_gateway(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> list[dict[str, Any]]:
+def render_gateway(body: dict[str, Any], spec: InferenceServiceSpec, images: Images,
+                   objectives: dict[str, int]) -> list[dict[str, Any]]:
     """router.mode: gateway's objects, in the order they are applied."""
-    out = [render_epp_service(body), *render_epp_rbac(body), render_epp_deployment(body, spec, images),
-           render_inference_pool(body)]
+    out = [render_epp_service(body), *render_epp_rbac(body), render_epp_objectives(body, objectives),
+           render_epp_deployment(body, spec, images), render_inference_pool(body)]
     if spec.router.gateway is not None and spec.router.gateway.parent_refs:
         out.append(render_http_route(body, spec))
     return out
@@ -1076,8 +1099,9 @@ def render_service_monitor(body: dict[str, Any], spec: InferenceServiceSpec) -> 
 
 
 def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | None = None,
-           peers: NetworkPeers | None = None) -> list[dict[str, Any]]:
-    """Every child of a validated InferenceService, in the order they are applied."""
+           peers: NetworkPeers | None = None, objectives: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """Every child of a validated InferenceService, in the order they are applied. `objectives`:
+    the priorities of the InferenceObjectives of its pool (router.mode: gateway)."""
     images = images or Images()
     peers = peers or NetworkPeers()
     workload = (
@@ -1099,7 +1123,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
     if spec.router.ingress is not None:
         out.append(render_ingress(body, spec))
     if spec.router.mode == "gateway":
-        out += render_gateway(body, spec, images)
+        out += render_gateway(body, spec, images, objectives or {})
     if spec.monitoring.service_monitor:
         out.append(render_service_monitor(body, spec))
     return out + render_scaler(body, spec)

@@ -264,6 +264,7 @@ class RouterGateway:
     """The cluster's gateway in front of the engines (router.mode: gateway)."""
 
     parent_refs: list[GatewayParentRef] = prop(doc="Gateways to attach an HTTPRoute to, whose backend is the InferencePool. Omitted: no HTTPRoute (write your own, its backendRef the InferencePool named like the InferenceService).", factory=list)
+    flow_control_queue: int = prop(0, doc="Requests the Endpoint Picker holds while every engine pod is saturated, released by the priority of the InferenceObjective (llm-d.ai/v1alpha2) each names, whose poolRef is this service's InferencePool (the operator hands the objectives' priorities to the picker); past it the lowest priority is shed with 429. 0: no flow control, a saturated pool still gets every request, and objectives order nothing.", minimum=0)
 
 
 @dataclass
@@ -364,6 +365,24 @@ class KVCacheStatus:
 
 
 @dataclass
+class PoolParentStatus:
+    """A parent of the service's InferencePool (a Gateway) and what its controller says of the pool."""
+
+    name: str = prop(doc="The parent's name.")
+    namespace: str | None = prop(None, doc="The parent's namespace (omitted: the pool's).")
+    kind: str | None = prop(None, doc="The parent's kind (Gateway, unless the gateway's controller says otherwise).")
+    conditions: list[Condition] | None = prop(None, doc="The pool's conditions as this parent reports them: Accepted, ResolvedRefs.", list_map_keys=["type"])
+
+
+@preserve_unknown_fields
+@dataclass
+class InferencePoolStatus:
+    """router.mode: gateway: the InferencePool's status, copied from the pool."""
+
+    parents: list[PoolParentStatus] | None = prop(None, doc="One entry per Gateway that references the pool (none yet: no gateway has taken it up).")
+
+
+@dataclass
 class InferenceServiceStatus:
     """The observed state of an InferenceService."""
 
@@ -375,6 +394,7 @@ class InferenceServiceStatus:
     url: str | None = prop(None, doc="OpenAI endpoint of the service.")
     autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state.")
     kv_cache: KVCacheStatus | None = prop(None, doc="KV tier state.")
+    inference_pool: InferencePoolStatus | None = prop(None, doc="router.mode: gateway: the InferencePool's Accepted and ResolvedRefs from each parent Gateway.")
 
 
 def parse_spec(spec: Any) -> InferenceServiceSpec:

@@ -32,6 +32,7 @@ from pagoda_engine.api.server.protocol import (ChatCompletionRequest, ChatComple
                                                TokenizeRequest, TokenizeResponse, streamed_or)
 from pagoda_engine.config import ServerConfig
 from pagoda_engine.errors import InvalidEnvironmentError
+from pagoda_engine.router import entry
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.disagg import DecodeLoad, DisaggRouter
@@ -336,13 +337,9 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per proxied request otherwise
+    entry.start_logging(args.log_level)
     prometheus_client.disable_created_metrics()  # *_created series are noise on every scrape
-    try:
-        _validate_args(args)
-    except (BackendConfigError, ClientKeyError, InvalidEnvironmentError) as e:
-        print(f"pagoda route: error: {e}", file=sys.stderr)
+    if entry.refused("pagoda route", _validate_args, args, (BackendConfigError, ClientKeyError, InvalidEnvironmentError)):
         return 2
     import uvicorn
 
@@ -362,10 +359,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m pagoda_engine.router.app ...`: the router alone, same flags as `pagoda route`."""
-    parser = argparse.ArgumentParser(prog="pagoda route", description="OpenAI-compatible router")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return entry.main("pagoda route", "OpenAI-compatible router", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from pagoda_engine.api.server.api_keys import bearer_token
+from pagoda_engine.router.reread import Reread
 
 log = logging.getLogger("pagoda.router")
 
@@ -63,45 +64,25 @@ class ClientKeys:
 
     def __init__(self, path: str, check_interval_s: float = 1.0, clock=time.monotonic):
         self.path = Path(path)
-        self.check_interval_s = check_interval_s
-        self._clock = clock
         try:
-            self._signature = _signature(self.path)
-            self._keys = read_keys(self.path)
+            self._keys = Reread(f"--api-key-file {path}", lambda: _signature(self.path), lambda: read_keys(self.path),
+                                check_interval_s, clock, on_change=self._changed)
         except (OSError, UnicodeDecodeError) as e:
             raise ClientKeyError(f"--api-key-file {path}: cannot read it ({e})") from None
-        if not self._keys:
+        if not self._keys.value:
             where = "no file in the directory holds a key" if self.path.is_dir() else "the file holds no key"
             raise ClientKeyError(f"--api-key-file {path}: {where} (one key per line)")
-        self._checked = clock()
 
-    def _refresh(self) -> None:
-        now = self._clock()
-        if now - self._checked < self.check_interval_s:
-            return
-        self._checked = now
-        try:
-            signature = _signature(self.path)
-            if signature == self._signature:
-                return
-            keys = read_keys(self.path)
-        except (OSError, UnicodeDecodeError) as e:
-            # Mid-swap or briefly unreadable: the keys read last stay in force until it reads again.
-            log.warning("--api-key-file %s: cannot read it (%s); keeping the %d key(s) read before",
-                        self.path, e, len(self._keys))
-            return
-        self._signature = signature
-        if keys != self._keys:
-            log.info("--api-key-file %s changed: %d key(s) now accepted", self.path, len(keys))
-            if not keys:
+    def _changed(self, old: frozenset[bytes], new: frozenset[bytes]) -> None:
+        if new != old:
+            log.info("--api-key-file %s changed: %d key(s) now accepted", self.path, len(new))
+            if not new:
                 log.warning("--api-key-file %s holds no key: every request to the API is refused", self.path)
-        self._keys = keys
 
     def accepts(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header value carries one of the keys as a Bearer token."""
-        self._refresh()
         token = bearer_token(authorization)
-        return token is not None and _digest(token) in self._keys
+        return token is not None and _digest(token) in self._keys.current()
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._keys.value)

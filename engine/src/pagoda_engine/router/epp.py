@@ -32,12 +32,14 @@ import httpx
 
 from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
+from pagoda_engine.router import entry
 from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.flow_control import GO, FlowControl
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
                                            endpoint_of, request_tokens, start_prefix_source)
 from pagoda_engine.router.metrics import RouterMetrics
+from pagoda_engine.router.objectives import Objectives, ObjectivesError, parse_flags
 from pagoda_engine.router.scorer import Candidate, Weights, rank
 
 log = logging.getLogger("pagoda.epp")
@@ -70,9 +72,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "shed the lowest priority with 429 (default 0: off, a saturated pool still gets them)")
     parser.add_argument("--flow-control-timeout", type=float, default=30.0,
                         help="seconds a request is held at most before it is shed with 429 (default 30)")
-    parser.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
-                        help="an InferenceObjective's priority, for requests naming it in x-llm-d-inference-objective "
-                             "(repeatable; unnamed or unknown objectives: priority 0)")
+    objectives = parser.add_mutually_exclusive_group()
+    objectives.add_argument("--objective", action="append", default=[], metavar="NAME=PRIORITY",
+                            help="an InferenceObjective's priority, for requests naming it in "
+                                 "x-llm-d-inference-objective (repeatable; unnamed or unknown objectives: priority 0)")
+    objectives.add_argument("--objectives-file", default=None, metavar="PATH",
+                            help="the objectives' priorities as a JSON object {name: priority}, re-read when it "
+                                 "changes (the operator's ConfigMap of the pool's InferenceObjectives)")
     parser.add_argument("--prefix-weight", type=float, default=Weights.prefix)
     parser.add_argument("--queue-weight", type=float, default=Weights.queue)
     parser.add_argument("--kv-usage-weight", type=float, default=Weights.kv_usage)
@@ -101,17 +107,9 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--flow-control-queue must be >= 0")
     if args.flow_control_timeout <= 0:
         raise BackendConfigError("--flow-control-timeout must be > 0")
-    args.objectives = {}
-    for item in args.objective:
-        name, eq, priority = item.partition("=")
-        try:
-            args.objectives[name.strip()] = int(priority)
-        except ValueError:
-            raise BackendConfigError(f"--objective {item!r}: expected NAME=PRIORITY with a whole number") from None
-        if not eq or not name.strip():
-            raise BackendConfigError(f"--objective {item!r}: expected NAME=PRIORITY")
-    if args.objectives and not args.flow_control_queue:
-        raise BackendConfigError("--objective orders held requests: it needs --flow-control-queue > 0")
+    args.objectives = Objectives(parse_flags(args.objective), args.objectives_file)
+    if args.objective and not args.flow_control_queue:
+        raise ObjectivesError("--objective orders held requests: it needs --flow-control-queue > 0")
     if args.metrics_interval <= 0:
         raise BackendConfigError("--metrics-interval must be > 0")
     if args.queue_limit < 1:
@@ -175,7 +173,7 @@ class Picker:
 OBJECTIVE_HEADER, FAIRNESS_HEADER = "x-llm-d-inference-objective", "x-llm-d-inference-fairness-id"
 
 
-def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: dict[str, int] | None = None):
+def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: Objectives | None = None):
     """The ext_proc servicer (imports Envoy's generated API here: only `pagoda epp` needs it)."""
     from envoy.config.core.v3 import base_pb2
     from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -288,7 +286,7 @@ def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: 
         except (ValueError, BadRequest) as e:
             return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
         if flow is not None and (len(flow) or not picker.has_room(body, subset)):
-            priority = (objectives or {}).get(headers.get(OBJECTIVE_HEADER, ""), 0)
+            priority = objectives.priority(headers.get(OBJECTIVE_HEADER)) if objectives is not None else 0
             outcome = await flow.admit(priority, headers.get(FAIRNESS_HEADER, ""),
                                        lambda: picker.has_room(body, subset))
             if outcome != GO:
@@ -331,6 +329,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
     picker = Picker(pool, prefixes, Weights(args.prefix_weight, args.queue_weight, args.kv_usage_weight),
                     args.queue_limit, args.backend_api_key)
     flow = FlowControl(args.flow_control_queue, args.flow_control_timeout) if args.flow_control_queue else None
+    if flow is None and args.objectives_file is not None:
+        log.warning("--objectives-file without --flow-control-queue: no request is held, so no priority orders any")
     servicer, add = build_servicer(picker, flow, args.objectives)
     server = grpc.aio.server()
     add(servicer, server)
@@ -380,12 +380,8 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)
-    try:
-        _validate_args(args)
-    except (BackendConfigError, InvalidEnvironmentError) as e:
-        print(f"pagoda epp: error: {e}", file=sys.stderr)
+    entry.start_logging(args.log_level)
+    if entry.refused("pagoda epp", _validate_args, args, (BackendConfigError, InvalidEnvironmentError, ObjectivesError)):
         return 2
     try:
         asyncio.run(serve(args))
@@ -398,9 +394,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagoda epp", description="Gateway API inference extension Endpoint Picker")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return entry.main("pagoda epp", "Gateway API inference extension Endpoint Picker", add_arguments, run, argv)
 
 
 if __name__ == "__main__":

@@ -223,21 +223,47 @@ class RelayResponse(ClientStream):
     async def _stream(self, send) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         first = True
+        tail = b""  # the stream's last bytes: whether it ended with [DONE] or an error frame
+        broke = None
         try:
             async for chunk in self.upstream.aiter_raw():
                 if first:
                     self.router.metrics.ttft.observe(time.monotonic() - self.start)
                     first = False
+                tail = (tail + chunk)[-_TAIL_BYTES:]
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except httpx.HTTPError as e:
-            # The replica died or hung up mid-response: say so in-band, and take it out of
-            # rotation now rather than at the next health poll.
+            # The replica died or hung up mid-response: take it out of rotation now rather than
+            # at the next health poll.
+            broke = f"{type(e).__name__}: {e}"
+            self.router.pool.mark_failed(self.backend, broke)
+        if self.is_sse and broke is None and not _ended(tail):
+            broke = "closed before [DONE]"  # a clean close mid-stream is a cut all the same
+        if broke is not None:
             self.outcome = "stream_error"
-            self.router.pool.mark_failed(self.backend, f"{type(e).__name__}: {e}")
-            log.warning("response from %s broke: %s", self.backend.url, e)
-            if self.is_sse:
-                frame = sse_error_frame(f"The backend {self.backend.url} failed mid-stream "
-                                        f"({type(e).__name__}: {e}); the response is incomplete.",
-                                        code="backend_stream_error")
+            log.warning("response from %s broke: %s", self.backend.url, broke)
+            if self.is_sse:  # said in-band: the status line, 200, went out already
+                self.router.metrics.stream_errors.inc()
+                frame = sse_error_frame(f"The backend {self.backend.url} failed mid-stream ({broke}); the "
+                                        f"response is incomplete.", code="backend_stream_error")
                 await send({"type": "http.response.body", "body": frame.encode(), "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+_TAIL_BYTES = 4096  # more than one error frame: an engine's own in-band error ends its stream too
+
+
+def _ended(tail: bytes) -> bool:
+    """Whether an SSE body's last frame is a proper end: [DONE], or an error frame (the engine's
+    own, say the drain deadline's)."""
+    frames = [f for f in tail.replace(b"\r\n", b"\n").split(b"\n\n") if f.strip()]
+    if not frames:
+        return False
+    last = frames[-1].strip()
+    if last == b"data: [DONE]":
+        return True
+    try:
+        frame = json.loads(last.removeprefix(b"data: "))
+    except ValueError:
+        return False
+    return isinstance(frame, dict) and "error" in frame

@@ -1,0 +1,215 @@
+"""No request lost to a dying or retiring replica (issue 53's proof), with real parts on one
+machine: three `pagoda serve` engines (the built-in tiny model, a Hermes tool template and parser)
+behind a real `pagoda route`.
+
+1. 200 streamed requests (chat and completions, greedy and seeded sampling, some with tools, some
+   with a JSON schema) run once undisturbed and once while one engine is SIGTERMed (its drain
+   deadline, 0.5 s, ends what it still runs) and started again, and another is SIGKILLed. Every
+   response of the disturbed run is the undisturbed one: the same text and tool calls, each token
+   once, one finish, one response id, one usage.
+2. A rollout under steady load as Kubernetes makes it, with the router discovering the engines from
+   their EndpointSlices in the emulated API server: for each old engine a new one starts and joins
+   its Service's endpoints (maxSurge 1), then the old one's endpoint turns not ready and
+   terminating, it gets SIGTERM after the preStop pause and leaves (maxUnavailable 0). Zero
+   failed requests; the TTFT p99 under the rollout against the steady one is printed (on a
+   shared 2-core machine the new engines' start-up competes with the load, so it is a figure, not
+   a check).
+
+Tests run in file order on one module's engines."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from k8s_emulator import emulated_cluster
+from pagoda_e2e import PYTHON, Proc, free_port, routed_engines, start_engine, until
+from streams import assert_whole, metric, read, run_all, until_engine
+
+pytestmark = pytest.mark.e2e
+REPO = Path(__file__).resolve().parents[2]
+MODEL = "pagoda-tiny"
+TEMPLATE = REPO / "tests" / "server" / "templates" / "hermes_tools.jinja"
+# The tiny model's 512-token vocabulary spells a tool-laden prompt in ~600 tokens.
+ENGINE = ["--model", MODEL, "--num-kv-pages", "2048", "--max-model-len", "2048", "--max-num-seqs", "8",
+          "--drain-timeout", "0.5", "--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
+          "--tool-call-parser", "hermes"]
+REQUESTS = 200
+MAX_TOKENS = 40
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
+                                           "parameters": WEATHER}}]
+FOX = {"type": "json_schema", "json_schema": {"name": "fox", "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "story": {"type": "string",
+                                                                                         "maxLength": 40}},
+    "required": ["name", "story"], "additionalProperties": False}}}
+
+
+def requests(n: int, max_tokens: int = MAX_TOKENS) -> list[tuple[str, dict]]:
+    """Streamed chat and completions, greedy and seeded, some asking for usage or token ids, every
+    twentieth chat one with a required tool call and every tenth one with a JSON schema."""
+    out = []
+    for i in range(n):
+        chat = i % 2 == 0
+        body: dict = {"model": MODEL, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        body.update({"temperature": 0} if i % 3 else {"temperature": 0.9, "seed": 1000 + i})
+        if i % 4 == 1:
+            body["stream_options"] = {"include_usage": True}
+        if i % 5 == 2:
+            body["return_token_ids"] = True
+        if chat:
+            body["messages"] = [{"role": "user", "content": f"Tell story number {i} about a fox."}]
+        else:
+            body["prompt"] = f"Story {i}: once upon a time"
+        if i % 20 == 4:  # a required tool call: the grammar makes the random model write one
+            body.update(tools=TOOLS, tool_choice="required", max_tokens=120, ignore_eos=False)
+        elif i % 10 == 7:  # completions and chat alike: the continuation's grammar replays what was streamed
+            body.update(response_format=FOX, max_tokens=120, ignore_eos=False)
+        out.append(("/v1/chat/completions" if chat else "/v1/completions", body))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    with routed_engines(tmp_path_factory.mktemp("no-request-lost"), 3, ENGINE,
+                        ["--health-interval", "0.5", "--policy", "least-load"]) as state:
+        yield state
+
+
+def test_200_streams_survive_a_sigkill_and_a_restart_with_sigterm(stack):
+    base, engines, urls = stack["router"], stack["engines"], stack["urls"]
+    reqs = requests(REQUESTS)
+    started = time.monotonic()
+    reference = run_all(base, reqs)
+    undisturbed_s = time.monotonic() - started
+    for (path, body), got in zip(reqs, reference):
+        assert got["errors"] == [] and len(got["finishes"]) == 1, (path, body, got)
+        if body.get("tools"):
+            assert got["calls"] and got["calls"][0]["name"] == "get_weather", got
+    restarted = {}
+
+    def disturb(progress):
+        # Once streams are under way, engine 1 is told to stop (drain deadline 0.5 s) while it
+        # generates with streams queued behind, then engine 0 dies while it generates (read from
+        # the engines: they run far ahead of 200 clients on a small machine); engine 1 is started
+        # again on its port meanwhile.
+        until(lambda: progress.frames >= REQUESTS // 4, 120, "the first tokens", step=0.01)
+        until_engine(urls[1], running=1, waiting=1)
+        engines[1].popen.send_signal(signal.SIGTERM)
+        until_engine(urls[0], running=1)
+        engines[0].kill()
+        assert engines[1].popen.wait(30) == 0  # drained and exited cleanly
+        restarted["at_frames"] = progress.frames
+        engines[1] = start_engine(int(urls[1].rsplit(":", 1)[1]), stack["tmp"] / "engine1-restarted.log", ENGINE)
+
+    started = time.monotonic()
+    disturbed = run_all(base, reqs, disturb)
+    disturbed_s = time.monotonic() - started
+    for (path, body), want, got in zip(reqs, reference, disturbed):
+        assert_whole(path, body, want, got)
+    migrated = {cause: metric(base, "pagoda_router:migrations_total", f'{{cause="{cause}"}}')
+                for cause in ("connection_error", "drain_deadline", "server_error")}
+    print(f"{REQUESTS} streams: undisturbed {undisturbed_s:.1f} s, disturbed {disturbed_s:.1f} s "
+          f"; migrations {migrated}; continuation tokens "
+          f"{metric(base, 'pagoda_router:continuation_tokens_total'):.0f}; engine 1 back after "
+          f"{restarted.get('at_frames')} frames")
+    assert migrated["connection_error"] >= 1 and migrated["drain_deadline"] >= 1, migrated
+    assert metric(base, "pagoda_router:stream_errors_total") == 0
+
+
+# --- a rollout as Kubernetes makes it ------------------------------------------------------------
+
+SLICES = "/apis/discovery.k8s.io/v1/namespaces/default/endpointslices"
+SERVICE = "tiny-engine"
+LOAD_CLIENTS = 4
+
+
+def _slice(name: str, port: int, ready: bool = True, terminating: bool = False) -> dict:
+    return {"apiVersion": "discovery.k8s.io/v1", "kind": "EndpointSlice", "addressType": "IPv4",
+            "metadata": {"name": name, "namespace": "default", "labels": {"kubernetes.io/service-name": SERVICE}},
+            "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
+            "endpoints": [{"addresses": ["127.0.0.1"],
+                           "conditions": {"ready": ready, "serving": ready, "terminating": terminating}}]}
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else float("nan")
+
+
+def test_a_rollout_of_every_engine_under_load_fails_no_request(stack, tmp_path):
+    old = [(e, int(u.rsplit(":", 1)[1])) for e, u in zip(stack["engines"], stack["urls"]) if e.alive()]
+    reqs = [(path, dict(body, stream_options={"include_usage": True})) for path, body in requests(12, max_tokens=32)]
+    with emulated_cluster(tmp_path) as cluster:
+        cluster.apiserver.api.declare("discovery.k8s.io", "v1", "endpointslices", "EndpointSlice")
+        api = cluster.url + SLICES
+        for i, (_, port) in enumerate(old):
+            httpx.post(api, json=_slice(f"old-{i}", port)).raise_for_status()
+        router_port = free_port()
+        router = Proc([PYTHON, "-m", "pagoda_engine.router.app", "--host", "127.0.0.1", "--port", str(router_port),
+                       "--k8s-service", f"default/{SERVICE}", "--kubeconfig", str(cluster.kubeconfig),
+                       "--policy", "least-load", "--health-interval", "0.5"], tmp_path / "router.log")
+        base = f"http://127.0.0.1:{router_port}"
+        new: list[Proc] = []
+        new_urls: list[str] = []
+        try:
+            router.wait_http(base + "/health")
+            until(lambda: httpx.get(base + "/health").json()["ready_backends"] == len(old), 30, "the old engines")
+            reference = [read(base, path, body) for path, body in reqs]
+            results: list[tuple[int, dict, float, str]] = []  # (request, response, TTFT s, phase)
+            phase = {"now": "steady"}
+            stop = threading.Event()
+
+            def load(worker: int):
+                i = worker
+                while not stop.is_set():
+                    path, body = reqs[i % len(reqs)]
+                    when = phase["now"]
+                    got = read(base, path, body)
+                    results.append((i % len(reqs), got, got["ttft"], when))
+                    i += LOAD_CLIENTS
+
+            with concurrent.futures.ThreadPoolExecutor(LOAD_CLIENTS) as pool:
+                workers = [pool.submit(load, w) for w in range(LOAD_CLIENTS)]
+                until(lambda: len(results) >= 3 * LOAD_CLIENTS, 60, "steady load")
+                phase["now"] = "rollout"
+                for i, (engine, port) in enumerate(old):
+                    # Surge: the new pod starts, turns ready and joins the Service's endpoints.
+                    new_port = free_port()
+                    new.append(start_engine(new_port, tmp_path / f"new-{i}.log", ENGINE))
+                    new_urls.append(f"http://127.0.0.1:{new_port}")
+                    httpx.post(api, json=_slice(f"new-{i}", new_port)).raise_for_status()
+                    until(lambda: httpx.get(base + "/health").json()["ready_backends"] == len(old) + 1, 30,
+                          "the new engine in rotation")
+                    # Retire: the old pod's endpoint turns terminating, preStop waits, then SIGTERM.
+                    retiring = {"endpoints": _slice(f"old-{i}", port, ready=False, terminating=True)["endpoints"]}
+                    httpx.patch(f"{api}/old-{i}", json=retiring,
+                                headers={"content-type": "application/merge-patch+json"}).raise_for_status()
+                    time.sleep(1.0)
+                    assert engine.stop() == 0  # drained (0.5 s) and exited cleanly
+                    httpx.delete(f"{api}/old-{i}").raise_for_status()
+                phase["now"] = "after"
+                until(lambda: sum(1 for r in results if r[3] == "after") >= LOAD_CLIENTS, 60, "load on the new set")
+                stop.set()
+                for w in workers:
+                    w.result()
+            served = sorted(b["url"] for b in httpx.get(base + "/router/backends").json()["backends"])
+            assert served == sorted(new_urls)
+            for i, got, _, _ in results:
+                assert_whole(*reqs[i], reference[i], got)
+            assert metric(base, "pagoda_router:stream_errors_total") == 0
+            latency = {p: [s for _, _, s, when in results if when == p] for p in ("steady", "rollout", "after")}
+            print("rollout: " + ", ".join(f"{p} {len(v)} requests, TTFT p99 {_p99(v) * 1000:.0f} ms"
+                                          for p, v in latency.items())
+                  + f"; migrations {metric(base, 'pagoda_router:migrations_total'):.0f}")
+        finally:
+            router.stop()
+            stack["engines"] += new  # stopped with the module's
