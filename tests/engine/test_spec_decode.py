@@ -66,8 +66,8 @@ def _stats(llm):
 @pytest.mark.parametrize("given, words", [
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key 'lookahead'"),
     ({"method": "nograms", "num_speculative_tokens": 2}, "unknown method 'nograms'"),
-    ({"method": "eagle3", "model": "x", "num_speculative_tokens": 2}, "method 'eagle3' (EAGLE-3 heads) is not implemented"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "'draft_model'"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method 'eagle' (EAGLE-1/2 heads) is not implemented"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "method 'draft_model' needs \"model\""),
     ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "model does not apply to method 'ngram'"),
     ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "fp8"}, "quantization is not supported"),
     ({"method": "ngram"}, "num_speculative_tokens must be given"),

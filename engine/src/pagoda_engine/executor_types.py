@@ -81,6 +81,9 @@ class DraftStep:
     # before drafted for its request: `from_rows`, that row's index in the step before.
     token_ids: list[int] | None = None
     from_rows: list[int] | None = None
+    # EAGLE-3's first step: the slot of each token's target hidden state (where `slots` writes the
+    # token's KV elsewhere: a shared page's last entry, `core/draft_proposer.py`).
+    feature_slots: list[int] | None = None
 
 
 @dataclass

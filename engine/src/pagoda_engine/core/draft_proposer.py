@@ -12,7 +12,10 @@ valid up to the first token that differs from the request's own, and never past 
 computed tokens (the pages beyond those may have been trimmed and reused); preemption forgets it
 all. A prefix hit therefore recomputes the shared pages' draft KV once (the same tokens give the
 same values, so a neighbour reading them meanwhile reads what it wrote itself), which keeps the
-prefix cache the target's alone.
+prefix cache the target's alone. One exception, EAGLE-3's: its entry at position j pairs token
+j + 1 with the target's state at j, so a shared page's last entry depends on a token past the
+page; there the entry of the request that computed the page stays (`catch_up_slot`): a request
+with a prefix hit drafts over it, which costs acceptance at most, never output.
 
 Per engine step a speculating request, whose last token is known and whose verification slots
 (positions N - 1 .. N - 1 + k) the scheduler has allocated, gets: step 0, the tokens its
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from pagoda_engine.core.kv.block_pool import NULL_PAGE_ID
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.request import Request
 from pagoda_engine.errors import ModelLoadError
@@ -84,19 +88,35 @@ class ModelProposer:
         first.sort(key=lambda f: 0 if f[2] == f[1] and f[1] > 0 else 1)
         tables = [self.kv.page_ids(r.request_id) for r in reqs]
 
+        pages = self.kv.pool.pages
+
         def slot(i: int, p: int) -> int:
             return tables[i][p // ps] * ps + p % ps
 
-        positions, slots, ids = [], [], []
+        def catch_up_slot(i: int, p: int) -> int:
+            # EAGLE-3's entry at a page's last position depends on the next page's first token,
+            # which requests sharing the page need not agree on: in a page the request found in
+            # the prefix cache, still held by another, the entry of the request that computed the
+            # page stays, and this one is written to the null page (vLLM, which keeps the draft's
+            # KV in the target's blocks, reuses the cached entry the same way).
+            page = tables[i][p // ps]
+            if (self.eagle and p % ps == ps - 1 and p < reqs[i].num_cached_tokens
+                    and pages[page].ref_cnt > 1):
+                return NULL_PAGE_ID * ps + p % ps
+            return page * ps + p % ps
+
+        positions, slots, ids, feature_slots = [], [], [], []
         for i, start, last, fed in first:
             span = range(start, last + 1)
             positions += span
-            slots += [slot(i, p) for p in span]
+            slots += [catch_up_slot(i, p) for p in span]
+            feature_slots += [slot(i, p) for p in span]
             ids += fed
         steps = [DraftStep(query_lens=[f[2] - f[1] + 1 for f in first], seq_lens=[f[2] + 1 for f in first],
                            page_tables=[tables[f[0]] for f in first], positions=positions, slots=slots,
                            num_decodes=sum(1 for f in first if f[2] == f[1] and f[1] > 0),
-                           requests=[f[0] for f in first], token_ids=ids)]
+                           requests=[f[0] for f in first], token_ids=ids,
+                           feature_slots=feature_slots if self.eagle else None)]
         rows = [f[0] for f in first]
         lasts = {f[0]: f[2] for f in first}
         for j in range(1, max(num_drafts)):

@@ -32,7 +32,7 @@ from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.executor_types import AttentionBatch, DraftPlan, DraftStep, KVCacheSpec
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend
-from pagoda_engine.worker.model.eagle3 import Eagle3Head, load_eagle3_head
+from pagoda_engine.worker.model.eagle3 import Eagle3Head, load_eagle3_config, load_eagle3_head
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 
 logger = logging.getLogger(__name__)
@@ -89,9 +89,9 @@ class Drafter:
         tokens = hidden = None
         for j, step in enumerate(plan.steps):
             t = len(step.positions)
-            host = torch.tensor(step.positions + step.slots, dtype=torch.int64)
+            host = torch.tensor(step.positions + step.slots + (step.feature_slots or []), dtype=torch.int64)
             dev = host.to(self.device, non_blocking=True)
-            positions, slots = dev[:t], dev[t:]
+            positions, slots, feature_slots = dev[:t], dev[t:2 * t], dev[2 * t:]
             if step.token_ids is not None:
                 input_ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
             else:
@@ -102,7 +102,7 @@ class Drafter:
                                           num_decodes=step.num_decodes))
             last = torch.tensor(_last_rows(step.query_lens), dtype=torch.int64).to(self.device, non_blocking=True)
             if self.reads_target_hidden:
-                features = self.features[slots] if step.token_ids is not None else hidden[rows]
+                features = self.features[feature_slots] if step.token_ids is not None else hidden[rows]
                 normed, prenorm = self.model(input_ids, positions, features, self.attn)
                 tokens = self.model.draft_token_ids(self.model.compute_logits(normed[last]))
                 hidden = prenorm[last]
@@ -127,10 +127,11 @@ def load_drafter(method: str, model_dir: str, target: torch.nn.Module, target_co
                  dtype: torch.dtype, device: torch.device, load_format: str, seed: int) -> Drafter:
     """The drafting model of `method` from `model_dir`, checked against the target: the same
     vocabulary (a draft model) or the target's vocabulary and hidden size (an EAGLE-3 head)."""
-    config = load_hf_config(model_dir)
     if method == "eagle3":
+        config = load_eagle3_config(model_dir)
         model = load_eagle3_head(model_dir, config, target, target_config, dtype, device, load_format, seed)
     else:
+        config = load_hf_config(model_dir)
         if config.vocab_size != target_config.vocab_size:
             raise ModelLoadError(f"the draft model {model_dir} has a vocabulary of {config.vocab_size} tokens, the "
                                  f"target's has {target_config.vocab_size}: a draft model must share the target's "

@@ -19,11 +19,12 @@ The first step's input hidden state is `fc` of the target's hidden states at thr
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 from torch import nn
-from transformers import PretrainedConfig
+from transformers import LlamaConfig, PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.worker.attention.base import AttentionBackend, KVCacheSpec
@@ -43,9 +44,10 @@ class Eagle3Layer(nn.Module):
         kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         self.head_dim = head_dim(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = QKVParallelLinear(2 * hidden, self.head_dim, heads, kv_heads, bias)
-        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
-        self.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
+        self.self_attn = nn.Module()  # the checkpoint's names: self_attn.{q,k,v,o}_proj
+        self.self_attn.qkv_proj = QKVParallelLinear(2 * hidden, self.head_dim, heads, kv_heads, bias)
+        self.num_heads, self.num_kv_heads = self.self_attn.qkv_proj.num_heads, self.self_attn.qkv_proj.num_kv_heads
+        self.self_attn.o_proj = RowParallelLinear(heads * self.head_dim, hidden, bias)
         self.rotary_emb = rotary
         self.mlp = GatedMLP(hidden, cfg.intermediate_size, bool(getattr(cfg, "mlp_bias", False)))
         self.input_layernorm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -63,11 +65,11 @@ class Eagle3Layer(nn.Module):
             hidden = self.hidden_norm(hidden)
         t = hidden.shape[0]
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(torch.cat([embeds, hidden], dim=-1)).split([q_size, kv_size, kv_size], dim=-1)
+        q, k, v = self.self_attn.qkv_proj(torch.cat([embeds, hidden], dim=-1)).split([q_size, kv_size, kv_size], dim=-1)
         o = attn.forward(0, q.reshape(t, self.num_heads, self.head_dim), k.reshape(t, self.num_kv_heads, self.head_dim),
                          v.reshape(t, self.num_kv_heads, self.head_dim), positions=positions,
                          rotary=self.rotary_emb, q_norm=None, k_norm=None)
-        x = self.o_proj(o.reshape(t, q_size))
+        x = self.self_attn.o_proj(o.reshape(t, q_size))
         x, residual = self.post_attention_layernorm(x, residual.clone())
         return self.mlp(x), residual
 
@@ -133,23 +135,36 @@ class Eagle3Head(nn.Module):
         return name
 
 
+def load_eagle3_config(model_dir: str) -> PretrainedConfig:
+    """An EAGLE-3 head's config.json (its architecture is not one the engine serves as a target)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"cannot read the EAGLE-3 head's {path}: {e}") from e
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    if not isinstance(architectures, list) or not any(a in ARCHITECTURES for a in architectures):
+        named = ", ".join(map(str, architectures)) if architectures else "nothing"
+        raise ModelLoadError(f"{model_dir} is not an EAGLE-3 head: config.json names {named}, "
+                             f"expected one of {', '.join(ARCHITECTURES)}")
+    try:
+        return LlamaConfig.from_pretrained(model_dir)
+    except Exception as e:  # transformers raises many types for a bad config
+        raise ModelLoadError(f"cannot parse {path}: {e}") from e
+
+
 def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target: nn.Module, target_cfg: PretrainedConfig,
                      dtype: torch.dtype, device: torch.device, load_format: str, seed: int) -> Eagle3Head:
     """An EAGLE-3 head from `model_dir` (safetensors, or dummy weights), checked against the target."""
-    architectures = getattr(cfg, "architectures", None) or []
-    if not any(a in ARCHITECTURES for a in architectures):
-        raise ModelLoadError(f"{model_dir} is not an EAGLE-3 head: config.json names {architectures or 'nothing'}, "
-                             f"expected one of {', '.join(ARCHITECTURES)}")
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ModelLoadError(f"the EAGLE-3 head {model_dir} drafts for a vocabulary of {cfg.vocab_size} tokens, the "
                              f"target's has {target_cfg.vocab_size}")
-    tensors = {} if load_format == "dummy" else {name: read for _, name, read in
+    # A head is small: read whole (the files close once read).
+    tensors = {} if load_format == "dummy" else {name: read() for _, name, read in
                                                  _safetensors_tensors(Path(model_dir), device)}
     own_embedding = "embed_tokens.weight" in tensors
     with _default_dtype(dtype), torch.device(device):
         head = Eagle3Head(cfg, target_cfg.hidden_size, own_embedding)
-    if not own_embedding:
-        head.target_embed = target.model.embed_tokens
     if load_format == "dummy":
         _init_dummy(head, seed, device)
     else:
@@ -157,14 +172,20 @@ def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target: nn.Module, t
         tensors.pop("t2d", None)
         if d2t is None and head.draft_vocab_size != cfg.vocab_size:
             raise ModelLoadError(f"{model_dir} has a draft vocabulary of {head.draft_vocab_size} tokens but no d2t map")
-        weights = ((Path(model_dir).name, name.replace("layers.0.", "midlayer."), read)
-                   for name, read in tensors.items())
+        weights = ((Path(model_dir).name, name.replace("layers.0.", "midlayer."), lambda t=tensor: t)
+                   for name, tensor in tensors.items())
         _load_checkpoint(head, weights, model_dir)
         if d2t is not None:
-            d2t = d2t().to(device=device, dtype=torch.int64)
+            d2t = d2t.to(device=device, dtype=torch.int64)
             if d2t.shape != head.d2t.shape:
                 raise ModelLoadError(f"{model_dir}: d2t has shape {tuple(d2t.shape)}, expected ({head.draft_vocab_size},)")
             head.d2t.copy_(d2t)
+    if not own_embedding:  # after loading: the target's weights are not the head's to load or draw
+        head.target_embed = target.model.embed_tokens
+    num_layers = target_cfg.num_hidden_layers
+    if any(not 0 <= i < num_layers for i in head.aux_layers(num_layers)):
+        raise ModelLoadError(f"the EAGLE-3 head {model_dir} reads the target's layers {head.aux_layers(num_layers)}, "
+                             f"but the target has {num_layers}")
     ids = torch.arange(head.draft_vocab_size, device=device) + head.d2t
     if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
         raise ModelLoadError(f"{model_dir}: d2t maps draft ids outside the target's vocabulary of {cfg.vocab_size}")

@@ -263,13 +263,14 @@ class DecoderModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
-        aux = self.aux_hidden_layers
-        self.aux_hidden = []
+        aux, kept = self.aux_hidden_layers, {}
         for i in range(self.start_layer, self.end_layer):
             if i in aux:
-                self.aux_hidden.append(x if residual is None else x + residual)
+                kept[i] = x if residual is None else x + residual
             # The stage's KV pool holds its own layers only: layer i is its (i - start)-th.
             x, residual = self.layers[i](i - self.start_layer, positions, x, residual, attn)
+        if aux:
+            self.aux_hidden = [kept[i] for i in aux]  # a layer may be named twice
         if not self.is_last_stage:
             return x, residual
         return self.final_norm(x, residual)
