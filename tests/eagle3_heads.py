@@ -12,12 +12,14 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, EPS, THETA = 64, 4, 2, 16, 128, 1e-6, 10000.0
+EPS, THETA = 1e-6, 10000.0
 
 
-def write_eagle3_head(out_dir, target_dir, draft_vocab_size: int, seed: int = 0) -> Path:
+def write_eagle3_head(out_dir, target_dir, draft_vocab_size: int, seed: int = 0, hidden: int = 64, heads: int = 4,
+                      kv_heads: int = 2, head_dim: int = 16, intermediate: int = 128) -> Path:
     """A random EAGLE-3 head for the target in `target_dir` (its vocabulary and hidden size):
     `draft_vocab_size` target tokens in its draft vocabulary, no embedding of its own."""
+    HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = hidden, heads, kv_heads, head_dim, intermediate
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     target = json.loads((Path(target_dir) / "config.json").read_text())
@@ -67,6 +69,9 @@ class ReferenceEagle3:
         from safetensors.torch import load_file
 
         self.w = load_file(str(Path(head_dir) / "model.safetensors"))
+        config = json.loads((Path(head_dir) / "config.json").read_text())
+        self.heads, self.kv_heads, self.head_dim = (config["num_attention_heads"], config["num_key_value_heads"],
+                                                    config["head_dim"])
         self.target = transformers.AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
         n = self.target.config.num_hidden_layers
         self.layers = (2, n // 2, n - 3)  # vLLM's choice of the target's layers
@@ -76,18 +81,19 @@ class ReferenceEagle3:
     def _rms(x, weight):
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS))
 
-    @staticmethod
-    def _rope(x, positions):
-        inv = 1.0 / THETA ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    def _rope(self, x, positions):
+        d = self.head_dim
+        inv = 1.0 / THETA ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
         angles = positions[:, None].float() * inv[None]
         cos, sin = angles.cos()[:, None], angles.sin()[:, None]
-        x1, x2 = x[..., :HEAD_DIM // 2], x[..., HEAD_DIM // 2:]
+        x1, x2 = x[..., :d // 2], x[..., d // 2:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def forward(self, token_ids: list[int], hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over a whole sequence of (token, input hidden state) pairs at positions 0..T-1,
         causally: (normalised, pre-norm) hidden states [T, H]."""
         w, t = self.w, len(token_ids)
+        HEADS, KV_HEADS, HEAD_DIM = self.heads, self.kv_heads, self.head_dim
         p = "midlayer."
         emb = self._rms(self.embed[torch.tensor(token_ids)], w[p + "input_layernorm.weight"])
         residual = hidden
