@@ -455,10 +455,16 @@ def test_speculative_decoding_renders_the_engines_flag_and_is_checked_as_the_eng
     assert problems_of(both) == ["engine: speculative and extraArgs --speculative-config both set speculative decoding; "
                                  "keep one"]
     eagle = with_spec(load_example(LLAMA_8B), engine__extraArgs=[
-        "--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'])
+        "--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'])
     assert problems_of(eagle) == [
-        "engine.extraArgs --speculative-config: speculative config: method 'eagle3' (EAGLE-3 heads) is not implemented "
-        "in this engine yet; implemented: ngram"]
+        "engine.extraArgs --speculative-config: speculative config: method 'eagle' (EAGLE-1/2 heads) is not implemented "
+        "in this engine yet; implemented: ngram, draft_model, eagle3"]
+    eagle3 = ["--speculative-config", '{"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 2}']
+    assert problems_of(with_spec(load_example(LLAMA_8B), engine__extraArgs=eagle3)) == []
+    assert problems_of(with_spec(load_example(LLAMA_8B), engine__extraArgs=eagle3, topology={"tensor": 2},
+                                 resources__gpusPerPod=2)) == [
+        "engine.extraArgs --speculative-config: method 'eagle3' drafts on one rank: not supported under tensor "
+        "parallelism yet (topology.tensor 2)"]
 
 
 def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():

@@ -106,7 +106,7 @@ class Speculative:
     unchanged, sampled output keeps its distribution. Method ngram (prompt lookup) drafts from
     each request's own earlier tokens: no draft model, so no memory to add."""
 
-    method: Literal["ngram"] = prop(doc="ngram: prompt lookup (draft models and EAGLE heads are not built in the engine yet).")
+    method: Literal["ngram"] = prop(doc="ngram: prompt lookup. A draft model or an EAGLE-3 head (the engine's draft_model and eagle3) is given in extraArgs' --speculative-config with its path in the engine container, for now: this field does not fetch a drafting model's URI, and the admission arithmetic does not count it.")
     num_speculative_tokens: int = prop(doc="Tokens drafted per step for each speculating request (k).", minimum=1, maximum=16)
     prompt_lookup_max: int | None = prop(None, doc="Longest n-gram looked up (engine default: prompt_lookup_min, else 5).", minimum=1)
     prompt_lookup_min: int | None = prop(None, doc="Shortest n-gram looked up (engine default: prompt_lookup_max, else 5).", minimum=1)
