@@ -217,3 +217,29 @@ def test_a_draft_model_needs_its_model():
     with pytest.raises(InvalidSpeculativeConfigError, match="prompt_lookup_max does not apply"):
         parse_speculative_config({"method": "draft_model", "model": "x", "num_speculative_tokens": 2,
                                   "prompt_lookup_max": 3})
+
+
+def test_drafting_kv_is_valid_up_to_the_first_refused_draft_and_forgotten_on_preemption():
+    from pagoda_engine.core.draft_proposer import ModelProposer
+    from pagoda_engine.core.kv.manager import KVCacheManager
+    from pagoda_engine.core.request import Request
+    from pagoda_engine.speculative import parse_speculative_config
+
+    proposer = ModelProposer(parse_speculative_config(_config("x")), None, KVCacheManager(16, 4, True))
+
+    def decoding(rid):
+        req = Request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=10))
+        req.output_token_ids, req.num_computed_tokens = [6], 5
+        return req
+
+    req = decoding("a")
+    assert proposer._valid(req) == 0  # nothing drafted yet
+    proposer._fed["a"] = (req, 0, 6, [7, 8])  # 6 tokens, then drafts 7 and 8 fed (the last draft is never fed)
+    req.output_token_ids += [7, 9, 10]  # kept 7, refused 8 (9 sampled instead), then 10
+    req.num_computed_tokens = 8
+    assert proposer._valid(req) == 7  # tokens 1..6 and the kept draft 7
+    req.num_computed_tokens = 6
+    assert proposer._valid(req) == 6  # never past the target's computed tokens
+    assert proposer._valid(decoding("a")) == 0  # another request of the same id
+    req.num_preemptions += 1
+    assert proposer._valid(req) == 0

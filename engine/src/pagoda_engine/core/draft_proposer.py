@@ -8,7 +8,7 @@ draft KV therefore lives in the pages the scheduler already gave it: no second a
 page freed, trimmed after refused drafts or handed to another request goes for both models at
 once. What the drafter's half of a page holds is tracked here per request instead of per page:
 the tokens its KV was built from (`_fed`). Each step the request's drafting KV is taken as
-valid up to the first token that differs from the request's own, and never past the target's
+valid up to the first draft it was fed that the request did not keep, and never past the target's
 computed tokens (the pages beyond those may have been trimmed and reused); preemption forgets it
 all. A prefix hit therefore recomputes the shared pages' draft KV once (the same tokens give the
 same values, so a neighbour reading them meanwhile reads what it wrote itself), which keeps the
@@ -31,8 +31,6 @@ hidden states of the tokens it kept (as vLLM's proposer does).
 
 from __future__ import annotations
 
-import numpy as np
-
 from pagoda_engine.core.kv.block_pool import NULL_PAGE_ID
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.request import Request
@@ -54,8 +52,10 @@ class ModelProposer:
         self.executor = executor
         self.kv = kv
         self.page_size = kv.page_size
-        # request id -> (its preemptions then, the tokens its drafting KV was built from)
-        self._fed: dict[str, tuple[int, list[int]]] = {}
+        # request id -> (the request, its preemptions then, its tokens then, the drafts fed after them):
+        # what its drafting KV was built from. A request's own tokens never change (preemption
+        # aside), so only the drafts need comparing with what it kept.
+        self._fed: dict[str, tuple[Request, int, int, list[int]]] = {}
 
     def retain(self, running: list[Request]) -> None:
         """Forget the requests that are no longer running."""
@@ -63,14 +63,14 @@ class ModelProposer:
             ids = {r.request_id for r in running}
             self._fed = {rid: fed for rid, fed in self._fed.items() if rid in ids}
 
-    def _valid(self, req: Request, tokens: list[int]) -> int:
+    def _valid(self, req: Request) -> int:
         """How many leading positions of req's drafting KV still hold what its tokens give."""
-        preemptions, fed = self._fed.get(req.request_id, (req.num_preemptions, []))
-        if preemptions != req.num_preemptions or not fed:
-            return 0
-        n = min(len(fed), len(tokens))
-        differ = np.flatnonzero(np.asarray(fed[:n]) != np.asarray(tokens[:n]))
-        same = int(differ[0]) if differ.size else n
+        fed = self._fed.get(req.request_id)
+        if fed is None or fed[0] is not req or fed[1] != req.num_preemptions:
+            return 0  # another request of the same id, or recomputed since
+        _, _, known, drafts = fed
+        kept = req.output_token_ids[known - req.num_prompt_tokens:known - req.num_prompt_tokens + len(drafts)]
+        same = known + next((j for j, (a, b) in enumerate(zip(drafts, kept)) if a != b), min(len(drafts), len(kept)))
         # EAGLE-3's position j holds token j + 1's pair.
         return min(same - 1 if self.eagle else same, req.num_computed_tokens)
 
@@ -78,11 +78,10 @@ class ModelProposer:
         """Exactly `num_drafts[i]` tokens for each request (each a decode whose verification pages are allocated)."""
         ps = self.page_size
         first = []  # (request index, start position, last position, tokens fed)
-        for i, (req, n) in enumerate(zip(reqs, num_drafts)):
-            tokens = req.all_token_ids
-            last = len(tokens) - (2 if self.eagle else 1)
-            start = min(max(self._valid(req, tokens), 0), last)
-            fed = tokens[start + 1:last + 2] if self.eagle else tokens[start:last + 1]
+        for i, req in enumerate(reqs):
+            last = req.num_tokens - (2 if self.eagle else 1)
+            start = min(max(self._valid(req), 0), last)
+            fed = _tokens(req, start + 1, last + 2) if self.eagle else _tokens(req, start, last + 1)
             first.append((i, start, last, fed))
         # Step 0: decodes (one token after cached ones) first, as the attention plan wants them.
         first.sort(key=lambda f: 0 if f[2] == f[1] and f[1] > 0 else 1)
@@ -129,10 +128,19 @@ class ModelProposer:
             rows = [i for _, i in kept]
         drafts = self.executor.propose_drafts(DraftPlan(len(reqs), max(num_drafts), steps))
         for req, draft in zip(reqs, drafts):
-            tokens = req.all_token_ids
             # A draft model's KV holds every draft it was fed; EAGLE-3's only the target-fed positions.
-            self._fed[req.request_id] = (req.num_preemptions, tokens if self.eagle else tokens + draft[:-1])
+            self._fed[req.request_id] = (req, req.num_preemptions, req.num_tokens, [] if self.eagle else draft[:-1])
         return drafts
+
+
+def _tokens(req: Request, start: int, end: int) -> list[int]:
+    """The request's tokens [start, end) without building prompt + output in full."""
+    num_prompt = req.num_prompt_tokens
+    if start >= num_prompt:
+        return req.output_token_ids[start - num_prompt:end - num_prompt]
+    if end <= num_prompt:
+        return req.prompt_token_ids[start:end]
+    return req.prompt_token_ids[start:] + req.output_token_ids[:end - num_prompt]
 
 
 def model_proposer(config: SpeculativeConfig, executor: Executor, kv: KVCacheManager, model_dir: str,
