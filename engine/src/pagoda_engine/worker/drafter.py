@@ -29,7 +29,8 @@ import torch
 from transformers import PretrainedConfig
 
 from pagoda_engine.errors import ModelLoadError
-from pagoda_engine.executor_types import AttentionBatch, DraftPlan, DraftStep, KVCacheSpec
+from pagoda_engine.executor_types import (AttentionBatch, DraftPlan, DraftStep, KVCacheSpec, aligned_numel,
+                                          host_to_device)
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend
 from pagoda_engine.worker.model.eagle3 import Eagle3Head, load_eagle3_config, load_eagle3_head
@@ -84,35 +85,44 @@ class Drafter:
 
     @torch.inference_mode()
     def propose(self, plan: DraftPlan) -> list[list[int]]:
-        """Run `plan`; each request's drafted tokens (as many as the steps it takes part in)."""
+        """Run `plan`; each request's drafted tokens (as many as the steps it takes part in). Each
+        step's integers go to the device in one copy that does not wait for it; the drafts come
+        back once, at the end."""
         drafts = torch.full((plan.num_requests, plan.num_tokens), -1, dtype=torch.int64, device=self.device)
         tokens = hidden = None
         for j, step in enumerate(plan.steps):
-            t = len(step.positions)
-            host = torch.tensor(step.positions + step.slots + (step.feature_slots or []), dtype=torch.int64)
-            dev = host.to(self.device, non_blocking=True)
-            positions, slots, feature_slots = dev[:t], dev[t:2 * t], dev[2 * t:]
-            if step.token_ids is not None:
-                input_ids = torch.tensor(step.token_ids, dtype=torch.int64).to(self.device, non_blocking=True)
-            else:
-                rows = torch.tensor(step.from_rows, dtype=torch.int64).to(self.device, non_blocking=True)
-                input_ids = tokens[rows]
+            positions, slots, feature_slots, fed, last, requests = _on_device(step, self.device)
+            input_ids = fed if step.token_ids is not None else tokens[fed]  # `fed`: ids, or rows of the step before
             self.attn.plan(AttentionBatch(query_lens=step.query_lens, seq_lens=step.seq_lens,
                                           page_tables=step.page_tables, slot_mapping=slots,
                                           num_decodes=step.num_decodes))
-            last = torch.tensor(_last_rows(step.query_lens), dtype=torch.int64).to(self.device, non_blocking=True)
             if self.reads_target_hidden:
-                features = self.features[feature_slots] if step.token_ids is not None else hidden[rows]
+                features = self.features[feature_slots] if step.token_ids is not None else hidden[fed]
                 normed, prenorm = self.model(input_ids, positions, features, self.attn)
                 tokens = self.model.draft_token_ids(self.model.compute_logits(normed[last]))
                 hidden = prenorm[last]
             else:
                 out = self.model(input_ids, positions, self.attn)
                 tokens = self.model.compute_logits(out[last]).argmax(dim=-1)
-            req = torch.tensor(step.requests, dtype=torch.int64).to(self.device, non_blocking=True)
-            drafts[req, j] = tokens
+            drafts[requests, j] = tokens
         out = drafts.tolist()
         return [[t for t in row if t >= 0] for row in out]
+
+
+def _on_device(step: DraftStep, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """A step's positions, slots, feature slots, fed ids (or rows), last rows and requests, on the
+    device, from one host buffer (each part starting aligned)."""
+    parts = [step.positions, step.slots, step.feature_slots or [],
+             step.token_ids if step.token_ids is not None else step.from_rows, _last_rows(step.query_lens),
+             step.requests]
+    flat, bounds = [], []
+    for part in parts:
+        start = len(flat)
+        flat += part
+        bounds.append((start, len(flat)))
+        flat += [0] * (aligned_numel(len(flat), torch.int64) - len(flat))
+    dev = host_to_device(torch.tensor(flat, dtype=torch.int64), device)
+    return tuple(dev[a:b] for a, b in bounds)
 
 
 def _last_rows(query_lens: list[int]) -> list[int]:
