@@ -225,7 +225,7 @@ def test_drafting_kv_is_valid_up_to_the_first_refused_draft_and_forgotten_on_pre
     from pagoda_engine.core.request import Request
     from pagoda_engine.speculative import parse_speculative_config
 
-    proposer = ModelProposer(parse_speculative_config(_config("x")), None, KVCacheManager(16, 4, True))
+    proposer = ModelProposer(parse_speculative_config(_config("x")), None, KVCacheManager(16, 4, True), 8192)
 
     def decoding(rid):
         req = Request(rid, [1, 2, 3, 4, 5], SamplingParams(max_tokens=10))

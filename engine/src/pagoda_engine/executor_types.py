@@ -84,13 +84,16 @@ class DraftStep:
     # EAGLE-3's first step: the slot of each token's target hidden state (where `slots` writes the
     # token's KV elsewhere: a shared page's last entry, `core/draft_proposer.py`).
     feature_slots: list[int] | None = None
+    # A forward that only writes the drafting KV (a long catch-up's earlier part): nothing drafted.
+    writes_only: bool = False
 
 
 @dataclass
 class DraftPlan:
     """What a draft-model or EAGLE-3 proposer runs on rank 0 for one engine step
-    (`worker.drafter.Drafter.propose`): step 0 catches each request's drafting KV up to its last
-    known token and drafts its first token; step j drafts token j. A request drafting fewer
+    (`worker.drafter.Drafter.propose`): a first step catches each request's drafting KV up to its
+    last known token (after forwards that only write KV, where that is longer than a step's token
+    budget) and drafts its first token; each later step drafts one more. A request drafting fewer
     tokens leaves the later steps. Positions and pages are the target's: the drafter keeps its
     KV in the same page ids (`core/draft_proposer.py` says why)."""
 

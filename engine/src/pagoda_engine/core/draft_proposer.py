@@ -47,8 +47,9 @@ class ModelProposer:
 
     drafts_after_allocation = True
 
-    def __init__(self, config: SpeculativeConfig, executor: Executor, kv: KVCacheManager):
+    def __init__(self, config: SpeculativeConfig, executor: Executor, kv: KVCacheManager, max_tokens: int):
         self.eagle = config.method == "eagle3"
+        self.max_tokens = max_tokens  # the most tokens one drafting forward feeds (the step's token budget)
         self.executor = executor
         self.kv = kv
         self.page_size = kv.page_size
@@ -83,10 +84,7 @@ class ModelProposer:
             start = min(max(self._valid(req), 0), last)
             fed = _tokens(req, start + 1, last + 2) if self.eagle else _tokens(req, start, last + 1)
             first.append((i, start, last, fed))
-        # Step 0: decodes (one token after cached ones) first, as the attention plan wants them.
-        first.sort(key=lambda f: 0 if f[2] == f[1] and f[1] > 0 else 1)
         tables = [self.kv.page_ids(r.request_id) for r in reqs]
-
         pages = self.kv.pool.pages
 
         def slot(i: int, p: int) -> int:
@@ -104,18 +102,42 @@ class ModelProposer:
                 return NULL_PAGE_ID * ps + p % ps
             return page * ps + p % ps
 
-        positions, slots, ids, feature_slots = [], [], [], []
-        for i, start, last, fed in first:
-            span = range(start, last + 1)
-            positions += span
-            slots += [catch_up_slot(i, p) for p in span]
-            feature_slots += [slot(i, p) for p in span]
-            ids += fed
-        steps = [DraftStep(query_lens=[f[2] - f[1] + 1 for f in first], seq_lens=[f[2] + 1 for f in first],
-                           page_tables=[tables[f[0]] for f in first], positions=positions, slots=slots,
-                           num_decodes=sum(1 for f in first if f[2] == f[1] and f[1] > 0),
-                           requests=[f[0] for f in first], token_ids=ids,
-                           feature_slots=feature_slots if self.eagle else None)]
+        def catch_up(pieces: list[tuple[int, int, int, list[int]]], drafting: bool) -> DraftStep:
+            """One forward over (request index, first position, last position, tokens fed) pieces;
+            decodes (one token after cached ones) first, as the attention plan wants them."""
+            pieces.sort(key=lambda f: 0 if f[2] == f[1] and f[1] > 0 else 1)
+            positions, slots, ids, feature_slots = [], [], [], []
+            for i, start, last, fed in pieces:
+                span = range(start, last + 1)
+                positions += span
+                slots += [catch_up_slot(i, p) for p in span]
+                feature_slots += [slot(i, p) for p in span]
+                ids += fed
+            return DraftStep(query_lens=[f[2] - f[1] + 1 for f in pieces], seq_lens=[f[2] + 1 for f in pieces],
+                             page_tables=[tables[f[0]] for f in pieces], positions=positions, slots=slots,
+                             num_decodes=sum(1 for f in pieces if f[2] == f[1] and f[1] > 0),
+                             requests=[f[0] for f in pieces] if drafting else [], token_ids=ids,
+                             feature_slots=feature_slots if self.eagle else None, writes_only=not drafting)
+
+        # A catch-up longer than a step's token budget (a long prompt's first drafts, a prefix
+        # hit's) goes through forwards of at most that many tokens that only write KV, so that
+        # the drafter's activations stay within what the profile step measured for the target's.
+        steps = []
+        if sum(last - start + 1 for _, start, last, _ in first) > self.max_tokens:
+            chunk, size = [], 0
+            for i, start, last, fed in first:
+                a = start
+                while a < last:
+                    n = min(last - a, self.max_tokens - size)
+                    chunk.append((i, a, a + n - 1, fed[a - start:a - start + n]))
+                    size, a = size + n, a + n
+                    if size == self.max_tokens:
+                        steps.append(catch_up(chunk, drafting=False))
+                        chunk, size = [], 0
+            if chunk:
+                steps.append(catch_up(chunk, drafting=False))
+            first = [(i, last, last, fed[-1:]) for i, _, last, fed in first]
+        steps.append(catch_up(first, drafting=True))
         rows = [f[0] for f in first]
         lasts = {f[0]: f[2] for f in first}
         for j in range(1, max(num_drafts)):
@@ -144,7 +166,7 @@ def _tokens(req: Request, start: int, end: int) -> list[int]:
 
 
 def model_proposer(config: SpeculativeConfig, executor: Executor, kv: KVCacheManager, model_dir: str,
-                   max_model_len: int) -> ModelProposer | None:
+                   max_model_len: int, max_tokens: int) -> ModelProposer | None:
     """The proposer of a drafting model (None for ngram), after the checks that need both models:
     the same tokenizer (a draft model) and positions enough for max_model_len."""
     if config.method not in MODEL_METHODS:
@@ -156,7 +178,7 @@ def model_proposer(config: SpeculativeConfig, executor: Executor, kv: KVCacheMan
     if limit < max_model_len:
         raise ModelLoadError(f"the drafting model {draft_dir} serves at most {limit} positions, fewer than the "
                              f"target's max_model_len {max_model_len}: lower --max-model-len to {limit}")
-    return ModelProposer(config, executor, kv)
+    return ModelProposer(config, executor, kv, max_tokens)
 
 
 def check_same_tokenizer(target_dir: str, draft_dir: str) -> None:

@@ -131,8 +131,9 @@ class EngineCore:
             self.kv.offload = start_offload(config, executor, self.kv.pool, self.model_dir)
         spec = None
         if config.speculative_config.enabled:
-            spec = SpecDecoder(config.speculative_config, model_proposer(config.speculative_config, executor, self.kv,
-                                                                         self.model_dir, self.max_model_len))
+            spec = SpecDecoder(config.speculative_config, model_proposer(
+                config.speculative_config, executor, self.kv, self.model_dir, self.max_model_len,
+                config.scheduler.max_num_batched_tokens))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
         self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size

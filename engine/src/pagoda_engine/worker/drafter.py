@@ -90,12 +90,19 @@ class Drafter:
         back once, at the end."""
         drafts = torch.full((plan.num_requests, plan.num_tokens), -1, dtype=torch.int64, device=self.device)
         tokens = hidden = None
-        for j, step in enumerate(plan.steps):
+        j = 0  # the drafted token's index
+        for step in plan.steps:
             positions, slots, feature_slots, fed, last, requests = _on_device(step, self.device)
             input_ids = fed if step.token_ids is not None else tokens[fed]  # `fed`: ids, or rows of the step before
             self.attn.plan(AttentionBatch(query_lens=step.query_lens, seq_lens=step.seq_lens,
                                           page_tables=step.page_tables, slot_mapping=slots,
                                           num_decodes=step.num_decodes))
+            if step.writes_only:
+                if self.reads_target_hidden:
+                    self.model(input_ids, positions, self.features[feature_slots], self.attn)
+                else:
+                    self.model(input_ids, positions, self.attn)
+                continue
             if self.reads_target_hidden:
                 features = self.features[feature_slots] if step.token_ids is not None else hidden[fed]
                 normed, prenorm = self.model(input_ids, positions, features, self.attn)
@@ -105,6 +112,7 @@ class Drafter:
                 out = self.model(input_ids, positions, self.attn)
                 tokens = self.model.compute_logits(out[last]).argmax(dim=-1)
             drafts[requests, j] = tokens
+            j += 1
         out = drafts.tolist()
         return [[t for t in row if t >= 0] for row in out]
 
