@@ -243,3 +243,17 @@ def test_drafting_kv_is_valid_up_to_the_first_refused_draft_and_forgotten_on_pre
     assert proposer._valid(decoding("a")) == 0  # another request of the same id
     req.num_preemptions += 1
     assert proposer._valid(req) == 0
+
+
+def test_the_warm_up_leaves_no_drafts_counted_and_greedy_tokens_unchanged(model_dir, draft_dir, hf_tokens):
+    """A CUDA engine warms up with real requests before it serves (CPU engines skip it; run here by
+    hand): they draft, and the counters forget it."""
+    from warm_up_steps import warm_up_step_tokens
+
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=128, speculative_config=_config(model_dir))
+    assert warm_up_step_tokens(llm.core)
+    s = _stats(llm)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (0, 0, 0, [0, 0, 0])
+    outs = llm.generate(PROMPTS, _greedy())
+    assert [o.outputs[0].token_ids for o in outs] == hf_tokens and _stats(llm).num_accepted_tokens > 0
+    _assert_pool_free(llm)

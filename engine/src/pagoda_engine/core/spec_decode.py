@@ -102,6 +102,12 @@ class SpecDecoder:
         self._logged_at = time.monotonic()
         self._drafted = False  # some running request may hold a draft from the last schedule
 
+    def forget_counts(self) -> None:
+        """Start the counters (and the log line's window) again: the warm-up's drafts are not the server's."""
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self._logged = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self._logged_at = time.monotonic()
+
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests speculates."""
         limit = self.config.disable_by_batch_size
