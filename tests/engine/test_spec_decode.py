@@ -202,8 +202,14 @@ def test_sampled_output_keeps_the_targets_distribution(model_dir):
     _assert_pool_free(llm)
     s = _stats(llm)
     assert s.num_accepted_tokens > 0.1 * n and s.num_draft_tokens - s.num_accepted_tokens > 0.1 * n
-    counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
+    assert_target_distribution(model_dir, prompt, outs, top_k, length)
 
+
+def assert_target_distribution(model_dir, prompt, outs, top_k: int, length: int) -> None:
+    """The frequency of each sampled sequence in `outs` (temperature 1 over each position's top
+    `top_k` tokens) against its probability under transformers' model, by chi-square at p = 0.001."""
+    n = len(outs)
+    counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
     def dist(prefix):

@@ -8,7 +8,6 @@ another tokenizer is refused at start-up."""
 
 import json
 import shutil
-from collections import Counter
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.tiny import build_tiny_model
 
 from test_generate_vs_hf import _assert_pool_free, hf_greedy
-from test_spec_decode import NEW_TOKENS, PROMPTS, _chi2_critical, _greedy
+from test_spec_decode import NEW_TOKENS, PROMPTS, _greedy, assert_target_distribution
 
 K = 3
 
@@ -152,21 +151,7 @@ def test_sampled_output_keeps_the_targets_distribution(model_dir):
     _assert_pool_free(llm)
     s = _stats(llm)
     assert s.num_accepted_tokens > 0.1 * n and s.num_draft_tokens - s.num_accepted_tokens > 0.1 * n
-    counts = Counter(tuple(o.outputs[0].token_ids) for o in outs)
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def dist(prefix):
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
-        values, ids = logits.topk(top_k)
-        return dict(zip(ids.tolist(), torch.softmax(values, -1).tolist()))
-
-    expected = {(): 1.0}
-    for _ in range(length):
-        expected = {seq + (t,): p * q for seq, p in expected.items() for t, q in dist(seq).items()}
-    assert set(counts) <= set(expected)
-    chi2 = sum((counts.get(seq, 0) - n * p) ** 2 / (n * p) for seq, p in expected.items())
-    assert chi2 < _chi2_critical(len(expected) - 1), (chi2, counts)
+    assert_target_distribution(model_dir, prompt, outs, top_k, length)
 
 
 # --- refused at start-up ------------------------------------------------------------------------

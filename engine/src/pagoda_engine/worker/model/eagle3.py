@@ -89,7 +89,7 @@ class Eagle3Head(nn.Module):
         hidden = cfg.hidden_size
         self.draft_vocab_size = getattr(cfg, "draft_vocab_size", None) or cfg.vocab_size
         theta, rope_params = rope_settings(cfg)
-        self.rotary_emb = RotaryEmbedding(self.head_dim_of(cfg), cfg.max_position_embeddings, theta, rope_params)
+        self.rotary_emb = RotaryEmbedding(head_dim(cfg), cfg.max_position_embeddings, theta, rope_params)
         self.midlayer = Eagle3Layer(cfg, self.rotary_emb)
         self.fc = ColumnParallelLinear(3 * (getattr(cfg, "target_hidden_size", None) or target_hidden_size), hidden)
         self.norm = RMSNorm(hidden, cfg.rms_norm_eps)
@@ -97,10 +97,6 @@ class Eagle3Head(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, hidden) if own_embedding else None
         self.target_embed: nn.Module | None = None  # the target's, when the checkpoint has none
         self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.int64))
-
-    @staticmethod
-    def head_dim_of(cfg: PretrainedConfig) -> int:
-        return head_dim(cfg)
 
     def aux_layers(self, num_target_layers: int) -> tuple[int, ...]:
         """The target layers whose input hidden states the head reads (vLLM's choice)."""
