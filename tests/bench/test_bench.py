@@ -134,6 +134,35 @@ def test_fp8_kv_pages_run_and_are_reported(tiny_model, tmp_path):
     assert result["settings"]["kv_cache_dtype"] == "fp8" and len(result["iterations"]) == 1
 
 
+def test_shipped_drafting_models_fit_llama_31_8b():
+    """`llama-3.2-1b` (a draft model) and `eagle3-llama-3.1-8b` (an EAGLE-3 head, the published
+    head's shape) draft for the shipped Llama-3.1-8B: its vocabulary, its hidden size."""
+    from pagoda_engine.bench import shipped_config_dir
+
+    target, draft, head = (json.loads(open(f"{shipped_config_dir(n)}/config.json").read())
+                           for n in ("llama-3.1-8b", "llama-3.2-1b", "eagle3-llama-3.1-8b"))
+    assert draft["vocab_size"] == head["vocab_size"] == target["vocab_size"]
+    assert (draft["hidden_size"], draft["num_hidden_layers"]) == (2048, 16)
+    assert head["architectures"] == ["LlamaForCausalLMEagle3"] and head["hidden_size"] == target["hidden_size"]
+    assert (head["num_hidden_layers"], head["draft_vocab_size"]) == (1, 32000)
+
+
+def test_latency_with_a_draft_model_reports_its_acceptance(tiny_model, tmp_path, capsys):
+    """The drafting path timed as L1 (`--speculative-config` with a draft model; L1 samples at
+    temperature 1, so with dummy weights most drafts are refused: the cost of failed drafts)."""
+    out = tmp_path / "d.json"
+    config = json.dumps({"method": "draft_model", "model": tiny_model, "num_speculative_tokens": 3})
+    assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",
+                 "--output-len", "13", "--num-iters", "1", "--speculative-config", config,
+                 "--output-json", str(out)]) == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert spec["method"] == "draft_model" and spec["num_drafts"] > 0
+    assert spec["num_drafts"] <= spec["num_draft_tokens"] <= 3 * spec["num_drafts"]
+    assert spec["mean_acceptance_length"] == round(1 + spec["num_accepted_tokens"] / spec["num_drafts"], 3)
+    assert (f"speculative decoding (draft_model, k = 3): {spec['num_drafts']} drafts, mean acceptance length "
+            f"{spec['mean_acceptance_length']}") in capsys.readouterr().out
+
+
 def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",

@@ -101,6 +101,8 @@ def test_a_failed_model_download_is_found_in_the_engine_pods():
     reason = "pagoda s3: downloading s3://b/m refused: AccessDenied"
     assert model_download_failure([pod("p", exited)]) == f"pod p: model-download exited 3: {reason}"
     assert model_download_failure([pod("p", backing_off)]) == f"pod p: model-download exited 3: {reason}"
+    draft = {**exited, "name": "draft-download"}  # speculative decoding's drafting model
+    assert model_download_failure([pod("p", draft)]) == f"pod p: draft-download exited 3: {reason}"
     # Succeeded, or retrying now (running after a failure), or another init container: no failure.
     done = {"name": "model-download", "state": {"terminated": {"exitCode": 0, "reason": "Completed"}}}
     retrying = {"name": "model-download", "state": {"running": {}}, "lastState": exited["state"]}

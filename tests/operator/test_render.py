@@ -3,6 +3,7 @@ engine, router and cluster need (no cluster involved)."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -188,6 +189,35 @@ def test_router_rbac_is_its_own_account_with_read_only_endpointslices():
     assert router["spec"]["template"]["spec"]["serviceAccountName"] == "llama-8b-router"
     # Only the engine pods opt out of the token; the router needs it to read EndpointSlices.
     assert "automountServiceAccountToken" not in router["spec"]["template"]["spec"]
+
+
+def test_a_draft_model_is_downloaded_beside_the_model_and_named_in_the_speculative_flag():
+    body = with_spec(load_example("llama-3.1-8b.yaml"), engine__speculative={
+        "method": "draft_model", "model": "hf://meta-llama/Llama-3.2-1B-Instruct@abc", "numSpeculativeTokens": 4})
+    deploy = rendered(body)[("Deployment", "llama-8b-engine")]
+    pod = deploy["spec"]["template"]["spec"]
+    c = engine_container(deploy["spec"]["template"])
+    flag = json.loads(c["args"][c["args"].index("--speculative-config") + 1])
+    assert flag == {"method": "draft_model", "model": "/drafts/meta-llama/Llama-3.2-1B-Instruct",
+                    "num_speculative_tokens": 4}
+    model, draft = pod["initContainers"]
+    assert (model["name"], draft["name"]) == ("model-download", "draft-download")
+    env = {e["name"]: e.get("value", e.get("valueFrom")) for e in draft["env"]}
+    assert (env["MODEL_REPO"], env["MODEL_REVISION"], env["MODEL_DIR"]) == (
+        "meta-llama/Llama-3.2-1B-Instruct", "abc", "/drafts/meta-llama/Llama-3.2-1B-Instruct")
+    assert env["HF_TOKEN"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}  # model.download's
+    assert draft["volumeMounts"][0] == {"name": "draft-cache", "mountPath": "/drafts"}
+    assert {"name": "draft-cache", "emptyDir": {}} in pod["volumes"]
+    assert {"name": "draft-cache", "mountPath": "/drafts", "readOnly": True} in c["volumeMounts"]
+    _validate({"apiVersion": "apps/v1", **deploy})
+
+    on_claim = with_spec(body, engine__speculative__model="pvc://heads/eagle3-llama-8b", engine__speculative__method="eagle3")
+    deploy = rendered(on_claim)[("Deployment", "llama-8b-engine")]
+    c = engine_container(deploy["spec"]["template"])
+    assert json.loads(c["args"][c["args"].index("--speculative-config") + 1])["model"] == "/drafts/eagle3-llama-8b"
+    assert [i["name"] for i in deploy["spec"]["template"]["spec"]["initContainers"]] == ["model-download"]
+    assert {"name": "draft", "persistentVolumeClaim": {"claimName": "heads", "readOnly": True}} in (
+        deploy["spec"]["template"]["spec"]["volumes"])
 
 
 def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():

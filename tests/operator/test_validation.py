@@ -469,10 +469,35 @@ def test_speculative_decoding_renders_the_engines_flag_and_is_checked_as_the_eng
     assert problems_of(both) == ["engine: speculative and extraArgs --speculative-config both set speculative decoding; "
                                  "keep one"]
     eagle = with_spec(load_example(LLAMA_8B), engine__extraArgs=[
-        "--speculative-config", '{"method": "eagle3", "model": "x", "num_speculative_tokens": 2}'])
+        "--speculative-config", '{"method": "eagle", "model": "x", "num_speculative_tokens": 2}'])
     assert problems_of(eagle) == [
-        "engine.extraArgs --speculative-config: speculative config: method 'eagle3' (EAGLE-3 heads) is not implemented "
-        "in this engine yet; implemented: ngram"]
+        "engine.extraArgs --speculative-config: speculative config: method 'eagle' (EAGLE-1/2 heads) is not implemented "
+        "in this engine yet; implemented: ngram, draft_model, eagle3"]
+    eagle3 = ["--speculative-config", '{"method": "eagle3", "model": "/models/head", "num_speculative_tokens": 2}']
+    assert problems_of(with_spec(load_example(LLAMA_8B), engine__extraArgs=eagle3)) == []
+    assert problems_of(with_spec(load_example(LLAMA_8B), engine__extraArgs=eagle3, topology={"tensor": 2},
+                                 resources__gpusPerPod=2)) == [
+        "engine.extraArgs --speculative-config: method 'eagle3' drafts on one rank: not supported under tensor "
+        "parallelism yet (topology.tensor 2)"]
+
+
+def test_a_drafting_model_is_checked_and_counted_in_the_memory_arithmetic():
+    base = load_example(LLAMA_8B)
+    draft = {"method": "draft_model", "model": "hf://meta-llama/Llama-3.2-1B-Instruct", "numSpeculativeTokens": 4}
+    assert problems_of(with_spec(base, engine__speculative=draft)) == []
+    assert problems_of(with_spec(base, engine__speculative={"method": "draft_model", "numSpeculativeTokens": 4})) == [
+        "engine.speculative: speculative config: method 'draft_model' needs \"model\": the drafting model's directory"]
+    assert problems_of(with_spec(base, engine__speculative={**draft, "method": "ngram"})) == [
+        "engine.speculative: speculative config: model does not apply to method 'ngram' (its keys: "
+        "disable_by_batch_size, method, num_speculative_tokens, prompt_lookup_max, prompt_lookup_min)"]
+    assert problems_of(with_spec(base, engine__speculative=draft, topology={"tensor": 2}, resources__gpusPerPod=2)) == [
+        "engine.speculative: method 'draft_model' drafts on one rank: not supported under tensor parallelism yet "
+        "(topology.tensor 2)"]
+    # 15.0 GiB of weights + 4.0 GiB of KV + 2.0 GiB fit 24 GiB × 0.9; with the draft's 3.3 GiB they do not.
+    small = with_spec(base, resources__gpuMemoryGiB=24)
+    assert problems_of(small) == []
+    (problem,) = problems_of(with_spec(small, engine__speculative=draft))
+    assert "the drafting model's 1.24B params and KV 3.3 GiB" in problem and "= 24.3 GiB" in problem
 
 
 def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():

@@ -1,6 +1,6 @@
-"""`pagoda serve --speculative-config` (ngram) through the official `openai` client: greedy text as
-the offline engine writes it without speculation, streamed or not, and vLLM's spec_decode_*
-counters under `pagoda:`."""
+"""`pagoda serve --speculative-config` (ngram, and a draft model: the tiny model drafting for itself)
+through the official `openai` client: greedy text as the offline engine writes it without
+speculation, streamed or not, and vLLM's spec_decode_* counters under `pagoda:`."""
 
 import json
 
@@ -10,12 +10,13 @@ import pytest
 from conftest import DEFAULT_ARGS, launch, scrape
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+DRAFT = {"method": "draft_model", "model": "pagoda-tiny", "num_speculative_tokens": 3}
 PROMPTS = ["one two three one two three one two three one two", "the cat sat on the mat and the cat sat on the"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    srv = launch(tmp_path_factory.mktemp("serve"), *DEFAULT_ARGS, "--speculative-config", json.dumps(SPEC))
+@pytest.fixture(scope="module", params=[SPEC, DRAFT], ids=["ngram", "draft_model"])
+def server(tmp_path_factory, request):
+    srv = launch(tmp_path_factory.mktemp("serve"), *DEFAULT_ARGS, "--speculative-config", json.dumps(request.param))
     yield srv
     srv.proc.stop()
 

@@ -28,7 +28,7 @@ from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
-from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
+from pagoda_engine.speculative import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from pagoda_engine.executor_types import DeviceFacts
@@ -416,9 +416,10 @@ class EngineConfig:
     speculative_config: SpeculativeConfig = option(
         default_factory=SpeculativeConfig, type=str, cli_default=None, metavar="JSON",
         help='speculative decoding, vLLM\'s keys, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
-             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup; optional "disable_by_batch_size": '
-             'no speculation in steps with more running requests); greedy output is unchanged, sampled output '
-             'keeps its distribution (default: off)')
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (prompt lookup), \'{"method": "draft_model", '
+             '"model": DIR, "num_speculative_tokens": 4}\' (a small model of the same tokenizer) or "eagle3" with '
+             'an EAGLE-3 head\'s DIR; optional "disable_by_batch_size": no speculation in steps with more running '
+             'requests; greedy output is unchanged, sampled output keeps its distribution (default: off)')
     # vLLM's --kv-events-config: what enters and leaves the prefix cache, for KV-aware routers.
     kv_events_config: KVEventsConfig = option(
         default_factory=KVEventsConfig, type=str, cli_default=None, metavar="JSON",
@@ -500,6 +501,10 @@ class EngineConfig:
                              "schedules a request's next batch before its drafts are verified")
         if self.parallel.expert_parallel_across_cores:
             raise ValueError("--speculative-config is not supported with experts across data-parallel engine cores yet")
+        method = self.speculative_config.method
+        if method in MODEL_METHODS and self.parallel.tensor_parallel_size > 1:
+            raise ValueError(f"--speculative-config method {method!r} is not supported under tensor parallelism yet: "
+                             "its drafting model runs on one rank")
 
     def _validate_kv_transfer(self) -> None:
         """Disaggregated prefill/decode moves prefix-cache pages of one rank's whole KV cache."""

@@ -76,6 +76,43 @@ def kv_page_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
 
 
 @dataclass
+class DraftStep:
+    """One forward of the drafting model (`DraftPlan`), as host lists: rows in batch order, decodes
+    (one token after cached ones) first, as `AttentionBatch` wants them."""
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    page_tables: list[list[int]]
+    positions: list[int]  # per token
+    slots: list[int]  # per token: page * page_size + offset, in the target's page ids
+    num_decodes: int
+    requests: list[int]  # per row: the plan's request index; the row's last token drafts that request's next token
+    # The first step: the tokens fed (per token). A later step feeds each row the token the step
+    # before drafted for its request: `from_rows`, that row's index in the step before.
+    token_ids: list[int] | None = None
+    from_rows: list[int] | None = None
+    # EAGLE-3's first step: the slot of each token's target hidden state (where `slots` writes the
+    # token's KV elsewhere: a shared page's last entry, `core/draft_proposer.py`).
+    feature_slots: list[int] | None = None
+    # A forward that only writes the drafting KV (a long catch-up's earlier part): nothing drafted.
+    writes_only: bool = False
+
+
+@dataclass
+class DraftPlan:
+    """What a draft-model or EAGLE-3 proposer runs on rank 0 for one engine step
+    (`worker.drafter.Drafter.propose`): a first step catches each request's drafting KV up to its
+    last known token (after forwards that only write KV, where that is longer than a step's token
+    budget) and drafts its first token; each later step drafts one more. A request drafting fewer
+    tokens leaves the later steps. Positions and pages are the target's: the drafter keeps its
+    KV in the same page ids (`core/draft_proposer.py` says why)."""
+
+    num_requests: int
+    num_tokens: int  # the most tokens any request drafts (the number of steps)
+    steps: list[DraftStep]
+
+
+@dataclass
 class KVCacheSpec:
     num_layers: int
     num_kv_heads: int  # per TP rank

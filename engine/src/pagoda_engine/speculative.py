@@ -2,11 +2,15 @@
 they enter.
 
     pagoda serve --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    pagoda serve --speculative-config '{"method": "draft_model", "model": "/models/small", "num_speculative_tokens": 4}'
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 
 The keys and their meaning are vLLM's. A key vLLM does not have is refused naming it; so is a key
 that does not apply to the method (`model` for ngram, `prompt_lookup_*` for a draft model), and
 a method or key vLLM has that this engine cannot honour yet: never accepted and ignored.
+
+With `draft_model` or `eagle3` a model on the ranks drafts (`model`: its directory, as --model
+names the target's); see `core/draft_proposer.py`.
 
 A base module: no torch, no layer of the engine, so that the CLI and the operator can check a
 config before anything starts.
@@ -24,12 +28,13 @@ class InvalidSpeculativeConfigError(PagodaError, ValueError):
     """A speculative config with an unknown key or method, a key that does not apply, or a bad value."""
 
 
-# vLLM's methods. Only ngram (prompt lookup) is built; the others are refused by name at start-up.
-METHODS = ("ngram",)
+# vLLM's methods: prompt lookup, a draft model of the target's tokenizer, EAGLE-3 heads. The others
+# are refused by name at start-up.
+METHODS = ("ngram", "draft_model", "eagle3")
+# The methods whose drafts a model on the ranks writes (`model` names it).
+MODEL_METHODS = ("draft_model", "eagle3")
 NOT_YET = {
-    "draft_model": "a draft model's proposer",
     "eagle": "EAGLE-1/2 heads",
-    "eagle3": "EAGLE-3 heads",
     "medusa": "Medusa heads",
     "mlp_speculator": "MLP speculators",
     "mtp": "multi-token-prediction layers",
@@ -44,6 +49,8 @@ _UNSUPPORTED_KEYS = ("quantization", "revision", "code_revision", "draft_tensor_
 # Which keys apply to which method ("method" and "num_speculative_tokens" apply to all).
 _METHOD_KEYS = {
     "ngram": ("prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"),
+    "draft_model": ("model", "disable_by_batch_size"),
+    "eagle3": ("model", "disable_by_batch_size"),
 }
 _COMMON_KEYS = ("method", "num_speculative_tokens")
 _ALL_KEYS = sorted({*_COMMON_KEYS, "model", *(k for keys in _METHOD_KEYS.values() for k in keys)})
@@ -61,6 +68,9 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 0
     # Speculation is off for a step with more running requests than this (None: never off).
     disable_by_batch_size: int | None = None
+    # draft_model and eagle3: the drafting model, named as --model names the target (a local
+    # directory; vLLM's key).
+    model: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -110,15 +120,16 @@ def _checked(given: dict) -> SpeculativeConfig:
     for key in given:
         if key not in applies:
             _fail(f"{key} does not apply to method {method!r} (its keys: {', '.join(sorted(applies))})")
-    if "num_speculative_tokens" not in given:
-        _fail("num_speculative_tokens must be given")
-    k = _positive_int(given["num_speculative_tokens"], "num_speculative_tokens")
-    if k > MAX_SPECULATIVE_TOKENS:
-        _fail(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {k}")
+    k = _checked_k(given)
     disable = given.get("disable_by_batch_size")
     if disable is not None:
         # vLLM refuses a threshold below 2 too.
         _positive_int(disable, "disable_by_batch_size", minimum=2)
+    if method in MODEL_METHODS:
+        model = given.get("model")
+        if not isinstance(model, str) or not model:
+            _fail(f'method {method!r} needs "model": the drafting model\'s directory')
+        return SpeculativeConfig(method=method, num_speculative_tokens=k, disable_by_batch_size=disable, model=model)
     lookup_max = given.get("prompt_lookup_max")
     lookup_min = given.get("prompt_lookup_min")
     # vLLM's defaults: either one given stands for both; neither: min 5, max 5.
@@ -134,3 +145,12 @@ def _checked(given: dict) -> SpeculativeConfig:
         _fail(f"prompt_lookup_min ({lookup_min}) must be <= prompt_lookup_max ({lookup_max})")
     return SpeculativeConfig(method=method, num_speculative_tokens=k, prompt_lookup_max=lookup_max,
                              prompt_lookup_min=lookup_min, disable_by_batch_size=disable)
+
+
+def _checked_k(given: dict) -> int:
+    if "num_speculative_tokens" not in given:
+        _fail("num_speculative_tokens must be given")
+    k = _positive_int(given["num_speculative_tokens"], "num_speculative_tokens")
+    if k > MAX_SPECULATIVE_TOKENS:
+        _fail(f"num_speculative_tokens must be <= {MAX_SPECULATIVE_TOKENS}, got {k}")
+    return k

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded", "Validated")
-DOWNLOAD_CONTAINER = "model-download"  # render._download_container's init container
+# render._download_container's init containers: the model's, and speculative decoding's drafting model's.
+DOWNLOAD_CONTAINERS = ("model-download", "draft-download")
 # A termination message taken from the log (FallbackToLogsOnError) is its last 2048 bytes or 80
 # lines; the condition keeps the last line, where the downloader writes why, at most this long.
 DOWNLOAD_MESSAGE_CHARS = 300
@@ -57,12 +58,12 @@ def _workload_counts(obj: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def model_download_failure(pods: list[dict[str, Any]]) -> str | None:
-    """Why the first engine pod whose model-download init container failed (exited non-zero, or
+    """Why the first engine pod whose model-download (or draft-download) init container failed (exited non-zero, or
     waits in CrashLoopBackOff after such an exit) failed: pod, exit code and the termination
     message's last line, bounded. None when no pod's download failed (one retrying is running)."""
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name") or ""):
         for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
-            if status.get("name") != DOWNLOAD_CONTAINER:
+            if status.get("name") not in DOWNLOAD_CONTAINERS:
                 continue
             state = status.get("state") or {}
             terminated = state.get("terminated")
@@ -75,7 +76,7 @@ def model_download_failure(pods: list[dict[str, Any]]) -> str | None:
             if len(why) > DOWNLOAD_MESSAGE_CHARS:
                 why = why[:DOWNLOAD_MESSAGE_CHARS - 3] + "..."
             name = (pod.get("metadata") or {}).get("name")
-            return f"pod {name}: {DOWNLOAD_CONTAINER} exited {terminated['exitCode']}: {why}"
+            return f"pod {name}: {status['name']} exited {terminated['exitCode']}: {why}"
     return None
 
 

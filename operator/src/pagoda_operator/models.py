@@ -14,6 +14,8 @@ from pagoda_operator.spec import Model, ModelArchitecture
 
 # (pattern over the lower-cased repository name, shape from the model's config.json)
 _CATALOGUE: list[tuple[str, ModelArchitecture]] = [
+    (r"llama-3\.2-1b", ModelArchitecture(32, 8, 16, 64, 1.24, False)),
+    (r"llama-3\.2-3b", ModelArchitecture(24, 8, 28, 128, 3.21, False)),
     (r"llama-3(\.[0-9])?-8b", ModelArchitecture(32, 8, 32, 128, 8.03, False)),
     (r"llama-3(\.[0-9])?-70b", ModelArchitecture(64, 8, 80, 128, 70.6, False)),
     (r"llama-3(\.[0-9])?-405b", ModelArchitecture(128, 8, 126, 128, 405.9, False)),

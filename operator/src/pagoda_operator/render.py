@@ -78,6 +78,7 @@ EPP_OBJECTIVES_KEY = "objectives.json"
 HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
+DRAFTS_DIR = "/drafts"  # speculative decoding's drafting model (engine.speculative.model)
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"  # --kv-offload-disk-path: the disk tier's volume is mounted here
 KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's password, from spec's secretRef
@@ -108,6 +109,8 @@ WRITABLE_DIRS = {
     "/dev/shm": "memory emptyDir `shm`, engine containers: NCCL's and PyTorch's shared memory between processes",
     MODELS_DIR: "an hf:// model's `model-cache` (emptyDir, or the download's claim): written by the model-download "
                 "init container, read-only to the engine (as a pvc:// model's `model`)",
+    DRAFTS_DIR: "speculative decoding's drafting model: an hf:// or s3:// one's `draft-cache` emptyDir, written by the "
+                "draft-download init container, read-only to the engine (a pvc:// one's `draft`)",
     KV_DISK_DIR: "the disk KV tier's volume `kv-disk`, when the spec has one",
     SHARED_COMPILE_CACHE_DIR: "engine.compileCache.persistentVolumeClaim's claim, when the spec names one",
 }
@@ -282,14 +285,30 @@ def model_path(spec: InferenceServiceSpec) -> str | None:
     uri = spec.model.uri
     if uri is None:
         return BUILTIN_TINY_MODEL if spec.model.builtin_tiny else None
+    return _container_path(uri, MODELS_DIR)
+
+
+def draft_model_uri(spec: InferenceServiceSpec) -> str | None:
+    """Speculative decoding's drafting model (engine.speculative.model), or None."""
+    return spec.engine.speculative.model if spec.engine.speculative is not None else None
+
+
+def draft_model_path(spec: InferenceServiceSpec) -> str | None:
+    """Where the engine finds speculative decoding's drafting model (None: there is none)."""
+    uri = draft_model_uri(spec)
+    return _container_path(uri, DRAFTS_DIR) if uri is not None else None
+
+
+def _container_path(uri: str, mount: str) -> str:
+    """Where a model named by `uri` lies in the engine container, its volume mounted at `mount`."""
     scheme, rest = uri.split("://", 1)
     if scheme == "hf":
-        return f"{MODELS_DIR}/{rest.split('@', 1)[0]}"
+        return f"{mount}/{rest.split('@', 1)[0]}"
     if scheme == "s3":
-        return f"{MODELS_DIR}/{rest.strip('/')}"  # bucket/prefix, where the init container puts it
+        return f"{mount}/{rest.strip('/')}"  # bucket/prefix, where the init container puts it
     if scheme == "pvc":
         _, _, path = rest.partition("/")
-        return f"{MODELS_DIR}/{path}".rstrip("/") if path else MODELS_DIR
+        return f"{mount}/{path}".rstrip("/") if path else mount
     return "/" + rest.lstrip("/")  # file:///path: a path in the image or on the node, as is
 
 
@@ -334,7 +353,7 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
     if e.api_server_count > 1 and not headless:  # --headless runs no API server and refuses a count above 1
         args += ["--api-server-count", str(e.api_server_count)]
     if e.speculative is not None:
-        args += ["--speculative-config", json.dumps(e.speculative.config(), sort_keys=True)]
+        args += ["--speculative-config", json.dumps(e.speculative.config(draft_model_path(spec)), sort_keys=True)]
     if not headless:
         args += ["--drain-timeout", str(sizing.engine_shutdown(spec)[1])]
     if sizing.gpus_per_pod(spec) == 0:
@@ -437,6 +456,14 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         claim = uri[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODELS_DIR, "readOnly": True})
+    draft = draft_model_uri(spec)
+    if draft is not None and draft.startswith(DOWNLOADED_SCHEMES):
+        volumes.append({"name": "draft-cache", "emptyDir": {}})
+        mounts.append({"name": "draft-cache", "mountPath": DRAFTS_DIR, "readOnly": True})
+    elif draft is not None and draft.startswith("pvc://"):
+        claim = draft[len("pvc://"):].split("/", 1)[0]
+        volumes.append({"name": "draft", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": "draft", "mountPath": DRAFTS_DIR, "readOnly": True})
     for tier in spec.kv_cache.tiers:
         if tier.type == "disk":
             volumes.append({"name": "kv-disk", **_kv_disk_source(tier)})
@@ -505,14 +532,16 @@ S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "A
                   "AWS_ENDPOINT_URL": True, "AWS_REGION": True}
 
 
-def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any]:
-    """Init container fetching an hf:// or s3:// model into the cache volume; files already there
-    are kept, so a restart resumes instead of starting over."""
-    uri = spec.model.uri
+def _download_container(spec: InferenceServiceSpec, image: str, draft: bool = False) -> dict[str, Any]:
+    """Init container fetching an hf:// or s3:// model (with `draft`, speculative decoding's
+    drafting model) into its cache volume; files already there are kept, so a restart resumes
+    instead of starting over."""
+    uri = spec.engine.speculative.model if draft else spec.model.uri
+    mount, volume = (DRAFTS_DIR, "draft-cache") if draft else (MODELS_DIR, "model-cache")
     dl = spec.model.download
-    container: dict[str, Any] = {"name": "model-download", "image": image}
+    container: dict[str, Any] = {"name": "draft-download" if draft else "model-download", "image": image}
     if uri.startswith("s3://"):
-        container["command"] = ["python", "-m", "pagoda_engine.s3_download", uri, model_path(spec),
+        container["command"] = ["python", "-m", "pagoda_engine.s3_download", uri, _container_path(uri, mount),
                                 "--retries", str(dl.retries), "--attempt-timeout", str(dl.timeout_seconds)]
         if dl.s3_secret_ref is not None:  # else boto3 finds the pod's service-account role
             container["env"] = [{"name": key, "valueFrom": {"secretKeyRef": {
@@ -523,7 +552,7 @@ def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any
         env = [
             {"name": "MODEL_REPO", "value": repo},
             {"name": "MODEL_REVISION", "value": revision or "main"},
-            {"name": "MODEL_DIR", "value": f"{MODELS_DIR}/{repo}"},
+            {"name": "MODEL_DIR", "value": f"{mount}/{repo}"},
             {"name": "DOWNLOAD_TIMEOUT_SECONDS", "value": str(dl.timeout_seconds)},
             {"name": "DOWNLOAD_RETRIES", "value": str(dl.retries)},
             {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
@@ -539,7 +568,7 @@ def _download_container(spec: InferenceServiceSpec, image: str) -> dict[str, Any
     # copies it into the Ready condition (conditions.model_download_failure).
     container["terminationMessagePolicy"] = "FallbackToLogsOnError"
     container["resources"] = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "4Gi"}}
-    container["volumeMounts"] = [{"name": "model-cache", "mountPath": MODELS_DIR}]
+    container["volumeMounts"] = [{"name": volume, "mountPath": mount}]
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     return container
@@ -639,6 +668,8 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
     }
     if (spec.model.uri or "").startswith(DOWNLOADED_SCHEMES):
         pod_spec["initContainers"] = [_download_container(spec, image)]
+    if (draft_model_uri(spec) or "").startswith(DOWNLOADED_SCHEMES):
+        pod_spec.setdefault("initContainers", []).append(_download_container(spec, image, draft=True))
     for key in ("initContainers", "containers"):
         if key in pod_spec:
             pod_spec[key] = [_restricted(c) for c in pod_spec[key]]

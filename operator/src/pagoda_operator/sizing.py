@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagoda_operator.models import architecture_of
+from pagoda_operator.models import architecture_of, catalogue_entry
 from pagoda_operator.quantity import GIB, format_gib, gib
 from pagoda_operator.spec import InferenceServiceSpec
 
@@ -49,10 +49,14 @@ class MemoryPlan:
     usable_gib: float
     gpu_gib: float
     utilization: float
+    # Speculative decoding's drafting model (engine.speculative.model) where its shape is known:
+    # its weights and its KV for the same tokens (its pages share the target's page ids).
+    draft_params_billion: float = 0.0
+    draft_gib: float = 0.0
 
     @property
     def needed_gib(self) -> float:
-        return self.weights_gib + self.kv_gib + self.reserve_gib
+        return self.weights_gib + self.kv_gib + self.draft_gib + self.reserve_gib
 
     def explain(self) -> str:
         kv = (
@@ -60,10 +64,12 @@ class MemoryPlan:
             if self.kv_bytes_per_token is not None
             else "KV (model shape unknown) 0 GiB"
         )
+        draft = (f"the drafting model's {self.draft_params_billion:g}B params and KV {self.draft_gib:.1f} GiB + "
+                 if self.draft_gib else "")
         return (
             f"weights {self.params_billion:g}B params × {self.dtype_bytes} bytes / "
             f"(tensor × pipeline = {self.model_shards}) = {self.weights_gib:.1f} GiB per GPU, "
-            f"+ {kv} + {self.reserve_gib:.1f} GiB activations = {self.needed_gib:.1f} GiB, "
+            f"+ {kv} + {draft}{self.reserve_gib:.1f} GiB activations = {self.needed_gib:.1f} GiB, "
             f"but a GPU offers {self.gpu_gib:g} GiB × gpuMemoryUtilization {self.utilization:g} = "
             f"{self.usable_gib:.1f} GiB"
         )
@@ -89,6 +95,12 @@ def memory_plan(spec: InferenceServiceSpec) -> MemoryPlan | None:
         kv_gib = per_token * kv_tokens / GIB
     utilization = spec.engine.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
     gpu_gib = spec.resources.gpu_memory_gi_b
+    draft = catalogue_entry(spec.engine.speculative.model) if (
+        spec.engine.speculative is not None and spec.engine.speculative.model is not None) else None
+    draft_params = draft.params_billion if draft is not None and draft.params_billion else 0.0
+    draft_gib = draft_params * 1e9 * DTYPE_BYTES[spec.model.dtype] / GIB  # one GPU holds it whole
+    if draft is not None and draft.num_layers and draft.num_key_value_heads and draft.head_dim:
+        draft_gib += 2 * draft.num_layers * draft.num_key_value_heads * draft.head_dim * kv_value_bytes * kv_tokens / GIB
     return MemoryPlan(
         params_billion=arch.params_billion,
         dtype_bytes=dtype_bytes,
@@ -101,6 +113,8 @@ def memory_plan(spec: InferenceServiceSpec) -> MemoryPlan | None:
         usable_gib=gpu_gib * utilization,
         gpu_gib=gpu_gib,
         utilization=utilization,
+        draft_params_billion=draft_params,
+        draft_gib=draft_gib,
     )
 
 

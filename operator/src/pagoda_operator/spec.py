@@ -104,17 +104,22 @@ class CompileCache:
 class Speculative:
     """Speculative decoding (the engine's `--speculative-config`, vLLM's keys): greedy output is
     unchanged, sampled output keeps its distribution. Method ngram (prompt lookup) drafts from
-    each request's own earlier tokens: no draft model, so no memory to add."""
+    each request's own earlier tokens: no draft model, so no memory to add. draft_model and eagle3
+    draft with a model of their own (`model`), on one GPU: its weights and KV pages count in the
+    memory check where its shape is known."""
 
-    method: Literal["ngram"] = prop(doc="ngram: prompt lookup (draft models and EAGLE heads are not built in the engine yet).")
+    method: Literal["ngram", "draft_model", "eagle3"] = prop(doc="ngram: prompt lookup; draft_model: a small model of the served model's tokenizer; eagle3: an EAGLE-3 head trained for the served model (the format vLLM loads).")
     num_speculative_tokens: int = prop(doc="Tokens drafted per step for each speculating request (k).", minimum=1, maximum=16)
+    model: str | None = prop(None, doc="draft_model and eagle3: the drafting model, named as model.uri is (hf://, s3://, pvc://claim/path, file:///path); downloaded with model.download's settings.", pattern=MODEL_URI_PATTERN)
     prompt_lookup_max: int | None = prop(None, doc="Longest n-gram looked up (engine default: prompt_lookup_min, else 5).", minimum=1)
     prompt_lookup_min: int | None = prop(None, doc="Shortest n-gram looked up (engine default: prompt_lookup_max, else 5).", minimum=1)
     disable_by_batch_size: int | None = prop(None, doc="No speculation in steps with more running requests than this.", minimum=2)
 
-    def config(self) -> dict:
-        """The engine's --speculative-config object."""
+    def config(self, model_path: str | None = None) -> dict:
+        """The engine's --speculative-config object; `model_path`: where the engine finds the
+        drafting model (default: its URI, for checking)."""
         return {k: v for k, v in (("method", self.method), ("num_speculative_tokens", self.num_speculative_tokens),
+                                  ("model", model_path or self.model),
                                   ("prompt_lookup_max", self.prompt_lookup_max),
                                   ("prompt_lookup_min", self.prompt_lookup_min),
                                   ("disable_by_batch_size", self.disable_by_batch_size)) if v is not None}

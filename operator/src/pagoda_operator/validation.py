@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagoda_engine.kv_tiers import remote_url_problems
-from pagoda_engine.speculative import InvalidSpeculativeConfigError, parse_speculative_config
+from pagoda_engine.speculative import MODEL_METHODS, InvalidSpeculativeConfigError, parse_speculative_config
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
@@ -112,9 +112,12 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
     if given is None:
         return []
     try:
-        parse_speculative_config(given)
+        parsed = parse_speculative_config(given)
     except InvalidSpeculativeConfigError as e:
         return [f"{where}: {e}"]
+    if parsed.method in MODEL_METHODS and spec.topology.tensor > 1:
+        return [f"{where}: method {parsed.method!r} drafts on one rank: not supported under tensor parallelism yet "
+                f"(topology.tensor {spec.topology.tensor})"]
     if spec.topology.pipeline > 1:
         return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
                 f"{spec.topology.pipeline})"]

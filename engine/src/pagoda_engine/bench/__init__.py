@@ -11,7 +11,8 @@
 By default the model is Llama-3.1-8B's architecture (the config.json shipped under
 `bench/configs/llama-3.1-8b`; `--model qwen3-30b-a3b` takes the MoE one shipped beside it, `--model
 llama-api-cpu` a tiny Llama that lets `bench serve` measure the API process on a CPU) with
-`--load-format dummy` random bf16 weights; every engine flag of
+`--load-format dummy` random bf16 weights (a drafting model's too: `--speculative-config '{"method":
+"draft_model", "model": "llama-3.2-1b", "num_speculative_tokens": 4}'` times the drafting path); every engine flag of
 `pagoda serve` applies; `--async-scheduling` is on by default on CUDA. Each run prints its figures with the roofline (weight bytes ÷ a measured
 device copy bandwidth), the settings, the GPU and the versions, and can write them as JSON.
 """
@@ -46,11 +47,27 @@ def default_model_dir() -> str:
     return shipped_config_dir(DEFAULT_MODEL)
 
 
+def _shipped_or_given(name: str) -> str:
+    shipped = Path(shipped_config_dir(name)) if "/" not in name else None
+    if shipped is not None and (shipped / "config.json").is_file() and not Path(name).exists():
+        return str(shipped)
+    return name
+
+
 def _resolve_model(args: argparse.Namespace) -> None:
-    """`--model qwen3-30b-a3b` names a shipped config; anything else is a directory."""
-    shipped = Path(shipped_config_dir(args.model)) if "/" not in args.model else None
-    if shipped is not None and (shipped / "config.json").is_file() and not Path(args.model).exists():
-        args.model = str(shipped)
+    """`--model qwen3-30b-a3b` names a shipped config; anything else is a directory. So does a
+    drafting model's `model` in `--speculative-config` (`llama-3.2-1b`, `eagle3-llama-3.1-8b`:
+    dummy weights of those shapes, to time the drafting path)."""
+    args.model = _shipped_or_given(args.model)
+    spec = getattr(args, "speculative_config", None)
+    if isinstance(spec, str):
+        try:
+            given = json.loads(spec)
+        except ValueError:
+            return  # refused with its reason by the config's check
+        if isinstance(given, dict) and isinstance(given.get("model"), str):
+            given["model"] = _shipped_or_given(given["model"])
+            args.speculative_config = json.dumps(given)
 
 
 def _add_engine_and_sizes(p: argparse.ArgumentParser, offline: bool = True) -> None:

@@ -334,6 +334,15 @@ def run_latency(args) -> dict:
         "bench": "latency", "workload": wl.name, "standard_workload": is_standard_workload(args), "env": env, **info,
         **figures, "roofline": roof,
     }
+    spec = core.scheduler.spec
+    if spec is not None:  # --speculative-config: what the drafts kept over every run (warm-up included)
+        st = spec.stats
+        result["speculative"] = {"method": spec.config.method, "num_speculative_tokens": spec.k,
+                                 "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+                                 "num_accepted_tokens": st.num_accepted_tokens,
+                                 "mean_acceptance_length": round(1 + st.num_accepted_tokens / max(st.num_drafts, 1), 3)}
+        lines.append(f"speculative decoding ({spec.config.method}, k = {spec.k}): {st.num_drafts} drafts, mean "
+                     f"acceptance length {result['speculative']['mean_acceptance_length']}")
     _print_roofline(roof)
     print("\n".join(lines))
     return result

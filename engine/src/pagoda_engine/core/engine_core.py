@@ -27,6 +27,7 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 from pagoda_engine.config import EngineConfig, resolve_for_device
+from pagoda_engine.core.draft_proposer import model_proposer
 from pagoda_engine.core.in_flight import StepsInFlight
 from pagoda_engine.core.kv.events import KVEventPublisher
 from pagoda_engine.core.kv.manager import KVCacheManager
@@ -130,7 +131,11 @@ class EngineCore:
         if config.kv_offload_enabled:
             self.kv.offload = start_offload(config, executor, self.kv.pool, self.model_dir)
         self.kv_transfer = self._start_kv_transfer() if config.kv_transfer_config.enabled else None
-        spec = SpecDecoder(config.speculative_config) if config.speculative_config.enabled else None
+        spec = None
+        if config.speculative_config.enabled:
+            spec = SpecDecoder(config.speculative_config, model_proposer(
+                config.speculative_config, executor, self.kv, self.model_dir, self.max_model_len,
+                config.scheduler.max_num_batched_tokens))
         self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
         self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size

@@ -199,6 +199,8 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(req, num_new, req.spec_token_ids[:max(num_new - known, 0)]))
                 budget -= num_new
                 i += 1
+        if self.spec is not None:
+            self.spec.fill(out.scheduled)  # a drafting model drafts into the pages just allocated
 
         # 2. Waiting requests, only while nothing had to be preempted this step.
         reserved = None  # pages the running requests' expected output will take

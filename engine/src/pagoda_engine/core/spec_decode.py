@@ -91,12 +91,22 @@ class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, proposer=None):
         self.config = config
         self.k = config.num_speculative_tokens
-        # A proposer has `propose(reqs, max_drafts) -> drafts`; `pagoda bench` may hand its own.
+        # A proposer has `propose(reqs, max_drafts) -> drafts`; `pagoda bench` may hand its own. One
+        # with `drafts_after_allocation` (a drafting model, `core/draft_proposer.py`) drafts once
+        # the scheduler has allocated the step's pages (`fill`); until then a request's draft
+        # stands as placeholders of the length it will have.
         self.proposer = proposer if proposer is not None else NgramProposer(config)
+        self._after_allocation = getattr(self.proposer, "drafts_after_allocation", False)
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._logged = SpecDecodeStats(accepted_per_pos=[0] * self.k)
         self._logged_at = time.monotonic()
         self._drafted = False  # some running request may hold a draft from the last schedule
+
+    def forget_counts(self) -> None:
+        """Start the counters (and the log line's window) again: the warm-up's drafts are not the server's."""
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self._logged = SpecDecodeStats(accepted_per_pos=[0] * self.k)
+        self._logged_at = time.monotonic()
 
     def active(self, num_running: int) -> bool:
         """Whether a step with this many running requests speculates."""
@@ -113,10 +123,13 @@ class SpecDecoder:
             return
         self._drafted = True
         eligible, budgets = [], []
+        if self._after_allocation:
+            self.proposer.retain(running)
         for r in running:
             r.spec_token_ids = []
             # A decode whose last token is known (nothing in flight), without a grammar.
-            if r.num_output_placeholders or r.grammar is not None or r.num_tokens - r.num_computed_tokens != 1:
+            if (r.num_output_placeholders or r.grammar is not None or r.num_tokens - r.num_computed_tokens != 1
+                    or r.num_computed_tokens == 0):
                 continue
             # Never draft past what the request may still write: after the step it holds every
             # kept draft plus one sampled token.
@@ -127,9 +140,25 @@ class SpecDecoder:
             if room > 0:
                 eligible.append(r)
                 budgets.append(min(self.k, room))
-        if eligible:
+        if self._after_allocation:
+            for r, n in zip(eligible, budgets):
+                r.spec_token_ids = [-1] * n
+        elif eligible:
             for r, draft in zip(eligible, self.proposer.propose(eligible, budgets)):
                 r.spec_token_ids = draft
+
+    def fill(self, scheduled: list) -> None:
+        """A drafting model's drafts for the scheduled steps, whose pages are now allocated: each
+        `ScheduledRequest`'s placeholders (as many as the budget kept) become its drafted tokens."""
+        if not self._after_allocation:
+            return
+        drafting = [s for s in scheduled if s.draft_token_ids]
+        if drafting:
+            drafts = self.proposer.propose([s.request for s in drafting], [len(s.draft_token_ids) for s in drafting])
+            for s, draft in zip(drafting, drafts):
+                assert len(draft) == len(s.draft_token_ids), s.request.request_id
+                s.draft_token_ids[:] = draft
+                s.request.spec_token_ids = draft
 
     def observe(self, num_drafted: int, num_accepted: int) -> None:
         s = self.stats

@@ -30,7 +30,7 @@ def warm_up_steps(core) -> None:
     fresh server's first run at 16 req/s had a TTFT p99 of 200 ms instead of 330 (a second run:
     104; the rest was a Triton kernel variant for misaligned inputs, which `StepRunner.prepare`
     avoids by aligning its inputs). The warm-up requests leave nothing behind: the KV offload tiers
-    are detached meanwhile (nothing is stored), the prefix-cache counters are put back, and they
+    are detached meanwhile (nothing is stored), the prefix-cache and speculative decoding's counters are put back, and they
     sample with seeds of their own (the engine's generator, which unseeded requests draw from, is
     untouched). Cores whose experts span the pod's other cores all run this at start-up, each
     turn agreed with the others (`_warm_up_turn`), so their forwards pair up even where their
@@ -70,6 +70,8 @@ def warm_up_steps(core) -> None:
         core.abort_requests([r for r in list(core.scheduler.requests) if r.startswith(WARM_UP_REQUEST_PREFIX)])
         kv.offload = offload
         kv.prefix_queries, kv.prefix_hits = counters
+        if core.scheduler.spec is not None:  # drafted and kept by the warm-up's requests: not the server's
+            core.scheduler.spec.forget_counts()
 
 
 def _warm_up_turn(core) -> bool:

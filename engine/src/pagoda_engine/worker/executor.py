@@ -57,8 +57,10 @@ import pagoda_engine
 from pagoda_engine import envs
 from pagoda_engine.config import EngineConfig, resolve_cudagraph_capture_size
 from pagoda_engine.errors import EngineDeadError, ModelLoadError, PagodaError
-from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, KVCacheSpec, SamplingBatch, kv_page_dtype
+from pagoda_engine.executor_types import AttentionBatch, DeviceFacts, DraftPlan, KVCacheSpec, SamplingBatch, kv_page_dtype
+from pagoda_engine.model_path import resolve_model_path
 from pagoda_engine.processes import set_torch_threads
+from pagoda_engine.speculative import MODEL_METHODS
 from pagoda_engine.worker.attention import flashinfer_available
 from pagoda_engine.worker.attention.base import AttentionBackend
 # The remote KV tier's store, which the core's offload manager also opens (to look pages up): the
@@ -396,15 +398,19 @@ class Executor:
         stands for every rank's activations, each rank's own weights are counted."""
         cc = config.cache
         specs = self.kv_cache_specs(cc.block_size, self.kv_dtype)
+        per_page = [s.bytes_per_page() for s in specs]
+        drafter = self.worker.drafter
+        if drafter is not None:  # its KV (in the model dtype, and EAGLE-3's features) in the same page ids, on rank 0
+            per_page[0] += drafter.bytes_per_page(cc.block_size, self.dtype)
         if self.device.type != "cuda":
-            return min(int(cc.cpu_kv_cache_gb * _GiB) // s.bytes_per_page() for s in specs)
+            return min(int(cc.cpu_kv_cache_gb * _GiB) // b for b in per_page)
         budget = self._free_gpu_bytes(config, max_model_len)
         if self.shares_devices:
             # Ranks on one GPU (gloo): all their pages come out of its one budget, in which the
             # other ranks' weights and activations are already counted (outside this process).
-            return budget // sum(s.bytes_per_page() for s in specs)
+            return budget // sum(per_page)
         weights = self.collective_rpc("weight_bytes")
-        return min(max(budget - (w - weights[0]), 0) // s.bytes_per_page() for w, s in zip(weights, specs))
+        return min(max(budget - (w - weights[0]), 0) // b for w, b in zip(weights, per_page))
 
     def _free_gpu_bytes(self, config: EngineConfig, max_model_len: int) -> int:
         """Bytes the KV pages may take: gpu_memory_utilization × total − the peak of one profile step.
@@ -521,6 +527,20 @@ class Executor:
             return self.call("execute_model", input_ids, positions, batch)
         finally:
             attn.layer_hook = None
+
+    @property
+    def draft_model_dir(self) -> str:
+        return self.worker.drafter.model_dir
+
+    @property
+    def draft_max_position(self) -> int:
+        """The most positions the drafting model serves."""
+        return self.worker.drafter.max_position
+
+    def propose_drafts(self, plan: DraftPlan) -> list[list[int]]:
+        """Speculative decoding's drafting model on rank 0 (`worker.drafter`): each request's drafted
+        tokens for `plan` (read back: a sync)."""
+        return self.worker.propose_drafts(plan)
 
     def execute_dummy_batch(self) -> None:
         """Experts across cores: one dummy token through every rank's model (`Worker.execute_dummy_batch`)."""
@@ -714,6 +734,14 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
         raise
     executor.hf_config, executor.dtype, executor.compile_ahead = hf_config, dtype, compile_ahead
     executor.kv_dtype = kv_page_dtype(config.cache.kv_cache_dtype, dtype)
+    spec = config.speculative_config
+    if spec.method in MODEL_METHODS:
+        try:
+            executor.worker.load_drafter(spec.method, resolve_model_path(spec.model), mc.load_format, mc.seed)
+        except BaseException:
+            executor.close()
+            stop_compile_pool()
+            raise
     logger.info("loaded %s in %.1fs (%s, %s)", model_dir, time.monotonic() - t0, dtype, executor.device)
     if executor.device.type == "cpu":
         set_torch_threads("cpu", sum(p.numel() for p in executor.model.parameters()))

@@ -57,6 +57,7 @@ from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
+from pagoda_engine.worker.drafter import Drafter, load_drafter
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker import kv_transfer
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -114,6 +115,7 @@ class Worker:
         self.offload: KVOffloader | None = None
         self.nixl: kv_transfer.NixlPages | None = None  # disaggregated prefill/decode over NIXL
         self.profiler: RankProfiler | None = None
+        self.drafter: Drafter | None = None  # speculative decoding's drafting model (rank 0 only)
         # This rank compiles its Triton kernels ahead, several at once, before the profile step,
         # the sampler's warm-up and the graphs' capture (`compile_ahead`): the executor decides it
         # for every rank (`start_compile_pool`), until the graphs are captured.
@@ -175,6 +177,18 @@ class Worker:
         if self.dp_dispatch is not None:
             attach_dp_dispatch(self.model, self.dp_dispatch)
 
+    def load_drafter(self, method: str, model_dir: str, load_format: str, seed: int) -> None:
+        """Speculative decoding's drafting model (`drafter.py`), after the target's; one rank only."""
+        if self.layout.world_size > 1:
+            raise RuntimeError(f"a {method} drafter runs on one rank only (no tensor or pipeline parallelism yet)")
+        self.drafter = load_drafter(method, model_dir, self.model, self.model.config, self.dtype, self.device,
+                                    load_format, seed)
+        self.model.model.aux_hidden_layers = self.drafter.aux_layers
+
+    def propose_drafts(self, plan) -> list[list[int]]:
+        """The drafter's tokens for one engine step's `DraftPlan`."""
+        return self.drafter.propose(plan)
+
     def warm_up_sampler(self) -> None:
         """The sampling rank (rank 0, or the last pipeline stage's first) draws once along each of
         its sampler's paths, so that the first requests do not wait for a kernel's JIT compile
@@ -212,6 +226,9 @@ class Worker:
         every rank) of `spec`'s page size and dtype, for this rank's own layers and heads."""
         self.attn = get_attention_backend(backend, self.kv_cache_spec(spec.page_size, spec.dtype), num_pages,
                                           self.device)
+        if self.drafter is not None:
+            # The drafter's pages stay in the model dtype (FP8 pages are the target's alone).
+            self.drafter.init_kv_cache(backend, spec.page_size, self.dtype, num_pages)
 
     def init_kv_offload(self, setup: OffloadSetup) -> OffloadStarted:
         """This rank's side of the KV offload tiers (after `init_kv_cache`), under its own
@@ -313,6 +330,8 @@ class Worker:
         if graphs is None:
             self.attn.plan(batch)
             self.hidden = self._forward(input_ids, positions, self.attn)
+            if self.drafter is not None and self.drafter.reads_target_hidden:
+                self.drafter.store_target_hidden(self.model.model.aux_hidden, batch.slot_mapping)
             return self.hidden
         if not self.is_first_stage:
             self.pp_group.recv(graphs.input_buffer(batch), self.coordinates.pp_rank - 1)
@@ -324,7 +343,11 @@ class Worker:
         return out
 
     def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | PiecewiseGraphs | None:
-        """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly."""
+        """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly.
+        An EAGLE-3 drafter reads the target's hidden states of every forward, which only the eager
+        forward keeps: its steps run eagerly."""
+        if self.drafter is not None and self.drafter.reads_target_hidden:
+            return None
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs
         if self.piecewise is not None and self.piecewise.fits(batch):

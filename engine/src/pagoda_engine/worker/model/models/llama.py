@@ -248,6 +248,10 @@ class DecoderModel(nn.Module):
             for i in range(cfg.num_hidden_layers))
         if self.is_last_stage:
             self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        # EAGLE-3 (`worker/drafter.py`): the layers whose input hidden state an eager forward keeps
+        # in `aux_hidden` (vLLM's aux hidden states).
+        self.aux_hidden_layers: tuple[int, ...] = ()
+        self.aux_hidden: list[torch.Tensor] = []
 
     def final_norm(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         """The last layer's output added to the residual stream, normalised: the hidden states."""
@@ -261,9 +265,14 @@ class DecoderModel(nn.Module):
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
+        aux, kept = self.aux_hidden_layers, {}
         for i in range(self.start_layer, self.end_layer):
+            if i in aux:
+                kept[i] = x if residual is None else x + residual
             # The stage's KV pool holds its own layers only: layer i is its (i - start)-th.
             x, residual = self.layers[i](i - self.start_layer, positions, x, residual, attn)
+        if aux:
+            self.aux_hidden = [kept[i] for i in aux]  # a layer may be named twice
         if not self.is_last_stage:
             return x, residual
         return self.final_norm(x, residual)
