@@ -31,6 +31,7 @@ from typing import Iterable, Union
 
 import msgspec
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.sampling_params import SamplingParams
 
 TOKEN_ID_TYPECODE = "i"  # int32 on every platform Pagoda runs on (checked below)
@@ -87,6 +88,8 @@ class EngineCoreRequest(_Message):
     # They start its output, so max_tokens, min_tokens, penalties and a seeded row's draws (keyed
     # by the output position) go on exactly as if it had never moved.
     resume_token_ids: array | None = None
+    # The LoRA adapter it runs under (`--enable-lora`); None: the base model.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not array:

@@ -27,11 +27,13 @@ from concurrent.futures import FIRST_COMPLETED, wait
 from pathlib import Path
 
 from pagoda_engine.config import EngineConfig, resolve_for_device
+from pagoda_engine.lora import LoRARequest, parse_lora_modules
 from pagoda_engine.core.in_flight import StepsInFlight
 from pagoda_engine.core.kv.events import KVEventPublisher
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.setup import start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
+from pagoda_engine.core.lora import LoRASlots
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.core.spec_decode import SpecDecoder
@@ -122,6 +124,10 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = read_eos_token_ids(self.model_dir, executor.hf_config)
         spec = executor.kv_cache_spec(cc.block_size)
+        # LoRA slots before the pool is sized: the ranks' profile step counts them.
+        self.lora = LoRASlots(config, executor) if config.model.enable_lora else None
+        for i, m in enumerate(parse_lora_modules(config.model.lora_modules)):
+            self.lora.add(LoRARequest(m.name, i + 1, m.path, m.base_model_name))  # LoRAAdapterError naming it
         self.num_kv_pages = num_kv_pages(config, executor, self.max_model_len)
         attention = executor.init_kv_cache(config.model.attention_backend, spec, self.num_kv_pages)
         self.num_layers = spec.num_layers  # rank 0's (its pipeline stage's)
@@ -129,8 +135,10 @@ class EngineCore:
         if config.kv_offload_enabled:
             self.kv.offload = start_offload(config, executor, self.kv.pool, self.model_dir)
         spec = SpecDecoder(config.speculative_config) if config.speculative_config.enabled else None
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
-        self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec,
+                                   max_loras=config.model.max_loras if self.lora is not None else None)
+        self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing,
+                                 lora=self.lora)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         # Structured outputs: grammars compile in the compiler's threads; a request waits for its.
@@ -210,6 +218,8 @@ class EngineCore:
         if bias and max(bias) >= self.vocab_size:
             raise InvalidRequestError(f"logit_bias: token id {max(bias)} is outside the vocabulary "
                                       f"[0, {self.vocab_size})", param="logit_bias")
+        if req.lora_request is not None:
+            self.check_lora(req.lora_request)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
@@ -220,12 +230,31 @@ class EngineCore:
             arrival_time=req.arrival_time or time.time(), priority=req.priority,
             output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
             num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
-            grammar=self.grammars.submit(structured) if structured is not None else None)
+            grammar=self.grammars.submit(structured) if structured is not None else None,
+            lora_request=req.lora_request)
         if request.grammar is not None and request.num_resumed_tokens:
             request.grammar.resume_after(request.output_token_ids)  # replayed once compiled (check_compiled)
         if request.waits_for_grammar:
             self._compiling[request.request_id] = request
         self.scheduler.add_request(request)
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """A request's adapter, added if new (the offline `LLM` names adapters by path). Raises
+        InvalidRequestError."""
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} asked for, but this engine serves no "
+                                      "adapters (start it with --enable-lora)", param="model")
+        self.lora.check(request)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Serve a LoRA adapter from now on (`POST /v1/load_lora_adapter`); LoRAAdapterError if it does not fit."""
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.add(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` to new requests; False when it was not loaded."""
+        return self.lora is not None and self.lora.remove(name)
 
     def take_refused(self) -> list[EngineCoreError]:
         """Requests accepted earlier whose grammar then failed to compile (they are gone)."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.messages import EngineCoreEvent, EngineCoreEventType
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -70,6 +71,12 @@ class Request:
     grammar: RequestGrammar | None = None
     # Speculative decoding: tokens drafted after its last one, verified by the step being scheduled.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs under (None: the base model); its name keys the prefix cache's pages.
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))

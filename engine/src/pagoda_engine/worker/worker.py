@@ -60,6 +60,7 @@ from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, line
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
+from pagoda_engine.worker.model.lora import LoRAManager
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.profiler import RankProfiler
@@ -112,6 +113,7 @@ class Worker:
         self.piecewise: PiecewiseGraphs | None = None
         self.offload: KVOffloader | None = None
         self.profiler: RankProfiler | None = None
+        self.lora: LoRAManager | None = None  # --enable-lora: this rank's adapter slots
         # This rank compiles its Triton kernels ahead, several at once, before the profile step,
         # the sampler's warm-up and the graphs' capture (`compile_ahead`): the executor decides it
         # for every rank (`start_compile_pool`), until the graphs are captured.
@@ -211,6 +213,23 @@ class Worker:
         self.attn = get_attention_backend(backend, self.kv_cache_spec(spec.page_size, spec.dtype), num_pages,
                                           self.device)
 
+    def init_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int, max_tokens: int) -> None:
+        """--enable-lora: LoRA layers on every served projection, `max_loras` device slots
+        (before the KV pool is sized, so the profile step counts them)."""
+        self.lora = LoRAManager(self.model, max_loras, max_lora_rank, max_cpu_loras, max_tokens, self.dtype,
+                                self.device)
+
+    def add_lora(self, request) -> None:
+        """Read and check an adapter into this rank's host memory (`LoRAAdapterError` if it does not fit)."""
+        self.lora.add(request)
+
+    def remove_lora(self, name: str) -> None:
+        self.lora.remove(name)
+
+    def load_lora_slot(self, slot: int, request) -> None:
+        """An adapter into a device slot, from host memory (or disk)."""
+        self.lora.load_slot(slot, request)
+
     def init_kv_offload(self, setup: OffloadSetup) -> OffloadStarted:
         """This rank's side of the KV offload tiers (after `init_kv_cache`), under its own
         fingerprint: the core's and this rank's coordinates. Reports what its disk tier holds."""
@@ -287,6 +306,8 @@ class Worker:
         graph's fixed output on after the replay."""
         if self.offload is not None:
             self.offload.wait_for_loads()  # pages the step reads may still be arriving from host memory
+        if self.lora is not None:
+            self.lora.set_batch(batch.query_lens, batch.lora_slots)
         graphs = self._graphs_for(batch)
         if graphs is None:
             self.attn.plan(batch)
