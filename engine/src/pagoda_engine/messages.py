@@ -121,6 +121,14 @@ class ProfileRequest(_Message):
     client_index: int = 0  # the API server process asking: the reply goes to it alone
 
 
+class LoRAUpdate(_Message):
+    """/v1/load_lora_adapter (`lora` set) or /v1/unload_lora_adapter (`unload` names it)."""
+
+    lora: LoRARequest | None = None
+    unload: str | None = None
+    client_index: int = 0  # the API server process asking: the reply goes to it alone
+
+
 # --- core -> API ------------------------------------------------------------------------------
 
 class CoreReady(_Message):
@@ -223,6 +231,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # Speculative decoding's counters (empty when it is off): drafts, drafted tokens, accepted
     # tokens, then the accepted drafts at each position 0..k-1.
     spec_decode: list[int] = []
+    # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(_Message):
@@ -247,5 +258,12 @@ class ProfileReply(_Message):
     already: bool = False
 
 
-ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest]
-FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError, ProfileReply]
+class LoRAUpdateReply(_Message):
+    """A LoRAUpdate done, or why not; `missing`: an unload named an adapter the core does not serve."""
+
+    error: str | None = None
+    missing: bool = False
+
+
+ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest, LoRAUpdate]
+FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError, ProfileReply, LoRAUpdateReply]

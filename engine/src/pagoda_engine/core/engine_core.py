@@ -429,4 +429,6 @@ class EngineCore:
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [],
             spec_decode=[spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                         *spec.accepted_per_pos] if spec is not None else [])
+                         *spec.accepted_per_pos] if spec is not None else [],
+            running_lora_adapters=sorted(self.scheduler.running_adapters()) if self.lora is not None else [],
+            waiting_lora_adapters=sorted(self.scheduler.waiting_adapters()) if self.lora is not None else [])

@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         return ids, params, plan
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.engine.check_accepting()
         self._check_num_messages(req.messages)
         self._check_limits(req, 1)
@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self._request_id("chatcmpl", req.request_id)
         group = await self._start_group(req.stream, data_parallel_rank,
                                         [(request_id, None, ids, params, req.priority, plan.spec,
-                                          req.resume_token_ids)])
+                                          req.resume_token_ids)], lora)
         if req.stream:
             return self._stream_response(self._chat_stream(req, request_id, ids, group, plan), group)
         finals = await self._final_outputs(raw, group)

@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return plan
 
     async def create_completion(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.engine.check_accepting()
         if req.suffix:
             raise BadRequestError("suffix is not supported.", param="suffix")
@@ -85,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         group = await self._start_group(req.stream, data_parallel_rank, [
             (request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority, None,
              req.resume_token_ids)
-            for i, (text, ids, params) in enumerate(plan)])
+            for i, (text, ids, params) in enumerate(plan)], lora)
         index_of = {s.request_id: i for i, s in enumerate(group.streams)}
         if req.stream:
             return self._stream_response(self._completion_stream(req, request_id, plan, group, index_of), group)
