@@ -82,7 +82,9 @@ def test_chat_with_an_adapter_and_an_unknown_model(server):
     with openai.OpenAI(base_url=server.base_url, api_key="unused", max_retries=0) as client:
         reply = client.chat.completions.create(model="all7", messages=[{"role": "user", "content": "hi"}],
                                                max_tokens=4, temperature=0)
-        assert reply.choices[0].message.content is not None
+        assert reply.choices[0].message.content is not None and reply.model == "all7"
+        chunks = list(client.completions.create(model="qv", prompt="hi", max_tokens=3, stream=True))
+        assert chunks and all(c.model == "qv" for c in chunks)
         with pytest.raises(openai.NotFoundError) as info:
             client.chat.completions.create(model="nobody", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert info.value.body["code"] == "model_not_found" and "all7" in info.value.body["message"]

@@ -116,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text, logprobs=logprobs,
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
                                   usage=self._usage(num_prompt, num_generated,
                                                     sum(out.num_cached_tokens for out in finals.values())))
 
@@ -174,7 +174,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(ids) for _, ids, _ in plan)
         cached: dict[str, int] = {}  # prompt's request id -> its tokens the prefix cache served
         # Chunks without logprobs, echo or running usage come from byte templates.
-        frames = (StreamFrames(request_id, created, self.model_name, chat=False)
+        frames = (StreamFrames(request_id, created, self.response_model(req), chat=False)
                   if req.logprobs is None and not req.echo and not continuous else None)
         async for outs in group.batches():
             sse = []  # the frames of every output that has arrived: one write
@@ -207,7 +207,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, start)
                     text_len[choice_index] = start + len(delta)
                     chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=self.model_name,
+                        id=request_id, created=created, model=self.response_model(req),
                         choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                     if with_ids:
@@ -221,5 +221,5 @@ class OpenAIServingCompletion(OpenAIServing):
             yield b"".join(sse)  # never empty: every output has a choice
         if include_usage:
             yield sse_frame(CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[],
+                id=request_id, created=created, model=self.response_model(req), choices=[],
                 usage=self._usage(num_prompt, num_generated, sum(cached.values()))))

@@ -90,6 +90,11 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.engine.served_model_name
 
+    def response_model(self, req) -> str:
+        """The `model` a response names: the adapter the request selected (`check_model` passed), else
+        the served model, as vLLM answers."""
+        return req.model or self.model_name
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
