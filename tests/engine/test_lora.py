@@ -154,3 +154,37 @@ def test_adapters_that_do_not_fit_are_refused_by_name(setup, tmp_path):
     with pytest.raises(InvalidRequestError, match="--enable-lora"):
         LLM(str(model_dir), dtype="float32", num_kv_pages=32).generate(
             [[5, 6]], _greedy(), lora_request=LoRARequest("all7", 1, paths["all7"]))
+
+
+def test_tensor_parallel_shards_the_adapters_like_their_layers(setup):
+    """Two ranks over gloo: q/k/v and gate/up keep B's rows of their shard, o and down A's columns
+    (their partial products joining the layer's all-reduce); every adapter's tokens stay PEFT's."""
+    model_dir, paths, expected = setup
+    loras = _requests(paths)
+    names = [None, *loras]
+    with _llm(model_dir, tensor_parallel_size=2) as llm:
+        outs = llm.generate([p for _ in names for p in PROMPTS], _greedy(),
+                            lora_request=[loras.get(n) for n in names for _ in PROMPTS])
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, name in enumerate(names):
+        assert got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] == expected[name], name
+
+
+def test_kv_events_carry_the_adapter(setup):
+    model_dir, paths, _ = setup
+    llm = _llm(model_dir)
+    llm.core.kv.pool.record_events()
+    lora = _requests(paths)["qv"]
+    llm.generate([PROMPTS[0]], _greedy(), lora_request=lora)
+    llm.generate([PROMPTS[0]], _greedy())
+    stored = [e for e in llm.core.kv.pool.take_events() if type(e).__name__ == "BlockStored"]
+    adapter = [e for e in stored if e.lora_name is not None]
+    base = [e for e in stored if e.lora_name is None]
+    assert adapter and base and len(adapter) + len(base) == len(stored)
+    for e in adapter:
+        assert (e.lora_id, e.lora_name) == (lora.lora_int_id, "qv")
+        assert e.extra_keys == [("qv",)] * len(e.block_hashes)
+    for e in base:
+        assert (e.lora_id, e.extra_keys) == (None, [None] * len(e.block_hashes))
+    hashes = [{h for e in events for h in e.block_hashes} for events in (adapter, base)]
+    assert not hashes[0] & hashes[1]  # the same tokens, other pages
