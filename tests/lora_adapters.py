@@ -15,9 +15,10 @@ ADAPTERS = {
 }
 
 
-def write_adapter(model_dir, out_dir, rank: int, alpha: float, rslora: bool, targets: list[str], seed: int) -> str:
-    """A PEFT LoRA adapter of the model in `model_dir`, saved by PEFT into `out_dir`: A as PEFT
-    initialises it, B random (PEFT's zeros would make it a no-op)."""
+def write_adapter(model_dir, out_dir, rank: int, alpha: float, rslora: bool, targets: list[str], seed: int,
+                  std: float = 0.5) -> str:
+    """A PEFT LoRA adapter of the model in `model_dir`, saved by PEFT into `out_dir`: A and B
+    random of deviation `std` (PEFT's zero B would make it a no-op)."""
     import peft
 
     torch.manual_seed(seed)
@@ -27,10 +28,8 @@ def write_adapter(model_dir, out_dir, rank: int, alpha: float, rslora: bool, tar
     model = peft.get_peft_model(base, cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.5)
-            elif "lora_A" in name:
-                p.normal_(0, 0.5)
+            if "lora_A" in name or "lora_B" in name:
+                p.normal_(0, std)
     model.save_pretrained(out_dir)
     return str(out_dir)
 
