@@ -59,20 +59,22 @@ def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
         for i in range(len(slices)):
             layer.place(slot, i, torch.randn(r, k, generator=gen), torch.randn(sizes[i], r, generator=gen))
         batch.scales[slot] = scales[slot]
-    # Requests in batch order: (new tokens, slot); base rows between the adapters' rows.
-    query_lens, lora_slots = [3, 1, 20, 1, 5, 2], [0, -1, 2, 0, -1, 1]
-    row_slots = [s for n, s in zip(query_lens, lora_slots) for _ in range(n)]
-    t = len(row_slots)
-    x = torch.randn(t, k, generator=gen).to(dtype)
-    y = torch.randn(t, offset, generator=gen).to(dtype)
-    batch.use_kernels = True  # the kernels' buffers, on the CPU (the interpreter reads host memory)
-    batch.set(query_lens, lora_slots)
     typed = LoRALayer(slices, k, None, k, batch, rank, dtype)
     typed.lora_a.copy_(layer.lora_a)
     for i in range(len(slices)):
         typed.b(i).copy_(layer.b(i))
-    got = kernels.add_lora(x, y.clone(), typed, batch)
-    expected = dense_reference(x, y, typed, row_slots, scales)
-    base = [i for i, s in enumerate(row_slots) if s < 0]
-    assert torch.equal(got[base], y[base])  # base rows untouched
-    torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-1)
+    batch.use_kernels = True  # the kernels' buffers, on the CPU (the interpreter reads host memory)
+    batch.block_m = 16  # slot 2's 20 rows take two blocks
+    # Requests in batch order: (new tokens, slot); base rows between the adapters' rows. The second
+    # step is smaller, on the same buffers: the first step's blocks past its own must not run.
+    for query_lens, lora_slots in (([3, 1, 20, 1, 5, 2], [0, -1, 2, 0, -1, 1]), ([2, 4, 1], [1, -1, 0])):
+        row_slots = [s for n, s in zip(query_lens, lora_slots) for _ in range(n)]
+        t = len(row_slots)
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        y = torch.randn(t, offset, generator=gen).to(dtype)
+        batch.set(query_lens, lora_slots)
+        got = kernels.add_lora(x, y.clone(), typed, batch)
+        expected = dense_reference(x, y, typed, row_slots, scales)
+        base = [i for i, s in enumerate(row_slots) if s < 0]
+        assert torch.equal(got[base], y[base])  # base rows untouched
+        torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-1)

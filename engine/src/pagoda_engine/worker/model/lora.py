@@ -53,10 +53,14 @@ class _Slice:
 class LoRABatch:
     """The step's rows and their slots, shared by every `LoRALayer` of the rank.
 
-    For the kernels: `sorted_rows` (the rows that run under an adapter, grouped by slot) and
-    `slot_starts` [slots + 1] (where each slot's rows begin in it), fixed device buffers rewritten
-    in place each step, so that captured graphs read the current step's. For the torch path:
-    `groups`, the (slot, rows) list built on the host. `scales`: each slot's adapter's scale."""
+    For the kernels, fixed device buffers rewritten in place each step (captured graphs read the
+    current step's): `sorted_rows`, the rows that run under an adapter grouped by slot, and
+    `blocks`, one (slot, start in `sorted_rows`, row count) per block of at most `block_m` rows of
+    one slot, (0, 0, 0) past the step's: at most cdiv(rows, block_m) + slots of them, the kernels'
+    grid. For the torch path: `groups`, the (slot, rows) list built on the host. `scales`: each
+    slot's adapter's scale."""
+
+    block_m = 32  # rows per kernel program: A's and B's tiles are loaded once per this many rows
 
     def __init__(self, num_slots: int, max_tokens: int, device: torch.device):
         self.num_slots = num_slots
@@ -66,7 +70,12 @@ class LoRABatch:
         self.groups: list[tuple[int, torch.Tensor]] = []
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)
-        self.slot_starts = torch.zeros(num_slots + 1, dtype=torch.int32, device=device)
+        self.blocks = torch.zeros(self.max_blocks(max_tokens), 3, dtype=torch.int32, device=device)
+        self._used_blocks = 0
+
+    def max_blocks(self, num_rows: int) -> int:
+        """The blocks a step of `num_rows` rows can need: every slot's last block may be short."""
+        return -(-num_rows // self.block_m) + self.num_slots
 
     def set(self, query_lens: list[int], lora_slots: list[int] | None) -> None:
         """The step's requests' new-token counts and slots (None: all base)."""
@@ -84,16 +93,21 @@ class LoRABatch:
                            for slot, rows in sorted(rows_of.items())]
             return
         ordered: list[int] = []
-        starts = []
-        for s in range(self.num_slots):
-            starts.append(len(ordered))
-            ordered += rows_of.get(s, ())
-        starts.append(len(ordered))
+        blocks: list[int] = []
+        for slot, rows in sorted(rows_of.items()):
+            for start in range(0, len(rows), self.block_m):
+                blocks += (slot, len(ordered) + start, min(self.block_m, len(rows) - start))
+            ordered += rows
+        used = len(blocks) // 3
+        # The last step's blocks past this one's are cleared: a graph's grid reads them.
+        blocks += [0] * 3 * max(self._used_blocks - used, 0)
+        self._used_blocks = used
         # Copies into the fixed buffers, queued on the stream before the step's kernels (and after
         # the step before's, which still read the old values).
         if ordered:
             self.sorted_rows[:len(ordered)].copy_(torch.tensor(ordered, dtype=torch.int32))
-        self.slot_starts.copy_(torch.tensor(starts, dtype=torch.int32))
+        if blocks:
+            self.blocks.view(-1)[:len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
 
 
 class LoRALayer(nn.Module):

@@ -5,9 +5,10 @@ projection's output.
 Why Triton and not a library: punica's kernels and vLLM's are tied to their engines' metadata and
 builds; these are two short kernels over Pagoda's own buffers (`lora.LoRABatch`), compiled like
 the engine's other Triton kernels, and their grid is fixed by the step's padded row count and the
-slot count alone. Each program takes one block of one slot's rows (`slot_starts`, `sorted_rows`)
-and returns at once when the slot has fewer rows: so CUDA graphs capture the launches once and
-every replay serves the adapters its rows name, base rows (slot -1) costing nothing.
+slot count alone: cdiv(rows, block_m) + slots programs along the rows, each taking one entry of
+`LoRABatch.blocks` (up to block_m rows of one slot, gathered through `sorted_rows`) and returning
+at once past the step's last block. So CUDA graphs capture the launches once and every replay
+serves the adapters its rows name, base rows (slot -1) costing nothing.
 
 The shrink accumulates in float32 and keeps its [rows, slices × R] result in float32; the expand
 adds `scale × shrunk · B^T` to the output in float32 and rounds once.
@@ -19,22 +20,21 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_M = 16
 _BLOCK_N = 64
 _BLOCK_K = 64
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, N, x_stride, a_stride_s, a_stride_n, out_stride,
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, a_stride_s, a_stride_n, out_stride,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    start = tl.load(starts_ptr + slot)
-    count = tl.load(starts_ptr + slot + 1) - start
-    if pid_m * BLOCK_M >= count:
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(blocks_ptr + block * 3)
+    start = tl.load(blocks_ptr + block * 3 + 1)
+    count = tl.load(blocks_ptr + block * 3 + 2)
+    if count == 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -53,17 +53,17 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, starts_ptr, K, N, x_stride, 
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, starts_ptr, R, N, s_offset, s_stride, b_stride_s,
+def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, s_stride, b_stride_s,
                    b_stride_n, y_offset, y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr):
-    pid_m = tl.program_id(0)
-    slot = tl.program_id(1)
-    pid_n = tl.program_id(2)
-    start = tl.load(starts_ptr + slot)
-    count = tl.load(starts_ptr + slot + 1) - start
-    if pid_m * BLOCK_M >= count:
+    block = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    slot = tl.load(blocks_ptr + block * 3)
+    start = tl.load(blocks_ptr + block * 3 + 1)
+    count = tl.load(blocks_ptr + block * 3 + 2)
+    if count == 0:
         return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -85,35 +85,34 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, starts_ptr, R, N, s
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def shrink(x: torch.Tensor, a: torch.Tensor, sorted_rows: torch.Tensor, slot_starts: torch.Tensor) -> torch.Tensor:
-    """x [T, K], a [slots, N, K] → float32 [T, N]: row t's x · A[its slot]^T (rows without a slot
-    are left unwritten)."""
+def shrink(x: torch.Tensor, a: torch.Tensor, batch) -> torch.Tensor:
+    """x [T, K], a [slots, N, K] → float32 [T, N]: row t's x · A[its slot]^T for every row of
+    `batch.blocks` (rows without a slot are left unwritten)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     t, k = x.shape
-    slots, n, _ = a.shape
+    _, n, _ = a.shape
     out = torch.empty((t, n), dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(t, _BLOCK_M), slots, triton.cdiv(n, _BLOCK_N))
-    _shrink_kernel[grid](x, a, out, sorted_rows, slot_starts, k, n, x.stride(0), a.stride(0), a.stride(1),
-                         out.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+    grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
+    _shrink_kernel[grid](x, a, out, batch.sorted_rows, batch.blocks, k, n, x.stride(0), a.stride(0), a.stride(1),
+                         out.stride(0), BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
     return out
 
 
-def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, scales: torch.Tensor, y: torch.Tensor,
-           y_offset: int, sorted_rows: torch.Tensor, slot_starts: torch.Tensor) -> None:
+def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor, y_offset: int, batch) -> None:
     """y[t, y_offset:y_offset + N] += scales[slot] × shrunk[t, s_offset:s_offset + R] · B[slot]^T for
-    every row t with a slot, in place; b [slots, N, R]."""
-    slots, n, r = b.shape
+    every row t of `batch.blocks`, in place; b [slots, N, R]."""
+    _, n, r = b.shape
     t = y.shape[0]
     block_r = max(16, min(64, triton.next_power_of_2(r)))
-    grid = (triton.cdiv(t, _BLOCK_M), slots, triton.cdiv(n, _BLOCK_N))
-    _expand_kernel[grid](shrunk, b, y, scales, sorted_rows, slot_starts, r, n, s_offset, shrunk.stride(0),
-                         b.stride(0), b.stride(1), y_offset, y.stride(0), BLOCK_M=_BLOCK_M, BLOCK_N=_BLOCK_N,
-                         BLOCK_R=block_r)
+    grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
+    _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset,
+                         shrunk.stride(0), b.stride(0), b.stride(1), y_offset, y.stride(0), BLOCK_M=batch.block_m,
+                         BLOCK_N=_BLOCK_N, BLOCK_R=block_r)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
     """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, one expand per slice."""
-    shrunk = shrink(x, lora.lora_a, batch.sorted_rows, batch.slot_starts)
+    shrunk = shrink(x, lora.lora_a, batch)
     for i, s in enumerate(lora.slices):
-        expand(shrunk, i * lora.rank, lora.b(i), batch.scales, y, s.out_offset, batch.sorted_rows, batch.slot_starts)
+        expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
     return y
