@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from pagoda_engine.executor_types import host_to_device
 from pagoda_engine.lora import ADAPTER_WEIGHTS, TARGET_MODULES, LoRAAdapterError, LoRARequest, read_adapter_config
 
 # PEFT's tensor names: base_model.model.model.layers.<i>.<self_attn|mlp>.<module>.lora_<A|B>.weight
@@ -103,11 +104,14 @@ class LoRABatch:
         blocks += [0] * 3 * max(self._used_blocks - used, 0)
         self._used_blocks = used
         # Copies into the fixed buffers, queued on the stream before the step's kernels (and after
-        # the step before's, which still read the old values).
+        # the step before's, which still read the old values), from pinned memory: the host does
+        # not wait for the step in flight (async scheduling).
         if ordered:
-            self.sorted_rows[:len(ordered)].copy_(torch.tensor(ordered, dtype=torch.int32))
+            self.sorted_rows[:len(ordered)].copy_(host_to_device(torch.tensor(ordered, dtype=torch.int32),
+                                                                 self.device))
         if blocks:
-            self.blocks.view(-1)[:len(blocks)].copy_(torch.tensor(blocks, dtype=torch.int32))
+            self.blocks.view(-1)[:len(blocks)].copy_(host_to_device(torch.tensor(blocks, dtype=torch.int32),
+                                                                    self.device))
 
 
 class LoRALayer(nn.Module):
@@ -142,8 +146,9 @@ class LoRALayer(nn.Module):
     def place(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slice i's A [r, in] and B [out, r] (this rank's shards) into `slot`."""
         r = a.shape[0]
-        self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a)
-        self.b(i)[slot, :, :r].copy_(b)
+        # Non-blocking from pinned host copies (`LoRAManager._shard`): queued after the step in flight.
+        self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a, non_blocking=True)
+        self.b(i)[slot, :, :r].copy_(b, non_blocking=True)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.batch
@@ -295,7 +300,10 @@ class LoRAManager:
         if lora.in_shard is not None:
             a = a.narrow(1, lora.in_shard[0], lora.in_shard[1])
         b = b.narrow(0, start, count)
-        return a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
+        a, b = a.to(self.dtype).contiguous(), b.to(self.dtype).contiguous()
+        if self.batch.device.type == "cuda":  # pinned: a slot loads without waiting for the device
+            a, b = a.pin_memory(), b.pin_memory()
+        return a, b
 
 
 def _qkv_slices(qkv: nn.Module) -> list[_Slice]:
