@@ -71,3 +71,13 @@ def test_a_lora_module_that_does_not_fit_stops_the_engine_naming_it(tmp_path):
 
     with pytest.raises(ValueError, match="LoRA adapter 'gone': '/nowhere/gone' is not a directory"):
         LLM("pagoda-tiny", enable_lora=True, lora_modules=["gone=/nowhere/gone"], num_kv_pages=16)
+
+
+def test_pipeline_parallelism_with_lora_is_refused_by_the_capability_table():
+    from pagoda_engine import capabilities
+
+    cfg = EngineConfig.from_kwargs(enable_lora=True, pipeline_parallel_size=2)
+    assert capabilities.refusal(cfg, {}) == (
+        "not implemented in this engine yet: LoRA adapters under pipeline parallelism (--enable-lora with "
+        "--pipeline-parallel-size 2; LoRA adapters work with tensor and data parallelism)")
+    assert capabilities.refusal(EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2), {}) is None

@@ -483,8 +483,8 @@ class EngineConfig:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
     def _validate_lora(self) -> None:
-        """The LoRA flags across each other: they need --enable-lora, and the host cache holds at
-        least the device's slots."""
+        """The LoRA flags across each other: they need --enable-lora, the host cache holds at least
+        the device's slots, and speculative decoding does not verify drafts under adapters yet."""
         mc = self.model
         if isinstance(mc.lora_modules, str):
             mc.lora_modules = [mc.lora_modules]
@@ -495,10 +495,7 @@ class EngineConfig:
             return
         if mc.max_cpu_loras is not None and mc.max_cpu_loras < mc.max_loras:
             raise ValueError(f"--max-cpu-loras ({mc.max_cpu_loras}) must be >= --max-loras ({mc.max_loras})")
-        if self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("--enable-lora is not supported under pipeline parallelism yet")
-        if self.parallel.expert_parallel_across_cores:
-            raise ValueError("--enable-lora is not supported with experts across data-parallel engine cores yet")
+        # Under pipeline parallelism and with experts across cores: refused by the capability table.
         if self.speculative_config.enabled:
             raise ValueError("--enable-lora is not supported with --speculative-config yet")
 
