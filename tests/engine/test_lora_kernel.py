@@ -78,3 +78,31 @@ def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
         base = [i for i, s in enumerate(row_slots) if s < 0]
         assert torch.equal(got[base], y[base])  # base rows untouched
         torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-1)
+
+
+def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):
+    """The whole engine with its LoRA layers on the kernels (interpreted, float32): a batch of the
+    base and three adapters (two device slots) gives PEFT's greedy tokens: the slices' offsets,
+    the block table and the slots as the engine fills them."""
+    pytest.importorskip("peft")
+    from lora_adapters import ADAPTERS, peft_greedy, write_adapter
+
+    from pagoda_engine import LLM, LoRARequest, SamplingParams
+    from pagoda_engine.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", arch="qwen2", seed=3)
+    paths = {name: write_adapter(model_dir, tmp_path / name, *spec, seed=i + 1)
+             for i, (name, spec) in enumerate(ADAPTERS.items())}
+    prompts = [[(3 * i + 1) % 400 + 5 for i in range(23)]]
+    new_tokens = 4
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.core.executor.worker.lora.batch.use_kernels = True
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    names = [None, *loras]
+    outs = llm.generate([p for _ in names for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens),
+                        lora_request=[loras.get(n) for n in names for _ in prompts])
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, name in enumerate(names):
+        assert got[i * len(prompts):(i + 1) * len(prompts)] == peft_greedy(model_dir, paths.get(name), prompts,
+                                                                           new_tokens), name
