@@ -163,6 +163,9 @@ def test_tensor_parallel_shards_the_adapters_like_their_layers(setup):
     loras = _requests(paths)
     names = [None, *loras]
     with _llm(model_dir, tensor_parallel_size=2) as llm:
+        # An adapter every rank refuses is refused, and the ranks serve on.
+        with pytest.raises(InvalidRequestError, match="LoRA adapter 'gone': '/nowhere' is not a directory"):
+            llm.generate([[5, 6]], _greedy(), lora_request=LoRARequest("gone", 9, "/nowhere"))
         outs = llm.generate([p for _ in names for p in PROMPTS], _greedy(),
                             lora_request=[loras.get(n) for n in names for _ in PROMPTS])
     got = [o.outputs[0].token_ids for o in outs]

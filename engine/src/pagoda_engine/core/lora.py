@@ -31,7 +31,6 @@ class LoRASlots:
         mc = config.model
         self.executor = executor
         self.max_loras = mc.max_loras
-        self.max_lora_rank = mc.max_lora_rank
         self.known: dict[str, LoRARequest] = {}
         self.resident: OrderedDict[str, int] = OrderedDict()  # name -> slot, least recently used first
         self.free_slots = list(range(self.max_loras))
@@ -47,13 +46,10 @@ class LoRASlots:
                 raise LoRAAdapterError(f"LoRA adapter {request.lora_name!r} is already loaded from "
                                        f"{have.lora_path!r}; unload it first")
             return
-        try:
-            self.executor.collective_rpc("add_lora", request)
-        except Exception as e:
-            reason = _adapter_reason(e)
-            if reason is None:
-                raise
-            raise LoRAAdapterError(reason) from None
+        refused = [reason for reason in self.executor.collective_rpc("add_lora", request) if reason is not None]
+        if refused:
+            self.executor.collective_rpc("remove_lora", request.lora_name)  # the ranks that took it
+            raise LoRAAdapterError(refused[0])
         self.known[request.lora_name] = request
         logger.info("LoRA adapter %r added (%s)", request.lora_name, request.lora_path)
 
@@ -102,14 +98,3 @@ class LoRASlots:
                 return self.resident.pop(name)
         raise RuntimeError("no LoRA slot is free")  # the scheduler's bound makes this unreachable
 
-
-def _adapter_reason(e: BaseException) -> str | None:
-    """The LoRAAdapterError message inside a rank's error (rank 0 raises it; other ranks' errors
-    come back as `RankError` text), or None for any other failure."""
-    if isinstance(e, LoRAAdapterError):
-        return str(e)
-    text = str(e)
-    marker = "LoRAAdapterError: "
-    if marker in text:
-        return text.split(marker, 1)[1].strip().splitlines()[0]
-    return None

@@ -256,13 +256,15 @@ class Scheduler:
         name = req.lora_name
         if name is None:
             return True
-        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        running = self.running_adapters()
         return name in running or len(running) < self.max_loras
 
     def running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests."""
         return {r.lora_name for r in self.running if r.lora_name is not None}
 
     def waiting_adapters(self) -> set[str]:
+        """The LoRA adapters of the waiting requests."""
         return {r.lora_name for r in self.waiting if r.lora_name is not None}
 
     def _growth_pages(self, req: Request) -> int:

@@ -51,6 +51,7 @@ import zmq
 
 from pagoda_engine import envs
 from pagoda_engine.kv_tiers import OffloadEvents, OffloadSetup, OffloadStarted
+from pagoda_engine.lora import LoRAAdapterError
 from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
@@ -219,9 +220,14 @@ class Worker:
         self.lora = LoRAManager(self.model, max_loras, max_lora_rank, max_cpu_loras, max_tokens, self.dtype,
                                 self.device)
 
-    def add_lora(self, request) -> None:
-        """Read and check an adapter into this rank's host memory (`LoRAAdapterError` if it does not fit)."""
-        self.lora.add(request)
+    def add_lora(self, request) -> str | None:
+        """Read and check an adapter into this rank's host memory: why it does not fit, or None.
+        Returned, not raised: a worker rank's raised error would end the engine (`Executor`)."""
+        try:
+            self.lora.add(request)
+        except LoRAAdapterError as e:
+            return str(e)
+        return None
 
     def remove_lora(self, name: str) -> None:
         self.lora.remove(name)

@@ -188,7 +188,6 @@ class LoRAManager:
         self.layers: dict[tuple[int, str], tuple[LoRALayer, int]] = {}  # (layer, module) -> (its LoRALayer, slice)
         self.num_layers = model.config.num_hidden_layers
         self.host: OrderedDict[str, HostAdapter] = OrderedDict()
-        self.slot_names: list[str | None] = [None] * max_loras
         for idx in range(model.model.start_layer, model.model.end_layer):
             layer = model.model.layers[idx]
             attn = layer.self_attn
@@ -242,7 +241,6 @@ class LoRAManager:
             lora, i = self.layers[(idx, module)]
             lora.place(slot, i, a, b)
         self.batch.scales[slot] = adapter.scaling
-        self.slot_names[slot] = request.lora_name
 
     def set_batch(self, query_lens: list[int], lora_slots: list[int] | None) -> None:
         self.batch.set(query_lens, lora_slots)
