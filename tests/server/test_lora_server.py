@@ -67,6 +67,7 @@ def test_models_lists_the_adapters_with_their_parent(server, setup):
     assert set(cards) >= {"base", "all7", "qv"}
     assert getattr(cards["base"], "parent", None) is None
     assert cards["all7"].parent == "base" and cards["all7"].root == paths["all7"]
+    assert cards["qv"].parent == "base"  # its JSON entry's base_model_name
 
 
 def test_model_selects_the_adapter_and_its_tokens_equal_peft(server, setup):

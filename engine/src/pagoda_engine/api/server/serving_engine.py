@@ -246,9 +246,11 @@ class OpenAIServing:
 
     # --- /v1/models ----------------------------------------------------------------------------
     def models(self) -> ModelList:
-        """The base model, then each LoRA adapter (`parent`: the base), as vLLM lists them."""
+        """The base model, then each LoRA adapter (`parent`: its --lora-modules `base_model_name`,
+        else the served model), as vLLM lists them."""
         base = ModelCard(id=self.model_name, root=self.engine.ready.model_dir, max_model_len=self.engine.max_model_len)
-        return ModelList(data=[base, *(ModelCard(id=name, root=lora.lora_path, parent=self.model_name,
+        return ModelList(data=[base, *(ModelCard(id=name, root=lora.lora_path,
+                                                 parent=lora.base_model_name or self.model_name,
                                                  max_model_len=self.engine.max_model_len)
                                        for name, lora in self.engine.loras.items())])
 
