@@ -42,7 +42,7 @@ def server(setup):
         "--model", str(model_dir), "--served-model-name", "base", "--dtype", "float32", "--num-kv-pages", "256",
         "--max-model-len", "256", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "16",
         "--lora-modules", f"all7={paths['all7']}", json.dumps({"name": "qv", "path": paths["qv"],
-                                                                "base_model_name": "base"})])
+                                                                "base_model_name": "org/base-1"})])
     yield Server(proc, port)
     proc.stop()
 
@@ -67,7 +67,7 @@ def test_models_lists_the_adapters_with_their_parent(server, setup):
     assert set(cards) >= {"base", "all7", "qv"}
     assert getattr(cards["base"], "parent", None) is None
     assert cards["all7"].parent == "base" and cards["all7"].root == paths["all7"]
-    assert cards["qv"].parent == "base"  # its JSON entry's base_model_name
+    assert cards["qv"].parent == "org/base-1"  # its JSON entry's base_model_name
 
 
 def test_model_selects_the_adapter_and_its_tokens_equal_peft(server, setup):
