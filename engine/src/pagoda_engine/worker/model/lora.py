@@ -67,7 +67,9 @@ class LoRABatch:
         self.num_slots = num_slots
         self.device = device
         self.use_kernels = device.type == "cuda"
-        self.max_tokens = max_tokens
+        # Room for the step budget and for any graph's padded rows (the kernels' grid reads this many
+        # blocks): a few bytes a row.
+        self.max_tokens = max_tokens = max(max_tokens, 16384)
         self.groups: list[tuple[int, torch.Tensor]] = []
         self.scales = torch.zeros(num_slots, dtype=torch.float32, device=device)
         self.sorted_rows = torch.zeros(max_tokens, dtype=torch.int32, device=device)

@@ -112,6 +112,8 @@ def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
     """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, one expand per slice."""
+    if x.shape[0] > batch.max_tokens:  # the grid would read blocks past the table
+        raise RuntimeError(f"{x.shape[0]} rows exceed the LoRA block table's {batch.max_tokens}")
     shrunk = shrink(x, lora.lora_a, batch)
     for i, s in enumerate(lora.slices):
         expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
