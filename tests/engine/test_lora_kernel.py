@@ -43,7 +43,9 @@ def dense_reference(x, y, layer: LoRALayer, row_slots: list[int], scales: list[f
 # float16 and float32: the interpreter's `tl.dot` of bfloat16 operands is wrong (numpy has no
 # bfloat16); bfloat16 is tests/gpu/test_lora_gpu.py's.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3])])
+# Slices on 64-column edges take one expand for the whole output; others one per slice.
+@pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3]),
+                                                (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5])])
 def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
     gen = torch.Generator().manual_seed(k + rank)
     num_slots = 4  # slot 3 holds an adapter that no row names

@@ -133,17 +133,20 @@ class LoRALayer(nn.Module):
         # Buffers, not parameters: the weight loader and `named_parameters` leave them alone.
         self.register_buffer("lora_a", torch.zeros(batch.num_slots, len(slices) * rank, in_features,
                                                    dtype=dtype, device=device), persistent=False)
-        for i, s in enumerate(slices):
-            self.register_buffer(f"lora_b{i}", torch.zeros(batch.num_slots, s.out_size, rank, dtype=dtype,
-                                                           device=device), persistent=False)
+        # Every slice's B in one buffer, rows in the projection's output order: one expand can
+        # cover the whole output (`lora_triton.add_lora`).
+        self.out_features = sum(s.out_size for s in slices)
+        self.register_buffer("lora_b", torch.zeros(batch.num_slots, self.out_features, rank, dtype=dtype,
+                                                   device=device), persistent=False)
 
     def b(self, i: int) -> torch.Tensor:
-        return getattr(self, f"lora_b{i}")
+        """Slice i's B of every slot: [slots, its output columns, R]."""
+        s = self.slices[i]
+        return self.lora_b[:, s.out_offset:s.out_offset + s.out_size]
 
     def clear(self, slot: int) -> None:
         self.lora_a[slot].zero_()
-        for i in range(len(self.slices)):
-            self.b(i)[slot].zero_()
+        self.lora_b[slot].zero_()
 
     def place(self, slot: int, i: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Slice i's A [r, in] and B [out, r] (this rank's shards) into `slot`."""

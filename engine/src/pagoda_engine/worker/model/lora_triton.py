@@ -53,8 +53,8 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, 
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, s_stride, b_stride_s,
-                   b_stride_n, y_offset, y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, split1, split2, s_width,
+                   s_stride, b_stride_s, b_stride_n, y_offset, y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr):
     block = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -68,6 +68,9 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
+    # Which slice's shrunk columns this block of output columns reads (slices start on block edges).
+    n0 = pid_n * BLOCK_N
+    s_offset += ((n0 >= split1).to(tl.int32) + (n0 >= split2).to(tl.int32)) * s_width
     b_base = b_ptr + slot.to(tl.int64) * b_stride_s
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for r0 in range(0, R, BLOCK_R):
@@ -98,23 +101,35 @@ def shrink(x: torch.Tensor, a: torch.Tensor, batch) -> torch.Tensor:
     return out
 
 
-def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor, y_offset: int, batch) -> None:
-    """y[t, y_offset:y_offset + N] += scales[slot] × shrunk[t, s_offset:s_offset + R] · B[slot]^T for
-    every row t of `batch.blocks`, in place; b [slots, N, R]."""
+_NO_SPLIT = 1 << 30  # a slice edge no column reaches
+
+
+def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor, y_offset: int, batch,
+           splits: tuple[int, int] = (_NO_SPLIT, _NO_SPLIT), s_width: int = 0) -> None:
+    """y[t, y_offset + n] += scales[slot] × shrunk[t, s_offset + k(n) × s_width + r] · B[slot, n, r] for
+    every row t of `batch.blocks`, in place; b [slots, N, R]; k(n): how many of `splits` (output
+    columns where the next slice begins, multiples of the column block) lie at or before n."""
     _, n, r = b.shape
     t = y.shape[0]
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
-    _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset,
-                         shrunk.stride(0), b.stride(0), b.stride(1), y_offset, y.stride(0), BLOCK_M=batch.block_m,
-                         BLOCK_N=_BLOCK_N, BLOCK_R=block_r)
+    _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset, splits[0],
+                         splits[1], s_width, shrunk.stride(0), b.stride(0), b.stride(1), y_offset, y.stride(0),
+                         BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N, BLOCK_R=block_r)
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
-    """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, one expand per slice."""
+    """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, then one expand for
+    them all where the slices start on column-block edges, else one per slice."""
     if x.shape[0] > batch.max_tokens:  # the grid would read blocks past the table
         raise RuntimeError(f"{x.shape[0]} rows exceed the LoRA block table's {batch.max_tokens}")
     shrunk = shrink(x, lora.lora_a, batch)
+    edges = [s.out_offset for s in lora.slices[1:]]
+    if len(edges) <= 2 and all(e % _BLOCK_N == 0 for e in edges):
+        # One expand over the whole output (q/k/v, gate/up at Llama's sizes): a launch per layer part.
+        splits = (*edges, *[_NO_SPLIT] * (2 - len(edges)))
+        expand(shrunk, 0, lora.lora_b, y, 0, batch, splits, lora.rank)
+        return y
     for i, s in enumerate(lora.slices):
         expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
     return y
