@@ -42,7 +42,9 @@ SOURCE_ROOT = Path(__file__).resolve().parents[1] / "engine" / "src"
 NEUTRAL_MODULES = frozenset(f"pagoda_engine.{name}" for name in (
     "config", "capabilities", "envs", "messages", "sampling_params", "errors",
     # what core/ and worker/ both name: the KV tiers' shared names, the step's plain batch description
-    "kv_tiers", "executor_types", "tokenizer_files", "generation_config", "model_path", "profiler", "json_config"))
+    "kv_tiers", "executor_types", "tokenizer_files", "generation_config", "model_path", "profiler", "json_config",
+    # the LoRA adapters' names and checks: the API process, the core and the ranks all use them
+    "lora"))
 # What `core/` may import from `worker/`: the executor's interface, nothing a worker runs; and the
 # compile pool's early start, which the core process makes before torch is imported (the executor
 # module imports torch).

@@ -7,6 +7,7 @@ _LAZY = {
     "SamplingParams": "pagoda_engine.sampling_params",
     "RequestOutput": "pagoda_engine.api.outputs",
     "CompletionOutput": "pagoda_engine.api.outputs",
+    "LoRARequest": "pagoda_engine.lora",
 }
 
 
@@ -19,4 +20,4 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "LoRARequest", "__version__"]

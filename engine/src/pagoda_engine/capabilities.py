@@ -43,6 +43,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("kv-offload-cpu", "KV offload tiers in CPU memory", True, options=("kv_offload_cpu_gb",)),
     Feature("kv-offload-disk", "KV offload tiers on local disk", True, options=("kv_offload_disk_path", "kv_offload_disk_gb")),
     Feature("kv-offload-remote", "KV offload tiers in a remote store", True, options=("kv_offload_remote_url",)),
+    Feature("lora", "LoRA adapters", True, options=("enable_lora",)),
     Feature("kv-cache-fp8", "FP8 KV cache pages", True, options=("kv_cache_dtype",)),
 )
 
@@ -63,6 +64,13 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination(("pipeline-parallel", "data-parallel", "expert-parallel"),
                 "expert parallelism across data-parallel engine cores under pipeline parallelism",
                 hint="expert parallelism across data-parallel engine cores works with tensor parallelism"),
+    # A step's adapter slots are one rank group's; a pipeline's stages and lockstep cores would
+    # each need the step's slots from the core (not built yet).
+    Combination(("lora", "pipeline-parallel"), "LoRA adapters under pipeline parallelism",
+                hint="LoRA adapters work with tensor and data parallelism"),
+    Combination(("lora", "data-parallel", "expert-parallel"),
+                "LoRA adapters with expert parallelism across data-parallel engine cores",
+                hint="LoRA adapters work with tensor and data parallelism"),
 )
 
 BY_KEY = {f.key: f for f in FEATURES}

@@ -27,6 +27,7 @@ from pagoda_engine.generation_config import check_generation_config_option, pars
 from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
+from pagoda_engine.lora import parse_lora_modules
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 from pagoda_engine.speculative import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
 
@@ -92,6 +93,7 @@ class Flag:
     why: str = ""  # said after a bound's fault
     cli_default: Any = _FIELD_DEFAULT  # when the command line's default differs from the field's
     metavar: str | None = None
+    nargs: str | None = None  # argparse's, for a flag that takes several words (--lora-modules)
 
     def spellings(self, dest: str) -> tuple[str, ...]:
         return (self.name or "--" + dest.replace("_", "-"), *self.aliases)
@@ -150,6 +152,19 @@ class ModelConfig:
                      "the model's generation_config.json (auto, the default), none (vllm), or a directory's")
     override_generation_config: dict | str | None = option(
         None, type=str, help='JSON object overriding those defaults, e.g. \'{"temperature": 0.5}\'')
+    # Multi-LoRA serving (vLLM's flags; `lora.py`, `core/lora.py`, `worker/model/lora.py`).
+    enable_lora: bool = option(False, help="serve LoRA adapters of the base model (--lora-modules, or loaded at "
+                                           "run time with PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1)")
+    lora_modules: list[str] | None = option(
+        None, type=str, nargs="+", metavar="NAME=PATH|JSON",
+        help='LoRA adapters served from the start, each name=path or vLLM\'s JSON \'{"name": ..., "path": ..., '
+             '"base_model_name": ...}\'; each is a model name a request selects (needs --enable-lora)')
+    max_loras: int = option(1, min=1, help="adapters resident on the device at once; the scheduler runs at most "
+                                           "this many distinct adapters in one step")
+    max_lora_rank: int = option(16, min=1, max=512, help="the largest adapter rank served (device slots are this wide)")
+    max_cpu_loras: int | None = option(
+        None, min=1, help="adapters kept in host memory, ready to move to a device slot (default: --max-loras); "
+                          "others are read from disk again")
 
 
 @dataclass
@@ -476,8 +491,26 @@ class EngineConfig:
         self._validate_kv_offload()
         self._validate_speculative()
         self._validate_kv_transfer()
+        self._validate_lora()
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
+
+    def _validate_lora(self) -> None:
+        """The LoRA flags across each other: they need --enable-lora, the host cache holds at least
+        the device's slots, and speculative decoding does not verify drafts under adapters yet."""
+        mc = self.model
+        if isinstance(mc.lora_modules, str):
+            mc.lora_modules = [mc.lora_modules]
+        parse_lora_modules(mc.lora_modules)  # ValueError naming the entry
+        if not mc.enable_lora:
+            if mc.lora_modules:
+                raise ValueError("--lora-modules needs --enable-lora")
+            return
+        if mc.max_cpu_loras is not None and mc.max_cpu_loras < mc.max_loras:
+            raise ValueError(f"--max-cpu-loras ({mc.max_cpu_loras}) must be >= --max-loras ({mc.max_loras})")
+        # Under pipeline parallelism and with experts across cores: refused by the capability table.
+        if self.speculative_config.enabled:
+            raise ValueError("--enable-lora is not supported with --speculative-config yet")
 
     def _validate_pacing(self) -> None:
         """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
@@ -670,6 +703,8 @@ def _add_flags(parser: argparse.ArgumentParser, items: Iterator[tuple[type, Fiel
                 kwargs["choices"] = list(flag.choices)
             if flag.metavar is not None:
                 kwargs["metavar"] = flag.metavar
+            if flag.nargs is not None:
+                kwargs["nargs"] = flag.nargs
         parser.add_argument(*flag.spellings(f.name), **kwargs)
 
 

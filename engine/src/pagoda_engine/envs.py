@@ -95,6 +95,12 @@ def programmatic_dependent_launch() -> bool:
     return env_switch("PAGODA_PDL", True)
 
 
+def allow_runtime_lora_updating() -> bool:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served (vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING rule): PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1; off by default."""
+    return env_switch("PAGODA_ALLOW_RUNTIME_LORA_UPDATING", False)
+
+
 def _key(name: str) -> str | None:
     found = _raw((name,))
     if found is None:
@@ -175,5 +181,5 @@ def check_environment() -> None:
     """Read every number above and the API key, so that a bad one is refused at start-up rather
     than when (and in whichever process) it is first used."""
     for read in (tp_start_timeout_s, dist_timeout_s, tp_collective_timeout_s, cpu_threads, programmatic_dependent_launch,
-                 api_key, kv_remote_read_connections, kv_remote_timeout_s, kv_remote_backoff_s):
+                 allow_runtime_lora_updating, api_key, kv_remote_read_connections, kv_remote_timeout_s, kv_remote_backoff_s):
         read()

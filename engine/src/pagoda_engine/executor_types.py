@@ -55,6 +55,8 @@ class AttentionBatch:
     page_tables: list[list[int]]  # page ids per request, covering at least seq_len tokens
     slot_mapping: torch.Tensor  # int64 [num_tokens], on the device: page * page_size + offset per new token
     num_decodes: int = 0
+    # --enable-lora: each request's adapter slot on the device (-1: the base model); None: all base.
+    lora_slots: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

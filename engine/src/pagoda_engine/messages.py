@@ -31,6 +31,7 @@ from typing import Any, Iterable, Union
 
 import msgspec
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.sampling_params import SamplingParams
 
 TOKEN_ID_TYPECODE = "i"  # int32 on every platform Pagoda runs on (checked below)
@@ -87,6 +88,8 @@ class EngineCoreRequest(_Message):
     # They start its output, so max_tokens, min_tokens, penalties and a seeded row's draws (keyed
     # by the output position) go on exactly as if it had never moved.
     resume_token_ids: array | None = None
+    # The LoRA adapter it runs under (`--enable-lora`); None: the base model.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self) -> None:
         if type(self.prompt_token_ids) is not array:
@@ -115,6 +118,14 @@ class ProfileRequest(_Message):
 
     start: bool
     tag: str = ""
+    client_index: int = 0  # the API server process asking: the reply goes to it alone
+
+
+class LoRAUpdate(_Message):
+    """/v1/load_lora_adapter (`lora` set) or /v1/unload_lora_adapter (`unload` names it)."""
+
+    lora: LoRARequest | None = None
+    unload: str | None = None
     client_index: int = 0  # the API server process asking: the reply goes to it alone
 
 
@@ -226,6 +237,9 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # bytes sent, bytes received, pull seconds, pulls, failures, fallbacks, pages held now,
     # external prefix-cache queries and hits (tokens).
     kv_transfer: list[float] = []
+    # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info).
+    running_lora_adapters: list[str] = []
+    waiting_lora_adapters: list[str] = []
 
 
 class EngineCoreOutputs(_Message):
@@ -250,5 +264,12 @@ class ProfileReply(_Message):
     already: bool = False
 
 
-ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest]
-FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError, ProfileReply]
+class LoRAUpdateReply(_Message):
+    """A LoRAUpdate done, or why not; `missing`: an unload named an adapter the core does not serve."""
+
+    error: str | None = None
+    missing: bool = False
+
+
+ToCore = Union[EngineCoreRequest, AbortRequest, ShutdownRequest, StartDPWave, ProfileRequest, LoRAUpdate]
+FromCore = Union[CoreReady, CoreFailed, EngineCoreOutputs, EngineCoreError, ProfileReply, LoRAUpdateReply]

@@ -10,6 +10,9 @@ are whole (cumulative) outputs, built once when each request finishes (`RequestO
 Profiling, as vLLM's: `LLM(..., profiler_config={"profiler": "torch", "torch_profiler_dir": DIR})`,
 then `llm.start_profile()`, some `generate` calls, `llm.stop_profile()` (the files written).
 Speculative decoding, as vLLM's: `LLM(..., speculative_config={"method": "ngram", "num_speculative_tokens": 4})`.
+LoRA adapters, as vLLM's: `LLM(..., enable_lora=True, max_loras=4, max_lora_rank=16)`, then
+`llm.generate(prompts, params, lora_request=LoRARequest("name", 1, "path/to/adapter"))`, one for
+every prompt or a list with one per prompt (None: the base model).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pagoda_engine.config import CacheConfig, EngineConfig, ModelConfig, Schedul
 from pagoda_engine.core.engine_core import EngineCore
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.generation_config import default_sampling_params
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
 from pagoda_engine.structured_outputs import check as check_structured_outputs
@@ -95,8 +99,10 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for each prompt (a string or a list of token ids); results in input order.
+        `lora_request`: the adapter of every prompt, or a list of one per prompt (None: the base).
 
         An invalid prompt raises InvalidRequestError before anything is queued."""
         prompt_list = _normalize_prompts(prompts)
@@ -108,6 +114,17 @@ class LLM:
             raise InvalidRequestError(f"got {len(prompt_list)} prompts but {len(params_list)} sampling params",
                                       param="sampling_params")
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompt_list)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompt_list):
+                raise InvalidRequestError(f"got {len(prompt_list)} prompts but {len(loras)} LoRA requests",
+                                          param="lora_request")
+        for lora in loras:
+            if lora is not None and not isinstance(lora, LoRARequest):
+                raise InvalidRequestError(f"lora_request must be a LoRARequest or None, got {type(lora).__name__}",
+                                          param="lora_request")
 
         encoded = []
         for prompt, params in zip(prompt_list, params_list):  # every request is checked before any is queued
@@ -116,11 +133,13 @@ class LLM:
             if params.structured_outputs is not None:
                 check_structured_outputs(params.structured_outputs)  # a grammar that cannot compile
             encoded.append((text, ids))
+        for lora in {lora for lora in loras if lora is not None}:
+            self.core.check_lora(lora)  # a bad adapter is refused before anything is queued
         request_ids = []
-        for (text, ids), params, prio in zip(encoded, params_list, priorities):
+        for (text, ids), params, prio, lora in zip(encoded, params_list, priorities, loras):
             request_id = str(next(self._ids))
             for core_req in self.processor.add_request(request_id, text, ids, params, priority=prio,
-                                                       output_kind=RequestOutputKind.FINAL_ONLY):
+                                                       output_kind=RequestOutputKind.FINAL_ONLY, lora_request=lora):
                 self.core.add_request(core_req)
             request_ids.append(request_id)
         return self._run(request_ids)

@@ -34,6 +34,7 @@ from pagoda_engine.api.outputs import (
     SampleLogprobs,
 )
 from pagoda_engine.errors import InvalidRequestError
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.messages import EngineCoreEvent, EngineCoreOutput, EngineCoreRequest, TokenLogprobs, token_id_array
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -127,6 +128,7 @@ class OutputProcessor:
         output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE,
         chat_output: ChatOutputSpec | None = None,
         resume_token_ids: list[int] | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> list[EngineCoreRequest]:
         """Register a user request (its prompt already passed `api.inputs.check_prompt`); return
         the core requests (one per sequence) to send. With `chat_output`, each sequence's text is
@@ -178,6 +180,7 @@ class OutputProcessor:
                     arrival_time=arrival_time,
                     priority=priority,
                     resume_token_ids=token_id_array(resume_token_ids) if resume_token_ids else None,
+                    lora_request=lora_request,
                 )
             )
         self._requests[request_id] = user_request

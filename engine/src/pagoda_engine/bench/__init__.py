@@ -25,6 +25,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from pagoda_engine.bench.lora import add_lora_arguments, apply_lora_arguments
 from pagoda_engine.bench.epp_decision import add_epp_decision_arguments
 from pagoda_engine.bench.kv_share import add_kv_share_arguments
 from pagoda_engine.bench.kv_transfer import add_kv_transfer_arguments
@@ -87,6 +88,7 @@ def _add_engine_and_sizes(p: argparse.ArgumentParser, offline: bool = True) -> N
 
 def _add_common(p: argparse.ArgumentParser) -> None:
     _add_engine_and_sizes(p)
+    add_lora_arguments(p)
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="record a torch.profiler trace of a few steps into DIR and print the top kernels")
     p.add_argument("--profile-steps", default=None, metavar="FIRST:COUNT", type=_step_range,
@@ -149,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
             return 2
     _resolve_model(args)
     try:  # invalid engine flags (EngineConfig.validate), refused before any engine starts
+        apply_lora_arguments(args)
         config = config_from_args(args)
         if getattr(args, "spec_replay_acceptance", None) is not None:
             from pagoda_engine.bench.spec_replay import parse_ks, parse_shares

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from pagoda_engine.bench.lora import RandomAdapters
 from pagoda_engine.bench.floor import StepRecorder, model_costs, run_floor, unique_parameters
 from pagoda_engine.bench.report import (environment, is_standard_workload, latency_summary, mean_tpot_of_complete_run,
                                         process_age_s, throughput_summary)
@@ -166,13 +167,16 @@ class _StepProfiler:
         self.prof = None
 
 
-def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | None = None) -> dict:
-    """Add every request, step until all finish. Returns timing per request and overall."""
+def _drive(core: EngineCore, wl: Workload, tag: str, profiler: _StepProfiler | None = None,
+           adapters: RandomAdapters | None = None) -> dict:
+    """Add every request, step until all finish. Returns timing per request and overall.
+    `adapters`: each request runs on a random one of them (--num-loras)."""
     start = time.perf_counter()
     ids = [f"{tag}-{i}" for i in range(wl.num_requests)]
     for i, (rid, prompt) in enumerate(zip(ids, wl.prompts)):
         core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt,
-                                           sampling_params=wl.sampling_params(i)))
+                                           sampling_params=wl.sampling_params(i),
+                                           lora_request=adapters.draw() if adapters is not None else None))
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
     num_out: dict[str, int] = dict.fromkeys(ids, 0)
@@ -243,8 +247,15 @@ def _heap_frozen():
 
 
 def _prepare(args, title: str) -> tuple[EngineCore, Workload, dict, dict, dict]:
-    """Engine up, workload built, header printed, roofline measured, kernels warm."""
+    """Engine up, workload built, header printed, roofline measured, kernels warm (with
+    --num-loras: the random adapters written, `info["adapters"]`, and every one loaded)."""
     core, info = _build(args)
+    if getattr(args, "num_loras", 0):
+        adapters = RandomAdapters(args, core.model_dir)
+        for lora in adapters.requests:
+            core.check_lora(lora)  # read and checked on every rank before the timing
+        info["settings"].update(adapters.describe())
+        info["adapters"] = adapters
     wl = build_workload(args.workload, core.vocab_size, args.num_prompts, args.input_len, args.output_len)
     env = environment()
     _print_header(title, wl, info, env)
@@ -261,9 +272,10 @@ def run_throughput(args) -> dict:
     core, wl, info, env, roof = _prepare(args, "throughput")
     profiler = _StepProfiler(args.profile, *(args.profile_steps or (300, 10))) if args.profile else None
     recorder = StepRecorder(core.scheduler)
+    adapters = info.pop("adapters", None)
     try:
         with _heap_frozen():
-            r = _drive(core, wl, "bench", profiler)
+            r = _drive(core, wl, "bench", profiler, adapters)
     finally:
         recorder.remove()
     figures, lines = throughput_summary(wl, r["elapsed_s"], r["mean_tpot_s"])
@@ -312,20 +324,23 @@ def run_latency(args) -> dict:
 
         return run_data_parallel(args, "latency")
     core, wl, info, env, roof = _prepare(args, "latency")
+    adapters = info.pop("adapters", None)
     if args.spec_replay_acceptance is not None:
+        if adapters is not None:
+            raise SystemExit("error: --spec-replay-acceptance and --num-loras do not combine")
         from pagoda_engine.bench.spec_replay import parse_ks, parse_shares, run_spec_replay
 
         replay = run_spec_replay(core, wl, _drive, args.num_iters, parse_shares(args.spec_replay_acceptance),
                                  parse_ks(args.spec_replay_k))
         return {"bench": "latency-spec-replay", "workload": wl.name, "standard_workload": is_standard_workload(args),
                 "env": env, **info, **replay, "roofline": roof}
-    _drive(core, wl, "warmup-run")
+    _drive(core, wl, "warmup-run", adapters=adapters)
     runs = []
     with _heap_frozen():
         for it in range(args.num_iters):
             profiler = (_StepProfiler(args.profile, *(args.profile_steps or (100, 20)))
                         if args.profile and it == 0 else None)
-            r = _drive(core, wl, f"iter{it}", profiler)
+            r = _drive(core, wl, f"iter{it}", profiler, adapters)
             ttft = statistics.fmean(r["first_token"][k] - r["start"] for k in r["first_token"])
             runs.append({"e2e_s": r["elapsed_s"], "ttft_s": ttft, "tpot_s": r["mean_tpot_s"]})
     out_len = wl.output_lens[0]

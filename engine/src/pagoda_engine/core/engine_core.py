@@ -28,12 +28,14 @@ from pathlib import Path
 
 from pagoda_engine.config import EngineConfig, resolve_for_device
 from pagoda_engine.core.draft_proposer import model_proposer
+from pagoda_engine.lora import LoRARequest, parse_lora_modules
 from pagoda_engine.core.in_flight import StepsInFlight
 from pagoda_engine.core.kv.events import KVEventPublisher
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.kv.offload.setup import page_identity, start_offload
 from pagoda_engine.core.kv.sizing import num_kv_pages
 from pagoda_engine.core.kv_transfer import KVTransfer
+from pagoda_engine.core.lora import LoRASlots
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.scheduler import Scheduler, SchedulerOutput
 from pagoda_engine.core.spec_decode import SpecDecoder
@@ -124,6 +126,10 @@ class EngineCore:
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = read_eos_token_ids(self.model_dir, executor.hf_config)
         spec = executor.kv_cache_spec(cc.block_size)
+        # LoRA slots before the pool is sized: the ranks' profile step counts them.
+        self.lora = LoRASlots(config, executor) if config.model.enable_lora else None
+        for i, m in enumerate(parse_lora_modules(config.model.lora_modules)):
+            self.lora.add(LoRARequest(m.name, i + 1, m.path, m.base_model_name))  # LoRAAdapterError naming it
         self.num_kv_pages = num_kv_pages(config, executor, self.max_model_len)
         attention = executor.init_kv_cache(config.model.attention_backend, spec, self.num_kv_pages)
         self.num_layers = spec.num_layers  # rank 0's (its pipeline stage's)
@@ -136,8 +142,10 @@ class EngineCore:
             spec = SpecDecoder(config.speculative_config, model_proposer(
                 config.speculative_config, executor, self.kv, self.model_dir, self.max_model_len,
                 config.scheduler.max_num_batched_tokens))
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec)
-        self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, spec,
+                                   max_loras=config.model.max_loras if self.lora is not None else None)
+        self.runner = StepRunner(executor, self.kv, self.vocab_size, record_ends=config.scheduler.step_launch_pacing,
+                                 lora=self.lora)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
         # Structured outputs: grammars compile in the compiler's threads; a request waits for its.
@@ -232,6 +240,8 @@ class EngineCore:
         if bias and max(bias) >= self.vocab_size:
             raise InvalidRequestError(f"logit_bias: token id {max(bias)} is outside the vocabulary "
                                       f"[0, {self.vocab_size})", param="logit_bias")
+        if req.lora_request is not None:
+            self.check_lora(req.lora_request)
 
     def add_request(self, req: EngineCoreRequest) -> None:
         self.validate(req)
@@ -243,7 +253,8 @@ class EngineCore:
             output_token_ids=req.resume_token_ids.tolist() if req.resume_token_ids is not None else [],
             num_resumed_tokens=len(req.resume_token_ids) if req.resume_token_ids is not None else 0,
             grammar=self.grammars.submit(structured) if structured is not None else None,
-            kv_transfer_params=req.sampling_params.kv_transfer_params)
+            kv_transfer_params=req.sampling_params.kv_transfer_params,
+            lora_request=req.lora_request)
         if request.grammar is not None and request.num_resumed_tokens:
             request.grammar.resume_after(request.output_token_ids)  # replayed once compiled (check_compiled)
         if request.waits_for_grammar:
@@ -251,6 +262,24 @@ class EngineCore:
         self.scheduler.add_request(request)
         if self.kv_transfer is not None and request.kv_transfer_params is not None:
             self.kv_transfer.start_pull(request)
+
+    def check_lora(self, request: LoRARequest) -> None:
+        """A request's adapter, added if new (the offline `LLM` names adapters by path). Raises
+        InvalidRequestError."""
+        if self.lora is None:
+            raise InvalidRequestError(f"LoRA adapter {request.lora_name!r} asked for, but this engine serves no "
+                                      "adapters (start it with --enable-lora)", param="model")
+        self.lora.check(request)
+
+    def add_lora(self, request: LoRARequest) -> None:
+        """Serve a LoRA adapter from now on (`POST /v1/load_lora_adapter`); LoRAAdapterError if it does not fit."""
+        if self.lora is None:
+            raise InvalidRequestError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.lora.add(request)
+
+    def remove_lora(self, name: str) -> bool:
+        """Stop serving adapter `name` to new requests; False when it was not loaded."""
+        return self.lora is not None and self.lora.remove(name)
 
     def take_refused(self) -> list[EngineCoreError]:
         """Requests accepted earlier whose grammar then failed to compile (they are gone)."""
@@ -435,4 +464,6 @@ class EngineCore:
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [],
             spec_decode=[spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
                          *spec.accepted_per_pos] if spec is not None else [],
-            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else [])
+            kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else [],
+            running_lora_adapters=sorted(self.scheduler.running_adapters()) if self.lora is not None else [],
+            waiting_lora_adapters=sorted(self.scheduler.waiting_adapters()) if self.lora is not None else [])

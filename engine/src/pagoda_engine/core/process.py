@@ -41,9 +41,10 @@ import msgspec
 import zmq
 
 from pagoda_engine.config import EngineConfig
+from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.messages import (AbortRequest, CoreFailed, CoreReady, EngineCoreError, EngineCoreOutputs,
-                                    EngineCoreRequest, ProfileReply, ProfileRequest, ShutdownRequest, StartDPWave,
-                                    ToCore, make_decoder, make_encoder)
+                                    EngineCoreRequest, LoRAUpdate, LoRAUpdateReply, ProfileReply, ProfileRequest,
+                                    ShutdownRequest, StartDPWave, ToCore, make_decoder, make_encoder)
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError
 from pagoda_engine.processes import die_with_parent, pause_collections_for_start_up
 
@@ -123,6 +124,23 @@ class CoreLoop:
                 pass  # its arrival ended the wait for input: the next agreement starts the wave
             case ProfileRequest():
                 self._profile(message)
+            case LoRAUpdate():
+                self._update_lora(message)
+
+    def _update_lora(self, message: LoRAUpdate) -> None:
+        """Load or unload a LoRA adapter between two steps; the reply goes to the client that asked."""
+        if not 0 <= message.client_index < len(self.out_socks):
+            logger.error("LoRA update from unknown client %d dropped", message.client_index)
+            return
+        try:
+            if message.unload is not None:
+                reply = LoRAUpdateReply(missing=not self.core.remove_lora(message.unload))
+            else:
+                self.core.add_lora(message.lora)
+                reply = LoRAUpdateReply()
+        except (ValueError, InvalidRequestError) as e:  # LoRAAdapterError is a ValueError
+            reply = LoRAUpdateReply(error=str(e))
+        self.out_socks[message.client_index].send(self.encoder.encode(reply), copy=False)
 
     def _profile(self, message: ProfileRequest) -> None:
         """Start or stop profiling between two steps; the reply goes to the client that asked."""

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.messages import EngineCoreEvent, EngineCoreEventType
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -74,6 +75,12 @@ class Request:
     # whether it waits, unscheduled, for its prompt's pages from a producer.
     kv_transfer_params: dict | None = None
     waits_for_remote_kv: bool = False
+    # The LoRA adapter it runs under (None: the base model); its name keys the prefix cache's pages.
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora_request.lora_name if self.lora_request is not None else None
 
     def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))

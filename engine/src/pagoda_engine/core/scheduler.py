@@ -103,8 +103,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 spec: SpecDecoder | None = None):
+                 spec: SpecDecoder | None = None, max_loras: int | None = None):
         self.config = config
+        # --enable-lora: the running requests never name more distinct adapters than device slots.
+        self.max_loras = max_loras
         self.spec = spec  # speculative decoding's proposer and counters; None: off
         self.kv = kv
         self.max_model_len = max_model_len
@@ -212,6 +214,8 @@ class Scheduler:
             if req.waits_for_grammar or req.waits_for_remote_kv or self.kv.is_loading(req):
                 continue  # its grammar compiles, its prefix comes up from an offload tier or from a
                 # producer engine (disaggregated prefill): the others go first
+            if self.max_loras is not None and not self._adapter_fits(req):
+                continue  # every device slot serves running requests' adapters: it waits for one to free
             if req.num_output_placeholders and skip_in_flight:
                 break  # preempted while its batch is in flight: readmitted once that batch is back
             # Only a request preempted in this very call can still wait for a token, and then
@@ -249,6 +253,22 @@ class Scheduler:
             if growth is not None:
                 reserved += growth
         return out
+
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether admitting `req` keeps the running requests' distinct adapters within --max-loras."""
+        name = req.lora_name
+        if name is None:
+            return True
+        running = self.running_adapters()
+        return name in running or len(running) < self.max_loras
+
+    def running_adapters(self) -> set[str]:
+        """The LoRA adapters of the running requests."""
+        return {r.lora_name for r in self.running if r.lora_name is not None}
+
+    def waiting_adapters(self) -> set[str]:
+        """The LoRA adapters of the waiting requests."""
+        return {r.lora_name for r in self.waiting if r.lora_name is not None}
 
     def _growth_pages(self, req: Request) -> int:
         """Pages `req`'s expected remaining output will take (admission control)."""

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from pagoda_engine.core.kv.manager import KVCacheManager
+from pagoda_engine.core.lora import LoRASlots
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -114,8 +115,10 @@ class StepRunner:
     """Builds each step's inputs from the scheduler's output and launches it on the executor's
     ranks (rank 0 in this process): the forward, prompt logprobs where asked, then the sample."""
 
-    def __init__(self, executor: Executor, kv: KVCacheManager, vocab_size: int, record_ends: bool = False):
+    def __init__(self, executor: Executor, kv: KVCacheManager, vocab_size: int, record_ends: bool = False,
+                 lora: LoRASlots | None = None):
         self.executor = executor
+        self.lora = lora  # --enable-lora: each request's adapter slot goes to the ranks with the batch
         self.kv = kv
         self.device = executor.device
         self.page_size = kv.page_size
@@ -183,8 +186,12 @@ class StepRunner:
         input_ids = dev[:t]
         if f:
             input_ids.index_copy_(0, dev[rest + r:rest + r + f], prev.sample.token_ids[dev[rest + r + f:]])
+        lora_slots = None
+        if self.lora is not None and any(s.request.lora_request is not None for s in order):
+            lora_slots = self.lora.slots_for(s.request.lora_request for s in order)
         attn_batch = AttentionBatch(query_lens=query_lens, seq_lens=seq_lens, page_tables=tables,
-                                    slot_mapping=dev[2 * span:2 * span + t], num_decodes=num_decodes)
+                                    slot_mapping=dev[2 * span:2 * span + t], num_decodes=num_decodes,
+                                    lora_slots=lora_slots)
         return StepInputs(order=order, input_ids=input_ids, positions=dev[span:span + t], attn_batch=attn_batch,
                           sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, sample_views=sample_views,
                           prompt_logprob_spans=spans)

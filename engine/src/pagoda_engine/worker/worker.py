@@ -51,6 +51,7 @@ import zmq
 
 from pagoda_engine import envs
 from pagoda_engine.kv_tiers import OffloadEvents, OffloadSetup, OffloadStarted
+from pagoda_engine.lora import LoRAAdapterError
 from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
                                      resume_collections, set_torch_threads)
 from pagoda_engine.worker.attention import get_attention_backend
@@ -62,6 +63,7 @@ from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker import kv_transfer
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
+from pagoda_engine.worker.model.lora import LoRAManager
 from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.profiler import RankProfiler
@@ -116,6 +118,7 @@ class Worker:
         self.nixl: kv_transfer.NixlPages | None = None  # disaggregated prefill/decode over NIXL
         self.profiler: RankProfiler | None = None
         self.drafter: Drafter | None = None  # speculative decoding's drafting model (rank 0 only)
+        self.lora: LoRAManager | None = None  # --enable-lora: this rank's adapter slots
         # This rank compiles its Triton kernels ahead, several at once, before the profile step,
         # the sampler's warm-up and the graphs' capture (`compile_ahead`): the executor decides it
         # for every rank (`start_compile_pool`), until the graphs are captured.
@@ -230,6 +233,28 @@ class Worker:
             # The drafter's pages stay in the model dtype (FP8 pages are the target's alone).
             self.drafter.init_kv_cache(backend, spec.page_size, self.dtype, num_pages)
 
+    def init_lora(self, max_loras: int, max_lora_rank: int, max_cpu_loras: int, max_tokens: int) -> None:
+        """--enable-lora: LoRA layers on every served projection, `max_loras` device slots
+        (before the KV pool is sized, so the profile step counts them)."""
+        self.lora = LoRAManager(self.model, max_loras, max_lora_rank, max_cpu_loras, max_tokens, self.dtype,
+                                self.device)
+
+    def add_lora(self, request) -> str | None:
+        """Read and check an adapter into this rank's host memory: why it does not fit, or None.
+        Returned, not raised: a worker rank's raised error would end the engine (`Executor`)."""
+        try:
+            self.lora.add(request)
+        except LoRAAdapterError as e:
+            return str(e)
+        return None
+
+    def remove_lora(self, name: str) -> None:
+        self.lora.remove(name)
+
+    def load_lora_slot(self, slot: int, request) -> None:
+        """An adapter into a device slot, from host memory (or disk)."""
+        self.lora.load_slot(slot, request)
+
     def init_kv_offload(self, setup: OffloadSetup) -> OffloadStarted:
         """This rank's side of the KV offload tiers (after `init_kv_cache`), under its own
         fingerprint: the core's and this rank's coordinates. Reports what its disk tier holds."""
@@ -326,6 +351,8 @@ class Worker:
         graph's fixed output on after the replay."""
         if self.offload is not None:
             self.offload.wait_for_loads()  # pages the step reads may still be arriving from host memory
+        if self.lora is not None:
+            self.lora.set_batch(batch.query_lens, batch.lora_slots)
         graphs = self._graphs_for(batch)
         if graphs is None:
             self.attn.plan(batch)

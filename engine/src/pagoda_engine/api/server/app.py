@@ -11,7 +11,7 @@ the core is ready.
 from __future__ import annotations
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from pagoda_engine import __version__, envs
 from pagoda_engine.api.server.api_keys import bearer_matches, require_api_key
@@ -26,9 +26,11 @@ from pagoda_engine.api.server.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     streamed_or,
 )
 from pagoda_engine.api.server.serving_chat import OpenAIServingChat
@@ -105,6 +107,8 @@ def create_app(engine: AsyncEngine, api_key: str | None = None) -> FastAPI:
 
     if engine.config.profiler_config.enabled:
         _add_profile_routes(app, engine)
+    if engine.config.model.enable_lora and envs.allow_runtime_lora_updating():
+        _add_lora_routes(app, engine)
     app.add_middleware(_CloseWhileDraining, engine=engine)
     return app
 
@@ -128,6 +132,21 @@ class _CloseWhileDraining:
             await send(message)
 
         await self.app(scope, receive, send_closing)
+
+
+def _add_lora_routes(app: FastAPI, engine: AsyncEngine) -> None:
+    """vLLM's runtime adapter routes (only under PAGODA_ALLOW_RUNTIME_LORA_UPDATING=1, as vLLM
+    serves them only under VLLM_ALLOW_RUNTIME_LORA_UPDATING): their bodies and plain-text answers."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest) -> Response:
+        await engine.load_lora(req.lora_name, req.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest) -> Response:
+        await engine.unload_lora(req.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
 
 def _add_profile_routes(app: FastAPI, engine: AsyncEngine) -> None:

@@ -21,12 +21,13 @@ from pagoda_engine.api.output_processor import OutputProcessor
 from pagoda_engine.api.outputs import RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.core_client import CoreAddresses
 from pagoda_engine.api.server.dp_client import DPEngineCoreClient
-from pagoda_engine.api.server.errors import ServiceUnavailableError, TooManyRequestsError
+from pagoda_engine.api.server.errors import APIError, BadRequestError, ServiceUnavailableError, TooManyRequestsError
 from pagoda_engine.api.server.metrics import SequenceTimes, ServerMetrics, cache_config_info
 from pagoda_engine.config import EngineConfig, ModelConfig
 from pagoda_engine.errors import EngineDeadError, InvalidRequestError, ModelLoadError
 from pagoda_engine.generation_config import default_sampling_params
-from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs
+from pagoda_engine.lora import LoRARequest, parse_lora_modules
+from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, LoRAUpdate
 from pagoda_engine.profiler import profile_tag
 from pagoda_engine.sampling_params import SamplingParams
 
@@ -64,6 +65,13 @@ class AsyncEngine:
         self._parent_of: dict[str, str] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        # --enable-lora: the adapters a request's `model` may name, from --lora-modules and the
+        # runtime loads of this process (numbered as the cores number --lora-modules).
+        self.loras: dict[str, LoRARequest] = {
+            m.name: LoRARequest(m.name, i + 1, m.path, m.base_model_name)
+            for i, m in enumerate(parse_lora_modules(config.model.lora_modules))}
+        self._next_lora_id = len(self.loras) + 1
+        self._lora_lock = asyncio.Lock()
 
     async def start(self) -> CoreReady:
         """Start the core processes and load the tokenizer (in parallel: both take seconds).
@@ -88,7 +96,8 @@ class AsyncEngine:
                                      max_model_len=self.ready.max_model_len,
                                      cache_info=cache_config_info(self.config.cache, self.ready.num_kv_pages),
                                      multiprocess=self.client.attached, records_steps=self.api_server_index == 0,
-                                     vllm_metric_names=self.config.server.vllm_metric_names)
+                                     vllm_metric_names=self.config.server.vllm_metric_names,
+                                     max_lora=self.config.model.max_loras if self.config.model.enable_lora else None)
         return self.ready
 
     async def shutdown(self, timeout: float = 10.0) -> None:
@@ -148,21 +157,55 @@ class AsyncEngine:
         the trace and summary paths written. ProfilerStateError when a core refused."""
         return await self.client.profile(start, profile_tag() if start else "")
 
+    # --- LoRA adapters --------------------------------------------------------------------------
+    async def load_lora(self, name: str, path: str) -> None:
+        """POST /v1/load_lora_adapter: every core reads and checks the adapter, then requests may
+        name it. BadRequestError naming the reason (on a core's refusal, the cores that took it
+        drop it again)."""
+        if not self.config.model.enable_lora:
+            raise BadRequestError("This server serves no LoRA adapters (start it with --enable-lora).")
+        if not name or not path:
+            raise BadRequestError("Both 'lora_name' and 'lora_path' must be provided.")
+        async with self._lora_lock:
+            if name in self.loras or name == self.served_model_name:
+                raise BadRequestError(f"The lora adapter '{name}' has already been loaded.", param="lora_name")
+            lora = LoRARequest(name, self._next_lora_id, path)
+            replies = await self.client.update_lora(LoRAUpdate(lora=lora))
+            refused = [r.error for r in replies if r.error is not None]
+            if refused:
+                if len(refused) < len(replies):
+                    await self.client.update_lora(LoRAUpdate(unload=name))
+                raise BadRequestError(refused[0], param="lora_path")
+            self._next_lora_id += 1
+            self.loras[name] = lora
+
+    async def unload_lora(self, name: str) -> None:
+        """POST /v1/unload_lora_adapter: new requests may no longer name it; the running ones
+        finish under it. NotFoundError when it is not loaded."""
+        async with self._lora_lock:
+            if name not in self.loras:
+                raise APIError(f"The lora adapter '{name}' cannot be found.", param="lora_name",
+                               status_code=404, code="lora_adapter_not_found")
+            del self.loras[name]
+            await self.client.update_lora(LoRAUpdate(unload=name))
+
     # --- generation ---------------------------------------------------------------------------
-    def group(self, output_kind: RequestOutputKind, data_parallel_rank: int | None = None) -> "RequestGroup":
+    def group(self, output_kind: RequestOutputKind, data_parallel_rank: int | None = None,
+              lora_request: LoRARequest | None = None) -> "RequestGroup":
         """A set of requests (one HTTP request's prompts) whose outputs share one queue: DELTA
         for a stream, FINAL_ONLY for one response. `data_parallel_rank` pins them to that engine
-        core (vLLM's `X-data-parallel-rank`); None: each goes to the least-loaded one."""
-        return RequestGroup(self, output_kind, data_parallel_rank)
+        core (vLLM's `X-data-parallel-rank`); None: each goes to the least-loaded one.
+        `lora_request`: the adapter they all run under (None: the base model)."""
+        return RequestGroup(self, output_kind, data_parallel_rank, lora_request)
 
     def _add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
              priority: int, queue: asyncio.Queue, output_kind: RequestOutputKind,
              chat_output: ChatOutputSpec | None = None, data_parallel_rank: int | None = None,
-             resume_token_ids: list[int] | None = None) -> _Stream:
+             resume_token_ids: list[int] | None = None, lora_request: LoRARequest | None = None) -> _Stream:
         self.check_accepting()
         arrival = time.time()  # the wire's clock: the core's event stamps are compared with it
         core_requests = self.processor.add_request(request_id, prompt, prompt_token_ids, params, arrival, priority,
-                                                   output_kind, chat_output, resume_token_ids)
+                                                   output_kind, chat_output, resume_token_ids, lora_request)
         engine = self.client.least_loaded() if data_parallel_rank is None else data_parallel_rank
         stream = _Stream(request_id, [r.request_id for r in core_requests], queue,
                          [SequenceTimes(arrival, len(prompt_token_ids), engine, params.max_tokens)
@@ -176,7 +219,7 @@ class AsyncEngine:
         except BaseException:
             self._release(stream)
             raise
-        self.metrics.request_added(engine, params.n)
+        self.metrics.request_added(engine, params.n, lora_request.lora_name if lora_request is not None else None)
         return stream
 
     def _release(self, stream: _Stream) -> None:
@@ -250,10 +293,12 @@ class RequestGroup:
     `close()` (always call it: `with engine.group(kind) as group:`) aborts whatever is unfinished.
     """
 
-    def __init__(self, engine: AsyncEngine, output_kind: RequestOutputKind, data_parallel_rank: int | None = None):
+    def __init__(self, engine: AsyncEngine, output_kind: RequestOutputKind, data_parallel_rank: int | None = None,
+                 lora_request: LoRARequest | None = None):
         self.engine = engine
         self.output_kind = output_kind
         self.data_parallel_rank = data_parallel_rank
+        self.lora_request = lora_request
         self.queue: asyncio.Queue = asyncio.Queue()
         self.streams: list[_Stream] = []
 
@@ -262,7 +307,7 @@ class RequestGroup:
             resume_token_ids: list[int] | None = None) -> None:
         self.streams.append(self.engine._add(request_id, prompt, prompt_token_ids, params, priority, self.queue,
                                              self.output_kind, chat_output, self.data_parallel_rank,
-                                             resume_token_ids))
+                                             resume_token_ids, self.lora_request))
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         async for batch in self.batches():

@@ -41,6 +41,8 @@ from pagoda_engine.messages import (
     EngineCoreOutputs,
     EngineCoreRequest,
     FromCore,
+    LoRAUpdate,
+    LoRAUpdateReply,
     ProfileReply,
     ProfileRequest,
     ShutdownRequest,
@@ -191,6 +193,7 @@ class EngineCoreClient:
         self._watcher: asyncio.Task | None = None
         self._reader: asyncio.Task | None = None
         self._profile_replies: collections.deque[asyncio.Future] = collections.deque()  # in request order
+        self._lora_replies: collections.deque[asyncio.Future] = collections.deque()  # in request order
 
     # --- life cycle ---------------------------------------------------------------------------
     async def start(self) -> CoreReady:
@@ -281,10 +284,11 @@ class EngineCoreClient:
         if self.dead_reason is None:
             self.dead_reason = reason
             logger.error("engine dead: %s", reason)
-            for future in self._profile_replies:
+            for future in (*self._profile_replies, *self._lora_replies):
                 if not future.done():
                     future.set_exception(EngineDeadError(reason))
             self._profile_replies.clear()
+            self._lora_replies.clear()
             self.on_dead(reason)
 
     async def _read_loop(self) -> None:
@@ -304,6 +308,11 @@ class EngineCoreClient:
                     case ProfileReply() as reply:
                         if self._profile_replies:
                             future = self._profile_replies.popleft()
+                            if not future.done():
+                                future.set_result(reply)
+                    case LoRAUpdateReply() as reply:
+                        if self._lora_replies:
+                            future = self._lora_replies.popleft()
                             if not future.done():
                                 future.set_result(reply)
                     case other:
@@ -377,6 +386,15 @@ class EngineCoreClient:
         future = asyncio.get_running_loop().create_future()
         self._profile_replies.append(future)
         self._send(ProfileRequest(start=start, tag=tag, client_index=self.client_index))
+        return await future
+
+    async def update_lora(self, update: LoRAUpdate) -> LoRAUpdateReply:
+        """Load or unload a LoRA adapter on this core, and wait for its answer."""
+        self.check_alive()
+        future = asyncio.get_running_loop().create_future()
+        self._lora_replies.append(future)
+        update.client_index = self.client_index
+        self._send(update)
         return await future
 
     def _send(self, message) -> None:

@@ -31,10 +31,13 @@ import dataclasses
 import socket
 from typing import Callable
 
+import msgspec
+
 from pagoda_engine.api.server.core_client import CoreAddresses, EngineCoreClient
 from pagoda_engine.api.server.dp_links import LeaderListener, core_ports
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.messages import CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from pagoda_engine.messages import (CoreReady, EngineCoreError, EngineCoreOutputs, EngineCoreRequest, LoRAUpdate,
+                                    LoRAUpdateReply, SchedulerStats)
 from pagoda_engine.profiler import ProfilerStateError
 
 
@@ -132,6 +135,10 @@ class DPEngineCoreClient:
             if reply.error is not None and not (reply.already and moved):
                 raise ProfilerStateError(reply.error if self.size == 1 else f"engine core {rank}: {reply.error}")
         return [path for reply in replies for path in reply.paths]
+
+    async def update_lora(self, update: LoRAUpdate) -> list[LoRAUpdateReply]:
+        """Load or unload a LoRA adapter on every core at once; each core's answer, in rank order."""
+        return list(await asyncio.gather(*(core.update_lora(msgspec.structs.replace(update)) for core in self.cores)))
 
     # --- routing ------------------------------------------------------------------------------
     def load(self, rank: int) -> float:

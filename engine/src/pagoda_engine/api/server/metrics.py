@@ -248,6 +248,35 @@ class _CacheConfigInfo(Collector):
             yield family
 
 
+class _LoRARequestsInfo(Collector):
+    """vLLM's `lora_requests_info` (--enable-lora): a gauge whose labels are `max_lora` and the
+    comma-separated adapters of the running and of the waiting requests, and whose value is when
+    that combination was last reported (time.time()), one series per combination seen, as vLLM's
+    `set_to_current_time` leaves them: a reader (the Gateway API's Endpoint Picker) takes the
+    newest. The adapters are the union over the pod's engine cores, named in sorted order."""
+
+    def __init__(self, max_lora: int, num_engines: int, vllm_names: bool = True):
+        self.max_lora = str(max_lora)
+        self.names = ("pagoda:lora_requests_info", "vllm:lora_requests_info") if vllm_names else (
+            "pagoda:lora_requests_info",)
+        self.latest: list[SchedulerStats | None] = [None] * num_engines
+        self.series: dict[tuple[str, str], float] = {}  # (running, waiting) -> when last reported
+
+    def update(self, engine: int, stats: SchedulerStats) -> None:
+        self.latest[engine] = stats
+        running = sorted({a for s in self.latest if s is not None for a in s.running_lora_adapters})
+        waiting = sorted({a for s in self.latest if s is not None for a in s.waiting_lora_adapters})
+        self.series[(",".join(running), ",".join(waiting))] = time.time()
+
+    def collect(self):
+        for name in self.names:
+            family = GaugeMetricFamily(name, "Running stats on lora requests.",
+                                       labels=["max_lora", "running_lora_adapters", "waiting_lora_adapters"])
+            for (running, waiting), stamp in self.series.items():
+                family.add_metric([self.max_lora, running, waiting], stamp)
+            yield family
+
+
 def cache_config_info(cache: CacheConfig, num_gpu_blocks: int) -> dict[str, str]:
     """The labels of `cache_config_info`: the engine's cache flags and the pool it measured."""
     return {"block_size": str(cache.block_size), "enable_prefix_caching": str(cache.enable_prefix_caching),
@@ -274,16 +303,19 @@ class SequenceTimes:
 class ServerMetrics:
     def __init__(self, model_name: str, num_engines: int = 1, max_model_len: int = 8192,
                  cache_info: dict[str, str] | None = None, multiprocess: bool = False,
-                 records_steps: bool = True, vllm_metric_names: bool = True):
+                 records_steps: bool = True, vllm_metric_names: bool = True, max_lora: int | None = None):
         """`multiprocess`: one of several API server processes (the module docstring);
         `records_steps`: this process records `iteration_tokens_total`; `vllm_metric_names`: also
-        export `VLLM_ALIASED` under vLLM's names."""
+        export `VLLM_ALIASED` under vLLM's names; `max_lora`: --max-loras under --enable-lora
+        (`lora_requests_info` and the per-adapter request counts)."""
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.records_steps = records_steps
         self.registry = CollectorRegistry()
         self._stats = _SchedulerStatsCollector(model_name, num_engines, vllm_metric_names)
-        engine_collectors = (self._stats, _CacheConfigInfo(cache_info or {}, num_engines, vllm_metric_names))
+        self._lora_info = _LoRARequestsInfo(max_lora, num_engines, vllm_metric_names) if max_lora else None
+        engine_collectors = (self._stats, _CacheConfigInfo(cache_info or {}, num_engines, vllm_metric_names),
+                             *((self._lora_info,) if self._lora_info is not None else ()))
         if multiprocess:
             self.exposition = CollectorRegistry()
             MultiProcessCollector(self.exposition)
@@ -336,6 +368,8 @@ class ServerMetrics:
                                        "queue was full (--max-waiting-requests).", ["model_name"],
                                        registry=self.registry)
         self._n = histogram("pagoda:request_params_n", "Histogram of the n request parameter.", _N_BUCKETS)
+        self._lora_requests = Counter("pagoda:lora_requests", "Requests received per LoRA adapter (--enable-lora).",
+                                      [*_LABELS, "lora_name"], registry=self.registry) if max_lora else None
         self._iteration_tokens = histogram("pagoda:iteration_tokens_total",
                                            "Histogram of number of tokens per engine_step.", _ITERATION_TOKENS_BUCKETS)
         for engine in range(num_engines):
@@ -403,12 +437,16 @@ class ServerMetrics:
             self._prefill_time.labels(*labels).observe(times.prefill_time)
             self._inference_time.labels(*labels).observe(times.prefill_time + decode)
 
-    def request_added(self, engine: int, n: int) -> None:
-        """One prompt of a request, fanned out into `n` sequences."""
+    def request_added(self, engine: int, n: int, lora_name: str | None = None) -> None:
+        """One prompt of a request, fanned out into `n` sequences; `lora_name`: its adapter."""
         self._n.labels(self.model_name, str(engine)).observe(n)
+        if lora_name is not None and self._lora_requests is not None:
+            self._lora_requests.labels(self.model_name, str(engine), lora_name).inc()
 
     def update_stats(self, engine: int, stats: SchedulerStats) -> None:
         self._stats.stats[engine] = stats
+        if self._lora_info is not None:
+            self._lora_info.update(engine, stats)
         if stats.num_scheduled_tokens and self.records_steps:
             self._iteration_tokens.labels(self.model_name, str(engine)).observe(stats.num_scheduled_tokens)
 

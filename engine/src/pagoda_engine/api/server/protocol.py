@@ -550,7 +550,22 @@ class ModelCard(_Response):
     created: int = Field(default_factory=_now)
     owned_by: str = "pagoda"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(_StrictModel):
+    """POST /v1/load_lora_adapter (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(_StrictModel):
+    """POST /v1/unload_lora_adapter (vLLM's body; `lora_int_id` is accepted and, as in vLLM, not needed)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(_Response):

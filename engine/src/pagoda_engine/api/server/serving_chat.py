@@ -62,7 +62,7 @@ class OpenAIServingChat(OpenAIServing):
         return ids, params, plan
 
     async def create_chat_completion(self, req: ChatCompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.engine.check_accepting()
         self._check_num_messages(req.messages)
         self._check_limits(req, 1)
@@ -72,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         request_id = self._request_id("chatcmpl", req.request_id)
         group = await self._start_group(req.stream, data_parallel_rank,
                                         [(request_id, None, ids, params, req.priority, plan.spec,
-                                          req.resume_token_ids)])
+                                          req.resume_token_ids)], lora)
         if req.stream:
             return self._stream_response(self._chat_stream(req, request_id, ids, group, plan), group)
         finals = await self._final_outputs(raw, group)
@@ -94,7 +94,7 @@ class OpenAIServingChat(OpenAIServing):
             extra["prompt_logprobs"] = self._prompt_logprobs(ids, out.prompt_logprobs, req.prompt_logprobs)
         if out.kv_transfer_params is not None:
             extra["kv_transfer_params"] = out.kv_transfer_params
-        return ChatCompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return ChatCompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
                                       usage=self._usage(len(ids), num_generated, out.num_cached_tokens), **extra)
 
     def _chat_logprobs(self, token_ids: list[int], logprobs: list[PositionLogprobs] | None,
@@ -125,13 +125,13 @@ class OpenAIServingChat(OpenAIServing):
         # The first chunk of each choice carries the role, as OpenAI's do.
         for i in range(req.n):
             first = ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name,
+                id=request_id, created=created, model=self.response_model(req),
                 choices=[ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
             if with_ids and i == 0:
                 first.prompt_token_ids = ids
             yield sse_frame(first)
         # Chunks of plain text (no parser, logprobs or running usage) come from byte templates.
-        frames = (StreamFrames(request_id, created, self.model_name, chat=True)
+        frames = (StreamFrames(request_id, created, self.response_model(req), chat=True)
                   if not req.logprobs and not continuous else None)
         async for outs in group.batches():
             sse = []  # the frames of every output that has arrived: one write
@@ -151,7 +151,7 @@ class OpenAIServingChat(OpenAIServing):
                         and delta.content is None and delta.reasoning is None and delta.tool_calls is None):
                     continue  # the parser holds this step's text back (a tag may be starting)
                 chunk = ChatCompletionStreamResponse(
-                    id=request_id, created=created, model=self.model_name,
+                    id=request_id, created=created, model=self.response_model(req),
                     choices=[ChatStreamChoice(index=c.index, delta=delta, logprobs=logprobs,
                                               finish_reason=_chat_finish_reason(c.finish_reason,
                                                                                 c.index in called, plan),
@@ -165,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield b"".join(sse)
         if include_usage:
             yield sse_frame(ChatCompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[],
+                id=request_id, created=created, model=self.response_model(req), choices=[],
                 usage=self._usage(len(ids), num_generated, num_cached)))
 
 

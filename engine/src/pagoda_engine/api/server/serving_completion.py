@@ -68,7 +68,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return plan
 
     async def create_completion(self, req: CompletionRequest, raw: Request):
-        self.check_model(req.model)
+        lora = self.check_model(req.model)
         self.engine.check_accepting()
         if req.suffix:
             raise BadRequestError("suffix is not supported.", param="suffix")
@@ -85,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
         group = await self._start_group(req.stream, data_parallel_rank, [
             (request_id if len(plan) == 1 else f"{request_id}-p{i}", text, ids, params, req.priority, None,
              req.resume_token_ids)
-            for i, (text, ids, params) in enumerate(plan)])
+            for i, (text, ids, params) in enumerate(plan)], lora)
         index_of = {s.request_id: i for i, s in enumerate(group.streams)}
         if req.stream:
             return self._stream_response(self._completion_stream(req, request_id, plan, group, index_of), group)
@@ -117,7 +117,7 @@ class OpenAIServingCompletion(OpenAIServing):
                                                 finish_reason=c.finish_reason, stop_reason=c.stop_reason, **extra))
         num_prompt = sum(len(ids) for _, ids, _ in plan)
         transfer = next((out.kv_transfer_params for out in finals.values() if out.kv_transfer_params), None)
-        return CompletionResponse(id=request_id, model=self.model_name, choices=choices,
+        return CompletionResponse(id=request_id, model=self.response_model(req), choices=choices,
                                   usage=self._usage(num_prompt, num_generated,
                                                     sum(out.num_cached_tokens for out in finals.values())),
                                   **({"kv_transfer_params": transfer} if transfer else {}))
@@ -176,7 +176,7 @@ class OpenAIServingCompletion(OpenAIServing):
         num_prompt = sum(len(ids) for _, ids, _ in plan)
         cached: dict[str, int] = {}  # prompt's request id -> its tokens the prefix cache served
         # Chunks without logprobs, echo or running usage come from byte templates.
-        frames = (StreamFrames(request_id, created, self.model_name, chat=False)
+        frames = (StreamFrames(request_id, created, self.response_model(req), chat=False)
                   if req.logprobs is None and not req.echo and not continuous else None)
         async for outs in group.batches():
             sse = []  # the frames of every output that has arrived: one write
@@ -209,7 +209,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         self._add_completion_logprobs(logprobs, c.token_ids, c.logprobs, start)
                     text_len[choice_index] = start + len(delta)
                     chunk = CompletionStreamResponse(
-                        id=request_id, created=created, model=self.model_name,
+                        id=request_id, created=created, model=self.response_model(req),
                         choices=[CompletionChoice(index=choice_index, text=prefix + delta, logprobs=logprobs,
                                                   finish_reason=c.finish_reason, stop_reason=c.stop_reason)])
                     if with_ids:
@@ -223,5 +223,5 @@ class OpenAIServingCompletion(OpenAIServing):
             yield b"".join(sse)  # never empty: every output has a choice
         if include_usage:
             yield sse_frame(CompletionStreamResponse(
-                id=request_id, created=created, model=self.model_name, choices=[],
+                id=request_id, created=created, model=self.response_model(req), choices=[],
                 usage=self._usage(num_prompt, num_generated, sum(cached.values()))))

@@ -24,6 +24,7 @@ from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.api.inputs import check_prompt
 from pagoda_engine.api.outputs import PositionLogprobs, RequestOutput, RequestOutputKind
 from pagoda_engine.api.server.async_engine import AsyncEngine, RequestGroup
@@ -90,14 +91,25 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.engine.served_model_name
 
+    def response_model(self, req) -> str:
+        """The `model` a response names: the adapter the request selected (`check_model` passed), else
+        the served model, as vLLM answers."""
+        return req.model or self.model_name
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
     # --- checks -------------------------------------------------------------------------------
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise ModelNotFoundError(model, [self.model_name])
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter `model` names (--enable-lora), None for the base model; ModelNotFoundError
+        for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        lora = self.engine.loras.get(model)
+        if lora is None:
+            raise ModelNotFoundError(model, [self.model_name, *self.engine.loras])
+        return lora
 
     def _check_prompt_ids(self, ids: list[int], param: str = "prompt", num_tokens: int | None = None) -> None:
         check_prompt(ids, vocab_size=self.engine.vocab_size, max_model_len=self.engine.max_model_len, param=param,
@@ -240,8 +252,13 @@ class OpenAIServing:
 
     # --- /v1/models ----------------------------------------------------------------------------
     def models(self) -> ModelList:
-        return ModelList(data=[ModelCard(id=self.model_name, root=self.engine.ready.model_dir,
-                                         max_model_len=self.engine.max_model_len)])
+        """The base model, then each LoRA adapter (`parent`: its --lora-modules `base_model_name`,
+        else the served model), as vLLM lists them."""
+        base = ModelCard(id=self.model_name, root=self.engine.ready.model_dir, max_model_len=self.engine.max_model_len)
+        return ModelList(data=[base, *(ModelCard(id=name, root=lora.lora_path,
+                                                 parent=lora.base_model_name or self.model_name,
+                                                 max_model_len=self.engine.max_model_len)
+                                       for name, lora in self.engine.loras.items())])
 
     # --- response parts -------------------------------------------------------------------------
     def _usage(self, num_prompt: int, num_generated: int, num_cached: int) -> UsageInfo:
@@ -273,12 +290,13 @@ class OpenAIServing:
                 for position in self._top_of_prompt(ids, logprobs, top_n)]
 
     # --- running a request group ----------------------------------------------------------------
-    async def _start_group(self, stream: bool, data_parallel_rank: int | None, entries) -> RequestGroup:
+    async def _start_group(self, stream: bool, data_parallel_rank: int | None, entries,
+                           lora_request: LoRARequest | None = None) -> RequestGroup:
         """A request group (for a stream, or for whole responses) with the (request_id, text, ids,
         params, priority[, structured-output spec]) `entries` added, yielding to the event loop
         between slices so that a large fan-out never stalls other requests; on any error the
-        group is closed (its added requests aborted)."""
-        group = self.engine.group(_output_kind(stream), data_parallel_rank)
+        group is closed (its added requests aborted). `lora_request`: their adapter."""
+        group = self.engine.group(_output_kind(stream), data_parallel_rank, lora_request)
         try:
             added = 0
             for entry in entries:

@@ -19,6 +19,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from pagoda_engine.lora import LoRARequest
 from pagoda_engine.kv_event_wire import (MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent,
                                          block_hash_int)
 
@@ -71,16 +72,18 @@ class BlockPool:
         return events
 
     def record_stored(self, hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: list[int],
-                      page_size: int) -> None:
+                      page_size: int, lora: LoRARequest | None = None) -> None:
         """A run of consecutive full pages just registered (vLLM's `cache_full_blocks` event):
-        their hashes, the hash of the page before the first (None at the prompt's start) and
-        their tokens."""
+        their hashes, the hash of the page before the first (None at the prompt's start), their
+        tokens, and the LoRA adapter whose name each page's hash took as its extra key."""
         if self.events is not None and hashes:
             self.events.append(BlockStored(
                 block_hashes=[block_hash_int(h) for h in hashes],
                 parent_block_hash=None if parent_hash is None else block_hash_int(parent_hash),
-                token_ids=token_ids, block_size=page_size, lora_id=None, medium=MEDIUM_GPU, lora_name=None,
-                extra_keys=[None] * len(hashes), group_idx=0, kv_cache_spec_kind="full_attention"))
+                token_ids=token_ids, block_size=page_size, lora_id=lora.lora_int_id if lora else None,
+                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                extra_keys=[(lora.lora_name,) if lora else None] * len(hashes), group_idx=0,
+                kv_cache_spec_kind="full_attention"))
 
     @property
     def num_free_pages(self) -> int:

@@ -36,9 +36,11 @@ class KVCacheManager:
         if len(hashes) == num_full:
             return hashes  # the common decode step: no new full page, no token list to build
         tokens = req.all_token_ids
+        # A LoRA adapter's pages hold other K/V than the base model's for the same tokens.
+        extra = req.lora_name.encode() if req.lora_name is not None else b""
         for i in range(len(hashes), num_full):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size]))
+            hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size], extra))
         return hashes
 
     def get_computed_pages(self, req: Request) -> tuple[list[Page], int]:
@@ -204,7 +206,8 @@ class KVCacheManager:
                     run = i
             elif run is not None and self.pool.events is not None:
                 self.pool.record_stored(hashes[run:i], hashes[run - 1] if run else None,
-                                        req.all_token_ids[run * self.page_size:i * self.page_size], self.page_size)
+                                        req.all_token_ids[run * self.page_size:i * self.page_size], self.page_size,
+                                        req.lora_request)
                 run = None
         self.num_registered[req.request_id] = max(start, end)
 

@@ -143,7 +143,7 @@ def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
     residual when there is none yet (the first layer); `layer` adds no collective (a
     column-parallel projection). A batch-1 decode's row on CUDA takes one kernel for both
     (`gemv_triton.gemv_rmsnorm`)."""
-    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
+    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight) if layer.lora is None else None
     if gemv is not None:
         return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, scale=layer.weight_scale)
     if residual is None:
@@ -415,7 +415,11 @@ class LinearBase(nn.Module):
     """y = x W^T (+ b) with an uninitialised weight of shape [out_features, in_features].
 
     An FP8 layer (`fp8.quantize_linear_layers`) holds an e4m3 weight with a float32 scale per
-    output row in `weight_scale` (and, for static activation scales, `input_scale`)."""
+    output row in `weight_scale` (and, for static activation scales, `input_scale`).
+
+    `lora`: the projection's multi-LoRA weights (`worker/model/lora.py`), added to its output."""
+
+    lora = None
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
@@ -433,9 +437,12 @@ class LinearBase(nn.Module):
         if self.weight_scale is not None:
             gemv = _gemv_kernels(x, self.weight)
             if gemv is not None:
-                return gemv.gemv(x, self.weight, bias, self.weight_scale)
-            return fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
-        return linear(x, self.weight, bias)
+                y = gemv.gemv(x, self.weight, bias, self.weight_scale)
+            else:
+                y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        else:
+            y = linear(x, self.weight, bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -599,7 +606,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj
-        gemv = _gemv_kernels(x, gate_up.weight) if gate_up.bias is None else None
+        gemv = _gemv_kernels(x, gate_up.weight) if gate_up.bias is None and gate_up.lora is None else None
         if gemv is not None:  # a few rows: gate, up and the activation in one kernel
             return self.down_proj(gemv.gemv_silu_and_mul(x, gate_up.weight, gate_up.weight_scale))
         return self.down_proj(self.act(gate_up(x)))

@@ -1,0 +1,110 @@
+"""The batched LoRA kernels (`model/lora_triton.py`) under Triton's CPU interpreter, against the
+dense per-row product: rows of three adapter slots and of the base model interleaved, a slot with
+no rows, several output slices (q/k/v), ranks below the slot width (zero-padded) and uneven sizes.
+
+Skips where Triton does not import; at Llama-3.1-8B's shapes on a GPU, inside CUDA graphs, it is
+tests/gpu/test_lora_gpu.py."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from triton_interpreter import import_kernels  # noqa: E402
+
+from pagoda_engine.worker.model.lora import LoRABatch, LoRALayer, _Slice  # noqa: E402
+
+kernels = import_kernels("pagoda_engine.worker.model.lora_triton")
+
+# Without a GPU, `tl.dot` is interpreted only when the switch was on as Triton was imported: run
+# with TRITON_INTERPRET=1 set for the whole process (the Makefile's TRITON_KERNEL_TESTS).
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="without a GPU these kernels run only with TRITON_INTERPRET=1 set")
+
+
+def dense_reference(x, y, layer: LoRALayer, row_slots: list[int], scales: list[float]) -> torch.Tensor:
+    """y + for each row its slot's scale × x A^T B^T per slice, in float32, row by row."""
+    out = y.float().clone()
+    r = layer.rank
+    for t, slot in enumerate(row_slots):
+        if slot < 0:
+            continue
+        shrunk = x[t].float() @ layer.lora_a[slot].float().t()
+        for i, s in enumerate(layer.slices):
+            part = shrunk[i * r:(i + 1) * r] @ layer.b(i)[slot].float().t()
+            out[t, s.out_offset:s.out_offset + s.out_size] += scales[slot] * part
+    return out
+
+
+# float16 and float32: the interpreter's `tl.dot` of bfloat16 operands is wrong (numpy has no
+# bfloat16); bfloat16 is tests/gpu/test_lora_gpu.py's.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+# Slices on 64-column edges take one expand for the whole output; others one per slice.
+@pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3]),
+                                                (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5])])
+def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
+    gen = torch.Generator().manual_seed(k + rank)
+    num_slots = 4  # slot 3 holds an adapter that no row names
+    batch = LoRABatch(num_slots, 64, torch.device("cpu"))
+    slices, offset = [], 0
+    for i, n in enumerate(sizes):
+        slices.append(_Slice(f"m{i}", offset, n, (0, n, n)))
+        offset += n
+    layer = LoRALayer(slices, k, None, k, batch, rank, torch.float32)
+    scales = [0.5, 2.0, 1.25, 3.0]
+    for slot in range(num_slots):
+        r = ranks[slot % len(ranks)]
+        for i in range(len(slices)):
+            layer.place(slot, i, torch.randn(r, k, generator=gen), torch.randn(sizes[i], r, generator=gen))
+        batch.scales[slot] = scales[slot]
+    typed = LoRALayer(slices, k, None, k, batch, rank, dtype)
+    typed.lora_a.copy_(layer.lora_a)
+    for i in range(len(slices)):
+        typed.b(i).copy_(layer.b(i))
+    batch.use_kernels = True  # the kernels' buffers, on the CPU (the interpreter reads host memory)
+    batch.block_m = 16  # slot 2's 20 rows take two blocks
+    # Requests in batch order: (new tokens, slot); base rows between the adapters' rows. The second
+    # step is smaller, on the same buffers: the first step's blocks past its own must not run.
+    for query_lens, lora_slots in (([3, 1, 20, 1, 5, 2], [0, -1, 2, 0, -1, 1]), ([2, 4, 1], [1, -1, 0])):
+        row_slots = [s for n, s in zip(query_lens, lora_slots) for _ in range(n)]
+        t = len(row_slots)
+        x = torch.randn(t, k, generator=gen).to(dtype)
+        y = torch.randn(t, offset, generator=gen).to(dtype)
+        batch.set(query_lens, lora_slots)
+        got = kernels.add_lora(x, y.clone(), typed, batch)
+        expected = dense_reference(x, y, typed, row_slots, scales)
+        base = [i for i, s in enumerate(row_slots) if s < 0]
+        assert torch.equal(got[base], y[base])  # base rows untouched
+        torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-1)
+
+
+def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):
+    """The whole engine with its LoRA layers on the kernels (interpreted, float32): a batch of the
+    base and three adapters (two device slots) gives PEFT's greedy tokens: the slices' offsets,
+    the block table and the slots as the engine fills them."""
+    pytest.importorskip("peft")
+    from lora_adapters import ADAPTERS, peft_greedy, write_adapter
+
+    from pagoda_engine import LLM, LoRARequest, SamplingParams
+    from pagoda_engine.tiny import build_tiny_model
+
+    model_dir = build_tiny_model(tmp_path / "model", arch="qwen2", seed=3)
+    paths = {name: write_adapter(model_dir, tmp_path / name, *spec, seed=i + 1)
+             for i, (name, spec) in enumerate(ADAPTERS.items())}
+    prompts = [[(3 * i + 1) % 400 + 5 for i in range(23)]]
+    new_tokens = 4
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.core.executor.worker.lora.batch.use_kernels = True
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    names = [None, *loras]
+    outs = llm.generate([p for _ in names for p in prompts],
+                        SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens),
+                        lora_request=[loras.get(n) for n in names for _ in prompts])
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, name in enumerate(names):
+        assert got[i * len(prompts):(i + 1) * len(prompts)] == peft_greedy(model_dir, paths.get(name), prompts,
+                                                                           new_tokens), name

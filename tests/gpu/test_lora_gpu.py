@@ -1,0 +1,178 @@
+"""Multi-LoRA on the GPU: the Triton shrink/expand kernels (`model/lora_triton.py`) against a dense
+float32 reference at Llama-3.1-8B's projection shapes, ranks 8 to 64, rows of several adapters
+and of the base model interleaved, eagerly and replayed inside a CUDA graph whose slots change
+between replays; and the engine with CUDA graphs on: every adapter's greedy tokens are
+transformers + PEFT's (float32) and equal the eager engine's."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_support import CUDA, hf_logits, make_llm, requires_gpu
+
+pytestmark = [pytest.mark.gpu, requires_gpu]
+
+# Llama-3.1-8B's projections: (name, input width, output slices).
+LLAMA_8B = {
+    "qkv": (4096, [4096, 1024, 1024]),
+    "o": (4096, [4096]),
+    "gate_up": (4096, [14336, 14336]),
+    "down": (14336, [4096]),
+}
+NUM_SLOTS = 4
+
+
+def _layer(in_features: int, sizes: list[int], rank: int, gen: torch.Generator):
+    from pagoda_engine.worker.model.lora import LoRABatch, LoRALayer, _Slice
+
+    batch = LoRABatch(NUM_SLOTS, 4096, CUDA)
+    slices, offset = [], 0
+    for i, n in enumerate(sizes):
+        slices.append(_Slice(f"m{i}", offset, n, (0, n, n)))
+        offset += n
+    layer = LoRALayer(slices, in_features, None, in_features, batch, rank, torch.bfloat16)
+    for slot in range(NUM_SLOTS):
+        r = rank if slot % 2 == 0 else max(rank // 2, 1)  # odd slots: an adapter of lower rank, zero-padded
+        for i, n in enumerate(sizes):
+            a = torch.randn(r, in_features, generator=gen) * in_features ** -0.5
+            b = torch.randn(n, r, generator=gen) * r ** -0.5
+            layer.place(slot, i, a.to(CUDA), b.to(CUDA))
+        batch.scales[slot] = 0.5 + slot
+    return layer, batch, offset
+
+
+def _dense(x, y, layer, row_slots: list[int]) -> torch.Tensor:
+    """y + each row's slot's scale × x A^T B^T, float32, slot by slot (dense matmuls over its rows)."""
+    out = y.float().clone()
+    r = layer.rank
+    slots = torch.tensor(row_slots, device=CUDA)
+    for slot in range(NUM_SLOTS):
+        rows = (slots == slot).nonzero().squeeze(1)
+        if rows.numel() == 0:
+            continue
+        shrunk = x[rows].float() @ layer.lora_a[slot].float().t()
+        for i, s in enumerate(layer.slices):
+            part = shrunk[:, i * r:(i + 1) * r] @ layer.b(i)[slot].float().t()
+            out[rows, s.out_offset:s.out_offset + s.out_size] += layer.batch.scales[slot] * part
+    return out
+
+
+def _step(num_tokens: int, seed: int) -> tuple[list[int], list[int]]:
+    """Requests (new tokens, slot) covering `num_tokens` rows: decodes and chunks, slots -1..3, one slot left out."""
+    rng = random.Random(seed)
+    query_lens, slots, left = [], [], num_tokens
+    unused = rng.randrange(NUM_SLOTS)
+    while left:
+        n = min(left, rng.choice([1, 1, 1, 7, 64, 300]))
+        query_lens.append(n)
+        slots.append(rng.choice([s for s in (-1, 0, 1, 2, 3) if s != unused]))
+        left -= n
+    return query_lens, slots
+
+
+def _close(got, expected) -> None:
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("rank", [8, 16, 32, 64])
+@pytest.mark.parametrize("proj", sorted(LLAMA_8B))
+@pytest.mark.parametrize("num_tokens", [1, 7, 256, 2048])
+def test_kernels_equal_the_dense_reference(proj, rank, num_tokens):
+    from pagoda_engine.worker.model.lora_triton import add_lora
+
+    gen = torch.Generator().manual_seed(rank + num_tokens)
+    in_features, sizes = LLAMA_8B[proj]
+    layer, batch, width = _layer(in_features, sizes, rank, gen)
+    query_lens, slots = _step(num_tokens, rank)
+    batch.set(query_lens, slots)
+    row_slots = [s for n, s in zip(query_lens, slots) for _ in range(n)]
+    x = torch.randn(num_tokens, in_features, generator=gen).to(CUDA, torch.bfloat16)
+    y = torch.randn(num_tokens, width, generator=gen).to(CUDA, torch.bfloat16)
+    expected = _dense(x, y, layer, row_slots)
+    got = add_lora(x, y.clone(), layer, batch)
+    base = [i for i, s in enumerate(row_slots) if s < 0]
+    assert torch.equal(got[base], y[base])
+    _close(got, expected)
+
+
+@pytest.mark.parametrize("rank", [16, 64])
+def test_a_captured_graph_serves_the_slots_each_replay_names(rank):
+    """One capture at a padded row count; three replays whose steps name other slots (and fewer
+    rows than the capture, the rest base padding) each equal the dense reference."""
+    from pagoda_engine.worker.model.lora_triton import add_lora
+
+    gen = torch.Generator().manual_seed(rank)
+    in_features, sizes = LLAMA_8B["qkv"]
+    layer, batch, width = _layer(in_features, sizes, rank, gen)
+    rows = 64
+    x = torch.zeros(rows, in_features, device=CUDA, dtype=torch.bfloat16)
+    y = torch.zeros(rows, width, device=CUDA, dtype=torch.bfloat16)
+    batch.set([rows], [0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        add_lora(x, y.clone(), layer, batch)  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    out = torch.empty_like(y)
+    y_in = torch.empty_like(y)
+    with torch.cuda.graph(graph):
+        out.copy_(add_lora(x, y_in.clone(), layer, batch))
+    for seed in range(3):
+        padding = 5 * seed  # rows past the step's own: the graph's padding, run as base rows
+        query_lens, slots = _step(rows - padding, 100 + seed)
+        batch.set(query_lens + [padding], slots + [-1])
+        row_slots = [s for n, s in zip(query_lens, slots) for _ in range(n)]
+        x.copy_(torch.randn(rows, in_features, generator=gen).to(CUDA, torch.bfloat16))
+        y_in.copy_(torch.randn(rows, width, generator=gen).to(CUDA, torch.bfloat16))
+        graph.replay()
+        _close(out, _dense(x, y_in, layer, row_slots))
+
+
+def test_engine_with_graphs_serves_each_adapter_as_peft_does(gpu_model_dir, tmp_path):
+    """bf16 engine, CUDA graphs on, three adapters and the base in one batch (two device slots):
+    at every generated position transformers + PEFT (float32) ranks our token first (within
+    bf16 rounding of a tie), and the eager engine writes the same tokens."""
+    import peft
+    import transformers
+
+    from lora_adapters import ADAPTERS, write_adapter
+    from pagoda_engine import LoRARequest, SamplingParams
+
+    paths = {name: write_adapter(gpu_model_dir, tmp_path / name, *spec, seed=i + 1, std=0.05)
+             for i, (name, spec) in enumerate(ADAPTERS.items())}
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 17, 40, 9)]
+    names = [None, *loras]
+    batch = [p for _ in names for p in prompts]
+    per_prompt = [loras.get(n) for n in names for _ in prompts]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+
+    def run(**kwargs) -> list[list[int]]:
+        llm = make_llm(gpu_model_dir, enable_lora=True, max_loras=2, max_lora_rank=16, **kwargs)
+        try:
+            assert llm.core.cuda_graphs == (not kwargs.get("enforce_eager", False))
+            return [o.outputs[0].token_ids for o in llm.generate(batch, params, lora_request=per_prompt)]
+        finally:
+            llm.close()
+
+    graphs, eager = run(), run(enforce_eager=True)
+    assert graphs == eager
+    base = transformers.AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32).to(CUDA).eval()
+    for i, name in enumerate(names):
+        model = base if name is None else peft.PeftModel.from_pretrained(base, paths[name]).to(CUDA).eval()
+        for prompt, out in zip(prompts, graphs[i * len(prompts):(i + 1) * len(prompts)]):
+            ref = hf_logits(model, prompt + out)[len(prompt) - 1:-1]
+            top2 = ref.topk(2, dim=-1).values
+            scale = ref.abs().max().item()
+            for pos, tok in enumerate(out):
+                gap = (top2[pos, 0] - ref[pos, tok]).item() / scale
+                tie = (top2[pos, 0] - top2[pos, 1]).item() / scale
+                assert gap < 0.01 and (tok == int(ref[pos].argmax()) or tie < 0.005), (name, pos, tok, gap, tie)
+        if name is not None:
+            base = model.unload()  # the base model again, without this adapter's layers
