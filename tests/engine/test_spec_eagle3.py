@@ -123,3 +123,11 @@ def test_a_head_for_a_target_too_shallow_is_refused(tmp_path, head_dir):
     shallow = build_tiny_model(tmp_path / "shallow", arch="llama", seed=3)  # 2 layers: (2, 1, -1)
     with pytest.raises(ModelLoadError, match=r"reads the target's layers \(2, 1, -1\), but the target has 2"):
         LLM(str(shallow), dtype="float32", num_kv_pages=32, speculative_config=_config(head_dir))
+
+
+def test_a_head_narrower_than_the_target_without_its_own_embedding_is_refused(tmp_path, model_dir):
+    """A head with no embedding embeds tokens with the target's, which must then be its width."""
+    narrow = write_eagle3_head(tmp_path / "narrow", model_dir, DRAFT_VOCAB, seed=4, hidden=32, heads=2, head_dim=16,
+                               intermediate=64)
+    with pytest.raises(ModelLoadError, match="no embedding of its own.*its hidden size is 32"):
+        LLM(str(model_dir), dtype="float32", num_kv_pages=32, speculative_config=_config(narrow))

@@ -38,7 +38,7 @@ def deep_model_dir(tmp_path_factory, gpu_model_dir):
 def head_dir(tmp_path_factory, deep_model_dir):
     # head_dim 64, as the target's: FlashInfer's precompiled kernels serve it.
     return write_eagle3_head(tmp_path_factory.mktemp("gpu-eagle3") / "head", deep_model_dir, 256, seed=2,
-                             hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512)
+                             hidden=512, heads=8, kv_heads=2, head_dim=64, intermediate=1024)
 
 
 ENGINES = [

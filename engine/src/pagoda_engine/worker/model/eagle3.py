@@ -159,6 +159,9 @@ def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target: nn.Module, t
     tensors = {} if load_format == "dummy" else {name: read() for _, name, read in
                                                  _safetensors_tensors(Path(model_dir), device)}
     own_embedding = "embed_tokens.weight" in tensors
+    if not own_embedding and cfg.hidden_size != target_cfg.hidden_size:
+        raise ModelLoadError(f"the EAGLE-3 head {model_dir} has no embedding of its own, so it embeds tokens with the "
+                             f"target's ({target_cfg.hidden_size} wide), but its hidden size is {cfg.hidden_size}")
     with _default_dtype(dtype), torch.device(device):
         head = Eagle3Head(cfg, target_cfg.hidden_size, own_embedding)
     if load_format == "dummy":
