@@ -36,6 +36,9 @@ logger = logging.getLogger(__name__)
 
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+# How MoE tokens reach the experts of other data-parallel cores (`worker/model/moe.py`): vLLM's
+# default, and an all-to-all with counts (vLLM's kernel-library backends are not implemented).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
 DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's
 # The names of `--tool-call-parser` and `--reasoning-parser` (vLLM's): the parsers themselves live
 # in `api.tool_parsers` and `api.reasoning_parsers`, whose registries hold exactly these names.
@@ -258,6 +261,13 @@ class ParallelConfig:
     data_parallel_master_port: int | None = None
     enable_expert_parallel: bool = option(
         False, help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
+    all2all_backend: str = option(
+        ALL2ALL_BACKENDS[0], choices=ALL2ALL_BACKENDS,
+        help="with experts across data-parallel cores (--enable-expert-parallel --data-parallel-size N): how tokens "
+             "reach other cores' experts; allgather_reducescatter: every core's tokens to every rank, the results "
+             "reduce-scattered back (equal-sized pieces, captured in CUDA graphs); alltoallv: each token only to "
+             "the ranks holding its chosen experts, counts exchanged first (eager steps; decode steps replayed in "
+             "CUDA graphs keep the all-gather)")
     # Multi-node (vLLM's flags): one engine's tensor × pipeline parallel ranks spread evenly over
     # `nnodes` hosts, rank r on node r // (ranks per node). Node 0 (the leader) runs the API
     # server, the engine core and its own ranks; every other node runs `--headless`: only its
@@ -460,11 +470,17 @@ class EngineConfig:
         check_generation_config_option(self.model.generation_config)
         self.model.override_generation_config = parse_override(self.model.override_generation_config) or None
         self._validate_nodes()
+        self._validate_expert_parallel()
         self._validate_pacing()
         self._validate_kv_offload()
         self._validate_speculative()
         if self.server.enable_auto_tool_choice and self.server.tool_call_parser is None:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
+
+    def _validate_expert_parallel(self) -> None:
+        if self.parallel.all2all_backend != ALL2ALL_BACKENDS[0] and not self.parallel.expert_parallel_across_cores:
+            raise ValueError("--all2all-backend chooses how tokens reach other data-parallel cores' experts: it needs "
+                             "--enable-expert-parallel with --data-parallel-size above 1")
 
     def _validate_pacing(self) -> None:
         """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
@@ -686,10 +702,12 @@ def graphs_unavailable(config: EngineConfig, collectives: str) -> str | None:
     eagerly, or None (then every rank, every pipeline stage included, captures them);
     `collectives`: its process groups' backend (`parallel_state.dist_backend`)."""
     pc = config.parallel
-    if pc.expert_parallel_across_cores:
-        # Every core would have to replay the same graph size and kind at each step (vLLM pads
-        # to the largest core's batch and agrees on the mode first): not built yet.
-        return "expert parallelism across data-parallel engine cores runs eagerly"
+    if pc.expert_parallel_across_cores and pc.pipeline_parallel_size > 1:
+        # The cores agree on each decode step's padded size (`worker/dp_padding.py`) without pipelines.
+        return "expert parallelism across data-parallel engine cores with pipeline parallelism runs eagerly"
+    if pc.expert_parallel_across_cores and collectives == "gloo":
+        return ("expert parallelism across data-parallel engine cores over gloo (PAGODA_DIST_BACKEND=gloo) runs "
+                "eagerly: its MoE dispatch passes through host memory, which a CUDA graph cannot capture")
     if pc.tensor_parallel_size > 1 and collectives == "gloo":
         # The pipeline's send/recv stay outside the graphs; the all-reduces are inside them.
         return ("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) runs eagerly: its all-reduces pass "
@@ -709,7 +727,7 @@ def resolve_for_device(config: EngineConfig, facts: DeviceFacts) -> EngineConfig
     - device: the one `--device` names ("auto": what it found);
     - cudagraph_mode: the mode asked for (`resolve_cudagraph_mode`) where CUDA graphs can run
       (a GPU, an attention backend that replays them, not --enforce-eager, `graphs_unavailable`),
-      else NONE."""
+      else NONE; with experts across data-parallel cores at most FULL_DECODE_ONLY."""
     mc, sc, pc = config.model, dataclasses.replace(config.scheduler), config.parallel
     if sc.async_scheduling is None:
         sc.async_scheduling = facts.steps_run_ahead
@@ -730,5 +748,9 @@ def resolve_for_device(config: EngineConfig, facts: DeviceFacts) -> EngineConfig
             logger.warning("%s: CUDA graphs are off", eager_reason)
         else:
             cudagraph_mode = resolve_cudagraph_mode(mc.cudagraph_mode)
+            if pc.expert_parallel_across_cores and cudagraph_mode == "FULL_AND_PIECEWISE":
+                # Only decode steps are padded to a size every core replays (`worker/dp_padding.py`).
+                logger.info("experts across data-parallel engine cores: decode graphs only (FULL_DECODE_ONLY)")
+                cudagraph_mode = "FULL_DECODE_ONLY"
     return dataclasses.replace(config, scheduler=sc,
                                model=dataclasses.replace(mc, device=facts.device, cudagraph_mode=cudagraph_mode))

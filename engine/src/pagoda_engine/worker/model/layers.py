@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -337,6 +338,15 @@ class TPGroup:
         staged = self._staged(x.contiguous())
         out = torch.empty_like(staged[:staged.shape[0] // self.size])
         self.backend.reduce_scatter([out], [list(staged.chunk(self.size))]).wait()
+        return out.to(x.device)
+
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """`x`'s rows in runs of `send_counts[r]` to each rank r, in rank order; what every rank r
+        sent this one, `recv_counts[r]` rows each, concatenated in rank order."""
+        staged = self._staged(x.contiguous())
+        out = staged.new_empty((sum(recv_counts), *staged.shape[1:]))
+        self.backend.alltoall_base(out, staged, list(recv_counts), list(send_counts),
+                                   dist.AllToAllOptions()).wait()
         return out.to(x.device)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:

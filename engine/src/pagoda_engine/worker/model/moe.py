@@ -21,17 +21,18 @@ tokens: before the experts an all-gather over the DP group (the ranks of the sam
 every core) gives each rank every core's tokens, padded to the largest core's count; each rank
 routes them all and computes its own experts' share; a reduce-scatter returns each core its own
 rows, summed over the cores, and the TP all-reduce then sums over the core's TP ranks. This is
-vLLM's naive "allgather_reducescatter" backend, chosen over an all-to-all with counts because
-its pieces are equal-sized (what NCCL's all-gather and reduce-scatter take, and what padded CUDA
-graphs would need), the host needs no per-layer counts (a device sync per layer on CUDA), and a
-token goes to each rank once rather than once per chosen expert there (top-8 sends a token up to
-8 times). Measured on CPU (gloo, hidden 2048, top-8 of 128, dispatch and combine, medians; a
+vLLM's "allgather_reducescatter" backend, the default (`--all2all-backend`): its pieces are
+equal-sized (what NCCL's all-gather and reduce-scatter take, and what CUDA graphs of padded
+decode steps capture: `worker/dp_padding.py`), and the host needs no per-layer counts (a device
+sync per layer on CUDA). `--all2all-backend alltoallv` sends each token only to the ranks that
+hold its experts, with counts exchanged first (`moe_all_to_all.py`), in eager steps; steps
+replayed in CUDA graphs keep the all-gather. Measured on CPU (gloo, hidden 2048, top-8 of 128, dispatch and combine, medians; a
 shared 2-core machine): with 2 processes the all-to-all won up to 8 tokens per core (0.53 against
 0.93 ms at 1, 0.90 against 1.15 ms at 8) and lost from 32 (4.6 against 2.4 ms; 13.2 against
 7.3 ms at 128); with 4 processes on those 2 cores it won throughout (2.3 against 28.7 ms at 1,
-31.7 against 40.7 ms at 128), the ring's extra rounds each waiting for a descheduled process. An
-all-to-all with counts (and one copy per rank, not per expert) is the next step for wide EP. A
-core with nothing to run still joins, with a dummy token (`Worker.execute_dummy_batch`).
+31.7 against 40.7 ms at 128), the ring's extra rounds each waiting for a descheduled process
+(that all-to-all sent a token once per chosen expert; `moe_all_to_all.py` sends it once per
+rank). A core with nothing to run still joins, with a dummy batch (`Worker.execute_dummy_batch`).
 
 Expert ids reaching the expert kernels are local: `0 .. E_local - 1` for the experts this rank
 holds, `E_local` for a pair whose expert lives elsewhere (it contributes nothing here).
@@ -60,6 +61,7 @@ from pagoda_engine.worker.model.layers import (
     _set_weight_loader,
     default_weight_loader,
 )
+from pagoda_engine.worker.model.moe_all_to_all import dispatch_and_combine
 
 # Checkpoint projection name → (stacked parameter, piece): piece 0/1 are w13's gate/up halves.
 _PROJECTIONS = {
@@ -230,7 +232,14 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output for the tokens x; `logits`: the router's for them, when made already
         (by `normed`, which has the tokens' experts on this core)."""
-        if self.across_cores:
+        if self.across_cores and _dispatch(self).sends_pairs():
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+            experts = self.experts
+            out = dispatch_and_combine(
+                x, weights, ids, self.dp_dispatch.group, self.tp_size, self.tp_rank, experts.num_local,
+                lambda t, w, i: _experts_kernel(t)(t, experts.w13, experts.w2, w, i, experts.w13_scale,
+                                                   experts.w2_scale))
+        elif self.across_cores:
             dispatch = _dispatch(self)
             tokens = dispatch.dispatch(x)
             out = dispatch.combine(self._routed_experts(tokens, dispatch.padding_rows(tokens)))
@@ -269,23 +278,43 @@ class FusedMoE(nn.Module):
         return _experts_kernel(x)(x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale)
 
 
+ALLGATHER, ALLTOALLV = "allgather_reducescatter", "alltoallv"  # `config.ALL2ALL_BACKENDS`
+
+
 class DataParallelDispatch:
     """The MoE layers' token exchange with the other data-parallel engine cores, shared by every
-    FusedMoE of one rank's model. `begin_forward` (once per forward, before the first layer)
-    learns every core's token count over `count_group` (gloo on CPU, so no device sync);
-    `dispatch` all-gathers the tokens over `group` (the device's), `combine` reduce-scatters the
-    experts' output back."""
+    FusedMoE of one rank's model. Once per forward, before the first layer, either
+    `begin_forward` learns every core's token count over `count_group` (gloo on CPU, so no device
+    sync), or `set_counts` is told them (`dp_padding.CoreStepAgreement` agreed on them), or
+    `begin_uniform` says every core runs as many rows as this one (padded decode steps, and the
+    CUDA graphs captured for them). `dispatch` all-gathers the tokens over `group` (the device's),
+    `combine` reduce-scatters the experts' output back; with `backend` alltoallv, eager forwards
+    send each token only where its experts are instead (`moe_all_to_all.py`)."""
 
-    def __init__(self, group: TPGroup, count_group: TPGroup):
+    def __init__(self, group: TPGroup, count_group: TPGroup, backend: str = ALLGATHER):
+        if backend not in (ALLGATHER, ALLTOALLV):
+            raise ValueError(f"all2all backend must be {ALLGATHER} or {ALLTOALLV}, got {backend!r}")
         self.group = group
         self.count_group = count_group
+        self.backend = backend
         self.counts: list[int] = []
+        self.uniform = False  # every core runs this core's row count: no counts were exchanged
         self._padding: torch.Tensor | None = None  # this forward's `padding_rows`, made by the first layer
 
     def begin_forward(self, num_tokens: int) -> None:
         gathered = self.count_group.all_gather(torch.tensor([num_tokens], dtype=torch.int64))
-        self.counts = [int(c) for c in gathered]
-        self._padding = None
+        self.set_counts([int(c) for c in gathered])
+
+    def set_counts(self, counts: list[int]) -> None:
+        self.counts, self.uniform, self._padding = list(counts), False, None
+
+    def begin_uniform(self) -> None:
+        self.counts, self.uniform, self._padding = [], True, None
+
+    def sends_pairs(self) -> bool:
+        """Whether this layer's exchange is the all-to-all: asked for, and not inside a CUDA graph
+        (whose collectives must be the same size at every replay)."""
+        return self.backend == ALLTOALLV and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     @property
     def padded(self) -> int:
@@ -294,13 +323,19 @@ class DataParallelDispatch:
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Every core's tokens, core after core, each padded to `padded` rows: [dp × padded, H]."""
+        if self.uniform:
+            self.counts = [x.shape[0]] * self.group.size
         if len(self.counts) != self.group.size or x.shape[0] != self.counts[self.group.rank]:
             raise RuntimeError(f"the MoE dispatch was told {self.counts} tokens per core, this core has "
                                f"{x.shape[0]}: begin_forward was not called for this forward")
         return torch.cat(self.group.all_gather(F.pad(x, (0, 0, 0, self.padded - x.shape[0]))))
 
     def padding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Which rows of `dispatch`'s result are padding (the same for every layer of a forward)."""
+        """Which rows of `dispatch`'s result are padding (the same for every layer of a forward);
+        None when every core runs the same rows (padded decode steps: their padding rows are
+        dummy tokens of their own, routed like any other)."""
+        if self.uniform:
+            return None
         if self._padding is None:
             row = torch.arange(self.padded, device=tokens.device)
             counts = torch.tensor(self.counts, device=tokens.device)
