@@ -96,8 +96,19 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_compile_cache(spec),
         *_check_engine_key(spec),
         *_check_speculative(spec),
+        *_check_all2all(spec),
         *_check_drain(spec),
     ]
+
+
+def _check_all2all(spec: InferenceServiceSpec) -> list[str]:
+    """--all2all-backend chooses how tokens reach other data-parallel cores' experts: the engine
+    refuses it at start-up without experts across cores (`EngineConfig.validate`)."""
+    backend = engine_capabilities.extra_arg_value(spec.engine.extra_args, "--all2all-backend")
+    if backend is None or backend == "allgather_reducescatter" or (spec.topology.expert and spec.topology.data > 1):
+        return []
+    return [f"engine.extraArgs --all2all-backend {backend}: needs experts across data-parallel engine cores "
+            f"(topology.expert with topology.data above 1)"]
 
 
 def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
