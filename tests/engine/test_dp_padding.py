@@ -4,12 +4,15 @@ agreement's rules, and two real engine cores (gloo, one process each) stepping i
 logic the CUDA graphs replay. Core 0 decodes three requests that finish at different steps
 (batches of 3, 2 and 1 rows padded to 4, 2 and 1) while core 1 decodes one short request and then
 sits idle, running padded dummy batches; the MoE layers exchange tokens by all-to-all
-(`--all2all-backend alltoallv`). Every greedy token equals one process's: padding never changes a
-token."""
+(`--all2all-backend alltoallv`), or by all-gather with EPLB re-placing the experts (two redundant)
+every 4 forwards. Every greedy token equals one process's: neither padding nor the experts'
+re-placement changes a token; and the experts' counted load is exactly top-k pairs per token fed,
+padding and dummy rows never counted."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -61,13 +64,17 @@ def moe_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("qwen3-moe") / "model", arch="qwen3_moe", seed=5)
 
 
-def _core(rank: int, port: int, model_dir: str, results) -> None:
+EPLB = {"num_redundant_experts": 2, "window_size": 3, "step_interval": 4}
+
+
+def _core(rank: int, port: int, model_dir: str, backend: str, eplb: dict | None, results) -> None:
     from pagoda_engine.api.server.dp_client import rank_config
     from pagoda_engine.core.engine_core import EngineCore
     from pagoda_engine.core.request import Request
 
     config = EngineConfig.from_kwargs(model=model_dir, num_kv_pages=64, max_model_len=256, max_num_seqs=8,
-                                      data_parallel_size=2, enable_expert_parallel=True, all2all_backend="alltoallv")
+                                      data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
+                                      enable_eplb=eplb is not None, eplb_config=eplb)
     config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, data_parallel_master_port=port)), rank)
     core = EngineCore(config)
@@ -82,16 +89,21 @@ def _core(rank: int, port: int, model_dir: str, results) -> None:
             break
         if busy:
             core.lockstep_forward(lambda outputs: None)
-    agreement = core.executor.worker.dp_padding
+    worker = core.executor.worker
+    agreement = worker.dp_padding
+    core._expert_load_read_at = 0.0  # due now
+    rebalances = worker.balancer.rebalances if worker.balancer is not None else 0
     results.put((rank, [list(r.output_token_ids) for r in requests], agreement.sizes, agreement.padded_forwards,
-                 agreement.eager_forwards))
+                 agreement.eager_forwards, core.get_stats().expert_load, rebalances))
     results.close()
     results.join_thread()
     core.close()
     os._exit(0)  # as the engine core process: no teardown of the gloo groups under their threads
 
 
-def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir):
+@pytest.mark.parametrize("backend, eplb", [("alltoallv", None), ("allgather_reducescatter", EPLB)],
+                         ids=["alltoallv", "allgather-eplb"])
+def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir, backend, eplb):
     with LLM(str(moe_dir), num_kv_pages=64) as llm:
         expected = {rank: [list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                                 [0].outputs[0].token_ids) for prompt, n in reqs] for rank, reqs in REQUESTS.items()}
@@ -100,7 +112,7 @@ def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir):
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_core, args=(rank, port, str(moe_dir), results)) for rank in (0, 1)]
+    procs = [ctx.Process(target=_core, args=(rank, port, str(moe_dir), backend, eplb, results)) for rank in (0, 1)]
     for p in procs:
         p.start()
     try:
@@ -113,10 +125,20 @@ def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir):
             if p.is_alive():
                 p.kill()
     for rank in (0, 1):
-        tokens, sizes, padded, eager = got[rank]
+        tokens, sizes, padded, eager, _, _ = got[rank]
         assert tokens == expected[rank], rank
         assert sizes == SIZES
         # Prefills run eagerly at each core's own count; the 11 decode steps after core 0's
         # prefill (its longest request's 12 tokens) ran padded on both cores, the idle one too.
         assert padded >= 11 and eager >= 1, (rank, padded, eager)
-    assert got[0][2:] == got[1][2:]  # one agreement, the same on both cores
+    assert got[0][2:4] == got[1][2:4]  # one agreement, the same on both cores
+    # Each core counts the experts it holds: together, top-k pairs per token fed to the model
+    # (a prompt, then every output token but the last), in every MoE layer.
+    top_k = json.loads((moe_dir / "config.json").read_text())["num_experts_per_tok"]
+    fed = sum(len(prompt) + n - 1 for reqs in REQUESTS.values() for prompt, n in reqs)
+    loads = [got[rank][4] for rank in (0, 1)]
+    assert len(loads[0]) == len(loads[1]) > 0
+    for layer in zip(*loads):
+        assert sum(sum(counts) for counts in layer) == top_k * fed
+    if eplb is not None:  # 20 forwards or so: re-placed every 4
+        assert got[0][5] == got[1][5] >= 3

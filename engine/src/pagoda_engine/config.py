@@ -27,6 +27,7 @@ from pagoda_engine.generation_config import check_generation_config_option, pars
 from pagoda_engine.kv_tiers import split_remote_urls
 from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
+from pagoda_engine.eplb import EPLBConfig, parse_eplb_config
 from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -268,6 +269,10 @@ class ParallelConfig:
              "reduce-scattered back (equal-sized pieces, captured in CUDA graphs); alltoallv: each token only to "
              "the ranks holding its chosen experts, counts exchanged first (eager steps; decode steps replayed in "
              "CUDA graphs keep the all-gather)")
+    enable_eplb: bool = option(
+        False, help="with experts across data-parallel cores and --tensor-parallel-size 1: expert-parallel load "
+                    "balancing, redundant copies of the busiest experts and their placement re-made from the "
+                    "measured load (--eplb-config)")
     # Multi-node (vLLM's flags): one engine's tensor × pipeline parallel ranks spread evenly over
     # `nnodes` hosts, rank r on node r // (ranks per node). Node 0 (the leader) runs the API
     # server, the engine core and its own ranks; every other node runs `--headless`: only its
@@ -435,6 +440,13 @@ class EngineConfig:
              '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}\'; data-parallel core r uses port + r '
              '(default: off)')
 
+    # vLLM's --eplb-config (`eplb.py`): read with --enable-eplb, refused without it.
+    eplb_config: EPLBConfig = option(
+        default_factory=EPLBConfig, type=str, cli_default=None, metavar="JSON",
+        help='expert-parallel load balancing\'s settings, vLLM\'s keys, e.g. \'{"num_redundant_experts": 16, '
+             '"window_size": 1000, "step_interval": 3000, "log_balancedness": true}\' (forwards; the defaults '
+             'are these, with no redundant experts); needs --enable-eplb')
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (the offline `LLM(...)` and parsed CLI flags use the
@@ -444,6 +456,7 @@ class EngineConfig:
         cfg.profiler_config = parse_profiler_config(kwargs.pop("profiler_config", None))
         cfg.speculative_config = parse_speculative_config(kwargs.pop("speculative_config", None))
         cfg.kv_events_config = parse_kv_events_config(kwargs.pop("kv_events_config", None))
+        cfg.eplb_config = parse_eplb_config(kwargs.pop("eplb_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -478,9 +491,15 @@ class EngineConfig:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
     def _validate_expert_parallel(self) -> None:
-        if self.parallel.all2all_backend != ALL2ALL_BACKENDS[0] and not self.parallel.expert_parallel_across_cores:
+        pc = self.parallel
+        if pc.all2all_backend != ALL2ALL_BACKENDS[0] and not pc.expert_parallel_across_cores:
             raise ValueError("--all2all-backend chooses how tokens reach other data-parallel cores' experts: it needs "
                              "--enable-expert-parallel with --data-parallel-size above 1")
+        if pc.enable_eplb and not (pc.expert_parallel_across_cores and pc.tensor_parallel_size == 1):
+            raise ValueError("--enable-eplb balances experts across data-parallel cores: it needs "
+                             "--enable-expert-parallel with --data-parallel-size above 1 and --tensor-parallel-size 1")
+        if self.eplb_config != EPLBConfig() and not pc.enable_eplb:
+            raise ValueError("--eplb-config sets expert-parallel load balancing: it needs --enable-eplb")
 
     def _validate_pacing(self) -> None:
         """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
@@ -690,7 +709,7 @@ _DTYPE_ALIASES = {"half": "float16", "float": "float32"}
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
     known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig)
-             for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config"}
+             for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config", "eplb_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])

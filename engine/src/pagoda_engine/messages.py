@@ -220,6 +220,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # Speculative decoding's counters (empty when it is off): drafts, drafted tokens, accepted
     # tokens, then the accepted drafts at each position 0..k-1.
     spec_decode: list[int] = []
+    # Experts across data-parallel cores: tokens each expert of this core's ranks took since
+    # start-up, [MoE layer][expert] (counters, read every few seconds, not every step: empty in
+    # the stats between reads, where the receiver keeps the last).
+    expert_load: list[list[int]] = []
 
 
 class EngineCoreOutputs(_Message):

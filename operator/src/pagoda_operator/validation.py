@@ -102,13 +102,20 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
 
 
 def _check_all2all(spec: InferenceServiceSpec) -> list[str]:
-    """--all2all-backend chooses how tokens reach other data-parallel cores' experts: the engine
-    refuses it at start-up without experts across cores (`EngineConfig.validate`)."""
-    backend = engine_capabilities.extra_arg_value(spec.engine.extra_args, "--all2all-backend")
-    if backend is None or backend == "allgather_reducescatter" or (spec.topology.expert and spec.topology.data > 1):
-        return []
-    return [f"engine.extraArgs --all2all-backend {backend}: needs experts across data-parallel engine cores "
-            f"(topology.expert with topology.data above 1)"]
+    """--all2all-backend and --enable-eplb are about experts across data-parallel cores: the
+    engine refuses them at start-up without (`EngineConfig.validate`), EPLB also with tensor
+    parallelism."""
+    extra, topology = spec.engine.extra_args, spec.topology
+    across = topology.expert and topology.data > 1
+    problems = []
+    backend = engine_capabilities.extra_arg_value(extra, "--all2all-backend")
+    if backend is not None and backend != "allgather_reducescatter" and not across:
+        problems.append(f"engine.extraArgs --all2all-backend {backend}: needs experts across data-parallel engine "
+                        f"cores (topology.expert with topology.data above 1)")
+    if engine_capabilities.extra_arg_value(extra, "--enable-eplb") and not (across and topology.tensor == 1):
+        problems.append("engine.extraArgs --enable-eplb: needs experts across data-parallel engine cores "
+                        "(topology.expert with topology.data above 1) and topology.tensor 1")
+    return problems
 
 
 def _check_speculative(spec: InferenceServiceSpec) -> list[str]:

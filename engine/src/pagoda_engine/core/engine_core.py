@@ -56,6 +56,9 @@ from pagoda_engine.worker.executor import create_executor, probe_device
 logger = logging.getLogger(__name__)
 
 _OFFLOAD_IDLE_WAIT_S = 0.001
+# How often the MoE experts' load is read from the ranks (experts across data-parallel cores):
+# below Prometheus' usual scrape interval, above a step's time many times over.
+EXPERT_LOAD_PERIOD_S = 5.0
 
 
 def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
@@ -137,6 +140,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
+        self._expert_load_read_at = 0.0  # experts across cores: when `get_stats` last read their load
         # Async scheduling's step in flight, or pipeline parallelism's batch queue (a batch per stage).
         self.in_flight = StepsInFlight(self, config.scheduler.step_launch_pacing,
                                        config.parallel.pipeline_parallel_size)
@@ -400,4 +404,14 @@ class EngineCore:
             kv_offload=self.kv.offload.stats() if self.kv.offload is not None else [],
             kv_offload_copy=self.kv.offload.copy_stats() if self.kv.offload is not None else [],
             spec_decode=[spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens,
-                         *spec.accepted_per_pos] if spec is not None else [])
+                         *spec.accepted_per_pos] if spec is not None else [],
+            expert_load=self._expert_load_if_due())
+
+    def _expert_load_if_due(self) -> list[list[int]]:
+        """Experts across cores: their load every `EXPERT_LOAD_PERIOD_S` (a device sync on every
+        rank, so not every step); empty in between."""
+        now = time.monotonic()
+        if not self.in_lockstep or now - self._expert_load_read_at < EXPERT_LOAD_PERIOD_S:
+            return []
+        self._expert_load_read_at = now
+        return self.executor.expert_load()

@@ -50,7 +50,8 @@ class CoreStepAgreement:
     def __init__(self, group: TPGroup, sizes: list[int]):
         self.group = group
         self.sizes = sorted(sizes)
-        self.counts: list[int] = []
+        self.counts: list[int] = []  # every core's rows in this forward
+        self.real: list[int] = []  # of them, its requests' tokens
         self.padded_forwards = 0  # forwards run at an agreed padded size
         self.eager_forwards = 0  # forwards run at every core's own count
 
@@ -59,6 +60,7 @@ class CoreStepAgreement:
         gathered = self.group.all_gather(torch.tensor([rows, int(decode or rows == 0)], dtype=torch.int64))
         reports = [(int(r), bool(d)) for r, d in (g.tolist() for g in gathered)]
         size = common_size(reports, self.sizes)
+        self.real = [rows for rows, _ in reports]
         if size is None:
             self.counts = eager_counts(reports)
             self.eager_forwards += 1

@@ -524,6 +524,14 @@ class Executor:
         """Experts across cores: one dummy token through every rank's model (`Worker.execute_dummy_batch`)."""
         self.call("execute_dummy_batch")
 
+    def expert_load(self) -> list[list[int]]:
+        """Experts across cores: [MoE layer][expert] tokens this core's ranks' experts took since
+        start-up (each rank holds its own experts: the sum over ranks); a device sync on every rank."""
+        total: list[list[int]] = []
+        for counts in self.collective_rpc("read_expert_load"):
+            total = counts if not total else [[a + b for a, b in zip(x, y)] for x, y in zip(total, counts)]
+        return total
+
     def agree_with_cores(self, has_work: bool, stopping: bool) -> tuple[int, int]:
         """Experts across cores: how many of the pod's engine cores have unfinished requests and
         how many are stopping (this core's answers: `has_work`, `stopping`); every core must ask,
@@ -746,7 +754,8 @@ def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
             raise ModelLoadError("expert parallelism across data-parallel engine cores needs the pod's "
                                  "data_parallel_master_port (the API server sets it)")
         data_parallel = DataParallelRank(pc.data_parallel_size, pc.data_parallel_rank, pc.dp_address,
-                                         pc.data_parallel_master_port, pc.all2all_backend, dp_padded_sizes(config))
+                                         pc.data_parallel_master_port, pc.all2all_backend, dp_padded_sizes(config),
+                                         asdict(config.eplb_config) if pc.enable_eplb else None)
     # The core's devices on its node: cores on several nodes count from the node's first core.
     executor = Executor(layout, device, device_offset=(pc.data_parallel_rank - pc.data_parallel_local_start)
                         * layout.world_size,

@@ -124,6 +124,8 @@ class DataParallelRank:
     master_port: int
     all2all_backend: str = "allgather_reducescatter"
     padded_sizes: tuple[int, ...] = ()
+    # --enable-eplb's settings (`eplb.EPLBConfig`'s fields), or None without it.
+    eplb: dict | None = None
 
 
 def pod_layout(layout: ParallelLayout, dp: DataParallelRank) -> tuple[ParallelLayout, int]:

@@ -51,9 +51,11 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
+from pagoda_engine.eplb import EPLBConfig
 from pagoda_engine.kv_tiers import OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
                                      resume_collections, set_torch_threads)
+from pagoda_engine.worker import eplb as expert_balance
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
@@ -99,6 +101,8 @@ class Worker:
         self.data_parallel = data_parallel
         self.dp_dispatch: DataParallelDispatch | None = None
         self.dp_padding: CoreStepAgreement | None = None  # experts across cores: each forward's agreed shape
+        self.expert_load: expert_balance.ExpertLoad | None = None  # experts across cores: tokens per expert
+        self.balancer: expert_balance.ExpertBalancer | None = None  # --enable-eplb
         self.rank = rank
         self.coordinates = layout.coordinates(rank)
         self.device = torch.device(device)
@@ -155,7 +159,7 @@ class Worker:
         pod, offset = pod_layout(self.layout, dp)
         counts = make_group(store, pod, "dp", offset + self.rank, torch.device("cpu"), name="dp-gloo")
         tokens = counts if self.device.type == "cpu" else make_group(store, pod, "dp", offset + self.rank, self.device)
-        self.dp_dispatch = DataParallelDispatch(tokens, counts, dp.all2all_backend)
+        self.dp_dispatch = DataParallelDispatch(tokens, counts, dp.all2all_backend, self.device)
         if dp.padded_sizes:
             self.dp_padding = CoreStepAgreement(counts, list(dp.padded_sizes))
     @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
@@ -177,6 +181,14 @@ class Worker:
             attach_tp_group(self.model, self.tp_group)
         if self.dp_dispatch is not None:
             attach_dp_dispatch(self.model, self.dp_dispatch)
+            eplb = self.data_parallel.eplb
+            self.expert_load, self.balancer = expert_balance.start(
+                self.model, self.dp_dispatch.group, EPLBConfig(**eplb) if eplb is not None else None, self.layout.tp)
+
+    def read_expert_load(self) -> list[list[int]]:
+        """Experts across cores: [MoE layer][logical expert] tokens this rank's experts took since
+        start-up (a device sync); empty otherwise."""
+        return self.expert_load.read() if self.expert_load is not None else []
 
     def warm_up_sampler(self) -> None:
         """The sampling rank (rank 0, or the last pipeline stage's first) draws once along each of
@@ -299,6 +311,8 @@ class Worker:
             self.offload.wait_for_loads()  # pages the step reads may still be arriving from host memory
         if self.dp_padding is not None:
             self.hidden = self._execute_across_cores(input_ids, positions, batch)
+            if self.balancer is not None:
+                self.balancer.after_forward()
             return self.hidden
         graphs = self._graphs_for(batch)
         if graphs is None:
@@ -321,10 +335,10 @@ class Worker:
         where they were captured, else eagerly; any other at every core's own count."""
         size = self.dp_padding.agree(0 if idle else batch.num_tokens, is_all_decode(batch))
         if size is None:
-            self.dp_dispatch.set_counts(self.dp_padding.counts)
+            self.dp_dispatch.set_counts(self.dp_padding.counts, self.dp_padding.real)
             self.attn.plan(batch)
             return self._forward(input_ids, positions, self.attn, counted=True)
-        self.dp_dispatch.begin_uniform()
+        self.dp_dispatch.begin_uniform(self.dp_padding.real)
         if self.graphs is not None:
             return self.graphs.run(input_ids, positions, batch, size)
         ids, pos, padded = padded_batch(input_ids, positions, batch, size)
@@ -390,9 +404,12 @@ class Worker:
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
         if self.dp_padding is not None:
             self._execute_across_cores(zero, zero, batch, idle=True)
-            return
-        self.attn.plan(batch)
-        self._forward(zero, zero, self.attn)
+        else:
+            self.attn.plan(batch)
+            self.dp_dispatch.begin_forward(1, real_tokens=0)
+            self._forward(zero, zero, self.attn, counted=True)
+        if self.balancer is not None:
+            self.balancer.after_forward()
 
     def agree_with_cores(self, has_work: bool, stopping: bool) -> tuple[int, int]:
         """Experts across cores, on a core's first rank: how many of the pod's cores have

@@ -220,6 +220,10 @@ class FusedMoE(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel,
                                        data_parallel)
         self.across_cores = expert_parallel and data_parallel[0] > 1
+        # Experts across cores: tokens each of this rank's experts took (its slots, then one for
+        # pairs computed elsewhere), accumulated on the device (`expert_load`).
+        self.load = torch.zeros(self.experts.num_local + 1, dtype=torch.int64) if self.across_cores else None
+        self.expert_map: ExpertMap | None = None  # EPLB's logical → physical experts (`worker/eplb.py`)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             # Qwen2-MoE's dense expert every token takes, scaled by sigmoid of its own gate; the
@@ -234,11 +238,16 @@ class FusedMoE(nn.Module):
         (by `normed`, which has the tokens' experts on this core)."""
         if self.across_cores and _dispatch(self).sends_pairs():
             weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
-            experts = self.experts
-            out = dispatch_and_combine(
-                x, weights, ids, self.dp_dispatch.group, self.tp_size, self.tp_rank, experts.num_local,
-                lambda t, w, i: _experts_kernel(t)(t, experts.w13, experts.w2, w, i, experts.w13_scale,
-                                                   experts.w2_scale))
+            if self.expert_map is not None:
+                ids = self.expert_map.physical(ids)
+            dispatch, experts = self.dp_dispatch, self.experts
+
+            def local_experts(t: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+                self._count(i)
+                return _experts_kernel(t)(t, experts.w13, experts.w2, w, i, experts.w13_scale, experts.w2_scale)
+
+            out = dispatch_and_combine(x, weights, ids, dispatch.group, self.tp_size, self.tp_rank, experts.num_local,
+                                       local_experts, dispatch.real_rows_here(x))
         elif self.across_cores:
             dispatch = _dispatch(self)
             tokens = dispatch.dispatch(x)
@@ -264,21 +273,61 @@ class FusedMoE(nn.Module):
         logits, residual, x = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, self.gate.weight, normed_out=True)
         return self(x, logits), residual
 
+    def _count(self, local_ids: torch.Tensor) -> None:
+        """Add a forward's pairs (ids local to this rank, `num_local` for none here) to `load`."""
+        if self.load is not None:
+            flat = local_ids.flatten()
+            self.load.index_add_(0, flat, torch.ones_like(flat))
+
     def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
                         logits: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts' share of the routed output for the tokens `x`; rows where
         `padding` is true (dispatch padding) go to no expert. `logits`: the router's, when made
         already."""
         weights, ids = select_experts(self.gate(x) if logits is None else logits, self.top_k, self.renormalize)
-        if self.experts.num_local < self.num_experts:
+        if self.expert_map is not None:
+            ids = self.expert_map.physical(ids)
+        if self.experts.num_local < self.num_experts or self.expert_map is not None:
             ids = self.experts.local_ids(ids)
         if padding is not None:
             ids = ids.masked_fill(padding[:, None], self.experts.num_local)
+            self._count(ids)
         experts = self.experts
         return _experts_kernel(x)(x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale)
 
 
 ALLGATHER, ALLTOALLV = "allgather_reducescatter", "alltoallv"  # `config.ALL2ALL_BACKENDS`
+
+
+class ExpertMap:
+    """EPLB's logical → physical experts of one layer (`eplb.py`): `placement[slot]` is the
+    logical expert physical slot `slot` holds (EP rank r holds slots [r × n, (r + 1) × n)). On
+    the device, updated in place so that CUDA graphs read the current map: each logical expert's
+    slots (`slots` [E, most copies], padded with its first) and how many (`copies` [E])."""
+
+    def __init__(self, num_logical: int, placement: list[int], device: torch.device | None = None):
+        self.num_logical = num_logical
+        self.slots = torch.zeros(num_logical, len(placement) - num_logical + 1, dtype=torch.int64, device=device)
+        self.copies = torch.ones(num_logical, dtype=torch.int64, device=device)
+        self.placement: list[int] = []
+        self.set(placement)
+
+    def set(self, placement: list[int]) -> None:
+        if sorted(set(placement)) != list(range(self.num_logical)):
+            raise ValueError(f"a placement must hold every one of the {self.num_logical} experts, got {placement}")
+        table: list[list[int]] = [[] for _ in range(self.num_logical)]
+        for slot, expert in enumerate(placement):
+            table[expert].append(slot)
+        width = self.slots.shape[1]
+        self.slots.copy_(torch.tensor([t + [t[0]] * (width - len(t)) for t in table], dtype=torch.int64))
+        self.copies.copy_(torch.tensor([len(t) for t in table], dtype=torch.int64))
+        self.placement = list(placement)
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids [n, k] → physical slots: row i takes copy i mod the expert's copies,
+        so that an expert's copies share its tokens."""
+        row = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        return self.slots[ids, row % self.copies[ids]]
 
 
 class DataParallelDispatch:
@@ -291,7 +340,8 @@ class DataParallelDispatch:
     `combine` reduce-scatters the experts' output back; with `backend` alltoallv, eager forwards
     send each token only where its experts are instead (`moe_all_to_all.py`)."""
 
-    def __init__(self, group: TPGroup, count_group: TPGroup, backend: str = ALLGATHER):
+    def __init__(self, group: TPGroup, count_group: TPGroup, backend: str = ALLGATHER,
+                 device: torch.device | None = None):
         if backend not in (ALLGATHER, ALLTOALLV):
             raise ValueError(f"all2all backend must be {ALLGATHER} or {ALLTOALLV}, got {backend!r}")
         self.group = group
@@ -299,17 +349,31 @@ class DataParallelDispatch:
         self.backend = backend
         self.counts: list[int] = []
         self.uniform = False  # every core runs this core's row count: no counts were exchanged
-        self._padding: torch.Tensor | None = None  # this forward's `padding_rows`, made by the first layer
+        # Each core's rows that are its requests' tokens this forward (the rest: padding, or an
+        # idle core's dummy token), on the device, updated in place: CUDA graphs read it at replay.
+        self.real_rows = torch.zeros(group.size, dtype=torch.int64, device=device)
 
-    def begin_forward(self, num_tokens: int) -> None:
-        gathered = self.count_group.all_gather(torch.tensor([num_tokens], dtype=torch.int64))
-        self.set_counts([int(c) for c in gathered])
+    def begin_forward(self, num_tokens: int, real_tokens: int | None = None) -> None:
+        """Learn every core's row count (and of them its requests' tokens: `real_tokens`, default all)."""
+        mine = torch.tensor([num_tokens, num_tokens if real_tokens is None else real_tokens], dtype=torch.int64)
+        gathered = [g.tolist() for g in self.count_group.all_gather(mine)]
+        self.set_counts([rows for rows, _ in gathered], [real for _, real in gathered])
 
-    def set_counts(self, counts: list[int]) -> None:
-        self.counts, self.uniform, self._padding = list(counts), False, None
+    def set_counts(self, counts: list[int], real: list[int] | None = None) -> None:
+        """Every core's rows this forward, and of them its requests' tokens (default: all)."""
+        self.counts, self.uniform = list(counts), False
+        self.real_rows.copy_(torch.tensor(counts if real is None else real, dtype=torch.int64))
 
-    def begin_uniform(self) -> None:
-        self.counts, self.uniform, self._padding = [], True, None
+    def begin_uniform(self, real: list[int] | None = None) -> None:
+        """Every core runs this core's row count, `real` of them its requests' tokens (None: the
+        real rows are set before each replay of the graphs being captured)."""
+        self.counts, self.uniform = [], True
+        if real is not None:
+            self.real_rows.copy_(torch.tensor(real, dtype=torch.int64))
+
+    def real_rows_here(self, x: torch.Tensor) -> torch.Tensor:
+        """Which of this core's rows `x` are its requests' tokens."""
+        return torch.arange(x.shape[0], device=x.device) < self.real_rows[self.group.rank]
 
     def sends_pairs(self) -> bool:
         """Whether this layer's exchange is the all-to-all: asked for, and not inside a CUDA graph
@@ -331,16 +395,11 @@ class DataParallelDispatch:
         return torch.cat(self.group.all_gather(F.pad(x, (0, 0, 0, self.padded - x.shape[0]))))
 
     def padding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Which rows of `dispatch`'s result are padding (the same for every layer of a forward);
-        None when every core runs the same rows (padded decode steps: their padding rows are
-        dummy tokens of their own, routed like any other)."""
-        if self.uniform:
-            return None
-        if self._padding is None:
-            row = torch.arange(self.padded, device=tokens.device)
-            counts = torch.tensor(self.counts, device=tokens.device)
-            self._padding = (row[None, :] >= counts[:, None]).flatten()
-        return self._padding
+        """Which rows of `dispatch`'s result are not requests' tokens (padding to the largest core,
+        padded decode steps' dummy rows, an idle core's dummy token): they go to no expert. Made
+        from `real_rows` by each layer, so that a graph's replay reads the step's own."""
+        row = torch.arange(tokens.shape[0] // self.group.size, device=tokens.device)
+        return (row[None, :] >= self.real_rows[:, None]).flatten()
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """`out` [dp × padded, H] summed over the cores, this core's rows only: [its count, H]."""

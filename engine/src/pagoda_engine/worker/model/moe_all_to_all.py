@@ -36,16 +36,20 @@ Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group: TPGroup, tp_size: int,
-                         tp_rank: int, num_local: int, experts: Experts) -> torch.Tensor:
+                         tp_rank: int, num_local: int, experts: Experts, real: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """This TP position's share of the routed output for this core's tokens `x` [n, H], whose
     chosen experts are `ids` [n, k] (global ids; rank e // num_local of the EP group holds expert
     e, and EP rank = core × tp_size + TP rank) with `weights` [n, k]: what every rank of `group`
-    computed for them, summed."""
+    computed for them, summed. `real` [n] bool: the rows that are tokens of requests (the others,
+    padding and dummy rows, go nowhere and come back zero)."""
     n, k = ids.shape
     size = group.size
     ep_rank = ids // num_local
     dest = ep_rank // tp_size
     here = (ep_rank % tp_size) == tp_rank
+    if real is not None:
+        here &= real[:, None]
     # send[t, d]: token t goes to group rank d (a spare last column takes the other positions' pairs)
     send = torch.zeros(n, size + 1, dtype=torch.bool, device=x.device)
     send.scatter_(1, torch.where(here, dest, size), True)
