@@ -408,10 +408,12 @@ class EngineCore:
             expert_load=self._expert_load_if_due())
 
     def _expert_load_if_due(self) -> list[list[int]]:
-        """Experts across cores: their load every `EXPERT_LOAD_PERIOD_S` (a device sync on every
-        rank, so not every step); empty in between."""
+        """Experts across cores: their load every `EXPERT_LOAD_PERIOD_S` while busy (a device sync
+        on every rank, so not every step) and whenever the core has nothing left to run (its last
+        step's stats, the idle state's: the figures are exact at rest); empty in between."""
         now = time.monotonic()
-        if not self.in_lockstep or now - self._expert_load_read_at < EXPERT_LOAD_PERIOD_S:
+        if not self.in_lockstep or (self.has_unfinished_requests()
+                                    and now - self._expert_load_read_at < EXPERT_LOAD_PERIOD_S):
             return []
         self._expert_load_read_at = now
         return self.executor.expert_load()

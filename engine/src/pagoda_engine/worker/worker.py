@@ -64,7 +64,7 @@ from pagoda_engine.worker.dp_padding import CoreStepAgreement, is_all_decode, pa
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
-from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
+from pagoda_engine.worker.model.moe import ALLGATHER, DataParallelDispatch, attach_dp_dispatch
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.profiler import RankProfiler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
@@ -266,6 +266,9 @@ class Worker:
                 raise RuntimeError("experts across data-parallel cores: only decode graphs of the cores' padded sizes "
                                    "can be captured")
             self.dp_dispatch.begin_uniform()  # every core captures each size at once: equal pieces
+            # The graphs' warm-up forwards take the exchange the graphs capture (the all-gather):
+            # its lazy set-up stays out of the capture.
+            backend, self.dp_dispatch.backend = self.dp_dispatch.backend, ALLGATHER
         pool = torch.cuda.graph_pool_handle()
         try:
             self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
@@ -275,6 +278,8 @@ class Worker:
                                                  self.compile_ahead)
         finally:
             self.stop_compile_pool()
+            if self.dp_dispatch is not None:
+                self.dp_dispatch.backend = backend
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
