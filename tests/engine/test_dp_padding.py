@@ -4,7 +4,7 @@ agreement's rules, and two real engine cores (gloo, one process each) stepping i
 logic the CUDA graphs replay. Core 0 decodes three requests that finish at different steps
 (batches of 3, 2 and 1 rows padded to 4, 2 and 1) while core 1 decodes one short request and then
 sits idle, running padded dummy batches; the MoE layers exchange tokens by all-to-all
-(`--all2all-backend alltoallv`), or by all-gather with EPLB re-placing the experts (two redundant)
+(`--all2all-backend alltoallv`, two micro-batches overlapped: `--enable-dbo`), or by all-gather with EPLB re-placing the experts (two redundant)
 every 4 forwards. Every greedy token equals one process's: neither padding nor the experts'
 re-placement changes a token; and the experts' counted load is exactly top-k pairs per token fed,
 padding and dummy rows never counted."""
@@ -74,7 +74,8 @@ def _core(rank: int, port: int, model_dir: str, backend: str, eplb: dict | None,
 
     config = EngineConfig.from_kwargs(model=model_dir, num_kv_pages=64, max_model_len=256, max_num_seqs=8,
                                       data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
-                                      enable_eplb=eplb is not None, eplb_config=eplb)
+                                      enable_eplb=eplb is not None, eplb_config=eplb,
+                                      enable_dbo=backend == "alltoallv")
     config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
         config.parallel, data_parallel_master_port=port)), rank)
     core = EngineCore(config)
@@ -116,7 +117,7 @@ def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir, backend, e
     for p in procs:
         p.start()
     try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
+        got = {rank: rest for rank, *rest in (results.get(timeout=300) for _ in procs)}
         for p in procs:
             p.join(30)
             assert p.exitcode == 0

@@ -106,7 +106,7 @@ def test_a_skewed_router_spreads_over_the_copies_and_keeps_the_output():
     for p in procs:
         p.start()
     try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
+        got = {rank: rest for rank, *rest in (results.get(timeout=300) for _ in procs)}
         for p in procs:
             p.join(30)
             assert p.exitcode == 0

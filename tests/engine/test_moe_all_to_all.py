@@ -1,7 +1,8 @@
 """Expert parallelism across data-parallel cores by all-to-all (`--all2all-backend alltoallv`):
 real gloo processes, one per rank, each core with its own batch (of different sizes, one of them
 empty). On the same weights, each core's layer output through the all-to-all equals the one
-through the all-gather / reduce-scatter and the whole layer's in one process (float32), for 2
+through the all-gather / reduce-scatter and the whole layer's in one process (float32), with
+one micro-batch and with two overlapped (`--enable-dbo`), for 2
 cores, 4 cores, and 2 cores of 2 tensor-parallel ranks (where a rank sends only the pairs of its
 TP position's experts); and with a router skewed so that every token picks experts of core 0, the
 other ranks receive nothing and the output is still the whole layer's."""
@@ -58,12 +59,12 @@ def _rank(rank: int, port: int, dp: int, tp: int, skewed: bool, results) -> None
         attach_tp_group(moe, _group(store, "tp", [core * tp + t for t in range(tp)], rank))
     x = _tokens(core)
     outs = {}
-    for backend in ("allgather_reducescatter", "alltoallv"):
-        dispatch = DataParallelDispatch(dp_group, dp_group, backend)
+    for backend, microbatches in (("allgather_reducescatter", 1), ("alltoallv", 1), ("alltoallv", 2)):
+        dispatch = DataParallelDispatch(dp_group, dp_group, backend, microbatches=microbatches)
         attach_dp_dispatch(moe, dispatch)
         with torch.no_grad():
             dispatch.begin_forward(x.shape[0])
-            outs[backend] = moe(x).tolist()  # plain numbers cross the queue (see test_fused_moe)
+            outs[f"{backend} ×{microbatches}"] = moe(x).tolist()  # plain numbers cross the queue (see test_fused_moe)
     results.put((rank, outs))
     results.close()
     results.join_thread()
@@ -79,7 +80,7 @@ def _run(dp: int, tp: int, skewed: bool = False) -> dict[int, dict[str, list]]:
     for p in procs:
         p.start()
     try:
-        got = dict(results.get(timeout=120) for _ in procs)
+        got = dict(results.get(timeout=300) for _ in procs)
         for p in procs:
             p.join(30)
             assert p.exitcode == 0

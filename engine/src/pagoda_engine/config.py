@@ -269,6 +269,9 @@ class ParallelConfig:
              "reduce-scattered back (equal-sized pieces, captured in CUDA graphs); alltoallv: each token only to "
              "the ranks holding its chosen experts, counts exchanged first (eager steps; decode steps replayed in "
              "CUDA graphs keep the all-gather)")
+    enable_dbo: bool = option(
+        False, help="with --all2all-backend alltoallv: each MoE layer's tokens in two micro-batches, one's all-to-all "
+                    "overlapped with the other's expert GEMMs (within the layer, not across the forward as vLLM's)")
     enable_eplb: bool = option(
         False, help="with experts across data-parallel cores and --tensor-parallel-size 1: expert-parallel load "
                     "balancing, redundant copies of the busiest experts and their placement re-made from the "
@@ -495,6 +498,9 @@ class EngineConfig:
         if pc.all2all_backend != ALL2ALL_BACKENDS[0] and not pc.expert_parallel_across_cores:
             raise ValueError("--all2all-backend chooses how tokens reach other data-parallel cores' experts: it needs "
                              "--enable-expert-parallel with --data-parallel-size above 1")
+        if pc.enable_dbo and pc.all2all_backend != "alltoallv":
+            raise ValueError("--enable-dbo overlaps the all-to-all of two micro-batches with their experts: it needs "
+                             "--all2all-backend alltoallv (with --enable-expert-parallel --data-parallel-size N)")
         if pc.enable_eplb and not (pc.expert_parallel_across_cores and pc.tensor_parallel_size == 1):
             raise ValueError("--enable-eplb balances experts across data-parallel cores: it needs "
                              "--enable-expert-parallel with --data-parallel-size above 1 and --tensor-parallel-size 1")

@@ -755,7 +755,8 @@ def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
                                  "data_parallel_master_port (the API server sets it)")
         data_parallel = DataParallelRank(pc.data_parallel_size, pc.data_parallel_rank, pc.dp_address,
                                          pc.data_parallel_master_port, pc.all2all_backend, dp_padded_sizes(config),
-                                         asdict(config.eplb_config) if pc.enable_eplb else None)
+                                         asdict(config.eplb_config) if pc.enable_eplb else None,
+                                         2 if pc.enable_dbo else 1)
     # The core's devices on its node: cores on several nodes count from the node's first core.
     executor = Executor(layout, device, device_offset=(pc.data_parallel_rank - pc.data_parallel_local_start)
                         * layout.world_size,

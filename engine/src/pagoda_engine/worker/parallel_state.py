@@ -126,6 +126,7 @@ class DataParallelRank:
     padded_sizes: tuple[int, ...] = ()
     # --enable-eplb's settings (`eplb.EPLBConfig`'s fields), or None without it.
     eplb: dict | None = None
+    microbatches: int = 1  # the all-to-all's (2 with --enable-dbo)
 
 
 def pod_layout(layout: ParallelLayout, dp: DataParallelRank) -> tuple[ParallelLayout, int]:

@@ -159,7 +159,7 @@ class Worker:
         pod, offset = pod_layout(self.layout, dp)
         counts = make_group(store, pod, "dp", offset + self.rank, torch.device("cpu"), name="dp-gloo")
         tokens = counts if self.device.type == "cpu" else make_group(store, pod, "dp", offset + self.rank, self.device)
-        self.dp_dispatch = DataParallelDispatch(tokens, counts, dp.all2all_backend, self.device)
+        self.dp_dispatch = DataParallelDispatch(tokens, counts, dp.all2all_backend, self.device, dp.microbatches)
         if dp.padded_sizes:
             self.dp_padding = CoreStepAgreement(counts, list(dp.padded_sizes))
     @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode

@@ -343,11 +343,15 @@ class TPGroup:
     def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
         """`x`'s rows in runs of `send_counts[r]` to each rank r, in rank order; what every rank r
         sent this one, `recv_counts[r]` rows each, concatenated in rank order."""
+        return self.all_to_all_async(x, send_counts, recv_counts).wait()
+
+    def all_to_all_async(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> _Arriving:
+        """`all_to_all` started: the returned object's `wait()` gives its result (on NCCL the
+        exchange runs on its own stream meanwhile; through host memory it has finished already)."""
         staged = self._staged(x.contiguous())
         out = staged.new_empty((sum(recv_counts), *staged.shape[1:]))
-        self.backend.alltoall_base(out, staged, list(recv_counts), list(send_counts),
-                                   dist.AllToAllOptions()).wait()
-        return out.to(x.device)
+        work = self.backend.alltoall_base(out, staged, list(recv_counts), list(send_counts), dist.AllToAllOptions())
+        return _Arriving(work, out, x.device)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` into every rank's `x`, in place."""
@@ -385,6 +389,17 @@ def _copy_back(x: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             x.copy_(staged)
     return x
+
+
+class _Arriving:
+    """A collective's output, still arriving: `wait()` returns it on `device`."""
+
+    def __init__(self, work, out: torch.Tensor, device: torch.device):
+        self.work, self.out, self.device = work, out, device
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out.to(self.device)
 
 
 class _CopiedBack:

@@ -247,7 +247,7 @@ class FusedMoE(nn.Module):
                 return _experts_kernel(t)(t, experts.w13, experts.w2, w, i, experts.w13_scale, experts.w2_scale)
 
             out = dispatch_and_combine(x, weights, ids, dispatch.group, self.tp_size, self.tp_rank, experts.num_local,
-                                       local_experts, dispatch.real_rows_here(x))
+                                       local_experts, dispatch.real_rows_here(x), dispatch.microbatches)
         elif self.across_cores:
             dispatch = _dispatch(self)
             tokens = dispatch.dispatch(x)
@@ -341,12 +341,13 @@ class DataParallelDispatch:
     send each token only where its experts are instead (`moe_all_to_all.py`)."""
 
     def __init__(self, group: TPGroup, count_group: TPGroup, backend: str = ALLGATHER,
-                 device: torch.device | None = None):
+                 device: torch.device | None = None, microbatches: int = 1):
         if backend not in (ALLGATHER, ALLTOALLV):
             raise ValueError(f"all2all backend must be {ALLGATHER} or {ALLTOALLV}, got {backend!r}")
         self.group = group
         self.count_group = count_group
         self.backend = backend
+        self.microbatches = microbatches  # the all-to-all's, overlapped with each other's experts (`--enable-dbo`)
         self.counts: list[int] = []
         self.uniform = False  # every core runs this core's row count: no counts were exchanged
         # Each core's rows that are its requests' tokens this forward (the rest: padding, or an

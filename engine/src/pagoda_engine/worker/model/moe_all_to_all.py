@@ -14,6 +14,11 @@ One layer's exchange over the dispatch group (the ranks of this TP position in e
    an expert held elsewhere, as the expert kernels take them) and weights;
 4. the experts over the received rows; the reverse all-to-all; the partials added per token.
 
+With two micro-batches (`--enable-dbo`) the rows go in two halves, all counts in one exchange:
+both halves' dispatches start at once, the first half's experts run while the second half's
+tokens travel, and the second half's experts while the first half's results travel back (NCCL
+runs the exchanges on its own stream; `TPGroup.all_to_all_async`).
+
 The counts reach the host (one device sync per layer on CUDA) and the pieces differ in size, so
 this exchange cannot be captured in a CUDA graph: steps replayed in graphs take the all-gather /
 reduce-scatter, whose pieces are equal-sized (`moe.DataParallelDispatch`). Its gain is in bytes
@@ -36,13 +41,14 @@ Experts = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, group: TPGroup, tp_size: int,
-                         tp_rank: int, num_local: int, experts: Experts, real: torch.Tensor | None = None
-                         ) -> torch.Tensor:
+                         tp_rank: int, num_local: int, experts: Experts, real: torch.Tensor | None = None,
+                         microbatches: int = 1) -> torch.Tensor:
     """This TP position's share of the routed output for this core's tokens `x` [n, H], whose
     chosen experts are `ids` [n, k] (global ids; rank e // num_local of the EP group holds expert
     e, and EP rank = core × tp_size + TP rank) with `weights` [n, k]: what every rank of `group`
     computed for them, summed. `real` [n] bool: the rows that are tokens of requests (the others,
-    padding and dummy rows, go nowhere and come back zero)."""
+    padding and dummy rows, go nowhere and come back zero). `microbatches` 2 (`--enable-dbo`):
+    the rows in two halves, each exchanged while the other's experts run."""
     n, k = ids.shape
     size = group.size
     ep_rank = ids // num_local
@@ -54,18 +60,30 @@ def dispatch_and_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tens
     send = torch.zeros(n, size + 1, dtype=torch.bool, device=x.device)
     send.scatter_(1, torch.where(here, dest, size), True)
     send = send[:, :size]
-    dst, token = send.t().nonzero(as_tuple=True)  # by destination, then token: the runs all_to_all sends
-    send_counts = send.sum(0)
-    recv_counts = group.all_to_all(send_counts, [1] * size, [1] * size)
-    counts = torch.cat((send_counts, recv_counts)).tolist()  # one sync for both
-    send_counts, recv_counts = counts[:size], counts[size:]
-    # Ids local to the receiving rank: its first expert is (d × tp_size + tp_rank) × num_local.
-    local = ids[token] - ((dst * tp_size + tp_rank) * num_local)[:, None]
-    local = local.masked_fill((local < 0) | (local >= num_local), num_local)
-    # float32 holds the ids exactly (fewer than 2^24 experts) and the weights of any half type.
-    meta = torch.cat((local.to(torch.float32), weights[token].to(torch.float32)), dim=1)
-    recv_x = group.all_to_all(x[token], send_counts, recv_counts)
-    recv_meta = group.all_to_all(meta, send_counts, recv_counts)
-    partial = experts(recv_x, recv_meta[:, k:].to(weights.dtype), recv_meta[:, :k].to(torch.int64))
-    back = group.all_to_all(partial, recv_counts, send_counts)
-    return torch.zeros_like(x).index_add_(0, token, back.to(x.dtype))
+    bounds = [n * b // microbatches for b in range(microbatches + 1)]
+    # Every micro-batch's counts in one exchange: to each rank, one count per micro-batch.
+    send_counts = torch.stack([send[lo:hi].sum(0) for lo, hi in zip(bounds, bounds[1:])], dim=1)  # [size, mb]
+    recv_counts = group.all_to_all(send_counts.flatten(), [microbatches] * size, [microbatches] * size)
+    counts = torch.cat((send_counts.flatten(), recv_counts)).view(2, size, microbatches).tolist()  # one sync
+    plans, arriving = [], []
+    for b, (lo, hi) in enumerate(zip(bounds, bounds[1:])):
+        sent, received = [c[b] for c in counts[0]], [c[b] for c in counts[1]]
+        dst, token = send[lo:hi].t().nonzero(as_tuple=True)  # by destination, then token: the runs sent
+        token = token + lo
+        # Ids local to the receiving rank: its first expert is (d × tp_size + tp_rank) × num_local.
+        local = ids[token] - ((dst * tp_size + tp_rank) * num_local)[:, None]
+        local = local.masked_fill((local < 0) | (local >= num_local), num_local)
+        # float32 holds the ids exactly (fewer than 2^24 experts) and the weights of any half type.
+        meta = torch.cat((local.to(torch.float32), weights[token].to(torch.float32)), dim=1)
+        plans.append((token, sent, received))
+        arriving.append((group.all_to_all_async(x[token], sent, received),
+                         group.all_to_all_async(meta, sent, received)))
+    returning = []
+    for (token, sent, received), (tokens_in, meta_in) in zip(plans, arriving):
+        recv_x, recv_meta = tokens_in.wait(), meta_in.wait()
+        partial = experts(recv_x, recv_meta[:, k:].to(weights.dtype), recv_meta[:, :k].to(torch.int64))
+        returning.append(group.all_to_all_async(partial, received, sent))
+    out = torch.zeros_like(x)
+    for (token, _, _), back in zip(plans, returning):
+        out.index_add_(0, token, back.wait().to(x.dtype))
+    return out
