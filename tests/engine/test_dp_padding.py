@@ -54,9 +54,17 @@ def test_padding_follows_the_decode_graphs_and_enforce_eager_turns_it_off():
     assert dp_padded_sizes(eager) == ()
 
 
-def test_all2all_backend_is_refused_without_experts_across_cores():
-    with pytest.raises(ValueError, match="--all2all-backend .* needs --enable-expert-parallel"):
-        EngineConfig.from_kwargs(model="pagoda-tiny", all2all_backend="alltoallv")
+def test_the_dispatch_flags_are_refused_where_they_would_do_nothing():
+    across = dict(model="pagoda-tiny", data_parallel_size=2, enable_expert_parallel=True)
+    for kwargs, why in [(dict(model="pagoda-tiny", all2all_backend="alltoallv"), "--all2all-backend .* needs"),
+                        (dict(across, enable_dbo=True), "--enable-dbo .* needs --all2all-backend alltoallv"),
+                        (dict(across, enable_eplb=True, tensor_parallel_size=2), "--enable-eplb .* --tensor-parallel"),
+                        (dict(model="pagoda-tiny", enable_eplb=True), "--enable-eplb .* needs"),
+                        (dict(across, eplb_config={"num_redundant_experts": 2}), "--eplb-config .* needs --enable-eplb")]:
+        with pytest.raises(ValueError, match=why):
+            EngineConfig.from_kwargs(**kwargs)
+    EngineConfig.from_kwargs(**across, all2all_backend="alltoallv", enable_dbo=True, enable_eplb=True,
+                             eplb_config={"num_redundant_experts": 2})
 
 
 @pytest.fixture(scope="module")

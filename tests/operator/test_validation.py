@@ -483,6 +483,10 @@ def test_the_all2all_backend_needs_experts_across_data_parallel_cores():
     assert problems_of(within) == ["engine.extraArgs --all2all-backend alltoallv: needs experts across data-parallel "
                                    "engine cores (topology.expert with topology.data above 1)"]
     assert problems_of(with_spec(ep, engine__extraArgs=["--all2all-backend", "deepep_low_latency"])) != []
+    assert problems_of(with_spec(ep, engine__extraArgs=["--all2all-backend", "alltoallv", "--enable-dbo"])) == []
+    assert problems_of(with_spec(ep, engine__extraArgs=["--enable-dbo"])) == [
+        "engine.extraArgs --enable-dbo: needs --all2all-backend alltoallv with experts across data-parallel engine "
+        "cores (topology.expert with topology.data above 1)"]
     # EPLB balances over one rank per core: the example's two tensor-parallel ranks per core are refused.
     assert problems_of(with_spec(ep, engine__extraArgs=["--enable-eplb"])) == [
         "engine.extraArgs --enable-eplb: needs experts across data-parallel engine cores (topology.expert with "
