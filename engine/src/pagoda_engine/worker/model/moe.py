@@ -33,6 +33,10 @@ shared 2-core machine): with 2 processes the all-to-all won up to 8 tokens per c
 31.7 against 40.7 ms at 128), the ring's extra rounds each waiting for a descheduled process
 (that all-to-all sent a token once per chosen expert; `moe_all_to_all.py` sends it once per
 rank). A core with nothing to run still joins, with a dummy batch (`Worker.execute_dummy_batch`).
+Rows that are no request's token (padding to the largest core, padded decode steps, dummy
+batches) go to no expert (`DataParallelDispatch.real_rows`), so each layer's `load` counts the
+requests' tokens its experts took (`worker/eplb.py` reads them); under EPLB an `ExpertMap` sends
+each pair to one copy of its logical expert, and the slots are physical.
 
 Expert ids reaching the expert kernels are local: `0 .. E_local - 1` for the experts this rank
 holds, `E_local` for a pair whose expert lives elsewhere (it contributes nothing here).
