@@ -281,7 +281,7 @@ class FusedMoE(nn.Module):
         """Add a forward's pairs (ids local to this rank, `num_local` for none here) to `load`."""
         if self.load is not None:
             flat = local_ids.flatten()
-            self.load.index_add_(0, flat, torch.ones_like(flat))
+            self.load.index_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))
 
     def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
                         logits: torch.Tensor | None = None) -> torch.Tensor:
