@@ -378,7 +378,7 @@ class DataParallelDispatch:
 
     def real_rows_here(self, x: torch.Tensor) -> torch.Tensor:
         """Which of this core's rows `x` are its requests' tokens."""
-        return torch.arange(x.shape[0], device=x.device) < self.real_rows[self.group.rank]
+        return torch.arange(x.shape[0], device=x.device) < self.real_rows.to(x.device)[self.group.rank]
 
     def sends_pairs(self) -> bool:
         """Whether this layer's exchange is the all-to-all: asked for, and not inside a CUDA graph
@@ -404,7 +404,7 @@ class DataParallelDispatch:
         padded decode steps' dummy rows, an idle core's dummy token): they go to no expert. Made
         from `real_rows` by each layer, so that a graph's replay reads the step's own."""
         row = torch.arange(tokens.shape[0] // self.group.size, device=tokens.device)
-        return (row[None, :] >= self.real_rows[:, None]).flatten()
+        return (row[None, :] >= self.real_rows.to(tokens.device)[:, None]).flatten()
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """`out` [dp × padded, H] summed over the cores, this core's rows only: [its count, H]."""
