@@ -61,11 +61,26 @@ def test_pacing_asked_for_where_steps_do_not_run_ahead_is_refused():
     (["--enforce-eager"], H200, "enforce-eager"),
     (["--attention-backend", "torch"], H200, "a backend without graphs"),
     ([], DeviceFacts(**{**H200.__dict__, "graph_attention": False}), "auto finds no FlashInfer"),
-    (["-dp", "2", "--enable-expert-parallel"], H200, "experts across cores"),
+    (["-dp", "2", "--enable-expert-parallel", "-pp", "2"], H200, "experts across cores with pipelines"),
+    (["-dp", "2", "--enable-expert-parallel"], DeviceFacts(**{**H200.__dict__, "collectives": "gloo"}),
+     "experts across cores over gloo"),
     (["-tp", "2"], DeviceFacts(**{**H200.__dict__, "collectives": "gloo"}), "tensor parallelism over gloo"),
 ])
 def test_cuda_graphs_are_off_where_they_cannot_run(flags, facts, why):
     assert resolve_for_device(serve(*flags), facts).model.cudagraph_mode == "NONE", why
+
+
+def test_experts_across_cores_replay_decode_graphs_of_padded_steps_when_asked():
+    """Every core pads its decode steps to a size all of them replay (`worker/dp_padding.py`);
+    other steps run eagerly, so the piecewise graphs are not captured. Asked for: by default these
+    cores run eagerly until the padded graphs are measured on GPUs."""
+    assert resolve_for_device(serve("-dp", "2", "--enable-expert-parallel"), H200).model.cudagraph_mode == "NONE"
+    for mode in ("FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"):
+        resolved = resolve_for_device(serve("-dp", "2", "--enable-expert-parallel", "--cudagraph-mode", mode), H200)
+        assert resolved.model.cudagraph_mode == "FULL_DECODE_ONLY"
+    eager = resolve_for_device(serve("-dp", "2", "--enable-expert-parallel", "--enforce-eager",
+                                     "--cudagraph-mode", "FULL_DECODE_ONLY"), H200)
+    assert eager.model.cudagraph_mode == "NONE"
 
 
 def test_tensor_parallelism_over_nccl_keeps_its_graphs():

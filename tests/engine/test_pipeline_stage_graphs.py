@@ -114,7 +114,13 @@ def test_pipeline_parallelism_keeps_cuda_graphs_and_only_what_cannot_capture_run
     # Tensor parallelism over gloo: the all-reduces inside the graphs would pass through the host.
     assert "all-reduces pass through host memory" in graphs_unavailable(pp, "gloo")
     across = EngineConfig.from_kwargs(enable_expert_parallel=True, data_parallel_size=2)
-    assert "expert parallelism across data-parallel engine cores" in graphs_unavailable(across, "nccl")
+    assert "unless --cudagraph-mode FULL_DECODE_ONLY" in graphs_unavailable(across, "nccl")  # opt-in
+    asked = EngineConfig.from_kwargs(enable_expert_parallel=True, data_parallel_size=2,
+                                     cudagraph_mode="FULL_DECODE_ONLY")
+    assert graphs_unavailable(asked, "nccl") is None  # decode steps padded alike on every core
+    staged = EngineConfig.from_kwargs(enable_expert_parallel=True, data_parallel_size=2, pipeline_parallel_size=2,
+                                      cudagraph_mode="FULL_DECODE_ONLY")
+    assert "expert parallelism across data-parallel engine cores" in graphs_unavailable(staged, "nccl")
 
 
 def test_dist_backend_is_nccl_on_cuda_unless_gloo_is_asked_for(monkeypatch):

@@ -509,3 +509,24 @@ def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():
         "drain timeout"]
     longer = with_spec(base, engine__extraArgs=["--drain-timeout", "100"], engine__terminationGracePeriodSeconds=120)
     assert problems_of(longer) == []
+
+
+def test_the_all2all_backend_needs_experts_across_data_parallel_cores():
+    """`--all2all-backend alltoallv` in extraArgs: taken where experts span the cores, refused
+    (as the engine refuses it at start-up) where there are none to reach."""
+    ep = load_example("mixtral-8x7b-ep.yaml")
+    assert (ep["spec"]["topology"]["data"], ep["spec"]["topology"]["expert"]) == (2, True)
+    assert problems_of(with_spec(ep, engine__extraArgs=["--all2all-backend", "alltoallv"])) == []
+    within = with_spec(ep, topology={"tensor": 2, "data": 1, "expert": True},
+                       engine__extraArgs=["--all2all-backend", "alltoallv"])
+    assert problems_of(within) == ["engine.extraArgs --all2all-backend alltoallv: needs experts across data-parallel "
+                                   "engine cores (topology.expert with topology.data above 1)"]
+    assert problems_of(with_spec(ep, engine__extraArgs=["--all2all-backend", "deepep_low_latency"])) != []
+    assert problems_of(with_spec(ep, engine__extraArgs=["--all2all-backend", "alltoallv", "--enable-dbo"])) == []
+    assert problems_of(with_spec(ep, engine__extraArgs=["--enable-dbo"])) == [
+        "engine.extraArgs --enable-dbo: needs --all2all-backend alltoallv with experts across data-parallel engine "
+        "cores (topology.expert with topology.data above 1)"]
+    # EPLB balances over one rank per core: the example's two tensor-parallel ranks per core are refused.
+    assert problems_of(with_spec(ep, engine__extraArgs=["--enable-eplb"])) == [
+        "engine.extraArgs --enable-eplb: needs experts across data-parallel engine cores (topology.expert with "
+        "topology.data above 1) and topology.tensor 1"]

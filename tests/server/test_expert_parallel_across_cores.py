@@ -96,6 +96,33 @@ def test_one_core_works_while_the_other_has_nothing(dp_ep_server, one_process_te
     assert served[busy] == len(PROMPTS) and served[1 - busy] == 0, served
 
 
+def test_the_experts_load_is_exported_per_layer_and_expert(dp_ep_server, moe_dir):
+    """`pagoda:moe_expert_tokens`: the tokens each expert took, per MoE layer, counted by the core
+    holding it (read every 5 s while busy, and at rest). Every layer sees the same tokens: at rest
+    its experts' counts sum to top-k pairs of each, the same in every layer."""
+    import json
+
+    asyncio.run(_complete(dp_ep_server.base_url, PROMPTS[1], 0))
+    _wait_idle(dp_ep_server.url)
+    deadline = time.monotonic() + 10  # the idle core's read comes with its wave's end, just after
+    while True:
+        per_layer: dict[int, dict[int, float]] = {}
+        for key, value in scrape(dp_ep_server.url).items():
+            if key.startswith("pagoda:moe_expert_tokens_total{"):
+                labels = dict(part.split("=") for part in key[key.index("{") + 1:-1].split(","))
+                per_layer.setdefault(int(labels["layer"]), {})[int(labels["expert"])] = value
+        totals = {sum(experts.values()) for experts in per_layer.values()}
+        if len(totals) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    config = json.loads((moe_dir / "config.json").read_text())
+    assert sorted(per_layer) == list(range(config["num_hidden_layers"]))
+    assert all(sorted(experts) == list(range(config["num_local_experts"])) for experts in per_layer.values())
+    assert len(totals) == 1, per_layer
+    total = totals.pop()
+    assert total > 0 and total % config["num_experts_per_tok"] == 0, total
+
+
 def _cpu_seconds(pid: int) -> float:
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()

@@ -29,6 +29,7 @@ from pagoda_engine.kv_events import KVEventsConfig, parse_kv_events_config
 from pagoda_engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from pagoda_engine.lora import parse_lora_modules
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
+from pagoda_engine.eplb import EPLBConfig, parse_eplb_config
 from pagoda_engine.speculative import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
@@ -38,6 +39,9 @@ logger = logging.getLogger(__name__)
 
 
 CUDAGRAPH_MODES = ("FULL_AND_PIECEWISE", "FULL_DECODE_ONLY", "NONE")
+# How MoE tokens reach the experts of other data-parallel cores (`worker/model/moe.py`): vLLM's
+# default, and an all-to-all with counts (vLLM's kernel-library backends are not implemented).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "alltoallv")
 DEFAULT_MAX_CUDAGRAPH_CAPTURE_SIZE = 512  # vLLM's
 # The names of `--tool-call-parser` and `--reasoning-parser` (vLLM's): the parsers themselves live
 # in `api.tool_parsers` and `api.reasoning_parsers`, whose registries hold exactly these names.
@@ -275,6 +279,20 @@ class ParallelConfig:
     data_parallel_master_port: int | None = None
     enable_expert_parallel: bool = option(
         False, help="give each rank whole MoE experts (experts ÷ ranks) instead of a slice of every expert")
+    all2all_backend: str = option(
+        ALL2ALL_BACKENDS[0], choices=ALL2ALL_BACKENDS,
+        help="with experts across data-parallel cores (--enable-expert-parallel --data-parallel-size N): how tokens "
+             "reach other cores' experts; allgather_reducescatter: every core's tokens to every rank, the results "
+             "reduce-scattered back (equal-sized pieces, captured in CUDA graphs); alltoallv: each token only to "
+             "the ranks holding its chosen experts, counts exchanged first (eager steps; decode steps replayed in "
+             "CUDA graphs keep the all-gather)")
+    enable_dbo: bool = option(
+        False, help="with --all2all-backend alltoallv: each MoE layer's tokens in two micro-batches, one's all-to-all "
+                    "overlapped with the other's expert GEMMs (within the layer, not across the forward as vLLM's)")
+    enable_eplb: bool = option(
+        False, help="with experts across data-parallel cores and --tensor-parallel-size 1: expert-parallel load "
+                    "balancing, redundant copies of the busiest experts and their placement re-made from the "
+                    "measured load (--eplb-config)")
     # Multi-node (vLLM's flags): one engine's tensor × pipeline parallel ranks spread evenly over
     # `nnodes` hosts, rank r on node r // (ranks per node). Node 0 (the leader) runs the API
     # server, the engine core and its own ranks; every other node runs `--headless`: only its
@@ -451,6 +469,13 @@ class EngineConfig:
              '127.0.0.1:14579, core r: port + r), "kv_connector_extra_config": {"hold_timeout_s": 120, '
              '"transfer_timeout_s": 10} (default: off)')
 
+    # vLLM's --eplb-config (`eplb.py`): read with --enable-eplb, refused without it.
+    eplb_config: EPLBConfig = option(
+        default_factory=EPLBConfig, type=str, cli_default=None, metavar="JSON",
+        help='expert-parallel load balancing\'s settings, vLLM\'s keys, e.g. \'{"num_redundant_experts": 16, '
+             '"window_size": 1000, "step_interval": 3000, "log_balancedness": true}\' (forwards; the defaults '
+             'are these, with no redundant experts); needs --enable-eplb')
+
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
         """Build from flat keyword arguments (the offline `LLM(...)` and parsed CLI flags use the
@@ -461,6 +486,7 @@ class EngineConfig:
         cfg.speculative_config = parse_speculative_config(kwargs.pop("speculative_config", None))
         cfg.kv_events_config = parse_kv_events_config(kwargs.pop("kv_events_config", None))
         cfg.kv_transfer_config = parse_kv_transfer_config(kwargs.pop("kv_transfer_config", None))
+        cfg.eplb_config = parse_eplb_config(kwargs.pop("eplb_config", None))
         for key, value in kwargs.items():
             for section in sections:
                 if key in {f.name for f in fields(section)}:
@@ -487,6 +513,7 @@ class EngineConfig:
         check_generation_config_option(self.model.generation_config)
         self.model.override_generation_config = parse_override(self.model.override_generation_config) or None
         self._validate_nodes()
+        self._validate_expert_parallel()
         self._validate_pacing()
         self._validate_kv_offload()
         self._validate_speculative()
@@ -511,6 +538,20 @@ class EngineConfig:
         # Under pipeline parallelism and with experts across cores: refused by the capability table.
         if self.speculative_config.enabled:
             raise ValueError("--enable-lora is not supported with --speculative-config yet")
+
+    def _validate_expert_parallel(self) -> None:
+        pc = self.parallel
+        if pc.all2all_backend != ALL2ALL_BACKENDS[0] and not pc.expert_parallel_across_cores:
+            raise ValueError("--all2all-backend chooses how tokens reach other data-parallel cores' experts: it needs "
+                             "--enable-expert-parallel with --data-parallel-size above 1")
+        if pc.enable_dbo and pc.all2all_backend != "alltoallv":
+            raise ValueError("--enable-dbo overlaps the all-to-all of two micro-batches with their experts: it needs "
+                             "--all2all-backend alltoallv (with --enable-expert-parallel --data-parallel-size N)")
+        if pc.enable_eplb and not (pc.expert_parallel_across_cores and pc.tensor_parallel_size == 1):
+            raise ValueError("--enable-eplb balances experts across data-parallel cores: it needs "
+                             "--enable-expert-parallel with --data-parallel-size above 1 and --tensor-parallel-size 1")
+        if self.eplb_config != EPLBConfig() and not pc.enable_eplb:
+            raise ValueError("--eplb-config sets expert-parallel load balancing: it needs --enable-eplb")
 
     def _validate_pacing(self) -> None:
         """--step-launch-pacing times async scheduling's one step in flight: refused where there is none."""
@@ -737,7 +778,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
     """Map parsed flags onto EngineConfig; flags that are not engine options are ignored."""
     known = {f.name for section in (*ENGINE_SECTIONS, ServerConfig)
              for f in fields(section)} | {"profiler_config", "speculative_config", "kv_events_config",
-                                                  "kv_transfer_config"}
+                                                  "kv_transfer_config",
+                                                  "eplb_config"}
     kwargs = {k: v for k, v in vars(args).items() if k in known}
     if "dtype" in kwargs:
         kwargs["dtype"] = _DTYPE_ALIASES.get(kwargs["dtype"], kwargs["dtype"])
@@ -749,10 +791,16 @@ def graphs_unavailable(config: EngineConfig, collectives: str) -> str | None:
     eagerly, or None (then every rank, every pipeline stage included, captures them);
     `collectives`: its process groups' backend (`parallel_state.dist_backend`)."""
     pc = config.parallel
-    if pc.expert_parallel_across_cores:
-        # Every core would have to replay the same graph size and kind at each step (vLLM pads
-        # to the largest core's batch and agrees on the mode first): not built yet.
-        return "expert parallelism across data-parallel engine cores runs eagerly"
+    if pc.expert_parallel_across_cores and pc.pipeline_parallel_size > 1:
+        # The cores agree on each decode step's padded size (`worker/dp_padding.py`) without pipelines.
+        return "expert parallelism across data-parallel engine cores with pipeline parallelism runs eagerly"
+    if pc.expert_parallel_across_cores and config.model.cudagraph_mode is None:
+        # Opt-in until the padded decode graphs have run on GPUs (they pass the CPU tests, eagerly).
+        return ("expert parallelism across data-parallel engine cores runs eagerly unless --cudagraph-mode "
+                "FULL_DECODE_ONLY asks for its decode graphs (every core's step padded to one captured size)")
+    if pc.expert_parallel_across_cores and collectives == "gloo":
+        return ("expert parallelism across data-parallel engine cores over gloo (PAGODA_DIST_BACKEND=gloo) runs "
+                "eagerly: its MoE dispatch passes through host memory, which a CUDA graph cannot capture")
     if pc.tensor_parallel_size > 1 and collectives == "gloo":
         # The pipeline's send/recv stay outside the graphs; the all-reduces are inside them.
         return ("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) runs eagerly: its all-reduces pass "
@@ -772,7 +820,7 @@ def resolve_for_device(config: EngineConfig, facts: DeviceFacts) -> EngineConfig
     - device: the one `--device` names ("auto": what it found);
     - cudagraph_mode: the mode asked for (`resolve_cudagraph_mode`) where CUDA graphs can run
       (a GPU, an attention backend that replays them, not --enforce-eager, `graphs_unavailable`),
-      else NONE."""
+      else NONE; with experts across data-parallel cores at most FULL_DECODE_ONLY."""
     mc, sc, pc = config.model, dataclasses.replace(config.scheduler), config.parallel
     if sc.async_scheduling is None:
         sc.async_scheduling = facts.steps_run_ahead
@@ -793,5 +841,9 @@ def resolve_for_device(config: EngineConfig, facts: DeviceFacts) -> EngineConfig
             logger.warning("%s: CUDA graphs are off", eager_reason)
         else:
             cudagraph_mode = resolve_cudagraph_mode(mc.cudagraph_mode)
+            if pc.expert_parallel_across_cores and cudagraph_mode == "FULL_AND_PIECEWISE":
+                # Only decode steps are padded to a size every core replays (`worker/dp_padding.py`).
+                logger.info("experts across data-parallel engine cores: decode graphs only (FULL_DECODE_ONLY)")
+                cudagraph_mode = "FULL_DECODE_ONLY"
     return dataclasses.replace(config, scheduler=sc,
                                model=dataclasses.replace(mc, device=facts.device, cudagraph_mode=cudagraph_mode))

@@ -240,6 +240,10 @@ class SchedulerStats(msgspec.Struct, kw_only=True, array_like=True):
     # --enable-lora: the adapters of the running and of the waiting requests (vLLM's lora_requests_info).
     running_lora_adapters: list[str] = []
     waiting_lora_adapters: list[str] = []
+    # Experts across data-parallel cores: tokens each expert of this core's ranks took since
+    # start-up, [MoE layer][expert] (counters, read every few seconds, not every step: empty in
+    # the stats between reads, where the receiver keeps the last).
+    expert_load: list[list[int]] = []
 
 
 class EngineCoreOutputs(_Message):

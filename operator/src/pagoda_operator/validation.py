@@ -96,8 +96,29 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_compile_cache(spec),
         *_check_engine_key(spec),
         *_check_speculative(spec),
+        *_check_all2all(spec),
         *_check_drain(spec),
     ]
+
+
+def _check_all2all(spec: InferenceServiceSpec) -> list[str]:
+    """--all2all-backend, --enable-dbo and --enable-eplb are about experts across data-parallel
+    cores: the engine refuses them at start-up without (`EngineConfig.validate`), --enable-dbo
+    without the all-to-all, EPLB with tensor parallelism."""
+    extra, topology = spec.engine.extra_args, spec.topology
+    across = topology.expert and topology.data > 1
+    problems = []
+    backend = engine_capabilities.extra_arg_value(extra, "--all2all-backend")
+    if backend is not None and backend != "allgather_reducescatter" and not across:
+        problems.append(f"engine.extraArgs --all2all-backend {backend}: needs experts across data-parallel engine "
+                        f"cores (topology.expert with topology.data above 1)")
+    if engine_capabilities.extra_arg_value(extra, "--enable-dbo") and (not across or backend != "alltoallv"):
+        problems.append("engine.extraArgs --enable-dbo: needs --all2all-backend alltoallv with experts across "
+                        "data-parallel engine cores (topology.expert with topology.data above 1)")
+    if engine_capabilities.extra_arg_value(extra, "--enable-eplb") and not (across and topology.tensor == 1):
+        problems.append("engine.extraArgs --enable-eplb: needs experts across data-parallel engine cores "
+                        "(topology.expert with topology.data above 1) and topology.tensor 1")
+    return problems
 
 
 def _check_speculative(spec: InferenceServiceSpec) -> list[str]:

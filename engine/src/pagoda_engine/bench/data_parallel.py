@@ -127,7 +127,8 @@ def _settings(config: EngineConfig, ready: CoreReady) -> dict:
     return {
         "model": mc.model, "load_format": mc.load_format, "dtype": mc.dtype,
         "data_parallel_size": pc.data_parallel_size, "tensor_parallel_size": pc.tensor_parallel_size,
-        "enable_expert_parallel": pc.enable_expert_parallel,
+        "enable_expert_parallel": pc.enable_expert_parallel, "all2all_backend": pc.all2all_backend,
+        "enable_eplb": pc.enable_eplb, "enforce_eager": mc.enforce_eager,
         "max_num_seqs": sc.max_num_seqs, "max_num_batched_tokens": sc.max_num_batched_tokens,
         "max_model_len": ready.max_model_len, "block_size": ready.block_size,
         "gpu_memory_utilization": cc.gpu_memory_utilization, "enable_prefix_caching": cc.enable_prefix_caching,

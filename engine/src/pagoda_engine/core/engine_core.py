@@ -60,6 +60,9 @@ from pagoda_engine.worker.executor import create_executor, probe_device
 logger = logging.getLogger(__name__)
 
 _OFFLOAD_IDLE_WAIT_S = 0.001
+# How often the MoE experts' load is read from the ranks (experts across data-parallel cores):
+# below Prometheus' usual scrape interval, above a step's time many times over.
+EXPERT_LOAD_PERIOD_S = 5.0
 
 
 def read_eos_token_ids(model_dir: str, hf_config) -> tuple[int, ...]:
@@ -152,6 +155,7 @@ class EngineCore:
         self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
+        self._expert_load_read_at = 0.0  # experts across cores: when `get_stats` last read their load
         # Async scheduling's step in flight, or pipeline parallelism's batch queue (a batch per stage).
         self.in_flight = StepsInFlight(self, config.scheduler.step_launch_pacing,
                                        config.parallel.pipeline_parallel_size)
@@ -466,4 +470,16 @@ class EngineCore:
                          *spec.accepted_per_pos] if spec is not None else [],
             kv_transfer=self.kv_transfer.stats() if self.kv_transfer is not None else [],
             running_lora_adapters=sorted(self.scheduler.running_adapters()) if self.lora is not None else [],
-            waiting_lora_adapters=sorted(self.scheduler.waiting_adapters()) if self.lora is not None else [])
+            waiting_lora_adapters=sorted(self.scheduler.waiting_adapters()) if self.lora is not None else [],
+            expert_load=self._expert_load_if_due())
+
+    def _expert_load_if_due(self) -> list[list[int]]:
+        """Experts across cores: their load every `EXPERT_LOAD_PERIOD_S` while busy (a device sync
+        on every rank, so not every step) and whenever the core has nothing left to run (its last
+        step's stats, the idle state's: the figures are exact at rest); empty in between."""
+        now = time.monotonic()
+        if not self.in_lockstep or (self.has_unfinished_requests()
+                                    and now - self._expert_load_read_at < EXPERT_LOAD_PERIOD_S):
+            return []
+        self._expert_load_read_at = now
+        return self.executor.expert_load()

@@ -189,7 +189,10 @@ def settings_allow_compile_ahead(config: EngineConfig) -> bool:
     condition of compiling ahead (`create_executor` adds the device and the cache's state;
     `start_compile_pool_early` asks before it knows them all)."""
     mc = config.model
-    return not mc.enforce_eager and mc.cudagraph_mode != "NONE" and mc.attention_backend != "torch"
+    # Cores whose experts span each other pair every forward's collectives: each core decides
+    # alone whether to compile ahead (its extra passes), so none does.
+    return (not mc.enforce_eager and mc.cudagraph_mode != "NONE" and mc.attention_backend != "torch"
+            and not config.parallel.expert_parallel_across_cores)
 
 
 def ranks_on_node(config: EngineConfig) -> int:

@@ -280,11 +280,14 @@ class DecodeGraphs:
         received before `run`, [2, padded size, hidden]."""
         return self.received.view(self.padded_size(batch.num_reqs))
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+            size: int | None = None) -> torch.Tensor:
         """The hidden states of the batch's rows; on a pipeline stage other than the last, the
-        graph's fixed output for the next stage: (x, residual) [2, padded size, hidden]."""
+        graph's fixed output for the next stage: (x, residual) [2, padded size, hidden]. `size`:
+        the captured size to replay (data-parallel cores agree on one: `dp_padding.py`), by
+        default the batch's own padded size."""
         n = batch.num_reqs
-        bs = self.padded_size(n)
+        bs = self.padded_size(n) if size is None else size
         load_padded(self.input_ids, self.positions, input_ids, positions, bs)
         key = (bs, self.attn.plan_graph_decode(batch, bs))
         self.graphs[key].replay()

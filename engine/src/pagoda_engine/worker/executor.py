@@ -546,6 +546,14 @@ class Executor:
         """Experts across cores: one dummy token through every rank's model (`Worker.execute_dummy_batch`)."""
         self.call("execute_dummy_batch")
 
+    def expert_load(self) -> list[list[int]]:
+        """Experts across cores: [MoE layer][expert] tokens this core's ranks' experts took since
+        start-up (each rank holds its own experts: the sum over ranks); a device sync on every rank."""
+        total: list[list[int]] = []
+        for counts in self.collective_rpc("read_expert_load"):
+            total = counts if not total else [[a + b for a, b in zip(x, y)] for x, y in zip(total, counts)]
+        return total
+
     def agree_with_cores(self, has_work: bool, stopping: bool) -> tuple[int, int]:
         """Experts across cores: how many of the pod's engine cores have unfinished requests and
         how many are stopping (this core's answers: `has_work`, `stopping`); every core must ask,
@@ -748,6 +756,16 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
     return executor
 
 
+def dp_padded_sizes(config: EngineConfig) -> tuple[int, ...]:
+    """The sizes data-parallel cores whose experts span each other pad their decode steps to: the
+    decode graphs' (`worker/dp_padding.py`); none under --enforce-eager (every step then runs
+    eagerly at its own size, the escape from the graphs) or pipeline parallelism."""
+    if config.model.enforce_eager or config.parallel.pipeline_parallel_size > 1:
+        return ()
+    return tuple(graph_batch_sizes(resolve_cudagraph_capture_size(config.scheduler.max_num_seqs,
+                                                                  config.model.max_cudagraph_capture_size)))
+
+
 def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConfig, dtype: torch.dtype,
                  device: torch.device, compile_ahead: bool) -> Executor:
     """The executor of the engine's ranks, each with its shard loaded (and its compile pool
@@ -767,7 +785,9 @@ def _start_ranks(config: EngineConfig, model_dir: str, hf_config: PretrainedConf
             raise ModelLoadError("expert parallelism across data-parallel engine cores needs the pod's "
                                  "data_parallel_master_port (the API server sets it)")
         data_parallel = DataParallelRank(pc.data_parallel_size, pc.data_parallel_rank, pc.dp_address,
-                                         pc.data_parallel_master_port)
+                                         pc.data_parallel_master_port, pc.all2all_backend, dp_padded_sizes(config),
+                                         asdict(config.eplb_config) if pc.enable_eplb else None,
+                                         2 if pc.enable_dbo else 1)
     # The core's devices on its node: cores on several nodes count from the node's first core.
     executor = Executor(layout, device, device_offset=(pc.data_parallel_rank - pc.data_parallel_local_start)
                         * layout.world_size,

@@ -113,12 +113,20 @@ class ParallelLayout:
 @dataclass(frozen=True)
 class DataParallelRank:
     """Which data-parallel engine core a rank belongs to, and where the pod's cores meet (the
-    store core 0's first rank hosts at master_addr:master_port)."""
+    store core 0's first rank hosts at master_addr:master_port); how the MoE layers reach the
+    other cores' experts (`all2all_backend`, `--all2all-backend`) and the sizes every core pads
+    its decode steps to (`padded_sizes`, ascending: the decode graphs'; empty: no padding,
+    `worker/dp_padding.py`)."""
 
     size: int
     rank: int
     master_addr: str
     master_port: int
+    all2all_backend: str = "allgather_reducescatter"
+    padded_sizes: tuple[int, ...] = ()
+    # --enable-eplb's settings (`eplb.EPLBConfig`'s fields), or None without it.
+    eplb: dict | None = None
+    microbatches: int = 1  # the all-to-all's (2 with --enable-dbo)
 
 
 def pod_layout(layout: ParallelLayout, dp: DataParallelRank) -> tuple[ParallelLayout, int]:

@@ -20,9 +20,10 @@ slow way to run pipeline parallelism, graphs included, on one GPU.
 
 With expert parallelism across data-parallel engine cores (`data_parallel`), each rank also joins
 the pod's store (hosted by core 0's first rank) and its DP group (the ranks of its TP position in
-every core): the MoE layers dispatch over it (`moe.DataParallelDispatch`), every eager forward
-first shares its token count over a gloo group of the same ranks, and a core with nothing to run
-joins its siblings' forwards with `execute_dummy_batch`. Core processes (local rank 0) also agree
+every core): the MoE layers dispatch over it (`moe.DataParallelDispatch`), every forward first
+agrees with the other cores on its shape over a gloo group of the same ranks (decode steps padded
+to a common size, replayed in the same CUDA graph on every core: `dp_padding.py`), and a core
+with nothing to run joins its siblings' forwards with `execute_dummy_batch`. Core processes (local rank 0) also agree
 over that gloo group whether any core has work or is stopping (`agree_with_cores`).
 
 A method's result travels back pickled: methods called on every rank return small values (or
@@ -50,21 +51,24 @@ import torch.distributed as dist
 import zmq
 
 from pagoda_engine import envs
+from pagoda_engine.eplb import EPLBConfig
 from pagoda_engine.kv_tiers import OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.lora import LoRAAdapterError
 from pagoda_engine.processes import (die_with_parent, freeze_gc_heap, pause_collections_for_start_up,
                                      resume_collections, set_torch_threads)
+from pagoda_engine.worker import eplb as expert_balance
 from pagoda_engine.worker.attention import get_attention_backend
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, KVCacheSpec
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
 from pagoda_engine.worker.drafter import Drafter, load_drafter
+from pagoda_engine.worker.dp_padding import CoreStepAgreement, is_all_decode, padded_batch
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker import kv_transfer
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.lora import LoRAManager
-from pagoda_engine.worker.model.moe import DataParallelDispatch, attach_dp_dispatch
+from pagoda_engine.worker.model.moe import ALLGATHER, DataParallelDispatch, attach_dp_dispatch
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pod_layout
 from pagoda_engine.worker.profiler import RankProfiler
 from pagoda_engine.worker.rpc import Call, Hello, Reply, read_run, receive_tensors, restore_tensors, store_alive
@@ -100,6 +104,9 @@ class Worker:
         self.layout = layout
         self.data_parallel = data_parallel
         self.dp_dispatch: DataParallelDispatch | None = None
+        self.dp_padding: CoreStepAgreement | None = None  # experts across cores: each forward's agreed shape
+        self.expert_load: expert_balance.ExpertLoad | None = None  # experts across cores: tokens per expert
+        self.balancer: expert_balance.ExpertBalancer | None = None  # --enable-eplb
         self.rank = rank
         self.coordinates = layout.coordinates(rank)
         self.device = torch.device(device)
@@ -159,7 +166,9 @@ class Worker:
         pod, offset = pod_layout(self.layout, dp)
         counts = make_group(store, pod, "dp", offset + self.rank, torch.device("cpu"), name="dp-gloo")
         tokens = counts if self.device.type == "cpu" else make_group(store, pod, "dp", offset + self.rank, self.device)
-        self.dp_dispatch = DataParallelDispatch(tokens, counts)
+        self.dp_dispatch = DataParallelDispatch(tokens, counts, dp.all2all_backend, self.device, dp.microbatches)
+        if dp.padded_sizes:
+            self.dp_padding = CoreStepAgreement(counts, list(dp.padded_sizes))
     @torch.inference_mode(False)  # ordinary parameters, as on rank 0: workers serve in inference mode
     def load_model(self, model_dir: str, dtype: torch.dtype, load_format: str, seed: int,
                    pp_partition: list[tuple[int, int]] | None = None, quantization: str | None = None) -> None:
@@ -179,6 +188,14 @@ class Worker:
             attach_tp_group(self.model, self.tp_group)
         if self.dp_dispatch is not None:
             attach_dp_dispatch(self.model, self.dp_dispatch)
+            eplb = self.data_parallel.eplb
+            self.expert_load, self.balancer = expert_balance.start(
+                self.model, self.dp_dispatch.group, EPLBConfig(**eplb) if eplb is not None else None, self.layout.tp)
+
+    def read_expert_load(self) -> list[list[int]]:
+        """Experts across cores: [MoE layer][logical expert] tokens this rank's experts took since
+        start-up (a device sync); empty otherwise."""
+        return self.expert_load.read() if self.expert_load is not None else []
 
     def load_drafter(self, method: str, model_dir: str, load_format: str, seed: int) -> None:
         """Speculative decoding's drafting model (`drafter.py`), after the target's; one rank only."""
@@ -308,6 +325,14 @@ class Worker:
         if self.tp_group is not None and self.tp_group.stages_on_host:
             raise RuntimeError("tensor parallelism over gloo (PAGODA_DIST_BACKEND=gloo) cannot run in CUDA graphs: "
                                "its all-reduces pass through host memory")
+        if self.dp_dispatch is not None:
+            if self.dp_padding is None or self.dp_padding.sizes != sorted(batch_sizes) or piecewise_sizes:
+                raise RuntimeError("experts across data-parallel cores: only decode graphs of the cores' padded sizes "
+                                   "can be captured")
+            self.dp_dispatch.begin_uniform()  # every core captures each size at once: equal pieces
+            # The graphs' warm-up forwards take the exchange the graphs capture (the all-gather):
+            # its lazy set-up stays out of the capture.
+            backend, self.dp_dispatch.backend = self.dp_dispatch.backend, ALLGATHER
         pool = torch.cuda.graph_pool_handle()
         try:
             self.graphs = DecodeGraphs(self.model, self.attn, self.device, batch_sizes, max_pages_per_seq, pool,
@@ -317,6 +342,8 @@ class Worker:
                                                  self.compile_ahead)
         finally:
             self.stop_compile_pool()
+            if self.dp_dispatch is not None:
+                self.dp_dispatch.backend = backend
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
@@ -353,6 +380,11 @@ class Worker:
             self.offload.wait_for_loads()  # pages the step reads may still be arriving from host memory
         if self.lora is not None:
             self.lora.set_batch(batch.query_lens, batch.lora_slots)
+        if self.dp_padding is not None:
+            self.hidden = self._execute_across_cores(input_ids, positions, batch)
+            if self.balancer is not None:
+                self.balancer.after_forward()
+            return self.hidden
         graphs = self._graphs_for(batch)
         if graphs is None:
             self.attn.plan(batch)
@@ -368,6 +400,23 @@ class Worker:
             out = None
         self.hidden = out
         return out
+
+    def _execute_across_cores(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
+                              idle: bool = False) -> torch.Tensor:
+        """A forward (this core's step, or with `idle` its dummy batch) in the shape the cores
+        agree on (`dp_padding.py`): a decode step padded to the common size, replayed as a graph
+        where they were captured, else eagerly; any other at every core's own count."""
+        size = self.dp_padding.agree(0 if idle else batch.num_tokens, is_all_decode(batch))
+        if size is None:
+            self.dp_dispatch.set_counts(self.dp_padding.counts, self.dp_padding.real)
+            self.attn.plan(batch)
+            return self._forward(input_ids, positions, self.attn, counted=True)
+        self.dp_dispatch.begin_uniform(self.dp_padding.real)
+        if self.graphs is not None:
+            return self.graphs.run(input_ids, positions, batch, size)
+        ids, pos, padded = padded_batch(input_ids, positions, batch, size)
+        self.attn.plan(padded)
+        return self._forward(ids, pos, self.attn, counted=True)[:batch.num_reqs]
 
     def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | PiecewiseGraphs | None:
         """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly.
@@ -425,12 +474,19 @@ class Worker:
     def execute_dummy_batch(self) -> None:
         """Experts across cores: this core has nothing to run while another does, so it runs one
         dummy token through the model for the MoE collectives to meet (vLLM's dummy batch). Its
-        KV goes to the null page; nothing is sampled."""
+        KV goes to the null page; nothing is sampled. Where the cores pad decode steps, padded
+        to the others' size (`dp_padding.py`)."""
         batch = AttentionBatch(query_lens=[1], seq_lens=[1], page_tables=[[0]],
-                               slot_mapping=torch.zeros(1, dtype=torch.int64, device=self.device))
-        self.attn.plan(batch)
+                               slot_mapping=torch.zeros(1, dtype=torch.int64, device=self.device), num_decodes=1)
         zero = torch.zeros(1, dtype=torch.long, device=self.device)
-        self._forward(zero, zero, self.attn)
+        if self.dp_padding is not None:
+            self._execute_across_cores(zero, zero, batch, idle=True)
+        else:
+            self.attn.plan(batch)
+            self.dp_dispatch.begin_forward(1, real_tokens=0)
+            self._forward(zero, zero, self.attn, counted=True)
+        if self.balancer is not None:
+            self.balancer.after_forward()
 
     def agree_with_cores(self, has_work: bool, stopping: bool) -> tuple[int, int]:
         """Experts across cores, on a core's first rank: how many of the pod's cores have
@@ -439,10 +495,12 @@ class Worker:
         busy, stopping_cores = self.dp_dispatch.count_group.all_reduce(flags).tolist()
         return busy, stopping_cores
 
-    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor | None:
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                 counted: bool = False) -> torch.Tensor | None:
         """The eager forward of this rank's stage: (x, residual) in from the stage before, out to
-        the one after; the hidden states on the last stage, None on the others."""
-        if self.dp_dispatch is not None:
+        the one after; the hidden states on the last stage, None on the others. `counted`: the
+        MoE dispatch knows every core's count already."""
+        if self.dp_dispatch is not None and not counted:
             self.dp_dispatch.begin_forward(input_ids.shape[0])
         if self.layout.pp == 1:
             return self.model(input_ids, positions, attn)

@@ -138,6 +138,7 @@ class _SchedulerStatsCollector(Collector):
                 yield family
         yield from self._spec_decode()
         yield from self._kv_transfer()
+        yield from self._expert_load()
         if not any(stats.kv_offload for stats in self.stats):
             return
         labels = [*_LABELS, "tier"]
@@ -170,6 +171,19 @@ class _SchedulerStatsCollector(Collector):
                         family.add_metric([self.model_name, str(engine), direction], stats.kv_offload_copy[base + offset])
             yield family
 
+
+    def _expert_load(self):
+        """Experts across data-parallel cores: tokens each expert took, per MoE layer (counted on
+        the core whose ranks hold it: the pod's figure is the sum over `engine`)."""
+        if not any(stats.expert_load for stats in self.stats):
+            return
+        family = CounterMetricFamily("pagoda:moe_expert_tokens", "Tokens routed to each MoE expert, per layer "
+                                     "(counted where the expert's weights are).", labels=[*_LABELS, "layer", "expert"])
+        for engine, stats in enumerate(self.stats):
+            for layer, counts in enumerate(stats.expert_load):
+                for expert, count in enumerate(counts):
+                    family.add_metric([self.model_name, str(engine), str(layer), str(expert)], count)
+        yield family
 
     def _spec_decode(self):
         """Speculative decoding's counters (`SchedulerStats.spec_decode`), where it is on."""
@@ -444,6 +458,8 @@ class ServerMetrics:
             self._lora_requests.labels(self.model_name, str(engine), lora_name).inc()
 
     def update_stats(self, engine: int, stats: SchedulerStats) -> None:
+        if not stats.expert_load:  # read every few seconds: the last read stands between
+            stats.expert_load = self._stats.stats[engine].expert_load
         self._stats.stats[engine] = stats
         if self._lora_info is not None:
             self._lora_info.update(engine, stats)

@@ -21,6 +21,7 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -339,6 +340,19 @@ class TPGroup:
         self.backend.reduce_scatter([out], [list(staged.chunk(self.size))]).wait()
         return out.to(x.device)
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """`x`'s rows in runs of `send_counts[r]` to each rank r, in rank order; what every rank r
+        sent this one, `recv_counts[r]` rows each, concatenated in rank order."""
+        return self.all_to_all_async(x, send_counts, recv_counts).wait()
+
+    def all_to_all_async(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> _Arriving:
+        """`all_to_all` started: the returned object's `wait()` gives its result (on NCCL the
+        exchange runs on its own stream meanwhile; through host memory it has finished already)."""
+        staged = self._staged(x.contiguous())
+        out = staged.new_empty((sum(recv_counts), *staged.shape[1:]))
+        work = self.backend.alltoall_base(out, staged, list(recv_counts), list(send_counts), dist.AllToAllOptions())
+        return _Arriving(work, out, x.device)
+
     def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Rank `src`'s `x` into every rank's `x`, in place."""
         staged = self._staged(x)
@@ -375,6 +389,17 @@ def _copy_back(x: torch.Tensor, staged: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
             x.copy_(staged)
     return x
+
+
+class _Arriving:
+    """A collective's output, still arriving: `wait()` returns it on `device`."""
+
+    def __init__(self, work, out: torch.Tensor, device: torch.device):
+        self.work, self.out, self.device = work, out, device
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.out.to(self.device)
 
 
 class _CopiedBack:

@@ -21,17 +21,22 @@ tokens: before the experts an all-gather over the DP group (the ranks of the sam
 every core) gives each rank every core's tokens, padded to the largest core's count; each rank
 routes them all and computes its own experts' share; a reduce-scatter returns each core its own
 rows, summed over the cores, and the TP all-reduce then sums over the core's TP ranks. This is
-vLLM's naive "allgather_reducescatter" backend, chosen over an all-to-all with counts because
-its pieces are equal-sized (what NCCL's all-gather and reduce-scatter take, and what padded CUDA
-graphs would need), the host needs no per-layer counts (a device sync per layer on CUDA), and a
-token goes to each rank once rather than once per chosen expert there (top-8 sends a token up to
-8 times). Measured on CPU (gloo, hidden 2048, top-8 of 128, dispatch and combine, medians; a
+vLLM's "allgather_reducescatter" backend, the default (`--all2all-backend`): its pieces are
+equal-sized (what NCCL's all-gather and reduce-scatter take, and what CUDA graphs of padded
+decode steps capture: `worker/dp_padding.py`), and the host needs no per-layer counts (a device
+sync per layer on CUDA). `--all2all-backend alltoallv` sends each token only to the ranks that
+hold its experts, with counts exchanged first (`moe_all_to_all.py`), in eager steps; steps
+replayed in CUDA graphs keep the all-gather. Measured on CPU (gloo, hidden 2048, top-8 of 128, dispatch and combine, medians; a
 shared 2-core machine): with 2 processes the all-to-all won up to 8 tokens per core (0.53 against
 0.93 ms at 1, 0.90 against 1.15 ms at 8) and lost from 32 (4.6 against 2.4 ms; 13.2 against
 7.3 ms at 128); with 4 processes on those 2 cores it won throughout (2.3 against 28.7 ms at 1,
-31.7 against 40.7 ms at 128), the ring's extra rounds each waiting for a descheduled process. An
-all-to-all with counts (and one copy per rank, not per expert) is the next step for wide EP. A
-core with nothing to run still joins, with a dummy token (`Worker.execute_dummy_batch`).
+31.7 against 40.7 ms at 128), the ring's extra rounds each waiting for a descheduled process
+(that all-to-all sent a token once per chosen expert; `moe_all_to_all.py` sends it once per
+rank). A core with nothing to run still joins, with a dummy batch (`Worker.execute_dummy_batch`).
+Rows that are no request's token (padding to the largest core, padded decode steps, dummy
+batches) go to no expert (`DataParallelDispatch.real_rows`), so each layer's `load` counts the
+requests' tokens its experts took (`worker/eplb.py` reads them); under EPLB an `ExpertMap` sends
+each pair to one copy of its logical expert, and the slots are physical.
 
 Expert ids reaching the expert kernels are local: `0 .. E_local - 1` for the experts this rank
 holds, `E_local` for a pair whose expert lives elsewhere (it contributes nothing here).
@@ -60,6 +65,7 @@ from pagoda_engine.worker.model.layers import (
     _set_weight_loader,
     default_weight_loader,
 )
+from pagoda_engine.worker.model.moe_all_to_all import dispatch_and_combine
 
 # Checkpoint projection name → (stacked parameter, piece): piece 0/1 are w13's gate/up halves.
 _PROJECTIONS = {
@@ -218,6 +224,10 @@ class FusedMoE(nn.Module):
         self.experts = StackedExperts(num_experts, hidden_size, intermediate_size, tp_size, tp_rank, expert_parallel,
                                        data_parallel)
         self.across_cores = expert_parallel and data_parallel[0] > 1
+        # Experts across cores: tokens each of this rank's experts took (its slots, then one for
+        # pairs computed elsewhere), accumulated on the device (`expert_load`).
+        self.load = torch.zeros(self.experts.num_local + 1, dtype=torch.int64) if self.across_cores else None
+        self.expert_map: ExpertMap | None = None  # EPLB's logical → physical experts (`worker/eplb.py`)
         self.shared_expert = self.shared_expert_gate = None
         if shared_expert_intermediate_size:
             # Qwen2-MoE's dense expert every token takes, scaled by sigmoid of its own gate; the
@@ -230,7 +240,19 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output for the tokens x; `logits`: the router's for them, when made already
         (by `normed`, which has the tokens' experts on this core)."""
-        if self.across_cores:
+        if self.across_cores and _dispatch(self).sends_pairs():
+            weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+            if self.expert_map is not None:
+                ids = self.expert_map.physical(ids)
+            dispatch, experts = self.dp_dispatch, self.experts
+
+            def local_experts(t: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+                self._count(i)
+                return _experts_kernel(t)(t, experts.w13, experts.w2, w, i, experts.w13_scale, experts.w2_scale)
+
+            out = dispatch_and_combine(x, weights, ids, dispatch.group, self.tp_size, self.tp_rank, experts.num_local,
+                                       local_experts, dispatch.real_rows_here(x), dispatch.microbatches)
+        elif self.across_cores:
             dispatch = _dispatch(self)
             tokens = dispatch.dispatch(x)
             out = dispatch.combine(self._routed_experts(tokens, dispatch.padding_rows(tokens)))
@@ -256,37 +278,113 @@ class FusedMoE(nn.Module):
                                                 scale=self.gate.weight_scale)
         return self(x, logits), residual
 
+    def _count(self, local_ids: torch.Tensor) -> None:
+        """Add a forward's pairs (ids local to this rank, `num_local` for none here) to `load`."""
+        if self.load is not None:
+            flat = local_ids.flatten()
+            self.load.index_add_(0, flat, torch.ones_like(flat, dtype=self.load.dtype))
+
     def _routed_experts(self, x: torch.Tensor, padding: torch.Tensor | None = None,
                         logits: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's experts' share of the routed output for the tokens `x`; rows where
         `padding` is true (dispatch padding) go to no expert. `logits`: the router's, when made
         already."""
         weights, ids = select_experts(self.gate(x) if logits is None else logits, self.top_k, self.renormalize)
-        if self.experts.num_local < self.num_experts:
+        if self.expert_map is not None:
+            ids = self.expert_map.physical(ids)
+        if self.experts.num_local < self.num_experts or self.expert_map is not None:
             ids = self.experts.local_ids(ids)
         if padding is not None:
             ids = ids.masked_fill(padding[:, None], self.experts.num_local)
+            self._count(ids)
         experts = self.experts
         return _experts_kernel(x)(x, experts.w13, experts.w2, weights, ids, experts.w13_scale, experts.w2_scale)
 
 
+ALLGATHER, ALLTOALLV = "allgather_reducescatter", "alltoallv"  # `config.ALL2ALL_BACKENDS`
+
+
+class ExpertMap:
+    """EPLB's logical → physical experts of one layer (`eplb.py`): `placement[slot]` is the
+    logical expert physical slot `slot` holds (EP rank r holds slots [r × n, (r + 1) × n)). On
+    the device, updated in place so that CUDA graphs read the current map: each logical expert's
+    slots (`slots` [E, most copies], padded with its first) and how many (`copies` [E])."""
+
+    def __init__(self, num_logical: int, placement: list[int], device: torch.device | None = None):
+        self.num_logical = num_logical
+        self.slots = torch.zeros(num_logical, len(placement) - num_logical + 1, dtype=torch.int64, device=device)
+        self.copies = torch.ones(num_logical, dtype=torch.int64, device=device)
+        self.placement: list[int] = []
+        self.set(placement)
+
+    def set(self, placement: list[int]) -> None:
+        if sorted(set(placement)) != list(range(self.num_logical)):
+            raise ValueError(f"a placement must hold every one of the {self.num_logical} experts, got {placement}")
+        table: list[list[int]] = [[] for _ in range(self.num_logical)]
+        for slot, expert in enumerate(placement):
+            table[expert].append(slot)
+        width = self.slots.shape[1]
+        self.slots.copy_(torch.tensor([t + [t[0]] * (width - len(t)) for t in table], dtype=torch.int64))
+        self.copies.copy_(torch.tensor([len(t) for t in table], dtype=torch.int64))
+        self.placement = list(placement)
+
+    def physical(self, ids: torch.Tensor) -> torch.Tensor:
+        """Logical expert ids [n, k] → physical slots: row i takes copy i mod the expert's copies,
+        so that an expert's copies share its tokens."""
+        row = torch.arange(ids.shape[0], device=ids.device)[:, None]
+        return self.slots[ids, row % self.copies[ids]]
+
+
 class DataParallelDispatch:
     """The MoE layers' token exchange with the other data-parallel engine cores, shared by every
-    FusedMoE of one rank's model. `begin_forward` (once per forward, before the first layer)
-    learns every core's token count over `count_group` (gloo on CPU, so no device sync);
-    `dispatch` all-gathers the tokens over `group` (the device's), `combine` reduce-scatters the
-    experts' output back."""
+    FusedMoE of one rank's model. Once per forward, before the first layer, either
+    `begin_forward` learns every core's token count over `count_group` (gloo on CPU, so no device
+    sync), or `set_counts` is told them (`dp_padding.CoreStepAgreement` agreed on them), or
+    `begin_uniform` says every core runs as many rows as this one (padded decode steps, and the
+    CUDA graphs captured for them). `dispatch` all-gathers the tokens over `group` (the device's),
+    `combine` reduce-scatters the experts' output back; with `backend` alltoallv, eager forwards
+    send each token only where its experts are instead (`moe_all_to_all.py`)."""
 
-    def __init__(self, group: TPGroup, count_group: TPGroup):
+    def __init__(self, group: TPGroup, count_group: TPGroup, backend: str = ALLGATHER,
+                 device: torch.device | None = None, microbatches: int = 1):
+        if backend not in (ALLGATHER, ALLTOALLV):
+            raise ValueError(f"all2all backend must be {ALLGATHER} or {ALLTOALLV}, got {backend!r}")
         self.group = group
         self.count_group = count_group
+        self.backend = backend
+        self.microbatches = microbatches  # the all-to-all's, overlapped with each other's experts (`--enable-dbo`)
         self.counts: list[int] = []
-        self._padding: torch.Tensor | None = None  # this forward's `padding_rows`, made by the first layer
+        self.uniform = False  # every core runs this core's row count: no counts were exchanged
+        # Each core's rows that are its requests' tokens this forward (the rest: padding, or an
+        # idle core's dummy token), on the device, updated in place: CUDA graphs read it at replay.
+        self.real_rows = torch.zeros(group.size, dtype=torch.int64, device=device)
 
-    def begin_forward(self, num_tokens: int) -> None:
-        gathered = self.count_group.all_gather(torch.tensor([num_tokens], dtype=torch.int64))
-        self.counts = [int(c) for c in gathered]
-        self._padding = None
+    def begin_forward(self, num_tokens: int, real_tokens: int | None = None) -> None:
+        """Learn every core's row count (and of them its requests' tokens: `real_tokens`, default all)."""
+        mine = torch.tensor([num_tokens, num_tokens if real_tokens is None else real_tokens], dtype=torch.int64)
+        gathered = [g.tolist() for g in self.count_group.all_gather(mine)]
+        self.set_counts([rows for rows, _ in gathered], [real for _, real in gathered])
+
+    def set_counts(self, counts: list[int], real: list[int] | None = None) -> None:
+        """Every core's rows this forward, and of them its requests' tokens (default: all)."""
+        self.counts, self.uniform = list(counts), False
+        self.real_rows.copy_(torch.tensor(counts if real is None else real, dtype=torch.int64))
+
+    def begin_uniform(self, real: list[int] | None = None) -> None:
+        """Every core runs this core's row count, `real` of them its requests' tokens (None: the
+        real rows are set before each replay of the graphs being captured)."""
+        self.counts, self.uniform = [], True
+        if real is not None:
+            self.real_rows.copy_(torch.tensor(real, dtype=torch.int64))
+
+    def real_rows_here(self, x: torch.Tensor) -> torch.Tensor:
+        """Which of this core's rows `x` are its requests' tokens."""
+        return torch.arange(x.shape[0], device=x.device) < self.real_rows.to(x.device)[self.group.rank]
+
+    def sends_pairs(self) -> bool:
+        """Whether this layer's exchange is the all-to-all: asked for, and not inside a CUDA graph
+        (whose collectives must be the same size at every replay)."""
+        return self.backend == ALLTOALLV and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
 
     @property
     def padded(self) -> int:
@@ -295,18 +393,19 @@ class DataParallelDispatch:
 
     def dispatch(self, x: torch.Tensor) -> torch.Tensor:
         """Every core's tokens, core after core, each padded to `padded` rows: [dp × padded, H]."""
+        if self.uniform:
+            self.counts = [x.shape[0]] * self.group.size
         if len(self.counts) != self.group.size or x.shape[0] != self.counts[self.group.rank]:
             raise RuntimeError(f"the MoE dispatch was told {self.counts} tokens per core, this core has "
                                f"{x.shape[0]}: begin_forward was not called for this forward")
         return torch.cat(self.group.all_gather(F.pad(x, (0, 0, 0, self.padded - x.shape[0]))))
 
     def padding_rows(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Which rows of `dispatch`'s result are padding (the same for every layer of a forward)."""
-        if self._padding is None:
-            row = torch.arange(self.padded, device=tokens.device)
-            counts = torch.tensor(self.counts, device=tokens.device)
-            self._padding = (row[None, :] >= counts[:, None]).flatten()
-        return self._padding
+        """Which rows of `dispatch`'s result are not requests' tokens (padding to the largest core,
+        padded decode steps' dummy rows, an idle core's dummy token): they go to no expert. Made
+        from `real_rows` by each layer, so that a graph's replay reads the step's own."""
+        row = torch.arange(tokens.shape[0] // self.group.size, device=tokens.device)
+        return (row[None, :] >= self.real_rows.to(tokens.device)[:, None]).flatten()
 
     def combine(self, out: torch.Tensor) -> torch.Tensor:
         """`out` [dp × padded, H] summed over the cores, this core's rows only: [its count, H]."""
