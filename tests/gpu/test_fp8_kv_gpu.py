@@ -90,7 +90,9 @@ def _prompt_logprobs(model_dir, tokens: list[int], **kwargs) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def llama_sized(tmp_path_factory):
+def llama_sized(tmp_path_factory, gpu_model_dir):
+    import shutil
+
     import transformers
     from gpu_support import save_bf16_with_reference
 
@@ -98,6 +100,11 @@ def llama_sized(tmp_path_factory):
     model_dir, reference = save_bf16_with_reference(transformers.LlamaForCausalLM, config, 0.02,
                                                     tmp_path_factory.mktemp("llama-sized-fp8-kv"))
     del reference
+    # An engine starts with a tokenizer: the tiny model's (the prompts are token ids; ids past its
+    # vocabulary decode to nothing).
+    for f in gpu_model_dir.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, model_dir / f.name)
     torch.cuda.empty_cache()
     return model_dir
 
