@@ -25,18 +25,26 @@ _BLOCK_K = 64
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, a_stride_s, a_stride_n, out_stride,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _block_rows(blocks_ptr, rows_ptr, BLOCK_M: tl.constexpr):
+    """This program's block of one slot's rows (`blocks_ptr`: slot, start, count per block):
+    (slot, count, the mask of its BLOCK_M row positions, their row indices)."""
     block = tl.program_id(0)
-    pid_n = tl.program_id(1)
     slot = tl.load(blocks_ptr + block * 3)
     start = tl.load(blocks_ptr + block * 3 + 1)
     count = tl.load(blocks_ptr + block * 3 + 2)
-    if count == 0:
-        return
     offs_m = tl.arange(0, BLOCK_M)
     mask_m = offs_m < count
     rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
+    return slot, count, mask_m, rows
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, a_stride_s, a_stride_n, out_stride,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_n = tl.program_id(1)
+    slot, count, mask_m, rows = _block_rows(blocks_ptr, rows_ptr, BLOCK_M)
+    if count == 0:
+        return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     a_base = a_ptr + slot.to(tl.int64) * a_stride_s
@@ -56,16 +64,10 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, 
 def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, split1, split2, s_width,
                    s_stride, b_stride_s, b_stride_n, y_offset, y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_R: tl.constexpr):
-    block = tl.program_id(0)
     pid_n = tl.program_id(1)
-    slot = tl.load(blocks_ptr + block * 3)
-    start = tl.load(blocks_ptr + block * 3 + 1)
-    count = tl.load(blocks_ptr + block * 3 + 2)
+    slot, count, mask_m, rows = _block_rows(blocks_ptr, rows_ptr, BLOCK_M)
     if count == 0:
         return
-    offs_m = tl.arange(0, BLOCK_M)
-    mask_m = offs_m < count
-    rows = tl.load(rows_ptr + start + offs_m, mask=mask_m, other=0).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     # Which slice's shrunk columns this block of output columns reads (slices start on block edges).
