@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import os
-import socket
 import time
 
 import pytest
 
+from spawned_ranks import run_ranks
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.tiny import build_tiny_model
@@ -116,23 +115,7 @@ def test_padding_and_idle_dummy_batches_never_change_a_token(moe_dir, backend, e
     with LLM(str(moe_dir), num_kv_pages=64) as llm:
         expected = {rank: [list(llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
                                 [0].outputs[0].token_ids) for prompt, n in reqs] for rank, reqs in REQUESTS.items()}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_core, args=(rank, port, str(moe_dir), backend, eplb, results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=300) for _ in procs)}
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    got = {rank: rest for rank, *rest in run_ranks(_core, (0, 1), lambda rank: (str(moe_dir), backend, eplb))}
     for rank in (0, 1):
         tokens, sizes, padded, eager, _, _ = got[rank]
         assert tokens == expected[rank], rank

@@ -8,12 +8,11 @@ layer's (through the all-gather and the all-to-all alike), before and after."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 from test_fused_moe import BLOCKS, EXPERTS, HIDDEN, INTER, TOP_K, _hub_checkpoint, _load
 
 from pagoda_engine import eplb
@@ -97,23 +96,7 @@ def _rank(rank: int, port: int, results) -> None:
 
 
 def test_a_skewed_router_spreads_over_the_copies_and_keeps_the_output():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, port, results)) for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=300) for _ in procs)}
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    got = {rank: rest for rank, *rest in run_ranks(_rank, (0, 1), lambda rank: ())}
     _, _, kwargs = BLOCKS[ARCH]()
     whole = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, **kwargs)
     _load(whole, _checkpoint())

@@ -10,12 +10,11 @@ other ranks receive nothing and the output is still the whole layer's."""
 from __future__ import annotations
 
 import datetime
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawned_ranks import run_ranks
 from test_fused_moe import BLOCKS, EXPERTS, HIDDEN, INTER, TOP_K, _hub_checkpoint, _load
 
 from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
@@ -71,24 +70,7 @@ def _rank(rank: int, port: int, dp: int, tp: int, skewed: bool, results) -> None
 
 
 def _run(dp: int, tp: int, skewed: bool = False) -> dict[int, dict[str, list]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(rank, port, dp, tp, skewed, results)) for rank in range(dp * tp)]
-    for p in procs:
-        p.start()
-    try:
-        got = dict(results.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    return got
+    return dict(run_ranks(_rank, range(dp * tp), lambda rank: (dp, tp, skewed)))
 
 
 def _whole(skewed: bool) -> FusedMoE:

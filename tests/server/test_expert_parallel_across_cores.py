@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from spawned_ranks import run_ranks
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.tiny import build_tiny_model
 from tests.server.conftest import core_pids, kill_core_and_wait_unhealthy, launch, scrape
@@ -236,32 +237,14 @@ def test_cores_in_lockstep_warm_up_together_and_serve_greedy_tokens_after(moe_di
     or a dummy batch of the other. Here the two cores' pools differ, so their warm-ups differ (six
     and five prompt sizes): without agreeing on every turn, their forwards fall out of step and
     the request after hangs or computes with the wrong experts' outputs."""
-    import multiprocessing as mp
-    import socket
 
     prompts = [PROMPTS[1], PROMPTS[2]]
     with LLM(str(moe_dir), num_kv_pages=64) as llm:
         params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
         expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
     pools = (64, 32)  # long prompts of 236 and 108 tokens: sizes up to 129 and up to 65
-    procs = [ctx.Process(target=_lockstep_core, args=(rank, port, str(moe_dir), pools[rank], prompts[rank], results))
-             for rank in (0, 1)]
-    for p in procs:
-        p.start()
-    try:
-        got = {rank: rest for rank, *rest in (results.get(timeout=120) for _ in procs)}
-        for p in procs:
-            p.join(30)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    got = {rank: rest for rank, *rest in run_ranks(
+        _lockstep_core, (0, 1), lambda rank: (str(moe_dir), pools[rank], prompts[rank]), timeout=120)}
     for rank, sizes in ((0, {5, 9, 17, 33, 65, 129}), (1, {5, 9, 17, 33, 65})):
         step_tokens, left, tokens = got[rank]
         assert sizes <= set(step_tokens), (rank, step_tokens)  # each size class alone
