@@ -141,6 +141,11 @@ def test_a_producer_returns_vllm_shaped_params_and_a_consumer_refuses_the_wrong_
     r = httpx.post(f"{cluster['aggregated']}/v1/completions", timeout=30, json={
         "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
     assert r.status_code == 400 and "--kv-transfer-config" in r.json()["error"]["message"]
+    # Through the router a client never names where a decode engine pulls from: only the router does.
+    r = httpx.post(f"{cluster['router']}/v1/completions", timeout=30, json={
+        "model": MODEL, "prompt": [1, 2, 3], "max_tokens": 1, "kv_transfer_params": params})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert "set by the router" in r.json()["error"]["message"]
     # The producer frees the pages nobody pulled after the bound, idle or not.
     until(lambda: _stats(cluster["prefill"]).get("pagoda:kv_transfer_pages_held") == 0, HOLD_S + 10,
           "the producer's hold to expire")

@@ -26,7 +26,8 @@ from pydantic import BaseModel
 from pagoda_engine import __version__, envs
 from pagoda_engine.api.server.api_keys import require_api_key
 from pagoda_engine.api.server.bodies import bounded_json_route
-from pagoda_engine.api.server.errors import ERROR_RESPONSES, ModelNotFoundError, install_exception_handlers
+from pagoda_engine.api.server.errors import (ERROR_RESPONSES, BadRequestError, ModelNotFoundError,
+                                             install_exception_handlers)
 from pagoda_engine.api.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                                CompletionResponse, DetokenizeRequest, DetokenizeResponse,
                                                TokenizeRequest, TokenizeResponse, streamed_or)
@@ -270,6 +271,11 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         body = await request.body()
         model = getattr(parsed, "model", None)
         check_model(model)
+        if getattr(parsed, "kv_transfer_params", None) is not None:
+            # It names a host and port a decode engine would connect to: only the router's own
+            # prefill/decode mode writes it, never a client through the router.
+            raise BadRequestError("kv_transfer_params is set by the router (--prefill-backends/--decode-backends), "
+                                  "not by clients", param="kv_transfer_params")
         key: PrefixKey | None = None
         if routed and wants_prefix:
             text = _prompt_text(parsed)
