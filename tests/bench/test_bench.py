@@ -189,9 +189,9 @@ def test_timed_runs_leave_the_start_up_heap_to_the_collector_only_after(tiny_mod
     frozen_while = {}
     drive = offline._drive
 
-    def recording(core, wl, tag, profiler=None):
+    def recording(core, wl, tag, *args, **kwargs):
         frozen_while[tag] = gc.get_freeze_count()
-        return drive(core, wl, tag, profiler)
+        return drive(core, wl, tag, *args, **kwargs)
 
     monkeypatch.setattr(offline, "_drive", recording)
     size = ["--num-prompts", "2"] if bench == "throughput" else ["--num-iters", "1"]

@@ -178,7 +178,7 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
     # second between polls keeps the releases (and the callers' returns) far enough apart that a
     # loaded machine's thread scheduling cannot reorder what the test sees (at 0.1 s it did).
     proc, channel = _epp(cluster["tmp"], cluster["urls"], "--queue-limit", "1", "--flow-control-queue", "8",
-                         "--objectives-file", str(objectives), "--metrics-interval", "1")
+                         "--flow-control-timeout", "600", "--objectives-file", str(objectives), "--metrics-interval", "1")
     swapped = objectives.with_name("objectives.json.new")  # replaced whole, as kubelet swaps a ConfigMap
     swapped.write_text(json.dumps({"interactive": 10, "batch": 0}))
     os.replace(swapped, objectives)
@@ -188,7 +188,9 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
             httpx.post(f"http://{engine}/v1/completions", timeout=300, json={
                 "model": MODEL, "prompt": "busy", "max_tokens": 400, "min_tokens": 400, "ignore_eos": True})
 
-        busy = [threading.Thread(target=long_request) for _ in range(6)]  # one runs, five wait (--max-num-seqs 1)
+        # One runs, the rest wait (--max-num-seqs 1): 400 steps each, a tiny model's step a
+        # millisecond or more, so the queue stays full for ten seconds or more on any machine.
+        busy = [threading.Thread(target=long_request) for _ in range(24)]
         for t in busy:
             t.start()
 
@@ -197,7 +199,21 @@ def test_priorities_order_the_requests_held_while_the_pool_is_saturated(cluster)
                 "pagoda:num_requests_waiting{")[1].split("} ")[1].split()[0]) >= 1
 
         until(wait_until_saturated, 30, "the engine's queue to fill")
-        time.sleep(2.5)  # the picker sees the full queue at its next poll (one a second here)
+
+        def picker_holds():
+            # The picker's own view, not the engine's: a probe it holds (the call runs out of
+            # time) shows a scrape of the full queue; it stays full (the long requests wait),
+            # so every later scrape says so too. The given-up probe leaves the queue.
+            try:
+                ext_proc(channel, {"model": MODEL, "prompt": "probe"}, subset=[engine], timeout=1.5)
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return True
+                raise
+            return False
+
+        until(picker_holds, 60, "the picker to hold requests for the full engine")
+        time.sleep(0.5)  # the probe's cancellation reaches the picker
 
         def held(name: str, objective: str, fairness: str):
             pick = ext_proc(channel, {"model": MODEL, "prompt": name}, subset=[engine], timeout=120,

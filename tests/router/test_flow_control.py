@@ -55,3 +55,22 @@ def test_a_full_queue_sheds_the_lowest_priority_and_a_long_wait_times_out():
         return await low1, await high
 
     assert asyncio.run(scenario()) == (TIMED_OUT, TIMED_OUT)
+
+
+def test_a_caller_that_gives_up_leaves_the_queue():
+    """A held request whose caller is cancelled (the gateway closed its stream) gives its place up:
+    it counts no more, and the next release goes to the one behind it."""
+    async def scenario():
+        flow, room = FlowControl(capacity=2, timeout=10), {"free": False}
+        gone = asyncio.create_task(flow.admit(0, "a", lambda: room["free"]))
+        waiting = asyncio.create_task(flow.admit(0, "b", lambda: room["free"]))
+        await asyncio.sleep(0.01)
+        assert len(flow) == 2
+        gone.cancel()
+        await asyncio.sleep(0.01)
+        assert len(flow) == 1
+        room["free"] = True
+        flow.wake()
+        return await waiting
+
+    assert asyncio.run(scenario()) == GO

@@ -62,6 +62,11 @@ class FlowControl:
                 self._remove(held)
                 return TIMED_OUT
             return held.future.result()
+        except asyncio.CancelledError:
+            # The caller gave up (the gateway's stream closed): its place goes to the others.
+            if not held.future.done():
+                self._remove(held)
+            raise
 
     def wake(self) -> None:
         """Release the first held request in order that has room now (call again once it is placed)."""
