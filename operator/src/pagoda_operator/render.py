@@ -60,9 +60,14 @@ from pagoda_operator import sizing
 from pagoda_operator.autoscaler.scaledobjects import render_scaler
 from pagoda_operator.children import child_metadata, labels, selector_labels
 from pagoda_operator.quantity import gib
-from pagoda_operator.spec import InferenceServiceSpec, KVTier, desired_replicas, shared_compile_cache_claim
+from pagoda_operator.spec import (ROLE_LABEL, ROLES, InferenceServiceSpec, KVTier, desired_replicas, role_spec,
+                                  shared_compile_cache_claim)
 
 ENGINE_PORT = 8000
+# spec.prefill: where a prefill pod's engine core r answers the decode pods' page pulls (the
+# engine's default kv_port; core r on this + r). The pages themselves move over ports gloo or UCX
+# pick at run time.
+KV_TRANSFER_PORT = 14579
 ENGINE_MASTER_PORT = 29501  # a LeaderWorkerSet leader's rendezvous port (vLLM's default --master-port)
 ROUTER_PORT = 8000
 # router.mode: gateway. The Endpoint Picker's gRPC port (ext_proc and health: GAIE's 9002) and
@@ -259,9 +264,20 @@ def internal_key_secret_name(name: str) -> str:
     return f"{name}-internal-key"
 
 
-def engine_selector(name: str) -> str:
-    """status.selector: the engine pods, as a label selector string (scale subresource)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "engine").items()))
+def role_name(name: str, role: str) -> str:
+    """spec.prefill: one role's Deployment, Service and PodDisruptionBudget."""
+    return f"{name}-{role}"
+
+
+def engine_selector_labels(name: str, role: str | None = None) -> dict[str, str]:
+    """The engine pods, or with `role` (spec.prefill) that role's."""
+    return {**selector_labels(name, "engine"), **({ROLE_LABEL: role} if role else {})}
+
+
+def engine_selector(name: str, role: str | None = None) -> str:
+    """status.selector: the engine pods (spec.prefill: the decode pods, which spec.replicas counts),
+    as a label selector string (scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(engine_selector_labels(name, role).items()))
 
 
 def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
@@ -316,9 +332,9 @@ def _format_gb(num_gib: float) -> str:
     return f"{num_gib:g}"
 
 
-def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False) -> list[str]:
+def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False, pd_role: str | None = None) -> list[str]:
     """`pagoda serve` flags for this spec, in a fixed order; `headless`: a LeaderWorkerSet
-    worker's, which serves no API."""
+    worker's, which serves no API; `pd_role`: a disaggregated service's prefill or decode pod's."""
     m, e, t = spec.model, spec.engine, spec.topology
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
     path = model_path(spec)
@@ -369,7 +385,18 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
                   "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}
         args += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+    if pd_role is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(pd_role), separators=(",", ":"))]
     return args + list(e.extra_args)
+
+
+def kv_transfer_config(pd_role: str) -> dict[str, Any]:
+    """The engine's --kv-transfer-config of a prefill or decode pod. A prefill pod announces its own
+    address (POD_IP, from the downward API, expanded by the kubelet) in the params the decode pod
+    pulls from; a decode pod only pulls, so it needs no address of its own."""
+    if pd_role == "prefill":
+        return {"kv_role": "kv_producer", "kv_ip": "$(POD_IP)", "kv_port": KV_TRANSFER_PORT}
+    return {"kv_role": "kv_consumer"}
 
 
 def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
@@ -389,17 +416,20 @@ def epp_model(spec: InferenceServiceSpec) -> str | None:
     return BUILTIN_TINY_MODEL if spec.model.builtin_tiny else None
 
 
-def engine_config(name: str, spec: InferenceServiceSpec, images: Images) -> dict[str, str]:
-    """ConfigMap data: the engine's resolved configuration, for review and as the rollout hash."""
+def engine_config(name: str, spec: InferenceServiceSpec, images: Images, pd_role: str | None = None) -> dict[str, str]:
+    """ConfigMap data: the engine's resolved configuration, for review and as the rollout hash
+    (spec.prefill: one key per role, each role's pods hashing their own)."""
+    if pd_role is None and spec.prefill is not None:
+        return {k: v for role in ROLES for k, v in engine_config(name, role_spec(spec, role), images, role).items()}
     config = {
-        "args": engine_args(name, spec),
+        "args": engine_args(name, spec, pd_role=pd_role),
         "image": engine_image(spec, images),
         "gpusPerPod": sizing.gpus_per_pod(spec),
         "topology": {"tensor": spec.topology.tensor, "pipeline": spec.topology.pipeline,
                      "data": spec.topology.data, "expert": spec.topology.expert, "nodes": spec.topology.nodes},
         "kvTiers": [{"type": t.type, "size": t.size, "url": t.url} for t in spec.kv_cache.tiers],
     }
-    return {"engine.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    return {f"{pd_role or 'engine'}.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
 
 
 def config_hash(data: dict[str, str]) -> str:
@@ -632,9 +662,11 @@ def _node_args(role: str) -> list[str]:
     return args + ["--headless"] if role == "worker" else args
 
 
-def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine") -> dict[str, Any]:
+def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine",
+                        pd_role: str | None = None) -> dict[str, Any]:
     """The engine pod; role "leader"/"worker" for LeaderWorkerSet groups (workers serve no HTTP,
-    so they carry no probes)."""
+    so they carry no probes); `pd_role`: a disaggregated service's prefill or decode pod, from
+    that role's spec (`role_spec`)."""
     name = body["metadata"]["name"]
     namespace = body["metadata"].get("namespace") or "default"
     image = engine_image(spec, images)
@@ -643,7 +675,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "name": "engine",
         "image": image,
         "command": ["pagoda", "serve"],
-        "args": engine_args(name, spec, headless=role == "worker") + _node_args(role),
+        "args": engine_args(name, spec, headless=role == "worker", pd_role=pd_role) + _node_args(role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": engine_resources(spec),
         "volumeMounts": mounts,
@@ -652,6 +684,11 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     env = _engine_env(name, namespace, spec)
+    if pd_role == "prefill":
+        # The handshake port of each engine core (kv_port + r), where the decode pods connect.
+        container["ports"] += [{"name": f"kv-transfer-{r}" if r else "kv-transfer", "containerPort": KV_TRANSFER_PORT + r,
+                                "protocol": "TCP"} for r in range(spec.topology.data)]
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, *env]
     if env:
         container["env"] = env
     if role != "worker":
@@ -681,10 +718,12 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
     pod_labels = labels(name, "engine")
     if role in ("leader", "worker"):
         pod_labels["pagoda.dev/role"] = role
+    if pd_role is not None:
+        pod_labels[ROLE_LABEL] = pd_role
     return {
         "metadata": {
             "labels": pod_labels,
-            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_config(name, spec, images))},
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_config(name, spec, images, pd_role))},
         },
         "spec": pod_spec,
     }
@@ -700,9 +739,11 @@ def render_engine_configmap(body: dict[str, Any], spec: InferenceServiceSpec, im
     }
 
 
-def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec, pd_role: str | None = None) -> dict[str, Any]:
+    """Headless: the router discovers the replicas through its EndpointSlices (spec.prefill: one
+    Service per role, `--prefill-k8s-service` and `--decode-k8s-service`)."""
     name = body["metadata"]["name"]
-    selector = selector_labels(name, "engine")
+    selector = engine_selector_labels(name, pd_role)
     service_spec: dict[str, Any] = {
         "clusterIP": "None",
         "selector": selector,
@@ -713,7 +754,8 @@ def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> d
         # workers must resolve the leader's name before it is ready.
         selector[f"{LWS_LABEL_PREFIX}/worker-index"] = "0"
         service_spec["publishNotReadyAddresses"] = True
-    return {"apiVersion": "v1", "kind": "Service", "metadata": child_metadata(body, engine_name(name), "engine"), "spec": service_spec}
+    service_name = role_name(name, pd_role) if pd_role else engine_name(name)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": child_metadata(body, service_name, "engine"), "spec": service_spec}
 
 
 def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
@@ -723,19 +765,25 @@ def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
     return {"maxSurge": 0, "maxUnavailable": 1} if sizing.gpus_per_pod(spec) else {"maxSurge": 1, "maxUnavailable": 0}
 
 
-def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images,
+                             pd_role: str | None = None) -> dict[str, Any]:
+    """The engine pods (`pd_role`: one role's, from `role_spec`; the two Deployments' selectors
+    differ in the role label, so neither adopts the other's pods)."""
     name = body["metadata"]["name"]
+    metadata = child_metadata(body, role_name(name, pd_role) if pd_role else engine_name(name), "engine")
+    if pd_role is not None:
+        metadata["labels"][ROLE_LABEL] = pd_role
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(body, engine_name(name), "engine"),
+        "metadata": metadata,
         "spec": {
             "replicas": desired_replicas(spec),
-            "selector": {"matchLabels": selector_labels(name, "engine")},
+            "selector": {"matchLabels": engine_selector_labels(name, pd_role)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout_bounds(spec)},
             # Loading a large model is slow; a rollout is not stuck until its pods had their budget.
             "progressDeadlineSeconds": sizing.startup_budget_seconds(spec) + 600,
-            "template": engine_pod_template(body, spec, images),
+            "template": engine_pod_template(body, spec, images, pd_role=pd_role),
         },
     }
 
@@ -761,13 +809,13 @@ def render_engine_leaderworkerset(body: dict[str, Any], spec: InferenceServiceSp
     }
 
 
-def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
+def render_engine_pdb(body: dict[str, Any], pd_role: str | None = None) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": child_metadata(body, engine_name(name), "engine"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, "engine")}},
+        "metadata": child_metadata(body, role_name(name, pd_role) if pd_role else engine_name(name), "engine"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_selector_labels(name, pd_role)}},
     }
 
 
@@ -777,7 +825,12 @@ def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
 def router_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
-    args = ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}", "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
+    if spec.prefill is not None:
+        engines = ["--prefill-k8s-service", f"{namespace}/{role_name(meta['name'], 'prefill')}",
+                   "--decode-k8s-service", f"{namespace}/{role_name(meta['name'], 'decode')}"]
+    else:
+        engines = ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}"]
+    args = [*engines, "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
     if spec.router.api_key_secret_ref is not None:
         args += ["--api-key-file", API_KEYS_DIR]
     return args
@@ -1135,17 +1188,23 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
     the priorities of the InferenceObjectives of its pool (router.mode: gateway)."""
     images = images or Images()
     peers = peers or NetworkPeers()
-    workload = (
-        render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
-        else render_engine_deployment(body, spec, images)
-    )
+    if spec.prefill is not None:
+        # Disaggregated (validation keeps it to one node per replica): per role a Service, a
+        # Deployment and a budget, each role's pods from its own spec.
+        engines = [obj for role in ROLES for obj in (
+            render_engine_service(body, spec, role), render_engine_deployment(body, role_spec(spec, role), images, role),
+            render_engine_pdb(body, role))]
+    else:
+        workload = (
+            render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
+            else render_engine_deployment(body, spec, images)
+        )
+        engines = [render_engine_service(body, spec), workload, render_engine_pdb(body)]
     # The policies first: no engine pod runs before they protect it.
     out = render_network_policies(body, peers, spec) if spec.network_policy else []
     out += [
         render_engine_configmap(body, spec, images),
-        render_engine_service(body, spec),
-        workload,
-        render_engine_pdb(body),
+        *engines,
         render_router_service(body),
         # The account before the Deployment: its pods are refused until the account exists.
         *render_router_rbac(body),
