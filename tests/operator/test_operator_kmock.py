@@ -156,7 +156,7 @@ def children_of(apiserver: BackgroundApiServer, name: str) -> dict[tuple[str, st
                                        ("rbac.authorization.k8s.io", "v1", "rolebindings"),
                                        ("networking.k8s.io", "v1", "networkpolicies")]:
             for child in apiserver.api.names(group, version, plural, NS):
-                if child in (name, f"{name}-engine", f"{name}-router"):
+                if child in (name, f"{name}-engine", f"{name}-router", f"{name}-prefill", f"{name}-decode"):
                     obj = apiserver.api.get(group, version, plural, NS, child)
                     out[(obj.get("kind", plural), child)] = obj
         return out

@@ -89,9 +89,14 @@ def _peers(memo: Any) -> r.NetworkPeers:
     return getattr(memo, "peers", None) or r.NetworkPeers.from_env()
 
 
-async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
-    engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
-    engine = await kube.get(client, *engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
+async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None,
+                             disaggregated: bool = False) -> tuple[dict | None, dict | None]:
+    """The engine workload (spec.prefill: the decode pods') and the router Deployment, as read back."""
+    if disaggregated:
+        engine = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "decode"))
+    else:
+        engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
+        engine = await kube.get(client, *engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
     router = await kube.get(client, "apps/v1", "Deployment", namespace, name)
     return engine, router
 
@@ -101,11 +106,15 @@ async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked
     reconcile decided them (a refresh keeps the conditions it wrote)."""
     meta = current["metadata"]
     namespace, name, spec = meta.get("namespace"), meta["name"], checked.spec
-    engine, router = await _engine_and_router(client, namespace, name, spec.topology.nodes if spec else None)
+    disaggregated = spec is not None and spec.prefill is not None
+    engine, router = await _engine_and_router(client, namespace, name, spec.topology.nodes if spec else None, disaggregated)
     obs = Observation(generation=generation, engine=engine, router=router, **decided)
     if spec is not None:
         obs.desired_replicas = desired_replicas(spec)
-        obs.selector = r.engine_selector(name)
+        obs.selector = r.engine_selector(name, "decode" if disaggregated else None)
+        if disaggregated:
+            obs.prefill = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "prefill"))
+            obs.prefill_desired = spec.prefill.replicas
         obs.url = r.service_url(name, namespace, spec)
         if engine is not None and obs.desired_replicas > 0:
             obs.download_failure = await _download_failure(client, namespace, name)
