@@ -10,6 +10,9 @@ InferenceService `<name>` and all in its namespace:
   Deployment <name>-engine          engine pods (topology.nodes == 1), or
   LeaderWorkerSet <name>-engine     one leader + workers group per replica (nodes > 1)
   PodDisruptionBudget <name>-engine at most one replica down for voluntary disruptions
+  Service, Deployment, PodDisruptionBudget <name>-prefill and <name>-decode
+                                    instead of the three above with spec.prefill (disaggregated
+                                    prefill and decode), the pods labelled llm-d.ai/role
   Service <name>, Deployment <name> the router: the OpenAI endpoint (`pagoda route`)
   ServiceAccount, Role, RoleBinding <name>-router
                                     the router's identity: read the EndpointSlices of this
@@ -1097,7 +1100,8 @@ def render_network_policies(body: dict[str, Any], peers: NetworkPeers,
                             spec: InferenceServiceSpec | None = None) -> list[dict[str, Any]]:
     """Engine pods take traffic only from the service's router (and endpoint picker) pods, the
     operator and Prometheus, on the HTTP port, and from each other on any port: the multi-node
-    rendezvous, NCCL and KV transfers pick their ports at run time. The router takes it from any
+    rendezvous, NCCL and KV transfers (spec.prefill: decode pods pulling from prefill pods over
+    gloo or UCX) pick their ports at run time. The router takes it from any
     pod of the cluster (clients, the ingress controller). Kubelet probes are not filtered: traffic
     from a pod's own node is always allowed. Policies add up: a source these leave out (an ingress
     controller on the host network, which arrives from node addresses) needs a policy of the
