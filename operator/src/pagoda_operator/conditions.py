@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded", "Validated")
-# render._download_container's init containers: the model's, and speculative decoding's drafting model's.
+# render._download_container's init containers: the model's, speculative decoding's drafting model's,
+# and spec.loras' (lora-download-<i>).
 DOWNLOAD_CONTAINERS = ("model-download", "draft-download")
+LORA_DOWNLOAD_PREFIX = "lora-download-"
 # A termination message taken from the log (FallbackToLogsOnError) is its last 2048 bytes or 80
 # lines; the condition keeps the last line, where the downloader writes why, at most this long.
 DOWNLOAD_MESSAGE_CHARS = 300
@@ -67,7 +69,7 @@ def model_download_failure(pods: list[dict[str, Any]]) -> str | None:
     message's last line, bounded. None when no pod's download failed (one retrying is running)."""
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name") or ""):
         for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
-            if status.get("name") not in DOWNLOAD_CONTAINERS:
+            if status.get("name") not in DOWNLOAD_CONTAINERS and not str(status.get("name")).startswith(LORA_DOWNLOAD_PREFIX):
                 continue
             state = status.get("state") or {}
             terminated = state.get("terminated")

@@ -87,6 +87,9 @@ HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
 DRAFTS_DIR = "/drafts"  # speculative decoding's drafting model (engine.speculative.model)
+LORAS_DIR = "/loras"  # spec.loras: hf:// and s3:// adapters downloaded here, pvc:// claims mounted below
+LORA_CLAIMS_DIR = "/lora-claims"  # spec.loras: each pvc:// adapter's claim, read-only, at /lora-claims/<claim>
+LORA_RUNTIME_ENV = "PAGODA_ALLOW_RUNTIME_LORA_UPDATING"  # the engine's /v1/load_lora_adapter and unload
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"  # --kv-offload-disk-path: the disk tier's volume is mounted here
 KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's password, from spec's secretRef
@@ -119,6 +122,8 @@ WRITABLE_DIRS = {
                 "init container, read-only to the engine (as a pvc:// model's `model`)",
     DRAFTS_DIR: "speculative decoding's drafting model: an hf:// or s3:// one's `draft-cache` emptyDir, written by the "
                 "draft-download init container, read-only to the engine (a pvc:// one's `draft`)",
+    LORAS_DIR: "spec.loras: hf:// and s3:// adapters' `lora-cache` emptyDir, written by the lora-download-<i> init "
+               "containers, read-only to the engine (pvc:// adapters' claims: read-only at /lora-claims/<claim>)",
     KV_DISK_DIR: "the disk KV tier's volume `kv-disk`, when the spec has one",
     SHARED_COMPILE_CACHE_DIR: "engine.compileCache.persistentVolumeClaim's claim, when the spec names one",
 }
@@ -318,6 +323,23 @@ def draft_model_path(spec: InferenceServiceSpec) -> str | None:
     return _container_path(uri, DRAFTS_DIR) if uri is not None else None
 
 
+def lora_mount(uri: str) -> str:
+    """Where the volume of a spec.loras adapter named by `uri` is mounted: the shared download
+    cache for hf:// and s3://, its claim's own mount for pvc://."""
+    if uri.startswith("pvc://"):
+        return f"{LORA_CLAIMS_DIR}/{uri[len('pvc://'):].split('/', 1)[0]}"
+    return LORAS_DIR
+
+
+def lora_path(uri: str) -> str:
+    """Where the engine finds a spec.loras adapter."""
+    return _container_path(uri, lora_mount(uri))
+
+
+def _lora_claims(spec: InferenceServiceSpec) -> list[str]:
+    return sorted({a.uri[len("pvc://"):].split("/", 1)[0] for a in spec.loras if a.uri.startswith("pvc://")})
+
+
 def _container_path(uri: str, mount: str) -> str:
     """Where a model named by `uri` lies in the engine container, its volume mounted at `mount`."""
     scheme, rest = uri.split("://", 1)
@@ -384,6 +406,13 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
             args += ["--kv-offload-disk-path", KV_DISK_DIR, "--kv-offload-disk-gb", _format_gb(gib(tier.size))]
         elif tier.type == "remote":
             args += ["--kv-offload-remote-url", tier.url]
+    if spec.loras:
+        args += ["--enable-lora"]
+        if e.max_loras is not None:
+            args += ["--max-loras", str(e.max_loras)]
+        if e.max_lora_rank is not None:
+            args += ["--max-lora-rank", str(e.max_lora_rank)]
+        args += ["--lora-modules", *(f"{a.name}={lora_path(a.uri)}" for a in spec.loras)]
     if publishes_kv_events(spec):
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
                   "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}
@@ -497,6 +526,12 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         claim = draft[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "draft", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "draft", "mountPath": DRAFTS_DIR, "readOnly": True})
+    if any(a.uri.startswith(DOWNLOADED_SCHEMES) for a in spec.loras):
+        volumes.append({"name": "lora-cache", "emptyDir": {}})
+        mounts.append({"name": "lora-cache", "mountPath": LORAS_DIR, "readOnly": True})
+    for claim in _lora_claims(spec):
+        volumes.append({"name": f"lora-pvc-{claim}"[:63], "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"lora-pvc-{claim}"[:63], "mountPath": lora_mount(f"pvc://{claim}"), "readOnly": True})
     for tier in spec.kv_cache.tiers:
         if tier.type == "disk":
             volumes.append({"name": "kv-disk", **_kv_disk_source(tier)})
@@ -565,14 +600,19 @@ S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "A
                   "AWS_ENDPOINT_URL": True, "AWS_REGION": True}
 
 
-def _download_container(spec: InferenceServiceSpec, image: str, draft: bool = False) -> dict[str, Any]:
+def _download_container(spec: InferenceServiceSpec, image: str, draft: bool = False,
+                        lora: int | None = None) -> dict[str, Any]:
     """Init container fetching an hf:// or s3:// model (with `draft`, speculative decoding's
-    drafting model) into its cache volume; files already there are kept, so a restart resumes
-    instead of starting over."""
-    uri = spec.engine.speculative.model if draft else spec.model.uri
-    mount, volume = (DRAFTS_DIR, "draft-cache") if draft else (MODELS_DIR, "model-cache")
+    drafting model; with `lora`, spec.loras[lora]) into its cache volume; files already there are
+    kept, so a restart resumes instead of starting over."""
+    if lora is not None:
+        uri, mount, volume, name = spec.loras[lora].uri, LORAS_DIR, "lora-cache", f"lora-download-{lora}"
+    elif draft:
+        uri, mount, volume, name = spec.engine.speculative.model, DRAFTS_DIR, "draft-cache", "draft-download"
+    else:
+        uri, mount, volume, name = spec.model.uri, MODELS_DIR, "model-cache", "model-download"
     dl = spec.model.download
-    container: dict[str, Any] = {"name": "draft-download" if draft else "model-download", "image": image}
+    container: dict[str, Any] = {"name": name, "image": image}
     if uri.startswith("s3://"):
         container["command"] = ["python", "-m", "pagoda_engine.s3_download", uri, _container_path(uri, mount),
                                 "--retries", str(dl.retries), "--attempt-timeout", str(dl.timeout_seconds)]
@@ -623,6 +663,9 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
         if tier.type == "remote" and tier.secret_ref is not None:
             env.append({"name": KV_REMOTE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                 "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
+    if spec.loras:
+        # Adapters loaded and unloaded at run time (the engine's /v1/load_lora_adapter).
+        env.append({"name": LORA_RUNTIME_ENV, "value": "1"})
     # The router's key to the engines (`pagoda serve` reads it when --api-key is not given).
     env.append({"name": ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
         "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}})
@@ -710,6 +753,9 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         pod_spec["initContainers"] = [_download_container(spec, image)]
     if (draft_model_uri(spec) or "").startswith(DOWNLOADED_SCHEMES):
         pod_spec.setdefault("initContainers", []).append(_download_container(spec, image, draft=True))
+    for i, adapter in enumerate(spec.loras):
+        if adapter.uri.startswith(DOWNLOADED_SCHEMES):
+            pod_spec.setdefault("initContainers", []).append(_download_container(spec, image, lora=i))
     for key in ("initContainers", "containers"):
         if key in pod_spec:
             pod_spec[key] = [_restricted(c) for c in pod_spec[key]]

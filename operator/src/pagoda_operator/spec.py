@@ -147,6 +147,16 @@ class Engine:
     termination_grace_period_seconds: int = prop(60, doc="Time a leaving engine pod gets: a preStop sleep (10 s, a quarter of this at most) while the router and endpoints drop it, then the engine's drain (`--drain-timeout`, the rest less 5 s to exit; the router continues on another replica what the drain deadline ends).", minimum=10)
     compile_cache: CompileCache | None = prop(None, doc="GPU engines: where the kernels compiled at start-up are kept (default an emptyDir per pod).")
     speculative: Speculative | None = prop(None, doc="Speculative decoding (`--speculative-config`).")
+    max_loras: int | None = prop(None, doc="spec.loras: adapters resident on the device at once (`--max-loras`, engine default 1).", minimum=1)
+    max_lora_rank: int | None = prop(None, doc="spec.loras: the largest adapter rank served (`--max-lora-rank`, engine default 16).", minimum=1, maximum=512)
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter of the served model (PEFT's format), served under its own model name."""
+
+    name: str = prop(doc="The model name clients select it by.", pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    uri: str = prop(doc="Where it is, named as model.uri is: hf:// and s3:// downloaded by an init container with model.download's settings, pvc://claim/path mounted, file:///path as is.", pattern=MODEL_URI_PATTERN)
 
 
 @dataclass
@@ -342,6 +352,7 @@ class InferenceServiceSpec:
     autoscaling: Autoscaling | None = prop(None, doc="Prometheus-driven autoscaling.")
     router: Router = prop(doc="The router.", factory=Router)
     monitoring: Monitoring = prop(doc="Prometheus scraping.", factory=Monitoring)
+    loras: list[LoraAdapter] = prop(doc="LoRA adapters served beside the model (`--enable-lora --lora-modules`), each a model name.", factory=list, list_map_keys=["name"])
     prefill: Prefill | None = prop(None, doc="Disaggregated prefill and decode: prefill pods beside the decode pods (present: disaggregated).")
     network_policy: bool = prop(True, doc="Create NetworkPolicies: engine pods accept traffic only from this service's router (and endpoint picker) pods, each other, the operator and Prometheus (both set where the operator is installed); the router from anywhere in the cluster. false: none (the cluster's own policies apply).")
 

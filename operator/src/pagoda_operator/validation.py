@@ -108,7 +108,36 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_all2all(spec),
         *_check_drain(spec),
         *_check_prefill(spec),
+        *_check_loras(spec),
     ]
+
+
+LORA_FLAGS = {"--enable-lora": "spec.loras", "--lora-modules": "spec.loras", "--max-loras": "engine.maxLoras",
+              "--max-lora-rank": "engine.maxLoraRank"}
+
+
+def _check_loras(spec: InferenceServiceSpec) -> list[str]:
+    """spec.loras: names unique and apart from the model's (each is a model name of its own), the
+    LoRA flags from their fields only, and what the engine refuses beside adapters."""
+    if not spec.loras:
+        return [f"engine.{field_}: needs spec.loras (adapters to serve)" for field_, value in
+                (("maxLoras", spec.engine.max_loras), ("maxLoraRank", spec.engine.max_lora_rank)) if value is not None]
+    problems = [f"engine.extraArgs {flag}: set {field_} instead (spec.loras renders the LoRA flags)"
+                for flag, field_ in LORA_FLAGS.items()
+                if engine_capabilities.extra_arg_value(spec.engine.extra_args, flag) not in (None, False)]
+    names = [a.name for a in spec.loras]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"loras: the name {name!r} is given twice; each adapter is a model name of its own")
+    served = spec.model.name
+    if served is not None and served in names:
+        problems.append(f"loras: {served!r} is model.name; an adapter needs a name of its own")
+    if spec.engine.speculative is not None:
+        problems.append("loras: not supported with engine.speculative yet (the engine refuses --enable-lora with "
+                        "--speculative-config)")
+    if spec.engine.api_server_count > 1:
+        problems.append(f"loras: engine.apiServerCount {spec.engine.api_server_count}: an adapter loaded at run time "
+                        f"reaches one API server process only; keep apiServerCount 1")
+    return problems
 
 
 # Flags that decide the KV pages' layout (or the transfer itself): a prefill pod's must be the
