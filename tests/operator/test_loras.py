@@ -16,7 +16,7 @@ import yaml
 from pagoda_engine import serve
 from pagoda_engine.config import config_from_args
 from pagoda_engine.lora import parse_lora_modules
-from pagoda_operator import render
+from pagoda_operator import loras, render
 from pagoda_operator.conditions import model_download_failure
 from pagoda_operator.validation import check
 from tests.operator.test_engine_contract import _parser, pod_args
@@ -52,9 +52,10 @@ def test_adapters_on_a_claim_become_the_engines_lora_flags_and_one_mount():
     pod, container = _engine(_body())
     config = _config(container)
     assert config.model.enable_lora and (config.model.max_loras, config.model.max_lora_rank) == (2, 8)
-    modules = parse_lora_modules(config.model.lora_modules)
-    assert [(m.name, m.path) for m in modules] == [("tiny-sql", "/lora-claims/tiny-adapters/sql"),
-                                                   ("tiny-chat", "/lora-claims/tiny-adapters/chat")]
+    # Loaded at run time by the operator (loras.py), so the template does not name them.
+    assert not config.model.lora_modules
+    assert loras.wanted_adapters(check(_body()).spec) == {"tiny-sql": "/lora-claims/tiny-adapters/sql",
+                                                          "tiny-chat": "/lora-claims/tiny-adapters/chat"}
     claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert claims == [{"name": "lora-pvc-tiny-adapters",
                        "persistentVolumeClaim": {"claimName": "tiny-adapters", "readOnly": True}}]
@@ -64,11 +65,13 @@ def test_adapters_on_a_claim_become_the_engines_lora_flags_and_one_mount():
 
 
 def test_hf_and_s3_adapters_are_downloaded_where_the_engine_reads_them():
-    loras = [{"name": "sql", "uri": "hf://org/sql-lora@v2"}, {"name": "fin", "uri": "s3://bucket/adapters/fin"},
+    adapters = [{"name": "sql", "uri": "hf://org/sql-lora@v2"}, {"name": "fin", "uri": "s3://bucket/adapters/fin"},
              {"name": "local", "uri": "file:///opt/adapters/local"}]
-    pod, container = _engine(_body(loras=loras))
+    pod, container = _engine(_body(loras=adapters))
+    # The downloaded ones start with the engine; file:// is loaded at run time, as pvc:// is.
     paths = {m.name: m.path for m in parse_lora_modules(_config(container).model.lora_modules)}
-    assert paths == {"sql": "/loras/org/sql-lora", "fin": "/loras/bucket/adapters/fin", "local": "/opt/adapters/local"}
+    assert paths == {"sql": "/loras/org/sql-lora", "fin": "/loras/bucket/adapters/fin"}
+    assert loras.wanted_adapters(check(_body(loras=adapters)).spec)["local"] == "/opt/adapters/local"
     hf, s3 = pod["initContainers"]
     assert hf["name"] == "lora-download-0" and s3["name"] == "lora-download-1"
     env = {e["name"]: e.get("value") for e in hf["env"]}
@@ -86,7 +89,7 @@ def test_a_failed_adapter_download_shows_as_the_models_does():
 
 
 def test_without_adapters_no_lora_flag_is_rendered():
-    _, container = _engine(_body(loras=[], engine={}))
+    _, container = _engine(_body(loras=[], engine={}))  # no adapters: no LoRA at all
     assert not _config(container).model.enable_lora
     assert render.LORA_RUNTIME_ENV not in {e["name"] for e in container["env"]}
 

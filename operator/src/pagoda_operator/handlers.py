@@ -14,8 +14,8 @@ The status is written by server-side apply on the status subresource as `pagoda-
 owns the fields `conditions.compute_status` returns (Ready, Progressing, Degraded, Validated, the
 counts, selector, url). The autoscaler applies its own (ScalingReady, autoscaling) as
 `pagoda-autoscaler`, and the KV tiers' figures (kvCache) are applied by `kv_status` as
-`pagoda-kv-status`, and the InferencePool's parents (inferencePool) by `pool_status` as
-`pagoda-pool-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
+`pagoda-kv-status`, the InferencePool's parents (inferencePool) by `pool_status` as
+`pagoda-pool-status`, and the adapters' (loras) by `loras` as `pagoda-lora-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
 another's. With router.mode: gateway the reconcile lists the pool's InferenceObjectives for the
 picker's ConfigMap; `objectives` rewrites that ConfigMap when an objective changes.
 
@@ -34,7 +34,7 @@ from typing import Any
 import kopf
 from lightkube import AsyncClient
 
-from pagoda_operator import kube, kv_status, metrics, objectives, pool_status
+from pagoda_operator import kube, kv_status, loras, metrics, objectives, pool_status
 from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
 from pagoda_operator.children import FIELD_MANAGER, selector_labels
@@ -307,7 +307,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = MISSING_CRD_RECHECK_SECONDS,
              kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S,
-             not_ready_seconds: float = NOT_READY_RECHECK_SECONDS) -> None:
+             not_ready_seconds: float = NOT_READY_RECHECK_SECONDS,
+             lora_sync_seconds: float = loras.LORA_SYNC_INTERVAL_S) -> None:
     """Attach the reconciler's and the autoscaler's handlers to a kopf registry (the default one
     when running, a fresh one in tests). Handlers find the API client in memo.kube."""
     resource = (GROUP, VERSION, PLURAL)
@@ -324,6 +325,7 @@ def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = M
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
     autoscaler.register(registry)
     kv_status.register(registry, interval_s=kv_status_seconds)
+    loras.register(registry, interval_s=lora_sync_seconds)
     objectives.register(registry)
     pool_status.register(registry)
 

@@ -412,7 +412,12 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
             args += ["--max-loras", str(e.max_loras)]
         if e.max_lora_rank is not None:
             args += ["--max-lora-rank", str(e.max_lora_rank)]
-        args += ["--lora-modules", *(f"{a.name}={lora_path(a.uri)}" for a in spec.loras)]
+        # Downloaded adapters only: the pods fetch them at start, so they belong to the template. The
+        # others (pvc://, file://) the operator loads into each ready pod at run time (`loras.py`),
+        # so adding or removing one restarts nothing.
+        started = [a for a in spec.loras if a.uri.startswith(DOWNLOADED_SCHEMES)]
+        if started:
+            args += ["--lora-modules", *(f"{a.name}={lora_path(a.uri)}" for a in started)]
     if publishes_kv_events(spec):
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
                   "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}

@@ -435,6 +435,16 @@ class InferencePoolStatus:
 
 
 @dataclass
+class LoraStatus:
+    """One adapter of spec.loras on the engine pods (written by the operator's LoRA sync)."""
+
+    name: str = prop(doc="The adapter's name.")
+    uri: str | None = prop(None, doc="Its uri, as the spec gave it when the pods were synced.")
+    ready_replicas: int | None = prop(None, doc="Ready engine pods that serve it.")
+    message: str | None = prop(None, doc="Why a ready pod does not serve it (the engine's answer), when one does not.")
+
+
+@dataclass
 class RoleStatus:
     """A disaggregated service's prefill or decode pods."""
 
@@ -456,6 +466,7 @@ class InferenceServiceStatus:
     autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state.")
     kv_cache: KVCacheStatus | None = prop(None, doc="KV tier state.")
     inference_pool: InferencePoolStatus | None = prop(None, doc="router.mode: gateway: the InferencePool's Accepted and ResolvedRefs from each parent Gateway.")
+    loras: list[LoraStatus] | None = prop(None, doc="spec.loras: each adapter's ready engine pods.", list_map_keys=["name"])
     roles: list[RoleStatus] | None = prop(None, doc="spec.prefill: each role's replicas (replicas and readyReplicas above are the decode pods').", list_map_keys=["name"])
 
 
