@@ -191,9 +191,9 @@ def test_the_status_reports_each_roles_replicas_and_ready_waits_for_both(cluster
     body = yaml.safe_load(EXAMPLE.read_text())
     body["metadata"] = {"name": "pd", "namespace": NS}
     create(apiserver, body)
-    children = wait_for("children", lambda: ("Deployment", "pd-decode") in (c := children_of(apiserver, "pd"))
-                        and ("Deployment", "pd-prefill") in c and c)
-    assert {("Service", "pd-prefill"), ("Service", "pd-decode"), ("Deployment", "pd")} <= set(children)
+    expected = {("Deployment", "pd-prefill"), ("Deployment", "pd-decode"), ("Service", "pd-prefill"),
+                ("Service", "pd-decode"), ("Deployment", "pd")}
+    children = wait_for("children", lambda: expected <= set(c := children_of(apiserver, "pd")) and c)
     assert ("Deployment", "pd-engine") not in children
     mark_rolled_out(apiserver, "pd", 1)
     mark_rolled_out(apiserver, "pd-decode", 2)
@@ -202,10 +202,13 @@ def test_the_status_reports_each_roles_replicas_and_ready_waits_for_both(cluster
     assert status["roles"] == [{"name": "prefill", "replicas": 0, "readyReplicas": 0},
                                {"name": "decode", "replicas": 2, "readyReplicas": 2}]
     assert status["selector"].split(",") == sorted(status["selector"].split(",")) and f"{ROLE}=decode" in status["selector"]
-    ready = conditions(get(apiserver, IS, "pd"))["Ready"]
+    conds = conditions(get(apiserver, IS, "pd"))
+    ready = conds["Ready"]
     assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("True", "RollingOut")
     assert ready["message"] == "2/2 decode and 0/1 prefill replicas ready."
     mark_rolled_out(apiserver, "pd-prefill", 1)
     ready = wait_for("Ready", lambda: (c := conditions(get(apiserver, IS, "pd"))["Ready"])["status"] == "True" and c)
     assert ready["message"] == "2/2 decode and 1/1 prefill replicas ready."
+    wait_for("RolloutComplete", lambda: conditions(get(apiserver, IS, "pd"))["Progressing"]["reason"] == "RolloutComplete")
     assert status_of(apiserver, "pd")["roles"][0] == {"name": "prefill", "replicas": 1, "readyReplicas": 1}

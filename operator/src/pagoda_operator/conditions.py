@@ -154,6 +154,9 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
     conditions = set_condition(conditions, "Ready", ready, reason, message, gen, now)
 
     rolled_out = obs.engine is not None and engine["caught_up"] and engine["updated"] >= want and engine["replicas"] == want and engine["ready"] >= want
+    if disaggregated:  # the prefill pods' rollout too
+        rolled_out = rolled_out and obs.prefill is not None and prefill["caught_up"] and prefill["updated"] >= prefill_want \
+            and prefill["replicas"] == prefill_want and prefill["ready"] >= prefill_want
     if obs.engine is None:
         conditions = set_condition(conditions, "Progressing", False, "NoWorkload", "No engine workload exists.", gen, now)
     elif rolled_out:
