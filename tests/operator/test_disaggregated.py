@@ -212,3 +212,17 @@ def test_the_status_reports_each_roles_replicas_and_ready_waits_for_both(cluster
     assert ready["message"] == "2/2 decode and 1/1 prefill replicas ready."
     wait_for("RolloutComplete", lambda: conditions(get(apiserver, IS, "pd"))["Progressing"]["reason"] == "RolloutComplete")
     assert status_of(apiserver, "pd")["roles"][0] == {"name": "prefill", "replicas": 1, "readyReplicas": 1}
+
+
+def test_the_kv_tiers_figures_are_read_from_both_roles_services():
+    import re
+
+    from pagoda_operator import kv_status
+
+    objects = _rendered(_body())
+    services = {n for (kind, n), o in objects.items() if kind == "Service" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"}
+    assert services == {"tiny-pd-prefill", "tiny-pd-decode"}
+    promql = kv_status.queries("team-a", "tiny-pd", disaggregated=True)["capacity"]
+    (pattern,) = re.findall(r'service=~"([^"]+)"', promql)
+    assert {s for s in services if re.fullmatch(pattern, s)} == services
+    assert not re.fullmatch(pattern, "tiny-pd") and 'namespace="team-a"' in promql

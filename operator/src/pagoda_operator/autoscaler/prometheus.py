@@ -3,8 +3,9 @@ autoscaler, and (through `query_by`) the KV tiers' figures, for `kv_status`.
 
 Series are selected by the labels the Prometheus operator puts on ServiceMonitor targets
 (`namespace`, and `service` = the Service the target belongs to): the engines are
-`service="<name>-engine"`, the router `service="<name>"`. A Prometheus configured by hand must
-attach the same two labels (e2e/local does).
+`service="<name>-engine"` (spec.prefill: `<name>-prefill` and `<name>-decode`), the router
+`service="<name>"`. A Prometheus configured by hand must attach the same two labels (e2e/local
+does).
 
 `observe()` runs the queries a policy needs and returns a `decision.Observation`; an absent
 series is `None`, so the decision can tell "zero" from "not measured".
@@ -35,9 +36,11 @@ class PrometheusError(RuntimeError):
     """The Prometheus HTTP API could not answer a query."""
 
 
-def selectors(namespace: str, name: str) -> tuple[str, str]:
-    """(engine selector, router selector) as PromQL label matchers."""
-    return (f'namespace="{namespace}",service="{name}-engine"', f'namespace="{namespace}",service="{name}"')
+def selectors(namespace: str, name: str, disaggregated: bool = False) -> tuple[str, str]:
+    """(engine selector, router selector) as PromQL label matchers; `disaggregated` (spec.prefill):
+    the engines are both roles' Services, <name>-prefill and <name>-decode."""
+    engine = f'service=~"{name}-(prefill|decode)"' if disaggregated else f'service="{name}-engine"'
+    return f'namespace="{namespace}",{engine}', f'namespace="{namespace}",service="{name}"'
 
 
 def queries(policy: str, namespace: str, name: str, rate_window_s: int = 60) -> dict[str, str]:
