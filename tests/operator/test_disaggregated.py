@@ -150,7 +150,8 @@ def _prefill(**fields) -> dict:
     ({"topology": {"pipeline": 2}}, "topology: spec.prefill needs tensor 1 and pipeline 1"),
     ({"topology": {"nodes": 2}}, "topology.nodes: spec.prefill needs one node per replica"),
     ({"router": {"mode": "gateway"}}, "router.mode: gateway with spec.prefill"),
-    ({"replicas": None, "autoscaling": {"maxReplicas": 3}}, "autoscaling: not supported with spec.prefill"),
+    ({"replicas": None, "autoscaling": {"maxReplicas": 3, "driver": "keda"}},
+     "autoscaling.driver: keda is not supported with spec.prefill"),
     ({"prefill": _prefill(extraArgs=["--no-such-flag"])}, "prefill: engine.extraArgs: pagoda serve has no flag --no-such-flag"),
     ({"prefill": {"resources": {"gpusPerPod": 0, "cpu": "1"}, "engine": {"apiServerCount": 4}}},
      "prefill: engine: apiServerCount 4 needs at least 4 CPUs per pod"),
@@ -226,3 +227,16 @@ def test_the_kv_tiers_figures_are_read_from_both_roles_services():
     (pattern,) = re.findall(r'service=~"([^"]+)"', promql)
     assert {s for s in services if re.fullmatch(pattern, s)} == services
     assert not re.fullmatch(pattern, "tiny-pd") and 'namespace="team-a"' in promql
+
+
+def test_the_builtin_autoscaler_scales_the_decode_pods_on_their_own_metrics():
+    from pagoda_operator.autoscaler.prometheus import queries
+
+    body = _body(replicas=None, autoscaling={"maxReplicas": 4, "policy": "kvUtilization",
+                                             "prometheusURL": "http://prometheus:9090"})
+    objects = _rendered(body)
+    assert objects[("Deployment", "tiny-pd-decode")]["spec"]["replicas"] == 1  # the floor: minReplicas
+    assert objects[("Deployment", "tiny-pd-prefill")]["spec"]["replicas"] == 1  # prefill.replicas, unscaled
+    promql = queries("kvUtilization", "team-a", "tiny-pd", role="decode")
+    assert promql["kv_usage"] == 'avg(pagoda:kv_cache_usage_perc{namespace="team-a",service="tiny-pd-decode"})'
+    assert 'service="tiny-pd-decode"' in promql["waiting"] and 'service="tiny-pd"' in promql["router_held"]

@@ -187,9 +187,10 @@ def _check_prefill(spec: InferenceServiceSpec) -> list[str]:
     if spec.router.mode == "gateway":
         problems.append("router.mode: gateway with spec.prefill is not supported yet (the Endpoint Picker picks one "
                         "engine per request); use the builtin router")
-    if spec.autoscaling is not None:
-        problems.append("autoscaling: not supported with spec.prefill yet (it would scale one role); set replicas and "
-                        "prefill.replicas")
+    if spec.autoscaling is not None and spec.autoscaling.driver != "builtin":
+        problems.append(f"autoscaling.driver: {spec.autoscaling.driver} is not supported with spec.prefill yet (its "
+                        f"metrics would select the <name>-engine Service); use driver builtin, which scales the decode "
+                        f"pods")
     # The prefill role's own settings (its resources, engine fields and extraArgs), checked as the
     # decode pods' are: what the decode pods' check already said is not repeated.
     said = set(problems) | set(validate_spec(_without_prefill(spec)))
