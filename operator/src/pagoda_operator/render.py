@@ -42,7 +42,8 @@ The engine command-line contract used here (vLLM's flag names): --model --served
 --dtype --max-model-len --load-format --quantization --kv-cache-dtype --tensor-parallel-size --pipeline-parallel-size
 --data-parallel-size --enable-expert-parallel --max-num-seqs --max-num-batched-tokens
 --gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --api-server-count --device
---host --port,
+--host --port --kv-transfer-config (spec.prefill) --enable-lora --lora-modules --max-loras
+--max-lora-rank (spec.loras),
 and for KV tiers (Pagoda's own) --kv-offload-cpu-gb (added to the pod's memory),
 --kv-offload-disk-path (a volume mounted there) with --kv-offload-disk-gb, and
 --kv-offload-remote-url (the password from a Secret in PAGODA_KV_REMOTE_PASSWORD).
