@@ -65,8 +65,11 @@ def _children(filename: str) -> list[dict]:
 
 def engine_containers(children: list[dict]) -> dict[str, dict]:
     """The engine container of every pod template the operator renders, by role."""
-    (workload,) = [m for m in children if m["kind"] in ("Deployment", "LeaderWorkerSet") and m["metadata"]["name"].endswith("-engine")]
-    if workload["kind"] == "Deployment":
+    workloads = [m for m in children if m["kind"] in ("Deployment", "LeaderWorkerSet")
+                 and m["metadata"]["name"].endswith(("-engine", "-prefill", "-decode"))]
+    if len(workloads) == 2:  # spec.prefill: a Deployment per role
+        templates = {w["metadata"]["labels"]["llm-d.ai/role"]: w["spec"]["template"] for w in workloads}
+    elif (workload := workloads[0])["kind"] == "Deployment":
         templates = {"engine": workload["spec"]["template"]}
     else:
         lwt = workload["spec"]["leaderWorkerTemplate"]
@@ -91,6 +94,9 @@ LWS_LABELS = {"leader": {"LWS_GROUP_INDEX": "0", "LWS_WORKER_INDEX": "0"},
               "worker": {"LWS_GROUP_INDEX": "0", "LWS_WORKER_INDEX": "1"}}
 
 
+POD_IP = "10.1.2.3"  # what the downward API gives a prefill pod's POD_IP
+
+
 def _expand(text: str, environ: dict[str, str]) -> str:
     """Kubernetes' $(VAR) expansion: a reference to a variable defined (earlier) is replaced."""
     return re.sub(r"\$\((\w+)\)", lambda m: environ.get(m.group(1), m.group(0)), text)
@@ -104,6 +110,8 @@ def pod_environment(container: dict, role: str) -> dict[str, str]:
             environ[e["name"]] = _expand(e["value"], environ)
         elif e["name"] in LWS_LABELS.get(role, {}):
             environ[e["name"]] = LWS_LABELS[role][e["name"]]
+        elif e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "status.podIP":
+            environ[e["name"]] = POD_IP
     return environ
 
 
@@ -349,12 +357,18 @@ def test_pagoda_serve_reads_the_rendered_arguments_as_the_spec_means_them(filena
 
 @pytest.mark.parametrize("filename", EXAMPLE_FILES)
 def test_pagoda_route_accepts_the_rendered_arguments(filename):
-    router = next(m for m in _children(filename) if m["kind"] == "Deployment" and not m["metadata"]["name"].endswith("-engine"))
+    router = next(m for m in _children(filename)
+                  if m["kind"] == "Deployment" and m["metadata"]["labels"]["app.kubernetes.io/component"] == "router")
     (container,) = router["spec"]["template"]["spec"]["containers"]
     assert container["command"] == ["pagoda", "route"]
     parsed = _parser(router_app.add_arguments).parse_args(container["args"])
     name = router["metadata"]["name"]
-    assert parsed.k8s_service == f"default/{name}-engine"
+    if check(load_example(filename)).spec.prefill is not None:
+        assert (parsed.prefill_k8s_service, parsed.decode_k8s_service) == (f"default/{name}-prefill", f"default/{name}-decode")
+        assert parsed.k8s_service is None
+        router_app._validate_args(parsed)  # raises on anything pagoda route refuses
+    else:
+        assert parsed.k8s_service == f"default/{name}-engine"
     assert parsed.port == 8000
     assert parsed.policy == check(load_example(filename)).spec.router.policy
 

@@ -37,8 +37,10 @@ class Operator:
 
     def __init__(self, apiserver: BackgroundApiServer, recheck_crds_seconds: float = handlers.MISSING_CRD_RECHECK_SECONDS,
                  kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S,
-                 not_ready_seconds: float = handlers.NOT_READY_RECHECK_SECONDS):
+                 not_ready_seconds: float = handlers.NOT_READY_RECHECK_SECONDS,
+                 lora_sync_seconds: float = handlers.loras.LORA_SYNC_INTERVAL_S):
         self.apiserver = apiserver
+        self.lora_sync_seconds = lora_sync_seconds
         self.not_ready_seconds = not_ready_seconds
         self.recheck_crds_seconds = recheck_crds_seconds
         self.kv_status_seconds = kv_status_seconds
@@ -49,7 +51,7 @@ class Operator:
         url = self.apiserver.url
         registry = kopf.OperatorRegistry()
         handlers.register(registry, recheck_crds_seconds=self.recheck_crds_seconds, kv_status_seconds=self.kv_status_seconds,
-                          not_ready_seconds=self.not_ready_seconds)
+                          not_ready_seconds=self.not_ready_seconds, lora_sync_seconds=self.lora_sync_seconds)
 
         @kopf.on.login(registry=registry)
         def login(**_: Any) -> kopf.ConnectionInfo:
@@ -156,7 +158,7 @@ def children_of(apiserver: BackgroundApiServer, name: str) -> dict[tuple[str, st
                                        ("rbac.authorization.k8s.io", "v1", "rolebindings"),
                                        ("networking.k8s.io", "v1", "networkpolicies")]:
             for child in apiserver.api.names(group, version, plural, NS):
-                if child in (name, f"{name}-engine", f"{name}-router"):
+                if child in (name, f"{name}-engine", f"{name}-router", f"{name}-prefill", f"{name}-decode"):
                     obj = apiserver.api.get(group, version, plural, NS, child)
                     out[(obj.get("kind", plural), child)] = obj
         return out

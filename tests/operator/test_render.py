@@ -76,7 +76,7 @@ def test_every_child_has_labels_owner_and_namespace(filename):
         assert meta["labels"]["app.kubernetes.io/instance"] == name
         assert meta["labels"]["app.kubernetes.io/managed-by"] == "pagoda-operator"
         assert meta["labels"]["app.kubernetes.io/component"] in ("engine", "router", "monitoring", "endpoint-picker")
-        assert child_name in (name, f"{name}-engine", f"{name}-router", f"{name}-epp")
+        assert child_name in (name, f"{name}-engine", f"{name}-router", f"{name}-epp", f"{name}-prefill", f"{name}-decode")
         assert (m["apiVersion"], kind) in r.CHILD_KINDS
 
 

@@ -29,9 +29,9 @@ EXTRA_GRANTS = {
     ("pagoda.dev", "inferenceservices/finalizers"): {"update"},  # ownerReferences with blockOwnerDeletion
     ("", "events"): {"create"},  # kopf.event
     ("apiextensions.k8s.io", "customresourcedefinitions"): {"list", "watch"},  # kopf follows CRDs
-    # handlers.ensure_internal_key: create-once, an AlreadyExists answer meaning it is there; never
-    # read, so the operator holds no right to read any Secret.
-    ("", "secrets"): {"create"},
+    # handlers.ensure_internal_key: create-once, an AlreadyExists answer meaning it is there; read
+    # back by name (get) by the LoRA sync (loras.internal_key) only; never listed or watched.
+    ("", "secrets"): {"create", "get"},
     # handlers._download_failure lists the engine pods by label for a failed model download; a
     # pod is never watched, read alone or written.
     ("", "pods"): {"list"},
@@ -158,17 +158,18 @@ def test_no_wildcards_or_escalation_anywhere(installed):
         assert not FORBIDDEN_VERBS & set(rule["verbs"]), rule
 
 
-def test_the_internal_key_secret_is_created_and_never_read(installed):
+def test_the_internal_key_secret_is_created_and_read_by_name_only(installed):
     """The operator creates each service's internal-key Secret (handlers.ensure_internal_key) and
-    nothing more: no rule anywhere lets it read a Secret of any namespace."""
+    reads it back by name for the LoRA sync (loras.internal_key): no rule lets it list or watch
+    Secrets of any namespace."""
     body, _ = _tiny()
     secret = render.render_internal_key_secret(body, "k")
     key = (group_of(secret["apiVersion"]), plural(secret["kind"]))
     assert key == ("", "secrets")
-    assert operator_grants(installed)[key] == {"create"}
+    assert operator_grants(installed)[key] == {"create", "get"}
     for rule in rules_of(installed):
         if "secrets" in rule["resources"]:
-            assert rule["verbs"] == ["create"], rule
+            assert rule["verbs"] == ["create", "get"], rule
 
 
 def test_crd_subresources_are_the_ones_granted(inferenceservice_crd):

@@ -20,8 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 OWN_CONDITIONS = ("Ready", "Progressing", "Degraded", "Validated")
-# render._download_container's init containers: the model's, and speculative decoding's drafting model's.
+# render._download_container's init containers: the model's, speculative decoding's drafting model's,
+# and spec.loras' (lora-download-<i>).
 DOWNLOAD_CONTAINERS = ("model-download", "draft-download")
+LORA_DOWNLOAD_PREFIX = "lora-download-"
 # A termination message taken from the log (FallbackToLogsOnError) is its last 2048 bytes or 80
 # lines; the condition keeps the last line, where the downloader writes why, at most this long.
 DOWNLOAD_MESSAGE_CHARS = 300
@@ -41,6 +43,10 @@ class Observation:
     selector: str | None = None
     url: str | None = None
     download_failure: str | None = None  # from model_download_failure(the engine pods)
+    # spec.prefill: the prefill Deployment as read back, and the replicas it should have (None: not
+    # disaggregated; `engine` and `desired_replicas` are then the decode pods').
+    prefill: dict[str, Any] | None = None
+    prefill_desired: int | None = None
 
 
 def _workload_counts(obj: dict[str, Any] | None) -> dict[str, Any]:
@@ -63,7 +69,7 @@ def model_download_failure(pods: list[dict[str, Any]]) -> str | None:
     message's last line, bounded. None when no pod's download failed (one retrying is running)."""
     for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name") or ""):
         for status in (pod.get("status") or {}).get("initContainerStatuses") or []:
-            if status.get("name") not in DOWNLOAD_CONTAINERS:
+            if status.get("name") not in DOWNLOAD_CONTAINERS and not str(status.get("name")).startswith(LORA_DOWNLOAD_PREFIX):
                 continue
             state = status.get("state") or {}
             terminated = state.get("terminated")
@@ -127,23 +133,30 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
     want = obs.desired_replicas
     router_ready = router["ready"] >= 1
     engine_ready = obs.engine is not None and engine["ready"] >= want and engine["caught_up"]
-    if obs.engine is None:
+    disaggregated = obs.prefill_desired is not None
+    prefill, prefill_want = _workload_counts(obs.prefill), obs.prefill_desired or 0
+    prefill_ready = not disaggregated or (obs.prefill is not None and prefill["ready"] >= prefill_want and prefill["caught_up"])
+    counted = (f"{engine['ready']}/{want} decode and {prefill['ready']}/{prefill_want} prefill replicas ready"
+               if disaggregated else f"{engine['ready']}/{want} engine replicas ready")
+    if obs.engine is None or (disaggregated and obs.prefill is None):
         ready, reason, message = False, ("InvalidSpec" if not valid else "EngineMissing"), "No engine workload exists."
     elif not router_ready:
         ready, reason, message = False, "RouterNotReady", "The router has no ready pod."
     elif want == 0:
         ready, reason, message = True, "ScaledToZero", "No engine replicas; the router holds requests until one starts."
-    elif engine_ready:
-        ready, reason, message = True, "AllReplicasReady", f"{engine['ready']}/{want} engine replicas ready."
+    elif engine_ready and prefill_ready:
+        ready, reason, message = True, "AllReplicasReady", f"{counted}."
     elif obs.download_failure is not None:
         ready, reason, message = (False, "ModelDownloadFailed",
-                                  f"{engine['ready']}/{want} engine replicas ready; the model download failed in "
-                                  f"{obs.download_failure}")
+                                  f"{counted}; the model download failed in {obs.download_failure}")
     else:
-        ready, reason, message = False, "ReplicasNotReady", f"{engine['ready']}/{want} engine replicas ready."
+        ready, reason, message = False, "ReplicasNotReady", f"{counted}."
     conditions = set_condition(conditions, "Ready", ready, reason, message, gen, now)
 
     rolled_out = obs.engine is not None and engine["caught_up"] and engine["updated"] >= want and engine["replicas"] == want and engine["ready"] >= want
+    if disaggregated:  # the prefill pods' rollout too
+        rolled_out = rolled_out and obs.prefill is not None and prefill["caught_up"] and prefill["updated"] >= prefill_want \
+            and prefill["replicas"] == prefill_want and prefill["ready"] >= prefill_want
     if obs.engine is None:
         conditions = set_condition(conditions, "Progressing", False, "NoWorkload", "No engine workload exists.", gen, now)
     elif rolled_out:
@@ -160,6 +173,9 @@ def compute_status(current: dict[str, Any] | None, obs: Observation, now: str) -
         "replicas": engine["replicas"],
         "readyReplicas": engine["ready"],
     }
+    if disaggregated:
+        status["roles"] = [{"name": "prefill", "replicas": prefill["replicas"], "readyReplicas": prefill["ready"]},
+                           {"name": "decode", "replicas": engine["replicas"], "readyReplicas": engine["ready"]}]
     for key, value in (("selector", obs.selector), ("url", obs.url)):
         if value is not None:
             status[key] = value

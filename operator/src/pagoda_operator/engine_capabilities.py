@@ -93,6 +93,8 @@ def requested_features(spec: InferenceServiceSpec) -> list[tuple[str, str]]:
     asked += [(TIER_FEATURES[tier.type], f"kvCache.tiers[{i}] ({tier.type})") for i, tier in enumerate(spec.kv_cache.tiers)]
     if spec.engine.kv_cache_dtype != "auto":
         asked.append(("kv-cache-fp8", f"engine.kvCacheDtype: {spec.engine.kv_cache_dtype}"))
+    if spec.loras:
+        asked.append(("lora", f"loras: {', '.join(a.name for a in spec.loras)}"))
     for arg in spec.engine.extra_args:
         feature = _flag_feature(arg)
         if feature is not None:

@@ -14,8 +14,8 @@ The status is written by server-side apply on the status subresource as `pagoda-
 owns the fields `conditions.compute_status` returns (Ready, Progressing, Degraded, Validated, the
 counts, selector, url). The autoscaler applies its own (ScalingReady, autoscaling) as
 `pagoda-autoscaler`, and the KV tiers' figures (kvCache) are applied by `kv_status` as
-`pagoda-kv-status`, and the InferencePool's parents (inferencePool) by `pool_status` as
-`pagoda-pool-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
+`pagoda-kv-status`, the InferencePool's parents (inferencePool) by `pool_status` as
+`pagoda-pool-status`, and the adapters' (loras) by `loras` as `pagoda-lora-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
 another's. With router.mode: gateway the reconcile lists the pool's InferenceObjectives for the
 picker's ConfigMap; `objectives` rewrites that ConfigMap when an objective changes.
 
@@ -34,7 +34,7 @@ from typing import Any
 import kopf
 from lightkube import AsyncClient
 
-from pagoda_operator import kube, kv_status, metrics, objectives, pool_status
+from pagoda_operator import kube, kv_status, loras, metrics, objectives, pool_status
 from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
 from pagoda_operator.children import FIELD_MANAGER, selector_labels
@@ -89,9 +89,14 @@ def _peers(memo: Any) -> r.NetworkPeers:
     return getattr(memo, "peers", None) or r.NetworkPeers.from_env()
 
 
-async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None) -> tuple[dict | None, dict | None]:
-    engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
-    engine = await kube.get(client, *engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
+async def _engine_and_router(client: AsyncClient, namespace: str, name: str, nodes: int | None,
+                             disaggregated: bool = False) -> tuple[dict | None, dict | None]:
+    """The engine workload (spec.prefill: the decode pods') and the router Deployment, as read back."""
+    if disaggregated:
+        engine = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "decode"))
+    else:
+        engine_kind = (f"{r.LWS_GROUP}/v1", "LeaderWorkerSet") if (nodes or 1) > 1 else ("apps/v1", "Deployment")
+        engine = await kube.get(client, *engine_kind, namespace, r.engine_name(name))  # None also when LWS is not installed
     router = await kube.get(client, "apps/v1", "Deployment", namespace, name)
     return engine, router
 
@@ -101,11 +106,15 @@ async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked
     reconcile decided them (a refresh keeps the conditions it wrote)."""
     meta = current["metadata"]
     namespace, name, spec = meta.get("namespace"), meta["name"], checked.spec
-    engine, router = await _engine_and_router(client, namespace, name, spec.topology.nodes if spec else None)
+    disaggregated = spec is not None and spec.prefill is not None
+    engine, router = await _engine_and_router(client, namespace, name, spec.topology.nodes if spec else None, disaggregated)
     obs = Observation(generation=generation, engine=engine, router=router, **decided)
     if spec is not None:
         obs.desired_replicas = desired_replicas(spec)
-        obs.selector = r.engine_selector(name)
+        obs.selector = r.engine_selector(name, "decode" if disaggregated else None)
+        if disaggregated:
+            obs.prefill = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "prefill"))
+            obs.prefill_desired = spec.prefill.replicas
         obs.url = r.service_url(name, namespace, spec)
         if engine is not None and obs.desired_replicas > 0:
             obs.download_failure = await _download_failure(client, namespace, name)
@@ -298,7 +307,8 @@ async def cleanup(memo: kopf.Memo, **_: Any) -> None:
 
 def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = MISSING_CRD_RECHECK_SECONDS,
              kv_status_seconds: float = kv_status.KV_STATUS_INTERVAL_S,
-             not_ready_seconds: float = NOT_READY_RECHECK_SECONDS) -> None:
+             not_ready_seconds: float = NOT_READY_RECHECK_SECONDS,
+             lora_sync_seconds: float = loras.LORA_SYNC_INTERVAL_S) -> None:
     """Attach the reconciler's and the autoscaler's handlers to a kopf registry (the default one
     when running, a fresh one in tests). Handlers find the API client in memo.kube."""
     resource = (GROUP, VERSION, PLURAL)
@@ -315,6 +325,7 @@ def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = M
     kopf.on.event(r.LWS_GROUP, "v1", "leaderworkersets", registry=registry, labels=MANAGED, id="child-lws")(refresh_from_child)
     autoscaler.register(registry)
     kv_status.register(registry, interval_s=kv_status_seconds)
+    loras.register(registry, interval_s=lora_sync_seconds)
     objectives.register(registry)
     pool_status.register(registry)
 

@@ -42,9 +42,9 @@ HITS = "pagoda:kv_offload_hit_tokens_total"
 MISSES = "pagoda:kv_offload_miss_tokens_total"
 
 
-def queries(namespace: str, name: str, window_s: int = HIT_RATE_WINDOW_S) -> dict[str, str]:
-    """PromQL of each figure, per tier, over the service's engine pods."""
-    engine, _ = selectors(namespace, name)
+def queries(namespace: str, name: str, window_s: int = HIT_RATE_WINDOW_S, disaggregated: bool = False) -> dict[str, str]:
+    """PromQL of each figure, per tier, over the service's engine pods (spec.prefill: both roles')."""
+    engine, _ = selectors(namespace, name, disaggregated)
     return {
         "capacity": f"sum by (tier) ({CAPACITY}{{{engine}}})",
         "usage": f"sum by (tier) ({USAGE}{{{engine}}})",
@@ -55,9 +55,10 @@ def queries(namespace: str, name: str, window_s: int = HIT_RATE_WINDOW_S) -> dic
     }
 
 
-async def read_figures(prometheus: PrometheusClient, namespace: str, name: str) -> dict[str, dict[str, float]]:
+async def read_figures(prometheus: PrometheusClient, namespace: str, name: str,
+                       disaggregated: bool = False) -> dict[str, dict[str, float]]:
     """figure -> tier -> value; PrometheusError when Prometheus cannot answer."""
-    return {figure: await prometheus.query_by(promql, "tier") for figure, promql in queries(namespace, name).items()}
+    return {figure: await prometheus.query_by(promql, "tier") for figure, promql in queries(namespace, name, disaggregated=disaggregated).items()}
 
 
 def _bytes(value: float) -> str:
@@ -113,7 +114,8 @@ async def observe_kv_cache(body: dict[str, Any], prometheus: PrometheusClient | 
         why = f"no Prometheus to read the engines' metrics from: set spec.autoscaling.prometheusURL (or {PROMETHEUS_URL_ENV} on the operator)"
         return kv_cache_status(spec, None, why, now_text)
     try:
-        figures = await read_figures(prometheus, meta.get("namespace") or "default", meta["name"])
+        figures = await read_figures(prometheus, meta.get("namespace") or "default", meta["name"],
+                                     disaggregated=spec.prefill is not None)
     except PrometheusError as e:
         return kv_cache_status(spec, None, f"Prometheus query failed: {e}", now_text)
     return kv_cache_status(spec, figures, None, now_text)

@@ -10,6 +10,9 @@ InferenceService `<name>` and all in its namespace:
   Deployment <name>-engine          engine pods (topology.nodes == 1), or
   LeaderWorkerSet <name>-engine     one leader + workers group per replica (nodes > 1)
   PodDisruptionBudget <name>-engine at most one replica down for voluntary disruptions
+  Service, Deployment, PodDisruptionBudget <name>-prefill and <name>-decode
+                                    instead of the three above with spec.prefill (disaggregated
+                                    prefill and decode), the pods labelled llm-d.ai/role
   Service <name>, Deployment <name> the router: the OpenAI endpoint (`pagoda route`)
   ServiceAccount, Role, RoleBinding <name>-router
                                     the router's identity: read the EndpointSlices of this
@@ -39,7 +42,8 @@ The engine command-line contract used here (vLLM's flag names): --model --served
 --dtype --max-model-len --load-format --quantization --kv-cache-dtype --tensor-parallel-size --pipeline-parallel-size
 --data-parallel-size --enable-expert-parallel --max-num-seqs --max-num-batched-tokens
 --gpu-memory-utilization --block-size --[no-]enable-prefix-caching --seed --api-server-count --device
---host --port,
+--host --port --kv-transfer-config (spec.prefill) --enable-lora --lora-modules --max-loras
+--max-lora-rank (spec.loras),
 and for KV tiers (Pagoda's own) --kv-offload-cpu-gb (added to the pod's memory),
 --kv-offload-disk-path (a volume mounted there) with --kv-offload-disk-gb, and
 --kv-offload-remote-url (the password from a Secret in PAGODA_KV_REMOTE_PASSWORD).
@@ -60,9 +64,14 @@ from pagoda_operator import sizing
 from pagoda_operator.autoscaler.scaledobjects import render_scaler
 from pagoda_operator.children import child_metadata, labels, selector_labels
 from pagoda_operator.quantity import gib
-from pagoda_operator.spec import InferenceServiceSpec, KVTier, desired_replicas, shared_compile_cache_claim
+from pagoda_operator.spec import (ROLE_LABEL, ROLES, InferenceServiceSpec, KVTier, desired_replicas, role_spec,
+                                  shared_compile_cache_claim)
 
 ENGINE_PORT = 8000
+# spec.prefill: where a prefill pod's engine core r answers the decode pods' page pulls (the
+# engine's default kv_port; core r on this + r). The pages themselves move over ports gloo or UCX
+# pick at run time.
+KV_TRANSFER_PORT = 14579
 ENGINE_MASTER_PORT = 29501  # a LeaderWorkerSet leader's rendezvous port (vLLM's default --master-port)
 ROUTER_PORT = 8000
 # router.mode: gateway. The Endpoint Picker's gRPC port (ext_proc and health: GAIE's 9002) and
@@ -79,6 +88,9 @@ HTTPROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 CONFIG_HASH_ANNOTATION = "pagoda.dev/config-hash"
 MODELS_DIR = "/models"
 DRAFTS_DIR = "/drafts"  # speculative decoding's drafting model (engine.speculative.model)
+LORAS_DIR = "/loras"  # spec.loras: hf:// and s3:// adapters downloaded here, pvc:// claims mounted below
+LORA_CLAIMS_DIR = "/lora-claims"  # spec.loras: each pvc:// adapter's claim, read-only, at /lora-claims/<claim>
+LORA_RUNTIME_ENV = "PAGODA_ALLOW_RUNTIME_LORA_UPDATING"  # the engine's /v1/load_lora_adapter and unload
 CONFIG_DIR = "/etc/pagoda"
 KV_DISK_DIR = "/var/lib/pagoda/kv"  # --kv-offload-disk-path: the disk tier's volume is mounted here
 KV_REMOTE_PASSWORD_ENV = "PAGODA_KV_REMOTE_PASSWORD"  # the remote tier's password, from spec's secretRef
@@ -111,6 +123,8 @@ WRITABLE_DIRS = {
                 "init container, read-only to the engine (as a pvc:// model's `model`)",
     DRAFTS_DIR: "speculative decoding's drafting model: an hf:// or s3:// one's `draft-cache` emptyDir, written by the "
                 "draft-download init container, read-only to the engine (a pvc:// one's `draft`)",
+    LORAS_DIR: "spec.loras: hf:// and s3:// adapters' `lora-cache` emptyDir, written by the lora-download-<i> init "
+               "containers, read-only to the engine (pvc:// adapters' claims: read-only at /lora-claims/<claim>)",
     KV_DISK_DIR: "the disk KV tier's volume `kv-disk`, when the spec has one",
     SHARED_COMPILE_CACHE_DIR: "engine.compileCache.persistentVolumeClaim's claim, when the spec names one",
 }
@@ -259,9 +273,20 @@ def internal_key_secret_name(name: str) -> str:
     return f"{name}-internal-key"
 
 
-def engine_selector(name: str) -> str:
-    """status.selector: the engine pods, as a label selector string (scale subresource)."""
-    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name, "engine").items()))
+def role_name(name: str, role: str) -> str:
+    """spec.prefill: one role's Deployment, Service and PodDisruptionBudget."""
+    return f"{name}-{role}"
+
+
+def engine_selector_labels(name: str, role: str | None = None) -> dict[str, str]:
+    """The engine pods, or with `role` (spec.prefill) that role's."""
+    return {**selector_labels(name, "engine"), **({ROLE_LABEL: role} if role else {})}
+
+
+def engine_selector(name: str, role: str | None = None) -> str:
+    """status.selector: the engine pods (spec.prefill: the decode pods, which spec.replicas counts),
+    as a label selector string (scale subresource)."""
+    return ",".join(f"{k}={v}" for k, v in sorted(engine_selector_labels(name, role).items()))
 
 
 def service_url(name: str, namespace: str, spec: InferenceServiceSpec) -> str:
@@ -299,6 +324,23 @@ def draft_model_path(spec: InferenceServiceSpec) -> str | None:
     return _container_path(uri, DRAFTS_DIR) if uri is not None else None
 
 
+def lora_mount(uri: str) -> str:
+    """Where the volume of a spec.loras adapter named by `uri` is mounted: the shared download
+    cache for hf:// and s3://, its claim's own mount for pvc://."""
+    if uri.startswith("pvc://"):
+        return f"{LORA_CLAIMS_DIR}/{uri[len('pvc://'):].split('/', 1)[0]}"
+    return LORAS_DIR
+
+
+def lora_path(uri: str) -> str:
+    """Where the engine finds a spec.loras adapter."""
+    return _container_path(uri, lora_mount(uri))
+
+
+def _lora_claims(spec: InferenceServiceSpec) -> list[str]:
+    return sorted({a.uri[len("pvc://"):].split("/", 1)[0] for a in spec.loras if a.uri.startswith("pvc://")})
+
+
 def _container_path(uri: str, mount: str) -> str:
     """Where a model named by `uri` lies in the engine container, its volume mounted at `mount`."""
     scheme, rest = uri.split("://", 1)
@@ -316,9 +358,9 @@ def _format_gb(num_gib: float) -> str:
     return f"{num_gib:g}"
 
 
-def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False) -> list[str]:
+def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False, pd_role: str | None = None) -> list[str]:
     """`pagoda serve` flags for this spec, in a fixed order; `headless`: a LeaderWorkerSet
-    worker's, which serves no API."""
+    worker's, which serves no API; `pd_role`: a disaggregated service's prefill or decode pod's."""
     m, e, t = spec.model, spec.engine, spec.topology
     args = ["--host", "0.0.0.0", "--port", str(ENGINE_PORT)]
     path = model_path(spec)
@@ -365,11 +407,34 @@ def engine_args(name: str, spec: InferenceServiceSpec, *, headless: bool = False
             args += ["--kv-offload-disk-path", KV_DISK_DIR, "--kv-offload-disk-gb", _format_gb(gib(tier.size))]
         elif tier.type == "remote":
             args += ["--kv-offload-remote-url", tier.url]
+    if spec.loras:
+        args += ["--enable-lora"]
+        if e.max_loras is not None:
+            args += ["--max-loras", str(e.max_loras)]
+        if e.max_lora_rank is not None:
+            args += ["--max-lora-rank", str(e.max_lora_rank)]
+        # Downloaded adapters only: the pods fetch them at start, so they belong to the template. The
+        # others (pvc://, file://) the operator loads into each ready pod at run time (`loras.py`),
+        # so adding or removing one restarts nothing.
+        started = [a for a in spec.loras if a.uri.startswith(DOWNLOADED_SCHEMES)]
+        if started:
+            args += ["--lora-modules", *(f"{a.name}={lora_path(a.uri)}" for a in started)]
     if publishes_kv_events(spec):
         config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
                   "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}"}
         args += ["--kv-events-config", json.dumps(config, separators=(",", ":"))]
+    if pd_role is not None:
+        args += ["--kv-transfer-config", json.dumps(kv_transfer_config(pd_role), separators=(",", ":"))]
     return args + list(e.extra_args)
+
+
+def kv_transfer_config(pd_role: str) -> dict[str, Any]:
+    """The engine's --kv-transfer-config of a prefill or decode pod. A prefill pod announces its own
+    address (POD_IP, from the downward API, expanded by the kubelet) in the params the decode pod
+    pulls from; a decode pod only pulls, so it needs no address of its own."""
+    if pd_role == "prefill":
+        return {"kv_role": "kv_producer", "kv_ip": "$(POD_IP)", "kv_port": KV_TRANSFER_PORT}
+    return {"kv_role": "kv_consumer"}
 
 
 def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
@@ -389,17 +454,20 @@ def epp_model(spec: InferenceServiceSpec) -> str | None:
     return BUILTIN_TINY_MODEL if spec.model.builtin_tiny else None
 
 
-def engine_config(name: str, spec: InferenceServiceSpec, images: Images) -> dict[str, str]:
-    """ConfigMap data: the engine's resolved configuration, for review and as the rollout hash."""
+def engine_config(name: str, spec: InferenceServiceSpec, images: Images, pd_role: str | None = None) -> dict[str, str]:
+    """ConfigMap data: the engine's resolved configuration, for review and as the rollout hash
+    (spec.prefill: one key per role, each role's pods hashing their own)."""
+    if pd_role is None and spec.prefill is not None:
+        return {k: v for role in ROLES for k, v in engine_config(name, role_spec(spec, role), images, role).items()}
     config = {
-        "args": engine_args(name, spec),
+        "args": engine_args(name, spec, pd_role=pd_role),
         "image": engine_image(spec, images),
         "gpusPerPod": sizing.gpus_per_pod(spec),
         "topology": {"tensor": spec.topology.tensor, "pipeline": spec.topology.pipeline,
                      "data": spec.topology.data, "expert": spec.topology.expert, "nodes": spec.topology.nodes},
         "kvTiers": [{"type": t.type, "size": t.size, "url": t.url} for t in spec.kv_cache.tiers],
     }
-    return {"engine.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
+    return {f"{pd_role or 'engine'}.json": json.dumps(config, indent=2, sort_keys=True) + "\n"}
 
 
 def config_hash(data: dict[str, str]) -> str:
@@ -464,6 +532,12 @@ def _engine_volumes(name: str, spec: InferenceServiceSpec) -> tuple[list[dict], 
         claim = draft[len("pvc://"):].split("/", 1)[0]
         volumes.append({"name": "draft", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
         mounts.append({"name": "draft", "mountPath": DRAFTS_DIR, "readOnly": True})
+    if any(a.uri.startswith(DOWNLOADED_SCHEMES) for a in spec.loras):
+        volumes.append({"name": "lora-cache", "emptyDir": {}})
+        mounts.append({"name": "lora-cache", "mountPath": LORAS_DIR, "readOnly": True})
+    for claim in _lora_claims(spec):
+        volumes.append({"name": f"lora-pvc-{claim}"[:63], "persistentVolumeClaim": {"claimName": claim, "readOnly": True}})
+        mounts.append({"name": f"lora-pvc-{claim}"[:63], "mountPath": lora_mount(f"pvc://{claim}"), "readOnly": True})
     for tier in spec.kv_cache.tiers:
         if tier.type == "disk":
             volumes.append({"name": "kv-disk", **_kv_disk_source(tier)})
@@ -532,14 +606,19 @@ S3_SECRET_KEYS = {"AWS_ACCESS_KEY_ID": False, "AWS_SECRET_ACCESS_KEY": False, "A
                   "AWS_ENDPOINT_URL": True, "AWS_REGION": True}
 
 
-def _download_container(spec: InferenceServiceSpec, image: str, draft: bool = False) -> dict[str, Any]:
+def _download_container(spec: InferenceServiceSpec, image: str, draft: bool = False,
+                        lora: int | None = None) -> dict[str, Any]:
     """Init container fetching an hf:// or s3:// model (with `draft`, speculative decoding's
-    drafting model) into its cache volume; files already there are kept, so a restart resumes
-    instead of starting over."""
-    uri = spec.engine.speculative.model if draft else spec.model.uri
-    mount, volume = (DRAFTS_DIR, "draft-cache") if draft else (MODELS_DIR, "model-cache")
+    drafting model; with `lora`, spec.loras[lora]) into its cache volume; files already there are
+    kept, so a restart resumes instead of starting over."""
+    if lora is not None:
+        uri, mount, volume, name = spec.loras[lora].uri, LORAS_DIR, "lora-cache", f"lora-download-{lora}"
+    elif draft:
+        uri, mount, volume, name = spec.engine.speculative.model, DRAFTS_DIR, "draft-cache", "draft-download"
+    else:
+        uri, mount, volume, name = spec.model.uri, MODELS_DIR, "model-cache", "model-download"
     dl = spec.model.download
-    container: dict[str, Any] = {"name": "draft-download" if draft else "model-download", "image": image}
+    container: dict[str, Any] = {"name": name, "image": image}
     if uri.startswith("s3://"):
         container["command"] = ["python", "-m", "pagoda_engine.s3_download", uri, _container_path(uri, mount),
                                 "--retries", str(dl.retries), "--attempt-timeout", str(dl.timeout_seconds)]
@@ -590,6 +669,9 @@ def _engine_env(name: str, namespace: str, spec: InferenceServiceSpec) -> list[d
         if tier.type == "remote" and tier.secret_ref is not None:
             env.append({"name": KV_REMOTE_PASSWORD_ENV, "valueFrom": {"secretKeyRef": {
                 "name": tier.secret_ref.name, "key": tier.secret_ref.key}}})
+    if spec.loras:
+        # Adapters loaded and unloaded at run time (the engine's /v1/load_lora_adapter).
+        env.append({"name": LORA_RUNTIME_ENV, "value": "1"})
     # The router's key to the engines (`pagoda serve` reads it when --api-key is not given).
     env.append({"name": ENGINE_API_KEY_ENV, "valueFrom": {"secretKeyRef": {
         "name": internal_key_secret_name(name), "key": INTERNAL_KEY_SECRET_KEY}}})
@@ -632,9 +714,11 @@ def _node_args(role: str) -> list[str]:
     return args + ["--headless"] if role == "worker" else args
 
 
-def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine") -> dict[str, Any]:
+def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, *, role: str = "engine",
+                        pd_role: str | None = None) -> dict[str, Any]:
     """The engine pod; role "leader"/"worker" for LeaderWorkerSet groups (workers serve no HTTP,
-    so they carry no probes)."""
+    so they carry no probes); `pd_role`: a disaggregated service's prefill or decode pod, from
+    that role's spec (`role_spec`)."""
     name = body["metadata"]["name"]
     namespace = body["metadata"].get("namespace") or "default"
     image = engine_image(spec, images)
@@ -643,7 +727,7 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         "name": "engine",
         "image": image,
         "command": ["pagoda", "serve"],
-        "args": engine_args(name, spec, headless=role == "worker") + _node_args(role),
+        "args": engine_args(name, spec, headless=role == "worker", pd_role=pd_role) + _node_args(role),
         "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
         "resources": engine_resources(spec),
         "volumeMounts": mounts,
@@ -652,6 +736,11 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
     if spec.engine.image_pull_policy:
         container["imagePullPolicy"] = spec.engine.image_pull_policy
     env = _engine_env(name, namespace, spec)
+    if pd_role == "prefill":
+        # The handshake port of each engine core (kv_port + r), where the decode pods connect.
+        container["ports"] += [{"name": f"kv-transfer-{r}" if r else "kv-transfer", "containerPort": KV_TRANSFER_PORT + r,
+                                "protocol": "TCP"} for r in range(spec.topology.data)]
+        env = [{"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}, *env]
     if env:
         container["env"] = env
     if role != "worker":
@@ -670,6 +759,9 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
         pod_spec["initContainers"] = [_download_container(spec, image)]
     if (draft_model_uri(spec) or "").startswith(DOWNLOADED_SCHEMES):
         pod_spec.setdefault("initContainers", []).append(_download_container(spec, image, draft=True))
+    for i, adapter in enumerate(spec.loras):
+        if adapter.uri.startswith(DOWNLOADED_SCHEMES):
+            pod_spec.setdefault("initContainers", []).append(_download_container(spec, image, lora=i))
     for key in ("initContainers", "containers"):
         if key in pod_spec:
             pod_spec[key] = [_restricted(c) for c in pod_spec[key]]
@@ -681,10 +773,12 @@ def engine_pod_template(body: dict[str, Any], spec: InferenceServiceSpec, images
     pod_labels = labels(name, "engine")
     if role in ("leader", "worker"):
         pod_labels["pagoda.dev/role"] = role
+    if pd_role is not None:
+        pod_labels[ROLE_LABEL] = pd_role
     return {
         "metadata": {
             "labels": pod_labels,
-            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_config(name, spec, images))},
+            "annotations": {CONFIG_HASH_ANNOTATION: config_hash(engine_config(name, spec, images, pd_role))},
         },
         "spec": pod_spec,
     }
@@ -700,9 +794,11 @@ def render_engine_configmap(body: dict[str, Any], spec: InferenceServiceSpec, im
     }
 
 
-def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> dict[str, Any]:
+def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec, pd_role: str | None = None) -> dict[str, Any]:
+    """Headless: the router discovers the replicas through its EndpointSlices (spec.prefill: one
+    Service per role, `--prefill-k8s-service` and `--decode-k8s-service`)."""
     name = body["metadata"]["name"]
-    selector = selector_labels(name, "engine")
+    selector = engine_selector_labels(name, pd_role)
     service_spec: dict[str, Any] = {
         "clusterIP": "None",
         "selector": selector,
@@ -713,7 +809,8 @@ def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec) -> d
         # workers must resolve the leader's name before it is ready.
         selector[f"{LWS_LABEL_PREFIX}/worker-index"] = "0"
         service_spec["publishNotReadyAddresses"] = True
-    return {"apiVersion": "v1", "kind": "Service", "metadata": child_metadata(body, engine_name(name), "engine"), "spec": service_spec}
+    service_name = role_name(name, pd_role) if pd_role else engine_name(name)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": child_metadata(body, service_name, "engine"), "spec": service_spec}
 
 
 def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
@@ -723,19 +820,25 @@ def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
     return {"maxSurge": 0, "maxUnavailable": 1} if sizing.gpus_per_pod(spec) else {"maxSurge": 1, "maxUnavailable": 0}
 
 
-def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
+def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images,
+                             pd_role: str | None = None) -> dict[str, Any]:
+    """The engine pods (`pd_role`: one role's, from `role_spec`; the two Deployments' selectors
+    differ in the role label, so neither adopts the other's pods)."""
     name = body["metadata"]["name"]
+    metadata = child_metadata(body, role_name(name, pd_role) if pd_role else engine_name(name), "engine")
+    if pd_role is not None:
+        metadata["labels"][ROLE_LABEL] = pd_role
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(body, engine_name(name), "engine"),
+        "metadata": metadata,
         "spec": {
             "replicas": desired_replicas(spec),
-            "selector": {"matchLabels": selector_labels(name, "engine")},
+            "selector": {"matchLabels": engine_selector_labels(name, pd_role)},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": _rollout_bounds(spec)},
             # Loading a large model is slow; a rollout is not stuck until its pods had their budget.
             "progressDeadlineSeconds": sizing.startup_budget_seconds(spec) + 600,
-            "template": engine_pod_template(body, spec, images),
+            "template": engine_pod_template(body, spec, images, pd_role=pd_role),
         },
     }
 
@@ -761,13 +864,13 @@ def render_engine_leaderworkerset(body: dict[str, Any], spec: InferenceServiceSp
     }
 
 
-def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
+def render_engine_pdb(body: dict[str, Any], pd_role: str | None = None) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
-        "metadata": child_metadata(body, engine_name(name), "engine"),
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, "engine")}},
+        "metadata": child_metadata(body, role_name(name, pd_role) if pd_role else engine_name(name), "engine"),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": engine_selector_labels(name, pd_role)}},
     }
 
 
@@ -777,7 +880,12 @@ def render_engine_pdb(body: dict[str, Any]) -> dict[str, Any]:
 def router_args(body: dict[str, Any], spec: InferenceServiceSpec) -> list[str]:
     meta = body["metadata"]
     namespace = meta.get("namespace") or "default"
-    args = ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}", "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
+    if spec.prefill is not None:
+        engines = ["--prefill-k8s-service", f"{namespace}/{role_name(meta['name'], 'prefill')}",
+                   "--decode-k8s-service", f"{namespace}/{role_name(meta['name'], 'decode')}"]
+    else:
+        engines = ["--k8s-service", f"{namespace}/{engine_name(meta['name'])}"]
+    args = [*engines, "--policy", spec.router.policy, "--port", str(ROUTER_PORT)]
     if spec.router.api_key_secret_ref is not None:
         args += ["--api-key-file", API_KEYS_DIR]
     return args
@@ -1044,7 +1152,8 @@ def render_network_policies(body: dict[str, Any], peers: NetworkPeers,
                             spec: InferenceServiceSpec | None = None) -> list[dict[str, Any]]:
     """Engine pods take traffic only from the service's router (and endpoint picker) pods, the
     operator and Prometheus, on the HTTP port, and from each other on any port: the multi-node
-    rendezvous, NCCL and KV transfers pick their ports at run time. The router takes it from any
+    rendezvous, NCCL and KV transfers (spec.prefill: decode pods pulling from prefill pods over
+    gloo or UCX) pick their ports at run time. The router takes it from any
     pod of the cluster (clients, the ingress controller). Kubelet probes are not filtered: traffic
     from a pod's own node is always allowed. Policies add up: a source these leave out (an ingress
     controller on the host network, which arrives from node addresses) needs a policy of the
@@ -1135,17 +1244,23 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
     the priorities of the InferenceObjectives of its pool (router.mode: gateway)."""
     images = images or Images()
     peers = peers or NetworkPeers()
-    workload = (
-        render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
-        else render_engine_deployment(body, spec, images)
-    )
+    if spec.prefill is not None:
+        # Disaggregated (validation keeps it to one node per replica): per role a Service, a
+        # Deployment and a budget, each role's pods from its own spec.
+        engines = [obj for role in ROLES for obj in (
+            render_engine_service(body, spec, role), render_engine_deployment(body, role_spec(spec, role), images, role),
+            render_engine_pdb(body, role))]
+    else:
+        workload = (
+            render_engine_leaderworkerset(body, spec, images) if spec.topology.nodes > 1
+            else render_engine_deployment(body, spec, images)
+        )
+        engines = [render_engine_service(body, spec), workload, render_engine_pdb(body)]
     # The policies first: no engine pod runs before they protect it.
     out = render_network_policies(body, peers, spec) if spec.network_policy else []
     out += [
         render_engine_configmap(body, spec, images),
-        render_engine_service(body, spec),
-        workload,
-        render_engine_pdb(body),
+        *engines,
         render_router_service(body),
         # The account before the Deployment: its pods are refused until the account exists.
         *render_router_rbac(body),

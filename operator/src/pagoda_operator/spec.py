@@ -8,7 +8,7 @@ topology, the image from CPU or GPU) are resolved where they are used, in `rende
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from pagoda_operator.schema import Duration, FreeForm, Quantity, parse, preserve_unknown_fields, prop
@@ -147,6 +147,16 @@ class Engine:
     termination_grace_period_seconds: int = prop(60, doc="Time a leaving engine pod gets: a preStop sleep (10 s, a quarter of this at most) while the router and endpoints drop it, then the engine's drain (`--drain-timeout`, the rest less 5 s to exit; the router continues on another replica what the drain deadline ends).", minimum=10)
     compile_cache: CompileCache | None = prop(None, doc="GPU engines: where the kernels compiled at start-up are kept (default an emptyDir per pod).")
     speculative: Speculative | None = prop(None, doc="Speculative decoding (`--speculative-config`).")
+    max_loras: int | None = prop(None, doc="spec.loras: adapters resident on the device at once (`--max-loras`, engine default 1).", minimum=1)
+    max_lora_rank: int | None = prop(None, doc="spec.loras: the largest adapter rank served (`--max-lora-rank`, engine default 16).", minimum=1, maximum=512)
+
+
+@dataclass
+class LoraAdapter:
+    """A LoRA adapter of the served model (PEFT's format), served under its own model name."""
+
+    name: str = prop(doc="The model name clients select it by.", pattern=r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+    uri: str = prop(doc="Where it is, named as model.uri is: hf:// and s3:// downloaded by an init container with model.download's settings, pvc://claim/path mounted, file:///path as is.", pattern=MODEL_URI_PATTERN)
 
 
 @dataclass
@@ -294,6 +304,41 @@ class Monitoring:
     interval: Duration = prop(Duration("15s"), doc="Scrape interval.")
 
 
+# The label that tells a disaggregated service's prefill pods from its decode pods (llm-d's), on
+# the pods, their Deployments and Services.
+ROLE_LABEL = "llm-d.ai/role"
+ROLES = ("prefill", "decode")
+
+
+@dataclass
+class PrefillEngine:
+    """The prefill pods' engine settings that differ from spec.engine's: each field given replaces
+    spec.engine's for them. What decides the KV pages' layout (the model, its dtype and
+    quantization, the page size, the KV dtype) is shared, so the decode pods can use the pages."""
+
+    image: str | None = prop(None, doc="Engine image of the prefill pods.")
+    max_num_seqs: int | None = prop(None, doc="Most sequences in one batch.", minimum=1)
+    max_num_batched_tokens: int | None = prop(None, doc="Token budget of one step (prefill pods: the chunk a long prompt is cut into).", minimum=1)
+    gpu_memory_utilization: float | None = prop(None, doc="Fraction of GPU memory the engine may use.", minimum=0, exclusive_minimum=True, maximum=1)
+    prefix_caching: bool | None = prop(None, doc="Must stay true: the pages a prefill holds for the decode pods are its prefix cache's.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3"] | None = prop(None, doc="Must equal engine.kvCacheDtype (the pages move as they are).")
+    api_server_count: int | None = prop(None, doc="API server processes in each prefill pod.", minimum=1, maximum=64)
+    extra_args: list[str] | None = prop(None, doc="Replaces engine.extraArgs for the prefill pods (flags that change the pages' layout are refused).")
+    env: list[FreeForm] | None = prop(None, doc="Replaces engine.env for the prefill pods.")
+
+
+@dataclass
+class Prefill:
+    """Disaggregated prefill and decode (KServe LLMInferenceService's spec.prefill): the prompts run
+    on prefill pods (`--kv-transfer-config` kv_producer), which hold their KV pages until a decode
+    pod (kv_consumer) pulls them; spec.replicas, spec.resources and spec.engine are then the decode
+    pods'. Needs topology.tensor and topology.pipeline 1, one node per replica and the prefix cache."""
+
+    replicas: int = prop(1, doc="Prefill replicas (0: every request decodes its own prompt).", minimum=0)
+    resources: Resources | None = prop(None, doc="What one prefill pod asks for (default: spec.resources).")
+    engine: PrefillEngine | None = prop(None, doc="Engine settings of the prefill pods that differ from spec.engine's.")
+
+
 @dataclass
 class InferenceServiceSpec:
     """The desired state of an InferenceService."""
@@ -307,6 +352,8 @@ class InferenceServiceSpec:
     autoscaling: Autoscaling | None = prop(None, doc="Prometheus-driven autoscaling.")
     router: Router = prop(doc="The router.", factory=Router)
     monitoring: Monitoring = prop(doc="Prometheus scraping.", factory=Monitoring)
+    loras: list[LoraAdapter] = prop(doc="LoRA adapters served beside the model (`--enable-lora --lora-modules`), each a model name.", factory=list, list_map_keys=["name"])
+    prefill: Prefill | None = prop(None, doc="Disaggregated prefill and decode: prefill pods beside the decode pods (present: disaggregated).")
     network_policy: bool = prop(True, doc="Create NetworkPolicies: engine pods accept traffic only from this service's router (and endpoint picker) pods, each other, the operator and Prometheus (both set where the operator is installed); the router from anywhere in the cluster. false: none (the cluster's own policies apply).")
 
 
@@ -388,6 +435,25 @@ class InferencePoolStatus:
 
 
 @dataclass
+class LoraStatus:
+    """One adapter of spec.loras on the engine pods (written by the operator's LoRA sync)."""
+
+    name: str = prop(doc="The adapter's name.")
+    uri: str | None = prop(None, doc="Its uri, as the spec gave it when the pods were synced.")
+    ready_replicas: int | None = prop(None, doc="Ready engine pods that serve it.")
+    message: str | None = prop(None, doc="Why a ready pod does not serve it (the engine's answer), when one does not.")
+
+
+@dataclass
+class RoleStatus:
+    """A disaggregated service's prefill or decode pods."""
+
+    name: Literal["prefill", "decode"] = prop(doc="prefill or decode.")
+    replicas: int | None = prop(None, doc="Replicas that exist.")
+    ready_replicas: int | None = prop(None, doc="Replicas that are ready.")
+
+
+@dataclass
 class InferenceServiceStatus:
     """The observed state of an InferenceService."""
 
@@ -400,6 +466,8 @@ class InferenceServiceStatus:
     autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state.")
     kv_cache: KVCacheStatus | None = prop(None, doc="KV tier state.")
     inference_pool: InferencePoolStatus | None = prop(None, doc="router.mode: gateway: the InferencePool's Accepted and ResolvedRefs from each parent Gateway.")
+    loras: list[LoraStatus] | None = prop(None, doc="spec.loras: each adapter's ready engine pods.", list_map_keys=["name"])
+    roles: list[RoleStatus] | None = prop(None, doc="spec.prefill: each role's replicas (replicas and readyReplicas above are the decode pods').", list_map_keys=["name"])
 
 
 def parse_spec(spec: Any) -> InferenceServiceSpec:
@@ -415,6 +483,18 @@ def desired_replicas(spec: InferenceServiceSpec) -> int:
     if spec.autoscaling is not None:
         return spec.autoscaling.min_replicas
     return 1
+
+
+def role_spec(spec: InferenceServiceSpec, role: str) -> InferenceServiceSpec:
+    """The spec one role's pods are rendered and checked from: the decode pods' is the spec itself;
+    the prefill pods' takes spec.prefill's replicas, resources and engine fields over spec's."""
+    if role == "decode" or spec.prefill is None:
+        return spec
+    p = spec.prefill
+    overrides = {} if p.engine is None else {
+        k: v for k, v in vars(p.engine).items() if v is not None}
+    return replace(spec, engine=replace(spec.engine, **overrides), resources=p.resources or spec.resources,
+                   replicas=p.replicas, autoscaling=None, prefill=None)
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "Any"]

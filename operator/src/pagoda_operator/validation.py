@@ -10,7 +10,7 @@ handler creates nothing while the list is non-empty.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagoda_engine.kv_tiers import remote_url_problems
@@ -20,12 +20,14 @@ from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.models import architecture_of
 from pagoda_operator.quantity import format_gib, gib, parse_quantity
 from pagoda_operator.schema import SpecProblems
-from pagoda_operator.spec import (InferenceServiceSpec, KVDiskVolume, desired_replicas, parse_spec,
+from pagoda_operator.spec import (InferenceServiceSpec, KVDiskVolume, desired_replicas, parse_spec, role_spec,
                                   shared_compile_cache_claim)
 
 # Children are named <name>-engine (a Service: a DNS-1035 label of at most 63 characters).
 NAME_PATTERN = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
 MAX_NAME_LENGTH = 63 - len("-engine")
+# spec.prefill: a Service per role, <name>-prefill the longest.
+MAX_DISAGG_NAME_LENGTH = 63 - len("-prefill")
 # Managers allowed to own spec.replicas next to spec.autoscaling: writes through the scale
 # subresource (HPA, KEDA, kubectl scale) and Pagoda's own autoscaler.
 SCALER_MANAGER_PREFIX = "pagoda"
@@ -63,7 +65,14 @@ def check(body: dict[str, Any]) -> Checked:
         return Checked(None, problems + e.problems)
     problems += validate_spec(spec)
     problems += _check_replicas_owner(spec, body.get("metadata") or {})
+    name = (body.get("metadata") or {}).get("name")
+    if spec.prefill is not None and isinstance(name, str) and MAX_DISAGG_NAME_LENGTH < len(name) <= MAX_NAME_LENGTH:
+        problems.append(f"metadata.name: {name!r} is too long for spec.prefill: at most {MAX_DISAGG_NAME_LENGTH} "
+                        f"characters, so that the Service {name}-prefill is a valid name")
     unsupported = engine_capabilities.unsupported(spec)
+    if spec.prefill is not None:
+        unsupported += [f"prefill: {p}" for p in engine_capabilities.unsupported(role_spec(spec, "prefill"))
+                        if p not in unsupported]
     return Checked(spec, problems + unsupported, unsupported)
 
 
@@ -98,7 +107,99 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_speculative(spec),
         *_check_all2all(spec),
         *_check_drain(spec),
+        *_check_prefill(spec),
+        *_check_loras(spec),
     ]
+
+
+LORA_FLAGS = {"--enable-lora": "spec.loras", "--lora-modules": "spec.loras", "--max-loras": "engine.maxLoras",
+              "--max-lora-rank": "engine.maxLoraRank"}
+
+
+def _check_loras(spec: InferenceServiceSpec) -> list[str]:
+    """spec.loras: names unique and apart from the model's (each is a model name of its own), the
+    LoRA flags from their fields only, and what the engine refuses beside adapters."""
+    if not spec.loras:
+        return [f"engine.{field_}: needs spec.loras (adapters to serve)" for field_, value in
+                (("maxLoras", spec.engine.max_loras), ("maxLoraRank", spec.engine.max_lora_rank)) if value is not None]
+    problems = [f"engine.extraArgs {flag}: set {field_} instead (spec.loras renders the LoRA flags)"
+                for flag, field_ in LORA_FLAGS.items()
+                if engine_capabilities.extra_arg_value(spec.engine.extra_args, flag) not in (None, False)]
+    names = [a.name for a in spec.loras]
+    for name in sorted({n for n in names if names.count(n) > 1}):
+        problems.append(f"loras: the name {name!r} is given twice; each adapter is a model name of its own")
+    served = spec.model.name
+    if served is not None and served in names:
+        problems.append(f"loras: {served!r} is model.name; an adapter needs a name of its own")
+    if spec.engine.speculative is not None:
+        problems.append("loras: not supported with engine.speculative yet (the engine refuses --enable-lora with "
+                        "--speculative-config)")
+    if spec.engine.api_server_count > 1:
+        problems.append(f"loras: engine.apiServerCount {spec.engine.api_server_count}: an adapter loaded at run time "
+                        f"reaches one API server process only; keep apiServerCount 1")
+    return problems
+
+
+# Flags that decide the KV pages' layout (or the transfer itself): a prefill pod's must be the
+# decode pods', so they come from the shared fields, never from a role's extraArgs.
+PAGE_LAYOUT_FLAGS = {
+    "--model": "model.uri", "--dtype": "model.dtype", "--quantization": "model.quantization",
+    "--block-size": "kvCache.pageSize", "--kv-cache-dtype": "engine.kvCacheDtype",
+    "--tensor-parallel-size": "topology.tensor", "--pipeline-parallel-size": "topology.pipeline",
+    "--kv-transfer-config": "spec.prefill (the operator sets each role's)",
+    "--enable-prefix-caching": "engine.prefixCaching",
+}
+
+
+def _check_prefill(spec: InferenceServiceSpec) -> list[str]:
+    """spec.prefill: what keeps the prefill pods' pages usable by the decode pods (the same model,
+    dtypes, quantization and page size, no tensor or pipeline parallelism, the prefix cache on,
+    which is where a held prompt's pages live), what the disaggregated router cannot run with yet,
+    and the prefill role's own settings checked as the decode pods' are."""
+    p = spec.prefill
+    if p is None:
+        return [f"engine.extraArgs {flag}: set by the operator with spec.prefill; remove it"
+                for flag in ("--kv-transfer-config",) if engine_capabilities.extra_arg_value(spec.engine.extra_args, flag) is not None]
+    problems = []
+    t = spec.topology
+    if t.tensor != 1 or t.pipeline != 1:
+        problems.append(f"topology: spec.prefill needs tensor 1 and pipeline 1 (given tensor {t.tensor}, pipeline "
+                        f"{t.pipeline}): KV transfers between tensor- or pipeline-parallel engines are not supported yet")
+    if t.nodes != 1:
+        problems.append(f"topology.nodes: spec.prefill needs one node per replica (given {t.nodes})")
+    if not spec.engine.prefix_caching:
+        problems.append("engine.prefixCaching: spec.prefill needs the prefix cache (the pages a prefill holds for "
+                        "the decode pods are its prefix cache's)")
+    engine = p.engine
+    if engine is not None and engine.prefix_caching is False:
+        problems.append("prefill.engine.prefixCaching: must stay true (the pages a prefill holds for the decode pods "
+                        "are its prefix cache's)")
+    if engine is not None and engine.kv_cache_dtype is not None and engine.kv_cache_dtype != spec.engine.kv_cache_dtype:
+        problems.append(f"prefill.engine.kvCacheDtype: {engine.kv_cache_dtype} differs from engine.kvCacheDtype "
+                        f"{spec.engine.kv_cache_dtype}; the decode pods cannot use pages of another dtype (set "
+                        f"engine.kvCacheDtype, which both roles share)")
+    for where, extra in (("engine.extraArgs", spec.engine.extra_args),
+                         ("prefill.engine.extraArgs", engine.extra_args if engine is not None else None)):
+        for flag, field_ in PAGE_LAYOUT_FLAGS.items():
+            if extra and engine_capabilities.extra_arg_value(extra, flag) is not None:
+                problems.append(f"{where} {flag}: both roles must share it for the pages to move between them; "
+                                f"set {field_} instead")
+    if spec.router.mode == "gateway":
+        problems.append("router.mode: gateway with spec.prefill is not supported yet (the Endpoint Picker picks one "
+                        "engine per request); use the builtin router")
+    if spec.autoscaling is not None and spec.autoscaling.driver != "builtin":
+        problems.append(f"autoscaling.driver: {spec.autoscaling.driver} is not supported with spec.prefill yet (its "
+                        f"metrics would select the <name>-engine Service); use driver builtin, which scales the decode "
+                        f"pods")
+    # The prefill role's own settings (its resources, engine fields and extraArgs), checked as the
+    # decode pods' are: what the decode pods' check already said is not repeated.
+    said = set(problems) | set(validate_spec(_without_prefill(spec)))
+    problems += [f"prefill: {problem}" for problem in validate_spec(role_spec(spec, "prefill")) if problem not in said]
+    return problems
+
+
+def _without_prefill(spec: InferenceServiceSpec) -> InferenceServiceSpec:
+    return replace(spec, prefill=None)
 
 
 def _check_all2all(spec: InferenceServiceSpec) -> list[str]:

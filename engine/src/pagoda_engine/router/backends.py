@@ -1,5 +1,7 @@
 """The live set of engine replicas: which exist (from discovery), which are ready (GET /health),
-how loaded they are (GET /metrics) and which models they serve (GET /v1/models).
+how loaded they are (GET /metrics) and which models they serve (GET /v1/models, every poll:
+LoRA adapters come and go at run time), and where each LoRA adapter runs (`lora_requests_info`,
+for `adapter_affinity`).
 
 One poll loop per pool. A replica is ready only after a successful /health; a failed poll or a
 connection error while proxying takes it out at once, the next good poll brings it back. Waiters
@@ -57,6 +59,50 @@ def parse_backend_list(value: str) -> list[str]:
 
 # Gauges that are fractions of one core's pool: the pod's figure is their mean over the cores.
 _MEAN_GAUGES = ("kv_usage",)
+LORA_INFO = "pagoda:lora_requests_info"
+
+
+@dataclass(frozen=True)
+class LoRAInfo:
+    """An engine's newest `lora_requests_info` series: the adapters of its running and waiting
+    requests, and how many it holds on the device at once."""
+
+    running: frozenset[str] = frozenset()
+    waiting: frozenset[str] = frozenset()
+    max_lora: int = 0
+
+
+def parse_lora_info(text: str) -> LoRAInfo | None:
+    """The newest series of the `lora_requests_info` gauge (its value: when that combination was
+    last reported, as vLLM's), or None when the engine exports none (no --enable-lora)."""
+    newest, info = None, None
+    for line in text.splitlines():
+        if not line.startswith(LORA_INFO + "{"):
+            continue
+        labels_text, _, rest = line[len(LORA_INFO) + 1:].rpartition("}")
+        try:
+            stamp = float(rest.split()[0])
+        except (ValueError, IndexError):
+            continue
+        if newest is not None and stamp <= newest:
+            continue
+        labels = dict(_label_pairs(labels_text))
+        try:
+            max_lora = int(labels.get("max_lora", "0"))
+        except ValueError:
+            continue
+        newest = stamp
+        info = LoRAInfo(frozenset(filter(None, labels.get("running_lora_adapters", "").split(","))),
+                        frozenset(filter(None, labels.get("waiting_lora_adapters", "").split(","))), max_lora)
+    return info
+
+
+def _label_pairs(text: str):
+    """`k="v",k2="v2"` → (k, v) pairs (adapter names hold no quotes or backslashes)."""
+    for part in text.split('",'):
+        key, eq, value = part.partition("=")
+        if eq:
+            yield key.strip().lstrip(","), value.strip().strip('"')
 
 
 def parse_engine_metrics(text: str) -> dict[str, float]:
@@ -99,6 +145,7 @@ class Backend:
     waiting: float = 0.0
     kv_usage: float = 0.0
     models: list[dict] = field(default_factory=list)
+    lora: LoRAInfo | None = None
     last_error: str | None = None
     last_ok: float = 0.0
 
@@ -108,6 +155,30 @@ class Backend:
     def serves(self, model: str) -> bool:
         # Before its model list is known, assume it serves the model: the engine answers 404 itself.
         return not self.models or any(m.get("id") == model for m in self.models)
+
+    def lists(self, model: str) -> bool:
+        return any(m.get("id") == model for m in self.models)
+
+
+def is_adapter(backends: list[Backend], model: str | None) -> bool:
+    """Is `model` a LoRA adapter (a card with a `parent`) on any of these replicas?"""
+    return model is not None and any(m.get("id") == model and m.get("parent") for b in backends for m in b.models)
+
+
+def adapter_affinity(candidates: list[Backend], model: str) -> list[Backend]:
+    """The replicas a request of the LoRA adapter `model` should go to first, of `candidates`
+    (ready, serving it): those where it runs or waits already (its weights in a device slot, or
+    about to be) and no request queues; else those with a free adapter slot (running fewer
+    adapters than max_lora: no running adapter is evicted for it); else all of them, where it
+    takes a slot when one frees up."""
+    listed = [b for b in candidates if b.lists(model)]
+    if not listed:
+        return candidates
+    resident = [b for b in listed if b.lora is not None and model in (b.lora.running | b.lora.waiting) and not b.waiting]
+    if resident:
+        return resident
+    room = [b for b in listed if b.lora is not None and len(b.lora.running) < b.lora.max_lora]
+    return room or listed
 
 
 class BackendPool:
@@ -186,13 +257,13 @@ class BackendPool:
                 if metrics.status_code == 200:
                     for name, value in parse_engine_metrics(metrics.text).items():
                         setattr(backend, name, value)
-                if not backend.models or not backend.ready:
-                    models = await self.client.get(f"{backend.url}/v1/models", timeout=self.poll_timeout,
-                                                   headers=self.headers)
-                    if models.status_code == 200:
-                        backend.models = list(models.json().get("data", []))
-                        for m in backend.models:
-                            self.known_models[m.get("id")] = m
+                    backend.lora = parse_lora_info(metrics.text)
+                models = await self.client.get(f"{backend.url}/v1/models", timeout=self.poll_timeout,
+                                               headers=self.headers)
+                if models.status_code == 200:
+                    backend.models = list(models.json().get("data", []))
+                    for m in backend.models:
+                        self.known_models[m.get("id")] = m
         except (httpx.HTTPError, ValueError) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
         if backend.url not in self.backends:  # removed while we polled
@@ -222,15 +293,19 @@ class BackendPool:
                 pass
 
     def merged_models(self) -> list[dict]:
+        """The union of the replicas' models (LoRA adapters with their `parent`); while no replica
+        has answered (scale to zero), the models last seen."""
         seen: dict[str, dict] = {}
         for b in self.backends.values():
             for m in b.models:
                 seen.setdefault(m.get("id"), m)
-        for model_id, m in self.known_models.items():
-            seen.setdefault(model_id, m)
+        if not seen:
+            return list(self.known_models.values())
         return list(seen.values())
 
     def describe(self) -> list[dict]:
         return [{"url": b.url, "ready": b.ready, "in_flight": b.in_flight, "running": b.running,
                  "waiting": b.waiting, "kv_usage": b.kv_usage, "models": [m.get("id") for m in b.models],
+                 **({"lora_running": sorted(b.lora.running), "lora_waiting": sorted(b.lora.waiting),
+                     "max_lora": b.lora.max_lora} if b.lora is not None else {}),
                  "last_error": b.last_error} for b in self.backends.values()]

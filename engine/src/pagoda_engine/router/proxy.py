@@ -21,7 +21,7 @@ import httpx
 from starlette.responses import Response
 
 from pagoda_engine.api.server.errors import error_response, sse_error_frame
-from pagoda_engine.router.backends import Backend, BackendPool
+from pagoda_engine.router.backends import Backend, BackendPool, adapter_affinity, is_adapter
 from pagoda_engine.router.client_stream import ClientStream
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.migration import MigratingStream
@@ -110,6 +110,8 @@ class Router:
         candidates = [b for b in self.pool.ready(model) if b.url not in exclude]
         if not candidates:
             return None
+        if is_adapter(candidates, model):
+            candidates = adapter_affinity(candidates, model)
         url = self.policy.choose([b.view() for b in candidates], key)
         return self.pool.backends[url]
 

@@ -87,8 +87,10 @@ async def autoscale_once(body: dict, history: History, now: float | None = None,
         obs = Observation(current, ready, error=f"no Prometheus: set spec.autoscaling.prometheusURL "
                                                 f"(or {PROMETHEUS_URL_ENV} on the operator)")
     else:
+        # spec.prefill: spec.replicas, and so this autoscaler, are the decode pods'.
         obs = await prometheus.observe(a.policy, meta.get("namespace") or "default", meta["name"], current, ready,
-                                       rate_window_s=max(60, int(4 * interval_of(a))))
+                                       rate_window_s=max(60, int(4 * interval_of(a))),
+                                       role="decode" if spec.prefill is not None else None)
     decision = decide(settings, obs, history, now)
     old = next((c for c in status.get("conditions") or [] if c.get("type") == CONDITION), None)
     flipped = old is None or old.get("status") != ("True" if decision.scaling_ready else "False")

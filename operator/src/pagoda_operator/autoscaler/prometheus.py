@@ -3,8 +3,9 @@ autoscaler, and (through `query_by`) the KV tiers' figures, for `kv_status`.
 
 Series are selected by the labels the Prometheus operator puts on ServiceMonitor targets
 (`namespace`, and `service` = the Service the target belongs to): the engines are
-`service="<name>-engine"`, the router `service="<name>"`. A Prometheus configured by hand must
-attach the same two labels (e2e/local does).
+`service="<name>-engine"` (spec.prefill: `<name>-prefill` and `<name>-decode`), the router
+`service="<name>"`. A Prometheus configured by hand must attach the same two labels (e2e/local
+does).
 
 `observe()` runs the queries a policy needs and returns a `decision.Observation`; an absent
 series is `None`, so the decision can tell "zero" from "not measured".
@@ -35,15 +36,23 @@ class PrometheusError(RuntimeError):
     """The Prometheus HTTP API could not answer a query."""
 
 
-def selectors(namespace: str, name: str) -> tuple[str, str]:
-    """(engine selector, router selector) as PromQL label matchers."""
-    return (f'namespace="{namespace}",service="{name}-engine"', f'namespace="{namespace}",service="{name}"')
+def selectors(namespace: str, name: str, disaggregated: bool = False, role: str | None = None) -> tuple[str, str]:
+    """(engine selector, router selector) as PromQL label matchers; `disaggregated` (spec.prefill):
+    the engines are both roles' Services, <name>-prefill and <name>-decode, or with `role` one of them."""
+    if role is not None:
+        engine = f'service="{name}-{role}"'
+    elif disaggregated:
+        engine = f'service=~"{name}-(prefill|decode)"'
+    else:
+        engine = f'service="{name}-engine"'
+    return f'namespace="{namespace}",{engine}', f'namespace="{namespace}",service="{name}"'
 
 
-def queries(policy: str, namespace: str, name: str, rate_window_s: int = 60) -> dict[str, str]:
+def queries(policy: str, namespace: str, name: str, rate_window_s: int = 60, role: str | None = None) -> dict[str, str]:
     """The PromQL of each Observation field a policy needs (waiting, running and the router's held
-    requests are always read: they decide scale-from-zero and idleness)."""
-    engine, router = selectors(namespace, name)
+    requests are always read: they decide scale-from-zero and idleness); `role`: of one role's
+    engines (spec.prefill)."""
+    engine, router = selectors(namespace, name, role=role)
     out = {
         "waiting": f"sum(pagoda:num_requests_waiting{{{engine}}})",
         "running": f"sum(pagoda:num_requests_running{{{engine}}})",
@@ -99,8 +108,8 @@ class PrometheusClient:
         return {series["metric"].get(label, ""): float(series["value"][1]) for series in data.get("result") or []}
 
     async def observe(self, policy: str, namespace: str, name: str, current_replicas: int, ready_replicas: int,
-                      rate_window_s: int = 60) -> Observation:
-        named = queries(policy, namespace, name, rate_window_s)
+                      rate_window_s: int = 60, role: str | None = None) -> Observation:
+        named = queries(policy, namespace, name, rate_window_s, role)
         try:
             values = await asyncio.gather(*(self.query(q) for q in named.values()))
         except PrometheusError as e:

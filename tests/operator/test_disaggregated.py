@@ -1,0 +1,242 @@
+"""spec.prefill: disaggregated prefill and decode, rendered from examples/tiny-disagg.yaml (a
+Deployment, headless Service and budget per llm-d.ai/role; the prefill pods kv_producer on their
+own address, the decode pods kv_consumer; the router on both Services), every manifest checked
+against Kubernetes' schemas, the engine flags taken by the real `pagoda serve` configuration, the
+refusals of what cannot exchange pages, and the per-role status through the emulated API server."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagoda_engine import serve
+from pagoda_engine.config import config_from_args
+from pagoda_engine.kv_transfer import DEFAULT_KV_PORT
+from pagoda_operator import render
+from pagoda_operator.validation import check
+from tests.operator.test_engine_contract import POD_IP, _parser, pod_args
+from tests.operator.test_operator_kmock import cluster  # noqa: F401  (the emulated API server and the operator)
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-disagg.yaml"
+ROLE = "llm-d.ai/role"
+
+
+def _body(**spec_changes) -> dict:
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"].update(namespace="team-a", uid="u")
+    for key, value in spec_changes.items():
+        body["spec"][key] = value
+    return body
+
+
+def _rendered(body: dict) -> dict[tuple[str, str], dict]:
+    checked = check(body)
+    assert checked.ok, checked.problems
+    return {(o["kind"], o["metadata"]["name"]): o for o in render.render(body, checked.spec)}
+
+
+def _container(objects: dict, role: str) -> dict:
+    (container,) = objects[("Deployment", f"tiny-pd-{role}")]["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def _engine_config(container: dict):
+    parser = _parser(serve.add_arguments)
+    return config_from_args(parser.parse_args(pod_args(container, "engine")))
+
+
+def test_each_role_is_a_deployment_service_and_budget_of_its_own_pods():
+    objects = _rendered(_body())
+    for manifest in objects.values():
+        kubernetes_validate.validate(manifest, "1.33.0", strict=True)
+    assert ("Deployment", "tiny-pd-engine") not in objects and ("Service", "tiny-pd-engine") not in objects
+    for role, replicas in (("prefill", 1), ("decode", 2)):
+        deployment = objects[("Deployment", f"tiny-pd-{role}")]
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector[ROLE] == role and deployment["metadata"]["labels"][ROLE] == role
+        assert selector.items() <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert deployment["spec"]["replicas"] == replicas
+        service = objects[("Service", f"tiny-pd-{role}")]["spec"]
+        assert service["selector"] == selector and service["clusterIP"] == "None"
+        assert objects[("PodDisruptionBudget", f"tiny-pd-{role}")]["spec"]["selector"]["matchLabels"] == selector
+    # The two Deployments' selectors are disjoint: neither adopts the other's pods.
+    prefill_pod = objects[("Deployment", "tiny-pd-prefill")]["spec"]["template"]["metadata"]["labels"]
+    decode_selector = objects[("Deployment", "tiny-pd-decode")]["spec"]["selector"]["matchLabels"]
+    assert not decode_selector.items() <= prefill_pod.items()
+    # spec.prefill's own fields reach the prefill pods only.
+    assert _container(objects, "prefill")["resources"]["requests"]["cpu"] == "2"
+    assert _container(objects, "decode")["resources"]["requests"]["cpu"] == "1"
+    assert _engine_config(_container(objects, "prefill")).scheduler.max_num_batched_tokens == 2048
+    assert _engine_config(_container(objects, "decode")).scheduler.max_num_batched_tokens != 2048
+
+
+def test_prefill_pods_produce_on_their_own_address_and_decode_pods_consume():
+    assert render.KV_TRANSFER_PORT == DEFAULT_KV_PORT
+    body = _body(topology={"data": 2})
+    objects = _rendered(body)
+    prefill, decode = _container(objects, "prefill"), _container(objects, "decode")
+    assert {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} in prefill["env"]
+    produced = _engine_config(prefill).kv_transfer_config
+    assert (produced.kv_role, produced.kv_ip, produced.kv_port) == ("kv_producer", POD_IP, DEFAULT_KV_PORT)
+    # Engine core r answers on kv_port + r: each is a container port.
+    assert [p["containerPort"] for p in prefill["ports"] if p["name"].startswith("kv-transfer")] == [14579, 14580]
+    consumed = _engine_config(decode).kv_transfer_config
+    assert consumed.kv_role == "kv_consumer"
+    assert "POD_IP" not in {e["name"] for e in decode["env"]} and [p["name"] for p in decode["ports"]] == ["http"]
+
+
+def test_the_router_discovers_each_role_through_its_service():
+    from pagoda_engine.router import app as router_app
+
+    objects = _rendered(_body())
+    (container,) = objects[("Deployment", "tiny-pd")]["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[args.index("--prefill-k8s-service") + 1] == "team-a/tiny-pd-prefill"
+    assert args[args.index("--decode-k8s-service") + 1] == "team-a/tiny-pd-decode"
+    assert "--k8s-service" not in args
+    parsed = _parser(router_app.add_arguments).parse_args(args)
+    router_app._validate_args(parsed)  # raises on anything pagoda route refuses
+    assert parsed.prefill_k8s == ("team-a", "tiny-pd-prefill")
+
+
+def _admits(policy: dict, source_labels: dict, target_labels: dict, port: int) -> bool:
+    """NetworkPolicy semantics for a pod of the same namespace: does a rule let `source` reach
+    `target` on TCP `port`?"""
+    spec = policy["spec"]
+    if not spec["podSelector"]["matchLabels"].items() <= target_labels.items():
+        return False
+    for rule in spec["ingress"]:
+        peers = [p for p in rule.get("from", []) if "namespaceSelector" not in p]
+        if not any(p["podSelector"]["matchLabels"].items() <= source_labels.items() for p in peers):
+            continue
+        ports = rule.get("ports")
+        if ports is None or any(p.get("protocol", "TCP") == "TCP" and p.get("port") in (None, port) for p in ports):
+            return True
+    return False
+
+
+@pytest.mark.parametrize("port", [render.KV_TRANSFER_PORT, 40123])  # the handshake, and an ephemeral port (gloo, UCX)
+def test_decode_pods_reach_prefill_pods_on_any_tcp_port(port):
+    objects = _rendered(_body())
+    policy = objects[("NetworkPolicy", "tiny-pd-engine")]
+    pod = {role: objects[("Deployment", f"tiny-pd-{role}")]["spec"]["template"]["metadata"]["labels"] for role in ("prefill", "decode")}
+    router = objects[("Deployment", "tiny-pd")]["spec"]["template"]["metadata"]["labels"]
+    assert _admits(policy, pod["decode"], pod["prefill"], port)
+    assert _admits(policy, router, pod["prefill"], render.ENGINE_PORT)
+    assert not _admits(policy, router, pod["prefill"], port)
+
+
+def _prefill(**fields) -> dict:
+    prefill = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"]["prefill"])
+    for key, value in fields.items():
+        prefill.setdefault("engine", {})[key] = value
+    return prefill
+
+
+@pytest.mark.parametrize("changes, says", [
+    ({"prefill": _prefill(extraArgs=["--block-size", "32"])}, "prefill.engine.extraArgs --block-size: both roles must share it"),
+    ({"prefill": _prefill(extraArgs=["--dtype", "float16"])}, "prefill.engine.extraArgs --dtype"),
+    ({"prefill": _prefill(extraArgs=["--model", "/elsewhere"])}, "set model.uri instead"),
+    ({"prefill": _prefill(extraArgs=["--quantization", "fp8"])}, "prefill.engine.extraArgs --quantization"),
+    ({"prefill": _prefill(kvCacheDtype="fp8")}, "prefill.engine.kvCacheDtype: fp8 differs from engine.kvCacheDtype auto"),
+    ({"prefill": _prefill(prefixCaching=False)}, "prefill.engine.prefixCaching: must stay true"),
+    ({"engine": {"prefixCaching": False}}, "engine.prefixCaching: spec.prefill needs the prefix cache"),
+    ({"engine": {"extraArgs": ["--kv-transfer-config", '{"kv_role":"kv_both"}']}}, "engine.extraArgs --kv-transfer-config"),
+    ({"topology": {"tensor": 2}}, "topology: spec.prefill needs tensor 1 and pipeline 1"),
+    ({"topology": {"pipeline": 2}}, "topology: spec.prefill needs tensor 1 and pipeline 1"),
+    ({"topology": {"nodes": 2}}, "topology.nodes: spec.prefill needs one node per replica"),
+    ({"router": {"mode": "gateway"}}, "router.mode: gateway with spec.prefill"),
+    ({"replicas": None, "autoscaling": {"maxReplicas": 3, "driver": "keda"}},
+     "autoscaling.driver: keda is not supported with spec.prefill"),
+    ({"prefill": _prefill(extraArgs=["--no-such-flag"])}, "prefill: engine.extraArgs: pagoda serve has no flag --no-such-flag"),
+    ({"prefill": {"resources": {"gpusPerPod": 0, "cpu": "1"}, "engine": {"apiServerCount": 4}}},
+     "prefill: engine: apiServerCount 4 needs at least 4 CPUs per pod"),
+])
+def test_what_cannot_exchange_pages_is_refused_naming_the_field(changes, says):
+    body = _body()
+    for key, value in changes.items():
+        if value is None:
+            body["spec"].pop(key, None)
+        else:
+            body["spec"][key] = value
+    checked = check(body)
+    assert not checked.ok and any(says in p for p in checked.problems), checked.problems
+
+
+def test_a_name_too_long_for_the_prefill_service_is_refused():
+    body = _body()
+    body["metadata"]["name"] = "p" + "d" * 55  # fits <name>-engine, not <name>-prefill
+    checked = check(body)
+    assert any("metadata.name" in p and "-prefill" in p for p in checked.problems), checked.problems
+    assert check(_body(prefill=None) | {"metadata": body["metadata"]}).ok
+
+
+def test_kv_transfer_config_is_the_operators_without_spec_prefill_too():
+    body = _body(prefill=None, engine={"extraArgs": ["--kv-transfer-config", '{"kv_role":"kv_producer"}']})
+    checked = check(body)
+    assert any("engine.extraArgs --kv-transfer-config: set by the operator with spec.prefill" in p for p in checked.problems)
+
+
+# --- the operator against the emulated API server ------------------------------------------------
+
+
+def test_the_status_reports_each_roles_replicas_and_ready_waits_for_both(cluster):
+    from tests.operator.test_operator_kmock import IS, NS, children_of, conditions, create, get, mark_rolled_out, \
+        status_of, wait_for
+
+    apiserver, _ = cluster
+    body = yaml.safe_load(EXAMPLE.read_text())
+    body["metadata"] = {"name": "pd", "namespace": NS}
+    create(apiserver, body)
+    expected = {("Deployment", "pd-prefill"), ("Deployment", "pd-decode"), ("Service", "pd-prefill"),
+                ("Service", "pd-decode"), ("Deployment", "pd")}
+    children = wait_for("children", lambda: expected <= set(c := children_of(apiserver, "pd")) and c)
+    assert ("Deployment", "pd-engine") not in children
+    mark_rolled_out(apiserver, "pd", 1)
+    mark_rolled_out(apiserver, "pd-decode", 2)
+    status = wait_for("the decode pods counted",
+                      lambda: (s := status_of(apiserver, "pd")).get("readyReplicas") == 2 and s)
+    assert status["roles"] == [{"name": "prefill", "replicas": 0, "readyReplicas": 0},
+                               {"name": "decode", "replicas": 2, "readyReplicas": 2}]
+    assert status["selector"].split(",") == sorted(status["selector"].split(",")) and f"{ROLE}=decode" in status["selector"]
+    conds = conditions(get(apiserver, IS, "pd"))
+    ready = conds["Ready"]
+    assert (ready["status"], ready["reason"]) == ("False", "ReplicasNotReady")
+    assert (conds["Progressing"]["status"], conds["Progressing"]["reason"]) == ("True", "RollingOut")
+    assert ready["message"] == "2/2 decode and 0/1 prefill replicas ready."
+    mark_rolled_out(apiserver, "pd-prefill", 1)
+    ready = wait_for("Ready", lambda: (c := conditions(get(apiserver, IS, "pd"))["Ready"])["status"] == "True" and c)
+    assert ready["message"] == "2/2 decode and 1/1 prefill replicas ready."
+    wait_for("RolloutComplete", lambda: conditions(get(apiserver, IS, "pd"))["Progressing"]["reason"] == "RolloutComplete")
+    assert status_of(apiserver, "pd")["roles"][0] == {"name": "prefill", "replicas": 1, "readyReplicas": 1}
+
+
+def test_the_kv_tiers_figures_are_read_from_both_roles_services():
+    import re
+
+    from pagoda_operator import kv_status
+
+    objects = _rendered(_body())
+    services = {n for (kind, n), o in objects.items() if kind == "Service" and o["metadata"]["labels"]["app.kubernetes.io/component"] == "engine"}
+    assert services == {"tiny-pd-prefill", "tiny-pd-decode"}
+    promql = kv_status.queries("team-a", "tiny-pd", disaggregated=True)["capacity"]
+    (pattern,) = re.findall(r'service=~"([^"]+)"', promql)
+    assert {s for s in services if re.fullmatch(pattern, s)} == services
+    assert not re.fullmatch(pattern, "tiny-pd") and 'namespace="team-a"' in promql
+
+
+def test_the_builtin_autoscaler_scales_the_decode_pods_on_their_own_metrics():
+    from pagoda_operator.autoscaler.prometheus import queries
+
+    body = _body(replicas=None, autoscaling={"maxReplicas": 4, "policy": "kvUtilization",
+                                             "prometheusURL": "http://prometheus:9090"})
+    objects = _rendered(body)
+    assert objects[("Deployment", "tiny-pd-decode")]["spec"]["replicas"] == 1  # the floor: minReplicas
+    assert objects[("Deployment", "tiny-pd-prefill")]["spec"]["replicas"] == 1  # prefill.replicas, unscaled
+    promql = queries("kvUtilization", "team-a", "tiny-pd", role="decode")
+    assert promql["kv_usage"] == 'avg(pagoda:kv_cache_usage_perc{namespace="team-a",service="tiny-pd-decode"})'
+    assert 'service="tiny-pd-decode"' in promql["waiting"] and 'service="tiny-pd"' in promql["router_held"]
