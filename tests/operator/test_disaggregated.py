@@ -18,6 +18,7 @@ from pagoda_engine.config import config_from_args
 from pagoda_engine.kv_transfer import DEFAULT_KV_PORT
 from pagoda_operator import render
 from pagoda_operator.validation import check
+from tests.operator.support import load_example, with_spec
 from tests.operator.test_engine_contract import POD_IP, _parser, pod_args
 from tests.operator.test_operator_kmock import cluster  # noqa: F401  (the emulated API server and the operator)
 
@@ -26,11 +27,7 @@ ROLE = "llm-d.ai/role"
 
 
 def _body(**spec_changes) -> dict:
-    body = yaml.safe_load(EXAMPLE.read_text())
-    body["metadata"].update(namespace="team-a", uid="u")
-    for key, value in spec_changes.items():
-        body["spec"][key] = value
-    return body
+    return with_spec(load_example("tiny-disagg.yaml", namespace="team-a", uid="u"), **spec_changes)
 
 
 def _rendered(body: dict) -> dict[tuple[str, str], dict]:

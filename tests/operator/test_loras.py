@@ -19,17 +19,14 @@ from pagoda_engine.lora import parse_lora_modules
 from pagoda_operator import loras, render
 from pagoda_operator.conditions import model_download_failure
 from pagoda_operator.validation import check
+from tests.operator.support import load_example, with_spec
 from tests.operator.test_engine_contract import _parser, pod_args
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-loras.yaml"
 
 
 def _body(**spec_changes) -> dict:
-    body = yaml.safe_load(EXAMPLE.read_text())
-    body["metadata"].update(namespace="team-a", uid="u")
-    for key, value in spec_changes.items():
-        body["spec"][key] = value
-    return body
+    return with_spec(load_example("tiny-loras.yaml", namespace="team-a", uid="u"), **spec_changes)
 
 
 def _engine(body: dict) -> tuple[dict, dict]:

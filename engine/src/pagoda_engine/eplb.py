@@ -19,11 +19,11 @@ other unknown key.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pagoda_engine.errors import PagodaError
+from pagoda_engine.json_config import json_object
 
 
 class InvalidEPLBConfigError(PagodaError, ValueError):
@@ -49,13 +49,7 @@ def parse_eplb_config(value) -> EPLBConfig:
         return EPLBConfig()
     if isinstance(value, EPLBConfig):
         return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except ValueError as e:
-            raise InvalidEPLBConfigError(f"--eplb-config is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise InvalidEPLBConfigError(f"eplb config must be a JSON object, got {type(value).__name__}")
+    value = json_object(value, InvalidEPLBConfigError, flag="--eplb-config", name="eplb config")
     for key in value:
         if key in _UNSUPPORTED_KEYS:
             raise InvalidEPLBConfigError(f"eplb config: {key!r} is vLLM's but not implemented in this engine")
