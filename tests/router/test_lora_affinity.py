@@ -12,7 +12,8 @@ import openai
 import pytest
 from pagoda_e2e import free_port, start_pagoda, until
 
-from pagoda_engine.router.backends import Backend, LoRAInfo, adapter_affinity, is_adapter, parse_lora_info
+from pagoda_engine.router.backends import (Backend, BackendPool, LoRAInfo, adapter_affinity, is_adapter,
+                                           parse_lora_info)
 
 pytest.importorskip("peft")
 
@@ -45,6 +46,24 @@ def test_an_adapter_goes_where_it_runs_then_where_a_slot_is_free_then_where_it_i
     assert [u.url for u in adapter_affinity(full, "w")] == ["http://d", "http://e"]
     # Waiting for a slot counts as resident: its weights are on their way there.
     assert [u.url for u in adapter_affinity([*full, _backend("http://f", ["w"], waiting=["w"])], "w")] == ["http://f"]
+
+
+def test_the_endpoint_picker_puts_the_adapters_pods_first_in_its_fallback_list():
+    """`pagoda epp` orders an adapter's request as `pagoda route` chooses: the pods where the
+    adapter runs lead, then the other pods serving it (the base model's requests: by score alone)."""
+    from pagoda_engine.router.epp import Picker
+    from pagoda_engine.router.metrics import RouterMetrics
+    from pagoda_engine.router.scorer import Weights
+
+    pool = BackendPool(httpx.AsyncClient(), RouterMetrics())
+    # The busier pod (more running) runs the adapter: by score alone it would come last.
+    pool.backends = {b.url: b for b in (
+        _backend("http://10.0.0.1:8000", ["x"], running=[], queued=0.0),
+        _backend("http://10.0.0.2:8000", ["x"], running=["x"], queued=0.0))}
+    pool.backends["http://10.0.0.2:8000"].running = 3.0
+    picker = Picker(pool, None, Weights(), queue_limit=128)
+    assert picker.pick({"model": "base", "prompt": "hi"}, None) == ["10.0.0.1:8000", "10.0.0.2:8000"]
+    assert picker.pick({"model": "x", "prompt": "hi"}, None) == ["10.0.0.2:8000", "10.0.0.1:8000"]
 
 
 def test_lora_requests_info_is_read_from_its_newest_series():

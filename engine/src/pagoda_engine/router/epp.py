@@ -33,7 +33,8 @@ import httpx
 from pagoda_engine import envs
 from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router import entry
-from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
+from pagoda_engine.router.backends import (BackendConfigError, BackendPool, adapter_affinity, is_adapter,
+                                           parse_backend_list)
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.flow_control import GO, FlowControl
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
@@ -153,7 +154,14 @@ class Picker:
         matched = self.prefixes.matched(tokens, ready) if tokens else {}
         candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
                                 matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
-        return rank(candidates, len(tokens), self.weights, self.queue_limit)
+        ranked = rank(candidates, len(tokens), self.weights, self.queue_limit)
+        model = body.get("model")
+        if is_adapter(list(ready.values()), model):
+            # A LoRA adapter's request: the pods where it runs (or has a free slot) lead the
+            # fallback list, as `pagoda route` chooses (`adapter_affinity`).
+            first = {endpoint_of(b.url) for b in adapter_affinity(list(ready.values()), model)}
+            ranked = [e for e in ranked if e in first] + [e for e in ranked if e not in first]
+        return ranked
 
     def started(self, endpoint: str) -> None:
         self.sent[endpoint] = self.sent.get(endpoint, 0) + 1
