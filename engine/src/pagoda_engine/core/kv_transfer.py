@@ -305,7 +305,8 @@ class KVTransfer:
                 if self.pool.cache_page(page, page_hash):  # reported as vLLM's BlockStored (KV events on)
                     parent = pull.hashes[i - 1] if i else (pull.hits[-1].page_hash if pull.hits else None)
                     k = first + i
-                    self.pool.record_stored([page_hash], parent, req.prompt_token_ids[k * size:(k + 1) * size], size)
+                    self.pool.record_stored([page_hash], parent, req.prompt_token_ids[k * size:(k + 1) * size], size,
+                                            req.lora_request)
             self.counters.pulls += 1
             self.counters.bytes_received += num_bytes
             self.counters.seconds += now - pull.started
