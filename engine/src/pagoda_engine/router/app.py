@@ -337,6 +337,10 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics_endpoint() -> Response:
+        prefixes = state["prefixes"]
+        if prefixes is not None:
+            for pod, pages in prefixes.index.sizes().items():
+                metrics.kv_index_pages.labels(pod).set(pages)
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app

@@ -174,6 +174,11 @@ class KVIndex:
             state = self._pods.get(pod)
             return len(state.keys) if state else 0
 
+    def sizes(self) -> dict[str, int]:
+        """pod -> pages its events say it holds."""
+        with self._lock:
+            return {pod: len(state.keys) for pod, state in self._pods.items()}
+
 
 class KVEventSubscriber:
     """One SUB socket per pod, read on a thread; `set_pods` follows discovery."""

@@ -51,6 +51,9 @@ class RouterMetrics:
                                     registry=r)
         self.backend_up = Gauge("pagoda_router:backend_up", "1 when the backend passes health checks",
                                 ["backend"], registry=r)
+        self.kv_index_pages = Gauge("pagoda_router:kv_index_pages", "Pages each pod's KV events say it holds "
+                                    "(precise prefix routing's index; pod as its events' topic names it)",
+                                    ["pod"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
