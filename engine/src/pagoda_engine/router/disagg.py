@@ -57,8 +57,9 @@ class DisaggRouter:
         params = None
         # Prompt logprobs need every prompt position's logits where the answer comes from: the
         # decode engine computes the prompt anyway, so a prefill would be wasted.
-        splittable = (parsed.get("n", 1) == 1 and parsed.get("kv_transfer_params") is None
-                      and parsed.get("prompt_logprobs") is None and not (parsed.get("echo") and parsed.get("logprobs")))
+        # (A client's own kv_transfer_params never get here: the router refuses them.)
+        splittable = (parsed.get("n", 1) == 1 and parsed.get("prompt_logprobs") is None
+                      and not (parsed.get("echo") and parsed.get("logprobs")))
         if splittable and self.prefill.pool.ready(model):
             params = await self._prefill(method, path, headers, parsed, model, key)
         self.metrics.pd_requests.labels("disaggregated" if params else "decode_only").inc()
