@@ -76,14 +76,12 @@ def fp8_weight_bytes(model: torch.nn.Module) -> int:
 
 
 def bytes_read_per_token(model: torch.nn.Module) -> int:
-    """What one decoded token reads of the weights: all of a dense model's weights (as the earlier
-    figures count them); of an MoE model the router, attention, norms, top_k of each layer's
-    experts, one embedding row and the LM head."""
+    """What one decoded token reads of the weights: every projection, norm and router, of an MoE
+    model's experts only top_k a layer, one embedding row and the LM head (the FP8 roofline of
+    issue 47: FP8 projections plus the bf16 LM head)."""
     from pagoda_engine.worker.model.moe import FusedMoE
 
     moe_layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
-    if not moe_layers:
-        return weight_bytes(model)
     total = weight_bytes(model)
     for layer in moe_layers:
         experts = layer.experts.w13.nbytes + layer.experts.w2.nbytes
