@@ -13,7 +13,8 @@ Deletion needs no handler: every child has an owner reference, the garbage colle
 The status is written by server-side apply on the status subresource as `pagoda-operator`, which
 owns the fields `conditions.compute_status` returns (Ready, Progressing, Degraded, Validated, the
 counts, selector, url). The autoscaler applies its own (ScalingReady, autoscaling) as
-`pagoda-autoscaler`, and the KV tiers' figures (kvCache) are applied by `kv_status` as
+`pagoda-autoscaler`, and the prefill role's (PrefillScalingReady, prefillAutoscaling) as
+`pagoda-autoscaler-prefill`, and the KV tiers' figures (kvCache) are applied by `kv_status` as
 `pagoda-kv-status`, the InferencePool's parents (inferencePool) by `pool_status` as
 `pagoda-pool-status`, and the adapters' (loras) by `loras` as `pagoda-lora-status`; `conditions` is a map list keyed on type, so no writer can overwrite or drop
 another's. With router.mode: gateway the reconcile lists the pool's InferenceObjectives for the
@@ -39,7 +40,7 @@ from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
 from pagoda_operator.children import FIELD_MANAGER, selector_labels
 from pagoda_operator.conditions import Observation, compute_status, is_current, model_download_failure, transitions
-from pagoda_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, desired_replicas
+from pagoda_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, desired_replicas, role_spec
 from pagoda_operator.validation import Checked, check
 
 
@@ -114,7 +115,7 @@ async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked
         obs.selector = r.engine_selector(name, "decode" if disaggregated else None)
         if disaggregated:
             obs.prefill = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "prefill"))
-            obs.prefill_desired = spec.prefill.replicas
+            obs.prefill_desired = desired_replicas(role_spec(spec, "prefill"))
         obs.url = r.service_url(name, namespace, spec)
         if engine is not None and obs.desired_replicas > 0:
             obs.download_failure = await _download_failure(client, namespace, name)

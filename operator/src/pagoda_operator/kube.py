@@ -1,6 +1,6 @@
 """The operator's calls to the Kubernetes API that kopf does not make (kopf watches and posts
 Events): server-side apply of children and of the status, the create-once of the internal-key
-Secret, reads, prunes, the scale write, and whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
+Secret, reads, prunes, the scale write (and spec.prefill.replicas'), and whether an optional CRD is served. One lightkube `AsyncClient` per operator, shared by the
 reconciler and the autoscaler; `pagoda route` watches EndpointSlices with the same library.
 
 Why lightkube, of the maintained async clients on PyPI (kr8s, kubernetes_asyncio, lightkube): it
@@ -122,6 +122,24 @@ async def scale(client: AsyncClient, namespace: str, name: str, replicas: int, f
                            patch_type=PatchType.MERGE, field_manager=field_manager)
     except httpx2.HTTPStatusError as e:
         raise _refused(e) from None
+
+
+async def set_prefill_replicas(client: AsyncClient, namespace: str, name: str, replicas: int,
+                               autoscaling: dict[str, Any], field_manager: str) -> bool:
+    """spec.prefill.replicas of the InferenceService (no scale subresource reaches it), by a JSON
+    patch whose first operation tests that spec.prefill.autoscaling is still `autoscaling`: a
+    decision made from a spec the user has since changed (or whose spec.prefill is gone, which a
+    merge patch would bring back) is not written. False when that test failed."""
+    patch = [{"op": "test", "path": "/spec/prefill/autoscaling", "value": autoscaling},
+             {"op": "add", "path": "/spec/prefill/replicas", "value": replicas}]
+    try:
+        await client.patch(InferenceService, name, patch, namespace=namespace, patch_type=PatchType.JSON,
+                           field_manager=field_manager)
+    except httpx2.HTTPStatusError as e:
+        if e.response.status_code == 422:  # the test operation failed
+            return False
+        raise _refused(e) from None
+    return True
 
 
 async def get(client: AsyncClient, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:

@@ -3,8 +3,8 @@ autoscaler decided for each InferenceService, so a dashboard can draw desired ag
 replicas beside the engines' series.
 
 Series (gauges; vLLM-style `pagoda:` names), labelled `namespace` and `service` as the engines'
-series are (the engine Service, `<name>-engine`: the Grafana dashboard's $service selects both),
-and `inferenceservice` (`<name>`):
+series are (the engine Service, `<name>-engine`: the Grafana dashboard's $service selects both;
+spec.prefill: each role's, `<name>-prefill` and `<name>-decode`), and `inferenceservice` (`<name>`):
 
   pagoda:autoscaler_desired_replicas   replicas the last decision set
   pagoda:autoscaler_current_replicas   replicas in effect when it decided (spec.replicas)
@@ -38,26 +38,33 @@ SCALING_READY = Gauge("pagoda:autoscaler_scaling_ready", "1 while the autoscaler
 AUTOSCALER_GAUGES = (DESIRED_REPLICAS, CURRENT_REPLICAS, READY_REPLICAS, SCALING_READY)
 
 
-def _labels(namespace: str, name: str) -> tuple[str, str, str]:
-    return namespace, f"{name}-engine", name
+ROLES = (None, "prefill", "decode")  # the engine Service's suffix: -engine, or a role's
 
 
-def record_decision(namespace: str, name: str, *, current: int, ready: int, desired: int, scaling_ready: bool) -> None:
-    labels = _labels(namespace, name)
+def _labels(namespace: str, name: str, role: str | None = None) -> tuple[str, str, str]:
+    return namespace, f"{name}-{role or 'engine'}", name
+
+
+def record_decision(namespace: str, name: str, *, current: int, ready: int, desired: int, scaling_ready: bool,
+                    role: str | None = None) -> None:
+    """`role`: spec.prefill's prefill or decode pods (None: the engine pods of one role)."""
+    labels = _labels(namespace, name, role)
     DESIRED_REPLICAS.labels(*labels).set(desired)
     CURRENT_REPLICAS.labels(*labels).set(current)
     READY_REPLICAS.labels(*labels).set(ready)
     SCALING_READY.labels(*labels).set(1 if scaling_ready else 0)
 
 
-def forget(namespace: str, name: str) -> None:
-    """Drop a service's series (deleted, or no longer autoscaled by the built-in driver)."""
-    labels = _labels(namespace, name)
-    for gauge in AUTOSCALER_GAUGES:
-        try:
-            gauge.remove(*labels)
-        except KeyError:
-            pass
+def forget(namespace: str, name: str, roles: tuple[str | None, ...] = ROLES) -> None:
+    """Drop a service's series (deleted, or no longer autoscaled by the built-in driver), of
+    every role or of `roles`."""
+    for role in roles:
+        labels = _labels(namespace, name, role)
+        for gauge in AUTOSCALER_GAUGES:
+            try:
+                gauge.remove(*labels)
+            except KeyError:
+                pass
 
 
 class _MetricsHandler(BaseHTTPRequestHandler):

@@ -227,14 +227,15 @@ class KVCache:
 
 @dataclass
 class Autoscaling:
-    """Scale replicas from Prometheus metrics. Exclusive with spec.replicas: with autoscaling,
-    spec.replicas belongs to the scaler (written through the scale subresource)."""
+    """Scale replicas from Prometheus metrics. Exclusive with the replicas beside it: with
+    autoscaling, spec.replicas belongs to the scaler (written through the scale subresource), and
+    spec.prefill.replicas to the built-in autoscaler (spec.prefill.autoscaling)."""
 
     max_replicas: int = prop(doc="Most replicas.", minimum=1)
     min_replicas: int = prop(1, doc="Fewest replicas; 0 allows scale to zero (the router holds requests).", minimum=0)
     driver: Literal["builtin", "keda", "hpa"] = prop("builtin", doc="builtin: the operator's autoscaler; keda or hpa: target the scale subresource with those.")
     prometheus_url: str | None = prop(None, name="prometheusURL", doc="Prometheus HTTP API base URL.", pattern=r"^https?://")
-    policy: Literal["queue", "kvUtilization", "ttft"] = prop("queue", doc="queue: waiting requests per replica; kvUtilization: mean KV usage; ttft: p90 time to first token.")
+    policy: Literal["queue", "kvUtilization", "ttft", "itl"] = prop("queue", doc="queue: waiting requests per replica; kvUtilization: mean KV usage; ttft: p90 time to first token; itl: p90 inter-token latency (spec.prefill.autoscaling: queue or ttft).")
     target: float | None = prop(None, doc="Target value of the policy's metric per replica.", minimum=0, exclusive_minimum=True)
     scale_up_delay: Duration | None = prop(None, doc="How long the metric must ask for more before scaling up.")
     scale_down_delay: Duration | None = prop(None, doc="How long the metric must ask for fewer before scaling down.")
@@ -331,12 +332,13 @@ class PrefillEngine:
 class Prefill:
     """Disaggregated prefill and decode (KServe LLMInferenceService's spec.prefill): the prompts run
     on prefill pods (`--kv-transfer-config` kv_producer), which hold their KV pages until a decode
-    pod (kv_consumer) pulls them; spec.replicas, spec.resources and spec.engine are then the decode
+    pod (kv_consumer) pulls them; spec.replicas, spec.autoscaling, spec.resources and spec.engine are then the decode
     pods'. Needs topology.tensor and topology.pipeline 1, one node per replica and the prefix cache."""
 
-    replicas: int = prop(1, doc="Prefill replicas (0: every request decodes its own prompt).", minimum=0)
+    replicas: int | None = prop(None, doc="Prefill replicas (default 1; 0: every request decodes its own prompt); exclusive with prefill.autoscaling.", minimum=0)
     resources: Resources | None = prop(None, doc="What one prefill pod asks for (default: spec.resources).")
     engine: PrefillEngine | None = prop(None, doc="Engine settings of the prefill pods that differ from spec.engine's.")
+    autoscaling: Autoscaling | None = prop(None, doc="The prefill pods' own autoscaling, by the built-in autoscaler (driver builtin), on their waiting requests (policy queue) or their p90 time to first token (ttft); it writes prefill.replicas, and its decisions go to status.prefillAutoscaling and the PrefillScalingReady condition. prometheusURL defaults to spec.autoscaling's.")
 
 
 @dataclass
@@ -364,7 +366,7 @@ class InferenceServiceSpec:
 class Condition:
     """A condition, as Kubernetes conventions define it."""
 
-    type: str = prop(doc="Ready, Progressing, Degraded, Validated or ScalingReady.")
+    type: str = prop(doc="Ready, Progressing, Degraded, Validated, ScalingReady or PrefillScalingReady.")
     status: Literal["True", "False", "Unknown"] = prop(doc="True, False or Unknown.")
     observed_generation: int | None = prop(None, doc="metadata.generation this condition was computed from.", minimum=0)
     reason: str | None = prop(None, doc="CamelCase reason.")
@@ -458,12 +460,13 @@ class InferenceServiceStatus:
     """The observed state of an InferenceService."""
 
     observed_generation: int | None = prop(None, doc="metadata.generation last reconciled.")
-    conditions: list[Condition] | None = prop(None, doc="Ready, Progressing, Degraded, Validated, ScalingReady.", list_map_keys=["type"])
+    conditions: list[Condition] | None = prop(None, doc="Ready, Progressing, Degraded, Validated, ScalingReady, PrefillScalingReady.", list_map_keys=["type"])
     replicas: int | None = prop(None, doc="Engine replicas that exist (scale subresource).")
     ready_replicas: int | None = prop(None, doc="Engine replicas that are ready.")
     selector: str | None = prop(None, doc="Label selector of engine pods (scale subresource).")
     url: str | None = prop(None, doc="OpenAI endpoint of the service.")
-    autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state.")
+    autoscaling: AutoscalingStatus | None = prop(None, doc="Autoscaler state (spec.prefill: the decode pods').")
+    prefill_autoscaling: AutoscalingStatus | None = prop(None, doc="spec.prefill.autoscaling: the prefill pods' autoscaler state.")
     kv_cache: KVCacheStatus | None = prop(None, doc="KV tier state.")
     inference_pool: InferencePoolStatus | None = prop(None, doc="router.mode: gateway: the InferencePool's Accepted and ResolvedRefs from each parent Gateway.")
     loras: list[LoraStatus] | None = prop(None, doc="spec.loras: each adapter's ready engine pods.", list_map_keys=["name"])
@@ -494,7 +497,7 @@ def role_spec(spec: InferenceServiceSpec, role: str) -> InferenceServiceSpec:
     overrides = {} if p.engine is None else {
         k: v for k, v in vars(p.engine).items() if v is not None}
     return replace(spec, engine=replace(spec.engine, **overrides), resources=p.resources or spec.resources,
-                   replicas=p.replicas, autoscaling=None, prefill=None)
+                   replicas=p.replicas, autoscaling=p.autoscaling, prefill=None)
 
 
 __all__ = [name for name in dir() if not name.startswith("_") and name != "Any"]

@@ -17,6 +17,7 @@ from pagoda_engine.kv_tiers import remote_url_problems
 from pagoda_engine.speculative import MODEL_METHODS, InvalidSpeculativeConfigError, parse_speculative_config
 
 from pagoda_operator import engine_capabilities, sizing
+from pagoda_operator.autoscaler.decision import NOT_FOR_PREFILL, PREFILL_POLICIES, autoscaling_problems
 from pagoda_operator.models import architecture_of
 from pagoda_operator.quantity import format_gib, gib, parse_quantity
 from pagoda_operator.schema import SpecProblems
@@ -65,6 +66,8 @@ def check(body: dict[str, Any]) -> Checked:
         return Checked(None, problems + e.problems)
     problems += validate_spec(spec)
     problems += _check_replicas_owner(spec, body.get("metadata") or {})
+    if spec.prefill is not None:
+        problems += _check_replicas_owner(role_spec(spec, "prefill"), body.get("metadata") or {}, prefill=True)
     name = (body.get("metadata") or {}).get("name")
     if spec.prefill is not None and isinstance(name, str) and MAX_DISAGG_NAME_LENGTH < len(name) <= MAX_NAME_LENGTH:
         problems.append(f"metadata.name: {name!r} is too long for spec.prefill: at most {MAX_DISAGG_NAME_LENGTH} "
@@ -191,10 +194,13 @@ def _check_prefill(spec: InferenceServiceSpec) -> list[str]:
         problems.append(f"autoscaling.driver: {spec.autoscaling.driver} is not supported with spec.prefill yet (its "
                         f"metrics would select the <name>-engine Service); use driver builtin, which scales the decode "
                         f"pods")
+    problems += _check_prefill_autoscaling(spec)
     # The prefill role's own settings (its resources, engine fields and extraArgs), checked as the
-    # decode pods' are: what the decode pods' check already said is not repeated.
-    said = set(problems) | set(validate_spec(_without_prefill(spec)))
-    problems += [f"prefill: {problem}" for problem in validate_spec(role_spec(spec, "prefill")) if problem not in said]
+    # decode pods' are: what the decode pods' check already said is not repeated, nor its
+    # autoscaling, named above as prefill.autoscaling.
+    role = role_spec(spec, "prefill")
+    said = set(problems) | set(validate_spec(_without_prefill(spec))) | set(_check_scaling(role))
+    problems += [f"prefill: {problem}" for problem in validate_spec(role) if problem not in said]
     return problems
 
 
@@ -389,27 +395,58 @@ def _check_memory(spec: InferenceServiceSpec) -> list[str]:
     return [f"memory: the model does not fit: {plan.explain()}; raise topology.tensor or topology.pipeline (about {int(need_shards)} shards), or use GPUs with more memory (resources.gpuMemoryGiB)"]
 
 
-def _check_scaling(spec: InferenceServiceSpec) -> list[str]:
+def _check_scaling(spec: InferenceServiceSpec, where: str = "autoscaling", replicas: str = "replicas") -> list[str]:
+    """An autoscaling block and the replicas beside it (`where`, `replicas`: their names, for the
+    prefill role's spec.prefill.autoscaling and spec.prefill.replicas)."""
     a = spec.autoscaling
     if a is None:
         return []
     problems = []
     if a.min_replicas > a.max_replicas:
-        problems.append(f"autoscaling: minReplicas {a.min_replicas} > maxReplicas {a.max_replicas}")
+        problems.append(f"{where}: minReplicas {a.min_replicas} > maxReplicas {a.max_replicas}")
     if spec.replicas is not None and not a.min_replicas <= spec.replicas <= a.max_replicas:
-        problems.append(f"replicas: {spec.replicas} is outside autoscaling's [{a.min_replicas}, {a.max_replicas}]")
-    return problems
+        problems.append(f"{replicas}: {spec.replicas} is outside {where}'s [{a.min_replicas}, {a.max_replicas}]")
+    return problems + autoscaling_problems(a, where)
 
 
-def _check_replicas_owner(spec: InferenceServiceSpec, meta: dict[str, Any]) -> list[str]:
+def _check_prefill_autoscaling(spec: InferenceServiceSpec) -> list[str]:
+    """spec.prefill.autoscaling: the built-in autoscaler writes prefill.replicas (there is no scale
+    subresource for KEDA or an HPA to write), on what measures prefill load, never to zero (with
+    no prefill pod the router sends whole requests to the decode pods, and no prefill signal is
+    left to scale up on)."""
+    a = spec.prefill.autoscaling
+    if a is None:
+        return []
+    problems = []
+    if a.driver != "builtin":
+        problems.append(f"prefill.autoscaling.driver: {a.driver} cannot scale the prefill pods (prefill.replicas "
+                        f"has no scale subresource for it to write); use driver builtin")
+    if a.policy not in PREFILL_POLICIES:
+        problems.append(f"prefill.autoscaling.policy: {a.policy} does not measure prefill load: {NOT_FOR_PREFILL[a.policy]}; "
+                        f"use queue (waiting requests per ready prefill replica) or ttft (the prefill pods' p90 time "
+                        f"to first token)")
+    if a.min_replicas == 0:
+        problems.append("prefill.autoscaling.minReplicas: 0 could never scale back up: with no prefill pod the router "
+                        "sends whole requests to the decode pods, so no prefill pod's queue or TTFT is left to scale "
+                        "on; use 1 or more (prefill.replicas: 0, without autoscaling, runs no prefill pod)")
+    return problems + _check_scaling(role_spec(spec, "prefill"), "prefill.autoscaling", "prefill.replicas")
+
+
+def _check_replicas_owner(spec: InferenceServiceSpec, meta: dict[str, Any], prefill: bool = False) -> list[str]:
     """replicas and autoscaling are exclusive for users; with autoscaling, spec.replicas is the
-    scaler's output (scale subresource). managedFields tell who wrote it."""
+    scaler's output (scale subresource), and with `prefill` (`spec` the prefill role's) so is
+    spec.prefill.replicas, the built-in autoscaler's. managedFields tell who wrote it."""
     if spec.autoscaling is None or spec.replicas is None:
         return []
-    owners = [
-        entry for entry in meta.get("managedFields") or []
-        if "f:replicas" in ((entry.get("fieldsV1") or {}).get("f:spec") or {})
-    ]
+    path = ("f:spec", "f:prefill", "f:replicas") if prefill else ("f:spec", "f:replicas")
+
+    def owns(entry: dict[str, Any]) -> bool:
+        fields = entry.get("fieldsV1") or {}
+        for key in path[:-1]:
+            fields = fields.get(key) or {}
+        return path[-1] in fields
+
+    owners = [entry for entry in meta.get("managedFields") or [] if owns(entry)]
     by_user = [
         e.get("manager", "?") for e in owners
         if e.get("subresource") != "scale" and not str(e.get("manager", "")).startswith(SCALER_MANAGER_PREFIX)
@@ -417,6 +454,9 @@ def _check_replicas_owner(spec: InferenceServiceSpec, meta: dict[str, Any]) -> l
     if owners and not by_user:
         return []
     who = f" (set by {', '.join(by_user)})" if by_user else ""
+    if prefill:
+        return [f"prefill.replicas: set prefill.replicas or prefill.autoscaling, not both{who}; with autoscaling the "
+                f"built-in autoscaler sets prefill.replicas"]
     return [f"replicas: set replicas or autoscaling, not both{who}; with autoscaling the scaler sets replicas through the scale subresource"]
 
 

@@ -12,8 +12,11 @@ The rules, in order:
    - queue: waiting requests (engines + router's held ones) per ready replica against `target`:
      above it -> ceil(waiting / target); zero waiting -> one replica fewer (a queue that is empty
      says there are enough replicas, not how many, so it steps down gently); else unchanged.
-   - kvUtilization / ttft: proportional, ceil(ready * value / target), as Kubernetes' HPA does,
-     with a 10 % tolerance band around the target.
+   - kvUtilization / ttft / itl: proportional, ceil(ready * value / target), as Kubernetes' HPA
+     does, with a 10 % tolerance band around the target.
+   The prefill role of a disaggregated service (spec.prefill.autoscaling) is decided by the same
+   rules from its own pods' metrics and its own History; it has no router_held (the router sends
+   a request that finds no prefill pod to the decode pods whole, so it holds none for them).
 4. Bounds [min, max]. Zero only when min is 0, nothing runs, waits or is held, and no replica is
    still starting (ready < current): a starting replica may be about to serve held requests.
 5. Delays, as HPA's stabilization windows: scale up to the smallest count asked for during the
@@ -33,8 +36,16 @@ from pagoda_operator.schema import parse_duration
 if TYPE_CHECKING:
     from pagoda_operator.spec import Autoscaling
 
-POLICIES = ("queue", "kvUtilization", "ttft")
-DEFAULT_TARGETS = {"queue": 2.0, "kvUtilization": 0.7, "ttft": 1.0}  # waiting/replica, fraction, seconds
+POLICIES = ("queue", "kvUtilization", "ttft", "itl")
+# waiting/replica, fraction, seconds, seconds (itl: the 50 ms of a smooth stream)
+DEFAULT_TARGETS = {"queue": 2.0, "kvUtilization": 0.7, "ttft": 1.0, "itl": 0.05}
+# What the prefill role may scale on, and why not on the others (a sentence for Validated).
+PREFILL_POLICIES = ("queue", "ttft")
+NOT_FOR_PREFILL = {
+    "kvUtilization": "a prefill pod's KV pages in use are the prompts it holds until a decode pod pulls them: "
+                     "they measure how fast the decode pods pull, not how busy the prefill pods are",
+    "itl": "a prefill pod makes one token per request, so it has no inter-token latency",
+}
 TOLERANCE = 0.1
 # spec.autoscaling fields left unset (shared by the built-in driver and the KEDA/HPA manifests)
 DEFAULT_INTERVAL_S = 15
@@ -68,22 +79,22 @@ def settings_of(a: "Autoscaling") -> Settings:
     )
 
 
-def autoscaling_problems(a: "Autoscaling") -> list[str]:
-    """What in spec.autoscaling cannot work, as sentences for the Validated condition (the
-    operator's validation calls this)."""
+def autoscaling_problems(a: "Autoscaling", where: str = "autoscaling") -> list[str]:
+    """What in an autoscaling block (`where`: spec.autoscaling, or prefill.autoscaling) cannot
+    work, as sentences for the Validated condition (the operator's validation calls this)."""
     problems = []
     if a.driver == "keda" and not a.prometheus_url:
-        problems.append("autoscaling.prometheusURL: required with driver keda (the ScaledObject's trigger "
+        problems.append(f"{where}.prometheusURL: required with driver keda (the ScaledObject's trigger "
                         "queries it)")
     if a.policy == "kvUtilization" and a.target is not None and a.target > 1:
-        problems.append(f"autoscaling.target: {a.target:g} can never be reached: kvUtilization is the "
+        problems.append(f"{where}.target: {a.target:g} can never be reached: kvUtilization is the "
                         "fraction of the KV cache in use, in (0, 1]")
     for name, value in (("scaleUpDelay", a.scale_up_delay), ("scaleDownDelay", a.scale_down_delay)):
         if value:
             try:
                 parse_duration(value)
             except ValueError as e:
-                problems.append(f"autoscaling.{name}: {e}")
+                problems.append(f"{where}.{name}: {e}")
     return problems
 
 
@@ -101,6 +112,7 @@ class Observation:
     running: float | None = None  # sum of pagoda:num_requests_running
     kv_usage: float | None = None  # mean pagoda:kv_cache_usage_perc
     ttft_p90: float | None = None  # seconds; NaN-free (no traffic reads as 0)
+    itl_p90: float | None = None  # seconds, as ttft_p90
     router_held: float | None = None  # pagoda_router:queue_length, summed over router pods
     error: str | None = None  # Prometheus could not be asked
 
@@ -136,6 +148,8 @@ def _metric_of(settings: Settings, obs: Observation) -> tuple[str, float | None]
         return "pagoda:kv_cache_usage_perc", obs.kv_usage
     if settings.policy == "ttft":
         return "pagoda:time_to_first_token_seconds", obs.ttft_p90
+    if settings.policy == "itl":
+        return "pagoda:inter_token_latency_seconds", obs.itl_p90
     raise ValueError(f"unknown autoscaling policy {settings.policy!r}; choose one of {', '.join(POLICIES)}")
 
 
@@ -143,7 +157,7 @@ def _inputs(settings: Settings, obs: Observation) -> dict:
     out = {"policy": settings.policy, "target": settings.effective_target,
            "currentReplicas": obs.current_replicas, "readyReplicas": obs.ready_replicas}
     for key, value in (("waiting", obs.waiting), ("running", obs.running), ("kvUsage", obs.kv_usage),
-                       ("ttftP90Seconds", obs.ttft_p90), ("routerHeld", obs.router_held)):
+                       ("ttftP90Seconds", obs.ttft_p90), ("itlP90Seconds", obs.itl_p90), ("routerHeld", obs.router_held)):
         if value is not None:
             out[key] = round(float(value), 6)
     return out
@@ -163,7 +177,7 @@ def _recommend(settings: Settings, obs: Observation, value: float) -> tuple[int,
             return current - 1, f"no request waiting -> one replica fewer ({current - 1})"
         return current, f"{value:g} waiting = {per_replica:.2f}/replica <= target {target:g} -> keep {current}"
     ratio = value / target
-    unit = "s" if settings.policy == "ttft" else ""
+    unit = "s" if settings.policy in ("ttft", "itl") else ""
     if abs(ratio - 1.0) <= TOLERANCE:
         return current, f"{settings.policy} {value:.3g}{unit} within {TOLERANCE:.0%} of target {target:g}{unit} -> keep {current}"
     want = math.ceil(ready * ratio)

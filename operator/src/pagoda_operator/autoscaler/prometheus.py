@@ -25,10 +25,13 @@ from pagoda_operator.spec import InferenceServiceSpec
 PROMETHEUS_URL_ENV = "PAGODA_PROMETHEUS_URL"  # operator-wide default for spec.autoscaling.prometheusURL
 
 
-def prometheus_url(spec: InferenceServiceSpec) -> str | None:
-    """Where the operator asks about a service's engines: spec.autoscaling.prometheusURL, else
-    the operator's PAGODA_PROMETHEUS_URL."""
-    given = spec.autoscaling.prometheus_url if spec.autoscaling is not None else None
+def prometheus_url(spec: InferenceServiceSpec, prefill: bool = False) -> str | None:
+    """Where the operator asks about a service's engines: spec.autoscaling.prometheusURL (with
+    `prefill`: spec.prefill.autoscaling's first), else the operator's PAGODA_PROMETHEUS_URL."""
+    blocks = [spec.autoscaling]
+    if prefill and spec.prefill is not None:
+        blocks.insert(0, spec.prefill.autoscaling)
+    given = next((a.prometheus_url for a in blocks if a is not None and a.prometheus_url), None)
     return given or os.environ.get(PROMETHEUS_URL_ENV) or None
 
 
@@ -48,21 +51,30 @@ def selectors(namespace: str, name: str, disaggregated: bool = False, role: str 
     return f'namespace="{namespace}",{engine}', f'namespace="{namespace}",service="{name}"'
 
 
+# The latency policies: the Observation field and the engines' histogram (api/server/metrics.py).
+_HISTOGRAMS = {"ttft": ("ttft_p90", "pagoda:time_to_first_token_seconds"),
+               "itl": ("itl_p90", "pagoda:inter_token_latency_seconds")}
+
+
 def queries(policy: str, namespace: str, name: str, rate_window_s: int = 60, role: str | None = None) -> dict[str, str]:
     """The PromQL of each Observation field a policy needs (waiting, running and the router's held
     requests are always read: they decide scale-from-zero and idleness); `role`: of one role's
-    engines (spec.prefill)."""
+    engines (spec.prefill). The prefill role reads no held requests: the router holds a request
+    only while no decode pod can take it (without a prefill pod it sends the whole request to a
+    decode pod), so they are the decode role's demand."""
     engine, router = selectors(namespace, name, role=role)
     out = {
         "waiting": f"sum(pagoda:num_requests_waiting{{{engine}}})",
         "running": f"sum(pagoda:num_requests_running{{{engine}}})",
-        "router_held": f"sum(pagoda_router:queue_length{{{router}}})",
     }
+    if role != "prefill":
+        out["router_held"] = f"sum(pagoda_router:queue_length{{{router}}})"
     if policy == "kvUtilization":
         out["kv_usage"] = f"avg(pagoda:kv_cache_usage_perc{{{engine}}})"
-    elif policy == "ttft":
-        out["ttft_p90"] = (f"histogram_quantile(0.9, sum by (le) "
-                           f"(rate(pagoda:time_to_first_token_seconds_bucket{{{engine}}}[{rate_window_s}s])))")
+    elif policy in _HISTOGRAMS:
+        field, family = _HISTOGRAMS[policy]
+        out[field] = (f"histogram_quantile(0.9, sum by (le) "
+                      f"(rate({family}_bucket{{{engine}}}[{rate_window_s}s])))")
     return out
 
 

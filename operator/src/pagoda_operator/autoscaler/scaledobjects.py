@@ -6,7 +6,7 @@ the children's metadata from `children.py`.
 Both target the InferenceService's scale subresource (spec.replicas), like the built-in one, and
 read the same PromQL (`prometheus.queries`), so switching driver does not change the arithmetic:
   - queue: total waiting requests against `target` per replica (AverageValue: ceil(total/target));
-  - kvUtilization, ttft: a per-service value against `target` (Value: ceil(replicas x value/target)).
+  - kvUtilization, ttft, itl: a per-service value against `target` (Value: ceil(replicas x value/target)).
 KEDA adds a second trigger on the router's held requests, which is what activates 0 -> 1.
 HPA reads External metrics, so it needs an adapter (prometheus-adapter) that serves them under
 EXTERNAL_METRIC_NAMES with the `namespace` and `service` labels; HPA cannot scale to zero, so
@@ -23,9 +23,11 @@ from pagoda_operator.children import child_metadata
 from pagoda_operator.spec import API_VERSION, KIND, InferenceServiceSpec
 
 # policy -> (the PromQL field in prometheus.queries, how the target compares)
-_POLICY_METRIC = {"queue": ("waiting", "AverageValue"), "kvUtilization": ("kv_usage", "Value"), "ttft": ("ttft_p90", "Value")}
+_POLICY_METRIC = {"queue": ("waiting", "AverageValue"), "kvUtilization": ("kv_usage", "Value"), "ttft": ("ttft_p90", "Value"),
+                  "itl": ("itl_p90", "Value")}
 EXTERNAL_METRIC_NAMES = {"queue": "pagoda_num_requests_waiting", "kvUtilization": "pagoda_kv_cache_usage_perc",
-                         "ttft": "pagoda_time_to_first_token_seconds_p90"}
+                         "ttft": "pagoda_time_to_first_token_seconds_p90",
+                         "itl": "pagoda_inter_token_latency_seconds_p90"}
 HPA_MIN_NOTE = "pagoda.dev/min-replicas-note"
 
 
