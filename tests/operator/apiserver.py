@@ -120,6 +120,27 @@ def _json_patch(doc: Any, operations: list[dict]) -> Any:
     return doc
 
 
+def _written_by(doc: Any, operations: list[dict]) -> dict:
+    """What a JSON patch's add and replace operations wrote, as a partial object of `doc` (the
+    patched object), for field ownership: a path into a list stops at the list (lists are atomic
+    here, see server_side_apply.py)."""
+    out: dict = {}
+    for op in operations:
+        if op["op"] not in ("add", "replace"):
+            continue
+        node, prefix = doc, []
+        for part in (p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]):
+            if isinstance(node, list):
+                break
+            prefix.append(part)
+            node = node[part]
+        target = out
+        for part in prefix[:-1]:
+            target = target.setdefault(part, {})
+        target[prefix[-1]] = copy.deepcopy(node)
+    return out
+
+
 class ApiServer(kmock.KubernetesEmulator):
     """The emulator with the extensions listed in the module docstring."""
 
@@ -219,7 +240,7 @@ class ApiServer(kmock.KubernetesEmulator):
                     new = _json_patch(old, request.data)
                 except JsonPatchTestFailed as e:
                     raise kmock.KubernetesError(status=422, reason="Invalid", message=f"the test of {e} failed") from None
-                data = {}  # ownership of JSON-patched fields is not tracked
+                data = _written_by(new, request.data)
             else:
                 wanted_rv = (data.get("metadata") or {}).get("resourceVersion")
                 if wanted_rv is not None and wanted_rv != old["metadata"].get("resourceVersion"):

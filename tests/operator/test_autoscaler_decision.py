@@ -114,3 +114,51 @@ def test_bad_settings_are_refused():
         decide(S(min_replicas=3, max_replicas=2), O(), History(), 0)
     with pytest.raises(ValueError, match="unknown autoscaling policy"):
         decide(S(policy="cpu"), O(), History(), 0)
+
+
+def P(current=1, waiting=0.0, running=0.0, **kw):
+    """An observation of a disaggregated service's prefill pods: no router_held (the router holds
+    requests for the decode pods only, prometheus.queries reads none for the prefill role)."""
+    return Observation(current_replicas=current, ready_replicas=current, waiting=waiting, running=running, **kw)
+
+
+@pytest.mark.parametrize("settings, obs, want, reason", [
+    (S(max_replicas=3), P(current=1, waiting=6), 3, "ScaledUp"),  # ceil(6/2)
+    (S(max_replicas=3), P(current=1, waiting=40), 3, "ScaledUp"),  # bounded by max
+    (S(), P(current=2, waiting=3), 2, "Steady"),  # 1.5 per ready prefill replica <= 2
+    (S(scale_down_delay_s=0), P(current=3, waiting=0, running=2), 2, "ScaledDown"),  # one step down
+    (S(scale_down_delay_s=0), P(current=1, waiting=0), 1, "Steady"),  # minReplicas
+    (S(policy="ttft", target=0.5), P(current=2, ttft_p90=1.2), 5, "ScaledUp"),  # ceil(2 x 2.4)
+    (S(policy="ttft", target=0.5, scale_down_delay_s=0), P(current=4, ttft_p90=0.2), 2, "ScaledDown"),  # ceil(4 x 0.4)
+    (S(policy="ttft", target=0.5), P(current=2, ttft_p90=0.52), 2, "Steady"),  # within the tolerance
+])
+def test_prefill_decisions_without_the_routers_held_requests(settings, obs, want, reason):
+    d = decide(settings, obs, History(), now=1000.0)
+    assert (d.replicas, d.condition_reason) == (want, reason), d.reason
+    assert d.scaling_ready and "routerHeld" not in d.inputs
+
+
+def test_a_prefill_queue_at_target_per_ready_replica_counts_the_ready_ones_only():
+    # 3 replicas, 1 ready: 4 waiting is 4 per ready replica > 2 -> ceil(4/2) = 2 (< current: the
+    # starting ones already absorb it, the down step waits for scaleDownDelay)
+    d = decide(S(), Observation(current_replicas=3, ready_replicas=1, waiting=4.0, running=1.0), History(), 0.0)
+    assert (d.replicas, d.recommendation) == (3, 2) and "scaleDownDelay" in d.reason
+
+
+@pytest.mark.parametrize("itl, current, want, reason", [
+    (0.1, 2, 4, "ScaledUp"),  # ceil(2 x 0.1/0.05)
+    (0.052, 2, 2, "Steady"),  # within 10 % of 50 ms
+    (math.nan, 2, 1, "ScaledDown"),  # no tokens streamed: the minimum
+])
+def test_itl_scales_the_decode_pods_proportionally(itl, current, want, reason):
+    s = S(policy="itl", target=None, scale_down_delay_s=0)
+    assert s.effective_target == 0.05
+    d = decide(s, O(current=current, itl_p90=itl), History(), 0.0)
+    assert (d.replicas, d.condition_reason) == (want, reason), d.reason
+    assert "itlP90Seconds" in d.inputs
+
+
+def test_a_missing_itl_histogram_changes_nothing():
+    d = decide(S(policy="itl"), O(current=2), History(), 0.0)
+    assert (d.replicas, d.scaling_ready, d.condition_reason) == (2, False, "MetricsMissing")
+    assert "pagoda:inter_token_latency_seconds" in d.reason

@@ -17,6 +17,7 @@ from pagoda_engine import serve
 from pagoda_engine.config import config_from_args
 from pagoda_engine.kv_transfer import DEFAULT_KV_PORT
 from pagoda_operator import render
+from pagoda_operator.spec import parse_spec
 from pagoda_operator.validation import check
 from tests.operator.support import load_example, with_spec
 from tests.operator.test_engine_contract import POD_IP, _parser, pod_args
@@ -237,3 +238,122 @@ def test_the_builtin_autoscaler_scales_the_decode_pods_on_their_own_metrics():
     promql = queries("kvUtilization", "team-a", "tiny-pd", role="decode")
     assert promql["kv_usage"] == 'avg(pagoda:kv_cache_usage_perc{namespace="team-a",service="tiny-pd-decode"})'
     assert 'service="tiny-pd-decode"' in promql["waiting"] and 'service="tiny-pd"' in promql["router_held"]
+
+
+# --- spec.prefill.autoscaling ---------------------------------------------------------------------
+
+PREFILL_AUTOSCALING = {"minReplicas": 1, "maxReplicas": 4, "policy": "queue", "target": 2,
+                       "prometheusURL": "http://prometheus:9090"}
+
+
+def _autoscaled_prefill(**autoscaling) -> dict:
+    """The example with the prefill pods autoscaled (prefill.replicas left to the autoscaler)."""
+    body = _body()
+    prefill = body["spec"]["prefill"]
+    del prefill["replicas"]
+    prefill["autoscaling"] = {**PREFILL_AUTOSCALING, **autoscaling}
+    return body
+
+
+def _problems(body: dict) -> list[str]:
+    checked = check(body)
+    assert not checked.ok
+    return checked.problems
+
+
+def test_prefill_autoscaling_renders_its_floor_and_then_what_the_autoscaler_set():
+    body = _autoscaled_prefill(minReplicas=2)
+    assert _rendered(body)[("Deployment", "tiny-pd-prefill")]["spec"]["replicas"] == 2  # minReplicas
+    assert _rendered(body)[("Deployment", "tiny-pd-decode")]["spec"]["replicas"] == 2  # spec.replicas, apart
+    body["spec"]["prefill"]["replicas"] = 3
+    body["metadata"]["managedFields"] = [
+        {"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {"f:prefill": {"f:autoscaling": {}}}}},
+        {"manager": "pagoda-autoscaler", "operation": "Update", "fieldsV1": {"f:spec": {"f:prefill": {"f:replicas": {}}}}},
+    ]
+    assert _rendered(body)[("Deployment", "tiny-pd-prefill")]["spec"]["replicas"] == 3
+    # Without spec.prefill.autoscaling and replicas: one prefill replica, as before.
+    plain = _body()
+    del plain["spec"]["prefill"]["replicas"]
+    assert _rendered(plain)[("Deployment", "tiny-pd-prefill")]["spec"]["replicas"] == 1
+
+
+def test_prefill_replicas_set_by_a_user_beside_prefill_autoscaling_is_refused():
+    body = _autoscaled_prefill()
+    body["spec"]["prefill"]["replicas"] = 2
+    says = "prefill.replicas: set prefill.replicas or prefill.autoscaling, not both"
+    assert any(p.startswith(says) for p in _problems(body))  # no managedFields: written by hand
+    body["metadata"]["managedFields"] = [
+        {"manager": "kubectl", "operation": "Apply", "fieldsV1": {"f:spec": {"f:prefill": {"f:replicas": {}, "f:autoscaling": {}}}}}]
+    assert any(p.startswith(says + " (set by kubectl)") for p in _problems(body))
+    # spec.replicas of the decode pods is not prefill.replicas: the decode check stays quiet.
+    assert not any(p.startswith("replicas:") for p in _problems(body))
+    body["metadata"]["managedFields"] = [
+        {"manager": "pagoda-autoscaler", "operation": "Update", "fieldsV1": {"f:spec": {"f:prefill": {"f:replicas": {}}}}}]
+    assert check(body).ok, check(body).problems
+
+
+@pytest.mark.parametrize("autoscaling, says", [
+    ({"policy": "kvUtilization"}, "prefill.autoscaling.policy: kvUtilization does not measure prefill load: a prefill "
+                                  "pod's KV pages in use are the prompts it holds until a decode pod pulls them"),
+    ({"policy": "itl"}, "prefill.autoscaling.policy: itl does not measure prefill load: a prefill pod makes one token"),
+    ({"minReplicas": 0}, "prefill.autoscaling.minReplicas: 0 could never scale back up"),
+    ({"driver": "keda"}, "prefill.autoscaling.driver: keda cannot scale the prefill pods"),
+    ({"minReplicas": 3, "maxReplicas": 2}, "prefill.autoscaling: minReplicas 3 > maxReplicas 2"),
+    ({"scaleDownDelay": "soon"}, "prefill.autoscaling.scaleDownDelay:"),
+    ({"target": 0}, "spec.prefill.autoscaling.target"),  # the schema: > 0
+    ({"target": -1.5}, "spec.prefill.autoscaling.target"),
+    ({"policy": "latency"}, "spec.prefill.autoscaling.policy"),
+])
+def test_prefill_autoscaling_that_cannot_work_is_refused_naming_the_field(autoscaling, says):
+    problems = _problems(_autoscaled_prefill(**autoscaling))
+    assert any(says in p for p in problems), problems
+    assert not any(p.startswith("prefill: autoscaling") for p in problems), problems  # named once, as prefill's
+
+
+def test_prefill_replicas_outside_the_autoscaling_bounds_is_refused():
+    body = _autoscaled_prefill(maxReplicas=2)
+    body["spec"]["prefill"]["replicas"] = 3
+    body["metadata"]["managedFields"] = [
+        {"manager": "pagoda-autoscaler", "operation": "Update", "fieldsV1": {"f:spec": {"f:prefill": {"f:replicas": {}}}}}]
+    assert "prefill.replicas: 3 is outside prefill.autoscaling's [1, 2]" in _problems(body)
+
+
+def test_the_prefill_role_is_observed_on_its_own_pods_and_not_the_routers_queue():
+    from pagoda_operator.autoscaler.prometheus import prometheus_url, queries
+
+    promql = queries("queue", "team-a", "tiny-pd", role="prefill")
+    assert set(promql) == {"waiting", "running"}
+    assert promql["waiting"] == 'sum(pagoda:num_requests_waiting{namespace="team-a",service="tiny-pd-prefill"})'
+    ttft = queries("ttft", "team-a", "tiny-pd", rate_window_s=60, role="prefill")["ttft_p90"]
+    assert ttft == ('histogram_quantile(0.9, sum by (le) (rate(pagoda:time_to_first_token_seconds_bucket'
+                    '{namespace="team-a",service="tiny-pd-prefill"}[60s])))')
+    itl = queries("itl", "team-a", "tiny-pd", role="decode")["itl_p90"]
+    assert 'pagoda:inter_token_latency_seconds_bucket{namespace="team-a",service="tiny-pd-decode"}' in itl
+    # prometheusURL: the prefill block's, else spec.autoscaling's.
+    body = _autoscaled_prefill(prometheusURL="http://prefill-prom:9090")
+    body["spec"]["autoscaling"] = {"maxReplicas": 4, "prometheusURL": "http://prom:9090"}
+    spec = parse_spec(body["spec"])
+    assert prometheus_url(spec, prefill=True) == "http://prefill-prom:9090" and prometheus_url(spec) == "http://prom:9090"
+    del body["spec"]["prefill"]["autoscaling"]["prometheusURL"]
+    assert prometheus_url(parse_spec(body["spec"]), prefill=True) == "http://prom:9090"
+
+
+def test_the_prefill_decision_reports_in_its_own_status_fields():
+    import asyncio
+
+    from pagoda_operator.autoscaler import handlers
+    from pagoda_operator.autoscaler.decision import History
+
+    body = _autoscaled_prefill(prometheusURL=None)
+    del body["spec"]["prefill"]["autoscaling"]["prometheusURL"]
+    body["status"] = {"roles": [{"name": "prefill", "replicas": 2, "readyReplicas": 1}]}
+    outcome = asyncio.run(handlers.autoscale_once(body, History(), 1000.0, role=handlers.PREFILL))
+    assert set(outcome.status) == {"prefillAutoscaling", "conditions"}
+    (condition,) = outcome.status["conditions"]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("PrefillScalingReady", "False", "PrometheusUnavailable")
+    assert "spec.prefill.autoscaling.prometheusURL" in condition["message"]
+    decision = outcome.status["prefillAutoscaling"]["lastDecision"]
+    assert (decision["result"], decision["inputs"]["currentReplicas"], decision["inputs"]["readyReplicas"]) == (1, 1, 1)
+    assert outcome.pods == "prefill" and outcome.role.status_manager == "pagoda-autoscaler-prefill"
+    # The decode pods' decision: none (no spec.autoscaling), the prefill one's status untouched.
+    assert asyncio.run(handlers.autoscale_once(body, History(), 1000.0)) is None
