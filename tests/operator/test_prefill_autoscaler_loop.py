@@ -3,7 +3,8 @@ real HTTP, a settable queue) standing for a disaggregated service's prefill and 
 by a real Prometheus under their Services' labels (<name>-prefill, <name>-decode), and the whole
 operator (reconciler and autoscaler, in kopf) against the emulated API server: the prefill
 Deployment follows the prefill pods' queue, up at once and down one step per scaleDownDelay, while
-the decode pods' autoscaler, deciding on its own History from the decode pods' metrics, keeps them."""
+the decode pods' autoscaler, deciding on its own History from the decode pods' metrics, keeps them;
+without spec.prefill.autoscaling its part of the status goes."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from pagoda_operator.autoscaler.prometheus import PrometheusClient, queries  # n
 from tests.operator.apiserver import BackgroundApiServer  # noqa: E402
 from tests.operator.support import load_example  # noqa: E402
 from tests.operator.test_operator_kmock import (DEPLOYMENTS, IS, NS, Operator, conditions, create, events_for,  # noqa: E402
-                                                get, status_of)
+                                                get, patch_spec, status_of)
 
 FAKE = str(Path(__file__).resolve().parents[2] / "e2e" / "local" / "fake_engine.py")
 pytestmark = pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed (apt-get install prometheus)")
@@ -83,15 +84,17 @@ def test_the_prefill_pods_scale_on_their_queue_while_the_decode_pods_keep_theirs
     apiserver = stack["apiserver"]
     set_waiting(stack, "prefill", 0)
     set_waiting(stack, "decode", 0)
-    body = load_example("tiny-disagg.yaml")
+    body = load_example("tiny-disagg-autoscaling.yaml")
     body["metadata"] = {"name": NAME, "namespace": NS}
-    del body["spec"]["replicas"], body["spec"]["prefill"]["replicas"]
-    body["spec"]["autoscaling"] = {"minReplicas": 2, "maxReplicas": 4, "policy": "queue", "target": 2,
-                                   "scaleDownDelay": "600s", "intervalSeconds": 1, "prometheusURL": stack["prom"]}
+    # The example's decode pods on the queue, so the fake engine's figures decide them; its
+    # delays and intervals short.
+    body["spec"]["autoscaling"].update({"minReplicas": 2, "policy": "queue", "target": 2, "scaleDownDelay": "600s",
+                                        "intervalSeconds": 1, "prometheusURL": stack["prom"]})
     # prometheusURL: spec.autoscaling's
-    body["spec"]["prefill"]["autoscaling"] = {"minReplicas": 1, "maxReplicas": 3, "policy": "queue", "target": 2,
-                                              "scaleUpDelay": "0s", "scaleDownDelay": f"{DOWN_DELAY_S}s",
-                                              "intervalSeconds": 1}
+    body["spec"]["prefill"]["autoscaling"].update({"scaleUpDelay": "0s", "scaleDownDelay": f"{DOWN_DELAY_S}s",
+                                                   "intervalSeconds": 1})
+    assert {k: body["spec"]["prefill"]["autoscaling"][k] for k in ("minReplicas", "maxReplicas", "policy", "target")} \
+        == {"minReplicas": 1, "maxReplicas": 3, "policy": "queue", "target": 2}
     create(apiserver, body)
     until(lambda: deployment_replicas(apiserver, "prefill") == 1 and deployment_replicas(apiserver, "decode") == 2, 60,
           "each role's Deployment at its minReplicas")
@@ -142,3 +145,15 @@ def test_the_prefill_pods_scale_on_their_queue_while_the_decode_pods_keep_theirs
     until(lambda: sorted(e["message"].split(" replicas")[0] for e in events_for(apiserver, NAME)
                          if e["reason"].startswith("Scaled"))
           == ["prefill: 1 -> 3", "prefill: 2 -> 1", "prefill: 3 -> 2"], 30, "the prefill scaling Events")
+
+    # spec.prefill.autoscaling removed: its part of the status goes (the decode pods' stays), and
+    # prefill.replicas stays as the autoscaler last set it, now the spec's own count.
+    patch_spec(apiserver, NAME, {"prefill": {"autoscaling": None}})
+    until(lambda: "prefillAutoscaling" not in status_of(apiserver, NAME)
+          and "PrefillScalingReady" not in conditions(get(apiserver, IS, NAME)), 60, "the prefill autoscaler's status gone")
+    obj = get(apiserver, IS, NAME)
+    assert obj["spec"]["prefill"]["replicas"] == 1 and "autoscaling" in obj["status"]
+    assert conditions(obj)["ScalingReady"]["status"] == "True"
+    until(lambda: (c := conditions(get(apiserver, IS, NAME))["Validated"])["status"] == "True"
+          and c["observedGeneration"] == get(apiserver, IS, NAME)["metadata"]["generation"], 60, "Validated=True")
+    assert deployment_replicas(apiserver, "prefill") == 1

@@ -230,8 +230,17 @@ async def autoscale(body, spec, memo, **_):
             await _autoscale_role(body, memo, role, block, now)
 
 
-async def forget_metrics(event: dict, body, spec, **_) -> None:
-    """A service deleted, or a role no longer on the built-in autoscaler: those decision series go."""
+def _applied_status(meta: dict, manager: str) -> bool:
+    """Does `manager` own status fields it applied (managedFields)?"""
+    return any(e.get("manager") == manager and e.get("operation") == "Apply" and e.get("subresource") == "status"
+               for e in meta.get("managedFields") or [])
+
+
+async def forget(event: dict, body, spec, memo, **_) -> None:
+    """A service deleted, or a role no longer on the built-in autoscaler: its decision series go,
+    and so does its part of the status (an empty apply by its manager removes what that manager
+    alone applied), so no stale decision or condition stays behind. Its spec.replicas or
+    spec.prefill.replicas stay as last set, as an HPA's do when it is removed."""
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace") or "default", meta.get("name")
     if event.get("type") == "DELETED" or meta.get("deletionTimestamp"):
@@ -245,10 +254,14 @@ async def forget_metrics(event: dict, body, spec, **_) -> None:
     if prefill:
         kept.add("prefill")
     metrics.forget(namespace, name, tuple(role for role in metrics.ROLES if role not in kept))
+    for role, block in ((ENGINES, engines), (PREFILL, prefill)):
+        if block is None and _applied_status(meta, role.status_manager):
+            await kube.apply_status(memo.kube, namespace, name, {}, role.status_manager)
+            memo.pop(role.memo_key, None)  # a block given again starts a fresh History
 
 
 def register(registry: kopf.OperatorRegistry) -> None:
     """Attach the autoscaler's timer to a kopf registry (`handlers.register` does, for the operator)."""
     kopf.timer(GROUP, VERSION, PLURAL, registry=registry, id="autoscale", interval=TICK_S,
                when=_builtin_autoscaled)(autoscale)
-    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="autoscaler-metrics")(forget_metrics)
+    kopf.on.event(GROUP, VERSION, PLURAL, registry=registry, id="autoscaler-forget")(forget)
