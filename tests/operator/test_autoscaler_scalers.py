@@ -81,3 +81,24 @@ def test_hpa_cannot_scale_to_zero_and_says_so():
     assert "cannot scale to zero" in hpa["metadata"]["annotations"][HPA_MIN_NOTE]
     assert hpa["spec"]["metrics"][0]["external"]["target"] == {"type": "AverageValue", "averageValue": "2"}
     kubernetes_validate.validate(hpa, "1.33", strict=True)
+
+
+def test_itl_scales_on_the_engines_inter_token_latency_with_value_targets():
+    [so] = render({"driver": "keda", "maxReplicas": 4, "policy": "itl", "prometheusURL": PROM, "intervalSeconds": 30})
+    main = so["spec"]["triggers"][0]
+    assert main["metricType"] == "Value" and main["metadata"]["threshold"] == "0.05"  # the default target: 50 ms
+    assert main["metadata"]["query"] == queries("itl", "prod", "llama")["itl_p90"]
+    assert "pagoda:inter_token_latency_seconds_bucket" in main["metadata"]["query"]
+    [hpa] = render({"driver": "hpa", "maxReplicas": 4, "policy": "itl", "target": 0.03})
+    metric = hpa["spec"]["metrics"][0]["external"]
+    assert metric["metric"]["name"] == "pagoda_inter_token_latency_seconds_p90"
+    assert metric["target"] == {"type": "Value", "value": "0.03"}
+    kubernetes_validate.validate(hpa, "1.33.0", strict=True)
+
+
+def test_validation_reports_the_autoscaling_problems():
+    from pagoda_operator.validation import check
+
+    checked = check(body({"driver": "keda", "maxReplicas": 2, "policy": "kvUtilization", "target": 70}))
+    assert any(p.startswith("autoscaling.prometheusURL: required with driver keda") for p in checked.problems)
+    assert any(p.startswith("autoscaling.target: 70 can never be reached") for p in checked.problems)
