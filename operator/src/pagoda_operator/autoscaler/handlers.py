@@ -65,7 +65,8 @@ PREFILL = Role(True, "prefillAutoscaling", "PrefillScalingReady", "pagoda-autosc
 
 
 def current_replicas(spec: dict, a: Autoscaling) -> int:
-    """What the scaler last set: spec.replicas, else the floor the operator renders."""
+    """What the scaler last set: `spec`'s replicas (spec, or spec.prefill for the prefill role),
+    else the floor the operator renders."""
     replicas = (spec or {}).get("replicas")
     return int(replicas) if isinstance(replicas, int) else a.min_replicas
 
