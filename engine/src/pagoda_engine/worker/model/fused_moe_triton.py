@@ -91,7 +91,7 @@ def _grouped_gemm_kernel(
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :] * stride_cn
     c_mask = pair_mask[:, None] & (cols[None, :] < N)
     if expert >= num_local:  # pairs whose expert another rank holds contribute nothing here
-        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32).to(c_ptr.dtype.element_ty), mask=c_mask)
         return
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
@@ -143,7 +143,8 @@ def _grouped_gemm_kernel(
         # The columns past N (offs_n wrapped round to valid ones) stay out of the row's largest magnitude.
         amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
         scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), tl.zeros_like(amax) + QMAX)  # IEEE, as torch's
-        q = tl.minimum(tl.maximum(tl.math.div_rn(acc, scale[:, None]), -QMAX), QMAX)
+        q = tl.math.div_rn(acc, tl.zeros_like(acc) + scale[:, None])  # div_rn does not broadcast
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
         tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
         tl.store(c_scale_ptr + pairs * stride_cs + pid_n, scale, mask=pair_mask)
     else:
