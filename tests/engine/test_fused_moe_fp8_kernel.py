@@ -48,9 +48,9 @@ def _routing(num_tokens: int, gen: torch.Generator):
     return weights, ids
 
 
-# Each tier of tiles (`_fp8_configs`: 16-row ones up to 128 tokens, 64-row ones, 128-row ones
-# from 769) on a few tokens, the interpreter being slow; an intermediate size of 192 leaves the
-# last 128-column group half full.
+# Each tier of tiles (`_fp8_configs`: 16-row ones with 128-column groups up to 128 tokens, 32-
+# and 64-row ones with 64-column groups past it) on a few tokens, the interpreter being slow; an
+# intermediate size of 192 leaves the last 128-column group half full.
 @pytest.mark.parametrize("num_tokens,tiles_of,inter", [(6, 6, 256), (6, 6, 192), (12, 300, 256), (12, 1000, 192)])
 def test_fp8_experts_give_the_reference_loops_quantized_numbers(num_tokens, tiles_of, inter):
     gen = torch.Generator().manual_seed(num_tokens + inter)

@@ -549,9 +549,10 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return _combine(down, num_tokens, top_k)
 
 
-# FP8 experts from this many tokens run FP8 × FP8 (`_fused_experts_fp8`); fewer keep the
-# activations in x's dtype and widen the e4m3 weights, where the extra quantization launch would
-# cost more than the FP8 products save (the weight reads, the same bytes either way, dominate).
+# FP8 experts from this many tokens run FP8 × FP8 (`_fused_experts_fp8`); fewer (the matrix-vector
+# kernels' tokens) keep the activations in x's dtype and widen the e4m3 weights. On an H200 at
+# Qwen3-30B-A3B's shapes FP8 × FP8 was faster from 8 tokens on (97 against 107 µs a layer; 512
+# tokens 232 against 361; 8,192 tokens 1,262 against 2,524: `bench.moe_kernels --fp8`).
 FP8_MMA_MIN_TOKENS = 5
 
 
@@ -559,16 +560,22 @@ def _fp8_configs(num_tokens: int) -> tuple[dict, dict]:
     """Tile sizes for the FP8 × FP8 (gate+up with SiLU, down) grouped GEMMs of `num_tokens` tokens:
     the same BLOCK_M (the alignment's); gate+up's BLOCK_N is twice the activation's column group
     (its program quantizes BLOCK_N / 2 columns of each row under one scale) and down's BLOCK_K that
-    group (each K step takes one scale per row). BLOCK_K 128: Hopper's FP8 MMA takes K in 32s."""
+    group (each K step takes one scale per row). Picked by `bench.moe_kernels --fp8 --sweep` (row
+    tiles 16-128, groups 64 and 128, 4 or 8 warps, 3 or 4 stages) at Qwen3-30B-A3B's shapes on an
+    H200: past 128 tokens 64-column groups and 64 × 128 tiles won throughout (8,192 tokens: gate+up
+    696 µs, down 509; with 128-row tiles and 128-column groups 825 and 515)."""
     if num_tokens <= 128:
-        gate_up = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+        gate_up = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3)
         down = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    elif num_tokens <= 384:
+        gate_up = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        down = dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     elif num_tokens <= 768:
-        gate_up = dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
-        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        gate_up = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     else:
-        gate_up = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
-        down = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        gate_up = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
     return gate_up, down
 
 
@@ -580,7 +587,10 @@ def _fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     activation in e4m3, quantized in its epilogue per row and group of BLOCK_N / 2 columns
     (DeepSeek-style block scales: no pass of its own); down takes each group's scale on its K
     step's partial sums, then the row scales and the routing weight. The numbers of
-    `moe.fused_experts_reference(..., fp8_act_group=...)`."""
+    `moe.fused_experts_reference(..., fp8_act_group=...)`, but for the sums' precision: Triton's
+    FP8 dot on Hopper keeps the MMA's own accumulator (Triton's default there, as in vLLM's FP8
+    MoE kernels: no promotion to float32 every few K steps), which down's per-group scaling
+    promotes every BLOCK_K columns anyway."""
     num_tokens, top_k = topk_ids.shape
     num_pairs = num_tokens * top_k
     gate_up_cfg, down_cfg = configs or _fp8_configs(num_tokens)
