@@ -551,8 +551,9 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
 
 # FP8 experts from this many tokens run FP8 × FP8 (`_fused_experts_fp8`); fewer (the matrix-vector
 # kernels' tokens) keep the activations in x's dtype and widen the e4m3 weights. On an H200 at
-# Qwen3-30B-A3B's shapes FP8 × FP8 was faster from 8 tokens on (97 against 107 µs a layer; 512
-# tokens 232 against 361; 8,192 tokens 1,262 against 2,524: `bench.moe_kernels --fp8`).
+# Qwen3-30B-A3B's shapes FP8 × FP8 was the faster from 8 tokens on (one layer's experts, µs: 97
+# against 107 at 8 tokens; 512 tokens 232 against 361, 8,192 tokens 1,262 against 2,524, the
+# FP8 × FP8 figures the sweep's steps without the combine: `bench.moe_kernels --fp8 [--sweep]`).
 FP8_MMA_MIN_TOKENS = 5
 
 
