@@ -191,8 +191,9 @@ def _sweep_fp8(a) -> None:
                   f"{fixed[key]:.1f} + gate+up {gu[0]:.1f} {_short(gu[2])} + down {dn[0]:.1f} {_short(dn[2])}")
             if best is None or total < best[0]:
                 best = (total, key)
+        current = sum(_replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t)))
         print(f"{t:6d} tokens: best {best[0]:.1f} µs (BLOCK_M {best[1][0]}, group {best[1][1]}); "
-              f"current configs: {sum(_replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t))):.1f}")
+              f"the tiles in use: {current:.1f}")
 
 
 def _short(cfg: dict) -> str:

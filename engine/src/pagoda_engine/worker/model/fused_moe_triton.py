@@ -599,7 +599,8 @@ def _fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top
     if down_cfg["BLOCK_K"] != group or down_cfg["BLOCK_M"] != gate_up_cfg["BLOCK_M"]:
         raise ValueError(f"down's BLOCK_K must be the activation's group ({group}) and both BLOCK_M equal")
     inter = w13.shape[1] // 2
-    xq, x_scale = fp8_quant_triton.quantize_tokens(x, FP8_DTYPE, FP8_MAX, MIN_AMAX)
+    # The quantization kernel reads rows of unit column stride.
+    xq, x_scale = fp8_quant_triton.quantize_tokens(x.contiguous(), FP8_DTYPE, FP8_MAX, MIN_AMAX)
     aligned = align_by_expert(topk_ids, w13.shape[0] + 1, gate_up_cfg["BLOCK_M"])
     act = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=x.device)
     act_scale = torch.empty(num_pairs, triton.cdiv(inter, group), dtype=torch.float32, device=x.device)
