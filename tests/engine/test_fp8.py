@@ -22,7 +22,8 @@ from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.tiny import build_tiny_model
-from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, FP8_MAX, fp8_linear, quantize_rows, quantize_tokens
+from pagoda_engine.worker.model.fp8_math import (FP8_DTYPE, FP8_MAX, dequantize_groups, fp8_linear, quantize_groups,
+                                                 quantize_rows, quantize_tokens)
 from pagoda_engine.worker.model.layers import RowParallelLinear
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from random_weights import randomise
@@ -88,6 +89,24 @@ def test_token_scales_are_per_row_or_the_one_static_scale():
     values, scale = quantize_tokens(x, static)
     assert torch.equal(scale, torch.full((3, 1), 0.5))
     assert values[2, 0].float() == FP8_MAX  # beyond the static range: clamped, not inf
+
+
+def test_group_scales_are_each_groups_largest_magnitude_the_last_group_short():
+    """The FP8 MoE experts' activation scales (`quantize_groups`): one per row and group of
+    columns; values round-trip within e4m3's half step (2^-4 relative) of the group's scale."""
+    x = torch.tensor([[1.0, -2.0, 0.5, 8.0, 0.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    values, scale = quantize_groups(x, 2)
+    assert values.shape == x.shape and values.dtype == FP8_DTYPE and scale.shape == (2, 3)
+    assert torch.allclose(scale[0], torch.tensor([2.0, 8.0, 0.0]).clamp(min=1e-12) / FP8_MAX)
+    assert torch.equal(values[1].float(), torch.zeros(5))  # an all-zero group stays zero, no NaN
+    torch.manual_seed(3)
+    x = torch.randn(6, 200) * torch.logspace(-3, 3, 200)
+    back = dequantize_groups(*quantize_groups(x, 64), 64)
+    group_amax = x.abs().reshape(6, -1)[:, :192].reshape(6, 3, 64).amax(-1)
+    assert back.shape == x.shape
+    assert ((back - x).abs() <= x.abs() * 2 ** -4 + 1e-9).all()
+    # Each group's largest magnitude lands on 448 exactly.
+    assert torch.allclose(back.abs().reshape(6, -1)[:, :192].reshape(6, 3, 64).amax(-1), group_amax)
 
 
 def test_fp8_linear_is_the_quantized_product_scaled_back():

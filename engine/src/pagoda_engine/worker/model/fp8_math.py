@@ -37,6 +37,23 @@ def quantize_tokens(x: torch.Tensor, static_scale: torch.Tensor | None = None) -
     return (x32 / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3 values, float32 scales [rows, ceil(columns / group)]) of x [rows, columns]: a scale
+    per row and group of `group` columns (the last group may be short), each group's largest
+    magnitude mapping to the format's largest value (DeepSeek-style block scales)."""
+    rows, cols = x.shape
+    groups = -(-cols // group)
+    x32 = F.pad(x.float(), (0, groups * group - cols)).reshape(rows, groups, group)
+    scale = x32.abs().amax(dim=-1).clamp(min=MIN_AMAX) / FP8_MAX
+    q = (x32 / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.reshape(rows, groups * group)[:, :cols], scale
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 values of `quantize_groups`' output: each group's e4m3 values times its scale."""
+    return q.float() * scale.repeat_interleave(group, dim=1)[:, : q.shape[1]]
+
+
 def _scaled_mm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # cuBLASLt's FP8 GEMM takes dimensions that are multiples of 16, and row-wise scales with a
     # bfloat16 result.

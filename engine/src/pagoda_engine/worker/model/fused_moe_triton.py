@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 
 from pagoda_engine.worker import pdl
+from pagoda_engine.worker.model import fp8_quant_triton
+from pagoda_engine.worker.model.fp8_math import FP8_DTYPE, FP8_MAX, MIN_AMAX
 from pagoda_engine.worker.model.gemv_triton import dot_rows
 from pagoda_engine.worker.model.layers import SiluAndMul
 
@@ -38,20 +40,33 @@ from pagoda_engine.worker.model.layers import SiluAndMul
 _PER_STEP = ["num_pairs"]
 
 
+# The grouped GEMM's A_SCALES (the kernel compares the numbers): A in the activations' dtype, not
+# scaled (0); e4m3 values with a float32 scale per row, applied to the finished sums (1: the
+# tokens entering gate+up); or per row and BLOCK_K columns, applied to each K step's partial sums
+# (2: the activation entering down, quantized by the gate+up kernel's epilogue).
+A_UNSCALED, A_SCALED_PER_ROW, A_SCALED_PER_ROW_AND_K_BLOCK = 0, 1, 2
+
+
 @triton.jit(do_not_specialize=_PER_STEP)
 def _grouped_gemm_kernel(
-    a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, sorted_pairs_ptr, block_experts_ptr, num_padded_ptr,
-    N, K, num_pairs, rows_per_a, max_padded, num_local,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se,
-    MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, B_SCALED: tl.constexpr, BLOCK_M: tl.constexpr,
+    a_ptr, b_ptr, c_ptr, weights_ptr, b_scale_ptr, a_scale_ptr, c_scale_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_padded_ptr, N, K, num_pairs, rows_per_a, max_padded, num_local,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_se, stride_as, stride_cs,
+    MUL_WEIGHT: tl.constexpr, SILU_AND_MUL: tl.constexpr, B_SCALED: tl.constexpr, A_SCALES: tl.constexpr,
+    C_SCALED: tl.constexpr, QMAX: tl.constexpr, MIN_AMAX: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PDL: tl.constexpr,
 ):
     """C[pair, :] = A[pair // rows_per_a, :] @ B[expert(pair)]^T (× weight[pair]) for the pairs of
     one block; B is [experts, N, K]. With SILU_AND_MUL, B is [experts, 2N, K] (gate rows, then up
     rows) and C[pair, :] = silu(gate) × up, each product rounded to C's dtype first, as the
-    separate SiLU-and-mul kernel sees them. With B_SCALED, B holds FP8 values, widened to A's
-    dtype as they load (exactly: e4m3 values are bf16/fp16 values), and each of B's rows has a
-    float32 scale ([experts, rows], stride_se), applied to the float32 sums."""
+    separate SiLU-and-mul kernel sees them. With B_SCALED, B holds FP8 values with a float32 scale
+    per row ([experts, rows], stride_se), applied to the float32 sums; with A_SCALES A_UNSCALED
+    they are widened to A's dtype as they load (exactly: e4m3 values are bf16/fp16 values), else
+    A holds e4m3 values too and the dot is FP8 × FP8 (Hopper's FP8 MMA, float32 sums), A's scales
+    ([rows, K groups], stride_as) applied as A_SCALES says. With C_SCALED (after SILU_AND_MUL:
+    the activation, in float32, not rounded) C is e4m3, quantized per row over this program's
+    BLOCK_N columns: a scale per row and column block ([pairs, column blocks], stride_cs), its
+    largest magnitude (at least MIN_AMAX) mapping to QMAX, as `fp8_math.quantize_groups`."""
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -76,11 +91,12 @@ def _grouped_gemm_kernel(
     c_ptrs = c_ptr + pairs[:, None] * stride_cm + cols[None, :] * stride_cn
     c_mask = pair_mask[:, None] & (cols[None, :] < N)
     if expert >= num_local:  # pairs whose expert another rank holds contribute nothing here
-        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_ptrs, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32).to(c_ptr.dtype.element_ty), mask=c_mask)
         return
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)) % N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + (pairs[:, None] // rows_per_a) * stride_am + offs_k[None, :] * stride_ak
+    a_rows = pairs // rows_per_a
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak
     b_ptrs = b_ptr + expert * stride_be + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -89,27 +105,50 @@ def _grouped_gemm_kernel(
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if B_SCALED:
+        if B_SCALED and A_SCALES == 0:
             b = b.to(a.dtype)
-        acc += tl.dot(a, b)
+        if A_SCALES == 2:
+            # The K block's scale of each row, on this step's partial sums (its columns' e4m3 values
+            # share it); the rows past num_pairs are masked to 0.
+            a_scale = tl.load(a_scale_ptr + a_rows * stride_as + k, mask=pair_mask, other=0.0)
+            acc += tl.dot(a, b) * a_scale[:, None]
+        else:
+            acc += tl.dot(a, b)
         if SILU_AND_MUL:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=offs_k[:, None] < k_left, other=0.0)
-            if B_SCALED:
+            if B_SCALED and A_SCALES == 0:
                 b_up = b_up.to(a.dtype)
             acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if A_SCALES == 1:
+        a_scale = tl.load(a_scale_ptr + a_rows * stride_as, mask=pair_mask, other=0.0)[:, None]
+        acc = acc * a_scale
+        if SILU_AND_MUL:
+            acc_up = acc_up * a_scale
     if B_SCALED:
         acc = acc * tl.load(b_scale_ptr + expert * stride_se + offs_n)[None, :]
         if SILU_AND_MUL:
             acc_up = acc_up * tl.load(b_scale_ptr + expert * stride_se + N + offs_n)[None, :]
     if SILU_AND_MUL:
-        gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
-        acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
+        if C_SCALED:
+            acc = acc / (1.0 + tl.exp(-acc)) * acc_up
+        else:
+            gate = acc.to(c_ptr.dtype.element_ty).to(tl.float32)
+            acc = gate / (1.0 + tl.exp(-gate)) * acc_up.to(c_ptr.dtype.element_ty).to(tl.float32)
     if MUL_WEIGHT:
         w = tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0)
         acc = acc * w[:, None]
-    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
+    if C_SCALED:
+        # The columns past N (offs_n wrapped round to valid ones) stay out of the row's largest magnitude.
+        amax = tl.max(tl.where(c_mask, tl.abs(acc), 0.0), axis=1)
+        scale = tl.math.div_rn(tl.maximum(amax, MIN_AMAX), tl.zeros_like(amax) + QMAX)  # IEEE, as torch's
+        q = tl.math.div_rn(acc, tl.zeros_like(acc) + scale[:, None])  # div_rn does not broadcast
+        q = tl.minimum(tl.maximum(q, -QMAX), QMAX)
+        tl.store(c_ptrs, q.to(c_ptr.dtype.element_ty), mask=c_mask)
+        tl.store(c_scale_ptr + pairs * stride_cs + pid_n, scale, mask=pair_mask)
+    else:
+        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=c_mask)
 
 
 @triton.jit
@@ -333,24 +372,36 @@ def align_by_expert_reference(topk_ids: torch.Tensor, num_experts: int, block_m:
 
 def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, weights: torch.Tensor | None,
                   aligned: tuple, rows_per_a: int, num_pairs: int, cfg: dict, silu_and_mul: bool = False,
-                  b_scale: torch.Tensor | None = None) -> None:
+                  b_scale: torch.Tensor | None = None, a_scale: torch.Tensor | None = None,
+                  out_scale: torch.Tensor | None = None) -> None:
     """`out` = the grouped GEMM of `_grouped_gemm_kernel`; with `silu_and_mul`, `out` has half of
     b's rows as columns (the activation), and each program takes BLOCK_N / 2 columns of the gate
-    and as many of the up rows, so that it reads as much of b as the plain kernel's tile."""
+    and as many of the up rows, so that it reads as much of b as the plain kernel's tile.
+    FP8 × FP8 (`a` in e4m3): `a_scale` [rows of a, 1] scales each row, or [rows, K / BLOCK_K] each
+    row's K blocks; an e4m3 `out` comes with `out_scale` [pairs, N / BLOCK_N] (after the halving)."""
     sorted_pairs, block_experts, num_padded = aligned
     N, K = b.shape[1], b.shape[2]
     if silu_and_mul:
         N //= 2
         cfg = dict(cfg, BLOCK_N=cfg["BLOCK_N"] // 2)
+    a_scales = A_UNSCALED
+    if a_scale is not None:
+        a_scales = A_SCALED_PER_ROW if a_scale.shape[1] == 1 else A_SCALED_PER_ROW_AND_K_BLOCK
+        if a_scales == A_SCALED_PER_ROW_AND_K_BLOCK and a_scale.shape[1] != triton.cdiv(K, cfg["BLOCK_K"]):
+            raise ValueError(f"{a_scale.shape[1]} scales per row for K {K} in blocks of {cfg['BLOCK_K']}")
+    if out_scale is not None and out_scale.shape[1] != triton.cdiv(N, cfg["BLOCK_N"]):
+        raise ValueError(f"{out_scale.shape[1]} output scales per row for N {N} in blocks of {cfg['BLOCK_N']}")
     grid = (triton.cdiv(sorted_pairs.numel(), cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     _grouped_gemm_kernel[grid](
         a, b, out, weights if weights is not None else out, b_scale if b_scale is not None else out,
+        a_scale if a_scale is not None else out, out_scale if out_scale is not None else out,
         sorted_pairs, block_experts, num_padded,
         N, K, num_pairs, rows_per_a, sorted_pairs.numel(), b.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-        b_scale.stride(0) if b_scale is not None else 0,
-        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, B_SCALED=b_scale is not None, **cfg,
-        **pdl.launch(a.device),
+        b_scale.stride(0) if b_scale is not None else 0, a_scale.stride(0) if a_scale is not None else 0,
+        out_scale.stride(0) if out_scale is not None else 0,
+        MUL_WEIGHT=weights is not None, SILU_AND_MUL=silu_and_mul, B_SCALED=b_scale is not None, A_SCALES=a_scales,
+        C_SCALED=out_scale is not None, QMAX=FP8_MAX, MIN_AMAX=MIN_AMAX, **cfg, **pdl.launch(a.device),
     )
 
 
@@ -474,10 +525,13 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
                   w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The same sum as `moe.fused_experts_reference`, with two grouped GEMMs. `topk_ids` in this
     rank's numbering (`w13.shape[0]` for an expert held elsewhere). FP8 experts: `w13` and `w2` in
-    e4m3 with float32 scales per expert and row, widened in the kernels (activations stay in x's dtype)."""
+    e4m3 with float32 scales per expert and row; from `FP8_MMA_MIN_TOKENS` tokens FP8 × FP8
+    (`_fused_experts_fp8`), below it widened in the kernels (activations stay in x's dtype)."""
     num_tokens, top_k = topk_ids.shape
     if num_tokens <= GEMV_MAX_TOKENS:
         return _experts_gemv(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+    if w13_scale is not None and num_tokens >= FP8_MMA_MIN_TOKENS:
+        return _fused_experts_fp8(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     num_pairs = num_tokens * top_k
     gate_up_cfg, down_cfg = _configs(num_tokens)
     # One bucket more than this rank's experts: the pairs whose expert is held elsewhere (id E_local).
@@ -492,6 +546,69 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
     # The routing weights as they come (the kernel multiplies in float32).
     _grouped_gemm(act, w2, down, topk_weights.flatten(), aligned, 1, num_pairs, down_cfg, b_scale=w2_scale)
+    return _combine(down, num_tokens, top_k)
+
+
+# FP8 experts from this many tokens run FP8 × FP8 (`_fused_experts_fp8`); fewer (the matrix-vector
+# kernels' tokens) keep the activations in x's dtype and widen the e4m3 weights. On an H200 at
+# Qwen3-30B-A3B's shapes FP8 × FP8 was the faster from 8 tokens on (one layer's experts, µs: 97
+# against 107 at 8 tokens; 512 tokens 232 against 361, 8,192 tokens 1,262 against 2,524, the
+# FP8 × FP8 figures the sweep's steps without the combine: `bench.moe_kernels --fp8 [--sweep]`).
+FP8_MMA_MIN_TOKENS = 5
+
+
+def _fp8_configs(num_tokens: int) -> tuple[dict, dict]:
+    """Tile sizes for the FP8 × FP8 (gate+up with SiLU, down) grouped GEMMs of `num_tokens` tokens:
+    the same BLOCK_M (the alignment's); gate+up's BLOCK_N is twice the activation's column group
+    (its program quantizes BLOCK_N / 2 columns of each row under one scale) and down's BLOCK_K that
+    group (each K step takes one scale per row). Picked by `bench.moe_kernels --fp8 --sweep` (row
+    tiles 16-128, groups 64 and 128, 4 or 8 warps, 3 or 4 stages) at Qwen3-30B-A3B's shapes on an
+    H200: past 128 tokens 64-column groups and 64 × 128 tiles won throughout (8,192 tokens: gate+up
+    696 µs, down 509; with 128-row tiles and 128-column groups 825 and 515)."""
+    if num_tokens <= 128:
+        gate_up = dict(BLOCK_M=16, BLOCK_N=256, BLOCK_K=128, GROUP_M=1, num_warps=8, num_stages=3)
+        down = dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+    elif num_tokens <= 384:
+        gate_up = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        down = dict(BLOCK_M=32, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    elif num_tokens <= 768:
+        gate_up = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3)
+        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    else:
+        gate_up = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=4, num_stages=4)
+        down = dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, GROUP_M=8, num_warps=4, num_stages=4)
+    return gate_up, down
+
+
+def _fused_experts_fp8(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                       topk_ids: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                       configs: tuple[dict, dict] | None = None) -> torch.Tensor:
+    """FP8 experts with FP8 × FP8 products (W8A8, as vLLM's FP8 MoE): x quantized to e4m3 per token
+    (`fp8_quant_triton`, as the dense FP8 layers do); gate+up with the SiLU-and-mul writes the
+    activation in e4m3, quantized in its epilogue per row and group of BLOCK_N / 2 columns
+    (DeepSeek-style block scales: no pass of its own); down takes each group's scale on its K
+    step's partial sums, then the row scales and the routing weight. The numbers of
+    `moe.fused_experts_reference(..., fp8_act_group=...)`, but for the sums' precision: Triton's
+    FP8 dot on Hopper keeps the MMA's own accumulator (Triton's default there, as in vLLM's FP8
+    MoE kernels: no promotion to float32 every few K steps), which down's per-group scaling
+    promotes every BLOCK_K columns anyway."""
+    num_tokens, top_k = topk_ids.shape
+    num_pairs = num_tokens * top_k
+    gate_up_cfg, down_cfg = configs or _fp8_configs(num_tokens)
+    group = gate_up_cfg["BLOCK_N"] // 2
+    if down_cfg["BLOCK_K"] != group or down_cfg["BLOCK_M"] != gate_up_cfg["BLOCK_M"]:
+        raise ValueError(f"down's BLOCK_K must be the activation's group ({group}) and both BLOCK_M equal")
+    inter = w13.shape[1] // 2
+    # The quantization kernel reads rows of unit column stride.
+    xq, x_scale = fp8_quant_triton.quantize_tokens(x.contiguous(), FP8_DTYPE, FP8_MAX, MIN_AMAX)
+    aligned = align_by_expert(topk_ids, w13.shape[0] + 1, gate_up_cfg["BLOCK_M"])
+    act = torch.empty(num_pairs, inter, dtype=FP8_DTYPE, device=x.device)
+    act_scale = torch.empty(num_pairs, triton.cdiv(inter, group), dtype=torch.float32, device=x.device)
+    _grouped_gemm(xq, w13, act, None, aligned, top_k, num_pairs, gate_up_cfg, silu_and_mul=True, b_scale=w13_scale,
+                  a_scale=x_scale, out_scale=act_scale)
+    down = torch.empty(num_pairs, w2.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(act, w2, down, topk_weights.flatten(), aligned, 1, num_pairs, down_cfg, b_scale=w2_scale,
+                  a_scale=act_scale)
     return _combine(down, num_tokens, top_k)
 
 

@@ -53,6 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagoda_engine.worker.model import fp8_math
 from pagoda_engine.worker.model.layers import (
     GatedMLP,
     LinearBase,
@@ -118,18 +119,28 @@ def _expert_weight(w: torch.Tensor, scale: torch.Tensor | None, expert: int, dty
 
 def fused_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                             topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
-                            w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+                            w2_scale: torch.Tensor | None = None, fp8_act_group: int | None = None) -> torch.Tensor:
     """sum over each token's chosen experts of weight × down(silu(gate(x)) × up(x)); a loop over the
     experts that were hit. FP8 experts (`fp8.quantize_linear_layers`) come with float32 scales per
     expert and row, [E, 2I] and [E, H]: their weights are widened and scaled, the activations stay
-    in x's dtype."""
+    in x's dtype. With `fp8_act_group` the activations are quantized too, as the GPU's FP8 × FP8
+    grouped GEMMs do (`fused_moe_triton._fused_experts_fp8`): x per token, the activation entering
+    down per token and group of that many columns; products in float32, the result in x's dtype."""
     out = torch.zeros_like(x)
     num_experts = w13.shape[0]
     hit = torch.bincount(topk_ids.flatten(), minlength=num_experts + 1)[:num_experts].nonzero().flatten().tolist()
+    if fp8_act_group is not None:
+        xq, x_scale = fp8_math.quantize_tokens(x)
+        x = xq.float() * x_scale
     for expert in hit:
         token_idx, slot = torch.where(topk_ids == expert)
-        gate, up = F.linear(x[token_idx], _expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, _expert_weight(w2, w2_scale, expert, x.dtype)) * topk_weights[token_idx, slot, None]
+        if fp8_act_group is None:
+            gate, up = F.linear(x[token_idx], _expert_weight(w13, w13_scale, expert, x.dtype)).chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        else:
+            gate, up = F.linear(x[token_idx], _expert_weight(w13, w13_scale, expert, torch.float32)).chunk(2, dim=-1)
+            act = fp8_math.dequantize_groups(*fp8_math.quantize_groups(F.silu(gate) * up, fp8_act_group), fp8_act_group)
+        y = F.linear(act, _expert_weight(w2, w2_scale, expert, act.dtype)) * topk_weights[token_idx, slot, None]
         out.index_add_(0, token_idx, y.to(out.dtype))
     return out
 
