@@ -43,9 +43,12 @@ def dense_reference(x, y, layer: LoRALayer, row_slots: list[int], scales: list[f
 # float16 and float32: the interpreter's `tl.dot` of bfloat16 operands is wrong (numpy has no
 # bfloat16); bfloat16 is tests/gpu/test_lora_gpu.py's.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-# Slices on 64-column edges take one expand for the whole output; others one per slice.
+# Slices on 64-column edges take one expand for the whole output; others one per slice. K above
+# the shrink's 64-wide tile is split over programs: 200 in four chunks, the last short; 2,200 in
+# 18 chunks of two tiles each (`_split_k`), the expand summing their partial planes.
 @pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3]),
-                                                (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5])])
+                                                (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5]),
+                                                (200, [48, 16, 16], 16, [16, 8, 4]), (2200, [64], 8, [8, 3, 5])])
 def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
     gen = torch.Generator().manual_seed(k + rank)
     num_slots = 4  # slot 3 holds an adapter that no row names
@@ -80,6 +83,21 @@ def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
         base = [i for i, s in enumerate(row_slots) if s < 0]
         assert torch.equal(got[base], y[base])  # base rows untouched
         torch.testing.assert_close(got.float(), expected, rtol=1e-2, atol=1e-1)
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 256, 2048, 16384])
+@pytest.mark.parametrize("k", [40, 64, 4096, 14336])
+def test_the_split_of_k_covers_it_in_whole_tiles(rows, k):
+    """The shrink's K chunks: whole 64-wide tiles, every column of K in exactly one chunk, at most
+    MAX_SPLITS of them, many for a decode step's rows and none (one chunk) for a long prefill."""
+    for n_tiles in (1, 3):
+        chunk, splits = kernels._split_k(rows, 32, n_tiles, k)
+        assert chunk % kernels._BLOCK_K == 0 and 1 <= splits <= kernels.MAX_SPLITS
+        assert (splits - 1) * chunk < k <= splits * chunk
+        if rows <= 32 and k >= 32 * kernels._BLOCK_K:
+            assert splits >= kernels.MAX_SPLITS // 2
+        if rows >= 16384:
+            assert splits == 1
 
 
 def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):

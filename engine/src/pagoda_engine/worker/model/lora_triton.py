@@ -10,8 +10,19 @@ slot count alone: cdiv(rows, block_m) + slots programs along the rows, each taki
 at once past the step's last block. So CUDA graphs capture the launches once and every replay
 serves the adapters its rows name, base rows (slot -1) costing nothing.
 
-The shrink accumulates in float32 and keeps its [rows, slices × R] result in float32; the expand
-adds `scale × shrunk · B^T` to the output in float32 and rounds once.
+The shrink splits K: a decode step's few rows make a handful of row blocks, and a program that
+streamed a whole row of A (4,096 or 14,336 wide) alone took ~45 µs on an H200 where the bytes
+take well under one. So the grid's third axis cuts K into `splits` chunks, enough of them that
+rows × column tiles × chunks make about one wave of programs (`_split_k`), each writing its float32
+partial sums to a plane of its own: the shrink's result is [splits, rows, slices × R]. The expand
+sums a row's planes in a fixed order as it reads them (R columns a slice: a few KB), so the result
+never depends on which program finished first, and a prefill's many row blocks run unsplit, as
+before. How many splits depends on the padded row count only, the same for every step of a graph.
+
+The shrink accumulates in float32; the expand adds `scale × shrunk · B^T` to the output in float32
+and rounds once. Under programmatic dependent launch (`worker/pdl.py`) both load their block
+table and first tile of A or B before waiting for the kernel before: those are written by copies
+and kernels between steps, before the step's first kernel, never by the kernel just before.
 """
 
 from __future__ import annotations
@@ -20,8 +31,14 @@ import torch
 import triton
 import triton.language as tl
 
-_BLOCK_N = 64
+from pagoda_engine.worker import pdl
+
+_BLOCK_N = 64  # the expand's output columns a program (slices start on these edges for one launch)
 _BLOCK_K = 64
+# At most this many partial planes: the expand sums them all for every row it reads (unrolled).
+MAX_SPLITS = 32
+# About one wave of an H200's 132 SMs: past that, splitting K only adds planes for the expand to sum.
+_TARGET_PROGRAMS = 128
 
 
 @triton.jit
@@ -40,30 +57,53 @@ def _block_rows(blocks_ptr, rows_ptr, BLOCK_M: tl.constexpr):
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, rows_ptr, blocks_ptr, K, N, x_stride, a_stride_s, a_stride_n, out_stride,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                   split_stride, K_CHUNK, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   PDL: tl.constexpr):
+    """out[split, rows, cols] = x[rows, chunk] · A[slot, cols, chunk]^T for this program's block of
+    rows, BLOCK_N columns and K chunk `split` (program ids 0, 1, 2)."""
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     slot, count, mask_m, rows = _block_rows(blocks_ptr, rows_ptr, BLOCK_M)
     if count == 0:
         return
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    a_base = a_ptr + slot.to(tl.int64) * a_stride_s
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    a_cols = a_ptr + slot.to(tl.int64) * a_stride_s + offs_n[None, :] * a_stride_n
+    x_rows = x_ptr + rows[:, None] * x_stride
+    k_start = pid_k * K_CHUNK
+    k_end = tl.minimum(k_start + K_CHUNK, K)
+    offs_k = k_start + tl.arange(0, BLOCK_K)
+    mask_k = offs_k < k_end
+    a = tl.load(a_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    acc = tl.dot(x, a)
+    for k0 in range(k_start + BLOCK_K, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(x_ptr + rows[:, None] * x_stride + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        a = tl.load(a_base + offs_n[None, :] * a_stride_n + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :],
-                    other=0.0)
+        mask_k = offs_k < k_end
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a = tl.load(a_cols + offs_k[:, None], mask=mask_k[:, None] & mask_n[None, :], other=0.0)
         acc += tl.dot(x, a)
-    tl.store(out_ptr + rows[:, None] * out_stride + offs_n[None, :], acc, mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(out_ptr + pid_k * split_stride + rows[:, None] * out_stride + offs_n[None, :], acc,
+             mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, split1, split2, s_width,
-                   s_stride, b_stride_s, b_stride_n, y_offset, y_stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_R: tl.constexpr):
+def _summed_planes(ptrs, mask, split_stride, SPLITS: tl.constexpr):
+    """The sum of the shrink's SPLITS partial planes at `ptrs`, plane 0 first (unrolled: every
+    load can be in flight at once)."""
+    s = tl.load(ptrs, mask=mask, other=0.0)
+    for i in tl.static_range(1, SPLITS):
+        s += tl.load(ptrs + i * split_stride, mask=mask, other=0.0)
+    return s
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s_offset, edge1, edge2, s_width,
+                   s_stride, split_stride, b_stride_s, b_stride_n, y_offset, y_stride, SPLITS: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
     pid_n = tl.program_id(1)
     slot, count, mask_m, rows = _block_rows(blocks_ptr, rows_ptr, BLOCK_M)
     if count == 0:
@@ -72,52 +112,76 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s
     mask_n = offs_n < N
     # Which slice's shrunk columns this block of output columns reads (slices start on block edges).
     n0 = pid_n * BLOCK_N
-    s_offset += ((n0 >= split1).to(tl.int32) + (n0 >= split2).to(tl.int32)) * s_width
-    b_base = b_ptr + slot.to(tl.int64) * b_stride_s
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for r0 in range(0, R, BLOCK_R):
+    s_offset += ((n0 >= edge1).to(tl.int32) + (n0 >= edge2).to(tl.int32)) * s_width
+    b_cols = b_ptr + slot.to(tl.int64) * b_stride_s + offs_n[None, :] * b_stride_n
+    s_rows = s_ptr + rows[:, None] * s_stride + s_offset
+    scale = tl.load(scale_ptr + slot)
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = offs_r < R
+    b = tl.load(b_cols + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    s = _summed_planes(s_rows + offs_r[None, :], mask_m[:, None] & mask_r[None, :], split_stride, SPLITS)
+    acc = tl.dot(s, b)
+    for r0 in range(BLOCK_R, R, BLOCK_R):
         offs_r = r0 + tl.arange(0, BLOCK_R)
         mask_r = offs_r < R
-        s = tl.load(s_ptr + rows[:, None] * s_stride + s_offset + offs_r[None, :],
-                    mask=mask_m[:, None] & mask_r[None, :], other=0.0)
-        b = tl.load(b_base + offs_n[None, :] * b_stride_n + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :],
-                    other=0.0).to(tl.float32)
+        s = _summed_planes(s_rows + offs_r[None, :], mask_m[:, None] & mask_r[None, :], split_stride, SPLITS)
+        b = tl.load(b_cols + offs_r[:, None], mask=mask_r[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
         acc += tl.dot(s, b)
-    acc = acc * tl.load(scale_ptr + slot)
+    acc = acc * scale
     y_ptrs = y_ptr + rows[:, None] * y_stride + y_offset + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0).to(tl.float32)
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def _split_k(rows: int, block_m: int, n_tiles: int, k: int) -> tuple[int, int]:
+    """(chunk, splits): K cut into `splits` chunks of `chunk` (a multiple of _BLOCK_K) so that the
+    row blocks of `rows` rows × `n_tiles` × splits make about _TARGET_PROGRAMS programs, at most
+    MAX_SPLITS. A function of the padded row count: every replay of a graph sums alike."""
+    programs = triton.cdiv(rows, block_m) * n_tiles
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(k, _BLOCK_K), _TARGET_PROGRAMS // programs))
+    chunk = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
+    return chunk, triton.cdiv(k, chunk)
+
+
 def shrink(x: torch.Tensor, a: torch.Tensor, batch) -> torch.Tensor:
-    """x [T, K], a [slots, N, K] → float32 [T, N]: row t's x · A[its slot]^T for every row of
-    `batch.blocks` (rows without a slot are left unwritten)."""
+    """x [T, K], a [slots, N, K] → float32 [splits, T, N], partial sums over K's chunks whose sum
+    (`expand` takes it) is row t's x · A[its slot]^T for every row of `batch.blocks` (rows without
+    a slot are left unwritten)."""
     x = x if x.stride(-1) == 1 else x.contiguous()
     t, k = x.shape
     _, n, _ = a.shape
-    out = torch.empty((t, n), dtype=torch.float32, device=x.device)
-    grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    n_tiles = triton.cdiv(n, block_n)
+    chunk, splits = _split_k(t, batch.block_m, n_tiles, k)
+    out = torch.empty((splits, t, n), dtype=torch.float32, device=x.device)
+    grid = (batch.max_blocks(t), n_tiles, splits)
     _shrink_kernel[grid](x, a, out, batch.sorted_rows, batch.blocks, k, n, x.stride(0), a.stride(0), a.stride(1),
-                         out.stride(0), BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N, BLOCK_K=_BLOCK_K)
+                         out.stride(1), out.stride(0), chunk, BLOCK_M=batch.block_m, BLOCK_N=block_n,
+                         BLOCK_K=_BLOCK_K, **pdl.launch(x.device))
     return out
 
 
-_NO_SPLIT = 1 << 30  # a slice edge no column reaches
+_NO_EDGE = 1 << 30  # a slice edge no column reaches
 
 
 def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor, y_offset: int, batch,
-           splits: tuple[int, int] = (_NO_SPLIT, _NO_SPLIT), s_width: int = 0) -> None:
-    """y[t, y_offset + n] += scales[slot] × shrunk[t, s_offset + k(n) × s_width + r] · B[slot, n, r] for
-    every row t of `batch.blocks`, in place; b [slots, N, R]; k(n): how many of `splits` (output
-    columns where the next slice begins, multiples of the column block) lie at or before n."""
+           edges: tuple[int, int] = (_NO_EDGE, _NO_EDGE), s_width: int = 0) -> None:
+    """y[t, y_offset + n] += scales[slot] × Σ_planes shrunk[:, t, s_offset + k(n) × s_width + r] · B[slot, n, r]
+    for every row t of `batch.blocks`, in place; shrunk [planes, T, columns] (`shrink`'s), b
+    [slots, N, R]; k(n): how many of `edges` (output columns where the next slice begins,
+    multiples of the column block) lie at or before n."""
     _, n, r = b.shape
     t = y.shape[0]
     block_r = max(16, min(64, triton.next_power_of_2(r)))
     grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
-    _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset, splits[0],
-                         splits[1], s_width, shrunk.stride(0), b.stride(0), b.stride(1), y_offset, y.stride(0),
-                         BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N, BLOCK_R=block_r)
+    _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset, edges[0],
+                         edges[1], s_width, shrunk.stride(1), shrunk.stride(0), b.stride(0), b.stride(1), y_offset,
+                         y.stride(0), SPLITS=shrunk.shape[0], BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N,
+                         BLOCK_R=block_r, **pdl.launch(y.device))
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
@@ -129,8 +193,7 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
     edges = [s.out_offset for s in lora.slices[1:]]
     if len(edges) <= 2 and all(e % _BLOCK_N == 0 for e in edges):
         # One expand over the whole output (q/k/v, gate/up at Llama's sizes): a launch per layer part.
-        splits = (*edges, *[_NO_SPLIT] * (2 - len(edges)))
-        expand(shrunk, 0, lora.lora_b, y, 0, batch, splits, lora.rank)
+        expand(shrunk, 0, lora.lora_b, y, 0, batch, (*edges, *[_NO_EDGE] * (2 - len(edges))), lora.rank)
         return y
     for i, s in enumerate(lora.slices):
         expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
