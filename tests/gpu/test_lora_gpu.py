@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from gpu_support import CUDA, hf_logits, make_llm, requires_gpu
+from gpu_support import CUDA, hf_logits, make_llm, random_prompts, requires_gpu
 
 pytestmark = [pytest.mark.gpu, requires_gpu]
 
@@ -97,6 +97,9 @@ def test_kernels_equal_the_dense_reference(proj, rank, num_tokens):
     base = [i for i, s in enumerate(row_slots) if s < 0]
     assert torch.equal(got[base], y[base])
     _close(got, expected)
+    # The K-split's partial planes are summed in one order: the same bits every run.
+    for _ in range(3):
+        assert torch.equal(add_lora(x, y.clone(), layer, batch), got)
 
 
 @pytest.mark.parametrize("rank", [16, 64])
@@ -133,19 +136,47 @@ def test_a_captured_graph_serves_the_slots_each_replay_names(rank):
         _close(out, _dense(x, y_in, layer, row_slots))
 
 
+def _adapters(gpu_model_dir, tmp_path):
+    from lora_adapters import ADAPTERS, write_adapter
+    from pagoda_engine import LoRARequest
+
+    paths = {name: write_adapter(gpu_model_dir, tmp_path / name, *spec, seed=i + 1, std=0.05)
+             for i, (name, spec) in enumerate(ADAPTERS.items())}
+    return paths, {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+
+
+def _check_against_peft(gpu_model_dir, paths, names, prompts, outs) -> None:
+    """At every generated position of `outs` (per name in `names`, per prompt), transformers + PEFT
+    (float32) ranks our token first, within bf16 rounding of a tie; and each adapter changes some
+    prompt's tokens (a dropped adapter would pass as the base)."""
+    import peft
+    import transformers
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32).to(CUDA).eval()
+    for i, name in enumerate(names):
+        mine = outs[i * len(prompts):(i + 1) * len(prompts)]
+        if name is not None:
+            assert mine != outs[:len(prompts)], f"adapter {name} wrote the base model's tokens"
+        model = base if name is None else peft.PeftModel.from_pretrained(base, paths[name]).to(CUDA).eval()
+        for prompt, out in zip(prompts, mine):
+            ref = hf_logits(model, prompt + out)[len(prompt) - 1:-1]
+            top2 = ref.topk(2, dim=-1).values
+            scale = ref.abs().max().item()
+            for pos, tok in enumerate(out):
+                gap = (top2[pos, 0] - ref[pos, tok]).item() / scale
+                tie = (top2[pos, 0] - top2[pos, 1]).item() / scale
+                assert gap < 0.01 and (tok == int(ref[pos].argmax()) or tie < 0.005), (name, pos, tok, gap, tie)
+        if name is not None:
+            base = model.unload()  # the base model again, without this adapter's layers
+
+
 def test_engine_with_graphs_serves_each_adapter_as_peft_does(gpu_model_dir, tmp_path):
     """bf16 engine, CUDA graphs on, three adapters and the base in one batch (two device slots):
     at every generated position transformers + PEFT (float32) ranks our token first (within
     bf16 rounding of a tie), and the eager engine writes the same tokens."""
-    import peft
-    import transformers
+    from pagoda_engine import SamplingParams
 
-    from lora_adapters import ADAPTERS, write_adapter
-    from pagoda_engine import LoRARequest, SamplingParams
-
-    paths = {name: write_adapter(gpu_model_dir, tmp_path / name, *spec, seed=i + 1, std=0.05)
-             for i, (name, spec) in enumerate(ADAPTERS.items())}
-    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    paths, loras = _adapters(gpu_model_dir, tmp_path)
     rng = random.Random(0)
     prompts = [[rng.randrange(5, 500) for _ in range(n)] for n in (3, 17, 40, 9)]
     names = [None, *loras]
@@ -163,16 +194,25 @@ def test_engine_with_graphs_serves_each_adapter_as_peft_does(gpu_model_dir, tmp_
 
     graphs, eager = run(), run(enforce_eager=True)
     assert graphs == eager
-    base = transformers.AutoModelForCausalLM.from_pretrained(gpu_model_dir, dtype=torch.float32).to(CUDA).eval()
-    for i, name in enumerate(names):
-        model = base if name is None else peft.PeftModel.from_pretrained(base, paths[name]).to(CUDA).eval()
-        for prompt, out in zip(prompts, graphs[i * len(prompts):(i + 1) * len(prompts)]):
-            ref = hf_logits(model, prompt + out)[len(prompt) - 1:-1]
-            top2 = ref.topk(2, dim=-1).values
-            scale = ref.abs().max().item()
-            for pos, tok in enumerate(out):
-                gap = (top2[pos, 0] - ref[pos, tok]).item() / scale
-                tie = (top2[pos, 0] - top2[pos, 1]).item() / scale
-                assert gap < 0.01 and (tok == int(ref[pos].argmax()) or tie < 0.005), (name, pos, tok, gap, tie)
-        if name is not None:
-            base = model.unload()  # the base model again, without this adapter's layers
+    _check_against_peft(gpu_model_dir, paths, names, prompts, graphs)
+
+
+def test_a_lone_request_decodes_each_adapter_as_peft_does(gpu_model_dir, tmp_path):
+    """One request at a time, graphs on: every decode step is one row, where the input norm and
+    q/k/v, and the post-attention norm and gate/up, are one kernel each (`gemv_rmsnorm`) and the
+    adapters read the normalised row it writes; gate/up's adapter part must join before the
+    activation. Each adapter's tokens are PEFT's."""
+    from pagoda_engine import SamplingParams
+
+    paths, loras = _adapters(gpu_model_dir, tmp_path)
+    prompts = random_prompts(1, [5, 31])
+    names = [None, *loras]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = make_llm(gpu_model_dir, enable_lora=True, max_loras=2, max_lora_rank=16)
+    try:
+        assert llm.core.cuda_graphs
+        outs = [llm.generate([p], params, lora_request=loras.get(n))[0].outputs[0].token_ids
+                for n in names for p in prompts]
+    finally:
+        llm.close()
+    _check_against_peft(gpu_model_dir, paths, names, prompts, outs)

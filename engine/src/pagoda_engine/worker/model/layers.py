@@ -143,10 +143,15 @@ def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
     """(layer(normalised), residual) after `norm(x, residual)`, or `norm(x)` with x as the
     residual when there is none yet (the first layer); `layer` adds no collective (a
     column-parallel projection). A batch-1 decode's row on CUDA takes one kernel for both
-    (`gemv_triton.gemv_rmsnorm`)."""
-    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight) if layer.lora is None else None
+    (`gemv_triton.gemv_rmsnorm`); with LoRA it also writes the normalised row, the adapters' input."""
+    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
     if gemv is not None:
-        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, scale=layer.weight_scale)
+        if layer.lora is None:
+            return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                     scale=layer.weight_scale)
+        y, residual, normed = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                                normed_out=True, scale=layer.weight_scale)
+        return layer.lora(normed, y), residual
     if residual is None:
         residual, x = x, norm(x)
     else:
@@ -638,12 +643,18 @@ class GatedMLP(nn.Module):
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(normalised), residual) after `norm(x, residual)`: at one row on CUDA the norm,
-        gate, up and the activation are one kernel."""
+        gate, up and the activation are one kernel; with LoRA the norm and gate/up are, writing
+        the normalised row for the adapters, whose part joins gate/up before the activation."""
         gate_up = self.gate_up_proj
         gemv = _gemv_norm_kernels(norm, x, residual, gate_up.weight) if gate_up.bias is None else None
         if gemv is not None:
-            act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
-                                              scale=gate_up.weight_scale)
+            if gate_up.lora is None:
+                act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
+                                                  scale=gate_up.weight_scale)
+            else:
+                y, residual, normed = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight,
+                                                        normed_out=True, scale=gate_up.weight_scale)
+                act = self.act(gate_up.lora(normed, y))
             return self.down_proj(act), residual
         x, residual = norm(x, residual)
         return self(x), residual
