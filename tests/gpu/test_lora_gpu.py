@@ -216,3 +216,17 @@ def test_a_lone_request_decodes_each_adapter_as_peft_does(gpu_model_dir, tmp_pat
     finally:
         llm.close()
     _check_against_peft(gpu_model_dir, paths, names, prompts, outs)
+
+
+def test_the_kernel_bench_times_every_projection(capsys):
+    """`python -m pagoda_engine.bench.lora_kernels` on a few weight copies: a row of timings per
+    projection and row count, the decode rows' shrinks split over K."""
+    from pagoda_engine.bench import lora_kernels
+
+    lora_kernels.main(["--layers", "2", "--rows", "1,16", "--slots", "4"])
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()
+            if line.split() and line.split()[0] in lora_kernels.SHAPES]
+    assert [(r[0], r[1]) for r in rows] == [(name, n) for name in lora_kernels.SHAPES for n in ("1", "16")]
+    for name, _, splits, *us in rows:
+        assert int(splits) > 1, name
+        assert all(float(u) > 0 for u in us[:4]), (name, us)

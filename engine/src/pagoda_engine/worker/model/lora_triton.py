@@ -185,16 +185,20 @@ def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor
 
 
 def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
-    """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, then one expand for
-    them all where the slices start on column-block edges, else one per slice."""
+    """`LoRALayer.forward` on CUDA: one shrink for every slice of the projection, then `expand_all`."""
     if x.shape[0] > batch.max_tokens:  # the grid would read blocks past the table
         raise RuntimeError(f"{x.shape[0]} rows exceed the LoRA block table's {batch.max_tokens}")
-    shrunk = shrink(x, lora.lora_a, batch)
+    expand_all(shrink(x, lora.lora_a, batch), y, lora, batch)
+    return y
+
+
+def expand_all(shrunk: torch.Tensor, y: torch.Tensor, lora, batch) -> None:
+    """Every slice of `lora`'s projection expanded into y: one expand for them all where the slices
+    start on column-block edges, else one per slice."""
     edges = [s.out_offset for s in lora.slices[1:]]
     if len(edges) <= 2 and all(e % _BLOCK_N == 0 for e in edges):
         # One expand over the whole output (q/k/v, gate/up at Llama's sizes): a launch per layer part.
         expand(shrunk, 0, lora.lora_b, y, 0, batch, (*edges, *[_NO_EDGE] * (2 - len(edges))), lora.rank)
-        return y
+        return
     for i, s in enumerate(lora.slices):
         expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
-    return y
