@@ -79,7 +79,8 @@ def main(argv: list[str] | None = None) -> None:
         for lora in loras:
             lora.lora_a.normal_(0, k ** -0.5)
             lora.lora_b.normal_(0, a.rank ** -0.5)
-        weights = [torch.empty(offset, k, dtype=dtype, device=device).normal_(0, k ** -0.5) for _ in range(a.layers)]
+        weights = [torch.empty(offset, k, dtype=dtype, device=device).normal_(0, k ** -0.5)
+                   for _ in range(a.layers)]
         for rows in (int(r) for r in a.rows.split(",")):
             slots = [0] if rows == 1 else [rng.randrange(a.slots) for _ in range(rows)]
             batch.set([1] * rows, slots)
@@ -97,8 +98,6 @@ def main(argv: list[str] | None = None) -> None:
             added[rows] = added.get(rows, 0.0) + times[3] - times[2]
             print(f"{name:10s} {rows:5d} {shrunk[0].shape[0]:8d} " + " ".join(f"{t:7.1f}" for t in times)
                   + f" {times[3] - times[2]:8.1f}")
-        del loras, weights
-        torch.cuda.empty_cache()
     for rows, us in added.items():
         print(f"{rows} rows: LoRA adds {us:.1f} µs a layer, {us * layers_per_step / 1e3:.3f} ms a decode step "
               f"of {layers_per_step} layers (with LoRA the one-row MLP also runs its activation as a kernel of its own, "
