@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
                   + f" {times[3] - times[2]:8.1f}")
     for rows, us in added.items():
         print(f"{rows} rows: LoRA adds {us:.1f} µs a layer, {us * layers_per_step / 1e3:.3f} ms a decode step "
-              f"of {layers_per_step} layers (with LoRA the one-row MLP also runs its activation as a kernel of its own, "
-              "not timed here)")
+              f"of {layers_per_step} layers (with LoRA the one-row MLP also runs its activation as a kernel "
+              "of its own, not timed here)")
 
 
 if __name__ == "__main__":
