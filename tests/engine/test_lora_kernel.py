@@ -45,7 +45,8 @@ def dense_reference(x, y, layer: LoRALayer, row_slots: list[int], scales: list[f
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 # Slices on 64-column edges take one expand for the whole output; others one per slice. K above
 # the shrink's 64-wide tile is split over programs: 200 in four chunks, the last short; 2,200 in
-# 18 chunks of two tiles each (`_split_k`), the expand summing their partial planes.
+# chunks of three tiles (the 32-row step) or two (the 7-row one) (`_split_k`), the expand summing
+# their partial planes.
 @pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3]),
                                                 (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5]),
                                                 (200, [48, 16, 16], 16, [16, 8, 4]), (2200, [64], 8, [8, 3, 5])])
@@ -89,15 +90,17 @@ def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
 @pytest.mark.parametrize("k", [40, 64, 4096, 14336])
 def test_the_split_of_k_covers_it_in_whole_tiles(rows, k):
     """The shrink's K chunks: whole 64-wide tiles, every column of K in exactly one chunk, at most
-    MAX_SPLITS of them, many for a decode step's rows and none (one chunk) for a long prefill."""
+    MAX_SPLITS of them, many for a decode step's rows, few for hundreds of rows (the expand re-reads
+    every row's planes) and none (one chunk) for a prefill."""
     for n_tiles in (1, 3):
         chunk, splits = kernels._split_k(rows, 32, n_tiles, k)
         assert chunk % kernels._BLOCK_K == 0 and 1 <= splits <= kernels.MAX_SPLITS
         assert (splits - 1) * chunk < k <= splits * chunk
         if rows <= 32 and k >= 32 * kernels._BLOCK_K:
             assert splits >= kernels.MAX_SPLITS // 2
-        if rows >= 16384:
+        if rows >= 2048:  # a prefill's row blocks are programs enough
             assert splits == 1
+        assert splits == 1 or splits * rows <= kernels._MAX_PLANE_ROWS
 
 
 def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):

@@ -39,6 +39,9 @@ _BLOCK_K = 64
 MAX_SPLITS = 32
 # About one wave of an H200's 132 SMs: past that, splitting K only adds planes for the expand to sum.
 _TARGET_PROGRAMS = 128
+# Planes × rows at most this: every expand program re-reads its rows' planes (R columns each), and
+# a batch of hundreds of rows has row blocks enough to keep the shrink's programs busy unsplit.
+_MAX_PLANE_ROWS = 512
 
 
 @triton.jit
@@ -140,9 +143,11 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s
 def _split_k(rows: int, block_m: int, n_tiles: int, k: int) -> tuple[int, int]:
     """(chunk, splits): K cut into `splits` chunks of `chunk` (a multiple of _BLOCK_K) so that the
     row blocks of `rows` rows × `n_tiles` × splits make about _TARGET_PROGRAMS programs, at most
-    MAX_SPLITS. A function of the padded row count: every replay of a graph sums alike."""
+    MAX_SPLITS and _MAX_PLANE_ROWS // rows. A function of the padded row count: every replay of a
+    graph sums alike."""
     programs = triton.cdiv(rows, block_m) * n_tiles
-    splits = max(1, min(MAX_SPLITS, triton.cdiv(k, _BLOCK_K), _TARGET_PROGRAMS // programs))
+    splits = max(1, min(MAX_SPLITS, triton.cdiv(k, _BLOCK_K), _TARGET_PROGRAMS // programs,
+                        _MAX_PLANE_ROWS // rows))
     chunk = triton.cdiv(triton.cdiv(k, splits), _BLOCK_K) * _BLOCK_K
     return chunk, triton.cdiv(k, chunk)
 
