@@ -103,6 +103,66 @@ def test_the_split_of_k_covers_it_in_whole_tiles(rows, k):
         assert splits == 1 or splits * rows <= kernels._MAX_PLANE_ROWS
 
 
+def _one_row_layer(k: int, sizes: list[int], rank: int, slot_of_row: int):
+    """A bf16 LoRA layer of 3 slots (random A, B; scales 0.5, 2, 1.25) and a one-row step on `slot_of_row`."""
+    gen = torch.Generator().manual_seed(k + rank)
+    batch = LoRABatch(3, 64, torch.device("cpu"))
+    batch.use_kernels = True
+    slices, offset = [], 0
+    for i, n in enumerate(sizes):
+        slices.append(_Slice(f"m{i}", offset, n, (0, n, n)))
+        offset += n
+    layer = LoRALayer(slices, k, None, k, batch, rank, torch.bfloat16)
+    layer.lora_a.copy_(torch.randn(layer.lora_a.shape, generator=gen) * k ** -0.5)
+    layer.lora_b.copy_(torch.randn(layer.lora_b.shape, generator=gen))
+    batch.scales.copy_(torch.tensor([0.5, 2.0, 1.25]))
+    batch.set([1], [slot_of_row])
+    return layer, gen
+
+
+# bfloat16: these one-row kernels multiply elementwise (no `tl.dot`), which the interpreter does right.
+@pytest.mark.parametrize("slot", [1, -1], ids=["adapter", "base"])
+@pytest.mark.parametrize("k", [64, 200])
+def test_the_one_row_kernels_shrink_the_row_in_extra_programs(k, slot):
+    """`gemv_triton.gemv` and `gemv_rmsnorm` with `lora`: their outputs are the bits they give
+    without it, and the extra programs' shrunk row is x (or the normalised row) · A[slot]^T."""
+    gemv = import_kernels("pagoda_engine.worker.model.gemv_triton")
+    layer, gen = _one_row_layer(k, [40, 24], 8, slot)
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    res = torch.randn(1, k, generator=gen).bfloat16()
+    norm_w = torch.randn(k, generator=gen).bfloat16()
+    w = (torch.randn(70, k, generator=gen) * k ** -0.5).bfloat16()
+    one_row = layer.one_row(x)
+    y, shrunk = gemv.gemv(x, w, lora=one_row)
+    assert torch.equal(y, gemv.gemv(x, w)) and shrunk.shape == (1, 1, 16)
+    y2, res2, normed, shrunk2 = gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True, lora=one_row)
+    for got, expected in zip((y2, res2, normed), gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True)):
+        assert torch.equal(got, expected)
+    if slot >= 0:
+        a = layer.lora_a[slot].float()
+        torch.testing.assert_close(shrunk[0], x.float() @ a.t(), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(shrunk2[0], normed.float() @ a.t(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("slot", [2, -1], ids=["adapter", "base"])
+def test_the_one_row_gated_expand_is_silu_of_gate_times_up_with_the_adapter(slot):
+    """`expand_act`: gate and up each plus the slot's scale × shrunk · B^T, rounded to bf16 as the
+    expand would write them, then SiLU(gate) × up; the base row's is SiLU-and-mul of y alone."""
+    inter, rank = 96, 16
+    layer, gen = _one_row_layer(32, [inter, inter], rank, slot)
+    y = torch.randn(1, 2 * inter, generator=gen).bfloat16()
+    shrunk = torch.randn(1, 1, 2 * rank, generator=gen)
+    got = kernels.expand_act(shrunk, y, layer, layer.batch)
+    gate, up = y.float().chunk(2, dim=-1)
+    if slot >= 0:
+        scale = layer.batch.scales[slot].item()
+        gate = (gate + scale * shrunk[0, :, :rank] @ layer.b(0)[slot].float().t()).bfloat16().float()
+        up = (up + scale * shrunk[0, :, rank:] @ layer.b(1)[slot].float().t()).bfloat16().float()
+    expected = torch.nn.functional.silu(gate) * up
+    # A bf16 ulp apart where the float32 sums round to either side: 2 % of the value, 1 % of the largest.
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=1e-2 * expected.abs().max().item())
+
+
 def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):
     """The whole engine with its LoRA layers on the kernels (interpreted, float32): a batch of the
     base and three adapters (two device slots) gives PEFT's greedy tokens: the slices' offsets,

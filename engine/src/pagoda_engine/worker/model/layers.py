@@ -143,15 +143,16 @@ def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
     """(layer(normalised), residual) after `norm(x, residual)`, or `norm(x)` with x as the
     residual when there is none yet (the first layer); `layer` adds no collective (a
     column-parallel projection). A batch-1 decode's row on CUDA takes one kernel for both
-    (`gemv_triton.gemv_rmsnorm`); with LoRA it also writes the normalised row, the adapters' input."""
+    (`gemv_triton.gemv_rmsnorm`); with LoRA its extra programs shrink the normalised row for the
+    row's adapter, and the expand follows."""
     gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
     if gemv is not None:
         if layer.lora is None:
             return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
                                      scale=layer.weight_scale)
-        y, residual, normed = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
-                                                normed_out=True, scale=layer.weight_scale)
-        return layer.lora(normed, y), residual
+        y, residual, shrunk = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                                scale=layer.weight_scale, lora=layer.lora.one_row(x))
+        return layer.lora.expand(shrunk, y), residual
     if residual is None:
         residual, x = x, norm(x)
     else:
@@ -464,12 +465,19 @@ class LinearBase(nn.Module):
         """x W^T (+ bias) on this rank's shard, no collective. An FP8 layer's few decode rows on
         CUDA take the matrix-vector kernels with the weight widened in registers (half the bytes
         of bf16 read, the activations unquantized); more rows, the FP8 GEMM (`fp8_linear`)."""
-        if self.weight_scale is not None:
+        one_row = self.lora.one_row(x) if self.lora is not None else None
+        if self.weight_scale is not None or one_row is not None:
             gemv = _gemv_kernels(x, self.weight)
+            if gemv is not None and one_row is not None:
+                # One row with adapters: the kernel's extra programs shrink it for the row's adapter.
+                y, shrunk = gemv.gemv(x, self.weight, bias, self.weight_scale, lora=one_row)
+                return self.lora.expand(shrunk, y)
             if gemv is not None:
                 y = gemv.gemv(x, self.weight, bias, self.weight_scale)
-            else:
+            elif self.weight_scale is not None:
                 y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+            else:
+                y = linear(x, self.weight, bias)
         else:
             y = linear(x, self.weight, bias)
         return y if self.lora is None else self.lora(x, y)
@@ -643,8 +651,8 @@ class GatedMLP(nn.Module):
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(normalised), residual) after `norm(x, residual)`: at one row on CUDA the norm,
-        gate, up and the activation are one kernel; with LoRA the norm and gate/up are, writing
-        the normalised row for the adapters, whose part joins gate/up before the activation."""
+        gate, up and the activation are one kernel; with LoRA the norm, gate/up and the row's
+        shrink are, and the adapter's part joins gate/up before the activation (`LoRALayer.expand_act`)."""
         gate_up = self.gate_up_proj
         gemv = _gemv_norm_kernels(norm, x, residual, gate_up.weight) if gate_up.bias is None else None
         if gemv is not None:
@@ -652,9 +660,9 @@ class GatedMLP(nn.Module):
                 act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
                                                   scale=gate_up.weight_scale)
             else:
-                y, residual, normed = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight,
-                                                        normed_out=True, scale=gate_up.weight_scale)
-                act = self.act(gate_up.lora(normed, y))
+                y, residual, shrunk = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight,
+                                                        scale=gate_up.weight_scale, lora=gate_up.lora.one_row(x))
+                act = gate_up.lora.expand_act(shrunk, y, self.act)
             return self.down_proj(act), residual
         x, residual = norm(x, residual)
         return self(x), residual

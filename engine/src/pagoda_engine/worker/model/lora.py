@@ -155,6 +155,28 @@ class LoRALayer(nn.Module):
         self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a, non_blocking=True)
         self.b(i)[slot, :, :r].copy_(b, non_blocking=True)
 
+    def one_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the one-row matrix-vector kernels (`gemv_triton`) take to shrink x's row for its
+        adapter in extra programs of their own launch: (A of every slot, the block table); None
+        where the kernels do not serve this batch (the caller then adds `forward`'s part)."""
+        return (self.lora_a, self.batch.blocks) if self.batch.use_kernels and x.shape[0] == 1 else None
+
+    def expand(self, shrunk: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the row's adapter part from `shrunk`, the one-row kernels' shrink (in place)."""
+        from pagoda_engine.worker.model import lora_triton
+
+        lora_triton.expand_all(shrunk, y, self, self.batch)
+        return y
+
+    def expand_act(self, shrunk: torch.Tensor, y: torch.Tensor, act) -> torch.Tensor:
+        """The gated MLP's one row: `act` (SiLU-and-mul) of y [1, 2 × I] plus the adapter's gate and
+        up parts, in one kernel up to rank ONE_ROW_MAX_RANK."""
+        from pagoda_engine.worker.model import lora_triton
+
+        if self.rank <= lora_triton.ONE_ROW_MAX_RANK:
+            return lora_triton.expand_act(shrunk, y, self, self.batch)
+        return act(self.expand(shrunk, y))
+
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.batch
         if batch.use_kernels:  # CUDA (or a test running the kernels under Triton's interpreter)

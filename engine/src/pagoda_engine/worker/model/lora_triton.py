@@ -140,6 +140,95 @@ def _expand_kernel(s_ptr, b_ptr, y_ptr, scale_ptr, rows_ptr, blocks_ptr, R, N, s
     tl.store(y_ptrs, (y + acc).to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# --- one decode row: the shrink inside the matrix-vector kernels --------------------------------
+#
+# A lone request's step has one row, whose projection runs in `gemv_triton`'s one-row kernels. With
+# adapters, those kernels take extra programs past their output columns that shrink the same row
+# (normalised first, where the norm is folded in) by its slot's A, `shrink_row` and
+# `shrink_normed_row` below: the shrink costs no launch of its own, and the expand follows (for
+# gate/up, `expand_act`, which also applies the activation the gated kernel would have).
+
+ONE_ROW_MAX_RANK = 64  # `expand_act` holds a whole slot's B columns for its outputs in registers
+
+
+@triton.jit
+def shrink_row(x_row, a_ptr, out_ptr, blocks_ptr, program, N, a_stride_s, a_stride_n, K: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[cols] = x · A[slot, cols]^T in float32 for the BLOCK_N columns of `program`, where slot
+    is the one row's (`LoRABatch.blocks`' first entry; nothing when the row runs on the base)."""
+    slot = tl.load(blocks_ptr)
+    count = tl.load(blocks_ptr + 2)
+    if count > 0:
+        cols = program * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        rows = a_ptr + slot.to(tl.int64) * a_stride_s + cols.to(tl.int64)[:, None] * a_stride_n
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k in tl.static_range(0, K, BLOCK_K):
+            ks = k + tl.arange(0, BLOCK_K)
+            k_ok = ks < K
+            x = tl.load(x_row + ks, mask=k_ok, other=0.0).to(tl.float32)
+            w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_ok[None, :], other=0.0)
+            acc += w.to(tl.float32) * x[None, :]
+        tl.store(out_ptr + cols, tl.sum(acc, axis=1), mask=col_mask)
+
+
+@triton.jit
+def shrink_normed_row(a_row, ks, k_ok, a_ptr, out_ptr, blocks_ptr, program, N, a_stride_s, a_stride_n,
+                      BLOCK_N: tl.constexpr):
+    """`shrink_row` of a row held in registers (float32, [K_P2] at `ks`, `k_ok` its columns): the
+    normalised row of the kernel that folds the norm in."""
+    slot = tl.load(blocks_ptr)
+    count = tl.load(blocks_ptr + 2)
+    if count > 0:
+        cols = program * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_mask = cols < N
+        rows = a_ptr + slot.to(tl.int64) * a_stride_s + cols.to(tl.int64)[:, None] * a_stride_n
+        w = tl.load(rows + ks[None, :], mask=col_mask[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        tl.store(out_ptr + cols, tl.sum(w * a_row[None, :], axis=1), mask=col_mask)
+
+
+@triton.jit
+def _expand_act_kernel(s_ptr, b_ptr, y_ptr, out_ptr, scale_ptr, blocks_ptr, R, I, b_stride_s, b_stride_n,
+                       BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PDL: tl.constexpr):
+    """One row: out[cols] = silu(g) × u, g = y[cols] plus the adapter's gate part, u = y[I + cols]
+    plus its up part (each rounded to y's dtype first, as the expand writes them), for the row's
+    slot (`blocks_ptr`' first entry; none: y's alone). s: the shrunk row, gate's R columns then up's."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < I
+    slot = tl.load(blocks_ptr)
+    has = tl.load(blocks_ptr + 2) > 0
+    offs_r = tl.arange(0, BLOCK_R)
+    mask_r = (offs_r < R) & has
+    b_cols = b_ptr + slot.to(tl.int64) * b_stride_s + cols.to(tl.int64)[None, :] * b_stride_n + offs_r[:, None]
+    b_mask = mask_r[:, None] & col_mask[None, :]
+    b_gate = tl.load(b_cols, mask=b_mask, other=0.0).to(tl.float32)
+    b_up = tl.load(b_cols + I * b_stride_n, mask=b_mask, other=0.0).to(tl.float32)
+    scale = tl.load(scale_ptr + slot)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    s_gate = tl.load(s_ptr + offs_r, mask=mask_r, other=0.0)
+    s_up = tl.load(s_ptr + R + offs_r, mask=mask_r, other=0.0)
+    gate = tl.load(y_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    up = tl.load(y_ptr + I + cols, mask=col_mask, other=0.0).to(tl.float32)
+    gate = (gate + tl.sum(b_gate * s_gate[:, None], axis=0) * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
+    up = (up + tl.sum(b_up * s_up[:, None], axis=0) * scale).to(y_ptr.dtype.element_ty).to(tl.float32)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + cols, act.to(out_ptr.dtype.element_ty), mask=col_mask)
+
+
+def expand_act(shrunk: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
+    """One row's gated MLP half: y [1, 2 × I] = [gate | up] of the base projection, shrunk [1, 1,
+    2 × R] (gate's slice, then up's) → silu(gate + its adapter part) × (up + its part), [1, I]."""
+    i = y.shape[1] // 2
+    r = lora.rank
+    out = torch.empty((1, i), dtype=y.dtype, device=y.device)
+    _expand_act_kernel[(triton.cdiv(i, _BLOCK_N),)](
+        shrunk, lora.lora_b, y, out, batch.scales, batch.blocks, r, i, lora.lora_b.stride(0), lora.lora_b.stride(1),
+        BLOCK_N=_BLOCK_N, BLOCK_R=max(16, triton.next_power_of_2(r)), **pdl.launch(y.device))
+    return out
+
+
 def _split_k(rows: int, block_m: int, n_tiles: int, k: int) -> tuple[int, int]:
     """(chunk, splits): K cut into `splits` chunks of `chunk` (a multiple of _BLOCK_K) so that the
     row blocks of `rows` rows × `n_tiles` × splits make about _TARGET_PROGRAMS programs, at most
