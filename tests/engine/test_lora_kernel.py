@@ -72,8 +72,10 @@ def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
     batch.use_kernels = True  # the kernels' buffers, on the CPU (the interpreter reads host memory)
     batch.block_m = 16  # slot 2's 20 rows take two blocks
     # Requests in batch order: (new tokens, slot); base rows between the adapters' rows. The second
-    # step is smaller, on the same buffers: the first step's blocks past its own must not run.
-    for query_lens, lora_slots in (([3, 1, 20, 1, 5, 2], [0, -1, 2, 0, -1, 1]), ([2, 4, 1], [1, -1, 0])):
+    # step is smaller, on the same buffers: the first step's blocks past its own must not run; in the
+    # third, three rows of three slots, as many blocks as rows (the grid's bound).
+    for query_lens, lora_slots in (([3, 1, 20, 1, 5, 2], [0, -1, 2, 0, -1, 1]), ([2, 4, 1], [1, -1, 0]),
+                                   ([1, 1, 1], [2, 0, 1])):
         row_slots = [s for n, s in zip(query_lens, lora_slots) for _ in range(n)]
         t = len(row_slots)
         x = torch.randn(t, k, generator=gen).to(dtype)

@@ -57,9 +57,9 @@ class LoRABatch:
     For the kernels, fixed device buffers rewritten in place each step (captured graphs read the
     current step's): `sorted_rows`, the rows that run under an adapter grouped by slot, and
     `blocks`, one (slot, start in `sorted_rows`, row count) per block of at most `block_m` rows of
-    one slot, (0, 0, 0) past the step's: at most cdiv(rows, block_m) + slots of them, the kernels'
-    grid. For the torch path: `groups`, the (slot, rows) list built on the host. `scales`: each
-    slot's adapter's scale."""
+    one slot, (0, 0, 0) past the step's: at most `max_blocks(rows)` of them, the kernels' grid.
+    For the torch path: `groups`, the (slot, rows) list built on the host. `scales`: each slot's
+    adapter's scale."""
 
     block_m = 32  # rows per kernel program: A's and B's tiles are loaded once per this many rows
 
@@ -77,8 +77,9 @@ class LoRABatch:
         self._used_blocks = 0
 
     def max_blocks(self, num_rows: int) -> int:
-        """The blocks a step of `num_rows` rows can need: every slot's last block may be short."""
-        return -(-num_rows // self.block_m) + self.num_slots
+        """The blocks a step of `num_rows` rows can need: every slot's last block may be short, and
+        no block is empty (a lone decode row: one)."""
+        return max(1, min(num_rows, -(-num_rows // self.block_m) + self.num_slots))
 
     def set(self, query_lens: list[int], lora_slots: list[int] | None) -> None:
         """The step's requests' new-token counts and slots (None: all base)."""

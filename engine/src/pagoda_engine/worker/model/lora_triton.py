@@ -5,10 +5,12 @@ projection's output.
 Why Triton and not a library: punica's kernels and vLLM's are tied to their engines' metadata and
 builds; these are two short kernels over Pagoda's own buffers (`lora.LoRABatch`), compiled like
 the engine's other Triton kernels, and their grid is fixed by the step's padded row count and the
-slot count alone: cdiv(rows, block_m) + slots programs along the rows, each taking one entry of
-`LoRABatch.blocks` (up to block_m rows of one slot, gathered through `sorted_rows`) and returning
-at once past the step's last block. So CUDA graphs capture the launches once and every replay
-serves the adapters its rows name, base rows (slot -1) costing nothing.
+slot count alone: min(rows, cdiv(rows, block_m) + slots) programs along the rows
+(`LoRABatch.max_blocks`), each taking one entry of `LoRABatch.blocks` (up to block_m rows of one
+slot, gathered through `sorted_rows`) and returning at once past the step's last block. So CUDA
+graphs capture the launches once and every replay serves the adapters its rows name, base rows
+(slot -1) costing nothing. A lone decode row's shrink runs inside the matrix-vector kernel instead
+(below).
 
 The shrink splits K: a decode step's few rows make a handful of row blocks, and a program that
 streamed a whole row of A (4,096 or 14,336 wide) alone took ~45 µs on an H200 where the bytes
