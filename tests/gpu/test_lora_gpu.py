@@ -136,6 +136,55 @@ def test_a_captured_graph_serves_the_slots_each_replay_names(rank):
         _close(out, _dense(x, y_in, layer, row_slots))
 
 
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("proj", sorted(LLAMA_8B))
+def test_a_lone_rows_shrink_in_the_matrix_vector_kernel_equals_the_dense_reference(proj, rank):
+    """The engine's one-row path, in a CUDA graph replayed under other slots (and the base): q/k/v
+    and gate/up with the norm folded in (`gemv_rmsnorm`), o and down plain (`gemv`), each with its
+    extra programs shrinking the row, then the expand (gate/up's with the activation)."""
+    from pagoda_engine.worker.model import gemv_triton
+    from pagoda_engine.worker.model.layers import SiluAndMul
+
+    gen = torch.Generator().manual_seed(rank)
+    in_features, sizes = LLAMA_8B[proj]
+    layer, batch, width = _layer(in_features, sizes, rank, gen)
+    w = (torch.randn(width, in_features, generator=gen) * in_features ** -0.5).to(CUDA, torch.bfloat16)
+    norm_w = (1 + 0.1 * torch.randn(in_features, generator=gen)).to(CUDA, torch.bfloat16)
+    x = torch.zeros(1, in_features, device=CUDA, dtype=torch.bfloat16)
+    res = torch.zeros_like(x)
+    folded, gated = proj in ("qkv", "gate_up"), proj == "gate_up"
+
+    def run():
+        if folded:
+            y, _, shrunk = gemv_triton.gemv_rmsnorm(x, res, norm_w, 1e-5, w, lora=layer.one_row(x))
+        else:
+            y, shrunk = gemv_triton.gemv(x, w, lora=layer.one_row(x))
+        return layer.expand_act(shrunk, y, SiluAndMul()) if gated else layer.expand(shrunk, y)
+
+    batch.set([1], [0])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()  # compile outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
+    for slot in (0, 3, -1, 2):
+        batch.set([1], [slot])
+        x.copy_(torch.randn(1, in_features, generator=gen).to(CUDA, torch.bfloat16))
+        res.copy_(torch.randn(1, in_features, generator=gen).to(CUDA, torch.bfloat16))
+        graph.replay()
+        h = x.float() + res.float() if folded else x.float()
+        if folded:
+            h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * norm_w.float()).bfloat16()
+        expected = _dense(h.to(torch.bfloat16), h.float() @ w.float().t(), layer, [slot])
+        if gated:
+            gate, up = expected.chunk(2, dim=-1)
+            expected = torch.nn.functional.silu(gate) * up
+        _close(out, expected)
+
+
 def _adapters(gpu_model_dir, tmp_path):
     from lora_adapters import ADAPTERS, write_adapter
     from pagoda_engine import LoRARequest
