@@ -464,20 +464,18 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's shard, no collective. An FP8 layer's few decode rows on
         CUDA take the matrix-vector kernels with the weight widened in registers (half the bytes
-        of bf16 read, the activations unquantized); more rows, the FP8 GEMM (`fp8_linear`)."""
+        of bf16 read, the activations unquantized); more rows, the FP8 GEMM (`fp8_linear`). With
+        adapters, their part is added (`lora`), a lone row's shrunk in the matrix-vector kernel."""
         one_row = self.lora.one_row(x) if self.lora is not None else None
-        if self.weight_scale is not None or one_row is not None:
-            gemv = _gemv_kernels(x, self.weight)
-            if gemv is not None and one_row is not None:
-                # One row with adapters: the kernel's extra programs shrink it for the row's adapter.
-                y, shrunk = gemv.gemv(x, self.weight, bias, self.weight_scale, lora=one_row)
-                return self.lora.expand(shrunk, y)
-            if gemv is not None:
-                y = gemv.gemv(x, self.weight, bias, self.weight_scale)
-            elif self.weight_scale is not None:
-                y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
-            else:
-                y = linear(x, self.weight, bias)
+        gemv = _gemv_kernels(x, self.weight) if self.weight_scale is not None or one_row is not None else None
+        if gemv is not None and one_row is not None:
+            # One row with adapters: the kernel's extra programs shrink it for the row's adapter.
+            y, shrunk = gemv.gemv(x, self.weight, bias, self.weight_scale, lora=one_row)
+            return self.lora.expand(shrunk, y)
+        if gemv is not None:
+            y = gemv.gemv(x, self.weight, bias, self.weight_scale)
+        elif self.weight_scale is not None:
+            y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
         else:
             y = linear(x, self.weight, bias)
         return y if self.lora is None else self.lora(x, y)
