@@ -191,3 +191,53 @@ def test_the_engine_on_the_kernels_serves_each_adapter_as_peft_does(tmp_path):
     for i, name in enumerate(names):
         assert got[i * len(prompts):(i + 1) * len(prompts)] == peft_greedy(model_dir, paths.get(name), prompts,
                                                                            new_tokens), name
+
+
+def test_lone_requests_through_the_one_row_kernels_decode_as_peft_does(tmp_path, monkeypatch):
+    """The layers' one-row path as a GPU runs it (`gemv_triton`'s kernels, interpreted here: every
+    one-row projection takes them, the norms folded into q/k/v and gate/up), each request alone so
+    that every decode step is one row: the kernels' LoRA programs shrink the row, the expands (and
+    gate/up's with the activation) follow, and each adapter's greedy tokens are PEFT's. Qwen2: q/k/v
+    with biases, in the folded kernel."""
+    pytest.importorskip("peft")
+    from lora_adapters import ADAPTERS, peft_greedy, write_adapter
+
+    from pagoda_engine import LLM, LoRARequest, SamplingParams
+    from pagoda_engine.tiny import VOCAB_SIZE, build_tiny_model
+    from pagoda_engine.worker.model import layers
+
+    gemv = import_kernels("pagoda_engine.worker.model.gemv_triton")
+    fused = {"lora": 0, "rmsnorm": 0}
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            fused[key] += kwargs.get("lora") is not None
+            return fn(*args, **kwargs)
+        return call
+
+    monkeypatch.setattr(gemv, "gemv", counted(gemv.gemv, "lora"))
+    monkeypatch.setattr(gemv, "gemv_rmsnorm", counted(gemv.gemv_rmsnorm, "rmsnorm"))
+    # 16 columns a program, not the GPU's one or two: the interpreter runs programs one by one (and
+    # 16 leaves the LoRA programs' last block of A's rows part-masked at rank 8).
+    monkeypatch.setattr(gemv, "_columns_per_program", lambda gated: 16)
+    monkeypatch.setattr(gemv, "_norm_columns_per_program", lambda gated, fp8: 16)
+    # The CUDA-only switches, opened for one row on the CPU (not for the LM head: it takes no adapter).
+    def one_row(x, w):
+        return gemv if x.shape[0] == 1 and w.shape[0] < VOCAB_SIZE else None
+
+    monkeypatch.setattr(layers, "_gemv_kernels", one_row)
+    monkeypatch.setattr(layers, "_gemv_norm_kernels", lambda norm, x, res, w: one_row(x, w))
+
+    model_dir = build_tiny_model(tmp_path / "model", arch="qwen2", seed=5)
+    paths = {name: write_adapter(model_dir, tmp_path / name, *spec, seed=i + 1)
+             for i, (name, spec) in enumerate(ADAPTERS.items())}
+    prompts = [[(7 * i + 3) % 400 + 5 for i in range(11)]]
+    new_tokens = 4
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=64, enable_lora=True, max_loras=2, max_lora_rank=16)
+    llm.core.executor.worker.lora.batch.use_kernels = True
+    loras = {name: LoRARequest(name, i + 1, path) for i, (name, path) in enumerate(paths.items())}
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, min_tokens=new_tokens)
+    for name in [None, *loras]:
+        got = [llm.generate(prompts, params, lora_request=loras.get(name))[0].outputs[0].token_ids]
+        assert got == peft_greedy(model_dir, paths.get(name), prompts, new_tokens), name
+    assert fused["lora"] and fused["rmsnorm"]
