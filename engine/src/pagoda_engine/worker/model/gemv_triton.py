@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from pagoda_engine.worker import pdl
-from pagoda_engine.worker.model import lora_triton
+from pagoda_engine.worker.model.lora_triton import shrink_normed_row, shrink_row
 
 FP8 = torch.float8_e4m3fn
 
@@ -101,7 +101,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, la_ptr, lo_ptr
     """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
     SCALED: w holds FP8 rows, each sum times its row's float32 scale (s[cols], s[N + cols]).
     Under PDL the first tile of the weight rows is loaded before the wait for the kernel before.
-    LORA: the programs past N's columns shrink x for the row's adapter instead (`lora_triton.shrink_row`:
+    LORA: the programs past N's columns shrink x for the row's adapter instead (`shrink_row`:
     the A of every slot at la_ptr, LORA_N rows each, into lo_ptr, the slot from the block table lb_ptr)."""
     pid = tl.program_id(0)
     if LORA:
@@ -109,8 +109,8 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, la_ptr, lo_ptr
             if PDL:
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
-            lora_triton.shrink_row(x_ptr, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N, la_stride_s,
-                                   la_stride_n, K, BLOCK_N, BLOCK_K)
+            shrink_row(x_ptr, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N, la_stride_s, la_stride_n, K,
+                       BLOCK_N, BLOCK_K)
             return
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
@@ -300,7 +300,7 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res
     products; program 0 also writes h (the new residual stream) and, WRITE_NORMED, the
     normalised row. Under PDL the weight rows are loaded before the wait for the kernel before.
     SCALED: FP8 weight rows and their scales, as `_gemv_kernel`. LORA: the programs past N's columns
-    shrink the normalised row for the row's adapter instead (`lora_triton.shrink_normed_row`; the
+    shrink the normalised row for the row's adapter instead (`shrink_normed_row`; the
     arguments as `_gemv_kernel`'s)."""
     pid = tl.program_id(0)
     ks = tl.arange(0, K_P2)
@@ -311,8 +311,8 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res
                 tl.extra.cuda.gdc_wait()
                 tl.extra.cuda.gdc_launch_dependents()
             _, a = _normalised_row(x_ptr, res_ptr, nw_ptr, ks, k_ok, eps, K, HAS_RES)
-            lora_triton.shrink_normed_row(a, ks, k_ok, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N,
-                                          la_stride_s, la_stride_n, BLOCK_N)
+            shrink_normed_row(a, ks, k_ok, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N, la_stride_s,
+                              la_stride_n, BLOCK_N)
             return
     cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
