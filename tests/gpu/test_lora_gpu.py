@@ -1,8 +1,10 @@
 """Multi-LoRA on the GPU: the Triton shrink/expand kernels (`model/lora_triton.py`) against a dense
 float32 reference at Llama-3.1-8B's projection shapes, ranks 8 to 64, rows of several adapters
 and of the base model interleaved, eagerly and replayed inside a CUDA graph whose slots change
-between replays; and the engine with CUDA graphs on: every adapter's greedy tokens are
-transformers + PEFT's (float32) and equal the eager engine's."""
+between replays, the same bits every run and with or without PDL; a lone row's shrink inside the
+one-row matrix-vector kernels likewise; the engine with CUDA graphs on: every adapter's greedy
+tokens are transformers + PEFT's (float32) and equal the eager engine's, in a batch and for a lone
+request (one-row decode steps); and `python -m pagoda_engine.bench.lora_kernels`."""
 
 from __future__ import annotations
 
