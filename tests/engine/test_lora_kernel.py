@@ -43,13 +43,15 @@ def dense_reference(x, y, layer: LoRALayer, row_slots: list[int], scales: list[f
 # float16 and float32: the interpreter's `tl.dot` of bfloat16 operands is wrong (numpy has no
 # bfloat16); bfloat16 is tests/gpu/test_lora_gpu.py's.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-# Slices on 64-column edges take one expand for the whole output; others one per slice. K above
+# Slices on 128- or 64-column edges take one expand for the whole output (the widest block that
+# fits); others one per slice. K above
 # the shrink's 64-wide tile is split over programs: 200 in four chunks, the last short; 2,200 in
 # chunks of three tiles (the 32-row step) or two (the 7-row one) (`_split_k`), the expand summing
 # their partial planes.
 @pytest.mark.parametrize("k,sizes,rank,ranks", [(64, [48, 16, 16], 16, [16, 8, 4]), (40, [70], 8, [8, 8, 3]),
                                                 (32, [128, 64, 64], 16, [16, 4, 8]), (48, [64, 192], 8, [8, 2, 5]),
-                                                (200, [48, 16, 16], 16, [16, 8, 4]), (2200, [64], 8, [8, 3, 5])])
+                                                (200, [48, 16, 16], 16, [16, 8, 4]), (2200, [64], 8, [8, 3, 5]),
+                                                (96, [128, 128, 256], 16, [16, 2, 9])])
 def test_shrink_expand_equal_the_dense_product(k, sizes, rank, ranks, dtype):
     gen = torch.Generator().manual_seed(k + rank)
     num_slots = 4  # slot 3 holds an adapter that no row names

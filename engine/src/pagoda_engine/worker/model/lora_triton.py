@@ -37,7 +37,10 @@ import triton.language as tl
 
 from pagoda_engine.worker import pdl
 
-_BLOCK_N = 64  # the expand's output columns a program (slices start on these edges for one launch)
+_BLOCK_N = 64  # `expand_act`'s output columns a program, and the expand's where slices need it
+# The expand's widest column block: every program re-reads its rows' shrunk planes, so wider blocks
+# read them fewer times (a [32, 128] float32 tile and B's [R, 128] stay in four warps' registers).
+_EXPAND_BLOCKS_N = (128, 64)
 _BLOCK_K = 64
 # At most this many partial planes: the expand sums them all for every row it reads (unrolled).
 MAX_SPLITS = 32
@@ -271,18 +274,18 @@ _NO_EDGE = 1 << 30  # a slice edge no column reaches
 
 
 def expand(shrunk: torch.Tensor, s_offset: int, b: torch.Tensor, y: torch.Tensor, y_offset: int, batch,
-           edges: tuple[int, int] = (_NO_EDGE, _NO_EDGE), s_width: int = 0) -> None:
+           edges: tuple[int, int] = (_NO_EDGE, _NO_EDGE), s_width: int = 0, block_n: int = _EXPAND_BLOCKS_N[0]) -> None:
     """y[t, y_offset + n] += scales[slot] × Σ_planes shrunk[:, t, s_offset + k(n) × s_width + r] · B[slot, n, r]
     for every row t of `batch.blocks`, in place; shrunk [planes, T, columns] (`shrink`'s), b
     [slots, N, R]; k(n): how many of `edges` (output columns where the next slice begins,
-    multiples of the column block) lie at or before n."""
+    multiples of `block_n`, the columns a program) lie at or before n."""
     _, n, r = b.shape
     t = y.shape[0]
     block_r = max(16, min(64, triton.next_power_of_2(r)))
-    grid = (batch.max_blocks(t), triton.cdiv(n, _BLOCK_N))
+    grid = (batch.max_blocks(t), triton.cdiv(n, block_n))
     _expand_kernel[grid](shrunk, b, y, batch.scales, batch.sorted_rows, batch.blocks, r, n, s_offset, edges[0],
                          edges[1], s_width, shrunk.stride(1), shrunk.stride(0), b.stride(0), b.stride(1), y_offset,
-                         y.stride(0), SPLITS=shrunk.shape[0], BLOCK_M=batch.block_m, BLOCK_N=_BLOCK_N,
+                         y.stride(0), SPLITS=shrunk.shape[0], BLOCK_M=batch.block_m, BLOCK_N=block_n,
                          BLOCK_R=block_r, **pdl.launch(y.device))
 
 
@@ -296,11 +299,12 @@ def add_lora(x: torch.Tensor, y: torch.Tensor, lora, batch) -> torch.Tensor:
 
 def expand_all(shrunk: torch.Tensor, y: torch.Tensor, lora, batch) -> None:
     """Every slice of `lora`'s projection expanded into y: one expand for them all where the slices
-    start on column-block edges, else one per slice."""
+    start on column-block edges (the widest block that they all start on), else one per slice."""
     edges = [s.out_offset for s in lora.slices[1:]]
-    if len(edges) <= 2 and all(e % _BLOCK_N == 0 for e in edges):
+    block_n = next((b for b in _EXPAND_BLOCKS_N if all(e % b == 0 for e in edges)), None)
+    if len(edges) <= 2 and block_n is not None:
         # One expand over the whole output (q/k/v, gate/up at Llama's sizes): a launch per layer part.
-        expand(shrunk, 0, lora.lora_b, y, 0, batch, (*edges, *[_NO_EDGE] * (2 - len(edges))), lora.rank)
+        expand(shrunk, 0, lora.lora_b, y, 0, batch, (*edges, *[_NO_EDGE] * (2 - len(edges))), lora.rank, block_n)
         return
     for i, s in enumerate(lora.slices):
         expand(shrunk, i * lora.rank, lora.b(i), y, s.out_offset, batch)
