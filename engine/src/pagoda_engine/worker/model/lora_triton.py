@@ -48,10 +48,11 @@ MAX_SPLITS = 32
 _TARGET_PROGRAMS = 128
 # Splits² × rows at most this. A shrink program's K loop is latency-bound (about 0.3 µs a 64-wide
 # tile on an H200: 45.9 µs for Llama-3.1-8B's 117 tiles a shrink on average, under a profiler), so
-# its time falls as 1 / splits, while every expand program re-reads its rows' planes (R float32
-# columns each), a cost that grows as splits × rows (~4 ns per plane and row a layer at L2
-# bandwidth); their sum is least near splits = sqrt(29,000 / rows): 32 planes up to 32 rows, 11 at
-# 256, 4 at 2,048.
+# a layer's four shrinks take ~125 µs / splits, while every expand program re-reads its rows'
+# planes (R float32 columns each), a cost that grows as splits × rows (Llama-3.1-8B: 336 column
+# blocks a layer × 64 bytes, ~2 ns per plane and row at L2 bandwidth); their sum is least near
+# splits = sqrt(58,000 / rows). The budget keeps to about 0.7 × that, the side of fewer planes:
+# 32 up to 32 rows, 11 at 256, 4 at 2,048, one plane from 32,768 rows.
 _PLANE_BUDGET = 32768
 
 
