@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from pagoda_engine.worker import pdl
+from pagoda_engine.worker.model.lora_triton import shrink_normed_row, shrink_row
 
 FP8 = torch.float8_e4m3fn
 
@@ -94,13 +95,24 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, la_ptr, lo_ptr, lb_ptr, LORA_N, la_stride_s,
+                 la_stride_n, K: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr,
+                 LORA: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
     SCALED: w holds FP8 rows, each sum times its row's float32 scale (s[cols], s[N + cols]).
-    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before.
+    LORA: the programs past N's columns shrink x for the row's adapter instead (`shrink_row`:
+    the A of every slot at la_ptr, LORA_N rows each, into lo_ptr, the slot from the block table lb_ptr)."""
+    pid = tl.program_id(0)
+    if LORA:
+        if pid >= tl.cdiv(N, BLOCK_N):
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            shrink_row(x_ptr, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N, la_stride_s, la_stride_n, K,
+                       BLOCK_N, BLOCK_K)
+            return
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
     up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
@@ -220,27 +232,42 @@ def _launch_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
     return y
 
 
+def _lora_args(lora: tuple[torch.Tensor, torch.Tensor] | None, x: torch.Tensor, block_n: int):
+    """A one-row kernel's LoRA arguments for `lora` = (A of every slot [slots, N2, K], the block
+    table): (its extra programs, the float32 shrunk row [1, 1, N2] they write, the kernel's
+    pointer and size arguments); with no `lora`, none and placeholders."""
+    if lora is None:
+        return 0, None, (x, x, x, 0, 0, 0)
+    a, blocks = lora
+    out = torch.empty((1, 1, a.shape[1]), dtype=torch.float32, device=x.device)
+    return triton.cdiv(a.shape[1], block_n), out, (a, out, blocks, a.shape[1], a.stride(0), a.stride(1))
+
+
 def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None, n: int,
-            gated: bool) -> torch.Tensor:
+            gated: bool, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
     if x.shape[0] > 1:
+        assert lora is None, "the adapters' shrink rides along one row only"
         return _launch_rows(x, weight, scale, bias, n, gated)
     k = weight.shape[1]
     # From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps.
     block_k = min(2048, triton.next_power_of_2(k))
     block_n = _columns_per_program(gated)
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, n, weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl.launch(x.device))
-    return y
+    extra, shrunk, lora_args = _lora_args(lora, x, block_n)
+    _gemv_kernel[(triton.cdiv(n, block_n) + extra,)](
+        x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, n, weight.stride(0), *lora_args,
+        K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, LORA=lora is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, **pdl.launch(x.device))
+    return y if lora is None else (y, shrunk)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-         scale: torch.Tensor | None = None) -> torch.Tensor:
+         scale: torch.Tensor | None = None, lora: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`F.linear(x, weight, bias)` for x [M, K], M ≤ MAX_ROWS (see `linear_applies`); an FP8 weight
-    comes with its float32 row scales, `scale` [N], and is read as weight × scale."""
-    return _launch(x, weight, scale, bias, weight.shape[0], gated=False)
+    comes with its float32 row scales, `scale` [N], and is read as weight × scale. With `lora`
+    (one row: A of every adapter slot and the LoRA block table, `lora_triton`) the result is
+    (y, the row shrunk by its slot's A, float32 [1, 1, N2])."""
+    return _launch(x, weight, scale, bias, weight.shape[0], gated=False, lora=lora)
 
 
 def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -250,21 +277,45 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 
 @triton.jit
+def _normalised_row(x_ptr, res_ptr, nw_ptr, ks, k_ok, eps, K: tl.constexpr, HAS_RES: tl.constexpr):
+    """(h, rmsnorm(h) rounded to x's dtype) in float32, h = x (+ res), as FlashInfer's fused
+    add-and-RMSNorm computes them."""
+    h = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    if HAS_RES:
+        h += tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    r = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
+    return h, (h * r * nw).to(x_ptr.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
 def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, stride_wn,
-                         eps, K: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
-                         GATED: tl.constexpr, SCALED: tl.constexpr, WRITE_NORMED: tl.constexpr,
+                         eps, la_ptr, lo_ptr, lb_ptr, LORA_N, la_stride_s, la_stride_n, K: tl.constexpr,
+                         K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
+                         GATED: tl.constexpr, SCALED: tl.constexpr, WRITE_NORMED: tl.constexpr, LORA: tl.constexpr,
                          BLOCK_N: tl.constexpr, PDL: tl.constexpr):
     """h = x (+ res); y[cols] = rmsnorm(h) · w[cols] (+ b[cols]), GATED as `_gemv_kernel`. Every
     program loads the whole row and its weight rows at once, normalises the row as FlashInfer's
     RMSNorm does (float32, times the weight, rounded once to the dtype) and takes the dot
     products; program 0 also writes h (the new residual stream) and, WRITE_NORMED, the
     normalised row. Under PDL the weight rows are loaded before the wait for the kernel before.
-    SCALED: FP8 weight rows and their scales, as `_gemv_kernel`."""
+    SCALED: FP8 weight rows and their scales, as `_gemv_kernel`. LORA: the programs past N's columns
+    shrink the normalised row for the row's adapter instead (`shrink_normed_row`; the
+    arguments as `_gemv_kernel`'s)."""
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
     ks = tl.arange(0, K_P2)
     k_ok = ks < K
+    if LORA:
+        if pid >= tl.cdiv(N, BLOCK_N):
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+                tl.extra.cuda.gdc_launch_dependents()
+            _, a = _normalised_row(x_ptr, res_ptr, nw_ptr, ks, k_ok, eps, K, HAS_RES)
+            shrink_normed_row(a, ks, k_ok, la_ptr, lo_ptr, lb_ptr, pid - tl.cdiv(N, BLOCK_N), LORA_N, la_stride_s,
+                              la_stride_n, BLOCK_N)
+            return
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
     mask = col_mask[:, None] & k_ok[None, :]
     w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
     if GATED:
@@ -272,16 +323,12 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    h = tl.load(x_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+    h, a = _normalised_row(x_ptr, res_ptr, nw_ptr, ks, k_ok, eps, K, HAS_RES)
     if HAS_RES:
-        h += tl.load(res_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
         tl.store(res_out_ptr + ks, h.to(res_out_ptr.dtype.element_ty), mask=k_ok & (pid == 0))
-    nw = tl.load(nw_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-    r = tl.rsqrt(tl.sum(h * h, axis=0) / K + eps)
-    a = (h * r * nw).to(x_ptr.dtype.element_ty)
     if WRITE_NORMED:
-        tl.store(normed_ptr + ks, a, mask=k_ok & (pid == 0))
-    a = a.to(tl.float32)[None, :]
+        tl.store(normed_ptr + ks, a.to(normed_ptr.dtype.element_ty), mask=k_ok & (pid == 0))
+    a = a[None, :]
     y = tl.sum(w.to(tl.float32) * a, axis=1)
     if SCALED:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
@@ -323,12 +370,14 @@ def norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-                 normed_out: bool = False, scale: torch.Tensor | None = None):
+                 normed_out: bool = False, scale: torch.Tensor | None = None,
+                 lora: tuple[torch.Tensor, torch.Tensor] | None = None):
     """A decoder layer's RMSNorm and the projection after it, for one row (see `norm_applies`):
     `(linear(norm(h), weight, bias), h)` with h = x + residual (x when residual is None); with
     `gated` the projection is `gemv_silu_and_mul`'s; with `normed_out` the normalised row is
     returned third, for a layer that projects it more than once (an MoE block: router, experts);
-    an FP8 weight comes with its row scales, `scale`, as `gemv`.
+    an FP8 weight comes with its row scales, `scale`, as `gemv`; with `lora` (as `gemv`'s) the
+    normalised row shrunk by its adapter's A comes last.
 
     The values are the separate kernels': h and the normalised row rounded as FlashInfer's fused
     add-and-RMSNorm rounds them, the dot products in float32 (summed in another order). One
@@ -341,10 +390,12 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if normed_out else None
     block_n = _norm_columns_per_program(gated, weight.dtype == FP8)
-    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
+    extra, shrunk, lora_args = _lora_args(lora, x, block_n)
+    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n) + extra,)](
         x, residual if residual is not None else x, norm_weight, weight, _scale_arg(weight, scale),
         bias if bias is not None else weight, y, res_out, normed if normed is not None else x, n, weight.stride(0), eps,
-        K=k, K_P2=k_p2, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
-        SCALED=scale is not None, WRITE_NORMED=normed_out,
+        *lora_args, K=k, K_P2=k_p2, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
+        SCALED=scale is not None, WRITE_NORMED=normed_out, LORA=lora is not None,
         BLOCK_N=block_n, num_warps=4 if k_p2 <= 4096 else 8, **pdl.launch(x.device))
-    return (y, res_out, normed) if normed_out else (y, res_out)
+    out = (y, res_out, normed) if normed_out else (y, res_out)
+    return out if lora is None else (*out, shrunk)

@@ -143,10 +143,16 @@ def norm_and_linear(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | Non
     """(layer(normalised), residual) after `norm(x, residual)`, or `norm(x)` with x as the
     residual when there is none yet (the first layer); `layer` adds no collective (a
     column-parallel projection). A batch-1 decode's row on CUDA takes one kernel for both
-    (`gemv_triton.gemv_rmsnorm`)."""
-    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight) if layer.lora is None else None
+    (`gemv_triton.gemv_rmsnorm`); with LoRA its extra programs shrink the normalised row for the
+    row's adapter, and the expand follows."""
+    gemv = _gemv_norm_kernels(norm, x, residual, layer.weight)
     if gemv is not None:
-        return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias, scale=layer.weight_scale)
+        if layer.lora is None:
+            return gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                     scale=layer.weight_scale)
+        y, residual, shrunk = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                                scale=layer.weight_scale, lora=layer.lora.one_row(x))
+        return layer.lora.expand(shrunk, y), residual
     if residual is None:
         residual, x = x, norm(x)
     else:
@@ -458,13 +464,18 @@ class LinearBase(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x W^T (+ bias) on this rank's shard, no collective. An FP8 layer's few decode rows on
         CUDA take the matrix-vector kernels with the weight widened in registers (half the bytes
-        of bf16 read, the activations unquantized); more rows, the FP8 GEMM (`fp8_linear`)."""
-        if self.weight_scale is not None:
-            gemv = _gemv_kernels(x, self.weight)
-            if gemv is not None:
-                y = gemv.gemv(x, self.weight, bias, self.weight_scale)
-            else:
-                y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
+        of bf16 read, the activations unquantized); more rows, the FP8 GEMM (`fp8_linear`). With
+        adapters, their part is added (`lora`), a lone row's shrunk in the matrix-vector kernel."""
+        one_row = self.lora.one_row(x) if self.lora is not None else None
+        gemv = _gemv_kernels(x, self.weight) if self.weight_scale is not None or one_row is not None else None
+        if gemv is not None and one_row is not None:
+            # One row with adapters: the kernel's extra programs shrink it for the row's adapter.
+            y, shrunk = gemv.gemv(x, self.weight, bias, self.weight_scale, lora=one_row)
+            return self.lora.expand(shrunk, y)
+        if gemv is not None:
+            y = gemv.gemv(x, self.weight, bias, self.weight_scale)
+        elif self.weight_scale is not None:
+            y = fp8_linear(x, self.weight, self.weight_scale, bias, self.input_scale)
         else:
             y = linear(x, self.weight, bias)
         return y if self.lora is None else self.lora(x, y)
@@ -638,12 +649,18 @@ class GatedMLP(nn.Module):
 
     def normed(self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(self(normalised), residual) after `norm(x, residual)`: at one row on CUDA the norm,
-        gate, up and the activation are one kernel."""
+        gate, up and the activation are one kernel; with LoRA the norm, gate/up and the row's
+        shrink are, and the adapter's part joins gate/up before the activation (`LoRALayer.expand_act`)."""
         gate_up = self.gate_up_proj
         gemv = _gemv_norm_kernels(norm, x, residual, gate_up.weight) if gate_up.bias is None else None
         if gemv is not None:
-            act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
-                                              scale=gate_up.weight_scale)
+            if gate_up.lora is None:
+                act, residual = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight, gated=True,
+                                                  scale=gate_up.weight_scale)
+            else:
+                y, residual, shrunk = gemv.gemv_rmsnorm(x, residual, norm.weight, norm.eps, gate_up.weight,
+                                                        scale=gate_up.weight_scale, lora=gate_up.lora.one_row(x))
+                act = gate_up.lora.expand_act(shrunk, y, self.act)
             return self.down_proj(act), residual
         x, residual = norm(x, residual)
         return self(x), residual

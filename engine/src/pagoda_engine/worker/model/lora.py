@@ -57,9 +57,9 @@ class LoRABatch:
     For the kernels, fixed device buffers rewritten in place each step (captured graphs read the
     current step's): `sorted_rows`, the rows that run under an adapter grouped by slot, and
     `blocks`, one (slot, start in `sorted_rows`, row count) per block of at most `block_m` rows of
-    one slot, (0, 0, 0) past the step's: at most cdiv(rows, block_m) + slots of them, the kernels'
-    grid. For the torch path: `groups`, the (slot, rows) list built on the host. `scales`: each
-    slot's adapter's scale."""
+    one slot, (0, 0, 0) past the step's: at most `max_blocks(rows)` of them, the kernels' grid.
+    For the torch path: `groups`, the (slot, rows) list built on the host. `scales`: each slot's
+    adapter's scale."""
 
     block_m = 32  # rows per kernel program: A's and B's tiles are loaded once per this many rows
 
@@ -77,8 +77,9 @@ class LoRABatch:
         self._used_blocks = 0
 
     def max_blocks(self, num_rows: int) -> int:
-        """The blocks a step of `num_rows` rows can need: every slot's last block may be short."""
-        return -(-num_rows // self.block_m) + self.num_slots
+        """The blocks a step of `num_rows` rows can need: every slot's last block may be short, and
+        no block is empty (a lone decode row: one)."""
+        return max(1, min(num_rows, -(-num_rows // self.block_m) + self.num_slots))
 
     def set(self, query_lens: list[int], lora_slots: list[int] | None) -> None:
         """The step's requests' new-token counts and slots (None: all base)."""
@@ -154,6 +155,28 @@ class LoRALayer(nn.Module):
         # Non-blocking from pinned host copies (`LoRAManager._shard`): queued after the step in flight.
         self.lora_a[slot, i * self.rank:i * self.rank + r].copy_(a, non_blocking=True)
         self.b(i)[slot, :, :r].copy_(b, non_blocking=True)
+
+    def one_row(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the one-row matrix-vector kernels (`gemv_triton`) take to shrink x's row for its
+        adapter in extra programs of their own launch: (A of every slot, the block table); None
+        where the kernels do not serve this batch (the caller then adds `forward`'s part)."""
+        return (self.lora_a, self.batch.blocks) if self.batch.use_kernels and x.shape[0] == 1 else None
+
+    def expand(self, shrunk: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y plus the row's adapter part from `shrunk`, the one-row kernels' shrink (in place)."""
+        from pagoda_engine.worker.model import lora_triton
+
+        lora_triton.expand_all(shrunk, y, self, self.batch)
+        return y
+
+    def expand_act(self, shrunk: torch.Tensor, y: torch.Tensor, act) -> torch.Tensor:
+        """The gated MLP's one row: `act` (SiLU-and-mul) of y [1, 2 × I] plus the adapter's gate and
+        up parts, in one kernel up to rank ONE_ROW_MAX_RANK."""
+        from pagoda_engine.worker.model import lora_triton
+
+        if self.rank <= lora_triton.ONE_ROW_MAX_RANK:
+            return lora_triton.expand_act(shrunk, y, self, self.batch)
+        return act(self.expand(shrunk, y))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         batch = self.batch
