@@ -169,6 +169,28 @@ def test_disable_by_batch_size_turns_speculation_off_for_big_steps(model_dir, hf
     assert [o.token_ids for o in outs] == hf_tokens[:2] and _stats(llm).num_drafts > 0
 
 
+def test_steps_above_disable_by_batch_size_run_as_without_speculation(model_dir, hf_tokens):
+    """T1's steps with `disable_by_batch_size` set: the proposer is never asked, and under async
+    scheduling every step is launched before the one in flight is resolved (no sync for speculation)."""
+    llm = LLM(str(model_dir), dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 2},
+              async_scheduling=True, num_kv_pages=128)
+    core = llm.core
+    proposed, launched_behind = [], []
+    proposer = core.scheduler.spec.proposer
+    propose, launch = proposer.propose, core.runner.launch
+    proposer.propose = lambda reqs, budgets: proposed.append(len(reqs)) or propose(reqs, budgets)
+
+    def recording(sched, prev=None, **kwargs):
+        launched_behind.append(prev is not None)
+        return launch(sched, prev, **kwargs)
+
+    core.runner.launch = recording
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == hf_tokens
+    assert proposed == [] and _stats(llm).num_drafts == 0
+    # The first step has nothing before it; each later one went behind the one in flight.
+    assert len(launched_behind) >= NEW_TOKENS and not launched_behind[0] and all(launched_behind[1:])
+
+
 # --- sampling -----------------------------------------------------------------------------------
 
 def test_seeded_sampling_is_identical_with_and_without_speculation(model_dir):
