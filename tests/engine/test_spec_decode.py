@@ -15,7 +15,8 @@ import transformers
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.bench.spec_replay import ReplayProposer
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.core.spec_decode import SpecDecoder, accept, ngram_draft
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.spec_decode import SpecDecoder, accept, ngram_draft, verification_rows
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.speculative import InvalidSpeculativeConfigError, parse_speculative_config
 from pagoda_engine.tiny import build_tiny_model
@@ -128,6 +129,23 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill_and_prefix_hits(model_dir, 
     s = _stats(llm)
     assert s.num_accepted_tokens > 0 and s.num_draft_tokens > s.num_accepted_tokens  # kept and refused drafts
     assert llm.core.kv.prefix_hits > 0
+
+
+def test_rows_that_do_not_read_the_output_sample_as_the_request_itself(model_dir):
+    """Greedy (or unseeded) rows without penalties, past min_tokens, sample as the request at every
+    verified position (no copies); seeds, penalties and min_tokens still get each position's own view."""
+    req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(temperature=0),
+                  output_token_ids=[7])
+    assert all(row is req for row in verification_rows(req, [3, 4]))
+    for params in (SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0, presence_penalty=0.5),
+                   SamplingParams(temperature=0, min_tokens=3)):
+        req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=params, output_token_ids=[7])
+        assert [r.output_token_ids for r in verification_rows(req, [3, 4])] == [[7], [7, 3], [7, 3, 4]]
+    # EOS may be sampled here (not masked as under min_tokens): against decoding without speculation.
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain, _ = _run(model_dir, params, speculative_config=None)
+    outs, llm = _run(model_dir, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and _stats(llm).num_accepted_tokens > 0
 
 
 def test_preemption_keeps_greedy_tokens(model_dir, hf_tokens):

@@ -57,11 +57,12 @@ class ReplayProposer:
         for req, k in zip(reqs, max_drafts):
             cont = self.continuations[tuple(req.prompt_token_ids)]
             at = req.num_output_tokens
-            draft = list(cont[at:at + k])
-            for j, token in enumerate(draft):
-                if self.rng.random() >= self.acceptance:
-                    draft[j] = (token + 1 + int(self.rng.integers(self.vocab_size - 1))) % self.vocab_size
-            drafts.append(draft)
+            draft = cont[at:at + k]
+            # Drawn a draft at a time: the proposer runs in the timed step's critical path.
+            kept = self.rng.random(len(draft)) < self.acceptance
+            shifts = self.rng.integers(self.vocab_size - 1, size=len(draft))
+            drafts.append([t if keep else (t + 1 + int(d)) % self.vocab_size
+                           for t, keep, d in zip(draft, kept.tolist(), shifts.tolist())])
         return drafts
 
 
