@@ -40,6 +40,7 @@ serve: setup
 # as Triton is imported), and e2e/local, in one process: its tests share one stack (engines,
 # router, Prometheus) in file order.
 TRITON_KERNEL_TESTS = tests/engine/test_gemv_kernel.py tests/engine/test_decode_triton_kernel.py tests/engine/test_rope_kv_kernel.py \
+	tests/engine/test_verify_triton_kernel.py \
 	tests/engine/test_lora_kernel.py
 test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests; rc=$$?; [ $$rc = 5 ] && rc=0; [ $$rc = 0 ] || exit $$rc; \
