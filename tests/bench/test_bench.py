@@ -176,6 +176,21 @@ def test_throughput_with_speculation_off_above_a_batch_size_reports_no_drafts(ti
     assert "speculative decoding (ngram, k = 4, off above 2 running requests): 0 drafts" in capsys.readouterr().out
 
 
+def test_spec_copy_reports_acceptance_speed_up_and_identical_outputs(tiny_model, capsys):
+    """`bench.spec_copy` on the tiny model (its chat template; random weights copy little): both
+    runs' figures, the speed-up of one over the other, and the verdict on the outputs."""
+    from pagoda_engine.bench import spec_copy
+
+    code = spec_copy.main(["--model", tiny_model, "--max-tokens", "12", "--dtype", "float32",
+                           "--num-kv-pages", "64"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["identical_outputs"] is True
+    without, with_ = summary["without"], summary["with"]
+    assert without["tokens"] == with_["tokens"] > 0
+    assert summary["speed_up"] == round(with_["tokens_per_s"] / without["tokens_per_s"], 3)
+    assert with_["mean_acceptance_length"] >= 1.0 and "mean_acceptance_length" not in without
+
+
 def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",

@@ -53,11 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-lookup-min", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--dtype", default="auto")
+    # One request at a time needs a few thousand tokens of KV: on CPU the engine would otherwise
+    # take `cpu_kv_cache_gb` (4 GB) for each of the two engines.
+    p.add_argument("--num-kv-pages", type=int, default=512, help="KV pages of each engine (default 512)")
     args = p.parse_args(argv)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_max": args.prompt_lookup_max, "prompt_lookup_min": args.prompt_lookup_min}
-    plain = measure(args.model, None, args.max_tokens, dtype=args.dtype)
-    ngram = measure(args.model, spec, args.max_tokens, dtype=args.dtype)
+    engine = dict(dtype=args.dtype, num_kv_pages=args.num_kv_pages)
+    plain = measure(args.model, None, args.max_tokens, **engine)
+    ngram = measure(args.model, spec, args.max_tokens, **engine)
     summary = {"speculative_config": spec, "without": {k: v for k, v in plain.items() if k != "outputs"},
                "with": {k: v for k, v in ngram.items() if k != "outputs"},
                "speed_up": round(ngram["tokens_per_s"] / plain["tokens_per_s"], 3),
