@@ -368,6 +368,6 @@ def _add_speculative(core: EngineCore, result: dict, lines: list[str]) -> None:
                              "disable_by_batch_size": disable, "num_drafts": st.num_drafts,
                              "num_draft_tokens": st.num_draft_tokens, "num_accepted_tokens": st.num_accepted_tokens,
                              "mean_acceptance_length": round(1 + st.num_accepted_tokens / max(st.num_drafts, 1), 3)}
-    lines.append(f"speculative decoding ({spec.config.method}, k = {spec.k}"
-                 + (f", off above {disable} running requests" if disable is not None else "")
-                 + f"): {st.num_drafts} drafts, mean acceptance length {result['speculative']['mean_acceptance_length']}")
+    off = f", off above {disable} running requests" if disable is not None else ""
+    lines.append(f"speculative decoding ({spec.config.method}, k = {spec.k}{off}): {st.num_drafts} drafts, mean "
+                 f"acceptance length {result['speculative']['mean_acceptance_length']}")
