@@ -189,6 +189,8 @@ def test_spec_copy_reports_acceptance_speed_up_and_identical_outputs(tiny_model,
     assert without["tokens"] == with_["tokens"] > 0
     assert summary["speed_up"] == round(with_["tokens_per_s"] / without["tokens_per_s"], 3)
     assert with_["mean_acceptance_length"] >= 1.0 and "mean_acceptance_length" not in without
+    # One stream without speculation writes at most a token a step.
+    assert with_["steps"] <= without["steps"] and without["steps"] >= without["tokens"]
 
 
 def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
