@@ -48,10 +48,12 @@ def reference_verify(q_rows: list[torch.Tensor], cache, indptr, indices, last) -
     return outs
 
 
-def _check(seq_lens: list[int], qo_lens: list[int], query_len: int, heads=(8, 2, 64), seed=0):
+def _check(seq_lens: list[int], qo_lens: list[int], query_len: int, heads=(8, 2, 64), seed=0, fp8=False):
     num_qo, num_kv, head_dim = heads
     gen = torch.Generator().manual_seed(seed)
     cache = torch.randn(NUM_PAGES, 2, PAGE, num_kv, head_dim, generator=gen).half().to(DEVICE)
+    if fp8:
+        cache = cache.to(torch.float8_e4m3fn)
     batch = len(seq_lens)
     # q a strided view of a qkv projection's output, as the layers hand it, in the padded layout
     # with NaN in the padding rows: nothing real may read them.
@@ -99,6 +101,12 @@ def test_more_blocks_than_slices(monkeypatch):
 
 def test_a_group_of_three_query_heads():
     _check([70, 12], [2, 3], query_len=3, heads=(6, 2, 64), seed=5)
+
+
+def test_fp8_pages_are_widened_to_the_queries_dtype():
+    """FP8 pages (`--kv-cache-dtype fp8`): the stored e4m3 values, widened exactly, against float32
+    attention over the same values (the layer's scales are applied outside the kernel)."""
+    _check([40, 3 * kernels.BLOCK_N + 9], [5, 2], query_len=5, seed=6, fp8=True)
 
 
 def test_what_the_kernel_does_not_serve_is_refused():
