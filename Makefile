@@ -41,7 +41,7 @@ serve: setup
 # router, Prometheus) in file order.
 TRITON_KERNEL_TESTS = tests/engine/test_gemv_kernel.py tests/engine/test_decode_triton_kernel.py tests/engine/test_rope_kv_kernel.py \
 	tests/engine/test_lora_kernel.py tests/engine/test_fused_moe_fp8_kernel.py tests/engine/test_fp8_quant_kernel.py \
-	tests/engine/test_silu_and_mul_kernel.py
+	tests/engine/test_silu_and_mul_kernel.py tests/engine/test_verify_triton_kernel.py
 test: setup
 	$(BIN)/python -m pytest -q -m "not gpu" $(PYTEST_ARGS) tests; rc=$$?; [ $$rc = 5 ] && rc=0; [ $$rc = 0 ] || exit $$rc; \
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -m "not gpu" $(TRITON_KERNEL_TESTS) && \

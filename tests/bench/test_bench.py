@@ -167,6 +167,36 @@ def test_latency_with_a_draft_model_reports_its_acceptance(tiny_model, tmp_path,
             f"{spec['mean_acceptance_length']}") in capsys.readouterr().out
 
 
+def test_throughput_with_speculation_off_above_a_batch_size_reports_no_drafts(tiny_model, tmp_path, capsys):
+    """T1 with `disable_by_batch_size` below its batch: the run reports its speculation (here none:
+    the four requests run together from the first step to the last)."""
+    out = tmp_path / "t.json"
+    config = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 2})
+    assert main(["bench", "throughput", "--workload", "T1", "--model", tiny_model, "--dtype", "float32",
+                 "--num-prompts", "4", "--input-len", "8", "--output-len", "6", "--speculative-config", config,
+                 "--output-json", str(out)]) == 0
+    spec = json.loads(out.read_text())["speculative"]
+    assert (spec["method"], spec["disable_by_batch_size"], spec["num_drafts"]) == ("ngram", 2, 0)
+    assert "speculative decoding (ngram, k = 4, off above 2 running requests): 0 drafts" in capsys.readouterr().out
+
+
+def test_spec_copy_reports_acceptance_speed_up_and_identical_outputs(tiny_model, capsys):
+    """`bench.spec_copy` on the tiny model (its chat template; random weights copy little): both
+    runs' figures, the speed-up of one over the other, and the verdict on the outputs."""
+    from pagoda_engine.bench import spec_copy
+
+    code = spec_copy.main(["--model", tiny_model, "--max-tokens", "12", "--dtype", "float32",
+                           "--num-kv-pages", "64"])
+    summary = json.loads(capsys.readouterr().out)
+    assert code == 0 and summary["identical_outputs"] is True
+    without, with_ = summary["without"], summary["with"]
+    assert without["tokens"] == with_["tokens"] > 0
+    assert summary["speed_up"] == round(with_["tokens_per_s"] / without["tokens_per_s"], 3)
+    assert with_["mean_acceptance_length"] >= 1.0 and "mean_acceptance_length" not in without
+    # One stream without speculation writes at most a token a step.
+    assert with_["steps"] <= without["steps"] and without["steps"] >= without["tokens"]
+
+
 def test_spec_replay_measures_each_k_and_acceptance_against_no_speculation(tiny_model, tmp_path, capsys):
     out = tmp_path / "s.json"
     assert main(["bench", "latency", "--model", tiny_model, "--dtype", "float32", "--input-len", "8",

@@ -15,7 +15,8 @@ import transformers
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.bench.spec_replay import ReplayProposer
 from pagoda_engine.config import EngineConfig
-from pagoda_engine.core.spec_decode import SpecDecoder, accept, ngram_draft
+from pagoda_engine.core.request import Request
+from pagoda_engine.core.spec_decode import SpecDecoder, accept, ngram_draft, verification_rows
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.speculative import InvalidSpeculativeConfigError, parse_speculative_config
 from pagoda_engine.tiny import build_tiny_model
@@ -130,6 +131,23 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill_and_prefix_hits(model_dir, 
     assert llm.core.kv.prefix_hits > 0
 
 
+def test_rows_that_do_not_read_the_output_sample_as_the_request_itself(model_dir):
+    """Greedy (or unseeded) rows without penalties, past min_tokens, sample as the request at every
+    verified position (no copies); seeds, penalties and min_tokens still get each position's own view."""
+    req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=SamplingParams(temperature=0),
+                  output_token_ids=[7])
+    assert all(row is req for row in verification_rows(req, [3, 4]))
+    for params in (SamplingParams(temperature=1.0, seed=3), SamplingParams(temperature=0, presence_penalty=0.5),
+                   SamplingParams(temperature=0, min_tokens=3)):
+        req = Request(request_id="r", prompt_token_ids=[1, 2], sampling_params=params, output_token_ids=[7])
+        assert [r.output_token_ids for r in verification_rows(req, [3, 4])] == [[7], [7, 3], [7, 3, 4]]
+    # EOS may be sampled here (not masked as under min_tokens): against decoding without speculation.
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    plain, _ = _run(model_dir, params, speculative_config=None)
+    outs, llm = _run(model_dir, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain] and _stats(llm).num_accepted_tokens > 0
+
+
 def test_preemption_keeps_greedy_tokens(model_dir, hf_tokens):
     # 19 usable pages of 4 tokens (one request needs up to 16): the five cannot all stay resident.
     outs, llm = _run(model_dir, _greedy(), num_kv_pages=20, block_size=4, max_model_len=64,
@@ -167,6 +185,28 @@ def test_disable_by_batch_size_turns_speculation_off_for_big_steps(model_dir, hf
     assert s.num_drafts == 0  # five requests run together from the first step to the last
     outs, llm = _run(model_dir, _greedy(), speculative_config=config, prompts=PROMPTS[:2], num_kv_pages=128)
     assert [o.token_ids for o in outs] == hf_tokens[:2] and _stats(llm).num_drafts > 0
+
+
+def test_steps_above_disable_by_batch_size_run_as_without_speculation(model_dir, hf_tokens):
+    """T1's steps with `disable_by_batch_size` set: the proposer is never asked, and under async
+    scheduling every step is launched before the one in flight is resolved (no sync for speculation)."""
+    llm = LLM(str(model_dir), dtype="float32", speculative_config={**NGRAM, "disable_by_batch_size": 2},
+              async_scheduling=True, num_kv_pages=128)
+    core = llm.core
+    proposed, launched_behind = [], []
+    proposer = core.scheduler.spec.proposer
+    propose, launch = proposer.propose, core.runner.launch
+    proposer.propose = lambda reqs, budgets: proposed.append(len(reqs)) or propose(reqs, budgets)
+
+    def recording(sched, prev=None, **kwargs):
+        launched_behind.append(prev is not None)
+        return launch(sched, prev, **kwargs)
+
+    core.runner.launch = recording
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == hf_tokens
+    assert proposed == [] and _stats(llm).num_drafts == 0
+    # The first step has nothing before it; each later one went behind the one in flight.
+    assert len(launched_behind) >= NEW_TOKENS and not launched_behind[0] and all(launched_behind[1:])
 
 
 # --- sampling -----------------------------------------------------------------------------------

@@ -162,6 +162,10 @@ def run(args: argparse.Namespace) -> int:
                 raise ValueError("--spec-replay-acceptance drafts with its own proposer: leave out --speculative-config")
             if args.data_parallel_size > 1:
                 raise ValueError("--spec-replay-acceptance runs one engine core: leave out --data-parallel-size")
+            from pagoda_engine.bench.spec_replay import engine_speculative_config
+
+            args.speculative_config = engine_speculative_config(parse_ks(args.spec_replay_k))
+            config = config_from_args(args)
     except (ValueError, TypeError) as e:
         print(f"pagoda bench: {e}", file=sys.stderr)
         return 2

@@ -283,6 +283,7 @@ def run_throughput(args) -> dict:
         **figures, "steps": r["steps"], "num_preemptions": r["num_preemptions"], "roofline": roof,
         "workload_floor": floor,
     }
+    _add_speculative(core, result, lines)
     _print_roofline(roof)
     print(f"{wl.num_requests} requests in {r['elapsed_s']:.2f} s ({r['steps']} steps, "
           f"{r['num_preemptions']} preemptions)")
@@ -347,15 +348,24 @@ def run_latency(args) -> dict:
         "bench": "latency", "workload": wl.name, "standard_workload": is_standard_workload(args), "env": env, **info,
         **figures, "roofline": roof,
     }
-    spec = core.scheduler.spec
-    if spec is not None:  # --speculative-config: what the drafts kept over every run (warm-up included)
-        st = spec.stats
-        result["speculative"] = {"method": spec.config.method, "num_speculative_tokens": spec.k,
-                                 "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
-                                 "num_accepted_tokens": st.num_accepted_tokens,
-                                 "mean_acceptance_length": round(1 + st.num_accepted_tokens / max(st.num_drafts, 1), 3)}
-        lines.append(f"speculative decoding ({spec.config.method}, k = {spec.k}): {st.num_drafts} drafts, mean "
-                     f"acceptance length {result['speculative']['mean_acceptance_length']}")
+    _add_speculative(core, result, lines)
     _print_roofline(roof)
     print("\n".join(lines))
     return result
+
+
+def _add_speculative(core: EngineCore, result: dict, lines: list[str]) -> None:
+    """--speculative-config: what the drafts kept over every run (warm-up included), into the
+    result and the printed lines."""
+    spec = core.scheduler.spec
+    if spec is None:
+        return
+    st = spec.stats
+    disable = spec.config.disable_by_batch_size
+    result["speculative"] = {"method": spec.config.method, "num_speculative_tokens": spec.k,
+                             "disable_by_batch_size": disable, "num_drafts": st.num_drafts,
+                             "num_draft_tokens": st.num_draft_tokens, "num_accepted_tokens": st.num_accepted_tokens,
+                             "mean_acceptance_length": round(1 + st.num_accepted_tokens / max(st.num_drafts, 1), 3)}
+    off = f", off above {disable} running requests" if disable is not None else ""
+    lines.append(f"speculative decoding ({spec.config.method}, k = {spec.k}{off}): {st.num_drafts} drafts, mean "
+                 f"acceptance length {result['speculative']['mean_acceptance_length']}")

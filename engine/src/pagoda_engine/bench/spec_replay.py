@@ -14,6 +14,7 @@ rate: a draft after a replaced one is not verified, so the rate is below the sha
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import numpy as np
@@ -56,11 +57,12 @@ class ReplayProposer:
         for req, k in zip(reqs, max_drafts):
             cont = self.continuations[tuple(req.prompt_token_ids)]
             at = req.num_output_tokens
-            draft = list(cont[at:at + k])
-            for j, token in enumerate(draft):
-                if self.rng.random() >= self.acceptance:
-                    draft[j] = (token + 1 + int(self.rng.integers(self.vocab_size - 1))) % self.vocab_size
-            drafts.append(draft)
+            draft = cont[at:at + k]
+            # Drawn a draft at a time: the proposer runs in the timed step's critical path.
+            kept = self.rng.random(len(draft)) < self.acceptance
+            shifts = self.rng.integers(self.vocab_size - 1, size=len(draft))
+            drafts.append([t if keep else (t + 1 + int(d)) % self.vocab_size
+                           for t, keep, d in zip(draft, kept.tolist(), shifts.tolist())])
         return drafts
 
 
@@ -76,6 +78,14 @@ def parse_ks(text: str) -> list[int]:
     if not ks or any(not 1 <= k <= MAX_SPECULATIVE_TOKENS for k in ks):
         raise ValueError(f"--spec-replay-k: values in [1, {MAX_SPECULATIVE_TOKENS}], comma-separated, got {text!r}")
     return ks
+
+
+def engine_speculative_config(ks: list[int]) -> str:
+    """The `--speculative-config` the engine starts with: speculation at the largest k, so that it
+    sets up what verification steps of up to that many drafts run in (their CUDA graphs, captured
+    for k + 1 rows a request, serve smaller k too); each run then sets its own proposer, or none
+    for the baseline (`run_spec_replay`)."""
+    return json.dumps({"method": "ngram", "num_speculative_tokens": max(ks)})
 
 
 def run_spec_replay(core, wl, drive, num_iters: int, shares: list[float], ks: list[int],

@@ -4,6 +4,13 @@ sizes. A step is host-bound where its launch takes longer than its kernels; the 
 exist for those steps.
 
     python -m pagoda_engine.bench.step_costs            # Llama-3.1-8B's shapes, dummy weights
+    python -m pagoda_engine.bench.step_costs --verify-k 4   # speculative decoding's verification steps
+
+With `--verify-k K` the engine speculates (ngram, k = K) and the table is of verification steps
+(one to eight requests, each its last token and K drafts over a context of 640 tokens, L1's
+middle) beside the one-token decode step of the same requests: eager, through the piecewise
+graphs (how verification steps ran before they had graphs of their own) and through the graph
+the engine picks (the verification graph; the decode graph for the decode rows).
 
 Each step's pages are fresh (cached tokens are whatever the pool holds: the cost is the same);
 every row is the median of 10 runs after 3 warm-ups, and the GPU time is taken with the GPU
@@ -13,6 +20,7 @@ held back until the whole step is queued. The last column compares the two paths
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -60,6 +68,29 @@ def make_step(decode_contexts: list[int], prefill_lens: list[int], page_size: in
     return batch, ids, torch.tensor(positions, device=device)
 
 
+# name -> (requests, new tokens a request, context length a request (new tokens included))
+VERIFY_SHAPES = [(1, 640), (2, 640), (4, 640), (8, 640), (1, 2000)]
+
+
+def make_verify_step(num_reqs: int, new_tokens: int, context: int, page_size: int, device: torch.device):
+    """(batch, input ids, positions) of `num_reqs` requests each feeding its last `new_tokens` of
+    `context` tokens (a verification step: the last token and its drafts), on fresh pages."""
+    page = 1
+    tables, slots, positions = [], [], []
+    for _ in range(num_reqs):
+        table = list(range(page, page + -(-context // page_size)))
+        page += len(table)
+        new = list(range(context - new_tokens, context))
+        tables.append(table)
+        slots += [table[p // page_size] * page_size + p % page_size for p in new]
+        positions += new
+    batch = AttentionBatch(query_lens=[new_tokens] * num_reqs, seq_lens=[context] * num_reqs, page_tables=tables,
+                           slot_mapping=torch.tensor(slots, device=device),
+                           num_decodes=num_reqs if new_tokens == 1 else 0)
+    ids = torch.randint(0, 1000, (len(positions),), device=device)
+    return batch, ids, torch.tensor(positions, device=device)
+
+
 def measure(fn, repeats: int = 10) -> tuple[float, float, float, torch.Tensor]:
     """(launch ms, wall ms, GPU ms, output) of `fn()`, medians over `repeats` runs."""
     for _ in range(3):
@@ -84,11 +115,20 @@ def measure(fn, repeats: int = 10) -> tuple[float, float, float, torch.Tensor]:
     return median(launches), median(walls), start.elapsed_time(end), out.float().clone()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> None:
+    own = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    own.add_argument("--verify-k", type=int, default=0, help="time verification steps of k drafts a request")
+    verify_k = own.parse_args(argv).verify_k
+    parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["latency", "--max-num-seqs", "256"])
+    engine = ["latency", "--max-num-seqs", "256"]
+    if verify_k:
+        engine += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": verify_k})]
+    args = parser.parse_args(engine)
     core, _ = _build(args)
+    if verify_k:
+        verification_costs(core, verify_k)
+        return
     executor = core.executor
     attn, model = executor.attn, executor.model
     sizes = executor.piecewise.token_sizes if executor.piecewise else []
@@ -111,3 +151,31 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def verification_costs(core, k: int) -> None:
+    """The `--verify-k` table (see the module)."""
+    executor = core.executor
+    attn, model, piecewise = executor.attn, executor.model, executor.piecewise
+    verify = executor.worker.verify_graphs
+    print(f"GPU {torch.cuda.get_device_name()}; verification graphs at "
+          f"{verify.batch_sizes if verify else 'none'} requests of {k + 1} rows")
+
+    def eager(batch, ids, positions):
+        attn.plan(batch)
+        return model(ids, positions, attn)
+
+    print(f"{'step':24s} | eager: launch  wall   GPU  | piecewise: launch  wall   GPU  | "
+          f"engine's graph: launch  wall   GPU  | max |diff| vs eager")
+    with torch.inference_mode():
+        for num_reqs, context in VERIFY_SHAPES:
+            for new in (1, k + 1):
+                batch, ids, positions = make_verify_step(num_reqs, new, context, core.config.cache.block_size,
+                                                         core.device)
+                name = f"{num_reqs} x {'decode' if new == 1 else f'verify {new}'} @{context}"
+                e = measure(lambda: eager(batch, ids, positions))
+                p = measure(lambda: piecewise.run(ids, positions, batch)) if piecewise is not None else None
+                g = measure(lambda: executor.execute_model(ids, positions, batch))
+                cells = "   ".join(f"{m[0]:6.2f} {m[1]:6.2f} {m[2]:6.2f}" if m else "     -      -      -"
+                                   for m in (e, p, g))
+                print(f"{name:24s} |   {cells}   | {(e[3] - g[3]).abs().max().item():.3g}")

@@ -193,7 +193,13 @@ class SpecDecoder:
 def verification_rows(req: Request, draft: list[int]) -> list[Request]:
     """The sampling rows of a speculating request's k + 1 positions: position j as the request
     would be after keeping drafts 0..j-1 (its output tokens, hence penalties, min_tokens and the
-    seed's step). Read-only copies for `core.sampling_batch`."""
+    seed's step). Read-only copies for `core.sampling_batch`; the request itself at every
+    position where none of those read its output (greedy or unseeded, no penalties, min_tokens
+    reached): a copy costs tens of µs on the host, in the step's critical path."""
+    p = req.sampling_params
+    if ((p.greedy or p.seed is None) and p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0 and req.num_output_tokens + req.num_output_placeholders >= p.min_tokens):
+        return [req] * (len(draft) + 1)
     return [req] + [dataclasses.replace(req, output_token_ids=req.output_token_ids + draft[:j], events=[])
                     for j in range(1, len(draft) + 1)]
 

@@ -8,8 +8,9 @@ The ranks see only those plain descriptions and tensors (`executor_types`), neve
 
 Speculative decoding: a request verifying drafts feeds its last token and the drafts, and samples
 at every one of those positions (`core.spec_decode.verification_rows`); its tokens come back in
-`RunnerOutput.verified`. Such a row is not a one-token decode, so the step runs as a prefill step
-does (piecewise CUDA graphs up to their size, else eagerly).
+`RunnerOutput.verified`. Such a row is not a one-token decode: the ranks replay a verification
+graph where the step fits one (`worker.verify_graphs`), else run it as a prefill step (piecewise
+CUDA graphs up to their size, else eagerly).
 
 `launch` queues a step and returns it unresolved (`LaunchedStep`); `execute` is launch + resolve.
 Under async scheduling the next step is launched before the last one is resolved: a decode whose

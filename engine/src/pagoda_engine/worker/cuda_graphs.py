@@ -10,6 +10,8 @@ device time whenever the batch is small. Two kinds, as vLLM's FULL_AND_PIECEWISE
   between two attention calls (a segment, `run_segment`) is a graph, captured once per token
   count; attention runs eagerly between them, planned for the real batch, because its work
   depends on every request's lengths. Longer steps run eagerly: their kernels outlast the launches.
+Speculative decoding's verification steps (a few new tokens a request) have a third kind, whole
+forwards in a padded layout: `verify_graphs.py`.
 The split lives here, not in the model: a model offers its embedding, its layers' halves around
 attention and its final norm (`PiecewiseModel`), the same code its eager forward runs, so a new
 architecture gets piecewise graphs by writing its layers in two halves.

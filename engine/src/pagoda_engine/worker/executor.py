@@ -70,6 +70,7 @@ from pagoda_engine.worker.compile_ahead import (engine_compile_workers, ranks_on
                                                  start_compile_pool, stop_compile_pool, triton_cache_is_empty)
 from pagoda_engine.worker.cuda_graphs import (MAX_PIECEWISE_TOKENS, drop_slow_sizes, graph_batch_sizes,
                                               piecewise_token_sizes, sizes_to_measure)
+from pagoda_engine.worker.verify_graphs import verify_batch_sizes
 from pagoda_engine.worker.model.fp8 import fp8_scheme
 from pagoda_engine.worker.model.loader import load_hf_config, resolve_dtype
 from pagoda_engine.worker.parallel_state import DataParallelRank, ParallelLayout, dist_backend, pp_layer_partition
@@ -478,29 +479,36 @@ class Executor:
         free_before, _ = torch.cuda.mem_get_info(self.device)
         piecewise = (min(MAX_PIECEWISE_TOKENS, config.scheduler.max_num_batched_tokens)
                      if mode == "FULL_AND_PIECEWISE" else 0)
+        spec = config.speculative_config
         self._capture_graphs(resolve_cudagraph_capture_size(config.scheduler.max_num_seqs,
                                                             config.model.max_cudagraph_capture_size),
-                             -(-max_model_len // config.cache.block_size), piecewise)
+                             -(-max_model_len // config.cache.block_size), piecewise,
+                             verify_query_len=spec.num_speculative_tokens + 1 if spec.enabled else 0,
+                             disable_by_batch_size=spec.disable_by_batch_size)
         self.cuda_graph_bytes = free_before - torch.cuda.mem_get_info(self.device)[0]
-        pw, dg = self.piecewise, self.graphs
+        pw, dg, vg = self.piecewise, self.graphs, self.worker.verify_graphs
 
         def took(graphs) -> str:  # (compiling ahead +) capturing
             ahead, capture = graphs.seconds
             return f"{ahead:.1f}s compiling ahead + {capture:.1f}s" if self.compile_ahead else f"{capture:.1f}s"
 
-        split = f"decode {took(dg)}" + (f", piecewise {took(pw)}" if pw is not None else "")
+        split = (f"decode {took(dg)}" + (f", piecewise {took(pw)}" if pw is not None else "")
+                 + (f", verification {took(vg)}" if vg is not None else ""))
         logger.info("captured CUDA graphs in %.1fs (%s%s), taking %.0f MiB: decode batch sizes %s; piecewise token "
-                    "counts %s", time.monotonic() - t0, split,
+                    "counts %s; verification batch sizes %s", time.monotonic() - t0, split,
                     "; Triton's cache was empty: their kernels compiled ahead" if self.compile_ahead else "",
-                    self.cuda_graph_bytes / 2**20, dg.batch_sizes, pw.token_sizes if pw else "none")
+                    self.cuda_graph_bytes / 2**20, dg.batch_sizes, pw.token_sizes if pw else "none",
+                    f"{vg.batch_sizes} of {vg.query_len} rows each" if vg is not None else "none")
         return mode
 
-    def _capture_graphs(self, max_batch_size: int, max_pages_per_seq: int, max_piecewise_tokens: int) -> None:
+    def _capture_graphs(self, max_batch_size: int, max_pages_per_seq: int, max_piecewise_tokens: int,
+                        verify_query_len: int = 0, disable_by_batch_size: int | None = None) -> None:
         """Capture, on every rank, the decode forward at the batch sizes of
         `graph_batch_sizes(max_batch_size)` and, unless `max_piecewise_tokens` is 0, the piecewise
         forward at the token counts of `piecewise_token_sizes(max_piecewise_tokens)`, less those
-        whose GEMMs some larger one runs as fast on every rank (`drop_slow_sizes`). Other steps
-        run eagerly."""
+        whose GEMMs some larger one runs as fast on every rank (`drop_slow_sizes`); with
+        speculative decoding (`verify_query_len`: k + 1) the verification forward at the decode
+        sizes `verify_batch_sizes` keeps, where every rank can run it. Other steps run eagerly."""
         piecewise = piecewise_token_sizes(max_piecewise_tokens) if max_piecewise_tokens else []
         measured = sizes_to_measure(piecewise)
         with _starting():
@@ -514,7 +522,16 @@ class Executor:
                     logger.info("piecewise graphs: left out %s tokens (a layer's GEMMs: %s µs; a larger size is as "
                                 "fast)", dropped, ", ".join(f"{s}: {cost[s]:.0f}" for s in measured if s in cost))
                 piecewise = kept
-            self.collective_rpc("capture_graphs", graph_batch_sizes(max_batch_size), max_pages_per_seq, piecewise)
+            sizes = graph_batch_sizes(max_batch_size)
+            verify = []
+            if verify_query_len:
+                verify = verify_batch_sizes(sizes, disable_by_batch_size)
+                if not all(self.collective_rpc("can_capture_verify", verify_query_len)):
+                    logger.info("speculative decoding's verification steps run as prefill steps (piecewise graphs): "
+                                "the attention backend has no verification kernel for %d rows a request of these "
+                                "heads", verify_query_len)
+                    verify = []
+            self.collective_rpc("capture_graphs", sizes, max_pages_per_seq, piecewise, verify, verify_query_len)
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: AttentionBatch,
                       layer_hook: Callable[[int], None] | None = None) -> torch.Tensor | None:

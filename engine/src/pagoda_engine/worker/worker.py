@@ -62,6 +62,7 @@ from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch
 from pagoda_engine.worker.compile_ahead import compile_ahead, compile_workers, start_compile_pool, stop_compile_pool
 from pagoda_engine.worker.cuda_graphs import DecodeGraphs, PiecewiseGraphs, linear_row_costs, stage_forward
 from pagoda_engine.worker.drafter import Drafter, load_drafter
+from pagoda_engine.worker.verify_graphs import VerifyGraphs
 from pagoda_engine.worker.dp_padding import CoreStepAgreement, is_all_decode, padded_batch
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker import kv_transfer
@@ -121,6 +122,7 @@ class Worker:
         self.attn: AttentionBackend | None = None
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
+        self.verify_graphs: VerifyGraphs | None = None  # speculative decoding's verification steps
         self.offload: KVOffloader | None = None
         self.nixl: kv_transfer.NixlPages | None = None  # disaggregated prefill/decode over NIXL
         self.profiler: RankProfiler | None = None
@@ -314,9 +316,12 @@ class Worker:
         """`kv_transfer.NixlPages.read` into this rank's pool (a consumer)."""
         return self.nixl.read(*args)
 
-    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int]) -> None:
+    def capture_graphs(self, batch_sizes: list[int], max_pages_per_seq: int, piecewise_sizes: list[int],
+                       verify_sizes: list[int] = (), verify_query_len: int = 0) -> None:
         """Capture the decode forward at these batch sizes and, when `piecewise_sizes` is not
-        empty, the piecewise forward at those token counts (after `init_kv_cache`). Every rank
+        empty, the piecewise forward at those token counts (after `init_kv_cache`); with
+        `verify_sizes`, speculative decoding's verification forward of `verify_query_len` rows a
+        request at those batch sizes (`verify_graphs.py`), where this rank can run it. Every rank
         captures the same sizes in the same order: the all-reduces inside pair up across ranks,
         and every pipeline stage picks the same graph and padded size for a step (its own layers'
         forward; the transfers between stages stay outside: `execute_model`). With this rank's
@@ -340,10 +345,21 @@ class Worker:
             if piecewise_sizes:
                 self.piecewise = PiecewiseGraphs(self.model, self.attn, self.device, piecewise_sizes, pool,
                                                  self.compile_ahead)
+            if verify_sizes and self.can_capture_verify(verify_query_len):
+                self.verify_graphs = VerifyGraphs(self.model, self.attn, self.device, list(verify_sizes),
+                                                  verify_query_len, max_pages_per_seq, pool, self.compile_ahead)
         finally:
             self.stop_compile_pool()
             if self.dp_dispatch is not None:
                 self.dp_dispatch.backend = backend
+
+    def can_capture_verify(self, query_len: int) -> bool:
+        """Whether verification graphs of `query_len` rows a request can run on this rank: the
+        attention backend has their kernel for these heads, the whole model is here, and no EAGLE-3
+        drafter needs the target's eager forward. (LoRA and experts across cores never speculate.)"""
+        can = getattr(self.attn, "can_verify", None)
+        return (can is not None and can(query_len) and self.layout.pp == 1 and self.lora is None
+                and self.dp_dispatch is None and not (self.drafter is not None and self.drafter.reads_target_hidden))
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
@@ -364,9 +380,10 @@ class Worker:
         self.compile_ahead = False
 
     def graph_replays(self) -> dict[str, int]:
-        """How many steps this rank ran as decode graphs and as piecewise graphs."""
+        """How many steps this rank ran as decode, piecewise and verification graphs."""
         return {"decode": self.graphs.replays if self.graphs else 0,
-                "piecewise": self.piecewise.replays if self.piecewise else 0}
+                "piecewise": self.piecewise.replays if self.piecewise else 0,
+                "verify": self.verify_graphs.replays if self.verify_graphs else 0}
 
     def execute_model(self, input_ids: torch.Tensor, positions: torch.Tensor,
                       batch: AttentionBatch) -> torch.Tensor | None:
@@ -418,7 +435,7 @@ class Worker:
         self.attn.plan(padded)
         return self._forward(ids, pos, self.attn, counted=True)[:batch.num_reqs]
 
-    def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | PiecewiseGraphs | None:
+    def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | VerifyGraphs | PiecewiseGraphs | None:
         """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly.
         An EAGLE-3 drafter reads the target's hidden states of every forward, which only the eager
         forward keeps: its steps run eagerly."""
@@ -426,6 +443,8 @@ class Worker:
             return None
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs
+        if self.verify_graphs is not None and self.verify_graphs.fits(batch):
+            return self.verify_graphs
         if self.piecewise is not None and self.piecewise.fits(batch):
             return self.piecewise
         return None

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 import pagoda_engine.worker.attention.decode_triton as decode_triton
+import pagoda_engine.worker.attention.verify_triton as verify_triton
 from pagoda_engine.worker.attention.base import AttentionBackend, AttentionBatch, HeadNorm, KVCacheSpec, Rotary
 from pagoda_engine.worker.attention.rope_kv_triton import rope_and_write_kv
 
@@ -212,6 +213,9 @@ class FlashInferBackend(AttentionBackend):
                                                                 device)
             self._large_decode = decode_triton.LargeBatchDecode(spec.num_qo_heads, spec.num_kv_heads, spec.head_dim,
                                                                 spec.page_size)
+        # Speculative decoding's verification graphs (`init_verify_buffers`): the kernel and its buffers.
+        self._verify: verify_triton.VerifyDecode | None = None
+        self._verify_bufs: dict[str, torch.Tensor] = {}
         # Each layer's K and V pages as FlashInfer's run splits them, made once.
         self._kv_views = [tuple(cache.unbind(1)) for cache in self.kv_caches]
 
@@ -365,6 +369,57 @@ class FlashInferBackend(AttentionBackend):
         self._step = _Step(padded_size, 0, None if triton else self._graph_wrappers[padded_size], slots,
                            triton=triton_step)
         return triton
+
+    # --- CUDA-graph verification (speculative decoding) --------------------------------------------
+    def can_verify(self, query_len: int) -> bool:
+        """Whether verification steps of up to `query_len` new tokens a request can run in CUDA
+        graphs here (`verify_triton.applies`)."""
+        s = self.spec
+        return verify_triton.applies(s.num_qo_heads, s.num_kv_heads, s.head_dim, query_len)
+
+    def init_verify_buffers(self, max_batch_size: int, query_len: int, max_pages_per_seq: int) -> None:
+        """The verification kernel for up to `max_batch_size` requests of up to `query_len` new
+        tokens each, and the fixed buffers its graphs read (`plan_graph_verify`)."""
+        s, dev = self.spec, self.device
+        self._verify = verify_triton.VerifyDecode(max_batch_size, query_len, s.num_qo_heads, s.num_kv_heads,
+                                                  s.head_dim, s.page_size, dev)
+        self._verify_bufs = dict(
+            indptr=torch.zeros(max_batch_size + 1, dtype=torch.int32, device=dev),
+            indices=torch.zeros(max_batch_size * max_pages_per_seq, dtype=torch.int32, device=dev),
+            last_page_len=torch.ones(max_batch_size, dtype=torch.int32, device=dev),
+            qo_len=torch.ones(max_batch_size, dtype=torch.int32, device=dev),
+            rows=torch.zeros(max_batch_size * query_len, dtype=torch.int64, device=dev),
+            slots=torch.zeros(max_batch_size * query_len, dtype=torch.int64, device=dev),
+        )
+
+    def plan_graph_verify(self, batch: AttentionBatch, padded_size: int) -> torch.Tensor:
+        """Plan a batch of requests of 1 .. query_len new tokens each (`verify_triton`'s padded
+        layout) padded to `padded_size` requests into the fixed verification buffers. Returns the
+        padded row of each new token (int64 on the device, `verify_triton.padded_rows`): where the
+        graph's inputs go and its outputs come from. Padding rows write their K/V to the null
+        page's first slot; padding requests attend to it."""
+        s, b = self.spec, self._verify_bufs
+        query_len = self._verify.query_len
+        n = batch.num_reqs
+        pad = padded_size - n
+        if n > padded_size or padded_size > self._verify.max_batch:
+            raise ValueError(f"cannot plan {n} requests as a verification graph of {padded_size}")
+        rows = verify_triton.padded_rows(batch.query_lens, query_len)  # ValueError past query_len
+        indptr, indices, last = page_table_csr(batch.page_tables + [[0]] * pad, batch.seq_lens + [1] * pad,
+                                               s.page_size)
+        if len(indices) > b["indices"].numel():
+            raise ValueError(f"{len(indices)} pages exceed the verification graph's page buffer")
+        self._wait_for_last_plan()
+        csr = (_to_device(indptr, b["indptr"]), _to_device(indices, b["indices"]), _to_device(last, b["last_page_len"]),
+               _to_device(np.asarray(batch.query_lens + [1] * pad, dtype=np.int32), b["qo_len"]))
+        device_rows = _to_device(rows, b["rows"])
+        self._mark_plan_copied()
+        slots = b["slots"][:padded_size * query_len]
+        slots.zero_()
+        slots.index_copy_(0, device_rows, batch.slot_mapping.to(torch.int64))
+        # Every row goes to the kernel as a "decode" row of the padded layout.
+        self._step = _Step(padded_size * query_len, 0, None, slots, triton=(self._verify, csr))
+        return device_rows
 
     # --- per layer -------------------------------------------------------------------------------
     def forward(self, layer_id: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
