@@ -66,7 +66,7 @@ def test_the_cached_tokenizer_gives_the_whole_texts_ids():
     import pytest
 
     from pagoda_engine.model_path import resolve_model_path
-    from pagoda_engine.router.kv_index import CachedTokenizer
+    from pagoda_engine.router.prompt_pages import CachedTokenizer
     from pagoda_engine.tokenizer_files import load_tokenizer
 
     for model in ("pagoda-tiny", None):

@@ -42,7 +42,8 @@ def run_epp_decision(args: argparse.Namespace) -> dict:
     from pagoda_engine.model_path import resolve_model_path
     from pagoda_engine.router.backends import Backend, BackendPool
     from pagoda_engine.router.epp import Picker
-    from pagoda_engine.router.kv_index import CachedTokenizer, KVIndex, PrefixSource
+    from pagoda_engine.router.kv_index import KVIndex, PrefixSource
+    from pagoda_engine.router.prompt_pages import CachedTokenizer
     from pagoda_engine.router.metrics import RouterMetrics
     from pagoda_engine.router.scorer import Weights
     from pagoda_engine.tokenizer_files import load_tokenizer

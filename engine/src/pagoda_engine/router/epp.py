@@ -38,7 +38,7 @@ from pagoda_engine.router.backends import (BackendConfigError, BackendPool, adap
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.flow_control import GO, FlowControl
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
-                                           endpoint_of, request_tokens, start_prefix_source)
+                                           endpoint_of, request_prompt, start_prefix_source)
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.objectives import Objectives, ObjectivesError, parse_flags
 from pagoda_engine.router.scorer import Candidate, Weights, rank
@@ -150,11 +150,12 @@ class Picker:
         ready = self._eligible(body, subset)
         if not ready:
             return []
-        tokens = request_tokens(self.prefixes.tokenizer, body) if self.prefixes is not None else []
-        matched = self.prefixes.matched(tokens, ready) if tokens else {}
+        prompt = request_prompt(self.prefixes.tokenizer, body) if self.prefixes is not None else None
+        num_tokens = prompt.num_tokens if prompt is not None else 0
+        matched = self.prefixes.matched(prompt, ready) if num_tokens else {}
         candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
                                 matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
-        ranked = rank(candidates, len(tokens), self.weights, self.queue_limit)
+        ranked = rank(candidates, num_tokens, self.weights, self.queue_limit)
         model = body.get("model")
         if is_adapter(list(ready.values()), model):
             # A LoRA adapter's request: the pods where it runs (or has a free slot) lead the

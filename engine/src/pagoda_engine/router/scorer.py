@@ -17,6 +17,7 @@ from typing import Sequence
 
 from pagoda_engine.router.kv_index import PrefixSource, endpoint_of
 from pagoda_engine.router.policy import BackendView, PrefixAware, PrefixKey
+from pagoda_engine.router.prompt_pages import Prompt
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,9 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
 
 @dataclass(frozen=True)
 class TokenKey(PrefixKey):
-    """A routing key that also carries the request's token ids (precise prefix routing)."""
+    """A routing key that also carries the request's tokenized prompt (precise prefix routing)."""
 
-    tokens: tuple[int, ...] = ()
+    prompt: Prompt | None = None
 
 
 class PrecisePrefix(PrefixAware):
@@ -74,11 +75,11 @@ class PrecisePrefix(PrefixAware):
         self.prefixes, self.weights, self.queue_limit = prefixes, weights, queue_limit
 
     def choose(self, candidates: Sequence[BackendView], key: PrefixKey | None = None) -> str:
-        if isinstance(key, TokenKey) and key.tokens:
+        if isinstance(key, TokenKey) and key.prompt is not None and key.prompt.num_tokens:
             endpoints = {endpoint_of(c.url): c for c in candidates}
-            matched = self.prefixes.matched(key.tokens, endpoints)
+            matched = self.prefixes.matched(key.prompt, endpoints)
             if any(matched.values()):
                 return rank([Candidate(c.url, waiting=c.waiting, running=max(c.running, float(c.in_flight)),
                                        kv_usage=c.kv_usage, matched_tokens=matched[e])
-                             for e, c in endpoints.items()], len(key.tokens), self.weights, self.queue_limit)[0]
+                             for e, c in endpoints.items()], key.prompt.num_tokens, self.weights, self.queue_limit)[0]
         return super().choose(candidates, key)

@@ -1,0 +1,208 @@
+"""A request's prompt as the KV-event index reads it: its token count and, for a page size, the
+chained keys of its whole pages (`Prompt`), made by `CachedTokenizer` with the long prompts'
+shared parts tokenized and hashed once.
+
+A page's key is a hash of its parent's key and its token ids (int64 bytes), as llm-d's KV-cache
+indexer chains them: the index (`kv_index.py`) keys the pages a pod's events name with the same
+`chain`, so a request's keys find the pods holding its leading pages whatever the engines' own
+block hashes are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+from array import array
+from collections import OrderedDict
+from typing import Sequence
+
+ROOT = b"\0" * 8  # the parent of a prompt's first page
+_ITEM = 8  # bytes of one token id
+
+
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    return array("q", tokens).tobytes()
+
+
+def chain(parent: bytes, rest: bytes, data: bytes, size: int) -> tuple[list[bytes], bytes, bytes]:
+    """Continue a chain of page keys: `parent` the last whole page's key, `rest` the token bytes
+    after it, `data` the next tokens' bytes. Returns the keys of the pages now whole, the last
+    key and the bytes left over."""
+    if rest:
+        data = rest + data
+    step = _ITEM * size
+    whole = len(data) // step
+    keys = []
+    blake2b = hashlib.blake2b
+    for i in range(whole):
+        parent = blake2b(parent + data[i * step:(i + 1) * step], digest_size=8).digest()
+        keys.append(parent)
+    return keys, parent, data[whole * step:]
+
+
+class _Piece:
+    """A cached piece of prompt text in its context (the pieces before it): its token ids and,
+    per page size, the pages it completes."""
+
+    __slots__ = ("id", "data", "runs", "after")
+
+    def __init__(self, id_: int, data: bytes):
+        self.id, self.data = id_, data
+        self.runs: dict[int, tuple[list[bytes], bytes, bytes]] = {}  # size -> chain's answer after this piece
+        # A prompt's first piece: the text of the pieces that last followed it, where each of them
+        # ends in that text, and the pieces.
+        self.after: tuple[str, list[int], list[_Piece]] | None = None
+
+
+class Prompt:
+    """A prompt's token ids as cached pieces and an uncached tail; page keys per size on demand."""
+
+    __slots__ = ("pieces", "tail", "num_tokens")
+
+    def __init__(self, pieces: list[_Piece], tail: bytes):
+        self.pieces, self.tail = pieces, tail
+        self.num_tokens = (sum(len(p.data) for p in pieces) + len(tail)) // _ITEM
+
+    @classmethod
+    def of_tokens(cls, tokens: Sequence[int]) -> "Prompt":
+        return cls([], token_bytes(tokens))
+
+    def tokens(self) -> list[int]:
+        out = array("q")
+        for piece in self.pieces:
+            out.frombytes(piece.data)
+        out.frombytes(self.tail)
+        return out.tolist()
+
+    def keys(self, size: int) -> list[bytes]:
+        """The chained keys of the prompt's whole pages of `size` tokens."""
+        keys: list[bytes] = []
+        parent, rest = ROOT, b""
+        for piece in self.pieces:
+            run = piece.runs.get(size)
+            if run is None:
+                # A piece is cached under the ids of the pieces before it: this context is its only one.
+                run = piece.runs[size] = chain(parent, rest, piece.data, size)
+            keys += run[0]
+            parent, rest = run[1], run[2]
+        keys += chain(parent, rest, self.tail, size)[0]
+        return keys
+
+
+class CachedTokenizer:
+    """The model's tokenizer with the long prompts' shared parts tokenized once.
+
+    A prompt is cut, about every `chunk_chars` characters, before a space that follows a
+    non-space and precedes a letter: where a byte-level BPE's pre-tokenizer starts a new word
+    anyway, so no merge spans the cut and the pieces' ids, joined, are the whole text's. Each piece
+    but the last is kept (LRU) under the pieces before it, with its ids and the page keys it
+    completes, so the tenants' shared prefixes cost one dictionary lookup a piece and only the new
+    tail is tokenized and hashed. Whether the cut is exact for this tokenizer is checked once, on a
+    sample with words, numbers, punctuation, newlines and other scripts cut every few words; where
+    it is not (a tokenizer that marks the text's first word, adds an end token, ...), every prompt
+    is tokenized whole."""
+
+    _SAMPLE = ("Hello world, this is 42 tests.\nLine two: ünïcode wörds and 東京 text; spaces  here "
+               "and\ttabs, (brackets) [more] {braces} 'quotes' \"double\" 3.14159 end-of-line.\n") * 8
+
+    def __init__(self, tokenizer, chunk_chars: int = 256, cache_size: int = 65536):
+        self.tokenizer, self.chunk_chars, self.cache_size = tokenizer, chunk_chars, cache_size
+        self._cache: OrderedDict[tuple[int, str], _Piece] = OrderedDict()
+        self._lock = threading.Lock()  # `pagoda route` tokenizes on worker threads
+        self._ids = itertools.count(1)
+        self.exact = False
+        self.exact = self._same(self._SAMPLE, 24)
+
+    def _whole(self, text: str, special: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=special))
+
+    def _same(self, text: str, chunk_chars: int) -> bool:
+        saved, self.chunk_chars = self.chunk_chars, chunk_chars
+        try:
+            return all(self._pieces(text, special).tokens() == self._whole(text, special) for special in (True, False))
+        finally:
+            self.chunk_chars = saved
+            with self._lock:
+                self._cache.clear()
+
+    def _cut(self, text: str, j: int) -> int:
+        """The first cut at or after `j`, or -1."""
+        last = len(text) - 1
+        while True:
+            j = text.find(" ", j, last)
+            if j < 0 or (not text[j - 1].isspace() and text[j + 1].isalpha()):
+                return j
+            j += 1
+
+    def _piece(self, parent: int, text: str, special: bool) -> _Piece:
+        key = (parent, text)
+        with self._lock:
+            piece = self._cache.get(key)
+            if piece is not None:
+                self._cache.move_to_end(key)
+                return piece
+        piece = _Piece(next(self._ids), token_bytes(self._whole(text, special)))
+        with self._lock:
+            self._cache[key] = piece
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return piece
+
+    def _run(self, text: str, start: int, run: tuple[str, list[int], list[_Piece]]) -> tuple[int, list[_Piece]]:
+        """How much of a remembered run of pieces `text` repeats from `start`: (its length, the pieces)."""
+        run_text, ends, pieces = run
+        if text.startswith(run_text, start):
+            k = len(ends)
+        else:  # the longest run of whole pieces it repeats
+            lo, hi = 0, len(ends) - 1
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if text.startswith(run_text[:ends[mid - 1]], start):
+                    lo = mid
+                else:
+                    hi = mid - 1
+            k = lo
+        if k:
+            # The cuts inside the repeated text are the run's; the last is one here too if what
+            # follows it is a space and a letter again (shorter runs: the run's own text follows).
+            j = start + ends[k - 1]
+            if not (j < len(text) - 1 and text[j] == " " and text[j + 1].isalpha()):
+                k -= 1
+        return (ends[k - 1] if k else 0), pieces[:k]
+
+    def _pieces(self, text: str, special: bool) -> Prompt:
+        pieces: list[_Piece] = []
+        ends: list[int] = []  # where each piece ends in `text`
+        parent, start, remembered = (-1 if special else 0), 0, None
+        while True:
+            if len(pieces) == 1 and pieces[0].after is not None:
+                # A tenant's prefix: the pieces after its first one, found by comparing the text
+                # with the run remembered there rather than by cutting it and looking each piece up.
+                remembered = pieces[0].after
+                length, run = self._run(text, start, remembered)
+                if run:
+                    ends += [start + e for e in remembered[1][:len(run)]]
+                    pieces += run
+                    parent, start = run[-1].id, start + length
+            j = self._cut(text, start + self.chunk_chars)
+            if j < 0:
+                break
+            # Only the first piece carries the special tokens (the root's id says whether).
+            pieces.append(self._piece(parent, text[start:j], special and not pieces))
+            ends.append(j)
+            parent, start = pieces[-1].id, j
+        if len(pieces) > 1 and (remembered is None or remembered[2][-1] is not pieces[-1]):
+            pieces[0].after = (text[ends[0]:start], [e - ends[0] for e in ends[1:]], pieces[1:])
+        return Prompt(pieces, token_bytes(self._whole(text[start:], special and not pieces)))
+
+    def prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
+        if not self.exact or len(text) <= 2 * self.chunk_chars:
+            return Prompt.of_tokens(self._whole(text, add_special_tokens))
+        return self._pieces(text, add_special_tokens)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.prompt(text, add_special_tokens).tokens()
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tokenizer.apply_chat_template(*args, **kwargs)
