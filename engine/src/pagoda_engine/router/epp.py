@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -118,6 +119,17 @@ def _validate_args(args: argparse.Namespace) -> None:
     for flag in ("prefix_weight", "queue_weight", "kv_usage_weight"):
         if getattr(args, flag) < 0:
             raise BackendConfigError(f"--{flag.replace('_', '-')} must be >= 0")
+
+
+def read_body(raw: bytes) -> dict:
+    """The request's JSON body (BadRequest unless it is an object; no body: {})."""
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
 
 
 class Picker:
@@ -289,10 +301,8 @@ def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: 
     async def decide(raw: bytes, subset: list[str] | None,
                      headers: dict[str, str]) -> tuple[pb.ProcessingResponse, list[str] | None]:
         try:
-            body = json.loads(raw) if raw else {}
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-        except (ValueError, BadRequest) as e:
+            body = read_body(raw)
+        except BadRequest as e:
             return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
         if flow is not None and (len(flow) or not picker.has_room(body, subset)):
             priority = objectives.priority(headers.get(OBJECTIVE_HEADER)) if objectives is not None else 0
@@ -372,6 +382,9 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
                 flow.wake()
 
     poller = asyncio.create_task(poll())
+    # The libraries, the tokenizer and the pods' state loaded so far are long-lived: out of the
+    # collector's reach, a full collection walks only what the picker made since (as `pagoda serve`).
+    gc.freeze()
     log.info("endpoint picker on %s:%d over %s", args.host, args.port,
              ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}")
     if ready is not None:

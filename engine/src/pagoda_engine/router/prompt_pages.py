@@ -45,10 +45,10 @@ class _Piece:
     """A cached piece of prompt text in its context (the pieces before it): its token ids and,
     per page size, the pages it completes."""
 
-    __slots__ = ("id", "data", "runs", "after")
+    __slots__ = ("id", "data", "end", "runs", "after")
 
-    def __init__(self, id_: int, data: bytes):
-        self.id, self.data = id_, data
+    def __init__(self, id_: int, data: bytes, end: int):
+        self.id, self.data, self.end = id_, data, end  # end: the prompt's tokens up to this piece's last
         self.runs: dict[int, tuple[list[bytes], bytes, bytes]] = {}  # size -> chain's answer after this piece
         # A prompt's first piece: the text of the pieces that last followed it, where each of them
         # ends in that text, and the pieces.
@@ -62,7 +62,7 @@ class Prompt:
 
     def __init__(self, pieces: list[_Piece], tail: bytes):
         self.pieces, self.tail = pieces, tail
-        self.num_tokens = (sum(len(p.data) for p in pieces) + len(tail)) // _ITEM
+        self.num_tokens = (pieces[-1].end if pieces else 0) + len(tail) // _ITEM
 
     @classmethod
     def of_tokens(cls, tokens: Sequence[int]) -> "Prompt":
@@ -111,10 +111,20 @@ class CachedTokenizer:
         self._cache: OrderedDict[tuple[int, str], _Piece] = OrderedDict()
         self._lock = threading.Lock()  # `pagoda route` tokenizes on worker threads
         self._ids = itertools.count(1)
+        # A fast tokenizer's Rust backend, called directly where it gives the wrapper's ids
+        # (transformers' own call costs more than a short text's tokenization).
+        self._backend = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and all(
+                backend.encode(self._SAMPLE, add_special_tokens=special).ids == self._whole(self._SAMPLE, special)
+                for special in (True, False)):
+            self._backend = backend
         self.exact = False
         self.exact = self._same(self._SAMPLE, 24)
 
     def _whole(self, text: str, special: bool) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=special).ids
         return list(self.tokenizer.encode(text, add_special_tokens=special))
 
     def _same(self, text: str, chunk_chars: int) -> bool:
@@ -135,14 +145,16 @@ class CachedTokenizer:
                 return j
             j += 1
 
-    def _piece(self, parent: int, text: str, special: bool) -> _Piece:
+    def _piece(self, parent: int, before: int, text: str, special: bool) -> _Piece:
+        """The piece `text` after the piece `parent` (the root: -1 or 0) and `before` tokens."""
         key = (parent, text)
         with self._lock:
             piece = self._cache.get(key)
             if piece is not None:
                 self._cache.move_to_end(key)
                 return piece
-        piece = _Piece(next(self._ids), token_bytes(self._whole(text, special)))
+        ids = self._whole(text, special)
+        piece = _Piece(next(self._ids), token_bytes(ids), before + len(ids))
         with self._lock:
             self._cache[key] = piece
             if len(self._cache) > self.cache_size:
@@ -189,7 +201,7 @@ class CachedTokenizer:
             if j < 0:
                 break
             # Only the first piece carries the special tokens (the root's id says whether).
-            pieces.append(self._piece(parent, text[start:j], special and not pieces))
+            pieces.append(self._piece(parent, pieces[-1].end if pieces else 0, text[start:j], special and not pieces))
             ends.append(j)
             parent, start = pieces[-1].id, j
         if len(pieces) > 1 and (remembered is None or remembered[2][-1] is not pieces[-1]):

@@ -41,7 +41,9 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
     """The candidates' names, best first (the EPP's ordered fallback list)."""
     if not candidates:
         return []
-    pool = [c for c in candidates if c.waiting < queue_limit] or list(candidates)
+    pool = [c for c in candidates if c.waiting < queue_limit]
+    full = [c for c in candidates if c.waiting >= queue_limit] if pool else []
+    pool = pool or list(candidates)
     least, most = min(c.waiting for c in pool), max(c.waiting for c in pool)
     spread = most - least
 
@@ -52,7 +54,7 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
 
     # Ties go to the less loaded, then by name, so the order is stable.
     ranked = sorted(pool, key=lambda c: (-score(c), c.waiting + c.running, c.name))
-    return [c.name for c in ranked] + sorted(c.name for c in candidates if c not in pool)
+    return [c.name for c in ranked] + sorted(c.name for c in full)
 
 
 # --- `pagoda route`'s policy over the same ranking ------------------------------------------
