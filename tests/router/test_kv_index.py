@@ -132,3 +132,50 @@ def test_the_served_endpoint_moves_the_in_flight_count():
     assert counts[0] == {"http://10.0.0.1:8000": 1, "http://10.0.0.2:8000": 0}  # picked: ties go by name
     assert counts[1] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 1}  # the fallback answered
     assert counts[2] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 0}  # the stream ended
+
+
+def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
+    """A tenant's prefix is found by comparing the text with the pieces that last followed its
+    first piece (not cut and looked up again): whatever follows it (a question, a truncation mid
+    piece, a character that moves the next cut), the ids and the page keys are those of the whole
+    text."""
+    import numpy as np
+    import pytest
+
+    from pagoda_engine.model_path import resolve_model_path
+    from pagoda_engine.router.prompt_pages import ROOT, CachedTokenizer, chain, token_bytes
+    from pagoda_engine.tokenizer_files import load_tokenizer
+
+    class Counting(CachedTokenizer):
+        looked_up = 0
+
+        def _piece(self, *args):
+            self.looked_up += 1
+            return super()._piece(*args)
+
+    for model in ("pagoda-tiny", None):
+        try:
+            tokenizer = load_tokenizer(resolve_model_path(model))
+        except Exception as e:  # the default model's package is not installed here
+            pytest.skip(f"no tokenizer for {model}: {e}")
+        cached = Counting(tokenizer, chunk_chars=48)
+        if not cached.exact:
+            continue
+        rng = np.random.default_rng(2)
+        prefixes = [tokenizer.decode(rng.integers(50, min(len(tokenizer), 30000), size=300).tolist()) for _ in range(2)]
+        prefixes.append(" ".join(f"tenant line {i}, with words." for i in range(40)))
+        for prefix in prefixes:
+            texts = [prefix + " what is it?", prefix + " why", prefix]
+            for cut in rng.integers(len(prefix) // 3, len(prefix), size=6):
+                texts += [prefix[:cut] + tail for tail in (" question here", "x and more", "!", " 7 up")]
+            for special in (True, False):
+                for text in texts:
+                    whole = list(tokenizer.encode(text, add_special_tokens=special))
+                    prompt = cached.prompt(text, add_special_tokens=special)
+                    assert prompt.tokens() == whole and prompt.num_tokens == len(whole)
+                    for size in (4, 16):
+                        assert prompt.keys(size) == chain(ROOT, b"", token_bytes(whole), size)[0]
+                looked_up = cached.looked_up
+                prompt = cached.prompt(prefix + " one more question", add_special_tokens=special)
+                # The first piece, the one where the prefix ends and perhaps one after: the rest is the run.
+                assert cached.looked_up - looked_up <= 3 and len(prompt.pieces) > 5

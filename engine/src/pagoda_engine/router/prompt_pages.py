@@ -204,7 +204,9 @@ class CachedTokenizer:
             pieces.append(self._piece(parent, pieces[-1].end if pieces else 0, text[start:j], special and not pieces))
             ends.append(j)
             parent, start = pieces[-1].id, j
-        if len(pieces) > 1 and (remembered is None or remembered[2][-1] is not pieces[-1]):
+        if len(pieces) > 1 and (remembered is None or (remembered[2][-1] is not pieces[-1]
+                                                       and start - ends[0] >= len(remembered[0]))):
+            # The longer run is kept: a prompt cut short does not cost the next full one its run.
             pieces[0].after = (text[ends[0]:start], [e - ends[0] for e in ends[1:]], pieces[1:])
         return Prompt(pieces, token_bytes(self._whole(text[start:], special and not pieces)))
 
