@@ -138,7 +138,7 @@ def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
     """A tenant's prefix is found by comparing the text with the pieces that last followed its
     first piece (not cut and looked up again): whatever follows it (a question, a truncation mid
     piece, a character that moves the next cut), the ids and the page keys are those of the whole
-    text."""
+    text, with a cache too small to hold a prefix as well."""
     import numpy as np
     import pytest
 
@@ -159,9 +159,10 @@ def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
         except Exception as e:  # the default model's package is not installed here
             pytest.skip(f"no tokenizer for {model}: {e}")
         cached = Counting(tokenizer, chunk_chars=48)
+        small = CachedTokenizer(tokenizer, chunk_chars=48, cache_size=120)  # runs and pieces evicted all along
         if not cached.exact:
             continue
-        rng = np.random.default_rng(2)
+        rng, held = np.random.default_rng(2), 0
         prefixes = [tokenizer.decode(rng.integers(50, min(len(tokenizer), 30000), size=300).tolist()) for _ in range(2)]
         prefixes.append(" ".join(f"tenant line {i}, with words." for i in range(40)))
         for prefix in prefixes:
@@ -173,9 +174,13 @@ def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
                     whole = list(tokenizer.encode(text, add_special_tokens=special))
                     prompt = cached.prompt(text, add_special_tokens=special)
                     assert prompt.tokens() == whole and prompt.num_tokens == len(whole)
+                    assert small.prompt(text, add_special_tokens=special).tokens() == whole
+                    assert len(small._cache) + small._held <= 120  # what the runs hold counts too
+                    held = max(held, small._held)
                     for size in (4, 16):
                         assert prompt.keys(size) == chain(ROOT, b"", token_bytes(whole), size)[0]
                 looked_up = cached.looked_up
                 prompt = cached.prompt(prefix + " one more question", add_special_tokens=special)
                 # The first piece, the one where the prefix ends and perhaps one after: the rest is the run.
                 assert cached.looked_up - looked_up <= 3 and len(prompt.pieces) > 5
+        assert held > 0  # the small cache remembered runs too

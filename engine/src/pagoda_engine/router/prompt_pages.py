@@ -109,6 +109,9 @@ class CachedTokenizer:
     def __init__(self, tokenizer, chunk_chars: int = 256, cache_size: int = 65536):
         self.tokenizer, self.chunk_chars, self.cache_size = tokenizer, chunk_chars, cache_size
         self._cache: OrderedDict[tuple[int, str], _Piece] = OrderedDict()
+        # Pieces the cached first pieces' runs hold (perhaps evicted from the cache themselves):
+        # counted against `cache_size` too, so the runs cannot keep more alive than it allows.
+        self._held = 0
         self._lock = threading.Lock()  # `pagoda route` tokenizes on worker threads
         self._ids = itertools.count(1)
         # A fast tokenizer's Rust backend, called directly where it gives the wrapper's ids
@@ -135,6 +138,7 @@ class CachedTokenizer:
             self.chunk_chars = saved
             with self._lock:
                 self._cache.clear()
+                self._held = 0
 
     def _cut(self, text: str, j: int) -> int:
         """The first cut at or after `j`, or -1."""
@@ -157,9 +161,26 @@ class CachedTokenizer:
         piece = _Piece(next(self._ids), token_bytes(ids), before + len(ids))
         with self._lock:
             self._cache[key] = piece
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
+            self._evict()
         return piece
+
+    def _evict(self) -> None:
+        while self._cache and len(self._cache) + self._held > self.cache_size:
+            _, piece = self._cache.popitem(last=False)
+            if piece.after is not None:
+                self._held -= len(piece.after[2])
+                piece.after = None
+
+    def _remember(self, piece: _Piece, key: tuple[int, str], run: tuple[str, list[int], list[_Piece]]) -> None:
+        """`run` follows the first piece `piece`, while it is cached (as `key`)."""
+        if len(run[2]) > self.cache_size // 4:
+            return  # it would push most of the cache out
+        with self._lock:
+            if self._cache.get(key) is not piece:
+                return
+            self._held += len(run[2]) - (len(piece.after[2]) if piece.after is not None else 0)
+            piece.after = run
+            self._evict()
 
     def _run(self, text: str, start: int, run: tuple[str, list[int], list[_Piece]]) -> tuple[int, list[_Piece]]:
         """How much of a remembered run of pieces `text` repeats from `start`: (its length, the pieces)."""
@@ -207,7 +228,8 @@ class CachedTokenizer:
         if len(pieces) > 1 and (remembered is None or (remembered[2][-1] is not pieces[-1]
                                                        and start - ends[0] >= len(remembered[0]))):
             # The longer run is kept: a prompt cut short does not cost the next full one its run.
-            pieces[0].after = (text[ends[0]:start], [e - ends[0] for e in ends[1:]], pieces[1:])
+            self._remember(pieces[0], (-1 if special else 0, text[:ends[0]]),
+                           (text[ends[0]:start], [e - ends[0] for e in ends[1:]], pieces[1:]))
         return Prompt(pieces, token_bytes(self._whole(text[start:], special and not pieces)))
 
     def prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
