@@ -166,7 +166,7 @@ def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
         prefixes = [tokenizer.decode(rng.integers(50, min(len(tokenizer), 30000), size=300).tolist()) for _ in range(2)]
         prefixes.append(" ".join(f"tenant line {i}, with words." for i in range(40)))
         for prefix in prefixes:
-            texts = [prefix + " what is it?", prefix + " why", prefix]
+            texts = [prefix + " what is it?", prefix + " why", prefix, prefix + " what is it? A test. And then?"]
             for cut in rng.integers(len(prefix) // 3, len(prefix), size=6):
                 texts += [prefix[:cut] + tail for tail in (" question here", "x and more", "!", " 7 up")]
             for special in (True, False):
@@ -184,3 +184,21 @@ def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
                 # The first piece, the one where the prefix ends and perhaps one after: the rest is the run.
                 assert cached.looked_up - looked_up <= 3 and len(prompt.pieces) > 5
         assert held > 0  # the small cache remembered runs too
+        # Questions after a prefix: the prefix's text up to the first question's start is kept as
+        # a piece, so the next question is about all that is tokenized (whole pieces of the prefix
+        # would be up to 48 characters more).
+        questions = (" Where is the first one?", " How many lines are there?", " Which tenant is this?")
+        for extra in range(12):  # a prefix whose last whole piece ends 32 characters or more before it does
+            prefix = prefixes[-1] + " and one more" * extra
+            cuts, j = [], 0
+            while (j := cached._cut(prefix + questions[0], j + 48)) >= 0:
+                cuts.append(j)
+            if len(prefix) - max(j for j in cuts if j <= len(prefix)) >= 32:
+                break
+        tokenized = []
+        cached._whole = lambda text, special: tokenized.append(text) or CachedTokenizer._whole(cached, text, special)
+        for question in questions:
+            tokenized.clear()
+            assert cached.prompt(prefix + question).tokens() == list(tokenizer.encode(prefix + question))
+        # (a piece under 16 characters is not kept: the tail takes it along)
+        assert len(tokenized) == 1 and len(tokenized[0]) < len(questions[-1]) + 16

@@ -19,6 +19,7 @@ from typing import Sequence
 
 ROOT = b"\0" * 8  # the parent of a prompt's first page
 _ITEM = 8  # bytes of one token id
+_MIN_PIECE = 16  # characters: a shorter piece costs more to keep than to tokenize
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -50,18 +51,42 @@ class _Piece:
     def __init__(self, id_: int, data: bytes, end: int):
         self.id, self.data, self.end = id_, data, end  # end: the prompt's tokens up to this piece's last
         self.runs: dict[int, tuple[list[bytes], bytes, bytes]] = {}  # size -> chain's answer after this piece
-        # A prompt's first piece: the text of the pieces that last followed it, where each of them
-        # ends in that text, and the pieces.
-        self.after: tuple[str, list[int], list[_Piece]] | None = None
+        self.after: _Run | None = None  # a prompt's first piece: the pieces that followed it
+
+
+class _Run:
+    """The pieces that followed a first piece in a prompt: the prompt's text after the first piece
+    (the pieces' and the uncached tail's), where each piece ends in it, and, per page size, the keys
+    of the pages of the first piece and all of them."""
+
+    __slots__ = ("text", "ends", "pieces", "keys")
+
+    def __init__(self, text: str, ends: list[int], pieces: list[_Piece]):
+        self.text, self.ends, self.pieces = text, ends, pieces
+        self.keys: dict[int, list[bytes]] = {}
+
+
+def _continue(keys: list[bytes], parent: bytes, rest: bytes, pieces: Sequence[_Piece],
+              size: int) -> tuple[bytes, bytes]:
+    """Add the keys of the pages `pieces` complete after the state (`parent`, `rest`) to `keys`."""
+    for piece in pieces:
+        run = piece.runs.get(size)
+        if run is None:
+            # A piece is cached under the pieces before it: this state is the only one it follows.
+            run = piece.runs[size] = chain(parent, rest, piece.data, size)
+        keys += run[0]
+        parent, rest = run[1], run[2]
+    return parent, rest
 
 
 class Prompt:
-    """A prompt's token ids as cached pieces and an uncached tail; page keys per size on demand."""
+    """A prompt's token ids as cached pieces (the first `ran` after the first one from its run)
+    and an uncached tail; page keys per size on demand."""
 
-    __slots__ = ("pieces", "tail", "num_tokens")
+    __slots__ = ("pieces", "tail", "num_tokens", "run", "ran")
 
-    def __init__(self, pieces: list[_Piece], tail: bytes):
-        self.pieces, self.tail = pieces, tail
+    def __init__(self, pieces: list[_Piece], tail: bytes, run: _Run | None = None, ran: int = 0):
+        self.pieces, self.tail, self.run, self.ran = pieces, tail, run, ran
         self.num_tokens = (pieces[-1].end if pieces else 0) + len(tail) // _ITEM
 
     @classmethod
@@ -78,14 +103,18 @@ class Prompt:
     def keys(self, size: int) -> list[bytes]:
         """The chained keys of the prompt's whole pages of `size` tokens."""
         keys: list[bytes] = []
-        parent, rest = ROOT, b""
-        for piece in self.pieces:
-            run = piece.runs.get(size)
-            if run is None:
-                # A piece is cached under the ids of the pieces before it: this context is its only one.
-                run = piece.runs[size] = chain(parent, rest, piece.data, size)
-            keys += run[0]
-            parent, rest = run[1], run[2]
+        parent, rest, done = ROOT, b"", 0
+        if self.ran:
+            run_keys = self.run.keys.get(size)
+            if run_keys is None:
+                run_keys = []
+                _continue(run_keys, ROOT, b"", [self.pieces[0], *self.run.pieces], size)
+                self.run.keys[size] = run_keys
+            last = self.pieces[self.ran]
+            keys = run_keys[:last.end // size]  # the pages the first piece and the run's used part complete
+            _, parent, rest = last.runs[size]
+            done = self.ran + 1
+        parent, rest = _continue(keys, parent, rest, self.pieces[done:], size)
         keys += chain(parent, rest, self.tail, size)[0]
         return keys
 
@@ -168,30 +197,30 @@ class CachedTokenizer:
         while self._cache and len(self._cache) + self._held > self.cache_size:
             _, piece = self._cache.popitem(last=False)
             if piece.after is not None:
-                self._held -= len(piece.after[2])
+                self._held -= len(piece.after.pieces)
                 piece.after = None
 
-    def _remember(self, piece: _Piece, key: tuple[int, str], run: tuple[str, list[int], list[_Piece]]) -> None:
+    def _remember(self, piece: _Piece, key: tuple[int, str], run: _Run) -> None:
         """`run` follows the first piece `piece`, while it is cached (as `key`)."""
-        if len(run[2]) > self.cache_size // 4:
+        if len(run.pieces) > self.cache_size // 4:
             return  # it would push most of the cache out
         with self._lock:
             if self._cache.get(key) is not piece:
                 return
-            self._held += len(run[2]) - (len(piece.after[2]) if piece.after is not None else 0)
+            self._held += len(run.pieces) - (len(piece.after.pieces) if piece.after is not None else 0)
             piece.after = run
             self._evict()
 
-    def _run(self, text: str, start: int, run: tuple[str, list[int], list[_Piece]]) -> tuple[int, list[_Piece]]:
-        """How much of a remembered run of pieces `text` repeats from `start`: (its length, the pieces)."""
-        run_text, ends, pieces = run
-        if text.startswith(run_text, start):
+    def _repeated(self, text: str, start: int, run: _Run) -> int:
+        """How many of a run's pieces `text` repeats from `start`."""
+        ends = run.ends
+        if text.startswith(run.text[:ends[-1]], start):
             k = len(ends)
         else:  # the longest run of whole pieces it repeats
             lo, hi = 0, len(ends) - 1
             while lo < hi:
                 mid = (lo + hi + 1) // 2
-                if text.startswith(run_text[:ends[mid - 1]], start):
+                if text.startswith(run.text[:ends[mid - 1]], start):
                     lo = mid
                 else:
                     hi = mid - 1
@@ -202,22 +231,48 @@ class CachedTokenizer:
             j = start + ends[k - 1]
             if not (j < len(text) - 1 and text[j] == " " and text[j + 1].isalpha()):
                 k -= 1
-        return (ends[k - 1] if k else 0), pieces[:k]
+        return k
+
+    def _last_cut(self, text: str, start: int, following: str) -> int:
+        """The last cut in what `text` shares with `following` from `start`, if it leaves a piece
+        of at least `_MIN_PIECE` characters (else -1)."""
+        lo = hi = min(len(following), len(text) - start)
+        if not text.startswith(following[:hi], start):
+            lo = 0
+            while lo < hi - 1:  # the longest shared length: lo shares, hi does not
+                mid = (lo + hi) // 2
+                if text.startswith(following[:mid], start):
+                    lo = mid
+                else:
+                    hi = mid
+        j = min(start + lo, len(text) - 1)
+        while True:
+            j = text.rfind(" ", start + _MIN_PIECE, j)
+            if j < 0 or (not text[j - 1].isspace() and text[j + 1].isalpha()):
+                return j
 
     def _pieces(self, text: str, special: bool) -> Prompt:
         pieces: list[_Piece] = []
         ends: list[int] = []  # where each piece ends in `text`
-        parent, start, remembered = (-1 if special else 0), 0, None
+        parent, start, run, ran = (-1 if special else 0), 0, None, 0
         while True:
             if len(pieces) == 1 and pieces[0].after is not None:
                 # A tenant's prefix: the pieces after its first one, found by comparing the text
                 # with the run remembered there rather than by cutting it and looking each piece up.
-                remembered = pieces[0].after
-                length, run = self._run(text, start, remembered)
-                if run:
-                    ends += [start + e for e in remembered[1][:len(run)]]
-                    pieces += run
-                    parent, start = run[-1].id, start + length
+                run = pieces[0].after
+                ran = self._repeated(text, start, run)
+                if ran:
+                    ends += [start + e for e in run.ends[:ran]]
+                    pieces += run.pieces[:ran]
+                    parent, start = pieces[-1].id, ends[-1]
+                # Where the text leaves the run (a tenant's question after its prefix), the shared
+                # text up to the last cut before that is a piece of its own: the next question
+                # finds it cached, and only the question itself is tokenized.
+                j = self._last_cut(text, start, run.text[run.ends[ran - 1] if ran else 0:])
+                if j > 0:
+                    pieces.append(self._piece(parent, pieces[-1].end, text[start:j], False))
+                    ends.append(j)
+                    parent, start = pieces[-1].id, j
             j = self._cut(text, start + self.chunk_chars)
             if j < 0:
                 break
@@ -225,12 +280,14 @@ class CachedTokenizer:
             pieces.append(self._piece(parent, pieces[-1].end if pieces else 0, text[start:j], special and not pieces))
             ends.append(j)
             parent, start = pieces[-1].id, j
-        if len(pieces) > 1 and (remembered is None or (remembered[2][-1] is not pieces[-1]
-                                                       and start - ends[0] >= len(remembered[0]))):
-            # The longer run is kept: a prompt cut short does not cost the next full one its run.
+        # A new run is remembered where this prompt looked up more than the piece where it left
+        # the run and one after it (a prefix that changed), or went further: a tenant's run stays
+        # while its prompts differ in their questions, and with it the keys of its pages.
+        looked_up = len(pieces) - 1 - ran
+        if looked_up > 0 and (run is None or looked_up > 2 or start - ends[0] > run.ends[-1]):
             self._remember(pieces[0], (-1 if special else 0, text[:ends[0]]),
-                           (text[ends[0]:start], [e - ends[0] for e in ends[1:]], pieces[1:]))
-        return Prompt(pieces, token_bytes(self._whole(text[start:], special and not pieces)))
+                           _Run(text[ends[0]:], [e - ends[0] for e in ends[1:]], pieces[1:]))
+        return Prompt(pieces, token_bytes(self._whole(text[start:], special and not pieces)), run, ran)
 
     def prompt(self, text: str, add_special_tokens: bool = True) -> Prompt:
         if not self.exact or len(text) <= 2 * self.chunk_chars:
