@@ -125,12 +125,15 @@ class CachedTokenizer:
     A prompt is cut, about every `chunk_chars` characters, before a space that follows a
     non-space and precedes a letter: where a byte-level BPE's pre-tokenizer starts a new word
     anyway, so no merge spans the cut and the pieces' ids, joined, are the whole text's. Each piece
-    but the last is kept (LRU) under the pieces before it, with its ids and the page keys it
-    completes, so the tenants' shared prefixes cost one dictionary lookup a piece and only the new
-    tail is tokenized and hashed. Whether the cut is exact for this tokenizer is checked once, on a
-    sample with words, numbers, punctuation, newlines and other scripts cut every few words; where
-    it is not (a tokenizer that marks the text's first word, adds an end token, ...), every prompt
-    is tokenized whole."""
+    but the last (the tail) is kept (LRU) under the pieces before it, with its ids and the page
+    keys it completes. A prompt's first piece remembers the run of pieces that followed it (a
+    tenant's prefix): the next prompt starting with it finds the run's pieces by comparing its text
+    with the run's, not by cutting it and looking each piece up, takes the run's page keys as one
+    slice, and, where it leaves the run (its question), makes the shared text up to there a piece,
+    so that only its own question is tokenized and hashed. Whether the cut is exact for this
+    tokenizer is checked once, on a sample with words, numbers, punctuation, newlines and other
+    scripts cut every few words; where it is not (a tokenizer that marks the text's first word,
+    adds an end token, ...), every prompt is tokenized whole."""
 
     _SAMPLE = ("Hello world, this is 42 tests.\nLine two: ünïcode wörds and 東京 text; spaces  here "
                "and\ttabs, (brackets) [more] {braces} 'quotes' \"double\" 3.14159 end-of-line.\n") * 8
