@@ -167,6 +167,7 @@ class KVIndex:
         return out
 
     def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        """`matched` for a prompt given as token ids."""
         return self.matched(Prompt.of_tokens(tokens), pods)
 
     def knows(self, pod: str) -> bool:

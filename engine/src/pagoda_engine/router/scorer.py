@@ -2,7 +2,7 @@
 pods' KV events, queue depth and KV usage, as llm-d's default scorers weigh them.
 
 Each pod gets a weighted sum of three scores in [0, 1]: the share of the request's tokens its
-prefix cache already holds (`KVIndex.matched_tokens`), how short its queue is next to the
+prefix cache already holds (`KVIndex.matched`), how short its queue is next to the
 others' (min-max normalised, as llm-d's queue scorer), and how much of its KV pool is free. A pod
 whose queue has reached `queue_limit` goes last while any other is under it (llm-d's
 low-queue filter), so a full pod is avoided even when it holds the prefix. Pure: no I/O, no
