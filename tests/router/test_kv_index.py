@@ -66,7 +66,7 @@ def test_the_cached_tokenizer_gives_the_whole_texts_ids():
     import pytest
 
     from pagoda_engine.model_path import resolve_model_path
-    from pagoda_engine.router.kv_index import CachedTokenizer
+    from pagoda_engine.router.prompt_pages import CachedTokenizer
     from pagoda_engine.tokenizer_files import load_tokenizer
 
     for model in ("pagoda-tiny", None):
@@ -132,3 +132,73 @@ def test_the_served_endpoint_moves_the_in_flight_count():
     assert counts[0] == {"http://10.0.0.1:8000": 1, "http://10.0.0.2:8000": 0}  # picked: ties go by name
     assert counts[1] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 1}  # the fallback answered
     assert counts[2] == {"http://10.0.0.1:8000": 0, "http://10.0.0.2:8000": 0}  # the stream ended
+
+
+def test_prompts_sharing_a_prefix_give_the_whole_texts_ids_and_page_keys():
+    """A tenant's prefix is found by comparing the text with the pieces that last followed its
+    first piece (not cut and looked up again): whatever follows it (a question, a truncation mid
+    piece, a character that moves the next cut), the ids and the page keys are those of the whole
+    text, with a cache too small to hold a prefix as well."""
+    import numpy as np
+    import pytest
+
+    from pagoda_engine.model_path import resolve_model_path
+    from pagoda_engine.router.prompt_pages import ROOT, CachedTokenizer, chain, token_bytes
+    from pagoda_engine.tokenizer_files import load_tokenizer
+
+    class Counting(CachedTokenizer):
+        looked_up = 0
+
+        def _piece(self, *args):
+            self.looked_up += 1
+            return super()._piece(*args)
+
+    for model in ("pagoda-tiny", None):
+        try:
+            tokenizer = load_tokenizer(resolve_model_path(model))
+        except Exception as e:  # the default model's package is not installed here
+            pytest.skip(f"no tokenizer for {model}: {e}")
+        cached = Counting(tokenizer, chunk_chars=48)
+        small = CachedTokenizer(tokenizer, chunk_chars=48, cache_size=120)  # runs and pieces evicted all along
+        if not cached.exact:
+            continue
+        rng, held = np.random.default_rng(2), 0
+        prefixes = [tokenizer.decode(rng.integers(50, min(len(tokenizer), 30000), size=300).tolist()) for _ in range(2)]
+        prefixes.append(" ".join(f"tenant line {i}, with words." for i in range(40)))
+        for prefix in prefixes:
+            texts = [prefix + " what is it?", prefix + " why", prefix, prefix + " what is it? A test. And then?"]
+            for cut in rng.integers(len(prefix) // 3, len(prefix), size=6):
+                texts += [prefix[:cut] + tail for tail in (" question here", "x and more", "!", " 7 up")]
+            for special in (True, False):
+                for text in texts:
+                    whole = list(tokenizer.encode(text, add_special_tokens=special))
+                    prompt = cached.prompt(text, add_special_tokens=special)
+                    assert prompt.tokens() == whole and prompt.num_tokens == len(whole)
+                    assert small.prompt(text, add_special_tokens=special).tokens() == whole
+                    assert len(small._cache) + small._held <= 120  # what the runs hold counts too
+                    held = max(held, small._held)
+                    for size in (4, 16):
+                        assert prompt.keys(size) == chain(ROOT, b"", token_bytes(whole), size)[0]
+                looked_up = cached.looked_up
+                prompt = cached.prompt(prefix + " one more question", add_special_tokens=special)
+                # The first piece, the one where the prefix ends and perhaps one after: the rest is the run.
+                assert cached.looked_up - looked_up <= 3 and len(prompt.pieces) > 5
+        assert held > 0  # the small cache remembered runs too
+        # Questions after a prefix: the prefix's text up to the first question's start is kept as
+        # a piece, so the next question is about all that is tokenized (whole pieces of the prefix
+        # would be up to 48 characters more).
+        questions = (" Where is the first one?", " How many lines are there?", " Which tenant is this?")
+        for extra in range(12):  # a prefix whose last whole piece ends 32 characters or more before it does
+            prefix = prefixes[-1] + " and one more" * extra
+            cuts, j = [], 0
+            while (j := cached._cut(prefix + questions[0], j + 48)) >= 0:
+                cuts.append(j)
+            if len(prefix) - max(j for j in cuts if j <= len(prefix)) >= 32:
+                break
+        tokenized = []
+        cached._whole = lambda text, special: tokenized.append(text) or CachedTokenizer._whole(cached, text, special)
+        for question in questions:
+            tokenized.clear()
+            assert cached.prompt(prefix + question).tokens() == list(tokenizer.encode(prefix + question))
+        # (a piece under 16 characters is not kept: the tail takes it along)
+        assert len(tokenized) == 1 and len(tokenized[0]) < len(questions[-1]) + 16

@@ -38,7 +38,7 @@ from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.disagg import DecodeLoad, DisaggRouter
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
-from pagoda_engine.router.kv_index import add_kv_event_arguments, check_kv_event_arguments, request_tokens, \
+from pagoda_engine.router.kv_index import add_kv_event_arguments, check_kv_event_arguments, request_prompt, \
     start_prefix_source
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.migration import migratable
@@ -283,8 +283,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             prefixes = state["prefixes"]
             if key is not None and prefixes is not None:
                 try:
-                    tokens = await asyncio.to_thread(request_tokens, prefixes.tokenizer, json.loads(body))
-                    key = TokenKey(key.page_hashes, tuple(tokens))
+                    prompt = await asyncio.to_thread(request_prompt, prefixes.tokenizer, json.loads(body))
+                    key = TokenKey(key.page_hashes, prompt)
                 except Exception as e:  # e.g. a chat the template refuses: the engine will say so; route approximately
                     log.debug("no token ids for precise routing: %s", e)
         if routed and "disagg" in state:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import sys
@@ -38,7 +39,7 @@ from pagoda_engine.router.backends import (BackendConfigError, BackendPool, adap
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
 from pagoda_engine.router.flow_control import GO, FlowControl
 from pagoda_engine.router.kv_index import (BadRequest, PrefixSource, add_kv_event_arguments, check_kv_event_arguments,
-                                           endpoint_of, request_tokens, start_prefix_source)
+                                           endpoint_of, request_prompt, start_prefix_source)
 from pagoda_engine.router.metrics import RouterMetrics
 from pagoda_engine.router.objectives import Objectives, ObjectivesError, parse_flags
 from pagoda_engine.router.scorer import Candidate, Weights, rank
@@ -120,6 +121,17 @@ def _validate_args(args: argparse.Namespace) -> None:
             raise BackendConfigError(f"--{flag.replace('_', '-')} must be >= 0")
 
 
+def read_body(raw: bytes) -> dict:
+    """The request's JSON body (BadRequest unless it is an object; no body: {})."""
+    try:
+        body = json.loads(raw) if raw else {}
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
 class Picker:
     """The decision, apart from gRPC: ready pods, subset, scores."""
 
@@ -150,11 +162,12 @@ class Picker:
         ready = self._eligible(body, subset)
         if not ready:
             return []
-        tokens = request_tokens(self.prefixes.tokenizer, body) if self.prefixes is not None else []
-        matched = self.prefixes.matched(tokens, ready) if tokens else {}
+        prompt = request_prompt(self.prefixes.tokenizer, body) if self.prefixes is not None else None
+        num_tokens = prompt.num_tokens if prompt is not None else 0
+        matched = self.prefixes.matched(prompt, ready) if num_tokens else {}
         candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
                                 matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
-        ranked = rank(candidates, len(tokens), self.weights, self.queue_limit)
+        ranked = rank(candidates, num_tokens, self.weights, self.queue_limit)
         model = body.get("model")
         if is_adapter(list(ready.values()), model):
             # A LoRA adapter's request: the pods where it runs (or has a free slot) lead the
@@ -288,10 +301,8 @@ def build_servicer(picker: Picker, flow: FlowControl | None = None, objectives: 
     async def decide(raw: bytes, subset: list[str] | None,
                      headers: dict[str, str]) -> tuple[pb.ProcessingResponse, list[str] | None]:
         try:
-            body = json.loads(raw) if raw else {}
-            if not isinstance(body, dict):
-                raise BadRequest("the request body must be a JSON object")
-        except (ValueError, BadRequest) as e:
+            body = read_body(raw)
+        except BadRequest as e:
             return immediate(400, f"invalid request: {e}", "invalid_request_error"), None
         if flow is not None and (len(flow) or not picker.has_room(body, subset)):
             priority = objectives.priority(headers.get(OBJECTIVE_HEADER)) if objectives is not None else 0
@@ -371,6 +382,9 @@ async def serve(args: argparse.Namespace, ready: asyncio.Event | None = None) ->
                 flow.wake()
 
     poller = asyncio.create_task(poll())
+    # The libraries, the tokenizer and the pods' state loaded so far are long-lived: out of the
+    # collector's reach, a full collection walks only what the picker made since (as `pagoda serve`).
+    gc.freeze()
     log.info("endpoint picker on %s:%d over %s", args.host, args.port,
              ",".join(args.backend_urls) if args.backend_urls else f"EndpointSlices of {args.k8s_service}")
     if ready is not None:

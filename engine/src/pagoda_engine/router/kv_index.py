@@ -21,32 +21,22 @@ Each batch is applied to the index under a lock.
 
 from __future__ import annotations
 
-import hashlib
+import argparse
+import functools
 import logging
 import threading
 from collections import defaultdict
-import argparse
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 from urllib.parse import urlsplit
 
 import msgspec
-import numpy as np
 import zmq
 
 from pagoda_engine.kv_event_wire import END_SEQ
+from pagoda_engine.router.prompt_pages import ROOT, CachedTokenizer, Prompt, chain, token_bytes
 
 log = logging.getLogger("pagoda.router")
-
-_ROOT = b"\0" * 8
-
-
-def _key(parent: bytes, tokens: Sequence[int] | bytes) -> bytes:
-    """A page's key: its parent's and its token ids (int64 bytes, or the ids)."""
-    data = tokens if isinstance(tokens, bytes) else np.asarray(tokens, dtype=np.int64).tobytes()
-    return hashlib.blake2b(parent + data, digest_size=8).digest()
-
 
 @dataclass
 class _Pod:
@@ -113,14 +103,14 @@ class KVIndex:
                 self._clear(pod, state)
             state.block_size = size
         parent_hash = event.get("parent_block_hash")
-        parent = _ROOT if parent_hash is None else state.keys.get(parent_hash)
+        parent = ROOT if parent_hash is None else state.keys.get(parent_hash)
         if parent is None:
             state.skipped += 1
             return
-        for i, h in enumerate(hashes):
-            parent = _key(parent, tokens[i * size:(i + 1) * size])
-            state.keys[h] = parent
-            self._holders[parent].add(pod)
+        keys = chain(parent, b"", token_bytes(tokens), size)[0]
+        for h, key in zip(hashes, keys):
+            state.keys[h] = key
+            self._holders[key].add(pod)
 
     def _drop(self, key: bytes, pod: str) -> None:
         holders = self._holders.get(key)
@@ -145,25 +135,40 @@ class KVIndex:
         with self._lock:
             return {p.block_size for p in self._pods.values() if p.block_size}
 
-    def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
-        """For each of `pods`, how many of the request's leading tokens it holds (whole pages,
+    def matched(self, prompt: Prompt, pods: Iterable[str]) -> dict[str, int]:
+        """For each of `pods`, how many of the prompt's leading tokens it holds (whole pages,
         consecutive from the start)."""
         pods = list(pods)
         out = dict.fromkeys(pods, 0)
         with self._lock:
-            sizes = {self._pods[p].block_size for p in pods if p in self._pods and self._pods[p].block_size}
-            data = np.asarray(tokens, dtype=np.int64).tobytes() if sizes else b""
-            for size in sizes:
-                alive = {p for p in pods if p in self._pods and self._pods[p].block_size == size}
-                parent, step = _ROOT, 8 * size
-                for n in range(len(tokens) // size):
-                    parent = _key(parent, data[n * step:(n + 1) * step])
-                    alive &= self._holders.get(parent, set())
-                    if not alive:
+            by_size: dict[int, set[str]] = {}
+            for p in pods:
+                state = self._pods.get(p)
+                if state is not None and state.block_size:
+                    by_size.setdefault(state.block_size, set()).add(p)
+        for size, alive in by_size.items():
+            keys = prompt.keys(size)  # outside the lock: the subscriber's thread may apply meanwhile
+            with self._lock:
+                holders_of = self._holders.get
+                n = 0
+                for key in keys:
+                    holders = holders_of(key)
+                    if holders is None:
                         break
-                    for p in alive:
-                        out[p] = (n + 1) * size
+                    if not alive <= holders:
+                        for p in alive - holders:
+                            out[p] = n * size
+                        alive = alive & holders
+                        if not alive:
+                            break
+                    n += 1
+                for p in alive:
+                    out[p] = n * size
         return out
+
+    def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+        """`matched` for a prompt given as token ids."""
+        return self.matched(Prompt.of_tokens(tokens), pods)
 
     def knows(self, pod: str) -> bool:
         with self._lock:
@@ -303,6 +308,7 @@ def pod_of_topic(topic: bytes) -> str | None:
 
 # --- what `pagoda epp` and `pagoda route` share ----------------------------------------------
 
+@functools.lru_cache(maxsize=4096)  # on every pick, for every pod
 def endpoint_of(url: str) -> str:
     """`http://10.0.0.5:8000` -> `10.0.0.5:8000`: how the gateway names a pod, and the index too."""
     parts = urlsplit(url)
@@ -345,75 +351,6 @@ def check_kv_event_arguments(args: argparse.Namespace) -> str | None:
     return None
 
 
-class CachedTokenizer:
-    """The model's tokenizer with the long prompts' shared parts tokenized once.
-
-    A prompt is cut, about every `chunk_chars` characters, before a space that follows a
-    non-space and precedes a letter: where a byte-level BPE's pre-tokenizer starts a new word
-    anyway, so no merge spans the cut and the pieces' ids, joined, are the whole text's. Each
-    piece's ids are kept (LRU), so the tenants' shared prefixes cost a dictionary lookup and only
-    the new tail is tokenized. Whether the cut is exact for this tokenizer is checked once, on a
-    sample with words, numbers, punctuation, newlines and other scripts cut every few words;
-    where it is not (a tokenizer that marks the text's first word, adds an end token, ...), every
-    prompt is tokenized whole."""
-
-    _SAMPLE = ("Hello world, this is 42 tests.\nLine two: ünïcode wörds and 東京 text; spaces  here "
-               "and\ttabs, (brackets) [more] {braces} 'quotes' \"double\" 3.14159 end-of-line.\n") * 8
-
-    def __init__(self, tokenizer, chunk_chars: int = 256, cache_size: int = 65536):
-        self.tokenizer, self.chunk_chars, self.cache_size = tokenizer, chunk_chars, cache_size
-        self._cache: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
-        self.exact = False
-        self.exact = self._same(self._SAMPLE, 24)
-
-    def _whole(self, text: str, special: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=special))
-
-    def _same(self, text: str, chunk_chars: int) -> bool:
-        saved, self.chunk_chars = self.chunk_chars, chunk_chars
-        try:
-            return all(self._pieces(text, special) == self._whole(text, special) for special in (True, False))
-        finally:
-            self.chunk_chars = saved
-            self._cache.clear()
-
-    def _cuts(self, text: str) -> list[str]:
-        pieces, start = [], 0
-        while len(text) - start > 2 * self.chunk_chars:
-            j = start + self.chunk_chars
-            while j < len(text) - 1 and not (text[j] == " " and not text[j - 1].isspace() and text[j + 1].isalpha()):
-                j += 1
-            if j >= len(text) - 1:
-                break
-            pieces.append(text[start:j])
-            start = j
-        pieces.append(text[start:])
-        return pieces
-
-    def _pieces(self, text: str, special: bool) -> list[int]:
-        out: list[int] = []
-        for i, piece in enumerate(self._cuts(text)):
-            key = (special and i == 0, piece)
-            ids = self._cache.get(key)
-            if ids is None:
-                ids = self._whole(piece, key[0])
-                self._cache[key] = ids
-                if len(self._cache) > self.cache_size:
-                    self._cache.popitem(last=False)
-            else:
-                self._cache.move_to_end(key)
-            out += ids
-        return out
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not self.exact or len(text) <= 2 * self.chunk_chars:
-            return self._whole(text, add_special_tokens)
-        return self._pieces(text, add_special_tokens)
-
-    def apply_chat_template(self, *args, **kwargs):
-        return self.tokenizer.apply_chat_template(*args, **kwargs)
-
-
 @dataclass
 class PrefixSource:
     """The index, its subscriber and the tokenizer: what precise prefix routing reads."""
@@ -423,11 +360,11 @@ class PrefixSource:
     tokenizer: Any
     follow: Callable[[list[str]], None]  # the engines' URLs, as discovery sees them
 
-    def matched(self, tokens: Sequence[int], endpoints: Iterable[str]) -> dict[str, int]:
+    def matched(self, prompt: Prompt, endpoints: Iterable[str]) -> dict[str, int]:
         """endpoint (`ip:port`) -> leading tokens it holds. A pod named by its address alone
         (llm-d's topic kv@<pod ip>@...) holds what its ip does."""
         keys = {e: e if self.index.knows(e) else e.rpartition(":")[0] for e in endpoints}
-        by_key = self.index.matched_tokens(tokens, set(keys.values()))
+        by_key = self.index.matched(prompt, set(keys.values()))
         return {e: by_key.get(k, 0) for e, k in keys.items()}
 
     def close(self) -> None:
@@ -465,22 +402,26 @@ class BadRequest(ValueError):
     pass
 
 
-def request_tokens(tokenizer, body: dict) -> list[int]:
-    """The request's token ids as the engine forms them: a completion prompt with the tokenizer's
-    special tokens, a chat through the model's template (only the leading pages matter)."""
+def request_prompt(tokenizer: CachedTokenizer | None, body: dict) -> Prompt | None:
+    """The request's prompt as the engine tokenizes it: a completion prompt with the tokenizer's
+    special tokens, a chat through the model's template (only the leading pages matter); None
+    without a tokenizer or a prompt."""
     if tokenizer is None:
-        return []
+        return None
     if "messages" in body:
         messages = body["messages"]
         if not isinstance(messages, list):
             raise BadRequest("messages must be a list")
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return tokenizer.prompt(text, add_special_tokens=False)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch: the first prompt decides
     if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))
+        return tokenizer.prompt(prompt)
     if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-        return prompt
-    return []
+        try:
+            return Prompt.of_tokens(prompt)
+        except OverflowError:
+            raise BadRequest("the prompt's token ids must be 64-bit integers") from None
+    return None

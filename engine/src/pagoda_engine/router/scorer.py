@@ -2,7 +2,7 @@
 pods' KV events, queue depth and KV usage, as llm-d's default scorers weigh them.
 
 Each pod gets a weighted sum of three scores in [0, 1]: the share of the request's tokens its
-prefix cache already holds (`KVIndex.matched_tokens`), how short its queue is next to the
+prefix cache already holds (`KVIndex.matched`), how short its queue is next to the
 others' (min-max normalised, as llm-d's queue scorer), and how much of its KV pool is free. A pod
 whose queue has reached `queue_limit` goes last while any other is under it (llm-d's
 low-queue filter), so a full pod is avoided even when it holds the prefix. Pure: no I/O, no
@@ -17,6 +17,7 @@ from typing import Sequence
 
 from pagoda_engine.router.kv_index import PrefixSource, endpoint_of
 from pagoda_engine.router.policy import BackendView, PrefixAware, PrefixKey
+from pagoda_engine.router.prompt_pages import Prompt
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,9 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
     """The candidates' names, best first (the EPP's ordered fallback list)."""
     if not candidates:
         return []
-    pool = [c for c in candidates if c.waiting < queue_limit] or list(candidates)
+    pool = [c for c in candidates if c.waiting < queue_limit]
+    full = [c for c in candidates if c.waiting >= queue_limit] if pool else []
+    pool = pool or list(candidates)
     least, most = min(c.waiting for c in pool), max(c.waiting for c in pool)
     spread = most - least
 
@@ -51,16 +54,16 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
 
     # Ties go to the less loaded, then by name, so the order is stable.
     ranked = sorted(pool, key=lambda c: (-score(c), c.waiting + c.running, c.name))
-    return [c.name for c in ranked] + sorted(c.name for c in candidates if c not in pool)
+    return [c.name for c in ranked] + sorted(c.name for c in full)
 
 
 # --- `pagoda route`'s policy over the same ranking ------------------------------------------
 
 @dataclass(frozen=True)
 class TokenKey(PrefixKey):
-    """A routing key that also carries the request's token ids (precise prefix routing)."""
+    """A routing key that also carries the request's tokenized prompt (precise prefix routing)."""
 
-    tokens: tuple[int, ...] = ()
+    prompt: Prompt | None = None
 
 
 class PrecisePrefix(PrefixAware):
@@ -74,11 +77,11 @@ class PrecisePrefix(PrefixAware):
         self.prefixes, self.weights, self.queue_limit = prefixes, weights, queue_limit
 
     def choose(self, candidates: Sequence[BackendView], key: PrefixKey | None = None) -> str:
-        if isinstance(key, TokenKey) and key.tokens:
+        if isinstance(key, TokenKey) and key.prompt is not None and key.prompt.num_tokens:
             endpoints = {endpoint_of(c.url): c for c in candidates}
-            matched = self.prefixes.matched(key.tokens, endpoints)
+            matched = self.prefixes.matched(key.prompt, endpoints)
             if any(matched.values()):
                 return rank([Candidate(c.url, waiting=c.waiting, running=max(c.running, float(c.in_flight)),
                                        kv_usage=c.kv_usage, matched_tokens=matched[e])
-                             for e, c in endpoints.items()], len(key.tokens), self.weights, self.queue_limit)[0]
+                             for e, c in endpoints.items()], key.prompt.num_tokens, self.weights, self.queue_limit)[0]
         return super().choose(candidates, key)
