@@ -31,6 +31,8 @@ kernel more) and run cuBLASLt's tiles for many rows.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -94,23 +96,10 @@ def dot_rows(x_row, rows, up_rows, col_mask, K: tl.constexpr, GATED: tl.constexp
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
-    SCALED: w holds FP8 rows, each sum times its row's float32 scale (s[cols], s[N + cols]).
-    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < N
-    rows = w_ptr + cols.to(tl.int64)[:, None] * stride_wn
-    up_rows = w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn
-    w_first = rows
-    up_first = rows
-    if PDL:
-        w_first, up_first = first_rows(rows, up_rows, col_mask, K, GATED, BLOCK_K)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    y, up = dot_rows(x_ptr, rows, up_rows, col_mask, K, GATED, BLOCK_N, BLOCK_K, w_first, up_first, PDL)
+def _finish(y, up, cols, col_mask, s_ptr, b_ptr, y_ptr, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
+            SCALED: tl.constexpr):
+    """The one-row kernels' epilogue: float32 sums (y, and up when GATED) times the rows' scales,
+    plus the bias, the gated form's silu(y) × up, rounded once to y's dtype and stored."""
     if SCALED:
         y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
         if GATED:
@@ -120,6 +109,51 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, N, stride_wn, K: tl.constexp
     if GATED:
         y = y / (1.0 + tl.exp(-y)) * up
     tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, stride_wn, K: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr):
+    """y[cols] = w[cols] · x (+ b[cols]); GATED: y[cols] = silu(w[cols] · x) × (w[N + cols] · x).
+    SCALED: w holds FP8 rows, each sum times its row's float32 scale (s[cols], s[N + cols]).
+    Under PDL the first tile of the weight rows is loaded before the wait for the kernel before.
+
+    SPLIT_K > 1: program (i, j) sums the j-th of SPLIT_K equal slices of K into ws[j] (float32,
+    [SPLIT_K, 2, N]); the last of a column block's programs to arrive (a counter per block in
+    lock, left at zero again) adds the slices in order 0, 1, … and finishes: the same bits
+    whichever arrives last."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    K_PART: tl.constexpr = K // SPLIT_K
+    k0 = tl.program_id(1) * K_PART if SPLIT_K > 1 else 0
+    rows = w_ptr + k0 + cols.to(tl.int64)[:, None] * stride_wn
+    up_rows = w_ptr + k0 + (cols + N).to(tl.int64)[:, None] * stride_wn
+    w_first = rows
+    up_first = rows
+    if PDL:
+        w_first, up_first = first_rows(rows, up_rows, col_mask, K_PART, GATED, BLOCK_K)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    y, up = dot_rows(x_ptr + k0, rows, up_rows, col_mask, K_PART, GATED, BLOCK_N, BLOCK_K, w_first, up_first, PDL)
+    if SPLIT_K == 1:
+        _finish(y, up, cols, col_mask, s_ptr, b_ptr, y_ptr, N, HAS_BIAS, GATED, SCALED)
+    else:
+        part = ws_ptr + tl.program_id(1) * 2 * N
+        tl.store(part + cols, y, mask=col_mask)
+        if GATED:
+            tl.store(part + N + cols, up, mask=col_mask)
+        tl.debug_barrier()  # every thread's partial sums are written before the counter says so
+        if tl.atomic_add(lock_ptr + pid, 1, sem="acq_rel") == SPLIT_K - 1:
+            y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            up = tl.zeros((BLOCK_N,), dtype=tl.float32)
+            for j in tl.static_range(SPLIT_K):  # .cg: from L2, where the other programs' sums are
+                y += tl.load(ws_ptr + j * 2 * N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+                if GATED:
+                    up += tl.load(ws_ptr + j * 2 * N + N + cols, mask=col_mask, other=0.0, cache_modifier=".cg")
+            _finish(y, up, cols, col_mask, s_ptr, b_ptr, y_ptr, N, HAS_BIAS, GATED, SCALED)
+            tl.atomic_xchg(lock_ptr + pid, 0)
 
 
 # Rows the few-row kernel (`_rows_kernel`) serves, a small decode batch (padded to ROWS_PAD for
@@ -140,10 +174,20 @@ def linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.stride(-1) == 1 and weight.dim() == 2 and weight.stride(-1) == 1 and weight.shape[1] % 8 == 0)
 
 
-def _columns_per_program(gated: bool) -> int:
-    # From a sweep on an H200 (L2-cold weights): two output columns a program, one for the gated
-    # form (which reads two rows for each).
-    return 1 if gated else 2
+class OneRowConfig(NamedTuple):
+    """How `_gemv_kernel` cuts a one-row projection: output columns a program, the K tile, warps a
+    program, and the slices of K that programs of their own sum (`split_k`, 1: none)."""
+    block_n: int
+    block_k: int
+    num_warps: int
+    split_k: int = 1
+
+
+def one_row_config(n: int, k: int, gated: bool, fp8: bool) -> OneRowConfig:
+    """The one-row kernel's cut of an [n, k] weight (n output columns; gated: n gate rows over n
+    up rows). From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps,
+    two output columns a program, one for the gated form (which reads two rows for each)."""
+    return OneRowConfig(1 if gated else 2, min(2048, triton.next_power_of_2(k)), 4)
 
 
 @triton.jit
@@ -200,23 +244,63 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
              mask=col_mask[:, None] & m_mask[None, :])
 
 
-def _rows_tiles(n: int, k: int, gated: bool) -> tuple[int, int, int]:
-    """(output columns a program, K tile, pipeline stages) of the few-row kernel. From a sweep at
-    8 rows on an H100 (L2-cold weights; BLOCK_N 16/32/64 × BLOCK_K 64/128/256 × 3/5 stages):
-    64 × 128 in five stages was best or within 3 % at every shape but the tall-K ones (Llama's
-    down, Qwen3-30B-A3B's output), which read 256-wide K tiles best."""
-    return 64, 256 if k > n and not gated else 128, 5
+class RowsConfig(NamedTuple):
+    """How `_rows_kernel` cuts a few-row projection: output columns a program, the K tile,
+    pipeline stages, warps a program."""
+    block_n: int
+    block_k: int
+    num_stages: int
+    num_warps: int = 4
+
+
+def rows_config(n: int, k: int, gated: bool, fp8: bool) -> RowsConfig:
+    """The few-row kernel's cut. From a sweep at 8 rows on an H100 (L2-cold weights; BLOCK_N
+    16/32/64 × BLOCK_K 64/128/256 × 3/5 stages): 64 × 128 in five stages was best or within 3 % at
+    every shape but the tall-K ones (Llama's down, Qwen3-30B-A3B's output), which read 256-wide K
+    tiles best."""
+    return RowsConfig(64, 256 if k > n and not gated else 128, 5)
 
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
-                 n: int, gated: bool) -> torch.Tensor:
+                 n: int, gated: bool, config: RowsConfig | None = None) -> torch.Tensor:
     m, k = x.shape
-    block_n, block_k, stages = _rows_tiles(n, k, gated)
+    block_n, block_k, stages, warps = config or rows_config(n, k, gated, weight.dtype == FP8)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, m, n, x.stride(0),
-        weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, M_PAD=ROWS_PAD,
-        num_warps=4, num_stages=stages, PREFETCH=block_k <= 128, **pdl.launch(x.device))
+        weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, M_PAD=ROWS_PAD, num_warps=warps, num_stages=stages, PREFETCH=block_k <= 128,
+        **pdl.launch(x.device))
+    return y
+
+
+# Split-K's arrival counters, one per column block, per device: zeros between launches (the last
+# program of a block puts its counter back). One set serves every launch on the device, which is
+# sound for launches on one stream (each program touches its counter after the wait for the
+# kernel before), as a decode step's are.
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _split_k_buffers(device: torch.device, n: int, blocks: int, split_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    counters = _COUNTERS.get(device)
+    if counters is None or counters.numel() < blocks:
+        counters = _COUNTERS[device] = torch.zeros(max(blocks, 1 << 16), dtype=torch.int32, device=device)
+    return torch.empty((split_k, 2, n), dtype=torch.float32, device=device), counters
+
+
+def _launch_one(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
+                n: int, gated: bool, config: OneRowConfig | None = None) -> torch.Tensor:
+    k = weight.shape[1]
+    block_n, block_k, warps, split_k = config or one_row_config(n, k, gated, weight.dtype == FP8)
+    if split_k > 1 and (k % split_k or (k // split_k) % 16):
+        raise ValueError(f"split-K {split_k} needs slices of K ({k}) that are whole multiples of 16")
+    blocks = triton.cdiv(n, block_n)
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    ws, counters = _split_k_buffers(x.device, n, blocks, split_k) if split_k > 1 else (y, y)
+    _gemv_kernel[(blocks, split_k)](
+        x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, ws, counters, n,
+        weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n,
+        BLOCK_K=block_k, SPLIT_K=split_k, num_warps=warps, **pdl.launch(x.device))
     return y
 
 
@@ -224,16 +308,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
             gated: bool) -> torch.Tensor:
     if x.shape[0] > 1:
         return _launch_rows(x, weight, scale, bias, n, gated)
-    k = weight.shape[1]
-    # From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps.
-    block_k = min(2048, triton.next_power_of_2(k))
-    block_n = _columns_per_program(gated)
-    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, n, weight.stride(0), K=k,
-        HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        **pdl.launch(x.device))
-    return y
+    return _launch_one(x, weight, scale, bias, n, gated)
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -253,20 +328,23 @@ def gemv_silu_and_mul(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res_out_ptr, normed_ptr, N, stride_wn,
                          eps, K: tl.constexpr, K_P2: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
                          GATED: tl.constexpr, SCALED: tl.constexpr, WRITE_NORMED: tl.constexpr,
-                         BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCKS: tl.constexpr, PDL: tl.constexpr):
     """h = x (+ res); y[cols] = rmsnorm(h) · w[cols] (+ b[cols]), GATED as `_gemv_kernel`. Every
     program loads the whole row and its weight rows at once, normalises the row as FlashInfer's
     RMSNorm does (float32, times the weight, rounded once to the dtype) and takes the dot
     products; program 0 also writes h (the new residual stream) and, WRITE_NORMED, the
     normalised row. Under PDL the weight rows are loaded before the wait for the kernel before.
-    SCALED: FP8 weight rows and their scales, as `_gemv_kernel`."""
+    SCALED: FP8 weight rows and their scales, as `_gemv_kernel`. A program takes BLOCKS blocks of
+    BLOCK_N columns one after the other (the first loaded before the wait), normalising the row
+    once for all of them."""
     pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = pid * (BLOCKS * BLOCK_N) + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ks = tl.arange(0, K_P2)
     k_ok = ks < K
     mask = col_mask[:, None] & k_ok[None, :]
     w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+    w_up = w
     if GATED:
         w_up = tl.load(w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
     if PDL:
@@ -282,26 +360,37 @@ def _gemv_rmsnorm_kernel(x_ptr, res_ptr, nw_ptr, w_ptr, s_ptr, b_ptr, y_ptr, res
     if WRITE_NORMED:
         tl.store(normed_ptr + ks, a, mask=k_ok & (pid == 0))
     a = a.to(tl.float32)[None, :]
-    y = tl.sum(w.to(tl.float32) * a, axis=1)
-    if SCALED:
-        y = y * tl.load(s_ptr + cols, mask=col_mask, other=0.0)
-    if HAS_BIAS:
-        y += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    if GATED:
-        up = tl.sum(w_up.to(tl.float32) * a, axis=1)
-        if SCALED:
-            up = up * tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)
-        y = y / (1.0 + tl.exp(-y)) * up
-    tl.store(y_ptr + cols, y.to(y_ptr.dtype.element_ty), mask=col_mask)
+    for block in tl.static_range(BLOCKS):
+        if block > 0:
+            cols += BLOCK_N
+            col_mask = cols < N
+            mask = col_mask[:, None] & k_ok[None, :]
+            w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask, other=0.0)
+            if GATED:
+                w_up = tl.load(w_ptr + (cols + N).to(tl.int64)[:, None] * stride_wn + ks[None, :], mask=mask,
+                               other=0.0)
+        y = tl.sum(w.to(tl.float32) * a, axis=1)
+        up = y
+        if GATED:
+            up = tl.sum(w_up.to(tl.float32) * a, axis=1)
+        _finish(y, up, cols, col_mask, s_ptr, b_ptr, y_ptr, N, HAS_BIAS, GATED, SCALED)
 
 
-def _norm_columns_per_program(gated: bool, fp8: bool) -> int:
-    # `_columns_per_program`'s, except for FP8 rows, which hold half the bytes: from a sweep on an
-    # H200 (Llama-3.1-8B, L2-cold weights, in a CUDA graph) eight columns a program for q/k/v (10.5
-    # µs against 11.5 or more at two), four for gate+up (31.7 µs against 38 or more at one).
-    if fp8:
-        return 4 if gated else 8
-    return _columns_per_program(gated)
+class NormConfig(NamedTuple):
+    """How `_gemv_rmsnorm_kernel` cuts a projection: output columns a block, warps a program,
+    blocks a program."""
+    block_n: int
+    num_warps: int
+    blocks: int = 1
+
+
+def norm_config(n: int, k: int, gated: bool, fp8: bool) -> NormConfig:
+    """The folded-norm kernel's cut: `one_row_config`'s columns, except for FP8 rows, which hold
+    half the bytes: from a sweep on an H200 (Llama-3.1-8B, L2-cold weights, in a CUDA graph) eight
+    columns a program for q/k/v (10.5 µs against 11.5 or more at two), four for gate+up (31.7 µs
+    against 38 or more at one); four warps up to rows of 4,096, else eight."""
+    block_n = (4 if gated else 8) if fp8 else (1 if gated else 2)
+    return NormConfig(block_n, 4 if triton.next_power_of_2(k) <= 4096 else 8)
 
 
 # The fused norm holds the whole row in registers: hidden sizes up to this (Llama-3.1-70B's 8,192).
@@ -323,12 +412,13 @@ def norm_applies(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
 
 def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                  weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False,
-                 normed_out: bool = False, scale: torch.Tensor | None = None):
+                 normed_out: bool = False, scale: torch.Tensor | None = None, config: NormConfig | None = None):
     """A decoder layer's RMSNorm and the projection after it, for one row (see `norm_applies`):
     `(linear(norm(h), weight, bias), h)` with h = x + residual (x when residual is None); with
     `gated` the projection is `gemv_silu_and_mul`'s; with `normed_out` the normalised row is
     returned third, for a layer that projects it more than once (an MoE block: router, experts);
-    an FP8 weight comes with its row scales, `scale`, as `gemv`.
+    an FP8 weight comes with its row scales, `scale`, as `gemv`; `config` overrides `norm_config`'s
+    cut (the sweep, `pagoda_engine.bench.gemv_sweep`, times the candidates).
 
     The values are the separate kernels': h and the normalised row rounded as FlashInfer's fused
     add-and-RMSNorm rounds them, the dot products in float32 (summed in another order). One
@@ -340,11 +430,11 @@ def gemv_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: to
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(x) if residual is not None else x
     normed = torch.empty_like(x) if normed_out else None
-    block_n = _norm_columns_per_program(gated, weight.dtype == FP8)
-    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n),)](
+    block_n, warps, blocks = config or norm_config(n, k, gated, weight.dtype == FP8)
+    _gemv_rmsnorm_kernel[(triton.cdiv(n, block_n * blocks),)](
         x, residual if residual is not None else x, norm_weight, weight, _scale_arg(weight, scale),
         bias if bias is not None else weight, y, res_out, normed if normed is not None else x, n, weight.stride(0), eps,
         K=k, K_P2=k_p2, HAS_RES=residual is not None, HAS_BIAS=bias is not None, GATED=gated,
         SCALED=scale is not None, WRITE_NORMED=normed_out,
-        BLOCK_N=block_n, num_warps=4 if k_p2 <= 4096 else 8, **pdl.launch(x.device))
+        BLOCK_N=block_n, BLOCKS=blocks, num_warps=warps, **pdl.launch(x.device))
     return (y, res_out, normed) if normed_out else (y, res_out)
