@@ -187,3 +187,25 @@ def test_one_row_cuts_and_split_k_give_the_product(split_k, block_n, block_k, fp
                                    F.silu(gate) * up, rtol=1e-2, atol=1e-2)
     with pytest.raises(ValueError, match="split-K 5"):
         kernels._launch_one(x, wq, s, b, n, False, kernels.OneRowConfig(block_n, block_k, 4, 5))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_fp8_few_rows_in_float16_products(rows):
+    """`_rows_kernel`'s float16 products for FP8 weights (`RowsConfig.f16`): the rows scaled into
+    float16's range and back, so that magnitudes a float16 cannot hold (1e5) and small ones come
+    out as in the float32 product; plain and gated. float32 rows here, which can hold such
+    magnitudes (and the interpreter multiplies bfloat16 tiles as their raw bits; the GPU sweep
+    checks bfloat16 rows)."""
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 70, 136
+    wq, s = _fp8_rows(n, k, gen)
+    w13q, s13 = _fp8_rows(2 * n, k, gen)
+    x = torch.randn(rows, k, generator=gen)
+    cfg = kernels.RowsConfig(32, 64, 2, 4, True)
+    gate, up = (x @ (w13q.float() * s13[:, None]).T).chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    torch.testing.assert_close(kernels._launch_rows(x, w13q, s13, None, n, True, cfg), expected, rtol=1e-2, atol=1e-2)
+    x[0, :8] = torch.tensor([1e5, -2e5, 3e4, 6e5, -6e4, 1e-3, -1e-4, 0.5])
+    expected = x @ (wq.float() * s[:, None]).T
+    torch.testing.assert_close(kernels._launch_rows(x, wq, s, None, n, False, cfg), expected,
+                               rtol=1e-2, atol=1e-2 * expected.abs().max().item())

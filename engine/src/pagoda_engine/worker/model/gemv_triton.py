@@ -156,6 +156,22 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, stride_
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 
+# The few-row kernel's float16 products (F16) take the rows times this, so that activations up to
+# 2^20 stay in float16's range (65,504 × 16) and those from 2^-10 in its normal numbers (2^-14 × 16).
+F16_X_SCALE = tl.constexpr(1.0 / 16)
+
+
+@triton.jit
+def _x_tile(ptrs, mask, F16: tl.constexpr):
+    """A [BLOCK_K, M_PAD] tile of the rows for `_rows_kernel`'s products: as they are, or F16
+    (times F16_X_SCALE, a power of two) in float16."""
+    xt = tl.load(ptrs, mask=mask, other=0.0)
+    if F16:
+        # Scaled in the rows' dtype first (exact), so that nothing large reaches float16 unscaled.
+        xt = (xt * F16_X_SCALE).to(tl.float16)
+    return xt
+
+
 # Rows the few-row kernel (`_rows_kernel`) serves, a small decode batch (padded to ROWS_PAD for
 # the tensor-core tiles), and the fewest weight rows it takes: below that its programs are too
 # few to keep the memory busy (Qwen3-30B-A3B's router, 128 rows: 5.8 µs against cuBLAS's 4.7).
@@ -193,7 +209,8 @@ def one_row_config(n: int, k: int, gated: bool, fp8: bool) -> OneRowConfig:
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, GATED: tl.constexpr, SCALED: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):
+                 BLOCK_K: tl.constexpr, M_PAD: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+                 F16: tl.constexpr):
     """`_gemv_kernel` for M (≤ M_PAD) rows: each program takes BLOCK_N output columns of every row,
     streaming its weight rows over K once in BLOCK_K-wide tiles, each multiplied on the tensor
     cores by the rows (padded to M_PAD), float32 sums; y is [M, N], contiguous. Under PDL with
@@ -201,7 +218,10 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
     of the loop, peeled: the same products in the same order); it takes a pipeline stage's worth
     of shared memory more, which 256-wide tiles in five stages do not have. SCALED: FP8 weight
     tiles, widened to x's dtype for the products (exactly: every e4m3 value is a bfloat16 one), the
-    sums times the rows' scales."""
+    sums times the rows' scales. F16 (FP8 weights): the products in float16 instead, the weights
+    widened by one instruction for two values (to bfloat16 it takes four), the rows times
+    F16_X_SCALE (exact for magnitudes from 2^-10 to 2^20, below that within 2^-21) and the sums
+    divided by it."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
     ms = tl.arange(0, M_PAD)
@@ -219,7 +239,7 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
     if PDL and PREFETCH:
         ks = tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        xt = _x_tile(x_ptr + ms[None, :] * stride_xm + ks[:, None], m_mask[None, :] & k_mask[:, None], F16)
         acc += tl.dot(w_first.to(xt.dtype), xt)
         if GATED:
             acc_up += tl.dot(up_first.to(xt.dtype), xt)
@@ -227,15 +247,21 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
     for k in range(k_start, K, BLOCK_K):
         ks = k + tl.arange(0, BLOCK_K)
         k_mask = ks < K
-        xt = tl.load(x_ptr + ms[None, :] * stride_xm + ks[:, None], mask=m_mask[None, :] & k_mask[:, None], other=0.0)
+        xt = _x_tile(x_ptr + ms[None, :] * stride_xm + ks[:, None], m_mask[None, :] & k_mask[:, None], F16)
         w_mask = col_mask[:, None] & k_mask[None, :]
         acc += tl.dot(tl.load(rows + ks[None, :], mask=w_mask, other=0.0).to(xt.dtype), xt)
         if GATED:
             acc_up += tl.dot(tl.load(up_rows + ks[None, :], mask=w_mask, other=0.0).to(xt.dtype), xt)
     if SCALED:
-        acc = acc * tl.load(s_ptr + cols, mask=col_mask, other=0.0)[:, None]
+        row_scale = tl.load(s_ptr + cols, mask=col_mask, other=0.0)
+        if F16:
+            row_scale = row_scale * (1 / F16_X_SCALE)
+        acc = acc * row_scale[:, None]
         if GATED:
-            acc_up = acc_up * tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)[:, None]
+            up_scale = tl.load(s_ptr + N + cols, mask=col_mask, other=0.0)
+            if F16:
+                up_scale = up_scale * (1 / F16_X_SCALE)
+            acc_up = acc_up * up_scale[:, None]
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[:, None]
     if GATED:
@@ -246,11 +272,13 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
 
 class RowsConfig(NamedTuple):
     """How `_rows_kernel` cuts a few-row projection: output columns a program, the K tile,
-    pipeline stages, warps a program."""
+    pipeline stages, warps a program, and for FP8 weights whether the products are float16's
+    (`f16`, see the kernel) rather than the rows' dtype."""
     block_n: int
     block_k: int
     num_stages: int
     num_warps: int = 4
+    f16: bool = False
 
 
 def rows_config(n: int, k: int, gated: bool, fp8: bool) -> RowsConfig:
@@ -264,12 +292,13 @@ def rows_config(n: int, k: int, gated: bool, fp8: bool) -> RowsConfig:
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
                  n: int, gated: bool, config: RowsConfig | None = None) -> torch.Tensor:
     m, k = x.shape
-    block_n, block_k, stages, warps = config or rows_config(n, k, gated, weight.dtype == FP8)
+    block_n, block_k, stages, warps, f16 = config or rows_config(n, k, gated, weight.dtype == FP8)
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     _rows_kernel[(triton.cdiv(n, block_n),)](
         x, weight, _scale_arg(weight, scale), bias if bias is not None else weight, y, m, n, x.stride(0),
         weight.stride(0), K=k, HAS_BIAS=bias is not None, GATED=gated, SCALED=scale is not None, BLOCK_N=block_n,
         BLOCK_K=block_k, M_PAD=ROWS_PAD, num_warps=warps, num_stages=stages, PREFETCH=block_k <= 128,
+        F16=f16 and scale is not None,
         **pdl.launch(x.device))
     return y
 
