@@ -209,3 +209,25 @@ def test_fp8_few_rows_in_float16_products(rows):
     expected = x @ (wq.float() * s[:, None]).T
     torch.testing.assert_close(kernels._launch_rows(x, wq, s, None, n, False, cfg), expected,
                                rtol=1e-2, atol=1e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16"])
+def test_the_sweep_checks_each_cut_against_the_float32_product(dtype, monkeypatch):
+    """`pagoda_engine.bench.gemv_sweep` times only cuts whose output is the float32 product: its
+    check passes the one-row and folded-norm cuts it would time (at tiny shapes here) and fails a
+    cut held against other weights' product."""
+    from pagoda_engine.bench import gemv_sweep as sweep
+
+    monkeypatch.setattr(sweep, "SHAPES", {"qkv": (24, 64, "norm"), "o": (16, 64, "plain"),
+                                          "gate_up": (12, 64, "gated_norm"), "down": (16, 128, "plain")})
+    cands = sweep.candidates(["qkv", "o", "gate_up", "down"], [dtype], [1])
+    picked = [c for c in cands if c.kernel == "norm" and c.config[2] == 2][:2] + \
+        [c for c in cands if c.kernel == "one" and c.config[3] > 1][:2]
+    assert {c.kernel for c in picked} == {"norm", "one"}
+    cpu = torch.device("cpu")
+    for c in picked:
+        w = sweep.make_weights(c.shape, c.dtype, cpu)
+        assert len(w.copies) >= 2
+        assert sweep.check(c, 1, w, cpu)[0] == "ok", c
+    w.dense = w.dense * 1.1
+    assert sweep.check(picked[-1], 1, w, cpu)[0].startswith("WRONG")
