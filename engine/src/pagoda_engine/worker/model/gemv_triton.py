@@ -26,7 +26,15 @@ elsewhere, and on the CPU, `F.linear` runs.
 Every kernel also reads FP8 (e4m3) weights with a float32 scale per row (`--quantization fp8`):
 widened in registers, the sums times the rows' scales, the activations left in their dtype. A
 decode row reads half the bytes of bf16, where the FP8 GEMM would quantize the row first (a
-kernel more) and run cuBLASLt's tiles for many rows.
+kernel more) and run cuBLASLt's tiles for many rows. The few-row kernel multiplies FP8 tiles in
+float16 (`RowsConfig.f16`).
+
+How each kernel cuts a shape (`one_row_config`, `norm_config`, `rows_config`) comes from
+`python -m pagoda_engine.bench.gemv_sweep` (each function says what it measured). One FP8 row
+streams at 3.0-3.6 TB/s (Llama-3.1-8B on an H200, L2-cold: q/k/v 8.4 µs, output 5.7, gate+up
+32.3, down 18.1) where bf16 rows reach 4.0-4.5: a byte of FP8 is a value to widen (half an
+e4m3x2 conversion, a float16-to-float32 one) and a multiply-add, twice bf16's work a byte, and
+no cut of these kernels moved that.
 """
 
 from __future__ import annotations
@@ -199,10 +207,23 @@ class OneRowConfig(NamedTuple):
     split_k: int = 1
 
 
+# At least this many output columns for the wide cut (eight columns a program): below, its
+# programs are too few to keep an H200's 132 SMs busy (Qwen3-30B-A3B's router has 128 columns).
+WIDE_MIN_N = 4096
+
+
 def one_row_config(n: int, k: int, gated: bool, fp8: bool) -> OneRowConfig:
     """The one-row kernel's cut of an [n, k] weight (n output columns; gated: n gate rows over n
-    up rows). From a sweep on an H200 (L2-cold weights): tiles of up to 2,048 columns, four warps,
-    two output columns a program, one for the gated form (which reads two rows for each)."""
+    up rows): tiles of up to 2,048 columns, four warps, two output columns a program, one for the
+    gated form (which reads two rows for each); for wide weights eight columns and 1,024-wide tiles
+    (each program reads the row x once for more weight bytes). From `pagoda_engine.bench.gemv_sweep`
+    on an H200 (Llama-3.1-8B, L2-cold weights, CUDA graph with PDL), µs (two columns → eight):
+    FP8 output 6.55 → 5.68, down 18.29 → 18.05; bf16 output 9.02 → 8.42, LM head 235.0 → 228.0,
+    but bf16 down 27.2 → 39.4 (its K of 14,336 in 1,024-wide float32 sums spills), so bf16 takes
+    the wide cut only up to K = 4,096. Split-K (2 or 4 slices) lost at every shape (output 8.06,
+    down 22.6 µs at best, FP8); so did the few-row kernel at one row (9.0, 24.7)."""
+    if not gated and n >= WIDE_MIN_N and (fp8 or k <= 4096):
+        return OneRowConfig(8, 1024, 4)
     return OneRowConfig(1 if gated else 2, min(2048, triton.next_power_of_2(k)), 4)
 
 
@@ -282,11 +303,19 @@ class RowsConfig(NamedTuple):
 
 
 def rows_config(n: int, k: int, gated: bool, fp8: bool) -> RowsConfig:
-    """The few-row kernel's cut. From a sweep at 8 rows on an H100 (L2-cold weights; BLOCK_N
+    """The few-row kernel's cut. bf16, from a sweep at 8 rows on an H100 (L2-cold weights; BLOCK_N
     16/32/64 × BLOCK_K 64/128/256 × 3/5 stages): 64 × 128 in five stages was best or within 3 % at
-    every shape but the tall-K ones (Llama's down, Qwen3-30B-A3B's output), which read 256-wide K
-    tiles best."""
-    return RowsConfig(64, 256 if k > n and not gated else 128, 5)
+    every shape but those with K at least N (Llama's output and down, Qwen3-30B-A3B's output),
+    which read 256-wide K tiles best (on an H200, Llama's output at 2-8 rows: 11.1 → 10.4 µs).
+
+    FP8: float16 products, 32 × 256 tiles, three stages where N > K (q/k/v, gate+up), else five.
+    From `pagoda_engine.bench.gemv_sweep` on an H200 (Llama-3.1-8B, 2, 4 and 8 rows within 1 %),
+    µs (64 × 128 in bf16 products → this): q/k/v 20.9 → 12.9, output 20.6 → 9.6, gate+up 57.0 →
+    41.6, down 63.7 → 26.4: widening e4m3 to bfloat16 took a slow conversion for every value, to
+    float16 one instruction for two; the other stage count cost 1.5-17 %."""
+    if fp8:
+        return RowsConfig(32, 256, 3 if n > k else 5, 4, f16=True)
+    return RowsConfig(64, 256 if k >= n and not gated else 128, 5)
 
 
 def _launch_rows(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, bias: torch.Tensor | None,
@@ -414,12 +443,18 @@ class NormConfig(NamedTuple):
 
 
 def norm_config(n: int, k: int, gated: bool, fp8: bool) -> NormConfig:
-    """The folded-norm kernel's cut: `one_row_config`'s columns, except for FP8 rows, which hold
-    half the bytes: from a sweep on an H200 (Llama-3.1-8B, L2-cold weights, in a CUDA graph) eight
-    columns a program for q/k/v (10.5 µs against 11.5 or more at two), four for gate+up (31.7 µs
-    against 38 or more at one); four warps up to rows of 4,096, else eight."""
+    """The folded-norm kernel's cut: two columns a program (one gated), except for FP8 rows, which
+    hold half the bytes: eight columns for q/k/v, four for gate+up; four warps up to rows of 4,096,
+    else eight. Wide FP8 q/k/v: two blocks of eight columns a program (the row normalised once for
+    both), eight warps. From `pagoda_engine.bench.gemv_sweep` on an H200 (Llama-3.1-8B, L2-cold
+    weights, CUDA graph with PDL; columns × warps × blocks, 6-32 × 4-16 × 1-4), µs: FP8 q/k/v 9.26
+    → 8.39; FP8 gate+up 32.26 (the next best 32.5, two blocks of two); bf16 q/k/v 13.59, gate+up
+    52.97 (every other cut within 1 %)."""
+    warps = 4 if triton.next_power_of_2(k) <= 4096 else 8
+    if fp8 and not gated and n >= WIDE_MIN_N:
+        return NormConfig(8, 8, 2)
     block_n = (4 if gated else 8) if fp8 else (1 if gated else 2)
-    return NormConfig(block_n, 4 if triton.next_power_of_2(k) <= 4096 else 8)
+    return NormConfig(block_n, warps)
 
 
 # The fused norm holds the whole row in registers: hidden sizes up to this (Llama-3.1-70B's 8,192).
