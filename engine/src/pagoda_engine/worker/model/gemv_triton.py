@@ -164,7 +164,7 @@ def _gemv_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, lock_ptr, N, stride_
             tl.atomic_xchg(lock_ptr + pid, 0)
 
 
-# The few-row kernel's float16 products (F16) take the rows times this, so that activations up to
+# The few-row kernel's float16 products (F16) take the rows times this, so that activations below
 # 2^20 stay in float16's range (65,504 × 16) and those from 2^-10 in its normal numbers (2^-14 × 16).
 F16_X_SCALE = tl.constexpr(1.0 / 16)
 
@@ -241,7 +241,7 @@ def _rows_kernel(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_xm, stride_wn, 
     tiles, widened to x's dtype for the products (exactly: every e4m3 value is a bfloat16 one), the
     sums times the rows' scales. F16 (FP8 weights): the products in float16 instead, the weights
     widened by one instruction for two values (to bfloat16 it takes four), the rows times
-    F16_X_SCALE (exact for magnitudes from 2^-10 to 2^20, below that within 2^-21) and the sums
+    F16_X_SCALE (exact for magnitudes from 2^-10 up to 2^20, smaller ones within 2^-21) and the sums
     divided by it."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < N
