@@ -231,3 +231,17 @@ def test_the_sweep_checks_each_cut_against_the_float32_product(dtype, monkeypatc
         assert sweep.check(c, 1, w, cpu)[0] == "ok", c
     w.dense = w.dense * 1.1
     assert sweep.check(picked[-1], 1, w, cpu)[0].startswith("WRONG")
+
+
+def test_the_tensor_core_row_takes_only_what_its_fragments_fit():
+    """`_launch_mma` (inline PTX, which the interpreter does not run; tests/gpu runs the kernel)
+    refuses what its fragments cannot hold before launching: bf16 weights, K not a multiple of
+    64, more than one row, rows a program not a multiple of 8 × warps."""
+    gen = torch.Generator().manual_seed(5)
+    wq, s = _fp8_rows(16, 128, gen)
+    x = torch.randn(1, 128, generator=gen).half()
+    ok = kernels.MmaConfig(16, 2)
+    for bad in [(x, wq.half(), s, ok), (x[:, :96], wq[:, :96], s, ok), (torch.cat([x, x]), wq, s, ok),
+                (x, wq, s, kernels.MmaConfig(24, 2))]:
+        with pytest.raises(ValueError, match="tensor-core one-row kernel"):
+            kernels._launch_mma(bad[0], bad[1], bad[2], 16, bad[3])

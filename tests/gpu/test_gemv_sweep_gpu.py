@@ -23,7 +23,8 @@ def test_the_sweep_times_the_engines_cuts_and_names_the_best(tmp_path, capsys, m
     def few(*args):
         cands = every(*args)
         now = {gemv_sweep.default_label("o", "fp8", rows) for rows in (1, 2)}
-        return [c for c in cands if c.label() in now] + [c for c in cands if c.label() not in now][::12]
+        others = [c for c in cands if c.label() not in now and c.kernel != "mma"]  # mma: its own test
+        return [c for c in cands if c.label() in now] + others[::12]
 
     monkeypatch.setattr(gemv_sweep, "candidates", few)
     out = tmp_path / "sweep.jsonl"

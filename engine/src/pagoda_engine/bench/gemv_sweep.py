@@ -16,6 +16,8 @@ Cuts:
   `_rows_kernel` at one row;
 - one row with the norm (q/k/v; gate+up with SiLU): `_gemv_rmsnorm_kernel`'s columns a block ×
   warps × blocks a program;
+- one FP8 row, plain: also `_gemv_mma_kernel` (rows a program × warps), the tensor-core
+  experiment the engine does not launch yet;
 - 2, 4, 8 rows: `_rows_kernel`'s columns × K tile × stages × warps, FP8 also with float16 products.
 
 Compiling hundreds of kernels is most of the time: `--jobs` processes compile them first, into
@@ -59,7 +61,7 @@ class Candidate:
 
     def label(self) -> str:
         names = {"one": ("bn", "bk", "w", "splitk"), "norm": ("bn", "w", "blocks"),
-                 "rows": ("bn", "bk", "stages", "w", "f16")}[self.kernel]
+                 "rows": ("bn", "bk", "stages", "w", "f16"), "mma": ("bn", "w")}[self.kernel]
         return f"{self.kernel}(" + " ".join(f"{n}={int(v)}" for n, v in zip(names, self.config)) + ")"
 
 
@@ -92,6 +94,9 @@ def candidates(shapes: list[str], dtypes: list[str], rows: list[int]) -> list[Ca
                 if shape != "lm_head":
                     for bn, bk, split in itertools.product((2, 4), (1024, 2048), (2, 4)):
                         out.append(Candidate(shape, dtype, "one", (bn, bk, 4, split), (1,)))
+                if dtype == "fp8":  # the tensor-core one-row kernel (an experiment: the engine does not launch it)
+                    for bn, warps in ((16, 1), (32, 1), (32, 2), (64, 2), (64, 4), (128, 4)):
+                        out.append(Candidate(shape, dtype, "mma", (bn, warps), (1,)))
             if shape == "lm_head":
                 continue
             # bf16: the few-row cuts were swept on an H100 already; here the nearest ones.
@@ -154,6 +159,9 @@ def runner(c: Candidate, m: int, w: Weights, x: torch.Tensor, residual: torch.Te
     if c.kernel == "one":
         cfg = g.OneRowConfig(*c.config)
         return lambda i: g._launch_one(x, w.copies[i], w.scales[i], None, n, gated, cfg)
+    if c.kernel == "mma":
+        cfg = g.MmaConfig(*c.config)
+        return lambda i: g._launch_mma(x, w.copies[i], w.scales[i], n, cfg)
     cfg = g.RowsConfig(*c.config)
     return lambda i: g._launch_rows(x, w.copies[i], w.scales[i], None, n, gated, cfg)
 

@@ -369,6 +369,88 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, b
     return _launch_one(x, weight, scale, bias, n, gated)
 
 
+@triton.jit
+def _mma_e4m3_row(w4, x4, acc):
+    """One m16n8k16 tensor-core product for every four e4m3 weights a thread holds (`pack=4`):
+    the four weights widened to float16 (two instructions) are the B fragment of the thread's
+    weight row (the warp's lane // 4), the four float16 row values the A fragment's row 0 (lanes 0-3;
+    the other rows zero), and acc the C fragment. Which four of a row's K positions are which
+    logical k does not matter to a dot product, so each thread's loaded bytes are used where they
+    lie: no shared memory, no shuffles. Only a layout of [1, 16] values a thread, [8, 4] threads a
+    warp (each thread 16 contiguous bytes of one row, four threads a row) gives the right sums."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b16 wl, wh;
+        .reg .b32 b0, b1, a0, a2, z;
+        .reg .pred p;
+        .reg .u32 lane;
+        mov.b32 {wl, wh}, $4;
+        cvt.rn.f16x2.e4m3x2 b0, wl;
+        cvt.rn.f16x2.e4m3x2 b1, wh;
+        mov.u32 lane, %laneid;
+        setp.lt.u32 p, lane, 4;
+        selp.b32 a0, $5, 0, p;
+        selp.b32 a2, $6, 0, p;
+        mov.b32 z, 0;
+        mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {a0, z, a2, z}, {b0, b1}, {$7, $8, $9, $10};
+        }""",
+        constraints="=f,=f,=f,=f,r,r,r,f,f,f,f",
+        args=[w4, x4, acc], dtype=tl.float32, is_pure=True, pack=4)
+
+
+@triton.jit
+def _gemv_mma_kernel(x_ptr, w_ptr, s_ptr, y_ptr, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     PDL: tl.constexpr):
+    """y[rows] = (w[rows] · x) × s[rows] for one row x and FP8 rows w (K a multiple of 64): 64-wide
+    tiles of BLOCK_N rows (8 × warps × repeats), each thread's 16 bytes of a row four tensor-core
+    products (`_mma_e4m3_row`) against the row in float16 (times F16_X_SCALE, as `_rows_kernel`),
+    float32 sums. Element (r, 16q + 4j + c) of the sums, for r a multiple of 8 and c < 2, holds
+    the part of row r + 2q + c summed by product j; the others hold zeros. A widened e4m3 value
+    costs half an instruction and a product an eighth, where `_gemv_kernel` spends two and a half a
+    value on CUDA cores. An experiment: the engine does not launch it (`pagoda_engine.bench.
+    gemv_sweep` times it as the "mma" cut)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    ks = tl.arange(0, 64)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + ks[None, :]
+    w = tl.load(w_ptrs, mask=row_mask[:, None], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    acc = tl.zeros((BLOCK_N, 64), dtype=tl.float32)
+    for k in tl.static_range(0, K, 64):
+        if k > 0:
+            w = tl.load(w_ptrs + k, mask=row_mask[:, None], other=0.0)
+        # Scaled in the row's dtype first (exact), as `_x_tile` does.
+        xk = (tl.load(x_ptr + k + ks) * F16_X_SCALE).to(tl.float16)
+        acc = _mma_e4m3_row(w.to(tl.uint8, bitcast=True), tl.broadcast_to(xk[None, :], (BLOCK_N, 64)), acc)
+    GROUPS: tl.constexpr = BLOCK_N // 8
+    sums = tl.sum(tl.sum(tl.reshape(acc, (GROUPS, 8, 4, 4, 4)), axis=3), axis=1)  # [group, q, c]
+    y = tl.reshape(tl.sum(tl.reshape(sums, (GROUPS, 4, 2, 2)), axis=2), (BLOCK_N,))
+    y = y * tl.load(s_ptr + rows, mask=row_mask, other=0.0) * (1 / F16_X_SCALE)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+class MmaConfig(NamedTuple):
+    """How `_gemv_mma_kernel` cuts a projection: rows a program (a multiple of 8 × warps), warps."""
+    block_n: int
+    num_warps: int
+
+
+def _launch_mma(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, n: int, config: MmaConfig) -> torch.Tensor:
+    """`gemv(x, weight, None, scale)` for one row and FP8 weights through `_gemv_mma_kernel`."""
+    k = weight.shape[1]
+    if weight.dtype != FP8 or scale is None or x.shape[0] != 1 or k % 64 or config.block_n % (8 * config.num_warps):
+        raise ValueError("the tensor-core one-row kernel takes one row, FP8 weights with their scales, K a "
+                         "multiple of 64, and rows a program a multiple of 8 x warps")
+    y = torch.empty((1, n), dtype=x.dtype, device=x.device)
+    _gemv_mma_kernel[(triton.cdiv(n, config.block_n),)](
+        x, weight, scale, y, n, weight.stride(0), K=k, BLOCK_N=config.block_n, num_warps=config.num_warps,
+        **pdl.launch(x.device))
+    return y
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          scale: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [M, K], M ≤ MAX_ROWS (see `linear_applies`); an FP8 weight
