@@ -34,7 +34,9 @@ How each kernel cuts a shape (`one_row_config`, `norm_config`, `rows_config`) co
 streams at 3.0-3.6 TB/s (Llama-3.1-8B on an H200, L2-cold: q/k/v 8.4 µs, output 5.7, gate+up
 32.3, down 18.1) where bf16 rows reach 4.0-4.5: a byte of FP8 is a value to widen (half an
 e4m3x2 conversion, a float16-to-float32 one) and a multiply-add, twice bf16's work a byte, and
-no cut of these kernels moved that.
+no cut of these kernels moved that. `_gemv_mma_kernel` does the products on the tensor cores
+from the loaded bytes themselves, at about half the instructions a byte; the sweep times it (the
+"mma" cut) and the engine does not launch it until it wins there.
 """
 
 from __future__ import annotations
