@@ -221,8 +221,9 @@ def test_lone_requests_through_the_one_row_kernels_decode_as_peft_does(tmp_path,
     monkeypatch.setattr(gemv, "gemv_rmsnorm", counted(gemv.gemv_rmsnorm, "rmsnorm"))
     # 16 columns a program, not the GPU's one or two: the interpreter runs programs one by one (and
     # 16 leaves the LoRA programs' last block of A's rows part-masked at rank 8).
-    monkeypatch.setattr(gemv, "_columns_per_program", lambda gated: 16)
-    monkeypatch.setattr(gemv, "_norm_columns_per_program", lambda gated, fp8: 16)
+    one_row_config, norm_config = gemv.one_row_config, gemv.norm_config
+    monkeypatch.setattr(gemv, "one_row_config", lambda *a: one_row_config(*a)._replace(block_n=16, split_k=1))
+    monkeypatch.setattr(gemv, "norm_config", lambda *a: norm_config(*a)._replace(block_n=16, blocks=1))
     # The CUDA-only switches, opened for one row on the CPU (not for the LM head: it takes no adapter).
     def one_row(x, w):
         return gemv if x.shape[0] == 1 and w.shape[0] < VOCAB_SIZE else None

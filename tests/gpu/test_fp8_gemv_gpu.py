@@ -132,3 +132,35 @@ def test_fp8_gemv_reads_the_weights_faster_than_the_scaled_mm_path(rows, capsys)
     with capsys.disabled():
         print("\n" + "\n".join(lines))
     assert total_kernel < total_scaled_mm
+
+
+@pytest.mark.parametrize("rows", [2, 16])
+def test_fp8_few_rows_hold_large_activations(rows):
+    """The few-row kernel's float16 products (`rows_config` picks them for FP8): bf16 rows with
+    magnitudes a float16 cannot hold (up to 5e5, as outlier features reach in some models) and
+    small ones give the float32 product of the scaled weights, plain and gated."""
+    from pagoda_engine.worker.model.gemv_triton import gemv, gemv_silu_and_mul, rows_config
+
+    n, k = SHAPES["llama down"]
+    assert rows_config(n, k, False, True).f16
+    q, s, w = _fp8(n, k)
+    x = torch.randn(rows, k, device=CUDA)
+    x[0, :6] = torch.tensor([5e5, -2e5, 7e4, -7e4, 1e-4, -3e-3])
+    x = x.bfloat16()
+    _close(gemv(x, q, None, s), x.float() @ w.T)
+    q13, s13, w13 = _fp8(2 * 4096, k)
+    gate, up = (x.float() @ w13.T).chunk(2, dim=-1)
+    _close(gemv_silu_and_mul(x, q13, s13), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("cut", [(16, 1), (32, 1), (64, 2), (128, 4)])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (4096, 14336), (1000, 1024)], ids=["q/k/v", "down", "uneven rows"])
+def test_fp8_tensor_core_row_is_the_product_with_the_scaled_weights(n, k, cut):
+    """`_gemv_mma_kernel` (the sweep's "mma" cut): each thread's loaded e4m3 bytes as tensor-core
+    fragments give the float32 product of the row and the scaled weights, a last block of rows
+    cut short included."""
+    from pagoda_engine.worker.model.gemv_triton import MmaConfig, _launch_mma
+
+    q, s, w = _fp8(n, k)
+    x = torch.randn(1, k, device=CUDA).bfloat16()
+    _close(_launch_mma(x, q, s, n, MmaConfig(*cut)), x.float() @ w.T)
