@@ -168,6 +168,9 @@ class EngineCore:
                         "scheduling", self.in_flight.max_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, attention)
+        if grammars_prepared is not None:
+            # Done before the graphs are captured: the tokenizer's thread stays out of the capture.
+            grammars_prepared.result()
         # What the ranks replay: `config.resolve_for_device`'s mode, NONE where they run eagerly.
         self.cudagraph_mode = executor.compile_or_warm_up(config, self.max_model_len)
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
@@ -176,8 +179,6 @@ class EngineCore:
             t1 = time.monotonic()
             warm_up_steps(self)
             logger.info("warm-up steps took %.1fs", time.monotonic() - t1)
-        if grammars_prepared is not None:
-            grammars_prepared.result()
 
     def _start_kv_transfer(self) -> KVTransfer:
         """Disaggregated prefill/decode's control plane, under the fingerprint of what makes two
