@@ -152,9 +152,9 @@ class GrammarCompiler:
     def prepare(self) -> Future:
         """Start building the tokenizer view, compiling a grammar and filling a mask row now, in
         a compile thread beside the rest of the start-up, so that the first constrained request a
-        fresh engine serves does not wait for them: loading and converting a 50k-token vocabulary
-        takes 2-3 s of CPU, and a rollout's new replicas would each make their first tool call or
-        JSON schema request pay it. A failure is logged, not raised: the first constrained
+        fresh engine serves does not wait for them (half a second for SmolLM2's 49k-token
+        vocabulary on CPU, more for larger ones), as each new replica of a rollout made its first
+        tool call or JSON schema request do. A failure is logged, not raised: the first constrained
         request tries again and reports it."""
         return self._pool.submit(self._prepare)
 
