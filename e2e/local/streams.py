@@ -56,6 +56,7 @@ def read(base: str, path: str, body: dict, progress: Progress | None = None, tim
     started, ttft = time.monotonic(), None
     with httpx.stream("POST", base + path, json=body, timeout=timeout) as r:
         assert r.status_code == 200, r.read()
+        backend = r.headers.get("x-pagoda-backend")
         for line in r.iter_lines():
             if not line.startswith("data: "):
                 continue
@@ -78,6 +79,7 @@ def read(base: str, path: str, body: dict, progress: Progress | None = None, tim
         "token_ids": [t for ch in choices for t in ch.get("token_ids") or ()],
         "has_token_ids": any("token_ids" in ch for ch in choices),
         "ttft": ttft,  # seconds to the first frame
+        "backend": backend,  # the replica a router sent it to first
     }
 
 

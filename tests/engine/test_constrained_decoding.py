@@ -154,6 +154,33 @@ def test_fill_bitmask_leaves_ids_past_the_tokenizer_clear(tmp_path):
     compiler.close()
 
 
+def test_prepare_builds_the_tokenizer_once_before_the_first_request_and_a_failure_waits_for_it(caplog):
+    from pagoda_engine.api.tokenizer import load_tokenizer
+    from pagoda_engine.tiny import default_model_dir
+    import llguidance.hf
+
+    tokenizer = load_tokenizer(default_model_dir())
+    built = []
+    compiler = GrammarCompiler(lambda: built.append(1) or llguidance.hf.from_tokenizer(tokenizer))
+    compiler.prepare().result(timeout=30)
+    assert built == [1] and compiler.cache.misses == 0  # built with no request's grammar asked for
+    compiler.submit(StructuredOutputsParams(regex="[a-z]+")).future.result(timeout=30)
+    assert built == [1]
+    compiler.close()
+
+    def broken():
+        raise RuntimeError("no vocabulary here")
+
+    compiler = GrammarCompiler(broken)
+    with caplog.at_level("WARNING", logger="pagoda_engine.structured_outputs"):
+        compiler.prepare().result(timeout=30)  # logged, not raised: the engine starts
+    assert "no vocabulary here" in caplog.text
+    grammar = compiler.submit(StructuredOutputsParams(regex="[a-z]+"))
+    grammar.future.exception(timeout=30)
+    assert "no vocabulary here" in str(grammar.error())  # the request hears of it
+    compiler.close()
+
+
 # --- the engine --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -164,6 +191,12 @@ def llm():
 
 def _texts(outputs):
     return [o.outputs[0].text for o in outputs]
+
+
+def test_a_started_core_has_its_grammar_tokenizer_before_any_constrained_request(llm):
+    """(First of the engine's tests: no constrained request has reached the core yet.)"""
+    assert llm.core.grammars.cache.misses == 0
+    assert llm.core.grammars._tokenizer is not None
 
 
 def test_offline_constrained_outputs_follow_the_schema_and_free_ones_are_untouched(llm):

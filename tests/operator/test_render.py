@@ -224,7 +224,11 @@ def test_llama_8b_example_downloads_from_hugging_face_onto_one_gpu():
     out = rendered(load_example("llama-3.1-8b.yaml"))
     deploy = out[("Deployment", "llama-8b-engine")]
     assert deploy["spec"]["replicas"] == 2
-    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    # A surge: both replicas serve until each successor is ready (the load's TTFT holds).
+    assert deploy["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    in_place = rendered(with_spec(load_example("llama-3.1-8b.yaml"), engine__rollout="in-place"))
+    assert in_place[("Deployment", "llama-8b-engine")]["spec"]["strategy"]["rollingUpdate"] == {
+        "maxSurge": 0, "maxUnavailable": 1}
     pod = deploy["spec"]["template"]["spec"]
     c = engine_container(deploy["spec"]["template"])
     assert c["image"] == "pagoda/engine:dev"

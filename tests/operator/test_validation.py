@@ -511,6 +511,24 @@ def test_a_drain_timeout_longer_than_the_grace_period_allows_is_refused():
     assert problems_of(longer) == []
 
 
+def test_an_in_place_rollout_needs_a_second_replica_to_serve_meanwhile():
+    base = load_example("llama-3.1-8b.yaml")
+    assert base["spec"]["replicas"] == 2
+    assert problems_of(with_spec(base, engine__rollout="in-place")) == []
+    assert problems_of(with_spec(base, engine__rollout="surge", replicas=1)) == []
+    assert problems_of(with_spec(base, engine__rollout="in-place", replicas=0)) == []  # nothing to replace
+    assert problems_of(with_spec(base, engine__rollout="in-place", replicas=1)) == [
+        "engine.rollout: in-place replaces a replica before its successor is ready, and with replicas 1 no replica "
+        "would serve meanwhile; use surge (the default) or 2 replicas or more"]
+    scaled = load_example("llama-3.1-8b-tiers-autoscaling.yaml")
+    assert scaled["spec"]["autoscaling"]["minReplicas"] == 1
+    (problem,) = problems_of(with_spec(scaled, engine__rollout="in-place"))
+    assert problem.startswith("engine.rollout: in-place") and "autoscaling.minReplicas 1" in problem
+    assert problems_of(with_spec(scaled, engine__rollout="in-place", autoscaling__minReplicas=2)) == []
+    (problem,) = problems_of(with_spec(base, engine__rollout="sideways"))
+    assert "engine.rollout" in problem
+
+
 def test_the_all2all_backend_needs_experts_across_data_parallel_cores():
     """`--all2all-backend alltoallv` in extraArgs: taken where experts span the cores, refused
     (as the engine refuses it at start-up) where there are none to reach."""

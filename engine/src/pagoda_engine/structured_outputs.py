@@ -122,9 +122,14 @@ def check(params: StructuredOutputsParams) -> None:
     _checked.get(params)
 
 
+# The grammar `GrammarCompiler.prepare` compiles and fills a mask row of once at start-up.
+_PREPARE_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
 class GrammarCompiler:
     """The core's compile cache and thread pool. `tokenizer_factory` builds the model's
-    `llguidance.LLTokenizer` (once, in the pool, on the first constrained request)."""
+    `llguidance.LLTokenizer` (once, in the pool: at start-up through `prepare`, else on the first
+    constrained request)."""
 
     def __init__(self, tokenizer_factory: Callable[[], object]):
         self._tokenizer_factory = tokenizer_factory
@@ -143,6 +148,27 @@ class GrammarCompiler:
                 self.eos_token_ids = frozenset(tokenizer.eos_tokens)
                 self._tokenizer = tokenizer
             return self._tokenizer
+
+    def prepare(self) -> Future:
+        """Start building the tokenizer view, compiling a grammar and filling a mask row now, in
+        a compile thread beside the rest of the start-up, so that the first constrained request a
+        fresh engine serves does not wait for them (half a second for SmolLM2's 49k-token
+        vocabulary on CPU, more for larger ones), as each new replica of a rollout made its first
+        tool call or JSON schema request do. A failure is logged, not raised: the first constrained
+        request tries again and reports it."""
+        return self._pool.submit(self._prepare)
+
+    def _prepare(self) -> None:
+        import json
+
+        from llguidance import LLMatcher
+
+        try:
+            matcher = LLMatcher(self.tokenizer, LLMatcher.grammar_from_json_schema(json.dumps(_PREPARE_SCHEMA)))
+            self.fill_bitmask([_Prepared(matcher)], self.tokenizer.vocab_size)
+        except Exception as e:  # noqa: BLE001 - any failure leaves the lazy path as it was
+            logger.warning("structured outputs were not prepared at start-up (the first constrained request "
+                           "will try again): %s", e)
 
     def _compile(self, params: StructuredOutputsParams):
         from llguidance import LLMatcher
@@ -176,6 +202,13 @@ class GrammarCompiler:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Prepared:
+    """A compiled matcher in the shape `fill_bitmask` reads (`prepare`'s one row)."""
+
+    def __init__(self, matcher):
+        self.matcher = matcher
 
 
 class RequestGrammar:

@@ -814,10 +814,11 @@ def render_engine_service(body: dict[str, Any], spec: InferenceServiceSpec, pd_r
 
 
 def _rollout_bounds(spec: InferenceServiceSpec) -> dict[str, int]:
-    # GPUs are scarce: replace a GPU replica in place rather than asking for a surge of GPUs. No
-    # request is lost either way: a leaving pod drains, and the router continues on another
-    # replica the streams its drain deadline ends; on CPU a surge keeps capacity up as well.
-    return {"maxSurge": 0, "maxUnavailable": 1} if sizing.gpus_per_pod(spec) else {"maxSurge": 1, "maxUnavailable": 0}
+    # No request is lost either way: a leaving pod drains, and the router continues on another
+    # replica the streams its drain deadline ends. A surge keeps every replica serving until its
+    # successor is ready, so the load's time to first token holds; in place (for clusters with no
+    # room for one more GPU pod) the other replicas carry the whole load meanwhile.
+    return {"maxSurge": 0, "maxUnavailable": 1} if spec.engine.rollout == "in-place" else {"maxSurge": 1, "maxUnavailable": 0}
 
 
 def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images,

@@ -144,6 +144,7 @@ class Engine:
                                  factory=list)
     env: list[FreeForm] = prop(doc="Extra environment variables (Kubernetes EnvVar objects).", factory=list)
     startup_timeout_seconds: int | None = prop(None, doc="Time a pod may take to load the model before it is restarted; default sized from the model (30 min or more for 70B).", minimum=60)
+    rollout: Literal["surge", "in-place"] = prop("surge", doc="How a rollout (a new image, a spec change) replaces the engine pods: surge, a new pod first and an old one only once the new one is ready (maxSurge 1, maxUnavailable 0: the serving capacity never drops, so time to first token holds under load; needs room for one more pod, on GPUs one more pod's GPUs); in-place, an old pod first (maxSurge 0, maxUnavailable 1: no extra GPUs, but one replica fewer serves the load until its successor is ready; needs 2 replicas or more).")
     termination_grace_period_seconds: int = prop(60, doc="Time a leaving engine pod gets: a preStop sleep (10 s, a quarter of this at most) while the router and endpoints drop it, then the engine's drain (`--drain-timeout`, the rest less 5 s to exit; the router continues on another replica what the drain deadline ends).", minimum=10)
     compile_cache: CompileCache | None = prop(None, doc="GPU engines: where the kernels compiled at start-up are kept (default an emptyDir per pod).")
     speculative: Speculative | None = prop(None, doc="Speculative decoding (`--speculative-config`).")

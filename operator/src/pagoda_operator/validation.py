@@ -110,6 +110,7 @@ def validate_spec(spec: InferenceServiceSpec) -> list[str]:
         *_check_speculative(spec),
         *_check_all2all(spec),
         *_check_drain(spec),
+        *_check_rollout(spec),
         *_check_prefill(spec),
         *_check_loras(spec),
     ]
@@ -263,6 +264,22 @@ def _check_drain(spec: InferenceServiceSpec) -> list[str]:
                 f"{spec.engine.termination_grace_period_seconds} (a {prestop} s preStop sleep, then at most {room} s "
                 f"of drain, then {sizing.SHUTDOWN_MARGIN_SECONDS} s to exit); raise "
                 f"engine.terminationGracePeriodSeconds or lower the drain timeout"]
+    return []
+
+
+def _check_rollout(spec: InferenceServiceSpec) -> list[str]:
+    """An in-place rollout takes a replica away before its successor is ready: with one replica
+    that leaves none."""
+    if spec.engine.rollout != "in-place":
+        return []
+    if spec.autoscaling is not None:  # scaled to one at times (or from zero to one)
+        where, fewest, alone = "autoscaling.minReplicas", spec.autoscaling.min_replicas, spec.autoscaling.min_replicas < 2
+    else:  # zero replicas: nothing serves, nothing to replace
+        where, fewest = "replicas", 1 if spec.replicas is None else spec.replicas
+        alone = fewest == 1
+    if alone:
+        return [f"engine.rollout: in-place replaces a replica before its successor is ready, and with {where} "
+                f"{fewest} no replica would serve meanwhile; use surge (the default) or 2 replicas or more"]
     return []
 
 

@@ -54,7 +54,7 @@ from pagoda_engine.messages import (
 from pagoda_engine.model_path import resolve_model_path, served_model_name
 from pagoda_engine.profiler import ProfilerAlreadyError, ProfilerStateError, ProfileSession
 from pagoda_engine.structured_outputs import GrammarCompiler
-from pagoda_engine.tokenizer_files import load_tokenizer
+from pagoda_engine.tokenizer_files import has_tokenizer, load_tokenizer
 from pagoda_engine.worker.executor import create_executor, probe_device
 
 logger = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ class EngineCore:
                 self.kv_events = KVEventPublisher(config.kv_events_config, config.parallel.data_parallel_rank)
                 self.kv.pool.record_events()
         except BaseException:
+            if hasattr(self, "grammars"):
+                self.grammars.close()
             self.executor.close()  # TP workers (and compile pools) must not outlive a failed start
             raise
         self.startup_seconds = time.monotonic() - t0
@@ -128,6 +130,10 @@ class EngineCore:
         self.vocab_size = executor.vocab_size
         self.max_model_len = self._resolve_max_model_len()
         self.eos_token_ids = read_eos_token_ids(self.model_dir, executor.hf_config)
+        # Structured outputs: grammars compile in the compiler's threads; a request waits for its.
+        # Their tokenizer is built beside the rest of the start-up and is ready before the core is.
+        self.grammars = GrammarCompiler(self._grammar_tokenizer)
+        grammars_prepared = self.grammars.prepare() if has_tokenizer(self.model_dir) else None
         spec = executor.kv_cache_spec(cc.block_size)
         # LoRA slots before the pool is sized: the ranks' profile step counts them.
         self.lora = LoRASlots(config, executor) if config.model.enable_lora else None
@@ -151,8 +157,6 @@ class EngineCore:
                                  lora=self.lora)
         self.kv_capacity_tokens = (self.num_kv_pages - 1) * cc.block_size
         self._prompt_logprobs: dict[str, list[TokenLogprobs]] = {}
-        # Structured outputs: grammars compile in the compiler's threads; a request waits for its.
-        self.grammars = GrammarCompiler(self._grammar_tokenizer)
         self._compiling: dict[str, Request] = {}
         self._refused: list[EngineCoreError] = []  # requests whose grammar failed to compile
         self._expert_load_read_at = 0.0  # experts across cores: when `get_stats` last read their load
@@ -164,6 +168,9 @@ class EngineCore:
                         "scheduling", self.in_flight.max_batches)
         logger.info("KV cache: %d pages of %d tokens = %d tokens (%s attention)", self.num_kv_pages - 1,
                     cc.block_size, self.kv_capacity_tokens, attention)
+        if grammars_prepared is not None:
+            # Done before the graphs are captured: the tokenizer's thread stays out of the capture.
+            grammars_prepared.result()
         # What the ranks replay: `config.resolve_for_device`'s mode, NONE where they run eagerly.
         self.cudagraph_mode = executor.compile_or_warm_up(config, self.max_model_len)
         # Pipeline stages warm up too (through the batch queue), and cores whose experts span the
@@ -214,8 +221,8 @@ class EngineCore:
 
     def _grammar_tokenizer(self):
         """llguidance's view of the model's tokenizer, over the model's (maybe padded) vocabulary;
-        the engine's EOS ids are the grammar's end. Built once, in a compile thread, on the
-        first constrained request."""
+        the engine's EOS ids are the grammar's end. Built once, in a compile thread, at start-up
+        (`GrammarCompiler.prepare`)."""
         import llguidance.hf
 
         tokenizer = load_tokenizer(self.model_dir)

@@ -103,8 +103,10 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
     the listening socket `pagoda serve` bound (shared by every API process under a launcher; None:
     bind host:port now); `api_server_index`: this process's index under a launcher, sent as the
     X-Pagoda-API-Server header of every response."""
+    from pagoda_engine import envs
     from pagoda_engine.api.server.app import create_app
     from pagoda_engine.api.server.errors import ServiceUnavailableError
+    from pagoda_engine.api.server.warm_up import warm_up_routes
 
     config = engine.config
     drain_timeout = config.server.drain_timeout_s
@@ -123,6 +125,7 @@ async def serve_http(engine, log_level: str, sock=None, api_server_index: int | 
 
     drain_tasks: list[asyncio.Task] = []
     app = create_app(engine, api_key=config.server.api_key)
+    await warm_up_routes(app, config.server.api_key or envs.api_key())  # before the port listens
     headers = [] if api_server_index is None else [(API_SERVER_HEADER, str(api_server_index))]
     logger.info("HTTP: %s event loop, %s parser", *http_stack().values())
     uv_config = uvicorn.Config(app, host=config.server.host, port=config.server.port, log_level=log_level,
