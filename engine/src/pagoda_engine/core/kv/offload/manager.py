@@ -159,7 +159,7 @@ class Load:
     tiers: list[str]  # where each page comes from
     pinned: list[tuple[TierIndex, TierEntry]]
     started: float
-    tokens: list[PageTokens] | None  # what the KV events say of each page (None: events off)
+    tokens: list[PageTokens] | None = None  # what the KV events say of each page (None: events off)
     ranks: int = 0
     ok: int = 1 << 62  # leading pages intact on every rank so far
     seconds: float = 0.0  # the slowest rank's reads and copies (what the split's cut estimates)
