@@ -44,9 +44,9 @@ class KVCacheManager:
         return hashes
 
     def _page_tokens(self, req: Request, start: int, end: int) -> list[PageTokens] | None:
-        """What the KV events say of the request's pages `start:end` (None: events off): the
-        offload tiers keep it with their stores and loads, which outlive the step at hand."""
-        if self.pool.events is None:
+        """What the KV events say of the request's pages `start:end` (None: events off, or no
+        page): the offload tiers keep it with their stores and loads, which outlive the step at hand."""
+        if self.pool.events is None or start >= end:
             return None
         hashes, tokens, size = self._page_hashes(req), req.all_token_ids, self.page_size
         return [PageTokens(hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size]), req.lora_request)
@@ -97,7 +97,7 @@ class KVCacheManager:
         max_pages = (req.num_tokens - 1) // self.page_size
         lookup = self.offload.lookup(self._page_hashes(req)[len(device_hits):max_pages])
         num_other_pages = -(-req.num_tokens // self.page_size) - len(device_hits) - len(lookup)
-        tokens = self._page_tokens(req, len(device_hits), len(device_hits) + len(lookup)) if len(lookup) else None
+        tokens = self._page_tokens(req, len(device_hits), len(device_hits) + len(lookup))
         if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages, tokens):
             return device_hits  # admitted now: it computes its prefix's front while the rest loads
         if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup, overlapped, tokens):
@@ -208,11 +208,12 @@ class KVCacheManager:
         start = self.num_registered.get(req.request_id, 0)
         end = min(num_tokens_after_step // self.page_size, len(hashes))
         run = None  # the first page of the run of newly registered pages (KV events)
+        # What the tiers' KV events will say of these pages (events on).
+        tokens = self._page_tokens(req, start, end) if self.offload is not None else None
         for i in range(start, end + 1):
             if i < end and self.pool.cache_page(pages[i], hashes[i]):
                 if self.offload is not None:
-                    tokens = self._page_tokens(req, i, i + 1)
-                    self.offload.queue_store(pages[i], hashes[i], tokens[0] if tokens else None)
+                    self.offload.queue_store(pages[i], hashes[i], tokens[i - start] if tokens else None)
                 if run is None:
                     run = i
             elif run is not None and self.pool.events is not None:
