@@ -305,10 +305,24 @@ def test_a_gguf_tokenizer_is_cached_and_the_cached_one_is_the_same(tiny_tokenize
     path = write_gguf(random_hf_model("llama_tied", vocab_size=len(hf_tokenizer)), tmp_path / "m.gguf",
                       tokenizer_dir=tiny_tokenizer_dir)
     built, cached = load_tokenizer(path), load_tokenizer(path)
-    [entry] = (tmp_path / "cache" / "gguf-tokenizers").iterdir()
+    [entry] = (tmp_path / "cache" / "gguf-tokenizers-v2").iterdir()
     assert entry.name.startswith("m-") and cached.name_or_path == str(entry)
     texts = ["Once upon a time, ünïcödé 🙂", "<|im_start|>user\nhi<|im_end|>"]
     assert [cached.encode(t) for t in texts] == [built.encode(t) for t in texts] == [hf_tokenizer.encode(t) for t in texts]
     conversation = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
     assert apply_chat_template(cached, conversation) == apply_chat_template(built, conversation)
     assert cached.eos_token_id == built.eos_token_id and cached.bos_token_id == built.bos_token_id
+
+
+def test_a_gguf_tokenizer_whose_saved_copy_loads_differently_is_not_cached(tiny_tokenizer_dir, tmp_path, monkeypatch):
+    """A Qwen2-architecture GGUF: transformers' Qwen2 tokenizer, loaded back from a saved copy,
+    rebuilds its pre-tokenizer from the class's defaults (digits one by one) instead of the file's:
+    such a tokenizer is converted from the file every time, never served from the cache."""
+    monkeypatch.setenv("PAGODA_CACHE_DIR", str(tmp_path / "cache"))
+    hf_tokenizer = load_tokenizer(tiny_tokenizer_dir)
+    path = write_gguf(random_hf_model("qwen3_moe_normalised", vocab_size=len(hf_tokenizer)), tmp_path / "q.gguf",
+                      tokenizer_dir=tiny_tokenizer_dir)
+    first, second = load_tokenizer(path), load_tokenizer(path)
+    assert not any((tmp_path / "cache" / "gguf-tokenizers-v2").glob("q-*"))
+    texts = ["1 2 3", "Once upon a time, ünïcödé 🙂"]
+    assert [second.encode(t) for t in texts] == [first.encode(t) for t in texts] == [hf_tokenizer.encode(t) for t in texts]

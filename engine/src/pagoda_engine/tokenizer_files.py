@@ -48,14 +48,17 @@ def load_tokenizer(model_dir):
 def _load_gguf_tokenizer(gguf_file: Path):
     """The tokenizer transformers builds from a GGUF file's metadata. Building it parses the whole
     vocabulary out of the file (seconds), so the result is saved, once per file version, under the
-    cache directory and loaded from there afterwards."""
+    cache directory and loaded from there afterwards, when loading the saved copy gives the same
+    tokenizer: some classes rebuild their pre-tokenizer from their own defaults rather than the
+    saved one (Qwen2's splits digits one by one where the GGUF's vocabulary merges them), and
+    those are converted from the file every time."""
     from transformers import AutoTokenizer
 
     from pagoda_engine.tiny import cache_dir
 
     stat = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / "gguf-tokenizers" / f"{gguf_file.stem}-{key}"
+    cached = cache_dir() / "gguf-tokenizers-v2" / f"{gguf_file.stem}-{key}"  # v2: copies that reload the same
     if (cached / "tokenizer_config.json").is_file():
         return AutoTokenizer.from_pretrained(str(cached))
     try:
@@ -70,6 +73,9 @@ def _load_gguf_tokenizer(gguf_file: Path):
         return tokenizer
     try:
         tokenizer.save_pretrained(str(tmp))
+        if AutoTokenizer.from_pretrained(str(tmp)).backend_tokenizer.to_str() != tokenizer.backend_tokenizer.to_str():
+            logger.debug("not caching the tokenizer of %s: its saved copy loads as another tokenizer", gguf_file)
+            return tokenizer
         os.rename(tmp, cached)  # atomic; fails when another process saved it first, which is as good
     except OSError as e:
         logger.debug("not caching the tokenizer of %s: %s", gguf_file, e)
