@@ -21,7 +21,7 @@ from streams import Progress, assert_whole, metric, read, run_all, until_engine
 # still has streams running and waiting when it goes, however fast the machine: the SIGKILL cuts
 # some, the SIGTERMed engine's drain deadline (0.5 s) ends others.
 MAX_TOKENS = 192
-ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "3", "--drain-timeout", "0.5"]
+ENGINE = ["--model", "pagoda-tiny", "--num-kv-pages", "512", "--max-num-seqs", "2", "--drain-timeout", "0.5"]
 
 
 @pytest.fixture(scope="module")
