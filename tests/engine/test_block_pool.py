@@ -97,3 +97,29 @@ def test_prefix_caching_off_never_hits():
     kv.allocate_slots(a, 9)
     kv.free(a)
     assert kv.get_computed_pages(_req("b", list(range(9))))[1] == 0
+
+
+def test_tier_stores_are_reported_as_one_event_per_chained_run():
+    from pagoda_engine.core.kv.block_pool import PageTokens
+    from pagoda_engine.kv_event_wire import block_hash_int
+    from pagoda_engine.lora import LoRARequest
+
+    pool = BlockPool(4)
+    pool.record_events()
+    a = [hash_page(None, [1, 2])]
+    a.append(hash_page(a[0], [3, 4]))
+    b = hash_page(None, [5, 6])
+    lora = LoRARequest("ada", 1, "/nowhere")
+    c = hash_page(a[1], [7, 8], b"ada")
+    pool.record_pages_stored([a[0], a[1], b, c], [PageTokens(None, (1, 2)), PageTokens(a[0], (3, 4)),
+                                                  PageTokens(None, (5, 6)), PageTokens(a[1], (7, 8), lora)], "CPU")
+    pool.record_removed([b, c], "CPU")
+    first, second, third, removed = pool.take_events()
+    # a's two pages chain: one event; b starts another chain; c chains to a but under an adapter.
+    assert first.block_hashes == [block_hash_int(h) for h in a] and first.parent_block_hash is None
+    assert first.token_ids == [1, 2, 3, 4] and first.block_size == 2 and first.medium == "CPU"
+    assert second.block_hashes == [block_hash_int(b)] and second.token_ids == [5, 6]
+    assert third.parent_block_hash == block_hash_int(a[1]) and third.lora_name == "ada"
+    assert third.extra_keys == [("ada",)]
+    assert removed.block_hashes == [block_hash_int(b), block_hash_int(c)] and removed.medium == "CPU"
+    assert pool.take_events() == []

@@ -766,3 +766,74 @@ def test_a_split_that_would_not_pay_recomputes_but_every_fourth_loads_half_to_me
             offload.cancel_split(f"r{i}")
         llm.core.wait_for_offload()
         assert_no_leaks(llm)
+
+
+def test_kv_events_follow_pages_onto_disk_off_it_when_corrupt_and_back_into_the_pool(reference, tmp_path):
+    """The disk tier's events (medium "STORAGE"): a page written is stored with its tokens, a
+    page found corrupt is removed, and is stored again once recomputed; pages loaded back into
+    the pool (split loads: the part after the cut) are "GPU" stores chained to the page before
+    them. (Host memory and the wire format: `tests/server/test_kv_events_tiers.py`.)"""
+    from pagoda_engine.kv_event_wire import block_hash_int
+
+    prompts = _prompts(3, 100, seed=21)
+    others = _prompts(4, 100, seed=22)  # fill the device pool, so that the prompts come back from disk
+    expected = _tokens(reference.generate(prompts, GREEDY))
+    hashes = [[block_hash_int(h) for h in _chain(p)] for p in prompts]
+    with LLM(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gb=0.05,
+             kv_events_config='{"enable_kv_cache_events": true, "endpoint": "inproc://kv-events-disk-tier"}',
+             **SMALL_POOL) as llm:
+        events = []
+        llm.core.kv_events.publish = events.extend  # every step's events, as the publisher gets them
+        assert _tokens(llm.generate(prompts, GREEDY)) == expected
+        llm.core.wait_for_offload()
+        llm.core.get_stats()
+
+        def of(kind: str, medium: str, since: int = 0) -> list:
+            return [e for e in events[since:] if type(e).__name__ == kind and e.medium == medium]
+
+        stored = {h: e for e in of("BlockStored", "STORAGE") for h in e.block_hashes}
+        assert set(stored) == {h for p in hashes for h in p}
+        for prompt, chain in zip(prompts, hashes):
+            runs = [e for e in of("BlockStored", "STORAGE") if set(e.block_hashes) & set(chain)]
+            assert [h for e in runs for h in e.block_hashes] == chain
+            assert [t for e in runs for t in e.token_ids] == prompt[:96] and runs[0].parent_block_hash is None
+        # The first prompt's files go bad; the others' pages leave the pool.
+        for path in sorted((tmp_path / "kv").glob("*/*.kv")):
+            if int.from_bytes(bytes.fromhex(path.stem)[-8:], "big") in hashes[0]:
+                with open(path, "r+b") as f:
+                    f.truncate(100)
+        llm.generate(others, GREEDY)
+        mark = len(events)
+        for prompt, tokens in zip(prompts, expected):  # one at a time: each a split load
+            assert _tokens(llm.generate([prompt], GREEDY)) == [tokens]
+        llm.core.wait_for_offload()
+        llm.core.get_stats()
+        removed = {h for e in of("BlockRemoved", "STORAGE", mark) for h in e.block_hashes}
+        assert removed and removed <= set(hashes[0])  # only what was found corrupt
+        # Replayed in order, the events give what the disk and the pool hold now.
+        for medium, held in (("STORAGE", llm.core.kv.offload.disk.entries), ("GPU", llm.core.kv.pool.cached)):
+            replayed = set()
+            for e in events:
+                if e.medium == medium:
+                    replayed = replayed | set(e.block_hashes) if type(e).__name__ == "BlockStored" else \
+                        replayed - set(e.block_hashes)
+            assert replayed == {block_hash_int(key) for key in held}, medium
+        # What came back from disk into the pool is known to the device's index again.
+        loaded = [e for e in of("BlockStored", "GPU", mark) if set(e.block_hashes) & set(hashes[1])]
+        assert loaded
+        for e in loaded:
+            i = hashes[1].index(e.block_hashes[0])
+            assert e.block_hashes == hashes[1][i:i + len(e.block_hashes)]
+            assert e.parent_block_hash == (hashes[1][i - 1] if i else None)
+            assert e.token_ids == prompts[1][i * 16:(i + len(e.block_hashes)) * 16]
+        assert any(e.parent_block_hash is not None for e in loaded)  # the split's loaded part follows its cut
+        assert_no_leaks(llm)
+
+
+def _chain(prompt: list[int]) -> list[bytes]:
+    from pagoda_engine.core.kv.block_pool import hash_page
+
+    chain = []
+    for i in range(len(prompt) // 16):
+        chain.append(hash_page(chain[-1] if chain else None, prompt[i * 16:(i + 1) * 16]))
+    return chain

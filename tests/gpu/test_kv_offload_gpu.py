@@ -113,3 +113,37 @@ def test_cpu_tier_gives_same_greedy_tokens_on_gpu(gpu_model_dir):
     offload = llm.core.kv.offload
     assert not offload.busy and offload.cpu.num_pinned == 0
     assert llm.core.kv.pool.num_free_pages == llm.core.num_kv_pages - 1
+
+
+def test_kv_events_follow_pages_through_the_cpu_tier_on_gpu(gpu_model_dir):
+    """KV events with a CPU tier under async scheduling and CUDA graphs: the greedy tokens do not
+    change, the tier evicts, and the events replayed in order give exactly what the tier and the
+    device pool hold (a store reported once every copy is done, a load as a GPU store)."""
+    from pagoda_engine.kv_event_wire import block_hash_int
+
+    prompts = random_prompts(8, [480] * 12)  # 30 pages each: 360 pages through a tier of 200
+    reference = make_llm(gpu_model_dir, num_kv_pages=2048, max_model_len=512)
+    expected = _greedy(reference, prompts)
+    del reference
+    page_bytes = 2 * 2 * 16 * 2 * 64 * 2  # layers, K and V, tokens, KV heads, head dim, bf16
+    llm = make_llm(gpu_model_dir, num_gpu_blocks_override=120, max_model_len=512, max_num_seqs=4,
+                   kv_offload_cpu_gb=200 * page_bytes / 2**30, async_scheduling=True,
+                   kv_events_config='{"enable_kv_cache_events": true, "endpoint": "inproc://kv-events-gpu-tier"}')
+    offload = llm.core.kv.offload
+    assert offload.cpu.capacity == 200 and llm.core.cuda_graphs
+    events = []
+    llm.core.kv_events.publish = events.extend
+    assert _greedy(llm, prompts) == expected
+    assert _greedy(llm, prompts[::-1]) == expected[::-1]  # the last ones first: they are still in the tier
+    llm.core.wait_for_offload()
+    llm.core.get_stats()  # the last step's events
+    (cpu,) = llm.core.get_stats().kv_offload
+    assert cpu.loaded_bytes > 0
+    assert any(type(e).__name__ == "BlockRemoved" and e.medium == "CPU" for e in events)
+    for medium, held in (("CPU", offload.cpu.entries), ("GPU", llm.core.kv.pool.cached)):
+        replayed = set()
+        for e in events:
+            if e.medium == medium:
+                replayed = (replayed | set(e.block_hashes) if type(e).__name__ == "BlockStored"
+                            else replayed - set(e.block_hashes))
+        assert replayed == {block_hash_int(key) for key in held}, medium

@@ -161,6 +161,18 @@ def test_the_pools_parents_conditions_are_what_status_copies():
     assert pool_status({}) == {"parents": []}
 
 
+def test_engines_with_offload_tiers_publish_kv_events_too():
+    body = _body(kvCache={"tiers": [{"type": "cpu", "size": "1Gi"}]})
+    engine_args = render.engine_args("tiny-gw", check(body).spec)
+    assert "--kv-offload-cpu-gb" in engine_args and "--kv-events-config" in engine_args
+    engine_parser = argparse.ArgumentParser()
+    serve.add_arguments(engine_parser)
+    config = config_from_args(engine_parser.parse_args(engine_args))  # validated: the engine takes both
+    assert config.kv_events_config.enabled and config.kv_offload_enabled
+    [container] = _rendered(body)[("Deployment", "tiny-gw-epp")]["spec"]["template"]["spec"]["containers"]
+    assert "--kv-events-port" in container["args"]
+
+
 def test_without_events_the_picker_scores_by_load():
     for changes in ({"engine": {"prefixCaching": False}},
                     {"model": {"uri": "hf://meta-llama/Llama-3.1-8B-Instruct", "builtinTiny": False}}):

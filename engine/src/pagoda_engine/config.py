@@ -598,13 +598,8 @@ class EngineConfig:
             raise ValueError("--kv-offload-disk-gb needs --kv-offload-disk-path (the disk KV tier's directory)")
         if cc.kv_offload_remote_url is not None:
             split_remote_urls(cc.kv_offload_remote_url)
-        if self.kv_events_config.enabled:
-            if not cc.enable_prefix_caching:
-                raise ValueError("--kv-events-config reports the prefix cache's pages: it needs --enable-prefix-caching")
-            if self.kv_offload_enabled:
-                # Pages loaded back from a tier enter the cache without their tokens at hand.
-                raise ValueError("--kv-events-config with KV offload tiers is not supported yet: pages loaded back "
-                                 "from a tier would not be reported")
+        if self.kv_events_config.enabled and not cc.enable_prefix_caching:
+            raise ValueError("--kv-events-config reports the prefix cache's pages: it needs --enable-prefix-caching")
 
     @property
     def kv_offload_enabled(self) -> bool:

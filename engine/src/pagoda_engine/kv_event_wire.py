@@ -7,7 +7,11 @@ from typing import Any
 
 import msgspec
 
+# vLLM's media (`vllm/distributed/kv_events.py`): the device pool, host memory, and storage below
+# it (its OffloadingConnector's file-system tier; llm-d's indexer lowercases any medium into a tier).
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
+MEDIUM_STORAGE = "STORAGE"
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last message
 
 

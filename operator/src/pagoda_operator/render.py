@@ -439,11 +439,10 @@ def kv_transfer_config(pd_role: str) -> dict[str, Any]:
 
 def publishes_kv_events(spec: InferenceServiceSpec) -> bool:
     """router.mode: gateway's engines publish their prefix caches for the Endpoint Picker, where
-    the events can say it all: the prefix cache on, no offload tiers (pages loaded back from a tier
-    are not reported yet), one engine core per pod (a second core would publish on the next port,
-    which the picker does not follow)."""
-    return (spec.router.mode == "gateway" and spec.engine.prefix_caching and not spec.kv_cache.tiers
-            and spec.topology.data == 1)
+    the events can say it all: the prefix cache on (with offload tiers too: their pages are
+    reported under their own media, and those loaded back as the device's), one engine core per
+    pod (a second core would publish on the next port, which the picker does not follow)."""
+    return spec.router.mode == "gateway" and spec.engine.prefix_caching and spec.topology.data == 1
 
 
 def epp_model(spec: InferenceServiceSpec) -> str | None:

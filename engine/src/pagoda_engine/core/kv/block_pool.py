@@ -7,7 +7,9 @@ reused first). Page 0 is the null page: reserved, never handed out (padding in p
 With KV events on (`--kv-events-config`), the pool records what enters and leaves its prefix
 cache as vLLM's events (`kv_events`): the manager reports each run of pages it registers
 (`record_stored`), the pool the hashes it evicts and a reset; the engine core takes them
-(`take_events`) at the end of each step and publishes them.
+(`take_events`) at the end of each step and publishes them. The KV offload tiers report into
+the same list (`record_pages_stored`, `record_removed`, with their medium), so that one step's
+events keep the order in which they happened.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def hash_page(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: by
     if extra_key:
         h.update(extra_key)
     return h.digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PageTokens:
+    """What a KV event tells of a page besides its hash, kept while the request is at hand for
+    the events that follow it (a tier's store, a load back into the pool): the hash of the page
+    before it (None at a prompt's start), its token ids, and the LoRA adapter whose name its
+    hash took as its extra key."""
+
+    parent_hash: bytes | None
+    token_ids: tuple[int, ...]
+    lora: LoRARequest | None = None
 
 
 @dataclass(eq=False)
@@ -72,18 +86,41 @@ class BlockPool:
         return events
 
     def record_stored(self, hashes: Sequence[bytes], parent_hash: bytes | None, token_ids: list[int],
-                      page_size: int, lora: LoRARequest | None = None) -> None:
-        """A run of consecutive full pages just registered (vLLM's `cache_full_blocks` event):
-        their hashes, the hash of the page before the first (None at the prompt's start), their
-        tokens, and the LoRA adapter whose name each page's hash took as its extra key."""
+                      page_size: int, lora: LoRARequest | None = None, medium: str = MEDIUM_GPU) -> None:
+        """A run of consecutive full pages just registered (vLLM's `cache_full_blocks` event), or
+        stored in an offload tier (`medium`): their hashes, the hash of the page before the first
+        (None at the prompt's start), their tokens, and the LoRA adapter whose name each page's
+        hash took as its extra key."""
         if self.events is not None and hashes:
             self.events.append(BlockStored(
                 block_hashes=[block_hash_int(h) for h in hashes],
                 parent_block_hash=None if parent_hash is None else block_hash_int(parent_hash),
                 token_ids=token_ids, block_size=page_size, lora_id=lora.lora_int_id if lora else None,
-                medium=MEDIUM_GPU, lora_name=lora.lora_name if lora else None,
+                medium=medium, lora_name=lora.lora_name if lora else None,
                 extra_keys=[(lora.lora_name,) if lora else None] * len(hashes), group_idx=0,
                 kv_cache_spec_kind="full_attention"))
+
+    def record_pages_stored(self, hashes: Sequence[bytes], pages: Sequence[PageTokens], medium: str) -> None:
+        """Pages stored in `medium` (or loaded back into the pool: `MEDIUM_GPU`), in prefix
+        order as far as they chain: each run of pages whose parent is the page before it, of one
+        adapter, is one `BlockStored`, as the pool's own runs are."""
+        if self.events is None:
+            return
+        start = 0
+        for i in range(1, len(hashes) + 1):
+            if (i < len(hashes) and pages[i].parent_hash == hashes[i - 1] and pages[i].lora == pages[start].lora
+                    and len(pages[i].token_ids) == len(pages[start].token_ids)):
+                continue
+            first = pages[start]
+            self.record_stored(hashes[start:i], first.parent_hash, [t for p in pages[start:i] for t in p.token_ids],
+                               len(first.token_ids), first.lora, medium)
+            start = i
+
+    def record_removed(self, hashes: Sequence[bytes], medium: str) -> None:
+        """Pages an offload tier (`medium`) no longer holds: one `BlockRemoved`."""
+        if self.events is not None and hashes:
+            self.events.append(BlockRemoved(block_hashes=[block_hash_int(h) for h in hashes], medium=medium,
+                                            group_idx=0))
 
     @property
     def num_free_pages(self) -> int:

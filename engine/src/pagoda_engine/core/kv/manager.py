@@ -9,7 +9,7 @@ Redis before a later one."""
 from __future__ import annotations
 
 from pagoda_engine.core.request import Request
-from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_page
+from pagoda_engine.core.kv.block_pool import BlockPool, Page, PageTokens, hash_page
 from pagoda_engine.core.kv.offload.manager import Lookup, OffloadManager
 
 
@@ -42,6 +42,15 @@ class KVCacheManager:
             parent = hashes[i - 1] if i else None
             hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size], extra))
         return hashes
+
+    def _page_tokens(self, req: Request, start: int, end: int) -> list[PageTokens] | None:
+        """What the KV events say of the request's pages `start:end` (None: events off, or no
+        page): the offload tiers keep it with their stores and loads, which outlive the step at hand."""
+        if self.pool.events is None or start >= end:
+            return None
+        hashes, tokens, size = self._page_hashes(req), req.all_token_ids, self.page_size
+        return [PageTokens(hashes[i - 1] if i else None, tuple(tokens[i * size:(i + 1) * size]), req.lora_request)
+                for i in range(start, end)]
 
     def get_computed_pages(self, req: Request) -> tuple[list[Page], int]:
         """Longest cached prefix of the request, in whole pages. The last token is always left to
@@ -88,9 +97,10 @@ class KVCacheManager:
         max_pages = (req.num_tokens - 1) // self.page_size
         lookup = self.offload.lookup(self._page_hashes(req)[len(device_hits):max_pages])
         num_other_pages = -(-req.num_tokens // self.page_size) - len(device_hits) - len(lookup)
-        if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages):
+        tokens = self._page_tokens(req, len(device_hits), len(device_hits) + len(lookup))
+        if len(lookup) and self.offload.start_split_load(req.request_id, device_hits, lookup, num_other_pages, tokens):
             return device_hits  # admitted now: it computes its prefix's front while the rest loads
-        if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup, overlapped):
+        if not len(lookup) or not self.offload.start_load(req.request_id, device_hits, lookup, overlapped, tokens):
             # What was found but not loaded is recomputed: the tiers' misses, counted on admission.
             self.tier_misses[req.request_id] = lookup.missed()
             return device_hits
@@ -198,10 +208,12 @@ class KVCacheManager:
         start = self.num_registered.get(req.request_id, 0)
         end = min(num_tokens_after_step // self.page_size, len(hashes))
         run = None  # the first page of the run of newly registered pages (KV events)
+        # What the tiers' KV events will say of these pages (events on).
+        tokens = self._page_tokens(req, start, end) if self.offload is not None else None
         for i in range(start, end + 1):
             if i < end and self.pool.cache_page(pages[i], hashes[i]):
                 if self.offload is not None:
-                    self.offload.queue_store(pages[i], hashes[i])
+                    self.offload.queue_store(pages[i], hashes[i], tokens[i - start] if tokens else None)
                 if run is None:
                     run = i
             elif run is not None and self.pool.events is not None:

@@ -30,6 +30,7 @@ class TierEntry:
     slot: int  # the CPU tier's slot index; -1 where a tier has no slots (disk)
     ready: bool = False  # its bytes have arrived: it may be loaded
     pins: int = 0
+    announced: bool = False  # published as stored (KV events): its removal is published too
 
 
 class FreeRuns:

@@ -33,6 +33,16 @@ few large host→device copies.
 The tiers are inclusive and share the keys (chained page hashes), so a remote tier is shared by
 every replica of a service whose fingerprint matches (same model, weights, dtype, page size, KV
 layout and parallel rank).
+
+With KV events on (`--kv-events-config`), the tiers report into the pool's events as vLLM's
+offloading connector does: a page stored in host memory is a `BlockStored` of medium "CPU" once
+every rank has copied it, one on disk a `BlockStored` of medium "STORAGE" once every rank has
+written it, with the token ids, parent hash and adapter the request gave (`PageTokens`, carried
+by the store); a page a tier evicts or finds corrupt is a `BlockRemoved` of that medium; a page
+loaded back into the pool is a "GPU" `BlockStored`, its tokens from the request that loads it.
+The remote tier reports nothing: Redis evicts on its own without telling, and every replica
+reads it, so it is no pod's cache. Pages a previous run left on disk are not announced (their
+tokens are not kept); they are once loaded.
 """
 
 from __future__ import annotations
@@ -46,8 +56,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from pagoda_engine.core.kv.block_pool import BlockPool, Page
+from pagoda_engine.core.kv.block_pool import BlockPool, Page, PageTokens
 from pagoda_engine.core.kv.offload.index import TierEntry, TierIndex
+from pagoda_engine.kv_event_wire import MEDIUM_CPU, MEDIUM_GPU, MEDIUM_STORAGE
 from pagoda_engine.kv_tiers import CPU, DISK, REMOTE, TIERS, OffloadEvents, OffloadSetup, OffloadStarted
 from pagoda_engine.messages import KV_OFFLOAD_LOAD_BUCKETS, KVOffloadTierStats
 
@@ -83,6 +94,8 @@ _LOAD_SAMPLE_MIN_PAGES = 16
 _DEFER_STEP_SHARE = 0.5
 # Redis's INFO (capacity and usage of the remote tier) is read at most this often.
 _REMOTE_INFO_EVERY_S = 10.0
+# The KV-event medium of each tier that reports its pages (the remote tier reports none).
+_MEDIUM = {CPU: MEDIUM_CPU, DISK: MEDIUM_STORAGE}
 
 
 def kv_fingerprint(model_dir: str, load_format: str, seed: int, dtype: str, page_size: int, layout: str,
@@ -130,6 +143,7 @@ class _Store:
     cpu: list[TierEntry | None]
     disk: list[TierEntry | None]
     remote: list[bytes | None]
+    tokens: list[PageTokens | None]  # what the KV events say of each page (None: events off)
     copied: int = 0  # ranks done copying
     written: int = 0  # ranks done writing to disk / Redis
     failed_disk: set[bytes] = field(default_factory=set)
@@ -145,6 +159,7 @@ class Load:
     tiers: list[str]  # where each page comes from
     pinned: list[tuple[TierIndex, TierEntry]]
     started: float
+    tokens: list[PageTokens] | None = None  # what the KV events say of each page (None: events off)
     ranks: int = 0
     ok: int = 1 << 62  # leading pages intact on every rank so far
     seconds: float = 0.0  # the slowest rank's reads and copies (what the split's cut estimates)
@@ -201,7 +216,7 @@ class OffloadManager:
         self.counters = {tier: TierCounters() for tier in self.tiers}
         self._rank_errors: list[dict[str, int]] = [{} for _ in started]
         self._rank_copies: list[list[float]] = [[] for _ in started]
-        self._queued: list[tuple[Page, bytes]] = []
+        self._queued: list[tuple[Page, bytes, PageTokens | None]] = []
         self._stores: dict[int, _Store] = {}
         self._loads: dict[int, Load] = {}
         self._loading: dict[str, int] = {}  # request id -> load id
@@ -241,28 +256,32 @@ class OffloadManager:
 
     # --- store ------------------------------------------------------------------------------------
 
-    def queue_store(self, page: Page, page_hash: bytes) -> None:
-        """A page just registered in the prefix cache: it goes down after this step is launched."""
-        self._queued.append((page, page_hash))
+    def queue_store(self, page: Page, page_hash: bytes, tokens: PageTokens | None = None) -> None:
+        """A page just registered in the prefix cache: it goes down after this step is launched.
+        `tokens`: what the tiers' KV events say of it (None: events off)."""
+        self._queued.append((page, page_hash, tokens))
 
     def launch_stores(self) -> None:
         if not self._queued and not self._disk_deletes:
             return
         queued, self._queued = self._queued, []
         # Pages freed and handed out again before this step was launched have another hash now.
-        live = list({key: page for page, key in queued if page.page_hash == key}.items())
+        live = list({key: (page, tokens) for page, key, tokens in queued if page.page_hash == key}.items())
         chain = [key for key, _ in live]  # in prefix order
         cpu: dict[bytes, TierEntry | None] = {}
         if self.cpu is not None:
             new = [key for key in chain if key not in self.cpu]
-            cpu = dict(zip(new, self.cpu.insert_many(new)[0]))  # one store's pages: as few slot runs as fit
+            entries, evicted = self.cpu.insert_many(new)  # one store's pages: as few slot runs as fit
+            cpu = dict(zip(new, entries))
+            self._removed(CPU, evicted)
             self.cpu.touch_chain(chain)
-        pages, cpu_entries, disk, remote, evicted_files = [], [], [], [], []
-        for key, page in live:
+        pages, cpu_entries, disk, remote, page_tokens, evicted_files = [], [], [], [], [], []
+        for key, (page, tokens) in live:
             c = cpu.get(key)
             d = r = None
             if self.disk is not None and key not in self.disk:
                 d, evicted = self.disk.insert(key)
+                self._removed(DISK, evicted)
                 evicted_files += [e.key for e in evicted]
             if self.remote is not None and key not in self.remote_known:
                 r = key
@@ -275,6 +294,7 @@ class OffloadManager:
             cpu_entries.append(c)
             disk.append(d)
             remote.append(r)
+            page_tokens.append(tokens)
         if self.disk is not None:
             self.disk.touch_chain(chain)
         deletes, self._disk_deletes = self._disk_deletes + evicted_files, []
@@ -282,10 +302,25 @@ class OffloadManager:
             return
         self._ids += 1
         self.pool.touch(pages)
-        self._stores[self._ids] = _Store(pages, cpu_entries, disk, remote)
+        self._stores[self._ids] = _Store(pages, cpu_entries, disk, remote, page_tokens)
         self.executor.call("kv_offload_store", self._ids, [p.page_id for p in pages],
                            [e.slot if e is not None else -1 for e in cpu_entries],
                            [e.key if e is not None else None for e in disk], remote, deletes)
+
+    def _announce(self, tier: str, entries: list[TierEntry], tokens: list[PageTokens | None]) -> None:
+        """Tier entries whose bytes every rank now holds: a `BlockStored` of the tier's medium
+        for those whose tokens are known (KV events on)."""
+        known = [(e, t) for e, t in zip(entries, tokens) if t is not None]
+        if known and self.pool.events is not None:
+            for entry, _ in known:
+                entry.announced = True
+            self.pool.record_pages_stored([e.key for e, _ in known], [t for _, t in known], _MEDIUM[tier])
+
+    def _removed(self, tier: str, entries: list[TierEntry]) -> None:
+        """Tier entries evicted or dropped: a `BlockRemoved` of the tier's medium for those announced."""
+        gone = [e.key for e in entries if e.announced]
+        if gone:
+            self.pool.record_removed(gone, _MEDIUM[tier])
 
     def _remember_remote(self, key: bytes) -> None:
         self.remote_known[key] = None
@@ -325,7 +360,8 @@ class OffloadManager:
             self.counters[tier].miss_tokens += (queried - hits) * self.page_size
             queried -= hits
 
-    def start_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, overlapped: bool = False) -> bool:
+    def start_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, overlapped: bool = False,
+                   tokens: list[PageTokens] | None = None) -> bool:
         """Take device pages for `lookup`'s pages and start filling them; False (nothing taken)
         when the pool has too few free pages.
 
@@ -338,14 +374,15 @@ class OffloadManager:
         for them (`is_loading`) and is admitted on a later schedule. So does a CPU-tier load
         `overlapped` by other requests' work in this step whose copies would hold that step up
         (`_copy_outlasts_step`): its copies run beside the step in flight and the next one,
-        the first poll after them lands it, and the step after that poll waits for what is left."""
+        the first poll after them lands it, and the step after that poll waits for what is left.
+        `tokens`: what the KV events say of each of the lookup's pages (None: events off)."""
         if not self.pool.has_room(device_hits, len(lookup)):
             return False
         self.pool.touch(device_hits)
         self.record_lookup(lookup)
         at_once = (all(tier == CPU for tier in lookup.tiers)
                    and not (overlapped and self._copy_outlasts_step(len(lookup))))
-        load_id, load = self._load(request_id, lookup.hashes, lookup.tiers, at_once)
+        load_id, load = self._load(request_id, lookup.hashes, lookup.tiers, at_once, tokens)
         load.held[:0] = device_hits
         if at_once:
             self._held[request_id] = self._land(load, len(load.pages), claimed=True)
@@ -365,7 +402,8 @@ class OffloadManager:
         seconds = num_pages * self.page_bytes / self.world_size * copies[1] / copies[0]
         return seconds >= _DEFER_STEP_SHARE * self._small_step_s
 
-    def start_split_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, num_new_pages: int) -> bool:
+    def start_split_load(self, request_id: str, device_hits: list[Page], lookup: Lookup, num_new_pages: int,
+                         tokens: list[PageTokens] | None = None) -> bool:
         """Compute the front of `lookup`'s pages while the rest loads: the request is admitted
         now and computes up to a cut while the pages after it load (`split_limit`); at the cut
         it joins them if they have landed, else it computes them too (`compute_limit`), so a
@@ -379,7 +417,7 @@ class OffloadManager:
         chunks costs far more than in one step.
         False (nothing taken, nothing decided) unless split loads are on, the lookup starts
         below host memory and spans two pages or more, and the pool holds its pages and
-        `num_new_pages` more for the request's other tokens."""
+        `num_new_pages` more for the request's other tokens. `tokens`: as for `start_load`."""
         if (not self.split_loads or len(lookup) < 2 or lookup.tiers[0] == CPU
                 or not self.pool.has_room(device_hits, len(lookup) + num_new_pages)):
             return False
@@ -391,7 +429,8 @@ class OffloadManager:
                 return True  # the request computes it all, as if nothing had been found
             cut = len(lookup) // 2  # a probe: a load this size measures the tier's speed
         self.pool.touch(device_hits)  # free hits must not be handed out as the loading pages
-        load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False)
+        load_id, _ = self._load(request_id, lookup.hashes[cut:], lookup.tiers[cut:], False,
+                                tokens[cut:] if tokens is not None else None)
         self.pool.free_pages(reversed(device_hits))  # still cached: the admission takes them next
         self._splits[request_id] = _Split(len(device_hits) + cut, load_id)
         return True
@@ -433,7 +472,8 @@ class OffloadManager:
             self._small_steps.append(seconds)
             self._small_step_s = min(self._small_steps)
 
-    def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool) -> tuple[int, Load]:
+    def _load(self, request_id: str, hashes: list[bytes], tiers: list[str], at_once: bool,
+              tokens: list[PageTokens] | None) -> tuple[int, Load]:
         """Take device pages for these keys and ask every rank to fill them from `tiers`."""
         pages = self.pool.get_new_pages(len(hashes))
         pinned, sources = [], []
@@ -447,7 +487,7 @@ class OffloadManager:
             pinned.append((index, entry))
             sources.append((tier, entry.slot if tier == CPU else key))
         self._ids += 1
-        load = Load(request_id, list(pages), pages, hashes, tiers, pinned, time.monotonic())
+        load = Load(request_id, list(pages), pages, hashes, tiers, pinned, time.monotonic(), tokens)
         self._loads[self._ids] = load
         self.executor.call("kv_offload_load", self._ids, [p.page_id for p in pages], sources, at_once)
         return self._ids, load
@@ -540,7 +580,9 @@ class OffloadManager:
             if tier == REMOTE:
                 self.remote_known.pop(key, None)  # written again by the next engine that computes it
             else:
-                (self.cpu if tier == CPU else self.disk).discard(key)
+                entry = (self.cpu if tier == CPU else self.disk).discard(key)
+                if entry is not None:
+                    self._removed(tier, [entry])
         for store_id in events.copied:
             store = self._stores[store_id]
             store.copied += 1
@@ -551,6 +593,7 @@ class OffloadManager:
                     if entry is not None:
                         entry.ready = True
                         self.counters[CPU].stored_bytes += self.page_bytes
+                self._announce(CPU, *_present(store.cpu, store.tokens))
         for store_id, failed_disk, remote_ok in events.written:
             store = self._stores[store_id]
             store.written += 1
@@ -570,7 +613,8 @@ class OffloadManager:
         del self._stores[store_id]
         if store.failed_disk:
             self._disk_full(len(store.failed_disk))
-        for c, d, r in zip(store.cpu, store.disk, store.remote):
+        written, written_tokens = [], []
+        for c, d, r, tokens in zip(store.cpu, store.disk, store.remote, store.tokens):
             if c is not None and (d is not None or r is not None):
                 self.cpu.unpin(c)
             if d is not None:
@@ -579,14 +623,20 @@ class OffloadManager:
                 else:
                     d.ready = True
                     self.counters[DISK].stored_bytes += self.page_bytes
+                    written.append(d)
+                    written_tokens.append(tokens)
             if r is not None:
                 if store.remote_ok:
                     self.counters[REMOTE].stored_bytes += self.page_bytes
                 else:
                     self.remote_known.pop(r, None)
+        if written:
+            self._announce(DISK, written, written_tokens)
         if self.disk is not None and len(self.disk) > self.disk.capacity:
             # The tier shrank while some of its entries were still arriving (they could not be evicted then).
-            self._disk_deletes += [e.key for e in self.disk.evict_over_capacity()]
+            evicted = self.disk.evict_over_capacity()
+            self._removed(DISK, evicted)
+            self._disk_deletes += [e.key for e in evicted]
 
     def _disk_full(self, num_failed: int) -> None:
         """Disk writes failed (the file system is fuller than the tier's size allows, or failing):
@@ -630,9 +680,16 @@ class OffloadManager:
         request when it still `claimed` the load (its device hits, then those pages); the
         rest is given back."""
         load.landed = True
-        for page, key, tier in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok]):
-            if self.pool.cache_page(page, key) and tier != CPU:
-                self.queue_store(page, key)  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
+        tokens = load.tokens or [None] * ok
+        cached, cached_tokens = [], []
+        for page, key, tier, page_tokens in zip(load.pages[:ok], load.hashes[:ok], load.tiers[:ok], tokens):
+            if self.pool.cache_page(page, key):
+                cached.append(key)
+                cached_tokens.append(page_tokens)
+                if tier != CPU:  # promoted: the next reuse is a CPU hit (and a remote one lands on disk)
+                    self.queue_store(page, key, page_tokens)
+        if load.tokens is not None:
+            self.pool.record_pages_stored(cached, cached_tokens, MEDIUM_GPU)  # the device's index sees them again
         keep = len(load.held) - len(load.pages) + ok if claimed else 0
         self.pool.free_pages(reversed(load.held[keep:]))
         held, load.held = load.held[:keep], []
@@ -678,6 +735,12 @@ class OffloadManager:
                 loaded_bytes=c.loaded_bytes, errors=errors, load_seconds_buckets=list(c.load_buckets),
                 load_seconds_sum=c.load_sum))
         return out
+
+
+def _present(entries: list[TierEntry | None], tokens: list[PageTokens | None]) -> tuple[list[TierEntry], list]:
+    """The entries a store made in one tier (the pages it skipped there left out), with their tokens."""
+    pairs = [(e, t) for e, t in zip(entries, tokens) if e is not None]
+    return [e for e, _ in pairs], [t for _, t in pairs]
 
 
 def _ema(average: float | None, value: float) -> float:
