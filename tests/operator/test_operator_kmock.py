@@ -566,6 +566,37 @@ def test_two_field_managers_apply_status_without_conflicts_or_lost_conditions():
         apiserver.close()
 
 
+def test_a_manager_that_gave_up_its_status_fields_and_applies_again_removes_only_its_own():
+    """The prefill autoscaler's sequence when spec.prefill.autoscaling goes while one of its ticks
+    is in flight: it gives up its status part (an empty apply, `kube.apply_status` with {}), then
+    the late tick applies that part again. The other writers' fields stay throughout."""
+    apiserver = BackgroundApiServer()  # no operator: the writers are this test, through the operator's own apply
+    try:
+        create(apiserver, tiny("late"))
+        ready = {"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": "m",
+                 "lastTransitionTime": "2026-01-01T00:00:00Z"}
+
+        async def writes() -> None:
+            client = kube.connect(apiserver.url)
+            try:
+                await kube.apply_status(client, NS, "late", {"conditions": [ready]}, "pagoda-operator")
+                await kube.apply_status(client, NS, "late", {"autoscaling": {"desiredReplicas": 2}}, "pagoda-autoscaler")
+                mine = {"prefillAutoscaling": {"desiredReplicas": 3}}
+                await kube.apply_status(client, NS, "late", mine, "pagoda-autoscaler-prefill")
+                await kube.apply_status(client, NS, "late", {}, "pagoda-autoscaler-prefill")
+                assert "prefillAutoscaling" not in status_of(apiserver, "late")
+                await kube.apply_status(client, NS, "late", mine, "pagoda-autoscaler-prefill")  # the late tick
+            finally:
+                await client.close()
+
+        asyncio.run(writes())
+        status = status_of(apiserver, "late")
+        assert status["conditions"] == [ready] and status["autoscaling"] == {"desiredReplicas": 2}
+        assert status["prefillAutoscaling"] == {"desiredReplicas": 3}
+    finally:
+        apiserver.close()
+
+
 def test_the_reconciler_and_the_autoscaler_never_overwrite_each_others_conditions(cluster):
     apiserver, _ = cluster
     body = tiny("both")

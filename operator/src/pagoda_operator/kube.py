@@ -105,9 +105,11 @@ async def apply_status(client: AsyncClient, namespace: str, name: str, status: d
     """Server-side apply of the fields `status` names on the InferenceService's status
     subresource, as `field_manager`: it owns exactly these afterwards, and the ones it applied
     before but leaves out now are removed. Conditions are a map list keyed on `type`, so each
-    writer owns its own."""
+    writer owns its own. An empty `status` is sent as no status at all: the manager then owns
+    nothing (an empty map would make it own the status field itself, and its next apply of other
+    fields would remove the whole status, every other manager's fields with it)."""
     body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-            "status": status}
+            **({"status": status} if status else {})}
     try:
         await client.patch(InferenceService.Status, name, body, namespace=namespace, patch_type=PatchType.APPLY,
                            field_manager=field_manager, force=True)
