@@ -7,9 +7,13 @@ chunks), and the checks that a disturbed response is the undisturbed one."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
+import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
@@ -135,4 +139,46 @@ def until_engine(url: str, running: int = 1, waiting: int = 0, timeout: float = 
                 and metric_text(text, "pagoda:num_requests_waiting") >= waiting):
             return
         assert time.monotonic() < deadline, f"{url} never had {running} running and {waiting} waiting"
+        time.sleep(0.01)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux: /proc's children lists), nearest first."""
+    out, todo = [], [pid]
+    while todo:
+        for task in Path(f"/proc/{todo.pop(0)}/task").glob("*"):
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+            out += children
+            todo += children
+    return out
+
+
+@contextlib.contextmanager
+def cores_paused(engine_pids: list[int]):
+    """Each engine's core (every process below its `pagoda serve`) frozen with SIGSTOP while the
+    block runs, its HTTP server still up: the streams routed to it meanwhile wait for the core,
+    which finds them all queued when it resumes (SIGCONT). So an engine has streams running and
+    waiting however slowly a loaded machine's clients send them."""
+    frozen = [p for pid in engine_pids for p in _descendants(pid)]
+    for p in frozen:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in frozen:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+
+
+def until_in_flight(router: str, url: str, count: int, timeout: float = 60) -> None:
+    """Until the router has at least `count` requests in flight on the backend at `url`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        backends = httpx.get(router + "/router/backends", timeout=10).json()["backends"]
+        if next(b["in_flight"] for b in backends if b["url"] == url) >= count:
+            return
+        assert time.monotonic() < deadline, f"the router never had {count} requests in flight on {url}"
         time.sleep(0.01)

@@ -23,6 +23,7 @@ Tests run in file order on one module's engines."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import signal
 import threading
@@ -34,7 +35,7 @@ import pytest
 
 from k8s_emulator import emulated_cluster
 from pagoda_e2e import PYTHON, Proc, free_port, routed_engines, start_engine, start_pagoda, until
-from streams import assert_whole, metric, metric_text, read, run_all, until_engine
+from streams import assert_whole, cores_paused, metric, metric_text, read, run_all, until_engine, until_in_flight
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]
@@ -106,8 +107,11 @@ def test_200_streams_survive_a_sigkill_and_a_restart_with_sigterm(stack):
         # generates with streams queued behind, then engine 0 dies while it generates (read from
         # the engines, not the clients: the engines run far ahead of 200 clients, and a fast one
         # has its queue empty by the time the clients have read much); engine 1 is started again
-        # on its port meanwhile.
-        until(lambda: progress.frames >= 1, 120, "the first tokens", step=0.01)
+        # on its port meanwhile. The cores wait until engine 1 holds 50 streams (least-load gives
+        # each engine about a third), so that every engine has seconds of work queued however
+        # slowly the 200 clients send on a loaded machine.
+        until_in_flight(base, urls[1], 50)
+        paused.close()
         until_engine(urls[1], running=1, waiting=1)
         engines[1].popen.send_signal(signal.SIGTERM)
         until_engine(urls[0], running=1)
@@ -117,7 +121,9 @@ def test_200_streams_survive_a_sigkill_and_a_restart_with_sigterm(stack):
         engines[1] = start_engine(int(urls[1].rsplit(":", 1)[1]), stack["tmp"] / "engine1-restarted.log", ENGINE)
 
     started = time.monotonic()
-    disturbed = run_all(base, reqs, disturb)
+    with contextlib.ExitStack() as paused:
+        paused.enter_context(cores_paused([e.pid for e in engines]))
+        disturbed = run_all(base, reqs, disturb)
     disturbed_s = time.monotonic() - started
     for (path, body), want, got in zip(reqs, reference, disturbed):
         assert_whole(path, body, want, got)

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from pagoda_e2e import routed_engines, start_engine, until
-from streams import Progress, assert_whole, metric, read, run_all, until_engine
+from streams import Progress, assert_whole, cores_paused, metric, read, run_all, until_engine, until_in_flight
 
 # Long enough (ignore_eos), and few enough sequences at a time (the rest queue), that each engine
 # still has streams running and waiting when it goes, however fast the machine: the SIGKILL cuts
@@ -65,13 +65,20 @@ def test_streams_survive_a_sigkill_and_a_sigterm(stack):
     def disturb(progress):
         # While streams run: one replica is told to stop (its drain deadline, 0.5 s, then ends
         # what it still runs or queues with an in-band error), another dies: the first goes while
-        # it generates with streams queued behind, the second while it generates.
+        # it generates with streams queued behind, the second while it generates. The cores wait
+        # until engine 1 holds eight of its ten streams (round-robin), so that every engine has
+        # seconds of work queued however slowly the clients send (on a loaded machine each stream
+        # could otherwise end before the next arrives).
+        until_in_flight(base, stack["urls"][1], 8)
+        paused.close()
         until_engine(stack["urls"][1], running=1, waiting=1)
         stack["engines"][1].popen.send_signal(signal.SIGTERM)
         until_engine(stack["urls"][0], running=1)
         stack["engines"][0].kill()
 
-    disturbed = run_all(base, reqs, disturb)
+    with contextlib.ExitStack() as paused:
+        paused.enter_context(cores_paused([e.pid for e in stack["engines"]]))
+        disturbed = run_all(base, reqs, disturb)
     for (path, body), want, got in zip(reqs, reference, disturbed):
         assert_whole(path, body, want, got)
         if body.get("stream_options") and body["ignore_eos"]:

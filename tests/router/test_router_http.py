@@ -188,6 +188,37 @@ def test_a_replica_failing_before_its_first_byte_is_retried_once_elsewhere(tmp_p
             p.stop()
 
 
+def test_a_request_whose_replica_failed_waits_for_another_that_is_not_ready_yet(tmp_path):
+    """A replica refuses the connection (dead before a health poll noticed) while the only other
+    one is not ready at that instant (a missed poll, a restart): the request is held until that
+    one is ready, as when none is, not failed with a 502."""
+    a, url_a = start_fake(tmp_path, "a")
+    port_b = free_port()
+    url_b = f"http://127.0.0.1:{port_b}"
+    proc, base = router(tmp_path, [url_a, url_b], "--health-interval", "30", "--queue-timeout", "60")
+    try:
+        deadline = time.monotonic() + 10
+        while [b["ready"] for b in httpx.get(base + "/router/backends").json()["backends"]] != [True, False]:
+            assert time.monotonic() < deadline, "A ready and B not, in the router"
+            time.sleep(0.05)
+        a.kill()  # the next poll is 30 s away: the router still counts A ready
+        with concurrent.futures.ThreadPoolExecutor(1) as ex:
+            future = ex.submit(httpx.post, base + "/v1/completions",
+                               json={"model": "fake-model", "prompt": "x", "max_tokens": 2}, timeout=60)
+            deadline = time.monotonic() + 10
+            while metric(base, "pagoda_router:queue_length") < 1:
+                assert time.monotonic() < deadline and not future.done(), "the request held after A failed"
+                time.sleep(0.05)
+            b, _ = start_fake(tmp_path, "b", port=port_b)
+            r = future.result(timeout=30)
+        assert r.status_code == 200 and r.headers["x-pagoda-backend"] == url_b
+        assert r.json()["choices"][0]["text"] == "t0 t1 "
+        b.stop()
+    finally:
+        for p in (proc, a):
+            p.stop()
+
+
 def test_killed_replica_fails_its_streams_clearly_and_the_survivor_takes_new_requests(tmp_path):
     a, url_a = start_fake(tmp_path, "a", token_delay=0.05)
     b, url_b = start_fake(tmp_path, "b", token_delay=0.05)

@@ -36,6 +36,10 @@ _DROP_RESPONSE = {"connection", "keep-alive", "transfer-encoding", "te", "traile
 # A replica answering these before any body byte is overloaded (its waiting queue full), draining
 # or behind a failing proxy: another replica may well succeed.
 _RETRYABLE_STATUS = {429, 502, 503, 504}
+# A connection that failed before its response: httpx's transport errors, and the AttributeError
+# anyio raises on uvloop when the peer resets the connection while it is set up (the transport's
+# socket is gone when anyio asks it for its peer's address).
+_CONNECT_FAILURES = (httpx.TransportError, AttributeError)
 
 
 @dataclass
@@ -77,10 +81,17 @@ class Router:
         return error_response(503, message, code="no_backend_available",
                               headers={"Retry-After": str(self.queue.retry_after_s)})
 
-    async def _hold_until_ready(self, model: str | None) -> Response | None:
-        """None once a replica serving `model` is ready; a 503 response when the queue is full
-        or the wait expires."""
-        if self.pool.ready(model):
+    def _ready(self, model: str | None, exclude: set[str]) -> bool:
+        return any(b.url not in exclude for b in self.pool.ready(model))
+
+    def _untried(self, tried: set[str]) -> bool:
+        """Does the pool know a replica, ready or not, outside `tried`?"""
+        return any(url not in tried for url in self.pool.backends)
+
+    async def _hold_until_ready(self, model: str | None, exclude: set[str] = frozenset()) -> Response | None:
+        """None once a replica serving `model`, other than those in `exclude`, is ready; a 503
+        response when the queue is full or the wait expires."""
+        if self._ready(model, exclude):
             return None
         if self.held >= self.queue.size:
             self.metrics.queue_rejected.inc()
@@ -90,13 +101,13 @@ class Router:
         self.metrics.queue_length.set(self.held)
         try:
             deadline = time.monotonic() + self.queue.timeout_s
-            while not self.pool.ready(model):
+            while not self._ready(model, exclude):
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     self.metrics.queue_timeouts.inc()
                     return self._unavailable(f"No backend became ready within {self.queue.timeout_s:g}s; "
                                              f"retry later.")
-                if self.pool.ready():  # ready, but not for this model: wait for the set to change
+                if self.pool.ready():  # ready, but not for this request: wait for the set to change
                     await asyncio.sleep(min(0.1, remaining))
                 else:
                     await self.pool.wait_ready(remaining)
@@ -150,14 +161,23 @@ class Router:
         return self._relay(upstream, backend, start)
 
     async def _connect(self, method, path, headers, body, model, key, exclude: set[str] = frozenset()):
-        held = await self._hold_until_ready(model)
+        tried: set[str] = set(exclude)
+        # Held while no replica is ready (scale from zero); a continuation, while none it has not
+        # failed on is, as long as the pool knows one.
+        held = await self._hold_until_ready(model, tried if self._untried(tried) else frozenset())
         if held is not None:
             return held, None
         fwd_headers = [(k, v) for k, v in headers.items() if k.lower() not in self._drop_request] + self._added_headers
-        tried: set[str] = set(exclude)
         last_error = "no backend is ready"
         for attempt in range(1 + self.max_migrations):
             backend = self._choose(model, key, tried)
+            if backend is None and self._untried(tried):
+                # The replicas tried so far failed and the others are not ready this instant (a
+                # missed health poll on a loaded node, a restart): wait for one as a held request does.
+                held = await self._hold_until_ready(model, tried)
+                if held is not None:
+                    return held, None
+                backend = self._choose(model, key, tried)
             if backend is None:
                 break
             if attempt:
@@ -167,7 +187,7 @@ class Router:
             request = self.client.build_request(method, backend.url + path, content=body, headers=fwd_headers)
             try:
                 upstream = await self.client.send(request, stream=True)
-            except httpx.TransportError as e:
+            except _CONNECT_FAILURES as e:
                 backend.in_flight -= 1
                 last_error = f"{backend.url}: {type(e).__name__}: {e}"
                 self.pool.mark_failed(backend, last_error)
