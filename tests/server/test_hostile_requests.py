@@ -15,7 +15,7 @@ import openai
 import pytest
 
 from conftest import DEFAULT_ARGS, launch
-from pagoda_e2e import free_port, start_router
+from pagoda_e2e import PYTHON, Proc, free_port, start_router
 
 # Raw bodies: lone surrogates anywhere, NaN and Infinity, deep nesting, wrong types, bad UTF-8.
 BAD_BODIES = {
@@ -188,7 +188,7 @@ def default_limits(tmp_path_factory):
 
 
 class HealthPoller:
-    """GETs /health back to back in a thread and keeps the slowest answer."""
+    """GETs `url` back to back in a thread and keeps the slowest answer."""
 
     def __init__(self, url: str):
         self.url, self.worst, self.count = url, 0.0, 0
@@ -199,7 +199,7 @@ class HealthPoller:
         with httpx.Client(timeout=30) as client:
             while not self._stop.is_set():
                 start = time.perf_counter()
-                assert client.get(self.url + "/health").status_code == 200
+                assert client.get(self.url).status_code == 200
                 self.worst = max(self.worst, time.perf_counter() - start)
                 self.count += 1
                 time.sleep(0.005)
@@ -213,7 +213,20 @@ class HealthPoller:
         self._thread.join()
 
 
-def test_health_answers_within_100ms_while_the_heaviest_requests_run(default_limits):
+@pytest.fixture(scope="module")
+def control(tmp_path_factory):
+    """A trivial HTTP server in a process of its own: how long any process's answer may take on
+    this machine at the moment (another test worker can hold both cores of a CI machine)."""
+    port = free_port()
+    proc = Proc([PYTHON, "-m", "http.server", str(port), "--bind", "127.0.0.1",
+                 "--directory", str(tmp_path_factory.mktemp("empty"))], tmp_path_factory.mktemp("control") / "log")
+    url = f"http://127.0.0.1:{port}/"
+    proc.wait_http(url, timeout=30)
+    yield url
+    proc.stop()
+
+
+def test_health_answers_within_100ms_of_a_trivial_server_while_the_heaviest_requests_run(default_limits, control):
     from pagoda_engine.config import ServerConfig
 
     limits = ServerConfig()
@@ -238,8 +251,8 @@ def test_health_answers_within_100ms_while_the_heaviest_requests_run(default_lim
             r = client.post(url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
             results[name] = (r.status_code, r.text)
 
-    def heaviest_requests_once() -> HealthPoller:
-        with HealthPoller(url) as poller:
+    def heaviest_requests_once() -> tuple[HealthPoller, HealthPoller]:
+        with HealthPoller(url + "/health") as poller, HealthPoller(control) as machine:
             time.sleep(0.3)
             threads = [threading.Thread(target=run, args=item) for item in heavy.items()]
             for t in threads:
@@ -250,15 +263,18 @@ def test_health_answers_within_100ms_while_the_heaviest_requests_run(default_lim
         assert results["max body"][0] == 400 and "maximum context length" in results["max body"][1], results["max body"]
         assert results["fan-out"][0] == 200 and len(json.loads(results["fan-out"][1])["choices"]) == \
             limits.max_sequences_per_request, results["fan-out"][1][:300]
-        assert poller.count > 10
-        return poller
+        assert poller.count > 10 and machine.count > 10
+        return poller, machine
 
-    # Up to three rounds before failing: on a 2-core CI machine the other test worker can hold the
-    # CPU for a while (a fresh clone's suite once saw 133 and 134 ms; alone it is 20-40 ms); a
-    # loop that really stalls on this work stalls in every round.
-    worst = []
+    # /health within 100 ms beyond what the machine gave a trivial server in another process over
+    # the same round (on a 2-core CI machine the other test worker can hold both cores: a fresh
+    # clone's suite saw 650 ms there; alone it is 20-40 ms). A loop that stalls on this work stalls
+    # in every round, the trivial server does not.
+    rounds = []
     for _ in range(3):
-        worst.append(heaviest_requests_once().worst)
-        if worst[-1] < 0.1:
+        poller, machine = heaviest_requests_once()
+        rounds.append((poller.worst, machine.worst))
+        if poller.worst < 0.1 + machine.worst:
             break
-    assert worst[-1] < 0.1, f"/health took {', '.join(f'{w * 1000:.0f}' for w in worst)} ms at worst in each round"
+    assert rounds[-1][0] < 0.1 + rounds[-1][1], "/health took " + ", ".join(
+        f"{h * 1000:.0f} ms (a trivial server {m * 1000:.0f} ms)" for h, m in rounds) + " at worst in each round"
