@@ -2,11 +2,14 @@
 version's structural schema with its defaults applied first, as the API server does, then JSON
 Schema (jsonschema) and every `x-kubernetes-validations` CEL rule that does not compare with the
 old object (cel-python). A rule using a Kubernetes CEL library function cel-python lacks is
-reported as not evaluated, so a test can insist that the rules it cares about ran."""
+reported as not evaluated, so a test can insist that the rules it cares about ran. A field the
+schema does not declare is an error, as kubectl's default (Strict) field validation makes it: the
+API server would otherwise prune it, a field accepted and ignored."""
 
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,13 @@ class Result:
     rules_skipped: list[str] = field(default_factory=list)
 
 
+@functools.lru_cache(maxsize=None)
+def _crd(crd_file: str) -> dict:
+    return yaml.load((CRDS / crd_file).read_text(), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+
+
 def schema_of(crd_file: str, api_version: str, kind: str) -> dict:
-    crd = yaml.safe_load((CRDS / crd_file).read_text())
+    crd = copy.deepcopy(_crd(crd_file))
     group, version = api_version.split("/")
     assert crd["spec"]["group"] == group and crd["spec"]["names"]["kind"] == kind, (crd_file, api_version, kind)
     [served] = [v for v in crd["spec"]["versions"] if v["name"] == version and v.get("served")]
@@ -71,6 +79,23 @@ def _rules(schema: dict, value: Any, path: str, env: celpy.Environment, result: 
             _rules(schema["items"], item, f"{path}[{i}]", env, result)
 
 
+def _unknown_fields(schema: dict, value: Any, path: str, errors: list[str]) -> None:
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    if isinstance(value, dict):
+        props, extra = schema.get("properties"), schema.get("additionalProperties")
+        for name, sub in value.items():
+            if props is not None and name in props:
+                _unknown_fields(props[name], sub, f"{path}.{name}", errors)
+            elif isinstance(extra, dict):
+                _unknown_fields(extra, sub, f"{path}.{name}", errors)
+            elif props is not None or extra is False:
+                errors.append(f"{path}.{name}: unknown field")
+    elif isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            _unknown_fields(schema["items"], item, f"{path}[{i}]", errors)
+
+
 def validate(obj: dict, crd_file: str) -> Result:
     schema = schema_of(crd_file, obj["apiVersion"], obj["kind"])
     # metadata is the API server's (ObjectMeta), not the CRD's to describe.
@@ -79,5 +104,6 @@ def validate(obj: dict, crd_file: str) -> Result:
     plain = {**schema, "properties": {k: v for k, v in schema["properties"].items() if k != "metadata"}}
     for error in jsonschema.Draft7Validator(plain).iter_errors(body):
         result.errors.append(f"{'/'.join(map(str, error.absolute_path))}: {error.message}")
+    _unknown_fields(plain, body, "", result.errors)
     _rules(schema, body, "", celpy.Environment(), result)
     return result

@@ -8,8 +8,14 @@ from pagoda_operator.autoscaler.decision import autoscaling_problems
 from pagoda_operator.autoscaler.prometheus import queries
 from pagoda_operator.autoscaler.scaledobjects import HPA_MIN_NOTE, render_scaler
 from pagoda_operator.spec import parse_spec
+from tests.operator import crd_schema
 
 PROM = "http://prometheus.monitoring.svc:9090"
+
+
+def validate_scaledobject(so: dict) -> None:
+    """Against the real KEDA ScaledObject CRD (schema, CEL rules, strict fields)."""
+    assert crd_schema.validate(so, "keda.scaledobjects.yaml").errors == []
 
 
 def body(autoscaling: dict) -> dict:
@@ -46,6 +52,10 @@ def test_keda_queue_scaledobject_targets_the_scale_subresource_with_the_builtin_
     assert main["metadata"] == {"serverAddress": PROM, "query": q["waiting"], "threshold": "4"}
     assert main["metricType"] == "AverageValue"  # ceil(total waiting / target), as the built-in driver
     assert held["metadata"]["query"] == q["router_held"] and held["metadata"]["activationThreshold"] == "0"
+    validate_scaledobject(so)
+    # The CRD bites: a trigger without its type is refused.
+    bad = {**so, "spec": {**spec, "triggers": [{k: v for k, v in main.items() if k != "type"}]}}
+    assert crd_schema.validate(bad, "keda.scaledobjects.yaml").errors
 
 
 def test_keda_needs_a_prometheus_url():
@@ -89,6 +99,7 @@ def test_itl_scales_on_the_engines_inter_token_latency_with_value_targets():
     assert main["metricType"] == "Value" and main["metadata"]["threshold"] == "0.05"  # the default target: 50 ms
     assert main["metadata"]["query"] == queries("itl", "prod", "llama")["itl_p90"]
     assert "pagoda:inter_token_latency_seconds_bucket" in main["metadata"]["query"]
+    validate_scaledobject(so)
     [hpa] = render({"driver": "hpa", "maxReplicas": 4, "policy": "itl", "target": 0.03})
     metric = hpa["spec"]["metrics"][0]["external"]
     assert metric["metric"]["name"] == "pagoda_inter_token_latency_seconds_p90"

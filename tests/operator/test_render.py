@@ -13,6 +13,7 @@ import yaml
 
 from pagoda_operator import render as r
 from pagoda_operator.validation import check
+from tests.operator import crd_schema
 from tests.operator.support import EXAMPLE_FILES, EXAMPLES_DIR, load_example, with_spec
 
 K8S_VERSION = "1.33.0"
@@ -527,6 +528,8 @@ def test_autoscaling_driver_adds_its_scaler_object(driver, kind):
         assert m["metadata"]["ownerReferences"][0]["uid"] == "0000-uid"
         if kind == "HorizontalPodAutoscaler":
             _validate(m)
+        else:
+            assert crd_schema.validate(m, "keda.scaledobjects.yaml").errors == []
 
 
 def test_api_server_count_becomes_the_engine_flag_and_is_left_out_at_one():
