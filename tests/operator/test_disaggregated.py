@@ -148,8 +148,6 @@ def _prefill(**fields) -> dict:
     ({"topology": {"pipeline": 2}}, "topology: spec.prefill needs tensor 1 and pipeline 1"),
     ({"topology": {"nodes": 2}}, "topology.nodes: spec.prefill needs one node per replica"),
     ({"router": {"mode": "gateway"}}, "router.mode: gateway with spec.prefill"),
-    ({"replicas": None, "autoscaling": {"maxReplicas": 3, "driver": "keda"}},
-     "autoscaling.driver: keda is not supported with spec.prefill"),
     ({"prefill": _prefill(extraArgs=["--no-such-flag"])}, "prefill: engine.extraArgs: pagoda serve has no flag --no-such-flag"),
     ({"prefill": {"resources": {"gpusPerPod": 0, "cpu": "1"}, "engine": {"apiServerCount": 4}}},
      "prefill: engine: apiServerCount 4 needs at least 4 CPUs per pod"),
@@ -297,7 +295,6 @@ def test_prefill_replicas_set_by_a_user_beside_prefill_autoscaling_is_refused():
                                   "pod's KV pages in use are the prompts it holds until a decode pod pulls them"),
     ({"policy": "itl"}, "prefill.autoscaling.policy: itl does not measure prefill load: a prefill pod makes one token"),
     ({"minReplicas": 0}, "prefill.autoscaling.minReplicas: 0 could never scale back up"),
-    ({"driver": "keda"}, "prefill.autoscaling.driver: keda cannot scale the prefill pods"),
     ({"minReplicas": 3, "maxReplicas": 2}, "prefill.autoscaling: minReplicas 3 > maxReplicas 2"),
     ({"scaleDownDelay": "soon"}, "prefill.autoscaling.scaleDownDelay:"),
     ({"target": 0}, "spec.prefill.autoscaling.target"),  # the schema: > 0
@@ -357,3 +354,87 @@ def test_the_prefill_decision_reports_in_its_own_status_fields():
     assert outcome.pods == "prefill" and outcome.role.status_manager == "pagoda-autoscaler-prefill"
     # The decode pods' decision: none (no spec.autoscaling), the prefill one's status untouched.
     assert asyncio.run(handlers.autoscale_once(body, History(), 1000.0)) is None
+
+
+# --- KEDA and HPA for each role ---------------------------------------------------------------
+
+def _scaled_by(decode_driver: str, prefill_driver: str) -> dict:
+    """The decode pods on spec.autoscaling (driver `decode_driver`, with the URL), the prefill
+    pods on spec.prefill.autoscaling (`prefill_driver`, ttft, no URL of its own)."""
+    body = _autoscaled_prefill(driver=prefill_driver, policy="ttft", target=0.5)
+    del body["spec"]["prefill"]["autoscaling"]["prometheusURL"]
+    body = with_spec(body, replicas=None, autoscaling={"driver": decode_driver, "maxReplicas": 4, "policy": "kvUtilization",
+                                                       "target": 0.8, "prometheusURL": "http://prometheus:9090"})
+    return body
+
+
+def test_keda_and_hpa_scale_each_role_on_its_own_pods():
+    from pagoda_operator.autoscaler.prometheus import queries
+    from tests.operator import crd_schema
+
+    objects = _rendered(_scaled_by("hpa", "keda"))
+    hpa = objects[("HorizontalPodAutoscaler", "tiny-pd")]
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "pagoda.dev/v1alpha1", "kind": "InferenceService", "name": "tiny-pd"}
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"] == {"namespace": "team-a",
+                                                                                      "service": "tiny-pd-decode"}
+    kubernetes_validate.validate(hpa, "1.33.0", strict=True)
+    so = objects[("ScaledObject", "tiny-pd-prefill")]
+    assert so["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "tiny-pd-prefill"}
+    [trigger] = so["spec"]["triggers"]  # no router-held trigger: the prefill pods never scale from zero
+    assert trigger["metadata"] == {"serverAddress": "http://prometheus:9090",  # spec.autoscaling's
+                                   "query": queries("ttft", "team-a", "tiny-pd", role="prefill")["ttft_p90"], "threshold": "0.5"}
+    assert (so["spec"]["minReplicaCount"], so["spec"]["maxReplicaCount"]) == (1, 4)
+    assert crd_schema.validate(so, "keda.scaledobjects.yaml").errors == []
+    # The scaler owns the prefill Deployment's replicas: the operator's apply leaves them out.
+    assert "replicas" not in objects[("Deployment", "tiny-pd-prefill")]["spec"]
+    assert objects[("Deployment", "tiny-pd-decode")]["spec"]["replicas"] == 1  # spec.autoscaling's floor
+
+    objects = _rendered(_scaled_by("keda", "hpa"))
+    so = objects[("ScaledObject", "tiny-pd")]
+    main, held = so["spec"]["triggers"]
+    decode = queries("kvUtilization", "team-a", "tiny-pd", role="decode")
+    assert (main["metadata"]["query"], held["metadata"]["query"]) == (decode["kv_usage"], decode["router_held"])
+    assert crd_schema.validate(so, "keda.scaledobjects.yaml").errors == []
+    hpa = objects[("HorizontalPodAutoscaler", "tiny-pd-prefill")]
+    assert hpa["spec"]["scaleTargetRef"]["kind"] == "Deployment" and hpa["spec"]["scaleTargetRef"]["name"] == "tiny-pd-prefill"
+    assert hpa["spec"]["metrics"][0]["external"]["metric"]["selector"]["matchLabels"]["service"] == "tiny-pd-prefill"
+    kubernetes_validate.validate(hpa, "1.33.0", strict=True)
+
+
+def test_a_prefill_scaler_that_cannot_work_is_refused():
+    body = _scaled_by("builtin", "keda")
+    body["spec"]["prefill"]["replicas"] = 2
+    assert any(p.startswith("prefill.replicas: set prefill.replicas or prefill.autoscaling, not both; with driver keda "
+                            "the scaler sets the prefill Deployment's replicas") for p in _problems(body))
+    body = _scaled_by("builtin", "keda")
+    del body["spec"]["autoscaling"]
+    body["spec"]["replicas"] = 2
+    assert any(p.startswith("prefill.autoscaling.prometheusURL: required with driver keda") for p in _problems(body))
+
+
+def test_the_prefill_deployment_keeps_the_replicas_its_hpa_set(cluster):
+    from tests.operator.test_operator_kmock import (DEPLOYMENTS, IS, NS, conditions, create, get, mark_rolled_out,
+                                                    patch_spec, path_of, request, wait_for)
+
+    apiserver, _ = cluster
+    body = _scaled_by("builtin", "hpa")
+    body["metadata"] = {"name": "pdh", "namespace": NS}
+    create(apiserver, body)
+    wait_for("the prefill HPA", lambda: get(apiserver, ("autoscaling", "v2", "horizontalpodautoscalers"), "pdh-prefill"))
+    assert "replicas" not in get(apiserver, DEPLOYMENTS, "pdh-prefill")["spec"]
+    # The HPA scales the Deployment to 3 (its scale subresource), the controller makes them ready.
+    request(apiserver, "PATCH", path_of(DEPLOYMENTS, "pdh-prefill", "scale"), {"spec": {"replicas": 3}},
+            "application/merge-patch+json", fieldManager="horizontal-pod-autoscaler")
+    mark_rolled_out(apiserver, "pdh", 1)
+    mark_rolled_out(apiserver, "pdh-decode", 1)
+    mark_rolled_out(apiserver, "pdh-prefill", 2)
+    says = "1/1 decode and 2/3 prefill replicas ready."
+    wait_for(says, lambda: conditions(get(apiserver, IS, "pdh")).get("Ready", {}).get("message") == says)
+    # A spec change re-applies the Deployment: the HPA's replicas stay.
+    patch_spec(apiserver, "pdh", {"prefill": {"autoscaling": {"target": 0.7}}})
+    wait_for("the change applied", lambda: get(apiserver, ("autoscaling", "v2", "horizontalpodautoscalers"), "pdh-prefill")
+             ["spec"]["metrics"][0]["external"]["target"]["value"] == "0.7")
+    assert get(apiserver, DEPLOYMENTS, "pdh-prefill")["spec"]["replicas"] == 3
+    mark_rolled_out(apiserver, "pdh-prefill", 3)
+    says = "1/1 decode and 3/3 prefill replicas ready."
+    wait_for(says, lambda: conditions(get(apiserver, IS, "pdh")).get("Ready", {}).get("message") == says)

@@ -38,6 +38,7 @@ from lightkube import AsyncClient
 from pagoda_operator import kube, kv_status, loras, metrics, objectives, pool_status
 from pagoda_operator import render as r
 from pagoda_operator.autoscaler import handlers as autoscaler
+from pagoda_operator.autoscaler.scaledobjects import scaled_directly
 from pagoda_operator.children import FIELD_MANAGER, selector_labels
 from pagoda_operator.conditions import Observation, compute_status, is_current, model_download_failure, transitions
 from pagoda_operator.spec import API_VERSION, GROUP, KIND, PLURAL, VERSION, desired_replicas, role_spec
@@ -116,6 +117,9 @@ async def observe(client: AsyncClient, current: dict[str, Any], checked: Checked
         if disaggregated:
             obs.prefill = await kube.get(client, "apps/v1", "Deployment", namespace, r.role_name(name, "prefill"))
             obs.prefill_desired = desired_replicas(role_spec(spec, "prefill"))
+            if scaled_directly(spec, "prefill") and obs.prefill is not None:
+                # Its KEDA or HPA scaler sets the Deployment's replicas: those are the count to be ready.
+                obs.prefill_desired = int((obs.prefill.get("spec") or {}).get("replicas", obs.prefill_desired))
         obs.url = r.service_url(name, namespace, spec)
         if engine is not None and obs.desired_replicas > 0:
             obs.download_failure = await _download_failure(client, namespace, name)

@@ -61,7 +61,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagoda_operator import sizing
-from pagoda_operator.autoscaler.scaledobjects import render_scaler
+from pagoda_operator.autoscaler.scaledobjects import render_scaler, scaled_directly
 from pagoda_operator.children import child_metadata, labels, selector_labels
 from pagoda_operator.quantity import gib
 from pagoda_operator.spec import (ROLE_LABEL, ROLES, InferenceServiceSpec, KVTier, desired_replicas, role_spec,
@@ -843,6 +843,16 @@ def render_engine_deployment(body: dict[str, Any], spec: InferenceServiceSpec, i
     }
 
 
+def render_role_deployment(body: dict[str, Any], spec: InferenceServiceSpec, images: Images, role: str) -> dict[str, Any]:
+    """spec.prefill: one role's Deployment. Its replicas are left out when a KEDA or HPA scaler
+    sets them on the Deployment itself (`scaled_directly`), so the operator's apply never takes
+    them back from it."""
+    deployment = render_engine_deployment(body, role_spec(spec, role), images, role)
+    if scaled_directly(spec, role):
+        del deployment["spec"]["replicas"]
+    return deployment
+
+
 def render_engine_leaderworkerset(body: dict[str, Any], spec: InferenceServiceSpec, images: Images) -> dict[str, Any]:
     name = body["metadata"]["name"]
     return {
@@ -1248,7 +1258,7 @@ def render(body: dict[str, Any], spec: InferenceServiceSpec, images: Images | No
         # Disaggregated (validation keeps it to one node per replica): per role a Service, a
         # Deployment and a budget, each role's pods from its own spec.
         engines = [obj for role in ROLES for obj in (
-            render_engine_service(body, spec, role), render_engine_deployment(body, role_spec(spec, role), images, role),
+            render_engine_service(body, spec, role), render_role_deployment(body, spec, images, role),
             render_engine_pdb(body, role))]
     else:
         workload = (

@@ -234,7 +234,7 @@ class Autoscaling:
 
     max_replicas: int = prop(doc="Most replicas.", minimum=1)
     min_replicas: int = prop(1, doc="Fewest replicas; 0 allows scale to zero (the router holds requests).", minimum=0)
-    driver: Literal["builtin", "keda", "hpa"] = prop("builtin", doc="builtin: the operator's autoscaler; keda or hpa: target the scale subresource with those.")
+    driver: Literal["builtin", "keda", "hpa"] = prop("builtin", doc="builtin: the operator's autoscaler; keda or hpa: a ScaledObject or HorizontalPodAutoscaler the operator renders, on the scale subresource (spec.prefill.autoscaling: on the prefill Deployment).")
     prometheus_url: str | None = prop(None, name="prometheusURL", doc="Prometheus HTTP API base URL.", pattern=r"^https?://")
     policy: Literal["queue", "kvUtilization", "ttft", "itl"] = prop("queue", doc="queue: waiting requests per replica; kvUtilization: mean KV usage; ttft: p90 time to first token; itl: p90 inter-token latency (spec.prefill.autoscaling: queue or ttft).")
     target: float | None = prop(None, doc="Target value of the policy's metric per replica.", minimum=0, exclusive_minimum=True)
@@ -339,7 +339,7 @@ class Prefill:
     replicas: int | None = prop(None, doc="Prefill replicas (default 1; 0: every request decodes its own prompt); exclusive with prefill.autoscaling.", minimum=0)
     resources: Resources | None = prop(None, doc="What one prefill pod asks for (default: spec.resources).")
     engine: PrefillEngine | None = prop(None, doc="Engine settings of the prefill pods that differ from spec.engine's.")
-    autoscaling: Autoscaling | None = prop(None, doc="The prefill pods' own autoscaling, by the built-in autoscaler (driver builtin), on their waiting requests (policy queue) or their p90 time to first token (ttft); it writes prefill.replicas, and its decisions go to status.prefillAutoscaling and the PrefillScalingReady condition. prometheusURL defaults to spec.autoscaling's.")
+    autoscaling: Autoscaling | None = prop(None, doc="The prefill pods' own autoscaling, on their waiting requests (policy queue) or their p90 time to first token (ttft). Driver builtin writes prefill.replicas, its decisions in status.prefillAutoscaling and the PrefillScalingReady condition; keda or hpa scale the prefill Deployment itself (a ScaledObject or HorizontalPodAutoscaler <name>-prefill), whose replicas the operator then leaves to them. prometheusURL defaults to spec.autoscaling's.")
 
 
 @dataclass

@@ -191,10 +191,6 @@ def _check_prefill(spec: InferenceServiceSpec) -> list[str]:
     if spec.router.mode == "gateway":
         problems.append("router.mode: gateway with spec.prefill is not supported yet (the Endpoint Picker picks one "
                         "engine per request); use the builtin router")
-    if spec.autoscaling is not None and spec.autoscaling.driver != "builtin":
-        problems.append(f"autoscaling.driver: {spec.autoscaling.driver} is not supported with spec.prefill yet (its "
-                        f"metrics would select the <name>-engine Service); use driver builtin, which scales the decode "
-                        f"pods")
     problems += _check_prefill_autoscaling(spec)
     # The prefill role's own settings (its resources, engine fields and extraArgs), checked as the
     # decode pods' are: what the decode pods' check already said is not repeated, nor its
@@ -427,17 +423,17 @@ def _check_scaling(spec: InferenceServiceSpec, where: str = "autoscaling", repli
 
 
 def _check_prefill_autoscaling(spec: InferenceServiceSpec) -> list[str]:
-    """spec.prefill.autoscaling: the built-in autoscaler writes prefill.replicas (there is no scale
-    subresource for KEDA or an HPA to write), on what measures prefill load, never to zero (with
-    no prefill pod the router sends whole requests to the decode pods, and no prefill signal is
-    left to scale up on)."""
+    """spec.prefill.autoscaling: on what measures prefill load, never to zero (with no prefill pod
+    the router sends whole requests to the decode pods, and no prefill signal is left to scale up
+    on). The built-in driver writes prefill.replicas; KEDA or an HPA scale the prefill Deployment
+    itself (there is no scale subresource for prefill.replicas), and take prometheusURL from
+    spec.autoscaling when the block has none, as the built-in driver does."""
     a = spec.prefill.autoscaling
     if a is None:
         return []
     problems = []
-    if a.driver != "builtin":
-        problems.append(f"prefill.autoscaling.driver: {a.driver} cannot scale the prefill pods (prefill.replicas "
-                        f"has no scale subresource for it to write); use driver builtin")
+    if not a.prometheus_url and spec.autoscaling is not None and spec.autoscaling.prometheus_url:
+        spec = replace(spec, prefill=replace(spec.prefill, autoscaling=replace(a, prometheus_url=spec.autoscaling.prometheus_url)))
     if a.policy not in PREFILL_POLICIES:
         problems.append(f"prefill.autoscaling.policy: {a.policy} does not measure prefill load: {NOT_FOR_PREFILL[a.policy]}; "
                         f"use queue (waiting requests per ready prefill replica) or ttft (the prefill pods' p90 time "
@@ -471,6 +467,9 @@ def _check_replicas_owner(spec: InferenceServiceSpec, meta: dict[str, Any], pref
     if owners and not by_user:
         return []
     who = f" (set by {', '.join(by_user)})" if by_user else ""
+    if prefill and spec.autoscaling.driver != "builtin":
+        return [f"prefill.replicas: set prefill.replicas or prefill.autoscaling, not both{who}; with driver "
+                f"{spec.autoscaling.driver} the scaler sets the prefill Deployment's replicas"]
     if prefill:
         return [f"prefill.replicas: set prefill.replicas or prefill.autoscaling, not both{who}; with autoscaling the "
                 f"built-in autoscaler sets prefill.replicas"]
