@@ -75,6 +75,7 @@ OPTIONAL_KINDS = {
 }
 MISSING_CRD_RECHECK_SECONDS = 60
 NOT_READY_RECHECK_SECONDS = 30  # how soon a failed model download shows while replicas are not ready
+RETRY_S = 5  # a reconcile that raised an unexpected error (not a refused child: that waits 30 s) is retried after this
 INTERNAL_KEY_BYTES = 32  # of randomness in the router's key to the engines (256 bits)
 MANAGED = {"app.kubernetes.io/managed-by": FIELD_MANAGER}
 
@@ -321,7 +322,8 @@ def register(registry: kopf.OperatorRegistry, *, recheck_crds_seconds: float = M
     kopf.on.cleanup(registry=registry)(cleanup)
     fn = reconcile
     for decorator in (kopf.on.resume, kopf.on.create, kopf.on.update):
-        fn = decorator(*resource, registry=registry, id="reconcile")(fn)
+        # An unexpected error (an API call timed out) is retried after RETRY_S, not kopf's 60 s.
+        fn = decorator(*resource, registry=registry, id="reconcile", backoff=RETRY_S)(fn)
     kopf.timer(*resource, registry=registry, id="recheck-crds", interval=recheck_crds_seconds,
                initial_delay=recheck_crds_seconds, when=_missing_crd)(reconcile)
     kopf.timer(*resource, registry=registry, id="refresh-not-ready", interval=not_ready_seconds,
