@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from pagoda_engine.bench.graph_timing import replay_us
+
 # (N, K, kind): "norm" folds the RMSNorm in at one row; "gated" is silu(gate) × up over N gate
 # rows and N up rows.
 SHAPES = {
@@ -181,23 +183,7 @@ def reference(c: Candidate, w: Weights, x: torch.Tensor, residual: torch.Tensor)
 
 def graph_us(launch, copies: int, launches: int = 48, replays: int = 5) -> float:
     """µs a launch: `launches` launches (copy after copy) in one CUDA graph, replayed."""
-    for i in range(copies):
-        launch(i)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for j in range(launches):
-            launch(j % copies)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    del graph
-    return start.elapsed_time(end) * 1e3 / (replays * launches)
+    return replay_us(lambda: [launch(j % copies) for j in range(launches)], launches, replays)
 
 
 def weight_bytes(shape: str, dtype: str) -> int:

@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from pagoda_engine.bench.graph_timing import replay_us
+
 # Llama-3.1-8B's projections: (input width, output slices), as tests/gpu/test_lora_gpu.py.
 SHAPES = {
     "qkv": (4096, [4096, 1024, 1024]),
@@ -26,24 +28,6 @@ SHAPES = {
     "gate_up": (4096, [14336, 14336]),
     "down": (14336, [4096]),
 }
-
-
-def _replay_us(fn, calls: int, iters: int = 50) -> float:
-    """µs per call of `fn` (which makes `calls` calls), replayed as one CUDA graph."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters / calls * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -115,11 +99,11 @@ def main(argv: list[str] | None = None) -> None:
                             act(out)
 
             times = [
-                _replay_us(lambda: [lora_triton.shrink(x, lora.lora_a, batch) for lora in loras], a.layers),
-                _replay_us(lambda: [lora_triton.expand_all(s, y, lora, batch) for s, lora in zip(shrunk, loras)],
+                replay_us(lambda: [lora_triton.shrink(x, lora.lora_a, batch) for lora in loras], a.layers),
+                replay_us(lambda: [lora_triton.expand_all(s, y, lora, batch) for s, lora in zip(shrunk, loras)],
                            a.layers),
-                _replay_us(base, a.layers),
-                _replay_us(with_lora, a.layers),
+                replay_us(base, a.layers),
+                replay_us(with_lora, a.layers),
             ]
             added[rows] = added.get(rows, 0.0) + times[3] - times[2]
             print(f"{name:10s} {rows:5d} {shrunk[0].shape[0]:8d} " + " ".join(f"{t:7.1f}" for t in times)

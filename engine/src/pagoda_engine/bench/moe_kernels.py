@@ -14,26 +14,12 @@ import itertools
 
 import torch
 
+from pagoda_engine.bench.graph_timing import replay_us
+
 from pagoda_engine.worker.compile_ahead import compile_ahead
 from pagoda_engine.worker.model import fp8_math, fp8_quant_triton
 from pagoda_engine.worker.model import fused_moe_triton as kernels
 from pagoda_engine.worker.model.moe import select_experts
-
-
-def _replay_us(fn, iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e3
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -70,16 +56,16 @@ def main(argv: list[str] | None = None) -> None:
         times = []
         for fused_max in (t, 0):  # the SiLU-and-mul in the gate+up GEMM, then after it
             kernels.SILU_IN_GATE_UP_MAX_TOKENS = fused_max
-            times.append(_replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids)))
+            times.append(replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids)))
         kernels.SILU_IN_GATE_UP_MAX_TOKENS = default
         times += [
-            _replay_us(lambda: select_experts(logits, k, True)),
-            _replay_us(lambda: kernels.align_by_expert(ids, e + 1, gate_up_cfg["BLOCK_M"])),
-            _replay_us(lambda: kernels._grouped_gemm(x, w13, gate_up, None, aligned, k, t * k, gate_up_cfg)),
-            _replay_us(lambda: kernels._SILU_AND_MUL(gate_up)),
-            _replay_us(lambda: kernels._grouped_gemm(x, w13, act, None, aligned, k, t * k, gate_up_cfg,
+            replay_us(lambda: select_experts(logits, k, True)),
+            replay_us(lambda: kernels.align_by_expert(ids, e + 1, gate_up_cfg["BLOCK_M"])),
+            replay_us(lambda: kernels._grouped_gemm(x, w13, gate_up, None, aligned, k, t * k, gate_up_cfg)),
+            replay_us(lambda: kernels._SILU_AND_MUL(gate_up)),
+            replay_us(lambda: kernels._grouped_gemm(x, w13, act, None, aligned, k, t * k, gate_up_cfg,
                                                      silu_and_mul=True)),
-            _replay_us(lambda: kernels._grouped_gemm(act, w2, down, w, aligned, 1, t * k, down_cfg)),
+            replay_us(lambda: kernels._grouped_gemm(act, w2, down, w, aligned, 1, t * k, down_cfg)),
         ]
         hit = ids.unique().numel()
         floor = hit * 3 * h * i * 2 / (a.bandwidth_tbs * 1e12) * 1e6
@@ -128,9 +114,9 @@ def _compare_fp8(a) -> None:
         times = []
         for threshold in (t + 1, 0):  # weight-only, then FP8 x FP8
             kernels.FP8_MMA_MIN_TOKENS = threshold
-            times.append(_replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids, s13, s2)))
+            times.append(replay_us(lambda: kernels.fused_experts(x, w13, w2, weights, ids, s13, s2)))
         kernels.FP8_MMA_MIN_TOKENS = default
-        steps = [_replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t))]
+        steps = [replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t))]
         flops = 2 * t * k * 3 * h * i
         print(f"{t:6d} {times[0]:10.1f} {times[1]:8.1f}  | " + " ".join(f"{v:7.1f}" for v in steps)
               + f"  {flops / (steps[2] + steps[3]) / 1e6:7.0f}")
@@ -175,13 +161,13 @@ def _sweep_fp8(a) -> None:
             steps = _fp8_steps(x, w13, s13, w2, s2, weights, ids, (gate_up_cfg, down_cfg))
             key = (gate_up_cfg["BLOCK_M"], gate_up_cfg["BLOCK_N"] // 2)
             if key not in fixed:
-                fixed[key] = _replay_us(steps[0]) + _replay_us(steps[1])
+                fixed[key] = replay_us(steps[0]) + replay_us(steps[1])
             name = tuple(sorted(gate_up_cfg.items()))
             if name not in gate_up_times:
-                gate_up_times[name] = (_replay_us(steps[2]), key, gate_up_cfg)
+                gate_up_times[name] = (replay_us(steps[2]), key, gate_up_cfg)
             name = tuple(sorted(down_cfg.items()))
             if name not in down_times:
-                down_times[name] = (_replay_us(steps[3]), key, down_cfg)
+                down_times[name] = (replay_us(steps[3]), key, down_cfg)
         best = None
         for key in fixed:
             gu = min((v for v in gate_up_times.values() if v[1] == key), key=lambda v: v[0])
@@ -191,7 +177,7 @@ def _sweep_fp8(a) -> None:
                   f"{fixed[key]:.1f} + gate+up {gu[0]:.1f} {_short(gu[2])} + down {dn[0]:.1f} {_short(dn[2])}")
             if best is None or total < best[0]:
                 best = (total, key)
-        current = sum(_replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t)))
+        current = sum(replay_us(f) for f in _fp8_steps(x, w13, s13, w2, s2, weights, ids, kernels._fp8_configs(t)))
         print(f"{t:6d} tokens: best {best[0]:.1f} µs (BLOCK_M {best[1][0]}, group {best[1][1]}); "
               f"the tiles in use: {current:.1f}")
 
