@@ -19,10 +19,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 def build(model: str, token_delay: float) -> FastAPI:
     app = FastAPI()
-    st = {"healthy": True, "fail_next": 0, "fail_status": 503, "running": 0, "waiting": 0, "served": 0, "prompts": []}
+    st = {"healthy": True, "fail_next": 0, "fail_status": 503, "running": 0, "waiting": 0, "served": 0, "prompts": [],
+          "slow_health": 0, "health_delay": 0.0}
 
     @app.get("/health")
     async def health():
+        if st["slow_health"] > 0:  # the next `slow_health` answers come after `health_delay` seconds
+            st["slow_health"] -= 1
+            await asyncio.sleep(st["health_delay"])
         return PlainTextResponse("ok" if st["healthy"] else "down", status_code=200 if st["healthy"] else 503)
 
     @app.get("/metrics")

@@ -219,6 +219,45 @@ def test_a_request_whose_replica_failed_waits_for_another_that_is_not_ready_yet(
             p.stop()
 
 
+def test_a_replica_stays_ready_through_one_health_poll_that_times_out_not_two(tmp_path):
+    """--health-timeouts 2 (the default): a ready replica whose /health answers late once (a loaded
+    replica) stays ready; twice in a row, it is taken out until it answers again."""
+    a, url_a = start_fake(tmp_path, "a")
+    # Polls every 0.2 s, each given 0.4 s.
+    proc, base = router(tmp_path, [url_a], "--health-interval", "0.2")
+    seen: list[bool] = []
+
+    def ready_until_polled(slow: int) -> None:
+        """The replica's readiness as the router sees it, sampled from `slow` late /health answers
+        on until it has answered on time again for a while."""
+        httpx.post(url_a + "/admin", json={"slow_health": slow, "health_delay": 1.0})
+        deadline = time.monotonic() + 10
+        while httpx.get(url_a + "/admin").json()["slow_health"]:
+            assert time.monotonic() < deadline, "the slow polls made"
+            seen.append(httpx.get(base + "/router/backends").json()["backends"][0]["ready"])
+            time.sleep(0.02)
+        until = time.monotonic() + 2.0  # the last slow poll times out (0.4 s), the next ones answer
+        while time.monotonic() < until:
+            seen.append(httpx.get(base + "/router/backends").json()["backends"][0]["ready"])
+            time.sleep(0.02)
+
+    try:
+        deadline = time.monotonic() + 10
+        while not httpx.get(base + "/router/backends").json()["backends"][0]["ready"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        ready_until_polled(1)
+        assert all(seen), "one late poll took the replica out"
+        seen.clear()
+        ready_until_polled(2)
+        assert False in seen and seen[-1] is True, seen  # out after the second, back once it answers
+        r = httpx.post(base + "/v1/completions", json={"model": "fake-model", "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 200
+    finally:
+        for p in (proc, a):
+            p.stop()
+
+
 def test_killed_replica_fails_its_streams_clearly_and_the_survivor_takes_new_requests(tmp_path):
     a, url_a = start_fake(tmp_path, "a", token_delay=0.05)
     b, url_b = start_fake(tmp_path, "b", token_delay=0.05)
@@ -308,6 +347,7 @@ def test_a_full_hold_queue_answers_503_at_once(tmp_path):
     (["--backends", ""], "--backends is empty"),
     (["--backends", "grpc://10.0.0.1:9000"], "unsupported scheme 'grpc'"),
     (["--k8s-service", "no-namespace"], "expected NAMESPACE/NAME"),
+    (["--backends", "http://127.0.0.1:9", "--health-timeouts", "0"], "--health-timeouts must be >= 1"),
 ])
 def test_router_refuses_to_start_on_bad_backends(flags, message):
     out = subprocess.run([sys.executable, "-m", "pagoda_engine.router.app", *flags], capture_output=True,

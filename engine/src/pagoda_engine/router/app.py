@@ -73,6 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="EndpointSlice port name of the engine (default: http; else the first port)")
     parser.add_argument("--kubeconfig", default=None, help="kubeconfig for --k8s-service outside a cluster")
     parser.add_argument("--health-interval", type=float, default=2.0, help="seconds between /health polls")
+    parser.add_argument("--health-timeouts", type=int, default=2,
+                        help="polls in a row that time out before a ready replica is taken out (a loaded replica "
+                             "answers late; a refused connection or a /health other than 200 takes it out at once)")
     parser.add_argument("--queue-size", type=int, default=1024,
                         help="requests held at most while no replica is ready (scale from zero)")
     parser.add_argument("--queue-timeout", type=float, default=60.0, help="seconds one request is held at most")
@@ -137,6 +140,8 @@ def _validate_args(args: argparse.Namespace) -> None:
         raise BackendConfigError("--max-migrations must be >= 0")
     if args.health_interval <= 0:
         raise BackendConfigError("--health-interval must be > 0")
+    if args.health_timeouts < 1:
+        raise BackendConfigError("--health-timeouts must be >= 1")
     if args.prefix_load_factor < 1:
         raise BackendConfigError("--prefix-load-factor must be >= 1")
     if args.prefix_page_chars < 1:
@@ -187,7 +192,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             limits=httpx.Limits(max_connections=4096, max_keepalive_connections=512),
         )
         pool = BackendPool(client, metrics, poll_interval=args.health_interval,
-                           poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
+                           poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key,
+                           timeouts_to_unready=args.health_timeouts)
         prefixes = start_prefix_source(args)
         state["prefixes"] = prefixes
         if prefixes is not None:
@@ -208,7 +214,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             # Prefill/decode: the pool above holds the decode engines (least KV usage); the prefill
             # engines are a pool of their own, chosen by prefix affinity.
             prefill_pool = BackendPool(client, metrics, poll_interval=args.health_interval,
-                                       poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key)
+                                       poll_timeout=min(2.0, args.health_interval * 2), api_key=args.backend_api_key,
+                                       timeouts_to_unready=args.health_timeouts)
             if args.prefill_k8s is not None:
                 namespace, name = args.prefill_k8s
                 prefill_watcher = EndpointSliceWatcher(namespace, name, prefill_pool.set_urls,

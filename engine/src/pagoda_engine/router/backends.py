@@ -148,6 +148,7 @@ class Backend:
     lora: LoRAInfo | None = None
     last_error: str | None = None
     last_ok: float = 0.0
+    timed_out_polls: int = 0  # consecutive polls that timed out while it was ready
 
     def view(self) -> BackendView:
         return BackendView(self.url, self.in_flight, self.running, self.waiting, self.kv_usage)
@@ -183,11 +184,15 @@ def adapter_affinity(candidates: list[Backend], model: str) -> list[Backend]:
 
 class BackendPool:
     def __init__(self, client: httpx.AsyncClient, metrics: RouterMetrics, poll_interval: float = 2.0,
-                 poll_timeout: float = 2.0, api_key: str | None = None):
+                 poll_timeout: float = 2.0, api_key: str | None = None, timeouts_to_unready: int = 1):
         self.client = client
         self.metrics = metrics
         self.poll_interval = poll_interval
         self.poll_timeout = poll_timeout
+        # A ready replica whose polls time out stays ready for this many in a row less one (a
+        # loaded replica answers late); a refused connection or an answer other than 200 takes it
+        # out at once.
+        self.timeouts_to_unready = timeouts_to_unready
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.backends: dict[str, Backend] = {}
         self.known_models: dict[str, dict] = {}  # survives the last replica leaving (scale to zero)
@@ -266,8 +271,17 @@ class BackendPool:
                         self.known_models[m.get("id")] = m
         except (httpx.HTTPError, ValueError) as e:
             ok, error = False, f"{type(e).__name__}: {e}"
+            if isinstance(e, httpx.TimeoutException) and backend.ready:
+                backend.timed_out_polls += 1
+                if backend.timed_out_polls < self.timeouts_to_unready:
+                    log.info("backend %s: poll %d in a row timed out (%s); still ready", backend.url,
+                             backend.timed_out_polls, error)
+                    backend.last_error = error
+                    return
         if backend.url not in self.backends:  # removed while we polled
             return
+        if ok or not backend.ready:
+            backend.timed_out_polls = 0
         if ok != backend.ready:
             log.info("backend %s %s", backend.url, "ready" if ok else f"unready ({error})")
         backend.ready = ok
