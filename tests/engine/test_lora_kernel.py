@@ -125,22 +125,29 @@ def _one_row_layer(k: int, sizes: list[int], rank: int, slot_of_row: int):
 
 
 # bfloat16: these one-row kernels multiply elementwise (no `tl.dot`), which the interpreter does right.
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 @pytest.mark.parametrize("slot", [1, -1], ids=["adapter", "base"])
 @pytest.mark.parametrize("k", [64, 200])
-def test_the_one_row_kernels_shrink_the_row_in_extra_programs(k, slot):
+def test_the_one_row_kernels_shrink_the_row_in_extra_programs(k, slot, fp8):
     """`gemv_triton.gemv` and `gemv_rmsnorm` with `lora`: their outputs are the bits they give
-    without it, and the extra programs' shrunk row is x (or the normalised row) · A[slot]^T."""
+    without it, and the extra programs' shrunk row is x (or the normalised row) · A[slot]^T; the
+    same over an FP8 base weight with its row scales (`--quantization fp8` with adapters: the
+    adapters stay in the activations' dtype)."""
+    from pagoda_engine.worker.model.fp8_math import quantize_rows
+
     gemv = import_kernels("pagoda_engine.worker.model.gemv_triton")
     layer, gen = _one_row_layer(k, [40, 24], 8, slot)
     x = torch.randn(1, k, generator=gen).bfloat16()
     res = torch.randn(1, k, generator=gen).bfloat16()
     norm_w = torch.randn(k, generator=gen).bfloat16()
     w = (torch.randn(70, k, generator=gen) * k ** -0.5).bfloat16()
+    w, scale = quantize_rows(w) if fp8 else (w, None)
     one_row = layer.one_row(x)
-    y, shrunk = gemv.gemv(x, w, lora=one_row)
-    assert torch.equal(y, gemv.gemv(x, w)) and shrunk.shape == (1, 1, 16)
-    y2, res2, normed, shrunk2 = gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True, lora=one_row)
-    for got, expected in zip((y2, res2, normed), gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True)):
+    y, shrunk = gemv.gemv(x, w, scale=scale, lora=one_row)
+    assert torch.equal(y, gemv.gemv(x, w, scale=scale)) and shrunk.shape == (1, 1, 16)
+    y2, res2, normed, shrunk2 = gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True, scale=scale, lora=one_row)
+    for got, expected in zip((y2, res2, normed),
+                             gemv.gemv_rmsnorm(x, res, norm_w, 1e-5, w, normed_out=True, scale=scale)):
         assert torch.equal(got, expected)
     if slot >= 0:
         a = layer.lora_a[slot].float()
