@@ -743,12 +743,10 @@ def test_a_tiers_load_speed_is_the_median_of_its_recent_loads_of_sixteen_pages_o
 
 
 def test_a_split_that_would_not_pay_recomputes_but_every_fourth_loads_half_to_measure_again(tmp_path):
-    from pagoda_engine.core.kv.block_pool import hash_page
+    from pagoda_engine.core.kv.block_pool import hash_pages
 
     prompt = _prompts(1, 200, seed=12)[0]
-    hashes: list[bytes] = []
-    for start in range(0, 192, 16):
-        hashes.append(hash_page(hashes[-1] if hashes else None, prompt[start:start + 16]))
+    hashes = hash_pages(prompt, 16)
     with LLM(kv_offload_disk_path=str(tmp_path), kv_offload_disk_gb=0.05, **SMALL_POOL) as llm:
         llm.generate([prompt], GREEDY)
         llm.core.wait_for_offload()
@@ -773,12 +771,15 @@ def test_kv_events_follow_pages_onto_disk_off_it_when_corrupt_and_back_into_the_
     page found corrupt is removed, and is stored again once recomputed; pages loaded back into
     the pool (split loads: the part after the cut) are "GPU" stores chained to the page before
     them. (Host memory and the wire format: `tests/server/test_kv_events_tiers.py`.)"""
+    from kv_event_replay import held_hashes, replayed
+
+    from pagoda_engine.core.kv.block_pool import hash_pages
     from pagoda_engine.kv_event_wire import block_hash_int
 
     prompts = _prompts(3, 100, seed=21)
     others = _prompts(4, 100, seed=22)  # fill the device pool, so that the prompts come back from disk
     expected = _tokens(reference.generate(prompts, GREEDY))
-    hashes = [[block_hash_int(h) for h in _chain(p)] for p in prompts]
+    hashes = [[block_hash_int(h) for h in hash_pages(p, 16)] for p in prompts]
     with LLM(kv_offload_disk_path=str(tmp_path / "kv"), kv_offload_disk_gb=0.05,
              kv_events_config='{"enable_kv_cache_events": true, "endpoint": "inproc://kv-events-disk-tier"}',
              **SMALL_POOL) as llm:
@@ -812,12 +813,7 @@ def test_kv_events_follow_pages_onto_disk_off_it_when_corrupt_and_back_into_the_
         assert removed and removed <= set(hashes[0])  # only what was found corrupt
         # Replayed in order, the events give what the disk and the pool hold now.
         for medium, held in (("STORAGE", llm.core.kv.offload.disk.entries), ("GPU", llm.core.kv.pool.cached)):
-            replayed = set()
-            for e in events:
-                if e.medium == medium:
-                    replayed = replayed | set(e.block_hashes) if type(e).__name__ == "BlockStored" else \
-                        replayed - set(e.block_hashes)
-            assert replayed == {block_hash_int(key) for key in held}, medium
+            assert replayed(events, medium) == held_hashes(held), medium
         # What came back from disk into the pool is known to the device's index again.
         loaded = [e for e in of("BlockStored", "GPU", mark) if set(e.block_hashes) & set(hashes[1])]
         assert loaded
@@ -828,12 +824,3 @@ def test_kv_events_follow_pages_onto_disk_off_it_when_corrupt_and_back_into_the_
             assert e.token_ids == prompts[1][i * 16:(i + len(e.block_hashes)) * 16]
         assert any(e.parent_block_hash is not None for e in loaded)  # the split's loaded part follows its cut
         assert_no_leaks(llm)
-
-
-def _chain(prompt: list[int]) -> list[bytes]:
-    from pagoda_engine.core.kv.block_pool import hash_page
-
-    chain = []
-    for i in range(len(prompt) // 16):
-        chain.append(hash_page(chain[-1] if chain else None, prompt[i * 16:(i + 1) * 16]))
-    return chain

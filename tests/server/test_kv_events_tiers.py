@@ -17,7 +17,7 @@ import zmq
 from conftest import free_port, launch
 from msgpack_reader import unpack
 
-from pagoda_engine.core.kv.block_pool import hash_page
+from pagoda_engine.core.kv.block_pool import hash_pages
 
 BLOCK = 16
 PAGE_BYTES = 8192  # one page of the tiny model
@@ -34,10 +34,7 @@ def _prompt(seed: int, length: int) -> list[int]:
 
 def _hashes(prompt: list[int]) -> list[int]:
     """vLLM's integer form (the low 64 bits) of the chained hashes of the prompt's full pages."""
-    chained = []
-    for i in range(len(prompt) // BLOCK):
-        chained.append(hash_page(chained[-1] if chained else None, prompt[i * BLOCK:(i + 1) * BLOCK]))
-    return [int.from_bytes(h[-8:], "big") for h in chained]
+    return [int.from_bytes(h[-8:], "big") for h in hash_pages(prompt, BLOCK)]
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ import pytest
 
 from pagoda_e2e import Proc, free_port, start_pagoda, until
 from pagoda_engine import LLM, SamplingParams
-from pagoda_engine.core.kv.block_pool import hash_page
+from pagoda_engine.core.kv.block_pool import hash_pages
 from pagoda_engine.tiny import default_model_dir
 from tests.server.conftest import Server, scrape
 
@@ -40,10 +40,7 @@ def _prompt(seed: int, length: int = 100) -> list[int]:
 
 
 def _page_hashes(prompt: list[int]) -> list[bytes]:
-    hashes = []
-    for i in range(len(prompt) // PAGE):
-        hashes.append(hash_page(hashes[-1] if hashes else None, prompt[i * PAGE:(i + 1) * PAGE]))
-    return hashes
+    return hash_pages(prompt, PAGE)
 
 
 class Redis:

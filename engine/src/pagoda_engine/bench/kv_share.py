@@ -174,12 +174,9 @@ class RedisPages:
         self.prefixes: list[bytes] = []
 
     def hashes(self, prompt: list[int]) -> list[bytes]:
-        from pagoda_engine.core.kv.block_pool import hash_page
+        from pagoda_engine.core.kv.block_pool import hash_pages
 
-        out: list[bytes] = []
-        for start in range(0, len(prompt) - self.page_size + 1, self.page_size):
-            out.append(hash_page(out[-1] if out else None, prompt[start:start + self.page_size]))
-        return out
+        return hash_pages(prompt, self.page_size)
 
     def learn_prefixes(self, prompt: list[int], num_ranks: int) -> None:
         """Until every rank's key of the prompt's first page is in Redis: their prefixes."""

@@ -39,7 +39,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_page
+from pagoda_engine.core.kv.block_pool import BlockPool, Page, hash_pages
 from pagoda_engine.core.request import Request
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.kv_transfer import NIXL_CONNECTOR, TORCH_CONNECTOR, KVTransferConfig, RemotePrefill, remote_prefill
@@ -169,11 +169,7 @@ class KVTransfer:
         return bool(self._pulls)
 
     def _prompt_hashes(self, req: Request, num_pages: int) -> list[bytes]:
-        hashes: list[bytes] = []
-        tokens = req.prompt_token_ids
-        for i in range(num_pages):
-            hashes.append(hash_page(hashes[-1] if hashes else None, tokens[i * self.page_size:(i + 1) * self.page_size]))
-        return hashes
+        return hash_pages(req.prompt_token_ids[:num_pages * self.page_size], self.page_size)
 
     def hold(self, req: Request) -> dict:
         """A finished `do_remote_decode` request: hold its prompt's cached pages (taken from the

@@ -41,6 +41,16 @@ def hash_page(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: by
     return h.digest()
 
 
+def hash_pages(token_ids: Sequence[int], page_size: int, extra_key: bytes = b"",
+               hashes: list[bytes] | None = None) -> list[bytes]:
+    """The chained hashes of every full page of `token_ids`: `hashes` (those of its first pages,
+    made already) extended in place, or a new list."""
+    hashes = [] if hashes is None else hashes
+    for i in range(len(hashes), len(token_ids) // page_size):
+        hashes.append(hash_page(hashes[i - 1] if i else None, token_ids[i * page_size:(i + 1) * page_size], extra_key))
+    return hashes
+
+
 @dataclass(frozen=True, slots=True)
 class PageTokens:
     """What a KV event tells of a page besides its hash, kept while the request is at hand for

@@ -9,7 +9,7 @@ Redis before a later one."""
 from __future__ import annotations
 
 from pagoda_engine.core.request import Request
-from pagoda_engine.core.kv.block_pool import BlockPool, Page, PageTokens, hash_page
+from pagoda_engine.core.kv.block_pool import BlockPool, Page, PageTokens, hash_pages
 from pagoda_engine.core.kv.offload.manager import Lookup, OffloadManager
 
 
@@ -35,13 +35,9 @@ class KVCacheManager:
         num_full = req.num_tokens // self.page_size
         if len(hashes) == num_full:
             return hashes  # the common decode step: no new full page, no token list to build
-        tokens = req.all_token_ids
         # A LoRA adapter's pages hold other K/V than the base model's for the same tokens.
         extra = req.lora_name.encode() if req.lora_name is not None else b""
-        for i in range(len(hashes), num_full):
-            parent = hashes[i - 1] if i else None
-            hashes.append(hash_page(parent, tokens[i * self.page_size:(i + 1) * self.page_size], extra))
-        return hashes
+        return hash_pages(req.all_token_ids, self.page_size, extra, hashes)
 
     def _page_tokens(self, req: Request, start: int, end: int) -> list[PageTokens] | None:
         """What the KV events say of the request's pages `start:end` (None: events off, or no
