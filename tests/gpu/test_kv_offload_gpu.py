@@ -119,7 +119,7 @@ def test_kv_events_follow_pages_through_the_cpu_tier_on_gpu(gpu_model_dir):
     """KV events with a CPU tier under async scheduling and CUDA graphs: the greedy tokens do not
     change, the tier evicts, and the events replayed in order give exactly what the tier and the
     device pool hold (a store reported once every copy is done, a load as a GPU store)."""
-    from pagoda_engine.kv_event_wire import block_hash_int
+    from kv_event_replay import held_hashes, replayed
 
     prompts = random_prompts(8, [480] * 12)  # 30 pages each: 360 pages through a tier of 200
     reference = make_llm(gpu_model_dir, num_kv_pages=2048, max_model_len=512)
@@ -141,9 +141,4 @@ def test_kv_events_follow_pages_through_the_cpu_tier_on_gpu(gpu_model_dir):
     assert cpu.loaded_bytes > 0
     assert any(type(e).__name__ == "BlockRemoved" and e.medium == "CPU" for e in events)
     for medium, held in (("CPU", offload.cpu.entries), ("GPU", llm.core.kv.pool.cached)):
-        replayed = set()
-        for e in events:
-            if e.medium == medium:
-                replayed = (replayed | set(e.block_hashes) if type(e).__name__ == "BlockStored"
-                            else replayed - set(e.block_hashes))
-        assert replayed == {block_hash_int(key) for key in held}, medium
+        assert replayed(events, medium) == held_hashes(held), medium
