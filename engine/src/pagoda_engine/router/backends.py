@@ -280,8 +280,7 @@ class BackendPool:
                     return
         if backend.url not in self.backends:  # removed while we polled
             return
-        if ok or not backend.ready:
-            backend.timed_out_polls = 0
+        backend.timed_out_polls = 0
         if ok != backend.ready:
             log.info("backend %s %s", backend.url, "ready" if ok else f"unready ({error})")
         backend.ready = ok
