@@ -18,6 +18,7 @@ from pagoda_engine.speculative import MODEL_METHODS, InvalidSpeculativeConfigErr
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.autoscaler.decision import NOT_FOR_PREFILL, PREFILL_POLICIES, autoscaling_problems
+from pagoda_operator.autoscaler.prometheus import spec_prometheus_url
 from pagoda_operator.models import architecture_of
 from pagoda_operator.quantity import format_gib, gib, parse_quantity
 from pagoda_operator.schema import SpecProblems
@@ -432,8 +433,9 @@ def _check_prefill_autoscaling(spec: InferenceServiceSpec) -> list[str]:
     if a is None:
         return []
     problems = []
-    if not a.prometheus_url and spec.autoscaling is not None and spec.autoscaling.prometheus_url:
-        spec = replace(spec, prefill=replace(spec.prefill, autoscaling=replace(a, prometheus_url=spec.autoscaling.prometheus_url)))
+    url = spec_prometheus_url(spec, prefill=True)
+    if url != a.prometheus_url:
+        spec = replace(spec, prefill=replace(spec.prefill, autoscaling=replace(a, prometheus_url=url)))
     if a.policy not in PREFILL_POLICIES:
         problems.append(f"prefill.autoscaling.policy: {a.policy} does not measure prefill load: {NOT_FOR_PREFILL[a.policy]}; "
                         f"use queue (waiting requests per ready prefill replica) or ttft (the prefill pods' p90 time "

@@ -25,14 +25,19 @@ from pagoda_operator.spec import InferenceServiceSpec
 PROMETHEUS_URL_ENV = "PAGODA_PROMETHEUS_URL"  # operator-wide default for spec.autoscaling.prometheusURL
 
 
-def prometheus_url(spec: InferenceServiceSpec, prefill: bool = False) -> str | None:
-    """Where the operator asks about a service's engines: spec.autoscaling.prometheusURL (with
-    `prefill`: spec.prefill.autoscaling's first), else the operator's PAGODA_PROMETHEUS_URL."""
+def spec_prometheus_url(spec: InferenceServiceSpec, prefill: bool = False) -> str | None:
+    """The spec's Prometheus: spec.autoscaling.prometheusURL (with `prefill`:
+    spec.prefill.autoscaling's first)."""
     blocks = [spec.autoscaling]
     if prefill and spec.prefill is not None:
         blocks.insert(0, spec.prefill.autoscaling)
-    given = next((a.prometheus_url for a in blocks if a is not None and a.prometheus_url), None)
-    return given or os.environ.get(PROMETHEUS_URL_ENV) or None
+    return next((a.prometheus_url for a in blocks if a is not None and a.prometheus_url), None)
+
+
+def prometheus_url(spec: InferenceServiceSpec, prefill: bool = False) -> str | None:
+    """Where the operator asks about a service's engines: the spec's (`spec_prometheus_url`), else
+    the operator's PAGODA_PROMETHEUS_URL."""
+    return spec_prometheus_url(spec, prefill) or os.environ.get(PROMETHEUS_URL_ENV) or None
 
 
 class PrometheusError(RuntimeError):

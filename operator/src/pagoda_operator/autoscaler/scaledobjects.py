@@ -24,7 +24,7 @@ from dataclasses import replace
 from typing import Any
 
 from pagoda_operator.autoscaler.decision import autoscaling_problems, interval_of, settings_of
-from pagoda_operator.autoscaler.prometheus import queries
+from pagoda_operator.autoscaler.prometheus import queries, spec_prometheus_url
 from pagoda_operator.children import child_metadata
 from pagoda_operator.spec import API_VERSION, KIND, Autoscaling, InferenceServiceSpec
 
@@ -61,7 +61,7 @@ def render_keda_scaledobject(body: dict[str, Any], spec: InferenceServiceSpec, r
     meta = body["metadata"]
     namespace, name = meta.get("namespace") or "default", meta["name"]
     # spec.prefill.autoscaling's URL defaults to spec.autoscaling's, as for the built-in driver.
-    url = a.prometheus_url or (spec.autoscaling.prometheus_url if role == "prefill" and spec.autoscaling else None)
+    url = spec_prometheus_url(spec, prefill=role == "prefill")
     problems = autoscaling_problems(replace(a, prometheus_url=url))
     if problems:
         raise ValueError("; ".join(problems))  # validation (autoscaling_problems) keeps this from happening
