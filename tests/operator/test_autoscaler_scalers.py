@@ -68,6 +68,7 @@ def test_keda_needs_a_prometheus_url():
     ({"maxReplicas": 2, "policy": "kvUtilization", "target": 70}, "can never be reached"),
     ({"maxReplicas": 2, "policy": "kvUtilization", "target": 0.7}, None),
     ({"maxReplicas": 2, "driver": "hpa"}, None),
+    ({"maxReplicas": 2, "driver": "hpa", "intervalSeconds": 10}, "autoscaling.intervalSeconds: an HPA has no interval"),
 ])
 def test_autoscaling_problems_for_validation(autoscaling, problem):
     problems = autoscaling_problems(parse_spec(body(autoscaling)["spec"]).autoscaling)

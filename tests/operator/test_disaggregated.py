@@ -410,6 +410,12 @@ def test_a_prefill_scaler_that_cannot_work_is_refused():
     del body["spec"]["autoscaling"]
     body["spec"]["replicas"] = 2
     assert any(p.startswith("prefill.autoscaling.prometheusURL: required with driver keda") for p in _problems(body))
+    # What an HPA would not read is refused, not ignored.
+    body = _scaled_by("builtin", "hpa")
+    body["spec"]["prefill"]["autoscaling"].update(prometheusURL="http://other:9090", intervalSeconds=5)
+    problems = _problems(body)
+    assert any(p.startswith("prefill.autoscaling.prometheusURL: an HPA reads its metrics through") for p in problems)
+    assert any(p.startswith("prefill.autoscaling.intervalSeconds: an HPA has no interval") for p in problems)
 
 
 def test_the_prefill_deployment_keeps_the_replicas_its_hpa_set(cluster):

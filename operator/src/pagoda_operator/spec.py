@@ -240,7 +240,7 @@ class Autoscaling:
     target: float | None = prop(None, doc="Target value of the policy's metric per replica.", minimum=0, exclusive_minimum=True)
     scale_up_delay: Duration | None = prop(None, doc="How long the metric must ask for more before scaling up.")
     scale_down_delay: Duration | None = prop(None, doc="How long the metric must ask for fewer before scaling down.")
-    interval_seconds: int | None = prop(None, doc="Seconds between decisions.", minimum=1)
+    interval_seconds: int | None = prop(None, doc="Seconds between decisions (builtin; keda: the ScaledObject's pollingInterval; refused with hpa, which the controller manager paces).", minimum=1)
 
 
 @dataclass

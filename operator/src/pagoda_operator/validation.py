@@ -433,6 +433,10 @@ def _check_prefill_autoscaling(spec: InferenceServiceSpec) -> list[str]:
     if a is None:
         return []
     problems = []
+    if a.driver == "hpa" and a.prometheus_url:
+        # spec.autoscaling's is read for the KV status; this one only by a prefill scaler that queries it.
+        problems.append("prefill.autoscaling.prometheusURL: an HPA reads its metrics through the cluster's "
+                        "external-metrics adapter, not from a URL; remove it, or use driver keda or builtin")
     url = spec_prometheus_url(spec, prefill=True)
     if url != a.prometheus_url:
         spec = replace(spec, prefill=replace(spec.prefill, autoscaling=replace(a, prometheus_url=url)))

@@ -86,6 +86,10 @@ def autoscaling_problems(a: "Autoscaling", where: str = "autoscaling") -> list[s
     if a.driver == "keda" and not a.prometheus_url:
         problems.append(f"{where}.prometheusURL: required with driver keda (the ScaledObject's trigger "
                         "queries it)")
+    if a.driver == "hpa" and a.interval_seconds is not None:
+        problems.append(f"{where}.intervalSeconds: an HPA has no interval of its own (the controller manager's "
+                        "--horizontal-pod-autoscaler-sync-period paces every HPA); remove it, or use driver keda "
+                        "or builtin")
     if a.policy == "kvUtilization" and a.target is not None and a.target > 1:
         problems.append(f"{where}.target: {a.target:g} can never be reached: kvUtilization is the "
                         "fraction of the KV cache in use, in (0, 1]")
