@@ -186,8 +186,8 @@ def engines_with_kv_events(tmp: Path, count: int, events_port: int, model: str =
                            extra: tuple[str, ...] = ()):
     """`count` engines of `model` publishing their KV events to the subscriber bound on
     127.0.0.1:`events_port` (a router's or a picker's --kv-events-bind), each under llm-d's topic
-    `kv@<ip:port>@<model>` (`start_engines`). Yields their URLs in port order; stops them on the
-    way out."""
+    `kv@<ip:port>@<model>` (`start_engines`). Yields their processes and URLs in port order;
+    stops them on the way out."""
     def flags(port: int) -> list[str]:
         config = json.dumps({"enable_kv_cache_events": True, "endpoint": f"tcp://127.0.0.1:{events_port}",
                              "topic": f"kv@127.0.0.1:{port}@{model}"})
@@ -196,7 +196,7 @@ def engines_with_kv_events(tmp: Path, count: int, events_port: int, model: str =
 
     engines, urls = start_engines(tmp, count, flags)
     try:
-        yield urls
+        yield engines, urls
     finally:
         for proc in engines:
             proc.stop()

@@ -17,9 +17,11 @@ import pytest
 from envoy_ext_proc import DUPLEX, ext_proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagoda_e2e import engines_with_kv_events, free_port, start_pagoda, until
+from streams import cores_paused
 
 MODEL = "pagoda-tiny"
 QUEUE_LIMIT = 3
+WAITING_LIMIT = QUEUE_LIMIT + 3  # each engine's --max-waiting-requests
 
 
 def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
@@ -46,11 +48,12 @@ def _epp(tmp_path, backends: list[str], *extra: str, env: dict | None = None):
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("epp")
     events = free_port()
-    with engines_with_kv_events(tmp, 3, events, MODEL, extra=("--max-num-seqs", "1")) as urls:
+    extra = ("--max-num-seqs", "1", "--max-waiting-requests", str(WAITING_LIMIT))
+    with engines_with_kv_events(tmp, 3, events, MODEL, extra=extra) as (engines, urls):
         epp, channel = _epp(tmp, urls, "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}",
                             "--queue-limit", str(QUEUE_LIMIT))
         yield {"urls": urls, "endpoints": [url.removeprefix("http://") for url in urls], "channel": channel,
-               "tmp": tmp}
+               "engines": engines, "tmp": tmp}
         channel.close()
         epp.stop()
 
@@ -98,20 +101,30 @@ def test_an_engine_reporting_a_full_queue_is_passed_over_even_with_the_prefix(cl
                timeout=60).raise_for_status()
     until(lambda: ext_proc(channel, question).endpoints[0] == holder, 15, "the pick to follow the KV events")
 
-    def long_request():
-        httpx.post(f"http://{holder}/v1/completions", timeout=300, json={
-            "model": MODEL, "prompt": "busy", "max_tokens": 300, "min_tokens": 300, "ignore_eos": True})
+    answers: list[int] = []
 
-    # --max-num-seqs 1: one runs, the others wait, and the engine's /metrics says so.
-    threads = [threading.Thread(target=long_request) for _ in range(QUEUE_LIMIT + 3)]
-    for t in threads:
-        t.start()
+    def long_request():
+        answers.append(httpx.post(f"http://{holder}/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": "busy", "max_tokens": 300, "min_tokens": 300, "ignore_eos": True}).status_code)
+
+    # The holder's core is frozen while the requests go in, so however slowly a loaded machine
+    # sends them none is finished before the last arrives: its API server queues them until the
+    # first answered 429 (--max-waiting-requests) shows WAITING_LIMIT wait. Let go, the core (with
+    # --max-num-seqs 1) runs one and reports the others waiting on its /metrics.
+    threads: list[threading.Thread] = []
+    with cores_paused([cluster["engines"][-1].pid]):
+        while 429 not in answers:
+            assert len(threads) < 3 * WAITING_LIMIT, f"no 429 from the holder's full queue: {answers}"
+            threads.append(threading.Thread(target=long_request))
+            threads[-1].start()
+            threads[-1].join(0.2)
     try:
         until(lambda: ext_proc(channel, question).endpoints[0] != holder, 30, "the full engine to be passed over")
         assert ext_proc(channel, question).endpoints[-1] == holder  # still the last resort in the list
     finally:
         for t in threads:
             t.join()
+    assert answers.count(200) >= WAITING_LIMIT, answers
     until(lambda: ext_proc(channel, question).endpoints[0] == holder, 30, "the drained engine to be picked again")
 
 

@@ -16,7 +16,7 @@ MODEL = "pagoda-tiny"
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("route")
     events = free_port()
-    with engines_with_kv_events(tmp, 2, events, MODEL) as urls:
+    with engines_with_kv_events(tmp, 2, events, MODEL) as (_, urls):
         router_port = free_port()
         router = start_router(router_port, urls, tmp / "route.log", extra=[
             "--health-interval", "0.2", "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}"])
