@@ -88,16 +88,82 @@ def _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, P
 
 
 @triton.jit
-def _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2):
-    """One block of keys and values into the running softmax (base 2) of the query group: its
-    row maxima m, sums lsum and unnormalised output acc, returned updated. FP8 pages' values are
-    widened to the queries' dtype first (exactly; their scales are the backend's, `base`)."""
+def _request_tokens(indptr_ptr, last_ptr, b, PAGE_SIZE: tl.constexpr):
+    """Request b's first entry in the CSR page table and its number of tokens."""
+    first_page = tl.load(indptr_ptr + b)
+    return first_page, (tl.load(indptr_ptr + b + 1) - first_page - 1) * PAGE_SIZE + tl.load(last_ptr + b)
+
+
+@triton.jit
+def _slice_of(indptr_ptr, last_ptr, b, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Request b's first entry in the page table, its number of tokens, the slices they make and
+    the tokens of a slice. A slice is a whole number of BLOCK_N-token blocks: one block while the
+    request has at most MAX_SPLITS of them, so at L1's lengths each program makes one round of
+    loads. Program s takes tokens [s * chunk, min((s + 1) * chunk, seq_len)), if s < num_splits."""
+    first_page, seq_len = _request_tokens(indptr_ptr, last_ptr, b, PAGE_SIZE)
+    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
+    num_splits = tl.cdiv(seq_len, chunk)
+    return first_page, seq_len, num_splits, chunk
+
+
+@triton.jit
+def _is_last_slice(counter_ptr, b, h, NUM_KV_HEADS: tl.constexpr, num_splits):
+    """Count this program's slice of (b, h) in, its partials stored, and whether it was the last
+    of the slices to finish: that one merges them. Every thread's partial stores are done before
+    one thread's release-acquire increment, so the program that sees the last count sees every
+    slice's partials."""
+    tl.debug_barrier()
+    return tl.atomic_add(counter_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel") == num_splits - 1
+
+
+@triton.jit
+def _merged_slices(part_o_ptr, part_lse_ptr, part, num_splits, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   MAX_SPLITS: tl.constexpr, MERGE_CHUNK: tl.constexpr):
+    """The output of `num_splits` slices' partials ([slice, ROWS, HEAD_DIM] float32 outputs and
+    [slice, ROWS] log2-sum-exps from slice `part` on), [ROWS, HEAD_DIM]; the partials are read
+    MERGE_CHUNK slices at a time, past the L1 cache (other programs wrote them), as the sum of
+    their weighted outputs and the weights' total (the output: one over the other). Every row must
+    have seen a token in some slice."""
+    r = tl.arange(0, ROWS)
+    d = tl.arange(0, HEAD_DIM)
+    j = tl.arange(0, MAX_SPLITS)
+    lse = tl.load(part_lse_ptr + (part + j[:, None]) * ROWS + r[None, :], mask=(j < num_splits)[:, None],
+                  other=float("-inf"), cache_modifier=".cg")
+    top = tl.max(lse, 0)
+    total = tl.sum(tl.exp2(lse - top[None, :]), 0)
+    o = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    for c in range(0, num_splits, MERGE_CHUNK):
+        jc = c + tl.arange(0, MERGE_CHUNK)
+        jc_ok = jc < num_splits
+        lc = tl.load(part_lse_ptr + (part + jc[:, None]) * ROWS + r[None, :], mask=jc_ok[:, None],
+                     other=float("-inf"), cache_modifier=".cg")
+        oc = tl.load(part_o_ptr + ((part + jc[:, None, None]) * ROWS + r[None, :, None]) * HEAD_DIM
+                     + d[None, None, :], mask=jc_ok[:, None, None], other=0.0, cache_modifier=".cg")
+        o += tl.sum(oc * tl.exp2(lc - top[None, :])[:, :, None], 0)
+    return o, total
+
+
+@triton.jit
+def _attend_block(q, k, v, t, t_ok, limit, m, lsum, acc, sm_scale_log2, CAUSAL: tl.constexpr):
+    """One block of keys and values (of tokens t, those of t_ok real) into the running softmax
+    (base 2) of the query rows: their maxima m, sums lsum and unnormalised output acc, returned
+    updated. CAUSAL: row i sees only the tokens before `limit[i]`, so a row may have seen no token
+    yet (its tokens all lie in later blocks); its maximum stays -inf, and exponents taken from 0
+    instead give it zero weight rather than NaN. FP8 pages' values are widened to the queries'
+    dtype first (exactly; their scales are the backend's, `base`)."""
     k, v = k.to(q.dtype), v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
-    scores = tl.where(t_ok[None, :], scores, float("-inf"))
+    if CAUSAL:
+        scores = tl.where(t_ok[None, :] & (t[None, :] < limit[:, None]), scores, float("-inf"))
+    else:
+        scores = tl.where(t_ok[None, :], scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp2(m - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    if CAUSAL:
+        m_from = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_from = m_new
+    alpha = tl.exp2(m - m_from)
+    p = tl.exp2(scores - m_from[:, None])
     lsum = lsum * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
     return m_new, lsum, acc
@@ -116,13 +182,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    first_page = tl.load(indptr_ptr + b)
-    num_pages = tl.load(indptr_ptr + b + 1) - first_page
-    seq_len = (num_pages - 1) * PAGE_SIZE + tl.load(last_ptr + b)
-    # A slice is a whole number of BLOCK_N-token blocks: one block while the request has at most
-    # MAX_SPLITS of them, so at L1's lengths each program makes one round of loads.
-    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
-    num_splits = tl.cdiv(seq_len, chunk)
+    first_page, seq_len, num_splits, chunk = _slice_of(indptr_ptr, last_ptr, b, PAGE_SIZE, BLOCK_N, MAX_SPLITS)
     if s >= num_splits:
         return
     start = s * chunk
@@ -141,7 +201,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
         k, v = _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE, HEAD_DIM)
         t_next = t + BLOCK_N
         page = tl.load(indices_ptr + first_page + t_next // PAGE_SIZE, mask=t_next < end, other=0)
-        m, lsum, acc = _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2)
+        m, lsum, acc = _attend_block(q, k, v, t, t_ok, 0, m, lsum, acc, sm_scale_log2, False)
 
     if num_splits == 1:
         out_rows, _ = _group_rows(out_ptr, b, h, stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM)
@@ -155,26 +215,10 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     tl.store(part_o_ptr + ((part + s) * GROUP_P2 + g[:, None]) * HEAD_DIM + d[None, :], acc / lsum[:, None],
              mask=g_ok[:, None])
     tl.store(part_lse_ptr + (part + s) * GROUP_P2 + g, m + tl.log2(lsum), mask=g_ok)
-    # Every thread's partial stores are done before one thread's release-acquire increment, so
-    # the program that sees the last count sees every slice's partials.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
-    if done == num_splits - 1:
+    if _is_last_slice(counter_ptr, b, h, NUM_KV_HEADS, num_splits):
+        o, total = _merged_slices(part_o_ptr, part_lse_ptr, part, num_splits, GROUP_P2, HEAD_DIM, MAX_SPLITS,
+                                  MERGE_CHUNK)
         gm = tl.arange(0, GROUP_P2)
-        j = tl.arange(0, MAX_SPLITS)
-        lse = tl.load(part_lse_ptr + (part + j[:, None]) * GROUP_P2 + gm[None, :], mask=(j < num_splits)[:, None],
-                      other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(lse, 0)
-        total = tl.sum(tl.exp2(lse - top[None, :]), 0)
-        o = tl.zeros([GROUP_P2, HEAD_DIM], tl.float32)
-        for c in range(0, num_splits, MERGE_CHUNK):
-            jc = c + tl.arange(0, MERGE_CHUNK)
-            jc_ok = jc < num_splits
-            lc = tl.load(part_lse_ptr + (part + jc[:, None]) * GROUP_P2 + gm[None, :], mask=jc_ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            oc = tl.load(part_o_ptr + ((part + jc[:, None, None]) * GROUP_P2 + gm[None, :, None]) * HEAD_DIM
-                         + d[None, None, :], mask=jc_ok[:, None, None], other=0.0, cache_modifier=".cg")
-            o += tl.sum(oc * tl.exp2(lc - top[None, :])[:, :, None], 0)
         merged = out_ptr + b * stride_ob + (h * GROUP + gm[:, None]) * stride_oh + d[None, :]
         tl.store(merged, (o / total[:, None]).to(out_ptr.dtype.element_ty), mask=(gm < GROUP)[:, None])
         tl.store(counter_ptr + b * NUM_KV_HEADS + h, 0)
@@ -193,8 +237,7 @@ def _large_batch_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, l
         tl.extra.cuda.gdc_launch_dependents()
     h = tl.program_id(0)
     b = tl.load(order_ptr + tl.program_id(1))
-    first_page = tl.load(indptr_ptr + b)
-    seq_len = (tl.load(indptr_ptr + b + 1) - first_page - 1) * PAGE_SIZE + tl.load(last_ptr + b)
+    first_page, seq_len = _request_tokens(indptr_ptr, last_ptr, b, PAGE_SIZE)
     q_rows, rows_ok = _group_rows(q_ptr, b, h, stride_qb, stride_qh, GROUP, BLOCK_G, HEAD_DIM)
     q = tl.load(q_rows, mask=rows_ok, other=0.0)
     m, lsum, acc = _empty_softmax(BLOCK_G, HEAD_DIM)
@@ -203,7 +246,7 @@ def _large_batch_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, l
         t_ok = t < seq_len
         page = tl.load(indices_ptr + first_page + t // PAGE_SIZE, mask=t_ok, other=0)
         k, v = _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE, HEAD_DIM)
-        m, lsum, acc = _attend_block(q, k, v, t_ok, m, lsum, acc, sm_scale_log2)
+        m, lsum, acc = _attend_block(q, k, v, t, t_ok, 0, m, lsum, acc, sm_scale_log2, False)
     out_rows, _ = _group_rows(out_ptr, b, h, stride_ob, stride_oh, GROUP, BLOCK_G, HEAD_DIM)
     tl.store(out_rows, (acc / lsum[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok)
 

@@ -9,14 +9,15 @@ lengths (a request with no draft is a block of one real row), and its GEMMs run 
 batch × query_len rows, where the few-row projections cost about what one row does. Padding rows
 (and padding requests, one token on the null page) compute something finite that nobody reads.
 
-The kernel is `decode_triton`'s small-batch kernel widened from a KV head's query group to the
-group of every new token of the request: program (b, h, s) loads the request's query_len × group
-query rows of KV head h (one tensor-core tile), reads the s-th slice of the request's K/V once
-for all of them, and masks each row to its own causal limit (row j of a request with q_b new
-tokens of seq_len in all sees tokens [0, seq_len - q_b + j]). Slices that are past a row's limit
-leave it empty: its partial is written with weight 0, so the merge needs no special case. As in
-`decode_triton`, the program that finishes a (b, h)'s slices last merges them and puts its
-counter back to 0, so a captured graph replays without clearing anything.
+The kernel is `decode_triton`'s small-batch kernel (its slicing, online softmax and merge are
+that module's) widened from a KV head's query group to the group of every new token of the
+request: program (b, h, s) loads the request's query_len × group query rows of KV head h (one
+tensor-core tile), reads the s-th slice of the request's K/V once for all of them, and masks each
+row to its own causal limit (row j of a request with q_b new tokens of seq_len in all sees tokens
+[0, seq_len - q_b + j]). Slices that are past a row's limit leave it empty: its partial is written
+with weight 0, so the merge needs no special case. As in `decode_triton`, the program that
+finishes a (b, h)'s slices last merges them and puts its counter back to 0, so a captured graph
+replays without clearing anything.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ import triton
 import triton.language as tl
 
 from pagoda_engine.worker import pdl
-from pagoda_engine.worker.attention.decode_triton import BLOCK_N, MAX_SPLITS, MERGE_VALUES, NUM_WARPS, _kv_block
+from pagoda_engine.worker.attention.decode_triton import (BLOCK_N, MAX_SPLITS, MERGE_VALUES, NUM_WARPS, _attend_block,
+                                                          _check_strides, _empty_softmax, _is_last_slice, _kv_block,
+                                                          _merged_slices, _slice_of)
 
 # Query rows one program holds (a request's new tokens × the query heads of one KV head): its
 # accumulator is ROWS × head_dim float32 in registers.
@@ -47,11 +50,8 @@ def _verify_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
-    first_page = tl.load(indptr_ptr + b)
-    seq_len = (tl.load(indptr_ptr + b + 1) - first_page - 1) * PAGE_SIZE + tl.load(last_ptr + b)
+    first_page, seq_len, num_splits, chunk = _slice_of(indptr_ptr, last_ptr, b, PAGE_SIZE, BLOCK_N, MAX_SPLITS)
     qo_len = tl.load(qo_len_ptr + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, BLOCK_N), MAX_SPLITS) * BLOCK_N
-    num_splits = tl.cdiv(seq_len, chunk)
     if s >= num_splits:
         return
     start = s * chunk
@@ -68,26 +68,13 @@ def _verify_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
                 other=0.0)
     # Each row's causal limit; a padding row (j >= qo_len) takes the last real row's.
     limit = seq_len - qo_len + tl.minimum(j, qo_len - 1) + 1
-    m = tl.full([ROWS], float("-inf"), tl.float32)
-    lsum = tl.zeros([ROWS], tl.float32)
-    acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+    m, lsum, acc = _empty_softmax(ROWS, HEAD_DIM)
     for t0 in range(start, end, BLOCK_N):
         t = t0 + tl.arange(0, BLOCK_N)
         t_ok = t < end
         page = tl.load(indices_ptr + first_page + t // PAGE_SIZE, mask=t_ok, other=0)
         k, v = _kv_block(k_ptr, v_ptr, page, t, t_ok, h, stride_kp, stride_kt, stride_kh, PAGE_SIZE, HEAD_DIM)
-        k, v = k.to(q.dtype), v.to(q.dtype)
-        scores = tl.dot(q, tl.trans(k)) * sm_scale_log2
-        scores = tl.where(t_ok[None, :] & (t[None, :] < limit[:, None]), scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        # A row with nothing visible yet keeps m = -inf: exponents taken from 0 instead give it
-        # zero weight rather than NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m - m_safe)
-        p = tl.exp2(scores - m_safe[:, None])
-        lsum = lsum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m = m_new
+        m, lsum, acc = _attend_block(q, k, v, t, t_ok, limit, m, lsum, acc, sm_scale_log2, True)
 
     seen = lsum > 0.0
     o = acc / tl.where(seen, lsum, 1.0)[:, None]
@@ -99,24 +86,9 @@ def _verify_kernel(q_ptr, k_ptr, v_ptr, out_ptr, indptr_ptr, indices_ptr, last_p
     tl.store(part_o_ptr + ((part + s) * ROWS + r[:, None]) * HEAD_DIM + d[None, :], o)
     tl.store(part_lse_ptr + (part + s) * ROWS + r, tl.where(seen, m + tl.log2(tl.where(seen, lsum, 1.0)),
                                                             float("-inf")))
-    # As `decode_triton._decode_kernel`: every partial is stored before the release-acquire count.
-    tl.debug_barrier()
-    done = tl.atomic_add(counter_ptr + b * NUM_KV_HEADS + h, 1, sem="acq_rel")
-    if done == num_splits - 1:
-        sp = tl.arange(0, MAX_SPLITS)
-        lse = tl.load(part_lse_ptr + (part + sp[:, None]) * ROWS + r[None, :], mask=(sp < num_splits)[:, None],
-                      other=float("-inf"), cache_modifier=".cg")
-        top = tl.max(lse, 0)  # finite: every row sees token 0, in slice 0
-        total = tl.sum(tl.exp2(lse - top[None, :]), 0)
-        merged = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for c in range(0, num_splits, MERGE_CHUNK):
-            sc = c + tl.arange(0, MERGE_CHUNK)
-            sc_ok = sc < num_splits
-            lc = tl.load(part_lse_ptr + (part + sc[:, None]) * ROWS + r[None, :], mask=sc_ok[:, None],
-                         other=float("-inf"), cache_modifier=".cg")
-            oc = tl.load(part_o_ptr + ((part + sc[:, None, None]) * ROWS + r[None, :, None]) * HEAD_DIM
-                         + d[None, None, :], mask=sc_ok[:, None, None], other=0.0, cache_modifier=".cg")
-            merged += tl.sum(oc * tl.exp2(lc - top[None, :])[:, :, None], 0)
+    if _is_last_slice(counter_ptr, b, h, NUM_KV_HEADS, num_splits):  # every row sees token 0, in slice 0
+        merged, total = _merged_slices(part_o_ptr, part_lse_ptr, part, num_splits, ROWS, HEAD_DIM, MAX_SPLITS,
+                                       MERGE_CHUNK)
         tl.store(out_rows, (merged / total[:, None]).to(out_ptr.dtype.element_ty), mask=rows_ok[:, None])
         tl.store(counter_ptr + b * NUM_KV_HEADS + h, 0)
 
@@ -172,8 +144,7 @@ class VerifyDecode:
         batch = q.shape[0] // self.query_len
         if batch * self.query_len != q.shape[0] or batch > self.max_batch:
             raise ValueError(f"{q.shape[0]} query rows are not at most {self.max_batch} requests of {self.query_len}")
-        if k_pages.stride() != v_pages.stride() or k_pages.stride(-1) != 1 or q.stride(-1) != 1 or out.stride(-1) != 1:
-            raise ValueError("K and V pages must share strides, and every last dimension must be contiguous")
+        _check_strides(q, k_pages, v_pages, out)
         _verify_kernel[(batch, self.num_kv_heads, MAX_SPLITS)](
             q, k_pages, v_pages, out, indptr, indices, last_page_len, qo_lens, self.part_o, self.part_lse,
             self.counters, self.sm_scale_log2, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
