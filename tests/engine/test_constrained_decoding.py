@@ -1,6 +1,7 @@
 """Structured outputs and logit_bias inside the engine: the compile cache, a request waiting for
 its grammar while others run, the bitmask applied to constrained rows only, and the offline `LLM`
-under synchronous, async and pipeline-parallel scheduling."""
+under synchronous, async and pipeline-parallel scheduling and with speculative decoding (drafts
+verified under the grammar's masks after the drafts before them)."""
 
 import json
 import threading
@@ -12,11 +13,13 @@ import pytest
 import torch
 
 from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.bench.spec_replay import ReplayProposer
 from pagoda_engine.config import SchedulerConfig
 from pagoda_engine.core.kv.manager import KVCacheManager
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.sampling_batch import sampling_batch
 from pagoda_engine.core.scheduler import Scheduler
+from pagoda_engine.core.spec_decode import SpecDecoder
 from pagoda_engine.errors import InvalidRequestError
 from pagoda_engine.sampling_params import StructuredOutputsParams
 from pagoda_engine.structured_outputs import CompileCache, GrammarCompiler, RequestGrammar, check
@@ -257,6 +260,52 @@ def test_pipeline_parallel_samples_with_the_grammar_on_the_last_stage(llm):
     with LLM("pagoda-tiny", num_kv_pages=256, max_model_len=512, pipeline_parallel_size=2) as pp:
         got = [o.outputs[0].token_ids for o in pp.generate(prompts, params)]
     assert got == want
+
+
+def _allowed(row: np.ndarray, vocab_size: int) -> np.ndarray:
+    """The token ids a bitmask row allows."""
+    return np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:vocab_size])
+
+
+def test_verification_rows_mask_after_the_drafts_before_them_and_leave_the_matcher_as_it_was(llm):
+    compiler, vocab = llm.core.grammars, llm.core.vocab_size
+    grammar = compiler.submit(JSON)
+    grammar.future.result(timeout=60)
+    before = compiler.fill_bitmask([grammar], vocab)[0]
+    first = int(_allowed(before, vocab)[0])  # '{'
+    after_first = grammar.matcher.deep_copy()
+    assert after_first.consume_token(first)
+    second = compiler.fill_bitmask([grammar], vocab)  # (the request's own matcher did not move)
+    reference = np.zeros_like(second)
+    after_first.unsafe_compute_mask_ptr(reference.ctypes.data, reference.shape[1] * 4)
+    refused = int(np.setdiff1d(np.arange(vocab), _allowed(reference[0], vocab))[0])
+    rows = compiler.fill_bitmask([grammar] * 4, vocab, [[], [first], [first, refused], [first, refused, first]])
+    assert (rows[0] == before).all() and (second[0] == before).all()
+    assert (rows[1] == reference[0]).all() and not (rows[1] == before).all()
+    # Past a refused draft the rows repeat the mask at it, which excludes it: verification stops there.
+    assert (rows[2] == rows[1]).all() and (rows[3] == rows[1]).all() and refused not in _allowed(rows[2], vocab)
+    assert (compiler.fill_bitmask([grammar], vocab)[0] == before).all()  # rolled back
+
+
+def test_speculation_keeps_the_tokens_of_decoding_without_it_under_grammars(llm):
+    """Greedy and seeded constrained rows (and free ones beside them) verify drafts that are all
+    kept, partly refused (random replacements the grammar mostly refuses) or all refused: the
+    tokens written without speculation every time."""
+    prompts, params = _constrained_batch()
+    plain = llm.generate(prompts, params)
+    want = [o.outputs[0].token_ids for o in plain]
+    continuations = {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in plain}
+    ngram = {"method": "ngram", "num_speculative_tokens": 3}
+    with LLM("pagoda-tiny", num_kv_pages=256, max_model_len=512, speculative_config=ngram) as spec:
+        config = spec.core.scheduler.spec.config
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want  # prompt lookup's drafts
+        for acceptance in (1.0, 0.5, 0.0):
+            spec.core.scheduler.spec = SpecDecoder(config, ReplayProposer(continuations, acceptance, spec.core.vocab_size))
+            assert [o.outputs[0].token_ids for o in spec.generate(prompts, params)] == want, acceptance
+            stats = spec.core.scheduler.spec.stats
+            kept, drafted = stats.num_accepted_tokens, stats.num_draft_tokens
+            assert drafted > 0 and {1.0: kept == drafted, 0.5: 0 < kept < drafted, 0.0: kept == 0}[acceptance]
+    jsonschema.validate(json.loads(llm.get_tokenizer().decode(want[1], skip_special_tokens=True)), SCHEMA)
 
 
 def test_sampler_applies_bias_after_the_mask_and_before_greedy():

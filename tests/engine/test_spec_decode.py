@@ -302,7 +302,7 @@ def test_tensor_parallel_greedy_tokens_equal_hf(model_dir, hf_tokens):
         llm.close()
 
 
-def test_requests_with_a_grammar_or_a_token_in_flight_get_no_draft():
+def test_requests_with_a_token_in_flight_get_no_draft_and_constrained_ones_do():
     from pagoda_engine.core.request import Request
     from pagoda_engine.speculative import parse_speculative_config
 
@@ -316,7 +316,8 @@ def test_requests_with_a_grammar_or_a_token_in_flight_get_no_draft():
     plain, constrained, in_flight = decoding("a"), decoding("b", grammar=object()), decoding("c")
     in_flight.num_output_placeholders = 1
     spec.propose([plain, constrained, in_flight], max_model_len=64)
-    assert plain.spec_token_ids == [1, 2, 3] and constrained.spec_token_ids == in_flight.spec_token_ids == []
+    # A grammar does not filter drafts: verification samples under its masks (test_constrained_decoding.py).
+    assert plain.spec_token_ids == constrained.spec_token_ids == [1, 2, 3] and in_flight.spec_token_ids == []
     near_end = decoding("d")
     near_end.sampling_params = SamplingParams(max_tokens=3)  # 1 written: 2 more, so one draft at most
     spec.propose([near_end], max_model_len=64)

@@ -183,18 +183,27 @@ class GrammarCompiler:
         """Start compiling (or take the cached grammar); the request waits until `ready`."""
         return RequestGrammar(self._pool.submit(self.cache.get, params), self)
 
-    def fill_bitmask(self, grammars: list[RequestGrammar], vocab_size: int) -> np.ndarray:
+    def fill_bitmask(self, grammars: list[RequestGrammar], vocab_size: int,
+                     drafts: list[list[int]] | None = None) -> np.ndarray:
         """int32 `[len(grammars), ceil(vocab_size / 32)]`: bit t of row i set when grammar i allows
-        token t next. The model's padded vocabulary tail (ids the tokenizer does not have) stays 0."""
+        token t next, or with `drafts` (speculative decoding's verification rows) after draft
+        tokens `drafts[i]` (`RequestGrammar.mask_after`). The model's padded vocabulary tail (ids
+        the tokenizer does not have) stays 0."""
         from llguidance import LLExecutor
 
         width = (vocab_size + 31) // 32
         tokenizer_words = (self.tokenizer.vocab_size + 31) // 32
         bitmask = np.zeros((len(grammars), max(width, tokenizer_words)), dtype=np.int32)
-        if self._executor is None:
-            self._executor = LLExecutor(num_threads=MASK_THREADS)
-        self._executor.unsafe_compute_mask_ptr([(g.matcher, i) for i, g in enumerate(grammars)],
-                                               bitmask.ctypes.data, bitmask.shape[1] * 4, len(grammars))
+        row_bytes = bitmask.shape[1] * 4
+        now = [i for i in range(len(grammars)) if not drafts or not drafts[i]]
+        if now:  # the rows at a grammar's own state: all at once, in llguidance's threads
+            if self._executor is None:
+                self._executor = LLExecutor(num_threads=MASK_THREADS)
+            self._executor.unsafe_compute_mask_ptr([(grammars[i].matcher, i) for i in now], bitmask.ctypes.data,
+                                                   row_bytes, len(grammars))
+        for i in range(len(grammars)) if drafts else ():
+            if drafts[i]:
+                grammars[i].mask_after(drafts[i], bitmask.ctypes.data + i * row_bytes, row_bytes)
         bitmask = bitmask[:, :width]
         if vocab_size % 32:  # ids past the model's vocabulary (a tokenizer larger than the LM head)
             bitmask[:, -1] &= np.int32((1 << (vocab_size % 32)) - 1)
@@ -270,11 +279,29 @@ class RequestGrammar:
             logger.warning("grammar refused token %d: %s", token_id, matcher.get_error())
         return ok
 
+    def mask_after(self, draft: list[int], pointer: int, size: int) -> None:
+        """Write the mask of the token after `draft` (drafted tokens the request has not kept yet:
+        a verification row) to `size` bytes at `pointer`; the matcher is left as it was. Past the
+        first draft token the grammar refuses (or an EOS, which would end the request), the mask
+        is the one at that token: verification stops there, since the token sampled under that
+        mask cannot be the refused one, so the later rows' tokens are never kept."""
+        matcher = self.matcher
+        valid = matcher.validate_tokens(draft) if not matcher.is_stopped() else 0
+        eos = next((j for j, t in enumerate(draft[:valid]) if t in self.compiler.eos_token_ids), valid)
+        valid = min(valid, eos)
+        if valid and not matcher.consume_tokens(draft[:valid]):
+            raise RuntimeError(f"the grammar refused draft tokens it had validated: {matcher.get_error()}")
+        try:
+            matcher.unsafe_compute_mask_ptr(pointer, size)
+        finally:
+            if valid:
+                matcher.rollback(valid)
+
     def ended_by(self, token_id: int) -> bool:
         """Whether `token_id` is the EOS that ends a complete grammar (after it, the request stops)."""
         return token_id in self.compiler.eos_token_ids and self.matcher.is_accepting()
 
 
-def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int) -> np.ndarray:
-    """One step's bitmask rows, one per constrained request (see `GrammarCompiler.fill_bitmask`)."""
-    return grammars[0].compiler.fill_bitmask(grammars, vocab_size)
+def fill_bitmask(grammars: list[RequestGrammar], vocab_size: int, drafts: list[list[int]] | None = None) -> np.ndarray:
+    """One step's bitmask rows, one per constrained sampling row (see `GrammarCompiler.fill_bitmask`)."""
+    return grammars[0].compiler.fill_bitmask(grammars, vocab_size, drafts)

@@ -15,8 +15,11 @@ from pagoda_engine.core.request import Request
 from pagoda_engine.executor_types import SamplingBatch, to_device
 
 
-def sampling_batch(reqs: list[Request], vocab_size: int, device: torch.device) -> SamplingBatch:
-    """Row i samples for `reqs[i]`."""
+def sampling_batch(reqs: list[Request], vocab_size: int, device: torch.device,
+                   drafts: list[list[int]] | None = None) -> SamplingBatch:
+    """Row i samples for `reqs[i]`, after the draft tokens `drafts[i]` where given (speculative
+    decoding's verification rows: only a grammar reads them, the rest of a row's view is in
+    `reqs[i]`, `spec_decode.verification_rows`)."""
     device = torch.device(device)
     params = [r.sampling_params for r in reqs]
     # The output index counts tokens still in flight (async scheduling).
@@ -55,7 +58,8 @@ def sampling_batch(reqs: list[Request], vocab_size: int, device: torch.device) -
         from pagoda_engine.structured_outputs import fill_bitmask
 
         batch.grammar_rows = to_device(grammar_idx, torch.int64, device)
-        batch.grammar_bitmask = to_device(fill_bitmask([reqs[i].grammar for i in grammar_idx], vocab_size),
+        row_drafts = [drafts[i] for i in grammar_idx] if drafts is not None else None
+        batch.grammar_bitmask = to_device(fill_bitmask([reqs[i].grammar for i in grammar_idx], vocab_size, row_drafts),
                                           torch.int32, device)
     return batch
 

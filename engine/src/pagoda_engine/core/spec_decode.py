@@ -25,8 +25,14 @@ entries lie past `num_computed_tokens` once the step is applied, and the pages t
 handed back at once (`KVCacheManager.trim`). They were never registered in the prefix cache,
 which hashes only a request's known tokens.
 
-Not speculated: requests with a grammar (structured outputs: the drafts would have to be checked
-against it first), requests whose token is still in flight (async scheduling: the engine core
+Structured outputs: a constrained request's position j samples under its grammar's mask after
+drafts 0..j-1 (`RequestGrammar.mask_after`), so a kept token is one the grammar allows, and the
+rule above holds for the constrained distribution. Drafts are not filtered before verification:
+the first draft the grammar refuses cannot equal the token sampled at its position under a mask
+that excludes it, so verification stops there (and the rows after it repeat that mask: what they
+sample is never kept).
+
+Not speculated: requests whose token is still in flight (async scheduling: the engine core
 resolves the step in flight before scheduling a step that speculates), and every request of a
 step with more running requests than `disable_by_batch_size`.
 """
@@ -127,9 +133,8 @@ class SpecDecoder:
             self.proposer.retain(running)
         for r in running:
             r.spec_token_ids = []
-            # A decode whose last token is known (nothing in flight), without a grammar.
-            if (r.num_output_placeholders or r.grammar is not None or r.num_tokens - r.num_computed_tokens != 1
-                    or r.num_computed_tokens == 0):
+            # A decode whose last token is known (nothing in flight).
+            if r.num_output_placeholders or r.num_tokens - r.num_computed_tokens != 1 or r.num_computed_tokens == 0:
                 continue
             # Never draft past what the request may still write: after the step it holds every
             # kept draft plus one sampled token.

@@ -56,6 +56,7 @@ class StepInputs:
     sample_rows: torch.Tensor  # token index of each sampling request's last token (each verified position)
     sample_reqs: list[Request]  # the request of each sample row (a verifying one once per position)
     sample_views: list[Request]  # what each row samples as (`verification_rows` for verified positions)
+    sample_drafts: list[list[int]] | None  # the drafts before each row's position, where a step verifies
     # request id -> (first token index in the batch, number of positions) for prompt logprobs
     prompt_logprob_spans: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -137,7 +138,7 @@ class StepRunner:
         # Plain Python lists for the per-token arrays: a step is mostly single-token decodes, for
         # which small numpy arrays cost more than they save. One host-to-device copy at the end.
         ids, pos, slots, query_lens, seq_lens, tables = [], [], [], [], [], []
-        sample_rows, sample_reqs, sample_views, spans = [], [], [], {}
+        sample_rows, sample_reqs, sample_views, sample_drafts, spans = [], [], [], [], {}
         fed_at, fed_from = [], []
         page_size = self.page_size
         offset = 0
@@ -170,10 +171,12 @@ class StepRunner:
                 sample_rows += range(offset + n - len(views), offset + n)
                 sample_reqs += [req] * len(views)
                 sample_views += views
+                sample_drafts += [s.draft_token_ids[:j] for j in range(len(views))]
             elif s.completes_sequence:
                 sample_rows.append(offset + n - 1)
                 sample_reqs.append(req)
                 sample_views.append(req)
+                sample_drafts.append([])
             offset += n
         # Each per-token segment starts aligned (`aligned_numel`): after an odd token count
         # the positions started 8 bytes off, a kernel variant that a fresh server compiled during
@@ -195,7 +198,7 @@ class StepRunner:
                                     lora_slots=lora_slots)
         return StepInputs(order=order, input_ids=input_ids, positions=dev[span:span + t], attn_batch=attn_batch,
                           sample_rows=dev[rest:rest + r], sample_reqs=sample_reqs, sample_views=sample_views,
-                          prompt_logprob_spans=spans)
+                          sample_drafts=sample_drafts if any(sample_drafts) else None, prompt_logprob_spans=spans)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         return self.launch(sched).resolve()
@@ -222,7 +225,8 @@ class StepRunner:
             # Under pipeline parallelism the last stage samples; its tokens are read when they
             # arrive, so that the core can launch the next batch meanwhile (the batch queue).
             sample = self.executor.sample(inputs.sample_rows,
-                                          sampling_batch(inputs.sample_views, self.vocab_size, self.device))
+                                          sampling_batch(inputs.sample_views, self.vocab_size, self.device,
+                                                         inputs.sample_drafts))
         ended = self.executor.mark_step_end() if self.record_ends else None
         verifying = frozenset(s.request.request_id for s in sched.scheduled if s.draft_token_ids)
         return LaunchedStep(sched=sched, sample_reqs=inputs.sample_reqs, sample=sample,
