@@ -1,8 +1,9 @@
 """Multi-LoRA through the whole engine (scheduler, slots, KV pages, runner, the torch path of
 `worker/model/lora.py`) against transformers + PEFT on the same tiny random Llama and Qwen2
 (q/k/v bias) with adapters PEFT wrote: every adapter's greedy tokens equal PEFT's, in steps that
-mix the base model and three adapters, with fewer device slots than adapters, and with the
-prefix cache keyed by adapter."""
+mix the base model and three adapters, with fewer device slots than adapters, with speculative
+decoding verifying drafts under each request's adapter, and with the prefix cache keyed by
+adapter."""
 
 from __future__ import annotations
 
@@ -78,6 +79,25 @@ def test_one_step_mixes_the_base_and_three_adapters(setup):
     for i, name in enumerate(names):
         assert got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] == expected[name], name
     assert len(seen[0]) == 4, seen[0]  # base (-1) and three slots in one step
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculative_decoding_verifies_each_requests_drafts_under_its_adapter(setup, method):
+    """The base and three adapters in one batch, speculating: prompt lookup, or the base model
+    drafting (a drafting model runs without adapters: its drafts cost acceptance, never output)."""
+    model_dir, paths, expected = setup
+    spec = ({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1} if method == "ngram" else
+            {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    llm = _llm(model_dir, speculative_config=spec)
+    loras = _requests(paths)
+    names = [None, *loras]
+    outs = llm.generate([p for _ in names for p in PROMPTS], _greedy(),
+                        lora_request=[loras.get(n) for n in names for _ in PROMPTS])
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, name in enumerate(names):
+        assert got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] == expected[name], name
+    stats = llm.core.scheduler.spec.stats
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
 
 
 def test_more_adapters_than_slots_still_serve(setup):

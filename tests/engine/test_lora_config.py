@@ -43,8 +43,6 @@ def test_flags_reach_the_config_with_vllms_defaults():
     ({"enable_lora": True, "lora_modules": ['{"name": "a"}']}, '"name" and "path" must be non-empty strings'),
     ({"enable_lora": True, "lora_modules": ['{"name": "a", "path": "/p", "rank": 8}']}, r"unknown keys \['rank'\]"),
     ({"enable_lora": True, "lora_modules": ["a=/p", "a=/q"]}, "adapter name 'a' is given twice"),
-    ({"enable_lora": True, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2,
-                                                   "prompt_lookup_max": 2}}, "--enable-lora is not supported with"),
 ])
 def test_bad_values_name_the_flag(kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -85,6 +85,15 @@ def test_a_failed_adapter_download_shows_as_the_models_does():
     assert model_download_failure([pod]) == "pod p: lora-download-1 exited 1: no such repo org/x"
 
 
+def test_adapters_with_speculative_decoding_render_both_and_the_engine_takes_them():
+    body = _body()
+    body["spec"]["engine"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
+    _, container = _engine(body)
+    config = _config(container)  # the engine's own validation of the pair
+    assert config.model.enable_lora
+    assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 3)
+
+
 def test_without_adapters_no_lora_flag_is_rendered():
     _, container = _engine(_body(loras=[], engine={}))  # no adapters: no LoRA at all
     assert not _config(container).model.enable_lora
@@ -98,7 +107,6 @@ def test_without_adapters_no_lora_flag_is_rendered():
     ({"engine": {"extraArgs": ["--max-loras", "3"]}}, "engine.extraArgs --max-loras: set engine.maxLoras instead"),
     ({"engine": {"extraArgs": ["--lora-modules", "x=/y"]}}, "engine.extraArgs --lora-modules: set spec.loras instead"),
     ({"engine": {"apiServerCount": 2}}, "loras: engine.apiServerCount 2"),
-    ({"engine": {"speculative": {"method": "ngram", "numSpeculativeTokens": 2}}}, "loras: not supported with engine.speculative"),
     ({"topology": {"pipeline": 2}}, "LoRA adapters under pipeline parallelism"),
     ({"loras": [{"name": "a", "uri": "ftp://x/y"}]}, "spec.loras[0].uri"),
 ])

@@ -523,8 +523,8 @@ class EngineConfig:
             raise ValueError("When `--enable-auto-tool-choice` is set, `--tool-call-parser` must be set")
 
     def _validate_lora(self) -> None:
-        """The LoRA flags across each other: they need --enable-lora, the host cache holds at least
-        the device's slots, and speculative decoding does not verify drafts under adapters yet."""
+        """The LoRA flags across each other: they need --enable-lora, and the host cache holds at
+        least the device's slots."""
         mc = self.model
         if isinstance(mc.lora_modules, str):
             mc.lora_modules = [mc.lora_modules]
@@ -536,8 +536,6 @@ class EngineConfig:
         if mc.max_cpu_loras is not None and mc.max_cpu_loras < mc.max_loras:
             raise ValueError(f"--max-cpu-loras ({mc.max_cpu_loras}) must be >= --max-loras ({mc.max_loras})")
         # Under pipeline parallelism and with experts across cores: refused by the capability table.
-        if self.speculative_config.enabled:
-            raise ValueError("--enable-lora is not supported with --speculative-config yet")
 
     def _validate_expert_parallel(self) -> None:
         pc = self.parallel

@@ -136,9 +136,6 @@ def _check_loras(spec: InferenceServiceSpec) -> list[str]:
     served = spec.model.name
     if served is not None and served in names:
         problems.append(f"loras: {served!r} is model.name; an adapter needs a name of its own")
-    if spec.engine.speculative is not None:
-        problems.append("loras: not supported with engine.speculative yet (the engine refuses --enable-lora with "
-                        "--speculative-config)")
     if spec.engine.api_server_count > 1:
         problems.append(f"loras: engine.apiServerCount {spec.engine.api_server_count}: an adapter loaded at run time "
                         f"reaches one API server process only; keep apiServerCount 1")

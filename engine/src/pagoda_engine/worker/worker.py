@@ -356,7 +356,9 @@ class Worker:
     def can_capture_verify(self, query_len: int) -> bool:
         """Whether verification graphs of `query_len` rows a request can run on this rank: the
         attention backend has their kernel for these heads, the whole model is here, and no EAGLE-3
-        drafter needs the target's eager forward. (LoRA and experts across cores never speculate.)"""
+        drafter needs the target's eager forward, and no LoRA adapters (their slots follow the step's
+        own rows, not the graphs' padded blocks: such steps run as prefill steps do). Experts across
+        cores never speculate."""
         can = getattr(self.attn, "can_verify", None)
         return (can is not None and can(query_len) and self.layout.pp == 1 and self.lora is None
                 and self.dp_dispatch is None and not (self.drafter is not None and self.drafter.reads_target_hidden))
