@@ -1,9 +1,9 @@
 """Multi-LoRA through the whole engine (scheduler, slots, KV pages, runner, the torch path of
 `worker/model/lora.py`) against transformers + PEFT on the same tiny random Llama and Qwen2
 (q/k/v bias) with adapters PEFT wrote: every adapter's greedy tokens equal PEFT's, in steps that
-mix the base model and three adapters, with fewer device slots than adapters, with speculative
-decoding verifying drafts under each request's adapter, and with the prefix cache keyed by
-adapter."""
+mix the base model and three adapters, with fewer device slots than adapters, over two pipeline
+stages, with speculative decoding verifying drafts under each request's adapter, and with the
+prefix cache keyed by adapter."""
 
 from __future__ import annotations
 
@@ -98,6 +98,20 @@ def test_speculative_decoding_verifies_each_requests_drafts_under_its_adapter(se
         assert got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] == expected[name], name
     stats = llm.core.scheduler.spec.stats
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+
+
+def test_pipeline_parallel_stages_each_apply_their_own_layers_adapters(setup):
+    """Two stages over gloo, real processes: each rank reads and checks its layers' part of an
+    adapter, and every rank gets the step's slots; the base and three adapters in one batch."""
+    model_dir, paths, expected = setup
+    loras = _requests(paths)
+    names = [None, *loras]
+    with _llm(model_dir, pipeline_parallel_size=2) as llm:
+        outs = llm.generate([p for _ in names for p in PROMPTS], _greedy(),
+                            lora_request=[loras.get(n) for n in names for _ in PROMPTS])
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, name in enumerate(names):
+        assert got[i * len(PROMPTS):(i + 1) * len(PROMPTS)] == expected[name], name
 
 
 def test_more_adapters_than_slots_still_serve(setup):

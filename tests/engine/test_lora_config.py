@@ -71,11 +71,11 @@ def test_a_lora_module_that_does_not_fit_stops_the_engine_naming_it(tmp_path):
         LLM("pagoda-tiny", enable_lora=True, lora_modules=["gone=/nowhere/gone"], num_kv_pages=16)
 
 
-def test_pipeline_parallelism_with_lora_is_refused_by_the_capability_table():
+def test_lora_with_experts_across_cores_is_refused_by_the_capability_table_and_not_otherwise():
     from pagoda_engine import capabilities
 
-    cfg = EngineConfig.from_kwargs(enable_lora=True, pipeline_parallel_size=2)
-    assert capabilities.refusal(cfg, {}) == (
-        "not implemented in this engine yet: LoRA adapters under pipeline parallelism (--enable-lora with "
-        "--pipeline-parallel-size 2; LoRA adapters work with tensor and data parallelism)")
-    assert capabilities.refusal(EngineConfig.from_kwargs(enable_lora=True, tensor_parallel_size=2), {}) is None
+    cfg = EngineConfig.from_kwargs(enable_lora=True, data_parallel_size=2, enable_expert_parallel=True)
+    assert capabilities.refusal(cfg, {}).startswith(
+        "not implemented in this engine yet: LoRA adapters with expert parallelism across data-parallel engine cores")
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}):
+        assert capabilities.refusal(EngineConfig.from_kwargs(enable_lora=True, **layout), {}) is None, layout

@@ -107,7 +107,6 @@ def test_without_adapters_no_lora_flag_is_rendered():
     ({"engine": {"extraArgs": ["--max-loras", "3"]}}, "engine.extraArgs --max-loras: set engine.maxLoras instead"),
     ({"engine": {"extraArgs": ["--lora-modules", "x=/y"]}}, "engine.extraArgs --lora-modules: set spec.loras instead"),
     ({"engine": {"apiServerCount": 2}}, "loras: engine.apiServerCount 2"),
-    ({"topology": {"pipeline": 2}}, "LoRA adapters under pipeline parallelism"),
     ({"loras": [{"name": "a", "uri": "ftp://x/y"}]}, "spec.loras[0].uri"),
 ])
 def test_what_the_engine_cannot_serve_is_refused_naming_the_field(changes, says):

@@ -215,8 +215,11 @@ class LoRAManager:
         self.batch = LoRABatch(max_loras, max_tokens, device)
         self.layers: dict[tuple[int, str], tuple[LoRALayer, int]] = {}  # (layer, module) -> (its LoRALayer, slice)
         self.num_layers = model.config.num_hidden_layers
+        # This rank's layers (under pipeline parallelism its stage's): it keeps their adapter
+        # weights and checks them; the other stages' ranks check theirs.
+        self.stage_layers = range(model.model.start_layer, model.model.end_layer)
         self.host: OrderedDict[str, HostAdapter] = OrderedDict()
-        for idx in range(model.model.start_layer, model.model.end_layer):
+        for idx in self.stage_layers:
             layer = model.model.layers[idx]
             attn = layer.self_attn
             self._wrap(idx, attn.qkv_proj, _qkv_slices(attn.qkv_proj))
@@ -306,6 +309,8 @@ class LoRAManager:
             if idx >= self.num_layers:
                 raise refuse(f"layer {idx} does not exist in the base model ({self.num_layers} layers): "
                              "an adapter of another base model")
+            if idx not in self.stage_layers:
+                continue
             if (idx, module) not in self.layers:
                 raise refuse(f"the base model has no {module} in layer {idx} to adapt (a mixture-of-experts block?)")
             a, b = ab["A"], ab["B"]
