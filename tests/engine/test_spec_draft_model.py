@@ -189,9 +189,20 @@ def test_a_draft_with_fewer_positions_than_max_model_len_is_refused(model_dir, t
     LLM(str(model_dir), dtype="float32", num_kv_pages=32, max_model_len=64, speculative_config=_config(short))
 
 
-def test_tensor_parallelism_with_a_draft_model_is_refused():
-    with pytest.raises(ValueError, match="'draft_model' is not supported under tensor parallelism"):
-        EngineConfig.from_kwargs(speculative_config=_config("x"), tensor_parallel_size=2)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_under_tensor_parallelism_the_whole_draft_drafts_beside_rank_0s_shard(model_dir, draft_dir, hf_tokens,
+                                                                              async_scheduling):
+    """Two ranks over gloo, real processes: the target sharded, the draft model whole on rank 0.
+    The target as its own draft keeps every draft (the whole model drafts what the shards verify)."""
+    for draft in (draft_dir, model_dir):
+        with LLM(str(model_dir), dtype="float32", num_kv_pages=128, block_size=4, tensor_parallel_size=2,
+                 async_scheduling=async_scheduling, speculative_config=_config(draft)) as llm:
+            assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == hf_tokens
+            s = _stats(llm)
+            assert s.num_draft_tokens > 0 and (s.num_accepted_tokens == s.num_draft_tokens) == (draft == model_dir)
+    with pytest.raises(ValueError, match="'eagle3' is not supported under tensor parallelism"):
+        EngineConfig.from_kwargs(speculative_config={"method": "eagle3", "model": "x", "num_speculative_tokens": 2},
+                                 tensor_parallel_size=2)
 
 
 def test_a_draft_model_needs_its_model():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pagoda_engine.kv_tiers import remote_url_problems
-from pagoda_engine.speculative import MODEL_METHODS, InvalidSpeculativeConfigError, parse_speculative_config
+from pagoda_engine.speculative import InvalidSpeculativeConfigError, parse_speculative_config
 
 from pagoda_operator import engine_capabilities, sizing
 from pagoda_operator.autoscaler.decision import NOT_FOR_PREFILL, PREFILL_POLICIES, autoscaling_problems
@@ -238,9 +238,9 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
         parsed = parse_speculative_config(given)
     except InvalidSpeculativeConfigError as e:
         return [f"{where}: {e}"]
-    if parsed.method in MODEL_METHODS and spec.topology.tensor > 1:
-        return [f"{where}: method {parsed.method!r} drafts on one rank: not supported under tensor parallelism yet "
-                f"(topology.tensor {spec.topology.tensor})"]
+    if parsed.method == "eagle3" and spec.topology.tensor > 1:
+        return [f"{where}: method 'eagle3' is not supported under tensor parallelism yet (topology.tensor "
+                f"{spec.topology.tensor}); a draft_model drafts beside the target's first shard"]
     if spec.topology.pipeline > 1:
         return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
                 f"{spec.topology.pipeline})"]

@@ -17,8 +17,10 @@ head's `eagle_config.eagle_aux_hidden_state_layer_ids`), concatenated and projec
 `fc` as every target forward runs (`store_target_hidden`), into a buffer with one row per KV
 slot: a request's catch-up reads the rows of its positions, as it reads their KV.
 
-Only one rank: the worker refuses a drafter under tensor or pipeline parallelism (the config does
-first).
+On rank 0 only: under tensor parallelism a draft model sits whole beside rank 0's shard of the
+target (the KV pool's size counts its pages on that rank), while the other ranks wait for the
+verification step; the worker refuses a drafter under pipeline parallelism, and an EAGLE-3 head
+under tensor parallelism (it would read the target's sharded embedding), as the config does first.
 """
 
 from __future__ import annotations

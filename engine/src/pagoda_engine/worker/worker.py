@@ -200,9 +200,11 @@ class Worker:
         return self.expert_load.read() if self.expert_load is not None else []
 
     def load_drafter(self, method: str, model_dir: str, load_format: str, seed: int) -> None:
-        """Speculative decoding's drafting model (`drafter.py`), after the target's; one rank only."""
-        if self.layout.world_size > 1:
-            raise RuntimeError(f"a {method} drafter runs on one rank only (no tensor or pipeline parallelism yet)")
+        """Speculative decoding's drafting model (`drafter.py`), after the target's, on rank 0 (whole
+        beside its shard under tensor parallelism)."""
+        if self.layout.pp > 1 or (method == "eagle3" and self.layout.world_size > 1):
+            raise RuntimeError(f"a {method} drafter runs on rank 0 beside a whole model's stage (no pipeline "
+                               f"parallelism{', nor tensor parallelism for an EAGLE-3 head' if method == 'eagle3' else ''} yet)")
         self.drafter = load_drafter(method, model_dir, self.model, self.model.config, self.dtype, self.device,
                                     load_format, seed)
         self.model.model.aux_hidden_layers = self.drafter.aux_layers
