@@ -14,7 +14,6 @@ import torch
 import transformers
 
 from pagoda_engine import LLM, SamplingParams
-from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.messages import EngineCoreRequest
 from pagoda_engine.tiny import build_tiny_model
@@ -200,9 +199,6 @@ def test_under_tensor_parallelism_the_whole_draft_drafts_beside_rank_0s_shard(mo
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == hf_tokens
             s = _stats(llm)
             assert s.num_draft_tokens > 0 and (s.num_accepted_tokens == s.num_draft_tokens) == (draft == model_dir)
-    with pytest.raises(ValueError, match="'eagle3' is not supported under tensor parallelism"):
-        EngineConfig.from_kwargs(speculative_config={"method": "eagle3", "model": "x", "num_speculative_tokens": 2},
-                                 tensor_parallel_size=2)
 
 
 def test_a_draft_model_needs_its_model():

@@ -51,8 +51,8 @@ def _config(head, k=3):
 def test_the_heads_forward_matches_an_independent_reading(model_dir, head_dir, reference):
     target_cfg = load_hf_config(str(model_dir))
     target = load_model(str(model_dir), target_cfg, torch.float32, torch.device("cpu"))
-    head = load_eagle3_head(str(head_dir), load_eagle3_config(str(head_dir)), target, target_cfg, torch.float32,
-                            torch.device("cpu"), "auto", 0)
+    head = load_eagle3_head(str(head_dir), load_eagle3_config(str(head_dir)), target.model.embed_tokens, target_cfg,
+                            torch.float32, torch.device("cpu"), "auto", 0)
     assert head.aux_layers(6) == (2, 3, 3)
     tokens = PROMPTS[2]
     features = reference.target_features(tokens).detach()
@@ -92,19 +92,21 @@ def _recording(llm) -> list[tuple[list[int], list[int], bool]]:
     dict(max_num_batched_tokens=7, async_scheduling=True),
     # 19 usable pages of 4 tokens (one request needs up to 16): preemptions
     dict(num_kv_pages=20, max_model_len=64, kv_growth_reservation=False),
-], ids=["whole-prompts", "chunked-async", "preemption"])
+    # Two gloo ranks: the head whole on rank 0, embedding with the target's embedding gathered there
+    dict(max_num_batched_tokens=8192, tensor_parallel_size=2),
+], ids=["whole-prompts", "chunked-async", "preemption", "tensor-parallel"])
 def test_greedy_tokens_equal_hf_and_drafts_are_the_heads(model_dir, head_dir, reference, hf_tokens, kwargs):
     kwargs = {"num_kv_pages": 128, "block_size": 4, **kwargs}
-    llm = LLM(str(model_dir), dtype="float32", speculative_config=_config(head_dir), **kwargs)
-    records = _recording(llm)
-    outs = llm.generate(PROMPTS, _greedy())
-    assert [o.outputs[0].token_ids for o in outs] == hf_tokens
-    if kwargs["num_kv_pages"] == 20:
-        assert llm.core.scheduler.num_preemptions > 0
-    else:
-        assert llm.core.kv.prefix_hits > 0
-    _assert_pool_free(llm)
-    assert records and llm.core.scheduler.spec.stats.num_drafts == len(records)
+    with LLM(str(model_dir), dtype="float32", speculative_config=_config(head_dir), **kwargs) as llm:
+        records = _recording(llm)
+        outs = llm.generate(PROMPTS, _greedy())
+        assert [o.outputs[0].token_ids for o in outs] == hf_tokens
+        if kwargs["num_kv_pages"] == 20:
+            assert llm.core.scheduler.num_preemptions > 0
+        else:
+            assert llm.core.kv.prefix_hits > 0
+        _assert_pool_free(llm)
+        assert records and llm.core.scheduler.spec.stats.num_drafts == len(records)
     # A request that found its prefix in the cache reads, at the last position of the shared
     # pages, the head's entry of the request that computed them (its next token may differ):
     # its drafts may differ from the head's own there, so only the others are compared.

@@ -573,9 +573,6 @@ class EngineConfig:
                              "schedules a request's next batch before its drafts are verified")
         if self.parallel.expert_parallel_across_cores:
             raise ValueError("--speculative-config is not supported with experts across data-parallel engine cores yet")
-        if self.speculative_config.method == "eagle3" and self.parallel.tensor_parallel_size > 1:
-            raise ValueError("--speculative-config method 'eagle3' is not supported under tensor parallelism yet: the "
-                             "head on rank 0 would read the target's embedding, which each rank holds a share of")
 
     def _validate_kv_transfer(self) -> None:
         """Disaggregated prefill/decode moves prefix-cache pages of one rank's whole KV cache."""

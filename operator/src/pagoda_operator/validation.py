@@ -238,9 +238,6 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
         parsed = parse_speculative_config(given)
     except InvalidSpeculativeConfigError as e:
         return [f"{where}: {e}"]
-    if parsed.method == "eagle3" and spec.topology.tensor > 1:
-        return [f"{where}: method 'eagle3' is not supported under tensor parallelism yet (topology.tensor "
-                f"{spec.topology.tensor}); a draft_model drafts beside the target's first shard"]
     if spec.topology.pipeline > 1:
         return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
                 f"{spec.topology.pipeline})"]

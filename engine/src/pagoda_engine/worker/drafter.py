@@ -17,10 +17,12 @@ head's `eagle_config.eagle_aux_hidden_state_layer_ids`), concatenated and projec
 `fc` as every target forward runs (`store_target_hidden`), into a buffer with one row per KV
 slot: a request's catch-up reads the rows of its positions, as it reads their KV.
 
-On rank 0 only: under tensor parallelism a draft model sits whole beside rank 0's shard of the
-target (the KV pool's size counts its pages on that rank), while the other ranks wait for the
-verification step; the worker refuses a drafter under pipeline parallelism, and an EAGLE-3 head
-under tensor parallelism (it would read the target's sharded embedding), as the config does first.
+On rank 0 only: under tensor parallelism a draft model or a head sits whole beside rank 0's shard
+of the target (the KV pool's size counts its pages on that rank), while the other ranks wait for
+the verification step. An EAGLE-3 head without an embedding of its own embeds with a whole copy of
+the target's, gathered to rank 0 at start-up (the target's is sharded); the hidden states it reads
+are whole on every rank. The worker refuses a drafter under pipeline parallelism, as the config
+does first.
 """
 
 from __future__ import annotations
@@ -144,12 +146,15 @@ def _last_rows(query_lens: list[int]) -> list[int]:
 
 
 def load_drafter(method: str, model_dir: str, target: torch.nn.Module, target_config: PretrainedConfig,
-                 dtype: torch.dtype, device: torch.device, load_format: str, seed: int) -> Drafter:
+                 dtype: torch.dtype, device: torch.device, load_format: str, seed: int,
+                 target_embed: torch.nn.Module | None = None) -> Drafter:
     """The drafting model of `method` from `model_dir`, checked against the target: the same
-    vocabulary (a draft model) or the target's vocabulary and hidden size (an EAGLE-3 head)."""
+    vocabulary (a draft model) or the target's vocabulary and hidden size (an EAGLE-3 head, which
+    embeds with `target_embed`, else the target's own embedding, when it has none of its own)."""
     if method == "eagle3":
         config = load_eagle3_config(model_dir)
-        model = load_eagle3_head(model_dir, config, target, target_config, dtype, device, load_format, seed)
+        embed = target_embed if target_embed is not None else target.model.embed_tokens
+        model = load_eagle3_head(model_dir, config, embed, target_config, dtype, device, load_format, seed)
     else:
         config = load_hf_config(model_dir)
         if config.vocab_size != target_config.vocab_size:

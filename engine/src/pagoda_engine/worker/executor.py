@@ -762,6 +762,8 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
     spec = config.speculative_config
     if spec.method in MODEL_METHODS:
         try:
+            if spec.method == "eagle3" and config.parallel.tensor_parallel_size > 1:
+                executor.collective_rpc("gather_embedding")
             executor.worker.load_drafter(spec.method, resolve_model_path(spec.model), mc.load_format, mc.seed)
         except BaseException:
             executor.close()

@@ -66,7 +66,7 @@ from pagoda_engine.worker.verify_graphs import VerifyGraphs
 from pagoda_engine.worker.dp_padding import CoreStepAgreement, is_all_decode, padded_batch
 from pagoda_engine.worker.kv_offload import KVOffloader
 from pagoda_engine.worker import kv_transfer
-from pagoda_engine.worker.model.layers import TPGroup, attach_tp_group
+from pagoda_engine.worker.model.layers import TPGroup, VocabParallelEmbedding, attach_tp_group
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 from pagoda_engine.worker.model.lora import LoRAManager
 from pagoda_engine.worker.model.moe import ALLGATHER, DataParallelDispatch, attach_dp_dispatch
@@ -115,6 +115,7 @@ class Worker:
         self.model: torch.nn.Module | None = None
         self.dtype: torch.dtype | None = None
         self.tp_group: TPGroup | None = None
+        self.whole_embedding: torch.nn.Module | None = None  # rank 0, for an EAGLE-3 head under TP (`gather_embedding`)
         self.pp_group: TPGroup | None = None  # this rank's pipeline: the same TP rank of every stage
         self.world_group: TPGroup | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states (last stage only)
@@ -199,14 +200,26 @@ class Worker:
         start-up (a device sync); empty otherwise."""
         return self.expert_load.read() if self.expert_load is not None else []
 
+    def gather_embedding(self) -> None:
+        """Every rank of the tensor-parallel group, at once: rank 0 keeps the target's whole token
+        embedding (`whole_embedding`), which an EAGLE-3 head without one of its own embeds its
+        tokens with, on rank 0 alone (the target's own embedding is sharded across the group)."""
+        embed = self.model.model.embed_tokens
+        shards = self.tp_group.all_gather(embed.weight.data)
+        if self.rank == 0:
+            whole = VocabParallelEmbedding(embed.vocab_size, embed.weight.shape[1]).to(embed.weight)
+            whole.weight.data.copy_(torch.cat(shards)[:embed.vocab_size])
+            self.whole_embedding = whole.requires_grad_(False)
+        del shards
+
     def load_drafter(self, method: str, model_dir: str, load_format: str, seed: int) -> None:
         """Speculative decoding's drafting model (`drafter.py`), after the target's, on rank 0 (whole
-        beside its shard under tensor parallelism)."""
-        if self.layout.pp > 1 or (method == "eagle3" and self.layout.world_size > 1):
-            raise RuntimeError(f"a {method} drafter runs on rank 0 beside a whole model's stage (no pipeline "
-                               f"parallelism{', nor tensor parallelism for an EAGLE-3 head' if method == 'eagle3' else ''} yet)")
+        beside its shard under tensor parallelism; an EAGLE-3 head then embeds with the whole
+        embedding `gather_embedding` left here)."""
+        if self.layout.pp > 1:
+            raise RuntimeError(f"a {method} drafter runs on rank 0 beside a whole model (no pipeline parallelism yet)")
         self.drafter = load_drafter(method, model_dir, self.model, self.model.config, self.dtype, self.device,
-                                    load_format, seed)
+                                    load_format, seed, target_embed=self.whole_embedding)
         self.model.model.aux_hidden_layers = self.drafter.aux_layers
 
     def propose_drafts(self, plan) -> list[list[int]]:

@@ -149,9 +149,10 @@ def load_eagle3_config(model_dir: str) -> PretrainedConfig:
         raise ModelLoadError(f"cannot parse {path}: {e}") from e
 
 
-def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target: nn.Module, target_cfg: PretrainedConfig,
+def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target_embed: nn.Module, target_cfg: PretrainedConfig,
                      dtype: torch.dtype, device: torch.device, load_format: str, seed: int) -> Eagle3Head:
-    """An EAGLE-3 head from `model_dir` (safetensors, or dummy weights), checked against the target."""
+    """An EAGLE-3 head from `model_dir` (safetensors, or dummy weights), checked against the target;
+    `target_embed`: the target's token embedding, whole, for a head without one of its own."""
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ModelLoadError(f"the EAGLE-3 head {model_dir} drafts for a vocabulary of {cfg.vocab_size} tokens, the "
                              f"target's has {target_cfg.vocab_size}")
@@ -180,7 +181,7 @@ def load_eagle3_head(model_dir: str, cfg: PretrainedConfig, target: nn.Module, t
                 raise ModelLoadError(f"{model_dir}: d2t has shape {tuple(d2t.shape)}, expected ({head.draft_vocab_size},)")
             head.d2t.copy_(d2t)
     if not own_embedding:  # after loading: the target's weights are not the head's to load or draw
-        head.target_embed = target.model.embed_tokens
+        head.target_embed = target_embed
     num_layers = target_cfg.num_hidden_layers
     if any(not 0 <= i < num_layers for i in head.aux_layers(num_layers)):
         raise ModelLoadError(f"the EAGLE-3 head {model_dir} reads the target's layers {head.aux_layers(num_layers)}, "
