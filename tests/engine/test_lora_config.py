@@ -71,11 +71,9 @@ def test_a_lora_module_that_does_not_fit_stops_the_engine_naming_it(tmp_path):
         LLM("pagoda-tiny", enable_lora=True, lora_modules=["gone=/nowhere/gone"], num_kv_pages=16)
 
 
-def test_lora_with_experts_across_cores_is_refused_by_the_capability_table_and_not_otherwise():
+def test_lora_is_refused_by_no_parallel_layout():
     from pagoda_engine import capabilities
 
-    cfg = EngineConfig.from_kwargs(enable_lora=True, data_parallel_size=2, enable_expert_parallel=True)
-    assert capabilities.refusal(cfg, {}).startswith(
-        "not implemented in this engine yet: LoRA adapters with expert parallelism across data-parallel engine cores")
-    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2}):
+    for layout in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}, {"data_parallel_size": 2},
+                   {"data_parallel_size": 2, "enable_expert_parallel": True}):
         assert capabilities.refusal(EngineConfig.from_kwargs(enable_lora=True, **layout), {}) is None, layout

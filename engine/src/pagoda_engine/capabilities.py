@@ -64,11 +64,6 @@ COMBINATIONS: tuple[Combination, ...] = (
     Combination(("pipeline-parallel", "data-parallel", "expert-parallel"),
                 "expert parallelism across data-parallel engine cores under pipeline parallelism",
                 hint="expert parallelism across data-parallel engine cores works with tensor parallelism"),
-    # A step's adapter slots are one core's (every rank of its pipeline and tensor groups gets them
-    # with the step); cores in lockstep would each need the others' (not built yet).
-    Combination(("lora", "data-parallel", "expert-parallel"),
-                "LoRA adapters with expert parallelism across data-parallel engine cores",
-                hint="LoRA adapters work with tensor and data parallelism"),
 )
 
 BY_KEY = {f.key: f for f in FEATURES}
