@@ -765,6 +765,8 @@ def create_executor(config: EngineConfig, model_dir: str) -> Executor:
             if spec.method == "eagle3" and config.parallel.tensor_parallel_size > 1:
                 executor.collective_rpc("gather_embedding")
             executor.worker.load_drafter(spec.method, resolve_model_path(spec.model), mc.load_format, mc.seed)
+            if executor.worker.drafter.reads_target_hidden:
+                executor.collective_rpc("run_eagerly")
         except BaseException:
             executor.close()
             stop_compile_pool()

@@ -116,6 +116,10 @@ class Worker:
         self.dtype: torch.dtype | None = None
         self.tp_group: TPGroup | None = None
         self.whole_embedding: torch.nn.Module | None = None  # rank 0, for an EAGLE-3 head under TP (`gather_embedding`)
+        # Every step eagerly (`run_eagerly`): an EAGLE-3 head reads the target's hidden states of
+        # every forward, which only the eager forward keeps; every rank alike, so that no rank
+        # replays a graph while another runs the same collectives eagerly.
+        self.eager_steps = False
         self.pp_group: TPGroup | None = None  # this rank's pipeline: the same TP rank of every stage
         self.world_group: TPGroup | None = None
         self.hidden: torch.Tensor | None = None  # the last forward's hidden states (last stage only)
@@ -199,6 +203,10 @@ class Worker:
         """Experts across cores: [MoE layer][logical expert] tokens this rank's experts took since
         start-up (a device sync); empty otherwise."""
         return self.expert_load.read() if self.expert_load is not None else []
+
+    def run_eagerly(self) -> None:
+        """From now on this rank runs every step eagerly (see `eager_steps`)."""
+        self.eager_steps = True
 
     def gather_embedding(self) -> None:
         """Every rank of the tensor-parallel group, at once: rank 0 keeps the target's whole token
@@ -370,13 +378,13 @@ class Worker:
 
     def can_capture_verify(self, query_len: int) -> bool:
         """Whether verification graphs of `query_len` rows a request can run on this rank: the
-        attention backend has their kernel for these heads, the whole model is here, and no EAGLE-3
-        drafter needs the target's eager forward, and no LoRA adapters (their slots follow the step's
-        own rows, not the graphs' padded blocks: such steps run as prefill steps do). Experts across
-        cores never speculate."""
+        attention backend has their kernel for these heads, the whole model is here, steps are not
+        all eager (`eager_steps`), no LoRA adapters (their slots follow the step's own rows, not the
+        graphs' padded blocks: such steps run as prefill steps do), and no experts across cores
+        (the cores pad decode steps only: a verification step runs eagerly on every core)."""
         can = getattr(self.attn, "can_verify", None)
         return (can is not None and can(query_len) and self.layout.pp == 1 and self.lora is None
-                and self.dp_dispatch is None and not (self.drafter is not None and self.drafter.reads_target_hidden))
+                and self.dp_dispatch is None and not self.eager_steps)
 
     def piecewise_row_costs(self, sizes: list[int]) -> dict[int, float]:
         """Device µs of one of this rank's layers' dense projections at each of `sizes` rows
@@ -453,10 +461,9 @@ class Worker:
         return self._forward(ids, pos, self.attn, counted=True)[:batch.num_reqs]
 
     def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | VerifyGraphs | PiecewiseGraphs | None:
-        """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly.
-        An EAGLE-3 drafter reads the target's hidden states of every forward, which only the eager
-        forward keeps: its steps run eagerly."""
-        if self.drafter is not None and self.drafter.reads_target_hidden:
+        """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly
+        (always with `eager_steps`)."""
+        if self.eager_steps:
             return None
         if self.graphs is not None and self.graphs.fits(batch):
             return self.graphs
