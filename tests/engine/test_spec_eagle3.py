@@ -1,13 +1,19 @@
 """Speculative decoding with EAGLE-3 heads (`{"method": "eagle3", "model": DIR}`) in the format vLLM
 loads: the head's forward against an independent plain-torch reading (`eagle3_heads.py`); greedy
 output identical to Hugging Face's under chunked prefill, prefix hits, preemption and async
-scheduling, with every draft the one the independent reading computes from transformers' hidden
+scheduling, under tensor parallelism and on a mixture-of-experts target whose experts span two
+engine cores, with every draft the one the independent reading computes from transformers' hidden
 states of the target; heads that do not fit the target are refused at start-up."""
+
+import dataclasses
+import os
+import time
 
 import pytest
 import torch
 
-from pagoda_engine import LLM
+from pagoda_engine import LLM, SamplingParams
+from pagoda_engine.config import EngineConfig
 from pagoda_engine.errors import ModelLoadError
 from pagoda_engine.executor_types import AttentionBatch
 from pagoda_engine.tiny import build_tiny_model
@@ -16,6 +22,7 @@ from pagoda_engine.worker.model.eagle3 import load_eagle3_config, load_eagle3_he
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 
 from eagle3_heads import ReferenceEagle3, write_eagle3_head
+from spawned_ranks import run_ranks
 from test_generate_vs_hf import _assert_pool_free, hf_greedy
 from test_spec_decode import NEW_TOKENS, PROMPTS, _greedy
 
@@ -73,9 +80,10 @@ def test_the_heads_forward_matches_an_independent_reading(model_dir, head_dir, r
     assert reference.draft_token(want_normed[-1]) == best + int(reference.w["d2t"][best])
 
 
-def _recording(llm) -> list[tuple[list[int], list[int], bool]]:
-    """Every (request's tokens, drafts, whether it found its prefix in the cache) from now on."""
-    proposer = llm.core.scheduler.spec.proposer
+def _recording(core) -> list[tuple[list[int], list[int], bool]]:
+    """Every (request's tokens, drafts, whether it found its prefix in the cache) an engine core's
+    proposer returns from now on."""
+    proposer = core.scheduler.spec.proposer
     records, propose = [], proposer.propose
 
     def recorded(reqs, num_drafts):
@@ -98,7 +106,7 @@ def _recording(llm) -> list[tuple[list[int], list[int], bool]]:
 def test_greedy_tokens_equal_hf_and_drafts_are_the_heads(model_dir, head_dir, reference, hf_tokens, kwargs):
     kwargs = {"num_kv_pages": 128, "block_size": 4, **kwargs}
     with LLM(str(model_dir), dtype="float32", speculative_config=_config(head_dir), **kwargs) as llm:
-        records = _recording(llm)
+        records = _recording(llm.core)
         outs = llm.generate(PROMPTS, _greedy())
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens
         if kwargs["num_kv_pages"] == 20:
@@ -133,3 +141,59 @@ def test_a_head_narrower_than_the_target_without_its_own_embedding_is_refused(tm
                                intermediate=64)
     with pytest.raises(ModelLoadError, match="no embedding of its own.*its hidden size is 32"):
         LLM(str(model_dir), dtype="float32", num_kv_pages=32, speculative_config=_config(narrow))
+
+
+# (prompt, max_tokens) per core: core 0's two end after 10 and 6 tokens, core 1's after 4 (it idles after).
+MOE_REQUESTS = {0: [([5, 6, 7, 5, 6, 7, 5], 10), ([(3 * i + 1) % 400 + 5 for i in range(21)], 6)],
+                1: [([42] * 9, 4)]}
+
+
+def _lockstep_core(rank: int, port: int, model_dir: str, head_dir: str, results) -> None:
+    """One of two engine cores whose MoE layers span both (as `pagoda serve -dp 2
+    --enable-expert-parallel` runs them), speculating with the head: its greedy tokens and drafts."""
+    from pagoda_engine.api.server.dp_client import rank_config
+    from pagoda_engine.core.engine_core import EngineCore
+    from pagoda_engine.core.request import Request
+
+    config = EngineConfig.from_kwargs(model=model_dir, dtype="float32", num_kv_pages=64, block_size=4,
+                                      max_model_len=256, max_num_seqs=8, data_parallel_size=2,
+                                      enable_expert_parallel=True, speculative_config=_config(head_dir))
+    config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
+        config.parallel, data_parallel_master_port=port)), rank)
+    core = EngineCore(config)
+    records = _recording(core)
+    requests = [Request(request_id=f"r{rank}.{i}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
+                        arrival_time=time.time()) for i, (prompt, n) in enumerate(MOE_REQUESTS[rank])]
+    for request in requests:
+        core.scheduler.add_request(request)
+    while True:  # `CoreLoop.run_lockstep`'s turns, until both cores are done
+        busy, done = core.agree_with_cores(stopping=not core.has_unfinished_requests())
+        if done == 2:
+            break
+        if busy:
+            core.lockstep_forward(lambda outputs: None)
+    results.put((rank, [list(r.output_token_ids) for r in requests], records))
+    results.close()
+    results.join_thread()
+    core.close()
+    os._exit(0)  # as the engine core process: no teardown of the gloo groups under their threads
+
+
+def test_with_experts_across_two_cores_each_cores_drafts_are_the_heads(tmp_path):
+    """Each core keeps the target's hidden states of its own eager forwards (never of the other
+    core's, nor of its idle turns' dummy batches): its drafts are the independent reading's."""
+    moe = build_tiny_model(tmp_path / "moe", arch="qwen3_moe", seed=5, config_overrides={"num_hidden_layers": 6})
+    head = write_eagle3_head(tmp_path / "head", moe, DRAFT_VOCAB, seed=2)
+    with LLM(str(moe), dtype="float32", num_kv_pages=64) as llm:
+        expected = {rank: [list(llm.generate([p], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+                                .outputs[0].token_ids) for p, n in reqs] for rank, reqs in MOE_REQUESTS.items()}
+    got = {rank: rest for rank, *rest in run_ranks(_lockstep_core, (0, 1), lambda rank: (str(moe), str(head)))}
+    reference = ReferenceEagle3(head, moe)
+    for rank in (0, 1):
+        tokens, records = got[rank]
+        assert tokens == expected[rank], rank
+        exact = [(t, d) for t, d, hit in records if not hit]
+        assert exact, rank
+        for t, d in exact:
+            assert d == reference.drafts(t, len(d)), (rank, t)

@@ -2,8 +2,8 @@
 (`pagoda serve --data-parallel-size 2 --enable-expert-parallel --speculative-config`): prompt
 lookup, and a draft model (the model drafting for itself, whole on each core's rank 0, its experts
 local). Verification steps are one forward of each core's lockstep turn; greedy tokens equal one
-process's without speculation, on either core, with both busy at once or one alone. EAGLE-3 is
-refused there (the cores' forwards do not keep the hidden states a head reads)."""
+process's without speculation, on either core, with both busy at once or one alone (EAGLE-3 on
+such cores: `tests/engine/test_spec_eagle3.py`)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import pytest
 
 from conftest import launch, scrape
 from pagoda_engine import LLM, SamplingParams
-from pagoda_engine.config import EngineConfig
 from pagoda_engine.tiny import build_tiny_model
 
 MAX_TOKENS = 16
@@ -64,8 +63,3 @@ def test_greedy_tokens_equal_one_process_on_either_core_busy_or_alone(server, on
     for engine in ("0", "1"):  # each core verified drafts and kept some
         assert metrics.get(f"pagoda:spec_decode_num_accepted_tokens_total{{engine={engine}}}", 0) > 0, metrics
 
-
-def test_eagle3_is_refused_with_experts_across_cores():
-    with pytest.raises(ValueError, match="'eagle3' is not supported with experts across data-parallel engine cores"):
-        EngineConfig.from_kwargs(data_parallel_size=2, enable_expert_parallel=True,
-                                 speculative_config={"method": "eagle3", "model": "x", "num_speculative_tokens": 2})

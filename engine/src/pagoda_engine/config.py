@@ -571,9 +571,6 @@ class EngineConfig:
         if self.parallel.pipeline_parallel_size > 1:
             raise ValueError("--speculative-config is not supported under pipeline parallelism yet: its batch queue "
                              "schedules a request's next batch before its drafts are verified")
-        if self.parallel.expert_parallel_across_cores and self.speculative_config.method == "eagle3":
-            raise ValueError("--speculative-config method 'eagle3' is not supported with experts across data-parallel "
-                             "engine cores yet: their forwards do not keep the target's hidden states it reads")
 
     def _validate_kv_transfer(self) -> None:
         """Disaggregated prefill/decode moves prefix-cache pages of one rank's whole KV cache."""

@@ -241,8 +241,6 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
     if spec.topology.pipeline > 1:
         return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
                 f"{spec.topology.pipeline})"]
-    if spec.topology.expert and spec.topology.data > 1 and parsed.method == "eagle3":
-        return [f"{where}: method 'eagle3' is not supported with experts across data-parallel engine cores yet"]
     return []
 
 

@@ -431,8 +431,7 @@ class Worker:
         if graphs is None:
             self.attn.plan(batch)
             self.hidden = self._forward(input_ids, positions, self.attn)
-            if self.drafter is not None and self.drafter.reads_target_hidden:
-                self.drafter.store_target_hidden(self.model.model.aux_hidden, batch.slot_mapping)
+            self._keep_target_hidden(batch.slot_mapping)
             return self.hidden
         if not self.is_first_stage:
             self.pp_group.recv(graphs.input_buffer(batch), self.coordinates.pp_rank - 1)
@@ -452,13 +451,24 @@ class Worker:
         if size is None:
             self.dp_dispatch.set_counts(self.dp_padding.counts, self.dp_padding.real)
             self.attn.plan(batch)
-            return self._forward(input_ids, positions, self.attn, counted=True)
-        self.dp_dispatch.begin_uniform(self.dp_padding.real)
-        if self.graphs is not None:
-            return self.graphs.run(input_ids, positions, batch, size)
-        ids, pos, padded = padded_batch(input_ids, positions, batch, size)
-        self.attn.plan(padded)
-        return self._forward(ids, pos, self.attn, counted=True)[:batch.num_reqs]
+            out = self._forward(input_ids, positions, self.attn, counted=True)
+        else:
+            self.dp_dispatch.begin_uniform(self.dp_padding.real)
+            if self.graphs is not None and not self.eager_steps:
+                return self.graphs.run(input_ids, positions, batch, size)
+            ids, pos, padded = padded_batch(input_ids, positions, batch, size)
+            self.attn.plan(padded)
+            out = self._forward(ids, pos, self.attn, counted=True)[:batch.num_reqs]
+        if not idle:
+            self._keep_target_hidden(batch.slot_mapping)
+        return out
+
+    def _keep_target_hidden(self, slot_mapping: torch.Tensor) -> None:
+        """An EAGLE-3 drafter's inputs from the eager forward just run: the target's hidden states
+        at its layers, for the step's own tokens (the first rows: padding rows come after)."""
+        if self.drafter is not None and self.drafter.reads_target_hidden:
+            n = slot_mapping.shape[0]
+            self.drafter.store_target_hidden([h[:n] for h in self.model.model.aux_hidden], slot_mapping)
 
     def _graphs_for(self, batch: AttentionBatch) -> DecodeGraphs | VerifyGraphs | PiecewiseGraphs | None:
         """The graphs that run `batch` (the same kind and size on every rank), or None: eagerly
