@@ -93,11 +93,6 @@ def test_ngram_config_takes_vllm_defaults():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (3, 3)
 
 
-def test_pipeline_parallelism_with_speculation_is_refused():
-    with pytest.raises(ValueError, match="pipeline parallelism"):
-        EngineConfig.from_kwargs(speculative_config=NGRAM, pipeline_parallel_size=2)
-
-
 def test_serve_refuses_a_bad_config_with_exit_2(capsys):
     from pagoda_engine.cli import main
 
@@ -288,11 +283,13 @@ def test_refused_drafts_leave_no_pages_behind(model_dir):
     _assert_pool_free(llm)
 
 
-def test_tensor_parallel_greedy_tokens_equal_hf(model_dir, hf_tokens):
-    """TP=2 over gloo (two processes): the verification step is a step like any other, its logits
-    gathered on rank 0, which samples."""
-    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=128, tensor_parallel_size=2, max_num_batched_tokens=16,
-              speculative_config=NGRAM)
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+def test_tensor_or_pipeline_parallel_greedy_tokens_equal_hf(model_dir, hf_tokens, layout):
+    """TP=2 or PP=2 over gloo (two processes): the verification step is a step like any other, its
+    logits gathered on rank 0 (TP) or computed on the last stage (PP), which samples. The pipeline's
+    batch queue schedules a request again only once its batch, drafts and all, has been resolved."""
+    llm = LLM(str(model_dir), dtype="float32", num_kv_pages=128, max_num_batched_tokens=16, speculative_config=NGRAM,
+              **layout)
     try:
         outs = llm.generate(PROMPTS, _greedy())
         assert [o.outputs[0].token_ids for o in outs] == hf_tokens

@@ -188,14 +188,16 @@ def test_a_draft_with_fewer_positions_than_max_model_len_is_refused(model_dir, t
     LLM(str(model_dir), dtype="float32", num_kv_pages=32, max_model_len=64, speculative_config=_config(short))
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_under_tensor_parallelism_the_whole_draft_drafts_beside_rank_0s_shard(model_dir, draft_dir, hf_tokens,
-                                                                              async_scheduling):
-    """Two ranks over gloo, real processes: the target sharded, the draft model whole on rank 0.
-    The target as its own draft keeps every draft (the whole model drafts what the shards verify)."""
+@pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"tensor_parallel_size": 2, "async_scheduling": True},
+                                    {"pipeline_parallel_size": 2}], ids=["tp", "tp-async", "pp"])
+def test_under_tensor_or_pipeline_parallelism_the_whole_draft_drafts_on_rank_0(model_dir, draft_dir, hf_tokens,
+                                                                               layout):
+    """Two ranks over gloo, real processes: the target sharded or staged, the draft model whole on
+    rank 0. The target as its own draft keeps every draft (the whole model drafts what the shards
+    or stages verify)."""
     for draft in (draft_dir, model_dir):
-        with LLM(str(model_dir), dtype="float32", num_kv_pages=128, block_size=4, tensor_parallel_size=2,
-                 async_scheduling=async_scheduling, speculative_config=_config(draft)) as llm:
+        with LLM(str(model_dir), dtype="float32", num_kv_pages=128, block_size=4, speculative_config=_config(draft),
+                 **layout) as llm:
             assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS, _greedy())] == hf_tokens
             s = _stats(llm)
             assert s.num_draft_tokens > 0 and (s.num_accepted_tokens == s.num_draft_tokens) == (draft == model_dir)

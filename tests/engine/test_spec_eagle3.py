@@ -124,6 +124,11 @@ def test_greedy_tokens_equal_hf_and_drafts_are_the_heads(model_dir, head_dir, re
         assert draft == reference.drafts(tokens, len(draft)), tokens
 
 
+def test_pipeline_parallelism_is_refused_naming_why():
+    with pytest.raises(ValueError, match="'eagle3' is not supported under pipeline parallelism yet: the head reads"):
+        EngineConfig.from_kwargs(pipeline_parallel_size=2, speculative_config=_config("x"))
+
+
 def test_a_model_that_is_not_an_eagle3_head_is_refused(model_dir):
     with pytest.raises(ModelLoadError, match="is not an EAGLE-3 head: config.json names LlamaForCausalLM"):
         LLM(str(model_dir), dtype="float32", num_kv_pages=32, speculative_config=_config(model_dir))

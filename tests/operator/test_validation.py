@@ -463,8 +463,11 @@ def test_speculative_decoding_renders_the_engines_flag_and_is_checked_as_the_eng
         "method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "disable_by_batch_size": 8}
     assert problems_of(with_spec(body, engine__speculative__promptLookupMin=5)) == [
         "engine.speculative: speculative config: prompt_lookup_min (5) must be <= prompt_lookup_max (3)"]
-    assert problems_of(with_spec(body, topology={"pipeline": 2}, resources__gpusPerPod=2)) == [
-        "engine.speculative: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline 2)"]
+    assert problems_of(with_spec(body, topology={"pipeline": 2}, resources__gpusPerPod=2)) == []
+    assert problems_of(with_spec(body, engine__speculative={"method": "eagle3", "model": "pvc://heads/l8",
+                                                            "numSpeculativeTokens": 2},
+                                 topology={"pipeline": 2}, resources__gpusPerPod=2)) == [
+        "engine.speculative: method 'eagle3' is not supported under pipeline parallelism yet (topology.pipeline 2)"]
     moe = with_spec(load_example("mixtral-8x7b-ep.yaml"), engine__speculative=speculative)
     assert problems_of(moe) == []  # experts across data-parallel cores
     assert problems_of(with_spec(moe, engine__speculative={"method": "eagle3", "model": "pvc://heads/q3",

@@ -565,12 +565,13 @@ class EngineConfig:
                              "they step in lockstep")
 
     def _validate_speculative(self) -> None:
-        """Speculative decoding where a step's drafts cannot be verified before the request's next step."""
+        """Speculative decoding where its drafter cannot run: an EAGLE-3 head reads the target's
+        hidden states at layers that pipeline parallelism spreads over its stages."""
         if not self.speculative_config.enabled:
             return
-        if self.parallel.pipeline_parallel_size > 1:
-            raise ValueError("--speculative-config is not supported under pipeline parallelism yet: its batch queue "
-                             "schedules a request's next batch before its drafts are verified")
+        if self.parallel.pipeline_parallel_size > 1 and self.speculative_config.method == "eagle3":
+            raise ValueError("--speculative-config method 'eagle3' is not supported under pipeline parallelism yet: "
+                             "the head reads the target's hidden states at layers on several stages")
 
     def _validate_kv_transfer(self) -> None:
         """Disaggregated prefill/decode moves prefix-cache pages of one rank's whole KV cache."""

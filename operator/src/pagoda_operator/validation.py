@@ -238,8 +238,8 @@ def _check_speculative(spec: InferenceServiceSpec) -> list[str]:
         parsed = parse_speculative_config(given)
     except InvalidSpeculativeConfigError as e:
         return [f"{where}: {e}"]
-    if spec.topology.pipeline > 1:
-        return [f"{where}: speculative decoding is not supported under pipeline parallelism yet (topology.pipeline "
+    if spec.topology.pipeline > 1 and parsed.method == "eagle3":
+        return [f"{where}: method 'eagle3' is not supported under pipeline parallelism yet (topology.pipeline "
                 f"{spec.topology.pipeline})"]
     return []
 

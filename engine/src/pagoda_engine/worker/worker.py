@@ -224,8 +224,9 @@ class Worker:
         """Speculative decoding's drafting model (`drafter.py`), after the target's, on rank 0 (whole
         beside its shard under tensor parallelism; an EAGLE-3 head then embeds with the whole
         embedding `gather_embedding` left here)."""
-        if self.layout.pp > 1:
-            raise RuntimeError(f"a {method} drafter runs on rank 0 beside a whole model (no pipeline parallelism yet)")
+        if self.layout.pp > 1 and method == "eagle3":
+            raise RuntimeError("an EAGLE-3 head reads the target's hidden states of layers on several pipeline "
+                               "stages (not under pipeline parallelism yet)")
         self.drafter = load_drafter(method, model_dir, self.model, self.model.config, self.dtype, self.device,
                                     load_format, seed, target_embed=self.whole_embedding)
         self.model.model.aux_hidden_layers = self.drafter.aux_layers
