@@ -14,7 +14,6 @@ import transformers
 
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.bench.spec_replay import ReplayProposer
-from pagoda_engine.config import EngineConfig
 from pagoda_engine.core.request import Request
 from pagoda_engine.core.spec_decode import SpecDecoder, accept, ngram_draft, verification_rows
 from pagoda_engine.messages import EngineCoreRequest

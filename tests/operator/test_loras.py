@@ -11,7 +11,6 @@ from pathlib import Path
 
 import kubernetes_validate
 import pytest
-import yaml
 
 from pagoda_engine import serve
 from pagoda_engine.config import config_from_args

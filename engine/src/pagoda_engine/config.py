@@ -30,7 +30,7 @@ from pagoda_engine.kv_transfer import KVTransferConfig, parse_kv_transfer_config
 from pagoda_engine.lora import parse_lora_modules
 from pagoda_engine.profiler import ProfilerConfig, parse_profiler_config
 from pagoda_engine.eplb import EPLBConfig, parse_eplb_config
-from pagoda_engine.speculative import MODEL_METHODS, SpeculativeConfig, parse_speculative_config
+from pagoda_engine.speculative import SpeculativeConfig, parse_speculative_config
 
 if TYPE_CHECKING:
     from pagoda_engine.executor_types import DeviceFacts
