@@ -262,3 +262,60 @@ def test_pulled_pages_are_bit_identical_to_the_producers(cores):
     assert len(hashes) == 10
     for mine, theirs in zip(pages_of(consumer, hashes), pages_of(producer, hashes)):
         assert torch.equal(mine.view(torch.uint8), theirs.view(torch.uint8))
+
+
+def test_a_lora_requests_pages_move_under_its_adapter_never_the_base_models(tmp_path):
+    """The same prompt under the base model and under an adapter on both sides: the producer holds
+    the adapter's pages for the adapter's request (not the base model's, which it caches too), the
+    consumer counts none of its base pages as the adapter's, and the adapter's greedy tokens are
+    an aggregated core's (PEFT's KV and the base model's differ for the same tokens)."""
+    pytest.importorskip("peft")
+    from lora_adapters import write_adapter
+
+    from pagoda_engine.lora import LoRARequest
+
+    model = build_tiny_model(tmp_path / "m")
+    adapter = write_adapter(model, tmp_path / "a", 8, 16, False, ["q_proj", "k_proj", "v_proj", "o_proj"], seed=1)
+    lora = LoRARequest("a", 1, adapter)
+    extra = {"hold_timeout_s": 5, "transfer_timeout_s": TIMEOUT_S}
+
+    def core(transfer: dict | None) -> EngineCore:
+        kwargs = {"kv_transfer_config": json.dumps(transfer)} if transfer else {}
+        return EngineCore(EngineConfig.from_kwargs(model=str(model), num_kv_pages=PAGES, block_size=BLOCK,
+                                                   enable_lora=True, max_lora_rank=8, lora_modules=[f"a={adapter}"],
+                                                   **kwargs))
+
+    def run(c: EngineCore, rid: str, prompt: list[int], lora_request, params=None):
+        c.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, lora_request=lora_request,
+                                        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                                       kv_transfer_params=params)))
+        tokens, answer = [], None
+        while c.has_unfinished_requests():
+            for out in c.step().outputs:
+                tokens += list(out.new_token_ids)
+                answer = out.kv_transfer_params or answer
+        return tokens, answer
+
+    cores = [core({"kv_role": "kv_producer", "kv_port": 0, "kv_connector": "PagodaTorchConnector",
+                   "kv_connector_extra_config": extra}),
+             core({"kv_role": "kv_consumer", "kv_connector": "PagodaTorchConnector", "kv_connector_extra_config": extra}),
+             core(None)]
+    producer, consumer, aggregated = cores
+    try:
+        prompt = list(range(10, 40))
+        want_base, _ = run(aggregated, "base", prompt, None)
+        want_lora, _ = run(aggregated, "lora", prompt, lora)
+        assert want_lora != want_base
+        _, base_params = run(producer, "p-base", prompt, None, {"do_remote_decode": True})
+        _, lora_params = run(producer, "p-lora", prompt, lora, {"do_remote_decode": True})
+        assert set(lora_params["remote_block_ids"]).isdisjoint(base_params["remote_block_ids"])
+        assert run(consumer, "c-base", prompt, None, base_params)[0] == want_base  # the base's pages, here now
+        received = consumer.kv_transfer.counters.external_hits
+        assert run(consumer, "c-lora", prompt, lora, lora_params)[0] == want_lora
+        assert consumer.kv_transfer.counters.external_hits - received == (len(prompt) - 1) // BLOCK * BLOCK
+        assert consumer.kv_transfer.counters.failures == 0
+        _idle(producer)
+        _idle(consumer)
+    finally:
+        for c in cores:
+            c.close()

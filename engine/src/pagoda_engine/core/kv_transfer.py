@@ -169,7 +169,7 @@ class KVTransfer:
         return bool(self._pulls)
 
     def _prompt_hashes(self, req: Request, num_pages: int) -> list[bytes]:
-        return hash_pages(req.prompt_token_ids[:num_pages * self.page_size], self.page_size)
+        return hash_pages(req.prompt_token_ids[:num_pages * self.page_size], self.page_size, req.page_hash_key)
 
     def hold(self, req: Request) -> dict:
         """A finished `do_remote_decode` request: hold its prompt's cached pages (taken from the

@@ -82,6 +82,12 @@ class Request:
     def lora_name(self) -> str | None:
         return self.lora_request.lora_name if self.lora_request is not None else None
 
+    @property
+    def page_hash_key(self) -> bytes:
+        """The extra key of its pages' hashes: a LoRA adapter's pages hold other K/V than the base
+        model's for the same tokens (the prefix cache, the offload tiers and KV transfers alike)."""
+        return self.lora_name.encode() if self.lora_name is not None else b""
+
     def record_event(self, type: EngineCoreEventType, timestamp: float | None = None) -> None:
         self.events.append(EngineCoreEvent(type, time.time() if timestamp is None else timestamp))
 

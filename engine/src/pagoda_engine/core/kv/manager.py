@@ -35,9 +35,7 @@ class KVCacheManager:
         num_full = req.num_tokens // self.page_size
         if len(hashes) == num_full:
             return hashes  # the common decode step: no new full page, no token list to build
-        # A LoRA adapter's pages hold other K/V than the base model's for the same tokens.
-        extra = req.lora_name.encode() if req.lora_name is not None else b""
-        return hash_pages(req.all_token_ids, self.page_size, extra, hashes)
+        return hash_pages(req.all_token_ids, self.page_size, req.page_hash_key, hashes)
 
     def _page_tokens(self, req: Request, start: int, end: int) -> list[PageTokens] | None:
         """What the KV events say of the request's pages `start:end` (None: events off, or no
