@@ -264,3 +264,38 @@ def test_bad_flags_exit_2_naming_the_flag(cluster):
             time.sleep(0.1)
         assert proc.popen.returncode == 2 and says in proc.log_text(), proc.log_text()
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def lora_cluster(tmp_path_factory):
+    """Two engines serving the tiny model and a PEFT adapter of it (`sql`), with KV events."""
+    pytest.importorskip("peft")
+    from lora_adapters import write_adapter
+
+    from pagoda_engine.model_path import resolve_model_path
+
+    tmp = tmp_path_factory.mktemp("epp-lora")
+    adapter = write_adapter(resolve_model_path(MODEL), tmp / "sql", 4, 8, True, ["q_proj", "v_proj"], seed=1)
+    events = free_port()
+    extra = ("--enable-lora", "--lora-modules", f"sql={adapter}", "--max-lora-rank", "8")
+    with engines_with_kv_events(tmp, 2, events, MODEL, extra=extra) as (_, urls):
+        epp, channel = _epp(tmp, urls, "--model", MODEL, "--kv-events-bind", f"tcp://127.0.0.1:{events}",
+                            "--metrics-interval", "0.1")
+        yield {"endpoints": [url.removeprefix("http://") for url in urls], "channel": channel}
+        channel.close()
+        epp.stop()
+
+
+def test_an_adapters_pages_draw_its_requests_and_not_the_base_models(lora_cluster):
+    """Pages an engine computed under an adapter hold other K/V than the base model's: they draw
+    that adapter's requests sharing the prefix, never the base model's."""
+    channel, endpoints = lora_cluster["channel"], lora_cluster["endpoints"]
+    prefix = _prefix(4)
+    base_question = {"model": MODEL, "prompt": prefix + " Base?", "max_tokens": 1}
+    before = ext_proc(channel, base_question).endpoints[0]
+    holder = next(e for e in endpoints if e != before)
+    httpx.post(f"http://{holder}/v1/completions", json={"model": "sql", "prompt": prefix, "max_tokens": 1},
+               timeout=60).raise_for_status()
+    adapter_question = {**base_question, "model": "sql"}
+    until(lambda: ext_proc(channel, adapter_question).endpoints[0] == holder, 15, "the adapter's pick to follow")
+    assert ext_proc(channel, base_question).endpoints[0] == before  # the adapter's pages are no base hit

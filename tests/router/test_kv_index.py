@@ -1,6 +1,6 @@
 """The KV-event index and the scorer, driven directly: pages keyed by their tokens whatever the
-engine's hashes, removals and clears, both wire layouts of vLLM's events, a store whose parent is
-unknown, and the ranking's three parts."""
+engine's hashes (and by their LoRA adapter), removals and clears, both wire layouts of vLLM's
+events, a store whose parent is unknown, and the ranking's three parts."""
 
 from __future__ import annotations
 
@@ -34,6 +34,21 @@ def test_pages_are_keyed_by_their_tokens_not_the_engines_hashes():
     assert index.matched_tokens(tokens, ["a"]) == {"a": 4}  # the chain breaks at the removed page
     index.apply("b", _wire(AllBlocksCleared()))
     assert index.matched_tokens(tokens, ["b"]) == {"b": 0}
+
+
+def test_an_adapters_pages_match_its_requests_only_and_the_base_models_its_own():
+    index = KVIndex()
+    tokens = list(range(1, 13))
+    index.apply("base", _wire(_stored([11, 12], None, tokens[:8])))
+    sql = BlockStored(block_hashes=[21, 22], parent_block_hash=None, token_ids=tokens[:8], block_size=BS, lora_id=1,
+                      medium="GPU", lora_name="sql")
+    more = BlockStored(block_hashes=[23], parent_block_hash=22, token_ids=tokens[8:], block_size=BS, lora_id=1,
+                       medium="GPU", lora_name="sql")
+    index.apply("lora", _wire(sql, more))  # the same tokens under an adapter: other K/V
+    pods = ["base", "lora"]
+    assert index.matched_tokens(tokens, pods) == {"base": 8, "lora": 0}
+    assert index.matched_tokens(tokens, pods, adapter="sql") == {"base": 0, "lora": 12}
+    assert index.matched_tokens(tokens, pods, adapter="chat") == {"base": 0, "lora": 0}
 
 
 def test_the_older_array_layout_and_other_media_and_unknown_parents():

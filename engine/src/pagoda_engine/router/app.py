@@ -34,7 +34,7 @@ from pagoda_engine.api.server.protocol import (ChatCompletionRequest, ChatComple
 from pagoda_engine.config import ServerConfig
 from pagoda_engine.errors import InvalidEnvironmentError
 from pagoda_engine.router import entry
-from pagoda_engine.router.backends import BackendConfigError, BackendPool, parse_backend_list
+from pagoda_engine.router.backends import BackendConfigError, BackendPool, is_adapter, parse_backend_list
 from pagoda_engine.router.client_keys import ClientKeyError, ClientKeys
 from pagoda_engine.router.disagg import DecodeLoad, DisaggRouter
 from pagoda_engine.router.discovery import EndpointSliceWatcher, parse_k8s_service
@@ -291,7 +291,8 @@ def build_app(args: argparse.Namespace) -> FastAPI:
             if key is not None and prefixes is not None:
                 try:
                     prompt = await asyncio.to_thread(request_prompt, prefixes.tokenizer, json.loads(body))
-                    key = TokenKey(key.page_hashes, prompt)
+                    adapter = model if is_adapter(list(state["pool"].backends.values()), model) else None
+                    key = TokenKey(key.page_hashes, prompt, adapter)
                 except Exception as e:  # e.g. a chat the template refuses: the engine will say so; route approximately
                     log.debug("no token ids for precise routing: %s", e)
         if routed and "disagg" in state:

@@ -164,12 +164,13 @@ class Picker:
             return []
         prompt = request_prompt(self.prefixes.tokenizer, body) if self.prefixes is not None else None
         num_tokens = prompt.num_tokens if prompt is not None else 0
-        matched = self.prefixes.matched(prompt, ready) if num_tokens else {}
+        model = body.get("model")
+        adapter = model if is_adapter(list(ready.values()), model) else None
+        matched = self.prefixes.matched(prompt, ready, adapter) if num_tokens else {}
         candidates = [Candidate(e, waiting=b.waiting, running=max(b.running, b.in_flight), kv_usage=b.kv_usage,
                                 matched_tokens=matched.get(e, 0)) for e, b in ready.items()]
         ranked = rank(candidates, num_tokens, self.weights, self.queue_limit)
-        model = body.get("model")
-        if is_adapter(list(ready.values()), model):
+        if adapter is not None:
             # A LoRA adapter's request: the pods where it runs (or has a free slot) lead the
             # fallback list, as `pagoda route` chooses (`adapter_affinity`).
             first = {endpoint_of(b.url) for b in adapter_affinity(list(ready.values()), model)}

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 
 from pagoda_engine.kv_event_wire import END_SEQ
-from pagoda_engine.router.prompt_pages import ROOT, CachedTokenizer, Prompt, chain, token_bytes
+from pagoda_engine.router.prompt_pages import CachedTokenizer, Prompt, chain, root, token_bytes
 
 log = logging.getLogger("pagoda.router")
 
@@ -103,7 +103,11 @@ class KVIndex:
                 self._clear(pod, state)
             state.block_size = size
         parent_hash = event.get("parent_block_hash")
-        parent = ROOT if parent_hash is None else state.keys.get(parent_hash)
+        if parent_hash is None:  # a prompt's first page: under its adapter's root, if it has one
+            adapter = event.get("lora_name")
+            parent = root(adapter if isinstance(adapter, str) else None)
+        else:
+            parent = state.keys.get(parent_hash)
         if parent is None:
             state.skipped += 1
             return
@@ -135,9 +139,9 @@ class KVIndex:
         with self._lock:
             return {p.block_size for p in self._pods.values() if p.block_size}
 
-    def matched(self, prompt: Prompt, pods: Iterable[str]) -> dict[str, int]:
+    def matched(self, prompt: Prompt, pods: Iterable[str], adapter: str | None = None) -> dict[str, int]:
         """For each of `pods`, how many of the prompt's leading tokens it holds (whole pages,
-        consecutive from the start)."""
+        consecutive from the start), under the LoRA adapter `adapter` (None: the base model)."""
         pods = list(pods)
         out = dict.fromkeys(pods, 0)
         with self._lock:
@@ -147,7 +151,7 @@ class KVIndex:
                 if state is not None and state.block_size:
                     by_size.setdefault(state.block_size, set()).add(p)
         for size, alive in by_size.items():
-            keys = prompt.keys(size)  # outside the lock: the subscriber's thread may apply meanwhile
+            keys = prompt.keys(size, adapter)  # outside the lock: the subscriber's thread may apply meanwhile
             with self._lock:
                 holders_of = self._holders.get
                 n = 0
@@ -166,9 +170,9 @@ class KVIndex:
                     out[p] = n * size
         return out
 
-    def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str]) -> dict[str, int]:
+    def matched_tokens(self, tokens: Sequence[int], pods: Iterable[str], adapter: str | None = None) -> dict[str, int]:
         """`matched` for a prompt given as token ids."""
-        return self.matched(Prompt.of_tokens(tokens), pods)
+        return self.matched(Prompt.of_tokens(tokens), pods, adapter)
 
     def knows(self, pod: str) -> bool:
         with self._lock:
@@ -360,11 +364,11 @@ class PrefixSource:
     tokenizer: Any
     follow: Callable[[list[str]], None]  # the engines' URLs, as discovery sees them
 
-    def matched(self, prompt: Prompt, endpoints: Iterable[str]) -> dict[str, int]:
-        """endpoint (`ip:port`) -> leading tokens it holds. A pod named by its address alone
-        (llm-d's topic kv@<pod ip>@...) holds what its ip does."""
+    def matched(self, prompt: Prompt, endpoints: Iterable[str], adapter: str | None = None) -> dict[str, int]:
+        """endpoint (`ip:port`) -> leading tokens it holds (under the LoRA adapter `adapter`). A
+        pod named by its address alone (llm-d's topic kv@<pod ip>@...) holds what its ip does."""
         keys = {e: e if self.index.knows(e) else e.rpartition(":")[0] for e in endpoints}
-        by_key = self.index.matched(prompt, set(keys.values()))
+        by_key = self.index.matched(prompt, set(keys.values()), adapter)
         return {e: by_key.get(k, 0) for e, k in keys.items()}
 
     def close(self) -> None:

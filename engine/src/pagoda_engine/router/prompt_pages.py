@@ -5,7 +5,8 @@ shared parts tokenized and hashed once.
 A page's key is a hash of its parent's key and its token ids (int64 bytes), as llm-d's KV-cache
 indexer chains them: the index (`kv_index.py`) keys the pages a pod's events name with the same
 `chain`, so a request's keys find the pods holding its leading pages whatever the engines' own
-block hashes are.
+block hashes are. A LoRA adapter's pages hold other K/V than the base model's for the same tokens:
+their chain starts from the adapter's own root (`root`), as an event's `lora_name` says.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ from typing import Sequence
 ROOT = b"\0" * 8  # the parent of a prompt's first page
 _ITEM = 8  # bytes of one token id
 _MIN_PIECE = 16  # characters: a shorter piece costs more to keep than to tokenize
+
+
+def root(adapter: str | None = None) -> bytes:
+    """The parent of a prompt's first page: the base model's, or a LoRA adapter's own."""
+    return ROOT if adapter is None else hashlib.blake2b(ROOT + adapter.encode(), digest_size=8).digest()
 
 
 def token_bytes(tokens: Sequence[int]) -> bytes:
@@ -100,8 +106,11 @@ class Prompt:
         out.frombytes(self.tail)
         return out.tolist()
 
-    def keys(self, size: int) -> list[bytes]:
-        """The chained keys of the prompt's whole pages of `size` tokens."""
+    def keys(self, size: int, adapter: str | None = None) -> list[bytes]:
+        """The chained keys of the prompt's whole pages of `size` tokens (under a LoRA adapter's
+        root with `adapter`: not cached, as the base model's keys are)."""
+        if adapter is not None:
+            return chain(root(adapter), b"", token_bytes(self.tokens()), size)[0]
         keys: list[bytes] = []
         parent, rest, done = ROOT, b"", 0
         if self.ran:

@@ -61,9 +61,11 @@ def rank(candidates: Sequence[Candidate], num_tokens: int, weights: Weights = We
 
 @dataclass(frozen=True)
 class TokenKey(PrefixKey):
-    """A routing key that also carries the request's tokenized prompt (precise prefix routing)."""
+    """A routing key that also carries the request's tokenized prompt (precise prefix routing) and
+    the LoRA adapter it runs under (None: the base model), whose pages are its own."""
 
     prompt: Prompt | None = None
+    adapter: str | None = None
 
 
 class PrecisePrefix(PrefixAware):
@@ -79,7 +81,7 @@ class PrecisePrefix(PrefixAware):
     def choose(self, candidates: Sequence[BackendView], key: PrefixKey | None = None) -> str:
         if isinstance(key, TokenKey) and key.prompt is not None and key.prompt.num_tokens:
             endpoints = {endpoint_of(c.url): c for c in candidates}
-            matched = self.prefixes.matched(key.prompt, endpoints)
+            matched = self.prefixes.matched(key.prompt, endpoints, key.adapter)
             if any(matched.values()):
                 return rank([Candidate(c.url, waiting=c.waiting, running=max(c.running, float(c.in_flight)),
                                        kv_usage=c.kv_usage, matched_tokens=matched[e])
