@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import time
 
 import pytest
 
+from lockstep_cores import add_greedy, finish, run_lockstep, start_core
 from spawned_ranks import run_ranks
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.config import EngineConfig
@@ -75,38 +74,18 @@ EPLB = {"num_redundant_experts": 2, "window_size": 3, "step_interval": 4}
 
 
 def _core(rank: int, port: int, model_dir: str, backend: str, eplb: dict | None, results) -> None:
-    from pagoda_engine.api.server.dp_client import rank_config
-    from pagoda_engine.core.engine_core import EngineCore
-    from pagoda_engine.core.request import Request
-
-    config = EngineConfig.from_kwargs(model=model_dir, num_kv_pages=64, max_model_len=256, max_num_seqs=8,
-                                      data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
-                                      enable_eplb=eplb is not None, eplb_config=eplb,
-                                      enable_dbo=backend == "alltoallv")
-    config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, data_parallel_master_port=port)), rank)
-    core = EngineCore(config)
-    requests = [Request(request_id=f"r{rank}.{i}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                        arrival_time=time.time()) for i, (prompt, n) in enumerate(REQUESTS[rank])]
-    for request in requests:
-        core.scheduler.add_request(request)
-    while True:  # `CoreLoop.run_lockstep`'s turns, until both cores are done
-        busy, done = core.agree_with_cores(stopping=not core.has_unfinished_requests())
-        if done == 2:
-            break
-        if busy:
-            core.lockstep_forward(lambda outputs: None)
+    core = start_core(rank, port, model=model_dir, num_kv_pages=64, max_model_len=256, max_num_seqs=8,
+                      all2all_backend=backend, enable_eplb=eplb is not None, eplb_config=eplb,
+                      enable_dbo=backend == "alltoallv")
+    requests = add_greedy(core, rank, REQUESTS[rank])
+    run_lockstep(core)
     worker = core.executor.worker
     agreement = worker.dp_padding
     core._expert_load_read_at = 0.0  # due now
     rebalances = worker.balancer.rebalances if worker.balancer is not None else 0
-    results.put((rank, [list(r.output_token_ids) for r in requests], agreement.sizes, agreement.padded_forwards,
-                 agreement.eager_forwards, core.get_stats().expert_load, rebalances))
-    results.close()
-    results.join_thread()
-    core.close()
-    os._exit(0)  # as the engine core process: no teardown of the gloo groups under their threads
+    finish(core, results, (rank, [list(r.output_token_ids) for r in requests], agreement.sizes,
+                           agreement.padded_forwards, agreement.eager_forwards, core.get_stats().expert_load,
+                           rebalances))
 
 
 @pytest.mark.parametrize("backend, eplb", [("alltoallv", None), ("allgather_reducescatter", EPLB)],

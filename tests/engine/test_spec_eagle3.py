@@ -5,10 +5,6 @@ scheduling, under tensor parallelism and on a mixture-of-experts target whose ex
 engine cores, with every draft the one the independent reading computes from transformers' hidden
 states of the target; heads that do not fit the target are refused at start-up."""
 
-import dataclasses
-import os
-import time
-
 import pytest
 import torch
 
@@ -22,6 +18,7 @@ from pagoda_engine.worker.model.eagle3 import load_eagle3_config, load_eagle3_he
 from pagoda_engine.worker.model.loader import load_hf_config, load_model
 
 from eagle3_heads import ReferenceEagle3, write_eagle3_head
+from lockstep_cores import add_greedy, finish, run_lockstep, start_core
 from spawned_ranks import run_ranks
 from test_generate_vs_hf import _assert_pool_free, hf_greedy
 from test_spec_decode import NEW_TOKENS, PROMPTS, _greedy
@@ -154,35 +151,14 @@ MOE_REQUESTS = {0: [([5, 6, 7, 5, 6, 7, 5], 10), ([(3 * i + 1) % 400 + 5 for i i
 
 
 def _lockstep_core(rank: int, port: int, model_dir: str, head_dir: str, results) -> None:
-    """One of two engine cores whose MoE layers span both (as `pagoda serve -dp 2
-    --enable-expert-parallel` runs them), speculating with the head: its greedy tokens and drafts."""
-    from pagoda_engine.api.server.dp_client import rank_config
-    from pagoda_engine.core.engine_core import EngineCore
-    from pagoda_engine.core.request import Request
-
-    config = EngineConfig.from_kwargs(model=model_dir, dtype="float32", num_kv_pages=64, block_size=4,
-                                      max_model_len=256, max_num_seqs=8, data_parallel_size=2,
-                                      enable_expert_parallel=True, speculative_config=_config(head_dir))
-    config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, data_parallel_master_port=port)), rank)
-    core = EngineCore(config)
+    """One of two engine cores whose MoE layers span both, speculating with the head: its greedy
+    tokens and drafts."""
+    core = start_core(rank, port, model=model_dir, dtype="float32", num_kv_pages=64, block_size=4,
+                      max_model_len=256, max_num_seqs=8, speculative_config=_config(head_dir))
     records = _recording(core)
-    requests = [Request(request_id=f"r{rank}.{i}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True),
-                        arrival_time=time.time()) for i, (prompt, n) in enumerate(MOE_REQUESTS[rank])]
-    for request in requests:
-        core.scheduler.add_request(request)
-    while True:  # `CoreLoop.run_lockstep`'s turns, until both cores are done
-        busy, done = core.agree_with_cores(stopping=not core.has_unfinished_requests())
-        if done == 2:
-            break
-        if busy:
-            core.lockstep_forward(lambda outputs: None)
-    results.put((rank, [list(r.output_token_ids) for r in requests], records))
-    results.close()
-    results.join_thread()
-    core.close()
-    os._exit(0)  # as the engine core process: no teardown of the gloo groups under their threads
+    requests = add_greedy(core, rank, MOE_REQUESTS[rank])
+    run_lockstep(core)
+    finish(core, results, (rank, [list(r.output_token_ids) for r in requests], records))
 
 
 def test_with_experts_across_two_cores_each_cores_drafts_are_the_heads(tmp_path):

@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from lockstep_cores import add_greedy, finish, run_lockstep, start_core
 from spawned_ranks import run_ranks
 from pagoda_engine import LLM, SamplingParams
 from pagoda_engine.tiny import build_tiny_model
@@ -194,41 +195,14 @@ def test_two_cores_of_two_tensor_parallel_ranks_give_one_process_greedy_tokens(m
 
 def _lockstep_core(rank: int, port: int, model_dir: str, num_kv_pages: int, prompt: list[int], results) -> None:
     """One of two engine cores whose experts span both: its start-up warm-up (run by hand: CPU
-    engines skip it), then one greedy request of its own served as `CoreLoop.run_lockstep` serves:
-    each turn the cores agree whether any has work, and one with none runs a dummy batch."""
-    import dataclasses
-
-    from pagoda_engine.api.server.dp_client import rank_config
-    from pagoda_engine.config import EngineConfig
-    from pagoda_engine.core.engine_core import EngineCore
-    from pagoda_engine.core.request import Request
-
-    config = EngineConfig.from_kwargs(model=model_dir, num_kv_pages=num_kv_pages, max_model_len=256, max_num_seqs=16,
-                                      data_parallel_size=2, enable_expert_parallel=True)
-    config = rank_config(dataclasses.replace(config, parallel=dataclasses.replace(
-        config.parallel, data_parallel_master_port=port)), rank)
-    core = EngineCore(config)
+    engines skip it), then one greedy request of its own served as `CoreLoop.run_lockstep` serves
+    (the other core's warm-up may still be going)."""
+    core = start_core(rank, port, model=model_dir, num_kv_pages=num_kv_pages, max_model_len=256, max_num_seqs=16)
     step_tokens = warm_up_step_tokens(core)
     left = core.has_unfinished_requests()
-    req = Request(request_id=f"r{rank}", prompt_token_ids=prompt, eos_token_ids=core.eos_token_ids,
-                  sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
-                  arrival_time=time.time())
-    core.scheduler.add_request(req)
-    # Until both requests are done; a core whose own is done ("stopping" here) keeps running dummy
-    # batches for the other, whose warm-up may still be going.
-    while True:
-        busy, done = core.agree_with_cores(stopping=not core.has_unfinished_requests())
-        if done == 2:
-            break
-        if busy:
-            core.lockstep_forward(lambda outputs: None)
-    results.put((rank, step_tokens, left, list(req.output_token_ids)))
-    results.close()
-    results.join_thread()  # the result has left this process
-    core.close()
-    # As the engine core process does (`run_engine_core`): no interpreter teardown, whose
-    # destruction of the gloo groups under their threads may abort the process.
-    os._exit(0)
+    [req] = add_greedy(core, rank, [(prompt, MAX_TOKENS)])
+    run_lockstep(core)
+    finish(core, results, (rank, step_tokens, left, list(req.output_token_ids)))
 
 
 def test_cores_in_lockstep_warm_up_together_and_serve_greedy_tokens_after(moe_dir):
