@@ -58,9 +58,10 @@ def cores(request, tmp_path_factory):
 
 
 def _run(core: EngineCore, rid: str, prompt: list[int], max_tokens: int, params: dict | None = None,
-         abort_after_steps: int | None = None) -> tuple[list[int], dict | None]:
-    core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, sampling_params=SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True, kv_transfer_params=params)))
+         abort_after_steps: int | None = None, lora_request=None) -> tuple[list[int], dict | None]:
+    core.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, lora_request=lora_request,
+                                       sampling_params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                      ignore_eos=True, kv_transfer_params=params)))
     tokens, answer, steps = [], None, 0
     while core.has_unfinished_requests():
         if abort_after_steps is not None and steps == abort_after_steps:
@@ -286,15 +287,7 @@ def test_a_lora_requests_pages_move_under_its_adapter_never_the_base_models(tmp_
                                                    **kwargs))
 
     def run(c: EngineCore, rid: str, prompt: list[int], lora_request, params=None):
-        c.add_request(EngineCoreRequest(request_id=rid, prompt_token_ids=prompt, lora_request=lora_request,
-                                        sampling_params=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
-                                                                       kv_transfer_params=params)))
-        tokens, answer = [], None
-        while c.has_unfinished_requests():
-            for out in c.step().outputs:
-                tokens += list(out.new_token_ids)
-                answer = out.kv_transfer_params or answer
-        return tokens, answer
+        return _run(c, rid, prompt, 6, params, lora_request=lora_request)
 
     cores = [core({"kv_role": "kv_producer", "kv_port": 0, "kv_connector": "PagodaTorchConnector",
                    "kv_connector_extra_config": extra}),
